@@ -1,0 +1,76 @@
+"""Attention over the paged KV cache, for the two workloads.
+
+Cache layout per layer: k_cache, v_cache: [num_slots, num_kv_heads, head_dim] where
+slot = block_id * block_size + offset. New K/V are written at slot_mapping first; then
+- prefill: per sequence, causal attention of its chunk over its whole context. A sequence
+  with nothing cached attends over the fresh K/V directly; one with a cached prefix (prefix
+  hit, later chunk, recompute) gathers its context from the cache.
+- decode: one query per sequence; all contexts gathered at once through a [B, L] slot index
+  shared by every layer, padded positions masked out.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class PrefillSeqMeta:
+    query_start: int
+    query_len: int
+    context_len: int  # tokens in the cache after this chunk, including it
+    context_slots: torch.Tensor | None  # [context_len] slots; None when nothing was cached
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V goes
+    prefill: list[PrefillSeqMeta] | None = None
+    decode_slots: torch.Tensor | None = None  # [B, L] context slots per sequence
+    decode_mask: torch.Tensor | None = None  # [B, 1, 1, L] additive: 0 or -inf
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    # k, v: [num_tokens, num_kv_heads, head_dim]
+    k_cache.index_copy_(0, slot_mapping, k)
+    v_cache.index_copy_(0, slot_mapping, v)
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, seqs: list[PrefillSeqMeta], scale: float) -> torch.Tensor:
+    # q: [T, H, D]; k, v: [T, KVH, D] -> out: [T, H, D]
+    out = torch.empty_like(q)
+    for meta in seqs:
+        q_i = q[meta.query_start : meta.query_start + meta.query_len].transpose(0, 1)  # [H, n, D]
+        if meta.context_slots is None:
+            k_i = k[meta.query_start : meta.query_start + meta.query_len].transpose(0, 1)
+            v_i = v[meta.query_start : meta.query_start + meta.query_len].transpose(0, 1)
+            o_i = F.scaled_dot_product_attention(q_i, k_i, v_i, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            k_i = k_cache.index_select(0, meta.context_slots).transpose(0, 1)  # [KVH, ctx, D]
+            v_i = v_cache.index_select(0, meta.context_slots).transpose(0, 1)
+            offset = meta.context_len - meta.query_len
+            rows = torch.arange(meta.query_len, device=q.device).unsqueeze(1) + offset
+            cols = torch.arange(meta.context_len, device=q.device).unsqueeze(0)
+            o_i = F.scaled_dot_product_attention(q_i, k_i, v_i, attn_mask=cols <= rows, scale=scale,
+                                                 enable_gqa=True)
+        out[meta.query_start : meta.query_start + meta.query_len] = o_i.transpose(0, 1)
+    return out
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                     mask: torch.Tensor, scale: float) -> torch.Tensor:
+    # q: [B, H, D]; slots: [B, L]; mask: [B, 1, 1, L] -> out: [B, H, D]
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    # GQA without repeating K/V: the `group` query heads of one KV head share a matmul.
+    k = k_cache[slots].permute(0, 2, 3, 1)  # [B, KVH, D, L]
+    v = v_cache[slots].transpose(1, 2)  # [B, KVH, L, D]
+    q = q.view(batch, num_kv_heads, group, head_dim)
+    scores = torch.matmul(q, k) * scale + mask  # [B, KVH, G, L]
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, v).view(batch, num_heads, head_dim)

@@ -1,0 +1,132 @@
+"""Paged KV cache bookkeeping: which fixed-size blocks each sequence owns.
+
+The cache itself is one preallocated tensor pool (see ModelRunner); this class only hands
+out block ids. Blocks are ref-counted so several sequences can share a cached prefix. A
+full block is published under a hash that chains over all tokens before it, so equal
+prefixes map to equal hashes. A block whose ref count drops to zero keeps its hash and
+goes to the back of an LRU free list: it can be revived by a later prefix hit until it is
+reused for new tokens. Blocks that never got a hash go to the front so they are reused
+first. Invariant: num_free_blocks + num_used_blocks == num_blocks.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from engine.sequence import Sequence
+
+
+def hash_block(parent_hash: int, token_ids: list[int]) -> int:
+    """Chained block hash (64-bit, like vLLM's builtin-hash option)."""
+    return hash((parent_hash, tuple(token_ids)))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 watermark: float = 0.0) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.num_watermark_blocks = int(watermark * num_blocks)
+        self._ref_counts = [0] * num_blocks
+        self._block_hash: list[int | None] = [None] * num_blocks
+        self._hash_to_block: dict[int, int] = {}
+        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    def count_referenced_blocks(self) -> int:
+        """Slow recount from ref counts; tests check it against num_used_blocks."""
+        return sum(1 for r in self._ref_counts if r > 0)
+
+    def num_blocks_needed(self, num_tokens: int) -> int:
+        return (num_tokens + self.block_size - 1) // self.block_size
+
+    def _update_hashes(self, seq: Sequence, num_tokens: int) -> None:
+        """Extend seq.block_hashes to cover every full block of its first num_tokens tokens."""
+        bs = self.block_size
+        for i in range(len(seq.block_hashes), num_tokens // bs):
+            parent = seq.block_hashes[i - 1] if i else 0
+            seq.block_hashes.append(hash_block(parent, seq.token_ids_slice(i * bs, (i + 1) * bs)))
+
+    def allocate_cached_prefix(self, seq: Sequence) -> int:
+        """On first admission, take the longest cached prefix; return its length in tokens.
+
+        At least one token is always left to compute: the model must produce the logits
+        of the last position to sample the next token.
+        """
+        if seq.block_table:
+            raise RuntimeError(f"sequence {seq.request_id} already owns blocks")
+        if not self.enable_prefix_caching:
+            return 0
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        self._update_hashes(seq, max_blocks * self.block_size)
+        for i in range(max_blocks):
+            block = self._hash_to_block.get(seq.block_hashes[i])
+            if block is None:
+                break
+            if self._ref_counts[block] == 0:
+                del self._free[block]
+            self._ref_counts[block] += 1
+            seq.block_table.append(block)
+        seq.num_registered_blocks = len(seq.block_table)
+        return len(seq.block_table) * self.block_size
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, is_new: bool = False) -> bool:
+        needed = self.num_blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        reserve = self.num_watermark_blocks if is_new else 0
+        return needed <= len(self._free) - reserve
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, is_new: bool = False) -> bool:
+        """Make room for num_new_tokens more tokens; False (and nothing changed) if it can't."""
+        if not self.can_allocate(seq, num_new_tokens, is_new):
+            return False
+        needed = self.num_blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        for _ in range(needed):
+            block, _ = self._free.popitem(last=False)
+            old_hash = self._block_hash[block]
+            if old_hash is not None:
+                # Reused for new tokens: the old prefix is evicted from the cache.
+                if self._hash_to_block.get(old_hash) == block:
+                    del self._hash_to_block[old_hash]
+                self._block_hash[block] = None
+            self._ref_counts[block] = 1
+            seq.block_table.append(block)
+        return True
+
+    def register_computed_blocks(self, seq: Sequence) -> None:
+        """Publish the sequence's newly full, computed blocks to the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        if num_full <= seq.num_registered_blocks:
+            return
+        self._update_hashes(seq, num_full * self.block_size)
+        for i in range(seq.num_registered_blocks, num_full):
+            block, block_hash = seq.block_table[i], seq.block_hashes[i]
+            if block_hash not in self._hash_to_block and self._block_hash[block] is None:
+                self._hash_to_block[block_hash] = block
+                self._block_hash[block] = block_hash
+        seq.num_registered_blocks = num_full
+
+    def free(self, seq: Sequence) -> None:
+        """Drop the sequence's references. Tail blocks go to the LRU first: they are the
+        least likely to be shared, so they are evicted first."""
+        for block in reversed(seq.block_table):
+            self._ref_counts[block] -= 1
+            if self._ref_counts[block] == 0:
+                self._free[block] = None
+                if self._block_hash[block] is None:
+                    self._free.move_to_end(block, last=False)
+        seq.block_table = []

@@ -1,0 +1,65 @@
+"""Engine configuration: one validated dataclass, every knob with a CPU-friendly default."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Everything the engine needs to start. Defaults suit the CPU default model.
+
+    `model` is None (the default SmolLM2-135M-Instruct), a local HF directory, a `.gguf`
+    file, or a hub id (only where a network allows it).
+    """
+
+    model: str | None = None
+    tokenizer: str | None = None
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16
+    seed: int = 0
+    num_threads: int | None = None  # None: one per core, so both cores compute
+
+    # Paged KV cache.
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: sized from kv_cache_gib
+    kv_cache_gib: float = 1.0
+    max_model_len: int | None = None  # None: the model's context length
+
+    # Scheduler: the token budget of one step and the policy knobs that balance
+    # prefill (time to first token) against decode (streaming pace).
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    max_num_waiting: int = 1024  # admission limit: beyond it add_request raises QueueFullError
+    enable_chunked_prefill: bool = True
+    min_prefill_share: float = 0.25  # budget share kept for prefill while requests wait
+    aging_s: float = 5.0  # each aging_s seconds of waiting raises priority by one level
+    enable_prefix_caching: bool = True
+    watermark: float = 0.01  # KV blocks kept free when admitting new prompts
+
+    def __post_init__(self) -> None:
+        positive = ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_num_waiting")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
+            raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
+        if self.kv_cache_gib <= 0:
+            raise ValueError(f"kv_cache_gib must be positive, got {self.kv_cache_gib}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.num_threads is not None and self.num_threads <= 0:
+            raise ValueError(f"num_threads must be positive, got {self.num_threads}")
+        if not 0.0 <= self.min_prefill_share <= 1.0:
+            raise ValueError(f"min_prefill_share must be in [0, 1], got {self.min_prefill_share}")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        if self.aging_s <= 0:
+            raise ValueError(f"aging_s must be positive, got {self.aging_s}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]

@@ -1,0 +1,42 @@
+"""Incremental detokenization that never emits half a UTF-8 character.
+
+Decoding one token at a time is wrong for byte-level BPE (a character may span tokens) and
+for SentencePiece (a leading space depends on the previous token). As in vLLM and TGI we
+decode a short window twice, with and without the new tokens, and emit the difference only
+once it no longer ends in U+FFFD (the replacement character of an incomplete sequence).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+_CONTEXT_TOKENS = 5  # prompt tokens kept as left context so the first word spaces right
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._tokens: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._tokens)
+        self.text = ""
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
+
+    def add_tokens(self, token_ids: list[int]) -> str:
+        """Append tokens; return the newly complete text (possibly empty)."""
+        self._tokens.extend(token_ids)
+        prefix_text = self._decode(self._tokens[self._prefix_offset : self._read_offset])
+        full_text = self._decode(self._tokens[self._prefix_offset :])
+        if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
+            return ""
+        delta = full_text[len(prefix_text) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._tokens)
+        self.text += delta
+        return delta
+
+    def truncate(self, num_chars: int) -> None:
+        """Cut the text at a stop string; nothing after it is ever emitted."""
+        self.text = self.text[:num_chars]

