@@ -1,0 +1,210 @@
+"""Engine behaviour on the tiny random model: stop conditions, streaming text, seeds, errors."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, LLMEngine, PromptTooLongError, QueueFullError, SamplingParams
+from engine.config import EngineConfig
+from tests.helpers import run_engine
+
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+
+def test_greedy_matches_transformers_on_tiny_model(tiny_llm: LLM, tiny_model_dir) -> None:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir)).eval()
+    prompts = [[5, 9, 13], list(range(10, 80)), [42] * 7, list(range(100, 300, 3))]
+    outs = tiny_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        with torch.inference_mode():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=30, min_new_tokens=30, do_sample=False)
+        assert out.token_ids == ref[0, len(prompt):].tolist()
+
+
+def test_same_tokens_alone_and_in_mixed_batch(tiny_llm: LLM) -> None:
+    target = list(range(20, 57))
+    alone = tiny_llm.generate([target], GREEDY)[0]
+    others = [list(range(3, 3 + n)) for n in (5, 90, 17, 33)]
+    mixed = tiny_llm.generate(others[:2] + [target] + others[2:], GREEDY)[2]
+    assert mixed.token_ids == alone.token_ids
+
+
+def test_max_tokens_one_finishes_at_prefill(tiny_llm: LLM) -> None:
+    engine = tiny_llm.engine
+    engine.add_request([4, 5, 6], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    outputs, stats = engine.step()
+    assert not engine.has_unfinished_requests()
+    assert stats.num_decode_tokens == 0 and stats.num_prefill_tokens == 3
+    assert len(outputs) == 1 and outputs[0].finish_reason == "length"
+    assert len(outputs[0].token_ids) == 1
+    assert engine.block_manager.num_used_blocks == 0
+
+
+def test_length_finish_and_token_counts(tiny_llm: LLM) -> None:
+    out = tiny_llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=7, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 7
+    assert out.metrics.num_output_tokens == 7 and out.metrics.num_prompt_tokens == 3
+
+
+def _greedy_text(llm: LLM, prompt: list[int], n: int = 40) -> str:
+    return llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0].text
+
+
+def test_stop_string_never_leaks_into_stream(tiny_llm: LLM) -> None:
+    prompt = list(range(30, 45))
+    full = _greedy_text(tiny_llm, prompt)
+    clean = full.replace("\ufffd", "")
+    stop = clean[len(clean) // 2 : len(clean) // 2 + 3]
+    assert len(stop) == 3
+    engine = tiny_llm.engine
+    rid = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop]))
+    outputs, _ = run_engine(engine)
+    streamed = "".join(o.new_text for o in outputs[rid])
+    final = outputs[rid][-1]
+    assert final.finish_reason == "stop" and final.stop_reason == stop
+    assert stop not in streamed and stop not in final.text
+    assert streamed == final.text == full[: full.index(stop)]
+    # Every partial stream was a prefix of the final text: nothing was emitted and then taken back.
+    assert all(final.text.startswith(o.text) for o in outputs[rid])
+
+
+def test_stop_token_id_and_eos(tiny_llm: LLM) -> None:
+    prompt = [11, 12, 13]
+    tokens = tiny_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0].token_ids
+    stop_id = tokens[5]
+    first = tokens.index(stop_id)
+    out = tiny_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_id]))[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_id
+    assert out.token_ids == tokens[: first + 1]
+    eos = tiny_llm.engine.eos_token_ids
+    ids = tiny_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                                     min_tokens=20, stop_token_ids=[stop_id]))[0].token_ids
+    assert len(ids) == 20  # min_tokens holds stop tokens off
+    assert eos  # the tiny model declares <|im_end|>
+
+
+def test_min_tokens_suppresses_eos(tiny_llm: LLM) -> None:
+    eos = next(iter(tiny_llm.engine.eos_token_ids))
+    prompts = [[i, i + 1] for i in range(1, 40)]
+    outs = tiny_llm.generate(prompts, SamplingParams(temperature=1.5, max_tokens=12, min_tokens=12, seed=1))
+    assert all(len(o.token_ids) == 12 and eos not in o.token_ids for o in outs)
+
+
+def test_seeded_sampling_repeats_alone_and_in_batch(tiny_llm: LLM) -> None:
+    prompt = [3, 1, 4, 1, 5]
+    p = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=25, seed=1234, ignore_eos=True)
+    a = tiny_llm.generate([prompt], p)[0].token_ids
+    b = tiny_llm.generate([[9, 9], prompt, [8] * 20], [SamplingParams(temperature=1.0, max_tokens=5), p,
+                                                        SamplingParams(temperature=0.7, max_tokens=9)])[1].token_ids
+    c = tiny_llm.generate([prompt], SamplingParams(temperature=1.0, top_p=0.95, max_tokens=25, seed=99,
+                                                   ignore_eos=True))[0].token_ids
+    assert a == b
+    assert a != c
+
+
+def test_text_is_incremental_decode_of_tokens(tiny_llm: LLM) -> None:
+    tok = tiny_llm.tokenizer
+    prompt = tok.encode("café 你好 🙂")
+    engine = tiny_llm.engine
+    rid = engine.add_request(prompt, SamplingParams(temperature=0.8, seed=3, max_tokens=60, ignore_eos=True))
+    outputs, _ = run_engine(engine)
+    final = outputs[rid][-1]
+    assert "".join(o.new_text for o in outputs[rid]) == final.text
+    assert final.text == tok.decode(final.token_ids, skip_special_tokens=True).rstrip("\ufffd")
+
+
+def test_logprobs_returned_for_sampled_tokens(tiny_llm: LLM) -> None:
+    out = tiny_llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=5, logprobs=3, ignore_eos=True))[0]
+    assert len(out.logprobs) == 5
+    for token, entry in zip(out.token_ids, out.logprobs):
+        assert token in entry and 3 <= len(entry) <= 4
+        assert max(entry.values()) == entry[token]  # greedy picks the most likely token
+        assert all(v <= 0 for v in entry.values())
+
+
+def test_abort_frees_blocks_and_reports(tiny_llm: LLM) -> None:
+    engine = tiny_llm.engine
+    rid = engine.add_request(list(range(1, 50)), SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert engine.block_manager.num_used_blocks > 0
+    assert engine.abort_request(rid)
+    assert engine.block_manager.num_used_blocks == 0 and engine.num_running == 0
+    outputs, _ = engine.step()
+    assert [o.finish_reason for o in outputs if o.request_id == rid] == ["abort"]
+    assert not engine.has_unfinished_requests()
+    assert not engine.abort_request(rid)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_k": -5}, "top_k"),
+    ({"min_p": 2}, "min_p"), ({"max_tokens": 0}, "max_tokens"), ({"min_tokens": -1}, "min_tokens"),
+    ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"), ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"presence_penalty": 3}, "presence_penalty"), ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"stop": [""]}, "stop"), ({"logprobs": 100}, "logprobs"), ({"seed": -1}, "seed"),
+    ({"stop_token_ids": [-2]}, "stop_token_ids"),
+])
+def test_bad_sampling_params_name_the_field(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_bad_requests_are_rejected(tiny_llm: LLM) -> None:
+    engine = tiny_llm.engine
+    with pytest.raises(ValueError, match="prompt"):
+        engine.add_request("")
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        engine.add_request([])
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        engine.add_request([1, 10**6])
+    with pytest.raises(PromptTooLongError):
+        engine.add_request([1] * engine.max_model_len)
+    with pytest.raises(ValueError, match="messages\\[0\\].role"):
+        engine.apply_chat_template([{"role": "wizard", "content": "hi"}])
+    with pytest.raises(ValueError, match="unknown engine option"):
+        LLM(None, not_an_option=1)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        EngineConfig(max_num_seqs=0)
+    assert not engine.has_unfinished_requests()
+
+
+def test_queue_full_backpressure(tiny_model_dir) -> None:
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64, max_num_waiting=3))
+    for _ in range(3):
+        engine.add_request([1, 2, 3], SamplingParams(max_tokens=2))
+    with pytest.raises(QueueFullError):
+        engine.add_request([1, 2, 3])
+    outputs, _ = run_engine(engine)
+    assert len(outputs) == 3 and all(o[-1].is_finished for o in outputs.values())
+
+
+def test_context_length_caps_generation(tiny_model_dir) -> None:
+    llm = LLM(str(tiny_model_dir), num_kv_blocks=64, max_model_len=40)
+    out = llm.generate([list(range(1, 31))], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 10
+
+
+def test_engine_fault_fails_only_that_step(tiny_llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = tiny_llm.engine
+    rid = engine.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+
+    def boom(*_: object) -> None:
+        raise RuntimeError("injected fault")
+
+    monkeypatch.setattr(engine.runner, "run_prefill", boom)
+    outputs, _ = engine.step()
+    assert outputs[0].request_id == rid and outputs[0].finish_reason == "error"
+    assert "injected fault" in outputs[0].error
+    assert engine.block_manager.num_used_blocks == 0
+    monkeypatch.undo()
+    assert tiny_llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3))[0].finish_reason is not None
+
+
+def test_chat_request_uses_template(tiny_llm: LLM) -> None:
+    ids = tiny_llm.engine.apply_chat_template([{"role": "user", "content": "Hello world"}])
+    text = tiny_llm.tokenizer.decode(ids)
+    assert text.startswith("<|im_start|>user\nHello world<|im_end|>") and text.endswith("<|im_start|>assistant\n")
+    out = tiny_llm.chat([{"role": "user", "content": "Hello world"}], SamplingParams(max_tokens=4))[0]
+    assert out.prompt_token_ids == ids

@@ -1,0 +1,55 @@
+"""Sampler transforms on hand-made logits."""
+from __future__ import annotations
+
+import torch
+
+from engine import SamplingParams
+from engine.sampler import Sampler
+from tests.helpers import fake_seq
+
+
+def _seqs(*params: SamplingParams):
+    return [fake_seq(str(i), 3, params=p) for i, p in enumerate(params)]
+
+
+def test_greedy_rows_take_argmax_in_mixed_batch() -> None:
+    logits = torch.tensor([[0.0, 5.0, 1.0, 0.0], [3.0, 0.0, 0.0, 2.9]])
+    out = Sampler(torch.device("cpu"))(logits, _seqs(SamplingParams(temperature=0), SamplingParams(temperature=0)))
+    assert out.token_ids == [1, 0]
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy() -> None:
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(16, 50, generator=gen)
+    expected = logits.argmax(-1).tolist()
+    params = [SamplingParams(temperature=1.0, top_k=1) if i % 2 else SamplingParams(temperature=1.0, top_p=1e-6)
+              for i in range(16)]
+    assert Sampler(torch.device("cpu"))(logits, _seqs(*params)).token_ids == expected
+
+
+def test_min_p_removes_unlikely_tokens() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(200, 1)
+    params = [SamplingParams(temperature=1.0, min_p=0.5)] * 200
+    tokens = Sampler(torch.device("cpu"))(logits, _seqs(*params)).token_ids
+    assert set(tokens) <= {0, 1} and {0, 1} <= set(tokens)
+
+
+def test_sampling_follows_the_distribution() -> None:
+    probs = torch.tensor([0.6, 0.3, 0.1, 0.0])
+    logits = torch.log(probs).repeat(4000, 1)
+    tokens = torch.tensor(Sampler(torch.device("cpu"), seed=5)(logits, _seqs(*[SamplingParams()] * 4000)).token_ids)
+    freq = torch.bincount(tokens, minlength=4).float() / 4000
+    assert torch.allclose(freq, probs, atol=0.03)
+
+
+def test_penalties_push_seen_tokens_down() -> None:
+    logits = torch.tensor([[2.0, 1.9, 0.0, 0.0]])
+    seq = fake_seq("a", 3, params=SamplingParams(temperature=0, frequency_penalty=0.5))
+    seq.output_token_ids = [0]
+    assert Sampler(torch.device("cpu"))(logits, [seq]).token_ids == [1]
+    seq_rep = fake_seq("b", 0, params=SamplingParams(temperature=0, repetition_penalty=2.0))
+    seq_rep.prompt_token_ids = [0]
+    assert Sampler(torch.device("cpu"))(logits.clone(), [seq_rep]).token_ids == [1]
+    plain = fake_seq("c", 3, params=SamplingParams(temperature=0))
+    plain.output_token_ids = [0]
+    assert Sampler(torch.device("cpu"))(logits.clone(), [plain]).token_ids == [0]
