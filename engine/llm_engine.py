@@ -188,7 +188,7 @@ class LLMEngine:
         sampling_seqs: list[Sequence] = []
         if sched.prefill_seqs:
             prefill_logits = self.runner.run_prefill(sched.prefill_seqs, sched.prefill_num_tokens)
-            rows = [i for i, (s, n) in enumerate(zip(sched.prefill_seqs, sched.prefill_num_tokens))
+            rows = [i for i, (s, n) in enumerate(zip(sched.prefill_seqs, sched.prefill_num_tokens, strict=False))
                     if s.num_computed_tokens + n == s.num_tokens]
             if rows:
                 logits.append(prefill_logits if len(rows) == len(sched.prefill_seqs) else prefill_logits[rows])
@@ -200,7 +200,7 @@ class LLMEngine:
         t2 = time.monotonic()
         sampled = self.sampler(torch.cat(logits) if len(logits) > 1 else logits[0], sampling_seqs) if logits else None
         t3 = time.monotonic()
-        for seq, n in zip(sched.prefill_seqs, sched.prefill_num_tokens):
+        for seq, n in zip(sched.prefill_seqs, sched.prefill_num_tokens, strict=False):
             seq.num_computed_tokens += n
             if seq.times.prefill_done is None and seq.num_computed_tokens >= seq.num_prompt_tokens:
                 seq.times.prefill_done = t1
@@ -210,7 +210,7 @@ class LLMEngine:
             self.block_manager.register_computed_blocks(seq)
         outputs = []
         if sampled is not None:
-            for seq, token_id, logprobs in zip(sampling_seqs, sampled.token_ids, sampled.logprobs):
+            for seq, token_id, logprobs in zip(sampling_seqs, sampled.token_ids, sampled.logprobs, strict=False):
                 outputs.append(self._append_token(seq, token_id, logprobs, t3, stats))
         t4 = time.monotonic()
         stats.prefill_time, stats.decode_time = t1 - t0, t2 - t1
