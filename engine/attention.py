@@ -5,12 +5,14 @@ slot = block_id * block_size + offset. New K/V are written at slot_mapping first
 - prefill: per sequence, causal attention of its chunk over its whole context. A sequence
   with nothing cached attends over the fresh K/V directly; one with a cached prefix (prefix
   hit, later chunk, recompute) gathers its context from the cache.
-- decode: one query per sequence; all contexts gathered at once through a [B, L] slot index
-  shared by every layer, padded positions masked out.
+- decode: one query per sequence. On the CPU in fp32 a C++ kernel walks each block table
+  directly (engine/kernels); otherwise all contexts are gathered at once through a [B, L]
+  slot index shared by every layer, padded positions masked out.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -28,8 +30,12 @@ class PrefillSeqMeta:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V goes
     prefill: list[PrefillSeqMeta] | None = None
-    decode_slots: torch.Tensor | None = None  # [B, L] context slots per sequence
-    decode_mask: torch.Tensor | None = None  # [B, 1, 1, L] additive: 0 or -inf
+    block_size: int = 0
+    block_tables: torch.Tensor | None = None  # [B, max_blocks] (decode)
+    context_lens: torch.Tensor | None = None  # [B] (decode)
+    decode_kernels: ModuleType | None = None  # C++ kernels, when usable
+    decode_slots: torch.Tensor | None = None  # [B, L] context slots (torch decode path)
+    decode_mask: torch.Tensor | None = None  # [B, 1, 1, L] additive: 0 or -inf (torch decode path)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -61,8 +67,17 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     return out
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                     mask: torch.Tensor, scale: float) -> torch.Tensor:
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: AttentionMetadata,
+                     scale: float) -> torch.Tensor:
+    # q: [B, H, D] -> out: [B, H, D]
+    if attn.decode_kernels is not None:
+        return attn.decode_kernels.paged_decode_attention(q, k_cache, v_cache, attn.block_tables,
+                                                          attn.context_lens, attn.block_size, scale)
+    return gathered_decode_attention(q, k_cache, v_cache, attn.decode_slots, attn.decode_mask, scale)
+
+
+def gathered_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                              mask: torch.Tensor, scale: float) -> torch.Tensor:
     # q: [B, H, D]; slots: [B, L]; mask: [B, 1, 1, L] -> out: [B, H, D]
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata, PrefillSeqMeta
+from engine.kernels import load_cpu_kernels
 from engine.model_loader import iter_weights
 from engine.models import LlamaForCausalLM, ModelConfig
 from engine.sequence import Sequence
@@ -64,6 +65,8 @@ class ModelRunner:
         # One pool for all layers: [layers, k/v, slots, kv_heads, head_dim].
         self.kv_cache = torch.zeros(mc.num_layers, 2, self.num_kv_blocks * self.block_size, mc.num_kv_heads,
                                     mc.head_dim, dtype=self.dtype, device=self.device)
+        use_kernels = self.device.type == "cpu" and self.dtype == torch.float32
+        self.cpu_kernels = load_cpu_kernels() if use_kernels else None
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(mc.num_layers)]
         logger.info("model on %s (%s), KV cache %d blocks x %d tokens (%.2f GiB)", self.device, self.dtype,
                     self.num_kv_blocks, self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**30)
@@ -114,13 +117,15 @@ class ModelRunner:
             tables[i, : len(seq.block_table)] = seq.block_table
         context_lens = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=batch)
         positions = context_lens - 1
-        ctx_slots = (tables[:, :, None] * bs + np.arange(bs, dtype=np.int64)).reshape(batch, max_blocks * bs)
-        mask = np.where(np.arange(max_blocks * bs) < context_lens[:, None], 0.0, -np.inf).astype(np.float32)
-        attn = AttentionMetadata(
-            slot_mapping=self._to_device(ctx_slots[np.arange(batch), positions]),
-            decode_slots=self._to_device(ctx_slots),
-            decode_mask=self._to_device(mask).to(self.dtype).view(batch, 1, 1, -1),
-        )
+        slot_mapping = tables[np.arange(batch), positions // bs] * bs + positions % bs
+        attn = AttentionMetadata(slot_mapping=self._to_device(slot_mapping), block_size=bs,
+                                 block_tables=self._to_device(tables), context_lens=self._to_device(context_lens),
+                                 decode_kernels=self.cpu_kernels)
+        if self.cpu_kernels is None:
+            ctx_slots = (tables[:, :, None] * bs + np.arange(bs, dtype=np.int64)).reshape(batch, max_blocks * bs)
+            mask = np.where(np.arange(max_blocks * bs) < context_lens[:, None], 0.0, -np.inf).astype(np.float32)
+            attn.decode_slots = self._to_device(ctx_slots)
+            attn.decode_mask = self._to_device(mask).to(self.dtype).view(batch, 1, 1, -1)
         input_ids = torch.tensor([s.last_token_id for s in seqs], dtype=torch.long).to(self.device, non_blocking=True)
         hidden = self.model(input_ids, self._to_device(positions), attn, self.kv_caches)
         return self.model.compute_logits(hidden)

@@ -125,7 +125,7 @@ class DecoderLayer(nn.Module):
         if attn.prefill is not None:
             o = prefill_attention(q, k, v, k_cache, v_cache, attn.prefill, self.scale)
         else:
-            o = decode_attention(q, k_cache, v_cache, attn.decode_slots, attn.decode_mask, self.scale)
+            o = decode_attention(q, k_cache, v_cache, attn, self.scale)
         h = x + self.o_proj(o.reshape(num_tokens, self.q_size))
         gate, up = self.gate_up_proj(self.post_attention_layernorm(h)).split(self.intermediate_size, dim=-1)
         return h + self.down_proj(F.silu(gate) * up)

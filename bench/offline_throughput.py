@@ -1,0 +1,96 @@
+"""Offline throughput: the same workload through LLM.generate and through transformers
+`generate()` with static padded batches, in one run, printing output tokens/s and the ratio.
+
+    python -m bench.offline_throughput --num-prompts 64 --min-input 32 --max-input 512 --output-len 128
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import time
+
+import torch
+
+from engine import LLM, SamplingParams
+
+logger = logging.getLogger("bench.offline")
+
+
+def make_prompts(num: int, min_len: int, max_len: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    # Token ids from a mid range of the vocabulary avoid special tokens at the start.
+    return [[rng.randrange(100, vocab) for _ in range(rng.randint(min_len, max_len))] for _ in range(num)]
+
+
+def run_minivllm(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[float, list[list[int]]]:
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    llm.generate([prompts[0][:8]], SamplingParams(max_tokens=2))  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    return elapsed, [o.token_ids for o in outs]
+
+
+def run_transformers(model_dir: str, prompts: list[list[int]], output_len: int, batch_size: int) -> float:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    pad = model.generation_config.pad_token_id or 0
+    start = time.perf_counter()
+    for i in range(0, len(prompts), batch_size):
+        batch = prompts[i : i + batch_size]
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])  # left padding
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        with torch.inference_mode():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=output_len,
+                           min_new_tokens=output_len, do_sample=False, pad_token_id=pad)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="model (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--min-input", type=int, default=32)
+    parser.add_argument("--max-input", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--hf-batch-size", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--json", default=None, help="also write the figures to this file")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+
+    llm = LLM(args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    prompts = make_prompts(args.num_prompts, args.min_input, args.max_input, llm.engine.vocab_size, args.seed)
+    num_out = args.num_prompts * args.output_len
+    ours, _ = run_minivllm(llm, prompts, args.output_len)
+    result = {"workload": vars(args), "threads": torch.get_num_threads(),
+              "minivllm_s": ours, "minivllm_output_tok_s": num_out / ours}
+    print(f"minivllm     : {num_out} output tokens in {ours:7.2f} s = {num_out / ours:7.1f} tok/s")
+    if not args.skip_transformers:
+        del llm
+        hf = run_transformers(resolve_dir(args.model), prompts, args.output_len,
+                              args.hf_batch_size)
+        result |= {"transformers_s": hf, "transformers_output_tok_s": num_out / hf, "ratio": hf / ours}
+        print(f"transformers : {num_out} output tokens in {hf:7.2f} s = {num_out / hf:7.1f} tok/s "
+              f"(static batches of {args.hf_batch_size}, left-padded)")
+        print(f"ratio        : {hf / ours:.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+def resolve_dir(model: str | None) -> str:
+    from engine.model_loader import resolve_model
+
+    return str(resolve_model(model))
+
+
+if __name__ == "__main__":
+    main()

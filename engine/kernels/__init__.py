@@ -1,0 +1,34 @@
+"""Optional C++ CPU kernels, compiled once on first use (torch.utils.cpp_extension).
+
+If the compiler or headers are missing the engine falls back to the pure-torch path, which
+gives the same results a little slower. MINIVLLM_DISABLE_CPP_KERNELS=1 forces the fallback.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+from types import ModuleType
+
+logger = logging.getLogger(__name__)
+
+
+@functools.cache
+def load_cpu_kernels() -> ModuleType | None:
+    if os.environ.get("MINIVLLM_DISABLE_CPP_KERNELS") == "1":
+        return None
+    try:
+        from torch.utils import cpp_extension
+
+        from engine.model_loader import cache_dir
+
+        build_dir = cache_dir() / "torch_extensions"
+        build_dir.mkdir(parents=True, exist_ok=True)
+        source = Path(__file__).with_name("paged_attention.cpp")
+        return cpp_extension.load(
+            name="minivllm_cpu_kernels", sources=[str(source)], build_directory=str(build_dir),
+            extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as exc:  # noqa: BLE001 - any build failure means: use the torch path
+        logger.warning("C++ CPU kernels unavailable (%s); using the pure-torch attention path", exc)
+        return None
