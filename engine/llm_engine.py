@@ -13,7 +13,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import PromptTooLongError, QueueFullError
-from engine.model_loader import DEFAULT_MODEL_NAME, resolve_model
+from engine.model_loader import model_display_name, resolve_model
 from engine.model_runner import ModelRunner, RunnerConfig
 from engine.outputs import RequestMetrics, RequestOutput, StepStats
 from engine.sampler import Sampler
@@ -34,7 +34,7 @@ class LLMEngine:
 
         self.config = config
         self.model_dir = resolve_model(config.model)
-        self.model_name = config.model or DEFAULT_MODEL_NAME
+        self.model_name = model_display_name(config.model)
         hf_config = AutoConfig.from_pretrained(str(self.model_dir))
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or str(self.model_dir))
         self.runner = ModelRunner(self.model_dir, hf_config, RunnerConfig(

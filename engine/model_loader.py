@@ -33,6 +33,16 @@ def cache_dir() -> Path:
     return Path(root)
 
 
+def model_display_name(model: str | None) -> str:
+    """Short name for logs and metric labels: the default's name, a path's last part, or the hub id."""
+    if model is None:
+        return DEFAULT_MODEL_NAME
+    path = Path(model).expanduser()
+    if path.exists():
+        return path.stem if path.suffix == ".gguf" else path.name
+    return model
+
+
 def resolve_model(model: str | None) -> Path:
     """Return a local HF-style directory (config.json, tokenizer, safetensors) for `model`."""
     if model is None or model == DEFAULT_MODEL_NAME:

@@ -1,0 +1,141 @@
+"""`minivllm` command line: serve, generate, info (and bench, see bench/)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+import sys
+
+from engine import EngineConfig
+
+logger = logging.getLogger("minivllm")
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(f"MINIVLLM_{name.upper()}", default)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field; MINIVLLM_<FIELD> env vars set the defaults."""
+    for f in dataclasses.fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        default = _env(f.name)
+        kind = f.type if isinstance(f.type, str) else f.type.__name__
+        if "bool" in kind:
+            parser.add_argument(flag, type=lambda v: v.lower() in ("1", "true", "yes", "on"), default=default,
+                                metavar="BOOL")
+        elif "int" in kind:
+            parser.add_argument(flag, type=int, default=default)
+        elif "float" in kind:
+            parser.add_argument(flag, type=float, default=default)
+        else:
+            parser.add_argument(flag, default=default)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    kwargs = {}
+    for f in dataclasses.fields(EngineConfig):
+        value = getattr(args, f.name)
+        if value is not None:
+            kind = f.type if isinstance(f.type, str) else f.type.__name__
+            if isinstance(value, str) and "int" in kind and "str" not in kind:
+                value = int(value)
+            elif isinstance(value, str) and "float" in kind:
+                value = float(value)
+            elif isinstance(value, str) and "bool" in kind:
+                value = value.lower() in ("1", "true", "yes", "on")
+            kwargs[f.name] = value
+    return EngineConfig(**kwargs)
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    from engine.model_loader import model_display_name
+    from service.observability import Observability
+    from service.server import InferenceServer, ServerConfig
+
+    config = ServerConfig(host=args.host, port=args.port, drain_grace_s=args.drain_grace,
+                          engine=engine_config_from_args(args))
+    obs = Observability.from_env(model_name=model_display_name(config.engine.model),
+                                 metrics_port=args.metrics_port, metrics_host=args.metrics_host)
+    server = InferenceServer(config, stats_listeners=[obs.on_step], observer=obs.request_observer,
+                             interceptors=obs.interceptors())
+    server.install_signal_handlers()
+    await server.start()
+    await server.wait_stopped()
+    obs.shutdown()
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import grpc
+
+    from service.client import InferenceClient
+
+    prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+    with InferenceClient(args.target, timeout=args.timeout) as client:
+        try:
+            for chunk in client.generate(prompt, max_tokens=args.max_tokens, temperature=args.temperature):
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+                if chunk.finish_reason:
+                    sys.stdout.write("\n")
+                    logger.info("finish_reason=%s prompt_tokens=%d completion_tokens=%d", chunk.finish_reason,
+                                chunk.usage.prompt_tokens, chunk.usage.completion_tokens)
+        except grpc.RpcError as err:
+            logger.error("%s: %s", err.code().name, err.details())
+            return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="minivllm", description="A small, real LLM serving engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the gRPC server")
+    serve.add_argument("--host", default=_env("host", "0.0.0.0"))
+    serve.add_argument("--port", type=int, default=int(_env("port", "50051")))
+    serve.add_argument("--metrics-host", default=_env("metrics_host", "0.0.0.0"))
+    serve.add_argument("--metrics-port", type=int, default=int(_env("metrics_port", "9400")),
+                       help="Prometheus /metrics port (0: off)")
+    serve.add_argument("--drain-grace", type=float, default=float(_env("drain_grace", "30")),
+                       help="seconds running streams get to finish on SIGTERM")
+    add_engine_args(serve)
+
+    gen = sub.add_parser("generate", help="stream one completion to the terminal")
+    gen.add_argument("prompt")
+    gen.add_argument("--target", default=_env("target", "localhost:50051"))
+    gen.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--timeout", type=float, default=None)
+
+    info = sub.add_parser("info", help="print the served model's info")
+    info.add_argument("--target", default=_env("target", "localhost:50051"))
+
+    bench = sub.add_parser("bench", help="serving benchmark (see bench/serving.py)", add_help=False)
+    bench.add_argument("rest", nargs=argparse.REMAINDER)
+
+    args, extra = parser.parse_known_args(argv)
+    logging.basicConfig(level=os.environ.get("MINIVLLM_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "bench":
+        from bench.serving import main as bench_main
+
+        bench_main(args.rest + extra)
+        return
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command == "serve":
+        asyncio.run(_serve(args))
+    elif args.command == "generate":
+        sys.exit(_generate(args))
+    elif args.command == "info":
+        from service.client import InferenceClient
+
+        with InferenceClient(args.target) as client:
+            print(client.model_info())  # noqa: T201 - the command's output
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""Prometheus metrics, built from the engine's StepStats and RequestMetrics values.
+
+Names follow Prometheus conventions: a minivllm_ prefix, base units (seconds, tokens,
+ratios), _total on counters, and a model_name label. Latency buckets start at 1 ms and are
+fine enough for a CPU model, whose steps take tens to hundreds of milliseconds.
+"""
+from __future__ import annotations
+
+import grpc
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    start_http_server,
+)
+
+from engine import RequestMetrics, StepStats
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                   1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+TOKEN_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class ServiceMetrics:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.model_name = model_name
+        reg, label = self.registry, ["model_name"]
+        ProcessCollector(registry=reg)
+        PlatformCollector(registry=reg)
+
+        def hist(name: str, doc: str, buckets: tuple, extra: list[str] | None = None) -> Histogram:
+            return Histogram(name, doc, label + (extra or []), buckets=buckets, registry=reg)
+
+        self.requests_waiting = Gauge("minivllm_requests_waiting", "Requests waiting to be scheduled", label, registry=reg)
+        self.requests_running = Gauge("minivllm_requests_running", "Requests in the running batch", label, registry=reg)
+        self.kv_cache_usage = Gauge("minivllm_kv_cache_usage_ratio", "Fraction of KV cache blocks in use", label,
+                                    registry=reg)
+        self.step_prefill_tokens = hist("minivllm_step_prefill_tokens", "Prefill tokens computed in one engine step",
+                                        TOKEN_BUCKETS)
+        self.step_decode_tokens = hist("minivllm_step_decode_tokens", "Decode tokens computed in one engine step",
+                                       TOKEN_BUCKETS)
+        self.step_duration = hist("minivllm_step_duration_seconds",
+                                  "Engine step time by phase (prefill, decode, overhead = schedule+sample+process)",
+                                  LATENCY_BUCKETS, ["phase"])
+        self.prefill_tokens = Counter("minivllm_prefill_tokens_total", "Tokens run through the prefill path", label,
+                                      registry=reg)
+        self.decode_tokens = Counter("minivllm_decode_tokens_total", "Tokens run through the decode path", label,
+                                     registry=reg)
+        self.prompt_tokens = Counter("minivllm_prompt_tokens_total", "Prompt tokens of finished requests", label,
+                                     registry=reg)
+        self.generation_tokens = Counter("minivllm_generation_tokens_total", "Generated tokens", label, registry=reg)
+        self.preemptions = Counter("minivllm_preemptions_total", "Sequences preempted (recompute)", label, registry=reg)
+        self.prefix_queries = Counter("minivllm_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache",
+                                      label, registry=reg)
+        self.prefix_hits = Counter("minivllm_prefix_cache_hits_total", "Prompt tokens served from the prefix cache",
+                                   label, registry=reg)
+        self.finished = Counter("minivllm_requests_finished_total", "Finished requests by finish reason",
+                                label + ["finish_reason"], registry=reg)
+        self.ttft = hist("minivllm_time_to_first_token_seconds", "Arrival to first token", LATENCY_BUCKETS)
+        self.itl = hist("minivllm_inter_token_latency_seconds", "Gap between consecutive tokens of a request",
+                        LATENCY_BUCKETS)
+        self.tpot = hist("minivllm_time_per_output_token_seconds", "Mean gap between output tokens of a request",
+                         LATENCY_BUCKETS)
+        self.queue_time = hist("minivllm_request_queue_time_seconds", "Arrival to first scheduled", LATENCY_BUCKETS)
+        self.prefill_time = hist("minivllm_request_prefill_time_seconds", "First scheduled to first token",
+                                 LATENCY_BUCKETS)
+        self.decode_time = hist("minivllm_request_decode_time_seconds", "First token to finish", LATENCY_BUCKETS)
+        self.e2e = hist("minivllm_e2e_request_latency_seconds", "Arrival to finish", LATENCY_BUCKETS)
+        self.request_prompt_tokens = hist("minivllm_request_prompt_tokens", "Prompt tokens per request", TOKEN_BUCKETS)
+        self.request_generation_tokens = hist("minivllm_request_generation_tokens", "Generated tokens per request",
+                                              TOKEN_BUCKETS)
+        self.grpc_requests = Counter("minivllm_grpc_requests_total", "gRPC calls by method and status code",
+                                     ["method", "code"], registry=reg)
+        self.grpc_duration = Histogram("minivllm_grpc_request_duration_seconds", "gRPC call duration by method",
+                                       ["method"], buckets=LATENCY_BUCKETS, registry=reg)
+        m = model_name
+        for reason in FINISH_REASONS:  # every reason is a series from the start, even at zero
+            self.finished.labels(m, reason)
+        for phase in ("prefill", "decode", "overhead"):
+            self.step_duration.labels(m, phase)
+
+    def serve(self, port: int, host: str = "0.0.0.0") -> None:
+        start_http_server(port, addr=host, registry=self.registry)
+
+    def on_step(self, stats: StepStats) -> None:
+        m = self.model_name
+        self.requests_waiting.labels(m).set(stats.num_waiting)
+        self.requests_running.labels(m).set(stats.num_running)
+        self.kv_cache_usage.labels(m).set(stats.kv_cache_usage)
+        if stats.num_prefill_tokens or stats.num_decode_tokens:
+            self.step_prefill_tokens.labels(m).observe(stats.num_prefill_tokens)
+            self.step_decode_tokens.labels(m).observe(stats.num_decode_tokens)
+            self.step_duration.labels(m, "overhead").observe(stats.overhead_time)
+        if stats.num_prefill_tokens:
+            self.step_duration.labels(m, "prefill").observe(stats.prefill_time)
+        if stats.num_decode_tokens:
+            self.step_duration.labels(m, "decode").observe(stats.decode_time)
+        self.prefill_tokens.labels(m).inc(stats.num_prefill_tokens)
+        self.decode_tokens.labels(m).inc(stats.num_decode_tokens)
+        self.generation_tokens.labels(m).inc(stats.num_generated_tokens)
+        self.preemptions.labels(m).inc(stats.num_preemptions)
+        self.prefix_queries.labels(m).inc(stats.num_prefix_queried_tokens)
+        self.prefix_hits.labels(m).inc(stats.num_prefix_hit_tokens)
+        for value in stats.times_to_first_token:
+            self.ttft.labels(m).observe(value)
+        itl = self.itl.labels(m)
+        for value in stats.inter_token_latencies:
+            itl.observe(value)
+        for req in stats.finished:
+            self.on_finished(req)
+
+    def on_finished(self, req: RequestMetrics) -> None:
+        m = self.model_name
+        self.finished.labels(m, req.finish_reason).inc()
+        self.prompt_tokens.labels(m).inc(req.num_prompt_tokens)
+        self.request_prompt_tokens.labels(m).observe(req.num_prompt_tokens)
+        self.request_generation_tokens.labels(m).observe(req.num_output_tokens)
+        self.e2e.labels(m).observe(req.e2e_latency)
+        for hist, value in ((self.queue_time, req.queue_time), (self.prefill_time, req.prefill_time),
+                            (self.decode_time, req.decode_time), (self.tpot, req.time_per_output_token)):
+            if value is not None:
+                hist.labels(m).observe(value)
+
+    def on_grpc_call(self, method: str, code: grpc.StatusCode, duration: float) -> None:
+        self.grpc_requests.labels(method, code.name).inc()
+        self.grpc_duration.labels(method).observe(duration)

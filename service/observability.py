@@ -1,0 +1,105 @@
+"""Wires metrics and tracing into the server: step listener, request observer, interceptor."""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+
+from engine import StepStats
+from service.metrics import ServiceMetrics
+from service.servicer import RequestObserver
+from service.tracing import Tracing, make_provider, tracing_enabled_by_env
+
+logger = logging.getLogger(__name__)
+
+
+class MetricsInterceptor(grpc.aio.ServerInterceptor):
+    """Counts every unary and server-streaming call by method and final status code."""
+
+    def __init__(self, metrics: ServiceMetrics) -> None:
+        self.metrics = metrics
+
+    async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]], details: Any) -> Any:
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        method = details.method.rsplit("/", 1)[-1]
+        record = self.metrics.on_grpc_call
+
+        def code_of(context: Any, exc: BaseException | None) -> grpc.StatusCode:
+            code = context.code() if hasattr(context, "code") else None
+            if isinstance(code, grpc.StatusCode):
+                return code
+            if exc is None:
+                return grpc.StatusCode.OK
+            return grpc.StatusCode.CANCELLED if isinstance(exc, BaseException) and not isinstance(exc, Exception) \
+                else grpc.StatusCode.UNKNOWN
+
+        if handler.unary_unary is not None:
+            inner = handler.unary_unary
+
+            async def unary(request: Any, context: Any) -> Any:
+                start, exc = time.monotonic(), None
+                try:
+                    return await inner(request, context)
+                except BaseException as e:
+                    exc = e
+                    raise
+                finally:
+                    record(method, code_of(context, exc), time.monotonic() - start)
+
+            return grpc.unary_unary_rpc_method_handler(unary, handler.request_deserializer,
+                                                       handler.response_serializer)
+        if handler.unary_stream is not None:
+            inner_stream = handler.unary_stream
+
+            async def stream(request: Any, context: Any) -> AsyncIterator[Any]:
+                start, exc = time.monotonic(), None
+                try:
+                    async for item in inner_stream(request, context):
+                        yield item
+                except BaseException as e:
+                    exc = e
+                    raise
+                finally:
+                    record(method, code_of(context, exc), time.monotonic() - start)
+
+            return grpc.unary_stream_rpc_method_handler(stream, handler.request_deserializer,
+                                                        handler.response_serializer)
+        return handler
+
+
+class Observability:
+    def __init__(self, metrics: ServiceMetrics, tracing: Tracing | None = None) -> None:
+        self.metrics = metrics
+        self.tracing = tracing
+
+    @classmethod
+    def from_env(cls, model_name: str, metrics_port: int = 9400, metrics_host: str = "0.0.0.0") -> Observability:
+        metrics = ServiceMetrics(model_name)
+        if metrics_port:
+            metrics.serve(metrics_port, metrics_host)
+            logger.info("Prometheus metrics on http://%s:%d/metrics", metrics_host, metrics_port)
+        tracing = Tracing(make_provider(), model_name) if tracing_enabled_by_env() else None
+        if tracing is not None:
+            logger.info("OpenTelemetry tracing on (OTLP exporter from OTEL_* variables)")
+        return cls(metrics, tracing)
+
+    @property
+    def request_observer(self) -> RequestObserver | None:
+        return self.tracing
+
+    def interceptors(self) -> list[grpc.aio.ServerInterceptor]:
+        return [MetricsInterceptor(self.metrics)]
+
+    def on_step(self, stats: StepStats) -> None:
+        self.metrics.on_step(stats)
+        if self.tracing is not None:
+            self.tracing.on_step(stats)
+
+    def shutdown(self) -> None:
+        if self.tracing is not None:
+            self.tracing.shutdown()

@@ -1,0 +1,103 @@
+"""The gRPC server: health, reflection, keepalive and size limits, graceful SIGTERM drain."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from engine import EngineConfig, LLMEngine
+from service.async_engine import AsyncEngine, StatsListener
+from service.pb import inference_pb2 as pb
+from service.pb import inference_pb2_grpc as pb_grpc
+from service.servicer import InferenceServicer, RequestObserver
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    host: str = "0.0.0.0"
+    port: int = 50051
+    drain_grace_s: float = 30.0
+    max_message_bytes: int = MAX_MESSAGE_BYTES
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+
+class InferenceServer:
+    """Owns the grpc.aio server, the health state and the engine's lifetime."""
+
+    def __init__(self, config: ServerConfig, stats_listeners: list[StatsListener] | None = None,
+                 observer: RequestObserver | None = None,
+                 interceptors: list[grpc.aio.ServerInterceptor] | None = None) -> None:
+        self.config = config
+        self.stats_listeners = list(stats_listeners or [])
+        self.servicer = InferenceServicer(observer)
+        self.health = health.aio.HealthServicer()
+        self.server = grpc.aio.server(interceptors=interceptors or [], options=[
+            ("grpc.max_receive_message_length", config.max_message_bytes),
+            ("grpc.max_send_message_length", config.max_message_bytes),
+            ("grpc.keepalive_time_ms", 30_000),
+            ("grpc.keepalive_timeout_ms", 10_000),
+            ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+        ])
+        pb_grpc.add_InferenceServicer_to_server(self.servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
+        self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
+        if self.port == 0:
+            raise OSError(f"cannot listen on {config.host}:{config.port}")
+        self.async_engine: AsyncEngine | None = None
+        self._stopped = asyncio.Event()
+
+    async def _set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
+    async def start(self, engine_factory: Callable[[], LLMEngine] | None = None) -> None:
+        """Listen at once (NOT_SERVING), load the model off the loop, then go SERVING."""
+        await self._set_serving(False)
+        await self.server.start()
+        logger.info("gRPC listening on %s:%d (health NOT_SERVING while the model loads)", self.config.host, self.port)
+        factory = engine_factory or (lambda: LLMEngine(self.config.engine))
+        engine = await asyncio.get_running_loop().run_in_executor(None, factory)
+        self.async_engine = AsyncEngine(engine, self.stats_listeners)
+        self.async_engine.start()
+        self.servicer.engine = self.async_engine
+        await self._set_serving(True)
+        logger.info("model %s loaded; serving on %s:%d", engine.model_name, self.config.host, self.port)
+
+    async def drain_and_stop(self) -> None:
+        """Graceful shutdown: NOT_SERVING, refuse new calls, let running streams finish."""
+        if self.servicer.is_draining:
+            return
+        logger.info("draining: refusing new requests, finishing running ones (grace %.0f s)", self.config.drain_grace_s)
+        self.servicer.is_draining = True
+        await self.health.enter_graceful_shutdown()
+        if self.async_engine is not None:
+            drained = await self.async_engine.wait_idle(self.config.drain_grace_s)
+            if not drained:
+                logger.warning("grace period over with requests still running; aborting them")
+        await self.server.stop(grace=1.0)
+        if self.async_engine is not None:
+            self.async_engine.stop()
+        self._stopped.set()
+        logger.info("server stopped")
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+
+    def install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, lambda: asyncio.ensure_future(self.drain_and_stop()))

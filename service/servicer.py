@@ -1,0 +1,123 @@
+"""The Inference service: validates requests, feeds the engine thread, streams deltas."""
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from engine import PromptTooLongError, QueueFullError
+from service.async_engine import AsyncEngine, EngineDeadError
+from service.pb import inference_pb2 as pb
+from service.pb import inference_pb2_grpc as pb_grpc
+from service.protocol import messages_from_proto, response_from_output, sampling_params_from_proto
+
+logger = logging.getLogger(__name__)
+
+
+class RequestObserver:
+    """Hooks the servicer calls per request (tracing plugs in here); no-ops by default."""
+
+    def start(self, request_id: str, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> Any:
+        return None
+
+    def finish(self, handle: Any, final: Any, status: grpc.StatusCode, message: str = "") -> None:
+        return None
+
+
+class InferenceServicer(pb_grpc.InferenceServicer):
+    def __init__(self, observer: RequestObserver | None = None) -> None:
+        self.engine: AsyncEngine | None = None  # set once the model has loaded
+        self.is_draining = False
+        self.observer = observer or RequestObserver()
+
+    def _ready_engine(self) -> AsyncEngine | None:
+        return None if self.is_draining else self.engine
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+                       ) -> AsyncIterator[pb.GenerateResponse]:
+        engine = self._ready_engine()
+        if engine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                "server is draining" if self.is_draining else "model is still loading")
+        request_id = request.request_id or f"req-{uuid.uuid4().hex}"
+        handle = self.observer.start(request_id, request, context)
+        status, message, final = grpc.StatusCode.OK, "", None
+        try:
+            try:
+                params = sampling_params_from_proto(request.sampling)
+                prompt, messages = self._input(request)
+                stream = await engine.generate(request_id, params, prompt=prompt, messages=messages,
+                                               priority=request.priority)
+            except (QueueFullError, PromptTooLongError) as exc:
+                status, message = grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+                await context.abort(status, message)
+            except ValueError as exc:
+                status, message = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+                await context.abort(status, message)
+            except EngineDeadError as exc:
+                status, message = grpc.StatusCode.UNAVAILABLE, str(exc)
+                await context.abort(status, message)
+            async for out in stream:
+                if out.finish_reason == "error":
+                    final = out
+                    status, message = grpc.StatusCode.INTERNAL, out.error or "engine error"
+                    await context.abort(status, message)
+                if out.is_finished:
+                    final = out
+                if out.new_token_ids or out.is_finished:
+                    yield response_from_output(out)
+        except BaseException as exc:
+            if status is grpc.StatusCode.OK:
+                status = grpc.StatusCode.CANCELLED
+                message = type(exc).__name__
+            raise
+        finally:
+            self.observer.finish(handle, final, status, message)
+
+    @staticmethod
+    def _input(request: pb.GenerateRequest) -> tuple[str | list[int] | None, list[dict[str, str]] | None]:
+        kind = request.WhichOneof("input")
+        if kind == "prompt":
+            if not request.prompt:
+                raise ValueError("prompt: must not be empty")
+            return request.prompt, None
+        if kind == "prompt_token_ids":
+            if not request.prompt_token_ids.ids:
+                raise ValueError("prompt_token_ids: must not be empty")
+            return list(request.prompt_token_ids.ids), None
+        if kind == "messages":
+            return None, messages_from_proto(request.messages)
+        raise ValueError("input: one of prompt, prompt_token_ids or messages is required")
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+        if self.engine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "model is still loading")
+        e = self.engine.engine
+        cfg = e.config
+        return pb.ModelInfo(
+            model_name=e.model_name, max_model_len=e.max_model_len, vocab_size=e.vocab_size,
+            max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_num_waiting=cfg.max_num_waiting, block_size=cfg.block_size,
+            num_kv_blocks=e.block_manager.num_blocks, device=str(e.runner.device), dtype=str(e.runner.dtype),
+            eos_token_ids=sorted(e.eos_token_ids), has_chat_template=e.tokenizer.chat_template is not None)
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+        if self.engine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "model is still loading")
+        try:
+            kind = request.WhichOneof("input")
+            if kind == "prompt":
+                if not request.prompt:
+                    raise ValueError("prompt: must not be empty")
+                ids = await self.engine.call(lambda e: e.tokenize(request.prompt))
+            elif kind == "messages":
+                messages = messages_from_proto(request.messages)
+                ids = await self.engine.call(lambda e: e.apply_chat_template(messages))
+            else:
+                raise ValueError("input: one of prompt or messages is required")
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return pb.TokenizeResponse(token_ids=ids, count=len(ids), max_model_len=self.engine.engine.max_model_len)
