@@ -18,7 +18,7 @@ import grpc
 from opentelemetry import propagate, trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
 from engine import RequestMetrics, StepStats
@@ -39,7 +39,7 @@ def tracing_enabled_by_env() -> bool:
                 or os.environ.get("OTEL_TRACES_EXPORTER", "").lower() == "otlp")
 
 
-def make_provider(exporter: SpanExporter | None = None) -> TracerProvider:
+def make_provider(exporter: SpanExporter | None = None, batch: bool = True) -> TracerProvider:
     """A provider with OTLP export (endpoint and headers from OTEL_* variables) or the given exporter."""
     resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", "minivllm")})
     provider = TracerProvider(resource=resource)
@@ -47,7 +47,7 @@ def make_provider(exporter: SpanExporter | None = None) -> TracerProvider:
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
         exporter = OTLPSpanExporter()
-    provider.add_span_processor(BatchSpanProcessor(exporter))
+    provider.add_span_processor(BatchSpanProcessor(exporter) if batch else SimpleSpanProcessor(exporter))
     return provider
 
 

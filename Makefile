@@ -1,0 +1,56 @@
+# The two commands a fresh machine needs:
+#   make serve   set everything up, then run the gRPC service on the default model
+#   make test    set everything up, then run the whole test suite
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+PYTHON ?= python3
+# CPU build of torch (fast to install here; see README "GPU" for a CUDA build).
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: setup serve test test-deps lint bench-offline bench-scheduling bench-serving compose-check clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -e '.[test]'
+	$(PY) -c "import service.pb.inference_pb2"  # generate the gRPC code from protos/
+	touch $@
+
+setup: $(VENV)/.installed
+
+serve: setup
+	$(VENV)/bin/minivllm serve
+
+# Test-only tools: a real Prometheus (promtool too) and docker-compose from Debian,
+# and the Node.js gRPC client's packages from npm.
+test-deps:
+	@if ! command -v promtool >/dev/null || ! command -v docker-compose >/dev/null; then \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q prometheus docker-compose; \
+	fi
+	cd tests/node && npm ci --no-audit --no-fund --loglevel=error
+
+test: setup test-deps
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+bench-offline: setup
+	$(PY) -m bench.offline_throughput
+
+bench-scheduling: setup
+	$(PY) -m bench.scheduling
+
+bench-serving: setup
+	$(VENV)/bin/minivllm bench --help
+
+compose-check:
+	docker-compose config -q
+
+clean:
+	rm -rf $(VENV) tests/node/node_modules service/pb/*_pb2*.py service/pb/*_pb2*.pyi

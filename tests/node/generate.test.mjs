@@ -1,0 +1,54 @@
+// Streams Generate from a running minivllm server using nothing but protos/inference.proto.
+// MINIVLLM_TARGET: host:port; MINIVLLM_EXPECTED: JSON {prompt, text, token_ids} from the Python side.
+import { test } from 'node:test';
+import assert from 'node:assert/strict';
+import path from 'node:path';
+import { fileURLToPath } from 'node:url';
+import grpc from '@grpc/grpc-js';
+import protoLoader from '@grpc/proto-loader';
+
+const here = path.dirname(fileURLToPath(import.meta.url));
+const definition = protoLoader.loadSync(path.join(here, '..', '..', 'protos', 'inference.proto'), {
+  keepCase: true, longs: Number, enums: String, defaults: true, oneofs: true,
+});
+const { Inference } = grpc.loadPackageDefinition(definition).minivllm.v1;
+const client = new Inference(process.env.MINIVLLM_TARGET, grpc.credentials.createInsecure());
+const expected = JSON.parse(process.env.MINIVLLM_EXPECTED);
+
+function collect(request) {
+  return new Promise((resolve, reject) => {
+    const chunks = [];
+    const call = client.Generate(request, { deadline: Date.now() + 60000 });
+    call.on('data', (chunk) => chunks.push(chunk));
+    call.on('error', reject);
+    call.on('end', () => resolve(chunks));
+  });
+}
+
+test('Generate streams the same greedy text as the Python engine', async () => {
+  const chunks = await collect({
+    prompt: expected.prompt,
+    sampling: { temperature: 0, max_tokens: expected.token_ids.length, ignore_eos: true },
+  });
+  assert.ok(chunks.length > 1, 'expected several streamed messages');
+  const last = chunks[chunks.length - 1];
+  assert.equal(last.finish_reason, 'length');
+  assert.equal(last.usage.completion_tokens, expected.token_ids.length);
+  assert.deepEqual(chunks.flatMap((c) => c.token_ids), expected.token_ids);
+  assert.equal(chunks.map((c) => c.text).join(''), expected.text);
+});
+
+test('bad sampling params come back as INVALID_ARGUMENT naming the field', async () => {
+  await assert.rejects(collect({ prompt: 'hi', sampling: { temperature: -1 } }), (err) => {
+    assert.equal(err.code, grpc.status.INVALID_ARGUMENT);
+    assert.match(err.details, /temperature/);
+    return true;
+  });
+});
+
+test('GetModelInfo answers', async () => {
+  const info = await new Promise((resolve, reject) =>
+    client.GetModelInfo({}, (err, res) => (err ? reject(err) : resolve(res))));
+  assert.ok(info.vocab_size > 0 && info.max_model_len > 0);
+  client.close();
+});

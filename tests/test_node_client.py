@@ -1,0 +1,35 @@
+"""A client in another language: Node.js (@grpc/grpc-js + proto-loader) streams Generate."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from engine import LLM, EngineConfig, SamplingParams
+from tests.server_harness import ServerThread
+
+NODE_DIR = Path(__file__).parent / "node"
+
+
+def test_node_client_streams_generate(tiny_model_dir: Path, tiny_llm: LLM) -> None:
+    in_ci = os.environ.get("CI") == "true"
+    if shutil.which("node") is None or not (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").exists():
+        if in_ci:
+            pytest.fail("node and tests/node/node_modules are required in CI (make test installs them)")
+        pytest.skip("node or tests/node/node_modules missing: run `make test`")
+    prompt = "Hello world! Once upon a time"
+    out = tiny_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    srv = ServerThread(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=256))
+    try:
+        env = dict(os.environ, MINIVLLM_TARGET=srv.target,
+                   MINIVLLM_EXPECTED=json.dumps({"prompt": prompt, "text": out.text, "token_ids": out.token_ids}))
+        proc = subprocess.run(["node", "--test", "generate.test.mjs"], cwd=NODE_DIR, env=env, capture_output=True,
+                              text=True, timeout=120)
+    finally:
+        srv.stop()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "# pass 3" in proc.stdout and "# fail 0" in proc.stdout

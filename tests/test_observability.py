@@ -1,0 +1,280 @@
+"""Metrics, a real Prometheus scraping them, the dashboard's every query, alert rules, traces."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
+from prometheus_client import generate_latest
+
+from engine import EngineConfig
+from service.client import build_request
+from service.metrics import ServiceMetrics
+from service.observability import MetricsInterceptor
+from service.pb import inference_pb2 as pb
+from service.pb import inference_pb2_grpc as pb_grpc
+from service.tracing import Tracing, make_provider
+from tests.server_harness import ServerThread
+
+ROOT = Path(__file__).resolve().parents[1]
+IN_CI = os.environ.get("CI") == "true"
+
+
+def need(tool: str) -> str:
+    path = shutil.which(tool)
+    if path is None:
+        if IN_CI:
+            pytest.fail(f"{tool} is required in CI (make test installs it)")
+        pytest.skip(f"{tool} not installed: run `make test`")
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def metered_server(model: Path, metrics: ServiceMetrics, **engine_kw: object) -> ServerThread:
+    kw = dict(model=str(model), num_kv_blocks=512, block_size=4, max_num_batched_tokens=64)
+    kw.update(engine_kw)
+    return ServerThread(EngineConfig(**kw), stats_listeners=[metrics.on_step],
+                        interceptors=[MetricsInterceptor(metrics)])
+
+
+def sample(metrics: ServiceMetrics, name: str, labels: dict[str, str] | None = None) -> float:
+    value = metrics.registry.get_sample_value(name, labels or {"model_name": "model"})
+    return 0.0 if value is None else value
+
+
+async def _load(target: str, n: int, max_tokens: int = 8, prefix: str = "") -> None:
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.InferenceStub(channel)
+
+        async def one(i: int) -> None:
+            async for _ in stub.Generate(build_request(f"{prefix}request {i}", max_tokens=max_tokens,
+                                                       ignore_eos=True, temperature=0)):
+                pass
+
+        await asyncio.gather(*(one(i) for i in range(n)))
+
+
+def test_histogram_counts_match_what_happened(tiny_model_dir: Path) -> None:
+    metrics = ServiceMetrics("model")
+    srv = metered_server(tiny_model_dir, metrics)
+    try:
+        asyncio.run(_load(srv.target, 6, max_tokens=9))
+        with grpc.insecure_channel(srv.target) as channel, pytest.raises(grpc.RpcError):
+            list(pb_grpc.InferenceStub(channel).Generate(build_request("x", temperature=-1)))
+    finally:
+        srv.stop()
+    assert sample(metrics, "minivllm_time_to_first_token_seconds_count") == 6
+    assert sample(metrics, "minivllm_e2e_request_latency_seconds_count") == 6
+    assert sample(metrics, "minivllm_request_queue_time_seconds_count") == 6
+    assert sample(metrics, "minivllm_time_per_output_token_seconds_count") == 6
+    assert sample(metrics, "minivllm_inter_token_latency_seconds_count") == 6 * 8  # 9 tokens: 8 gaps each
+    assert sample(metrics, "minivllm_generation_tokens_total") == 6 * 9
+    assert sample(metrics, "minivllm_requests_finished_total", {"model_name": "model", "finish_reason": "length"}) == 6
+    assert sample(metrics, "minivllm_decode_tokens_total") == 6 * 8
+    assert sample(metrics, "minivllm_grpc_requests_total", {"method": "Generate", "code": "OK"}) == 6
+    assert sample(metrics, "minivllm_grpc_requests_total", {"method": "Generate", "code": "INVALID_ARGUMENT"}) == 1
+    assert sample(metrics, "minivllm_requests_running") == 0 and sample(metrics, "minivllm_kv_cache_usage_ratio") == 0
+
+
+def test_exposition_passes_promtool(tiny_model_dir: Path) -> None:
+    promtool = need("promtool")
+    metrics = ServiceMetrics("model")
+    srv = metered_server(tiny_model_dir, metrics)
+    try:
+        asyncio.run(_load(srv.target, 3))
+    finally:
+        srv.stop()
+    proc = subprocess.run([promtool, "check", "metrics"], input=generate_latest(metrics.registry), capture_output=True)
+    assert proc.returncode == 0, proc.stdout.decode() + proc.stderr.decode()
+
+
+def test_promtool_checks_config_and_alert_rules() -> None:
+    promtool = need("promtool")
+    for args in (["check", "config", "prometheus.yml"], ["check", "rules", "alerts.yml"],
+                 ["test", "rules", "alerts_test.yml"]):
+        proc = subprocess.run([promtool, *args], cwd=ROOT / "prometheus", capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    alerts = re.findall(r"- alert: (\w+)", (ROOT / "prometheus" / "alerts.yml").read_text())
+    tested = set(re.findall(r"alertname: (\w+)", (ROOT / "prometheus" / "alerts_test.yml").read_text()))
+    assert alerts and set(alerts) <= tested, f"alerts without a promtool test: {set(alerts) - tested}"
+
+
+def test_dashboard_matches_grafana_schema() -> None:
+    node = need("node")
+    if not (ROOT / "tests" / "node" / "node_modules" / "@grafana" / "schema").exists():
+        if IN_CI:
+            pytest.fail("tests/node/node_modules is required in CI (make test installs it)")
+        pytest.skip("run `make test` to install tests/node packages")
+    proc = subprocess.run([node, "tests/node/check_dashboard.mjs", "grafana/dashboards/minivllm.json"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    dashboard = json.loads((ROOT / "grafana" / "dashboards" / "minivllm.json").read_text())
+    assert {p["gridPos"]["y"] for p in dashboard["panels"]}, "panels need positions"
+    assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
+
+
+def test_compose_file_is_valid() -> None:
+    compose = need("docker-compose")
+    proc = subprocess.run([compose, "config", "-q"], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    config = subprocess.run([compose, "config"], cwd=ROOT, capture_output=True, text=True).stdout
+    for service in ("minivllm:", "prometheus:", "grafana:", "jaeger:"):
+        assert service in config
+
+
+def _prom_query(port: int, expr: str) -> list[dict]:
+    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        body = json.load(resp)
+    assert body["status"] == "success", body
+    return body["data"]["result"]
+
+
+def _has_number(result: list[dict]) -> bool:
+    return any(r["value"][1] not in ("NaN", "+Inf", "-Inf") for r in result)
+
+
+def test_real_prometheus_scrapes_and_every_panel_has_data(tiny_model_dir: Path, tmp_path: Path) -> None:
+    prometheus = need("prometheus")
+    metrics = ServiceMetrics("model")
+    metrics_port, prom_port = free_port(), free_port()
+    metrics.serve(metrics_port, "127.0.0.1")
+    # A small KV cache forces preemptions; shared prompt prefixes give prefix-cache hits.
+    srv = metered_server(tiny_model_dir, metrics, num_kv_blocks=48, max_num_seqs=16)
+    config = tmp_path / "prometheus.yml"
+    config.write_text(f"global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: minivllm\n"
+                      f"    static_configs:\n      - targets: ['127.0.0.1:{metrics_port}']\n")
+    proc = subprocess.Popen([prometheus, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
+                             f"--web.listen-address=127.0.0.1:{prom_port}"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while not _prom_query_ok(prom_port, 'up{job="minivllm"} == 1'):
+            assert time.monotonic() < deadline, "prometheus never scraped the service"
+            time.sleep(0.5)
+        shared = "The quick brown fox jumps over the lazy dog. " * 3
+        for _ in range(3):
+            asyncio.run(_load(srv.target, 16, max_tokens=40, prefix=shared))
+            with grpc.insecure_channel(srv.target) as channel, pytest.raises(grpc.RpcError):
+                list(pb_grpc.InferenceStub(channel).Generate(pb.GenerateRequest(prompt="x", sampling=pb.SamplingParams(
+                    top_p=0))))
+            time.sleep(1.5)
+        assert sample(metrics, "minivllm_preemptions_total") > 0, "the load was meant to force preemptions"
+        time.sleep(3)  # a few more scrapes after the load
+        dashboard = json.loads((ROOT / "grafana" / "dashboards" / "minivllm.json").read_text())
+        empty = []
+        for panel in dashboard["panels"]:
+            for target in panel["targets"]:
+                expr = target["expr"].replace("$model_name", ".*").replace("$__rate_interval", "1m")
+                result = _prom_query(prom_port, expr)
+                if not _has_number(result):
+                    empty.append(f"{panel['title']}: {expr} -> {result}")
+        assert not empty, "panels without data:\n" + "\n".join(empty)
+        variable = dashboard["templating"]["list"][0]["query"]["query"]
+        assert variable.startswith("label_values(minivllm_requests_running")
+        assert _prom_query(prom_port, "minivllm_requests_running")[0]["metric"]["model_name"] == "model"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        srv.stop()
+
+
+def _prom_query_ok(port: int, expr: str) -> bool:
+    try:
+        return bool(_prom_query(port, expr))
+    except OSError:
+        return False
+
+
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+PARENT_SPAN_ID = "00f067aa0ba902b7"
+
+
+def test_request_and_step_spans(tiny_model_dir: Path) -> None:
+    exporter = InMemorySpanExporter()
+    tracing = Tracing(make_provider(exporter, batch=False), "model")
+    srv = ServerThread(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=256), stats_listeners=[tracing.on_step],
+                       observer=tracing)
+    try:
+        with grpc.insecure_channel(srv.target) as channel:
+            stub = pb_grpc.InferenceStub(channel)
+            metadata = (("traceparent", f"00-{TRACE_ID}-{PARENT_SPAN_ID}-01"),)
+            for i in range(3):
+                list(stub.Generate(build_request(f"trace me {i}", max_tokens=6, temperature=0.5, top_p=0.9,
+                                                 ignore_eos=True), metadata=metadata))
+    finally:
+        srv.stop()
+    spans = exporter.get_finished_spans()
+    requests = [s for s in spans if s.kind is SpanKind.SERVER]
+    assert len(requests) == 3
+    for span in requests:
+        assert format(span.context.trace_id, "032x") == TRACE_ID
+        assert format(span.parent.span_id, "016x") == PARENT_SPAN_ID
+        a = span.attributes
+        assert a["gen_ai.request.max_tokens"] == 6 and abs(a["gen_ai.request.temperature"] - 0.5) < 1e-6
+        assert abs(a["gen_ai.request.top_p"] - 0.9) < 1e-6 and a["gen_ai.request.id"].startswith("req-")
+        assert a["gen_ai.usage.output_tokens"] == 6 and a["gen_ai.usage.input_tokens"] > 0
+        for key in ("gen_ai.latency.time_to_first_token", "gen_ai.latency.time_in_queue",
+                    "gen_ai.latency.time_in_model_prefill", "gen_ai.latency.time_in_model_decode", "gen_ai.latency.e2e"):
+            assert a[key] >= 0
+        assert [e.name for e in span.events] == ["queued", "scheduled", "first_token", "finished"]
+        children = sorted(s.name for s in spans if s.parent is not None and s.parent.span_id == span.context.span_id)
+        assert children == ["decode", "prefill", "queue"]
+    steps = [s for s in spans if s.name == "engine.step"]
+    assert steps
+    assert sum(s.attributes["minivllm.step.decode_tokens"] for s in steps) == 3 * 5
+    assert sum(s.attributes["minivllm.step.prefill_tokens"] for s in steps) == sum(
+        r.attributes["gen_ai.usage.input_tokens"] for r in requests)
+    request_ids = {r.context.span_id for r in requests}
+    assert all({link.context.span_id for link in s.links} <= request_ids for s in steps)
+    assert any(s.links for s in steps)
+
+
+def test_spans_reach_an_otlp_receiver(tiny_model_dir: Path) -> None:
+    from concurrent import futures
+
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+    received: list[str] = []
+
+    class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request, context):  # noqa: N802 - gRPC method name
+            for rs in request.resource_spans:
+                for ss in rs.scope_spans:
+                    received.extend(span.name for span in ss.spans)
+            return trace_service_pb2.ExportTraceServiceResponse()
+
+    collector = grpc.server(futures.ThreadPoolExecutor(2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Receiver(), collector)
+    port = collector.add_insecure_port("127.0.0.1:0")
+    collector.start()
+    tracing = Tracing(make_provider(OTLPSpanExporter(endpoint=f"127.0.0.1:{port}", insecure=True)), "model")
+    srv = ServerThread(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=256), stats_listeners=[tracing.on_step],
+                       observer=tracing)
+    try:
+        with grpc.insecure_channel(srv.target) as channel:
+            list(pb_grpc.InferenceStub(channel).Generate(build_request("otlp", max_tokens=4)))
+    finally:
+        srv.stop()
+        tracing.provider.force_flush()
+        tracing.shutdown()
+        collector.stop(0)
+    assert "text_completion model" in received and "engine.step" in received and "prefill" in received
