@@ -1,0 +1,59 @@
+"""Benchmark workloads, deterministic for a given seed."""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+_WORDS = ("the model serves many users at once while a scheduler balances prefill and decode so that "
+          "first tokens arrive quickly and streams keep a steady pace under load every request "
+          "matters latency throughput cache block token batch").split()
+_TOPICS = ("gardening", "the history of Rome", "sorting algorithms", "black holes", "bread baking", "jazz",
+           "chess openings", "rust ownership", "coral reefs", "the printing press")
+
+
+@dataclass(slots=True)
+class BenchRequest:
+    prompt: str | list[int] | list[dict[str, str]]  # text, token ids or chat messages
+    prompt_len: int  # tokens (known exactly for token ids; estimated from words otherwise)
+    output_len: int
+    ignore_eos: bool
+
+
+def random_tokens(num: int, input_len: int, output_len: int, vocab_size: int, seed: int,
+                  range_ratio: float = 0.0) -> list[BenchRequest]:
+    """Random token-id prompts; lengths vary by +-range_ratio around the given ones."""
+    rng = random.Random(seed)
+
+    def length(n: int) -> int:
+        return max(1, rng.randint(int(n * (1 - range_ratio)), int(n * (1 + range_ratio))))
+
+    reqs = []
+    for _ in range(num):
+        n_in = length(input_len)
+        reqs.append(BenchRequest([rng.randrange(100, vocab_size) for _ in range(n_in)], n_in, length(output_len), True))
+    return reqs
+
+
+def synthetic_chat(num: int, output_len: int, seed: int) -> list[BenchRequest]:
+    """Chat requests of varied length: a question, sometimes with a long pasted context."""
+    rng = random.Random(seed)
+    reqs = []
+    for _ in range(num):
+        words = rng.choice((8, 24, 64, 160, 320))
+        context = " ".join(rng.choice(_WORDS) for _ in range(words))
+        question = f"Given this text: {context}\nTell me something about {rng.choice(_TOPICS)}."
+        reqs.append(BenchRequest([{"role": "user", "content": question}], int(len(question.split()) * 1.3),
+                                 output_len, False))
+    return reqs
+
+
+def shared_prefix(num: int, num_prefixes: int, prefix_len: int, suffix_len: int, output_len: int,
+                  vocab_size: int, seed: int) -> list[BenchRequest]:
+    """Many requests over a few long common prefixes (system prompts, documents): prefix caching's case."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(100, vocab_size) for _ in range(prefix_len)] for _ in range(num_prefixes)]
+    reqs = []
+    for i in range(num):
+        prompt = prefixes[i % num_prefixes] + [rng.randrange(100, vocab_size) for _ in range(suffix_len)]
+        reqs.append(BenchRequest(prompt, len(prompt), output_len, True))
+    return reqs

@@ -1,0 +1,122 @@
+"""Benchmark arithmetic on fabricated timings, and a short real run against the tiny model."""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from bench.backends import OpenAIBackend, RequestResult
+from bench.latency_stats import goodput, percentile, summarize
+from bench.serving import main as bench_main
+from bench.serving import parse_slos, report
+from bench.workloads import random_tokens, shared_prefix, synthetic_chat
+from engine import EngineConfig
+from tests.server_harness import ServerThread
+
+
+def test_percentiles_interpolate_like_numpy() -> None:
+    values = [4.0, 1.0, 3.0, 2.0]
+    assert percentile(values, 0) == 1.0 and percentile(values, 100) == 4.0
+    assert percentile(values, 50) == 2.5
+    assert percentile(values, 90) == pytest.approx(3.7)
+    assert percentile([7.0], 99) == 7.0
+    assert math.isnan(percentile([], 50))
+    with pytest.raises(ValueError):
+        percentile(values, 101)
+    s = summarize(list(range(1, 101)))
+    assert s["mean"] == 50.5 and s["median"] == 50.5 and s["p99"] == pytest.approx(99.01)
+
+
+def test_goodput_counts_requests_meeting_every_slo() -> None:
+    reqs = [{"ttft": 0.1, "tpot": 0.02, "e2el": 1.0}, {"ttft": 0.9, "tpot": 0.02, "e2el": 1.0},
+            {"ttft": 0.2, "tpot": 0.08, "e2el": 1.0}, {"ttft": 0.3, "tpot": None, "e2el": 0.3}]
+    assert goodput(reqs, {"ttft": 0.5}, 2.0) == 1.5
+    assert goodput(reqs, {"ttft": 0.5, "tpot": 0.05}, 2.0) == 1.0
+    assert goodput(reqs, {}, 4.0) == 1.0
+    assert parse_slos(["ttft:500", "tpot:50"]) == {"ttft": 0.5, "tpot": 0.05}
+    with pytest.raises(ValueError, match="goodput"):
+        parse_slos(["latency:5"])
+
+
+def test_report_from_fabricated_timings() -> None:
+    a = RequestResult(prompt_len=10, start=0.0, token_times=[0.5, 0.6, 0.8], output_len=3, end=0.8)
+    b = RequestResult(prompt_len=20, start=0.2, token_times=[0.4, 0.5], output_len=2, end=0.5)
+    failed = RequestResult(prompt_len=5, start=0.0, end=0.1, error="UNAVAILABLE: x")
+    r = report([a, b, failed], duration=1.0, slos={"ttft": 0.3})
+    assert r["completed"] == 2 and r["failed"] == 1 and r["errors"] == ["UNAVAILABLE: x"]
+    assert r["output_throughput"] == 5 and r["input_throughput"] == 30
+    assert r["ttft_ms"]["mean"] == pytest.approx(350) and r["ttft_ms"]["median"] == pytest.approx(350)
+    assert r["tpot_ms"]["mean"] == pytest.approx((150 + 100) / 2)
+    assert sorted(round(x, 6) for x in (0.1, 0.2, 0.1)) == sorted(round(g, 6) for g in a.itls + b.itls)
+    assert r["e2el_ms"]["p99"] == pytest.approx(800 - 0.01 * 500, rel=1e-3)
+    assert r["goodput"] == 1.0  # only b has TTFT <= 300 ms
+
+
+def test_workloads_are_deterministic() -> None:
+    assert [r.prompt for r in random_tokens(5, 20, 8, 500, seed=3, range_ratio=0.5)] == \
+        [r.prompt for r in random_tokens(5, 20, 8, 500, seed=3, range_ratio=0.5)]
+    lens = {r.prompt_len for r in random_tokens(50, 20, 8, 500, seed=1, range_ratio=0.5)}
+    assert min(lens) >= 10 and max(lens) <= 30 and len(lens) > 5
+    chats = synthetic_chat(6, 16, seed=2)
+    assert all(c.prompt[0]["role"] == "user" for c in chats) and len({c.prompt_len for c in chats}) > 1
+    shared = shared_prefix(8, 2, 64, 4, 8, 500, seed=0)
+    assert shared[0].prompt[:64] == shared[2].prompt[:64] != shared[1].prompt[:64]
+
+
+def test_short_benchmark_run_writes_json_and_plots(tiny_model_dir: Path, tmp_path: Path) -> None:
+    srv = ServerThread(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=512))
+    try:
+        bench_main(["--target", srv.target, "--workload", "shared-prefix", "--num-requests", "6", "--prefix-len",
+                    "40", "--suffix-len", "4", "--output-len", "8", "--concurrency", "3", "--request-rate", "50",
+                    "--goodput", "ttft:60000", "--result-dir", str(tmp_path), "--no-progress"])
+    finally:
+        srv.stop()
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["completed"] == 6 and result["failed"] == 0
+    assert result["total_output_tokens"] == 6 * 8 and result["total_input_tokens"] == 6 * 44
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+        assert set(result[key]) == {"mean", "median", "p90", "p99"} and result[key]["p99"] >= result[key]["median"] > 0
+    assert result["goodput"] == pytest.approx(result["request_throughput"])
+    for name in ("latency_cdf.png", "throughput.png", "ttft_vs_prompt_len.png"):
+        data = (tmp_path / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_openai_backend_parses_a_streaming_completion() -> None:
+    from aiohttp import web
+
+    from bench.workloads import BenchRequest
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        assert body["stream"] is True and body["max_tokens"] == 3
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for word in ("Hel", "lo", "!"):
+            await resp.write(f'data: {json.dumps({"choices": [{"text": word}]})}\n\n'.encode())
+            await asyncio.sleep(0.01)
+        usage = {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 3}}
+        await resp.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+        return resp
+
+    async def scenario() -> RequestResult:
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        backend = OpenAIBackend(f"http://127.0.0.1:{port}", "m")
+        try:
+            return await backend.send(BenchRequest("hi there", 2, 3, True))
+        finally:
+            await backend.close()
+            await runner.cleanup()
+
+    result = asyncio.run(scenario())
+    assert result.ok and result.output_len == 3 and result.prompt_len == 4
+    assert len(result.token_times) == 3 and result.ttft is not None and result.ttft > 0
