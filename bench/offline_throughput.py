@@ -9,11 +9,12 @@ import argparse
 import json
 import logging
 import random
+import statistics
 import time
 
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, StepStats
 
 logger = logging.getLogger("bench.offline")
 
@@ -24,13 +25,32 @@ def make_prompts(num: int, min_len: int, max_len: int, vocab: int, seed: int) ->
     return [[rng.randrange(100, vocab) for _ in range(rng.randint(min_len, max_len))] for _ in range(num)]
 
 
-def run_minivllm(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[float, list[list[int]]]:
+def run_minivllm(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[float, list[StepStats]]:
+    """The same loop as LLM.generate, keeping every step's stats."""
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     llm.generate([prompts[0][:8]], SamplingParams(max_tokens=2))  # warm-up
+    engine = llm.engine
     start = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    elapsed = time.perf_counter() - start
-    return elapsed, [o.token_ids for o in outs]
+    for prompt in prompts:
+        engine.add_request(prompt, params)
+    steps = []
+    while engine.has_unfinished_requests():
+        steps.append(engine.step()[1])
+    return time.perf_counter() - start, steps
+
+
+def decode_overhead(steps: list[StepStats], min_batch: int) -> dict[str, float] | None:
+    """Median split of pure decode steps at batch >= min_batch: forward vs everything else (ms)."""
+    chosen = [s for s in steps if s.num_prefill_tokens == 0 and s.num_decode_seqs >= min_batch]
+    if not chosen:
+        return None
+    med = lambda f: 1000 * statistics.median(f(s) for s in chosen)  # noqa: E731
+    split = {"steps": len(chosen), "schedule_ms": med(lambda s: s.schedule_time),
+             "prepare_ms": med(lambda s: s.prepare_time), "forward_ms": med(lambda s: s.decode_time),
+             "sample_ms": med(lambda s: s.sample_time), "process_ms": med(lambda s: s.process_time),
+             "step_ms": med(lambda s: s.total_time)}
+    split["overhead_pct"] = 100 * statistics.median(s.overhead_time / s.total_time for s in chosen)
+    return split
 
 
 def run_transformers(model_dir: str, prompts: list[list[int]], output_len: int, batch_size: int) -> float:
@@ -62,17 +82,27 @@ def main() -> None:
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--dtype", default="auto", help="engine dtype: auto (fp32 on CPU) | float32 | bfloat16")
     parser.add_argument("--json", default=None, help="also write the figures to this file")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
-    llm = LLM(args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    llm = LLM(args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              dtype=args.dtype)
     prompts = make_prompts(args.num_prompts, args.min_input, args.max_input, llm.engine.vocab_size, args.seed)
     num_out = args.num_prompts * args.output_len
-    ours, _ = run_minivllm(llm, prompts, args.output_len)
-    result = {"workload": vars(args), "threads": torch.get_num_threads(),
-              "minivllm_s": ours, "minivllm_output_tok_s": num_out / ours}
-    print(f"minivllm     : {num_out} output tokens in {ours:7.2f} s = {num_out / ours:7.1f} tok/s")
+    ours, steps = run_minivllm(llm, prompts, args.output_len)
+    overhead = decode_overhead(steps, min(32, args.num_prompts))
+    result = {"workload": vars(args), "threads": torch.get_num_threads(), "dtype": str(llm.engine.runner.dtype),
+              "minivllm_s": ours, "minivllm_output_tok_s": num_out / ours, "decode_step_split": overhead}
+    print(f"minivllm     : {num_out} output tokens in {ours:7.2f} s = {num_out / ours:7.1f} tok/s "
+          f"({llm.engine.runner.dtype}, {torch.get_num_threads()} threads)")
+    if overhead is not None:
+        print(f"decode step  : batch >= {min(32, args.num_prompts)}, median of {overhead['steps']} steps: "
+              f"{overhead['step_ms']:.1f} ms = forward {overhead['forward_ms']:.1f} + schedule "
+              f"{overhead['schedule_ms']:.2f} + prepare {overhead['prepare_ms']:.2f} + sample "
+              f"{overhead['sample_ms']:.2f} + process {overhead['process_ms']:.2f}; "
+              f"engine overhead {overhead['overhead_pct']:.1f}%")
     if not args.skip_transformers:
         del llm
         hf = run_transformers(resolve_dir(args.model), prompts, args.output_len,

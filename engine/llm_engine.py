@@ -186,8 +186,10 @@ class LLMEngine:
         t0 = time.monotonic()
         logits = []
         sampling_seqs: list[Sequence] = []
+        prefill_prepare = 0.0
         if sched.prefill_seqs:
             prefill_logits = self.runner.run_prefill(sched.prefill_seqs, sched.prefill_num_tokens)
+            prefill_prepare = stats.prepare_time = self.runner.last_timings.prepare
             rows = [i for i, (s, n) in enumerate(zip(sched.prefill_seqs, sched.prefill_num_tokens, strict=False))
                     if s.num_computed_tokens + n == s.num_tokens]
             if rows:
@@ -196,6 +198,7 @@ class LLMEngine:
         t1 = time.monotonic()
         if sched.decode_seqs:
             logits.append(self.runner.run_decode(sched.decode_seqs))
+            stats.prepare_time += self.runner.last_timings.prepare
             sampling_seqs.extend(sched.decode_seqs)
         t2 = time.monotonic()
         sampled = self.sampler(torch.cat(logits) if len(logits) > 1 else logits[0], sampling_seqs) if logits else None
@@ -213,7 +216,9 @@ class LLMEngine:
             for seq, token_id, logprobs in zip(sampling_seqs, sampled.token_ids, sampled.logprobs, strict=False):
                 outputs.append(self._append_token(seq, token_id, logprobs, t3, stats))
         t4 = time.monotonic()
-        stats.prefill_time, stats.decode_time = t1 - t0, t2 - t1
+        # Forward times exclude host-side input preparation, which counts as overhead.
+        stats.prefill_time = t1 - t0 - prefill_prepare
+        stats.decode_time = t2 - t1 - (stats.prepare_time - prefill_prepare)
         stats.sample_time, stats.process_time = t3 - t2, t4 - t3
         stats.num_prefill_tokens, stats.num_decode_tokens = sched.num_prefill_tokens, sched.num_decode_tokens
         stats.num_prefill_seqs, stats.num_decode_seqs = len(sched.prefill_seqs), len(sched.decode_seqs)

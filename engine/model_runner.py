@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +35,14 @@ class RunnerConfig:
     num_threads: int | None = None
 
 
+@dataclass(slots=True)
+class RunnerTimings:
+    """Where the last run_prefill / run_decode call spent its time (seconds)."""
+
+    prepare: float = 0.0  # building input tensors and attention metadata on the host
+    forward: float = 0.0  # the model forward and logits
+
+
 def pick_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -57,6 +66,7 @@ class ModelRunner:
             torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
         self.model_config = ModelConfig.from_hf(hf_config)
         self.block_size = config.block_size
+        self.last_timings = RunnerTimings()
         model = LlamaForCausalLM(self.model_config)
         model.load_weights(iter_weights(model_dir))
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
@@ -65,7 +75,7 @@ class ModelRunner:
         # One pool for all layers: [layers, k/v, slots, kv_heads, head_dim].
         self.kv_cache = torch.zeros(mc.num_layers, 2, self.num_kv_blocks * self.block_size, mc.num_kv_heads,
                                     mc.head_dim, dtype=self.dtype, device=self.device)
-        use_kernels = self.device.type == "cpu" and self.dtype == torch.float32
+        use_kernels = self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
         self.cpu_kernels = load_cpu_kernels() if use_kernels else None
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(mc.num_layers)]
         logger.info("model on %s (%s), KV cache %d blocks x %d tokens (%.2f GiB)", self.device, self.dtype,
@@ -86,6 +96,7 @@ class ModelRunner:
 
         Returns logits at each sequence's last scheduled position: [len(seqs), vocab].
         """
+        t0 = time.perf_counter()
         bs = self.block_size
         token_ids: list[int] = []
         positions, slots, metas, last_indices = [], [], [], []
@@ -103,12 +114,17 @@ class ModelRunner:
             last_indices.append(num_tokens - 1)
         attn = AttentionMetadata(slot_mapping=self._to_device(np.concatenate(slots)), prefill=metas)
         input_ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
-        hidden = self.model(input_ids, self._to_device(np.concatenate(positions)), attn, self.kv_caches)
-        return self.model.compute_logits(hidden[self._to_device(np.asarray(last_indices, dtype=np.int64))])
+        positions_t = self._to_device(np.concatenate(positions))
+        last = self._to_device(np.asarray(last_indices, dtype=np.int64))
+        t1 = time.perf_counter()
+        logits = self.model.compute_logits(self.model(input_ids, positions_t, attn, self.kv_caches)[last])
+        self.last_timings = RunnerTimings(prepare=t1 - t0, forward=time.perf_counter() - t1)
+        return logits
 
     @torch.inference_mode()
     def run_decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """One new token per sequence against the paged cache. Returns logits [B, vocab]."""
+        t0 = time.perf_counter()
         bs = self.block_size
         batch = len(seqs)
         max_blocks = max(len(s.block_table) for s in seqs)
@@ -127,5 +143,8 @@ class ModelRunner:
             attn.decode_slots = self._to_device(ctx_slots)
             attn.decode_mask = self._to_device(mask).to(self.dtype).view(batch, 1, 1, -1)
         input_ids = torch.tensor([s.last_token_id for s in seqs], dtype=torch.long).to(self.device, non_blocking=True)
-        hidden = self.model(input_ids, self._to_device(positions), attn, self.kv_caches)
-        return self.model.compute_logits(hidden)
+        positions_t = self._to_device(positions)
+        t1 = time.perf_counter()
+        logits = self.model.compute_logits(self.model(input_ids, positions_t, attn, self.kv_caches))
+        self.last_timings = RunnerTimings(prepare=t1 - t0, forward=time.perf_counter() - t1)
+        return logits

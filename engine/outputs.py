@@ -106,6 +106,7 @@ class StepStats:
     schedule_time: float = 0.0
     prefill_time: float = 0.0
     decode_time: float = 0.0
+    prepare_time: float = 0.0  # host-side input building (not in prefill_time / decode_time)
     sample_time: float = 0.0
     process_time: float = 0.0
     prefill_request_ids: list[str] = field(default_factory=list)
@@ -116,9 +117,10 @@ class StepStats:
 
     @property
     def total_time(self) -> float:
-        return self.schedule_time + self.prefill_time + self.decode_time + self.sample_time + self.process_time
+        return (self.schedule_time + self.prepare_time + self.prefill_time + self.decode_time + self.sample_time
+                + self.process_time)
 
     @property
     def overhead_time(self) -> float:
-        """Time outside the model forward: scheduling, sampling, output processing."""
-        return self.schedule_time + self.sample_time + self.process_time
+        """Time outside the model forward: scheduling, input preparation, sampling, output processing."""
+        return self.schedule_time + self.prepare_time + self.sample_time + self.process_time

@@ -45,7 +45,7 @@ class ServiceMetrics:
         self.step_decode_tokens = hist("minivllm_step_decode_tokens", "Decode tokens computed in one engine step",
                                        TOKEN_BUCKETS)
         self.step_duration = hist("minivllm_step_duration_seconds",
-                                  "Engine step time by phase (prefill, decode, overhead = schedule+sample+process)",
+                                  "Engine step time by phase (prefill and decode forwards; overhead = schedule, input prep, sampling, output processing)",
                                   LATENCY_BUCKETS, ["phase"])
         self.prefill_tokens = Counter("minivllm_prefill_tokens_total", "Tokens run through the prefill path", label,
                                       registry=reg)

@@ -45,3 +45,15 @@ def test_cpp_kernel_matches_dense() -> None:
                              context_lens=lens, decode_kernels=kernels)
     out = decode_attention(q, k, v, attn, q.shape[-1] ** -0.5)
     torch.testing.assert_close(out, _dense(q, k, v, tables, lens, bs))
+
+
+def test_cpp_kernel_bfloat16_cache() -> None:
+    kernels = load_cpu_kernels()
+    assert kernels is not None
+    q, k, v, tables, lens, bs = _case(2)
+    attn = AttentionMetadata(slot_mapping=torch.zeros(1, dtype=torch.long), block_size=bs, block_tables=tables,
+                             context_lens=lens, decode_kernels=kernels)
+    out = decode_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), attn, q.shape[-1] ** -0.5)
+    assert out.dtype == torch.bfloat16
+    ref = _dense(q.bfloat16().float(), k.bfloat16().float(), v.bfloat16().float(), tables, lens, bs)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)

@@ -11,40 +11,38 @@
 #include <cmath>
 #include <vector>
 
-torch::Tensor paged_decode_attention(torch::Tensor q,             // [B, H, D] float32
-                                     torch::Tensor k_cache,       // [slots, KVH, D] float32
-                                     torch::Tensor v_cache,       // [slots, KVH, D] float32
-                                     torch::Tensor block_tables,  // [B, max_blocks] int64
-                                     torch::Tensor context_lens,  // [B] int64
-                                     int64_t block_size, double scale) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kFloat32,
-              "paged_decode_attention: float32 only");
-  q = q.contiguous();
+// Math in float32 whatever the storage type (float32 or bfloat16).
+template <typename scalar_t>
+void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                   const torch::Tensor& block_tables, const torch::Tensor& context_lens, int64_t block_size,
+                   double scale, torch::Tensor& out) {
   const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = k_cache.size(1), group = num_heads / num_kv_heads;
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_decode_attention: contiguous cache");
   const int64_t max_blocks = block_tables.size(1);
-  auto out = torch::empty_like(q);
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
+  const scalar_t* qp = q.data_ptr<scalar_t>();
+  const scalar_t* kp = k_cache.data_ptr<scalar_t>();
+  const scalar_t* vp = v_cache.data_ptr<scalar_t>();
   const int64_t* bt = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
+  scalar_t* op = out.data_ptr<scalar_t>();
   const int64_t slot_stride = num_kv_heads * head_dim;
   const float fscale = static_cast<float>(scale);
 
   // One task per sequence: each cached token's K (then V) row of all KV heads is contiguous,
   // so it is streamed from memory exactly once.
   at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
+    std::vector<float> scores, qf(num_heads * head_dim), acc(num_heads * head_dim), row(num_kv_heads * head_dim);
     for (int64_t b = begin; b < end; ++b) {
       const int64_t ctx = lens[b];
       scores.resize(num_heads * ctx);
-      const float* qb = qp + b * num_heads * head_dim;
+      for (int64_t i = 0; i < num_heads * head_dim; ++i) qf[i] = static_cast<float>(qp[b * num_heads * head_dim + i]);
+      const float* qb = qf.data();
       for (int64_t t = 0; t < ctx; ++t) {
         const int64_t slot = bt[b * max_blocks + t / block_size] * block_size + t % block_size;
-        const float* kt = kp + slot * slot_stride;
+        const scalar_t* ks = kp + slot * slot_stride;
+        for (int64_t i = 0; i < slot_stride; ++i) row[i] = static_cast<float>(ks[i]);
+        const float* kt = row.data();
         for (int64_t h = 0; h < num_heads; ++h) {
           const float* qh = qb + h * head_dim;
           const float* kh = kt + (h / group) * head_dim;
@@ -66,11 +64,13 @@ torch::Tensor paged_decode_attention(torch::Tensor q,             // [B, H, D] f
         const float inv = 1.f / sum;
         for (int64_t t = 0; t < ctx; ++t) sh[t] *= inv;
       }
-      float* ob = op + b * num_heads * head_dim;
+      float* ob = acc.data();
       for (int64_t i = 0; i < num_heads * head_dim; ++i) ob[i] = 0.f;
       for (int64_t t = 0; t < ctx; ++t) {
         const int64_t slot = bt[b * max_blocks + t / block_size] * block_size + t % block_size;
-        const float* vt = vp + slot * slot_stride;
+        const scalar_t* vs = vp + slot * slot_stride;
+        for (int64_t i = 0; i < slot_stride; ++i) row[i] = static_cast<float>(vs[i]);
+        const float* vt = row.data();
         for (int64_t h = 0; h < num_heads; ++h) {
           const float p = scores[h * ctx + t];
           const float* vh = vt + (h / group) * head_dim;
@@ -79,8 +79,31 @@ torch::Tensor paged_decode_attention(torch::Tensor q,             // [B, H, D] f
           for (int64_t d = 0; d < head_dim; ++d) oh[d] += p * vh[d];
         }
       }
+      scalar_t* o = op + b * num_heads * head_dim;
+      for (int64_t i = 0; i < num_heads * head_dim; ++i) o[i] = static_cast<scalar_t>(ob[i]);
     }
   });
+}
+
+torch::Tensor paged_decode_attention(torch::Tensor q,             // [B, H, D]
+                                     torch::Tensor k_cache,       // [slots, KVH, D]
+                                     torch::Tensor v_cache,       // [slots, KVH, D]
+                                     torch::Tensor block_tables,  // [B, max_blocks] int64
+                                     torch::Tensor context_lens,  // [B] int64
+                                     int64_t block_size, double scale) {
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "paged_decode_attention: q and cache dtypes differ");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && context_lens.scalar_type() == torch::kInt64,
+              "paged_decode_attention: int64 block tables and lengths");
+  q = q.contiguous();
+  auto out = torch::empty_like(q);
+  if (q.scalar_type() == torch::kFloat32) {
+    decode_kernel<float>(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, out);
+  } else if (q.scalar_type() == torch::kBFloat16) {
+    decode_kernel<at::BFloat16>(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, out);
+  } else {
+    TORCH_CHECK(false, "paged_decode_attention: float32 or bfloat16 only");
+  }
   return out;
 }
 
