@@ -113,19 +113,17 @@ def main(argv: list[str] | None = None) -> None:
     info = sub.add_parser("info", help="print the served model's info")
     info.add_argument("--target", default=_env("target", "localhost:50051"))
 
-    bench = sub.add_parser("bench", help="serving benchmark (see bench/serving.py)", add_help=False)
-    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    sub.add_parser("bench", help="serving benchmark; `minivllm bench --help` for its options")
 
-    args, extra = parser.parse_known_args(argv)
-    logging.basicConfig(level=os.environ.get("MINIVLLM_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.command == "bench":
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "bench":  # the benchmark owns its whole command line
         from bench.serving import main as bench_main
 
-        bench_main(args.rest + extra)
+        bench_main(argv[1:])
         return
-    if extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("MINIVLLM_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
         asyncio.run(_serve(args))
     elif args.command == "generate":

@@ -55,3 +55,26 @@ def test_chat_answers_with_real_text(real_llm: LLM) -> None:
     assert "Paris" in out.text
     assert out.finish_reason == "stop"  # the model ends its turn with <|im_end|>
     assert out.text == real_llm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+
+
+CHATS = ["What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis simply.",
+         "Who wrote Hamlet?", "Give me a tip for learning Python.", "Describe a cat in one sentence."]
+
+
+def test_bfloat16_mode_stays_close_to_float32(real_llm: LLM) -> None:
+    """The documented tolerance of the fast bf16 mode: the same first tokens as fp32 and a long
+    common greedy prefix on average; exact equality is only promised in fp32."""
+    params = SamplingParams(temperature=0, max_tokens=32)
+    conversations = [[{"role": "user", "content": q}] for q in CHATS]
+    exact = real_llm.chat(conversations, params)
+    fast = LLM(None, dtype="bfloat16", num_kv_blocks=256)
+    approx = fast.chat(conversations, params)
+    prefixes = []
+    for a, b in zip(exact, approx):
+        n = 0
+        while n < min(len(a.token_ids), len(b.token_ids)) and a.token_ids[n] == b.token_ids[n]:
+            n += 1
+        prefixes.append(n)
+    assert all(n >= 1 for n in prefixes), prefixes
+    assert sum(prefixes) / len(prefixes) >= 8, prefixes
+    assert "Paris" in approx[0].text
