@@ -84,11 +84,15 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--dtype", default="auto", help="engine dtype: auto (fp32 on CPU) | float32 | bfloat16")
     parser.add_argument("--json", default=None, help="also write the figures to this file")
+    parser.add_argument("--single-stream", action="store_true",
+                        help="batch 1 instead: one prompt of --max-input tokens, greedy, --output-len tokens")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     llm = LLM(args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               dtype=args.dtype)
+    if args.single_stream:
+        args.num_prompts, args.min_input, args.hf_batch_size = 1, args.max_input, 1
     prompts = make_prompts(args.num_prompts, args.min_input, args.max_input, llm.engine.vocab_size, args.seed)
     num_out = args.num_prompts * args.output_len
     ours, steps = run_minivllm(llm, prompts, args.output_len)

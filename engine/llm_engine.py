@@ -41,7 +41,10 @@ class LLMEngine:
             device=config.device, dtype=config.dtype, block_size=config.block_size,
             num_kv_blocks=config.num_kv_blocks, kv_cache_gib=config.kv_cache_gib, num_threads=config.num_threads))
         model_len = config.max_model_len or self.runner.model_config.max_position_embeddings
-        self.max_model_len = min(model_len, self.runner.num_kv_blocks * config.block_size)
+        # A sequence must fit the pool even with the admission watermark held back, or it
+        # could wait forever.
+        usable_blocks = self.runner.num_kv_blocks - int(config.watermark * self.runner.num_kv_blocks)
+        self.max_model_len = min(model_len, usable_blocks * config.block_size)
         self.vocab_size = self.runner.model_config.vocab_size
         self.eos_token_ids = self._eos_ids(GenerationConfig, hf_config)
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size,

@@ -70,6 +70,8 @@ class ModelRunner:
         model = LlamaForCausalLM(self.model_config)
         model.load_weights(iter_weights(model_dir))
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        if self.device.type == "cpu" and os.environ.get("MINIVLLM_DISABLE_PACKED_LINEAR") != "1":
+            self._pack_linear_weights()
         self.num_kv_blocks = config.num_kv_blocks or self._blocks_for(config.kv_cache_gib)
         mc = self.model_config
         # One pool for all layers: [layers, k/v, slots, kv_heads, head_dim].
@@ -80,6 +82,21 @@ class ModelRunner:
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(mc.num_layers)]
         logger.info("model on %s (%s), KV cache %d blocks x %d tokens (%.2f GiB)", self.device, self.dtype,
                     self.num_kv_blocks, self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**30)
+
+    def _pack_linear_weights(self) -> None:
+        """Use oneDNN packed GEMMs when they work here and agree with F.linear; else keep torch's."""
+        layer = self.model.layers[0].gate_up_proj
+        try:
+            x = torch.randn(3, layer.in_features, dtype=self.dtype)
+            expected = torch.nn.functional.linear(x, layer.weight)
+            packed = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(layer.weight),
+                                                        None, "none", [], "")
+            tol = 1e-3 if self.dtype == torch.float32 else 5e-2
+            if not torch.allclose(packed, expected, rtol=tol, atol=tol):
+                raise RuntimeError("packed GEMM disagrees with F.linear")
+            self.model.pack_linear_weights()
+        except Exception as exc:  # noqa: BLE001 - any failure means: stay on F.linear
+            logger.warning("oneDNN packed linear unavailable (%s); using F.linear", exc)
 
     def _blocks_for(self, gib: float) -> int:
         mc = self.model_config

@@ -70,7 +70,7 @@ def test_bfloat16_mode_stays_close_to_float32(real_llm: LLM) -> None:
     fast = LLM(None, dtype="bfloat16", num_kv_blocks=256)
     approx = fast.chat(conversations, params)
     prefixes = []
-    for a, b in zip(exact, approx):
+    for a, b in zip(exact, approx, strict=True):
         n = 0
         while n < min(len(a.token_ids), len(b.token_ids)) and a.token_ids[n] == b.token_ids[n]:
             n += 1
