@@ -20,7 +20,8 @@ COPY protos ./protos
 COPY engine ./engine
 COPY service ./service
 COPY bench ./bench
-RUN pip install . \
+# Editable: the gRPC code is generated from protos/ next to the package on first import.
+RUN pip install -e . \
  && python -c "import service.pb.inference_pb2"
 
 # Fetch and convert the default model at build time, so a container starts in seconds.

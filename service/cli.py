@@ -51,6 +51,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 async def _serve(args: argparse.Namespace) -> None:
+    # The engine thread re-takes the GIL after every torch op; with the default 5 ms switch
+    # interval a busy asyncio thread (streaming hundreds of messages/s) can hold it that long.
+    sys.setswitchinterval(float(os.environ.get("MINIVLLM_SWITCH_INTERVAL", "0.0005")))
     from engine.model_loader import model_display_name
     from service.observability import Observability
     from service.server import InferenceServer, ServerConfig

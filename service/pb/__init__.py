@@ -10,6 +10,8 @@ def generate() -> None:
 
     root = Path(__file__).resolve().parents[2]
     proto = root / "protos" / "inference.proto"
+    if not proto.exists():
+        raise RuntimeError(f"{proto} is missing: install minivllm from a source checkout (pip install -e .)")
     args = ["grpc_tools.protoc", f"-Iservice/pb={root / 'protos'}", f"--python_out={root}", f"--pyi_out={root}",
             f"--grpc_python_out={root}", str(proto)]
     if protoc.main(args) != 0:
