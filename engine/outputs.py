@@ -77,6 +77,20 @@ class RequestOutput:
     def is_finished(self) -> bool:
         return self.finish_reason is not None
 
+    def merged_with(self, later: RequestOutput) -> RequestOutput:
+        """One output covering this one and the next of the same request (a slow reader's backlog)."""
+        if later.request_id != self.request_id:
+            raise ValueError("can only merge outputs of the same request")
+        new_logprobs = None
+        if self.new_logprobs is not None or later.new_logprobs is not None:
+            new_logprobs = (self.new_logprobs or []) + (later.new_logprobs or [])
+        return RequestOutput(
+            request_id=later.request_id, prompt_token_ids=later.prompt_token_ids, token_ids=later.token_ids,
+            text=later.text, new_token_ids=self.new_token_ids + later.new_token_ids,
+            new_text=self.new_text + later.new_text, finish_reason=later.finish_reason,
+            stop_reason=later.stop_reason, new_logprobs=new_logprobs, logprobs=later.logprobs,
+            metrics=later.metrics, error=later.error)
+
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)

@@ -101,6 +101,8 @@ class AsyncEngine:
         try:
             while not finished:
                 out = await stream.get()
+                while not out.is_finished and not stream.empty():
+                    out = out.merged_with(stream.get_nowait())  # one message for a backlog
                 finished = out.is_finished
                 yield out
         finally:

@@ -217,3 +217,18 @@ def test_longest_admissible_prompt_runs_despite_the_watermark(tiny_model_dir) ->
     rid = engine.add_request([5] * (engine.max_model_len - 1), SamplingParams(max_tokens=5, ignore_eos=True))
     outputs, _ = run_engine(engine, max_steps=50)
     assert outputs[rid][-1].finish_reason == "length" and len(outputs[rid][-1].token_ids) == 1
+
+
+def test_outputs_merge_for_slow_readers(tiny_llm: LLM) -> None:
+    engine = tiny_llm.engine
+    rid = engine.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1))
+    outputs, _ = run_engine(engine)
+    parts = outputs[rid]
+    merged = parts[0]
+    for part in parts[1:]:
+        merged = merged.merged_with(part)
+    final = parts[-1]
+    assert merged.new_token_ids == final.token_ids and merged.new_text == final.text
+    assert merged.is_finished and merged.metrics is final.metrics and len(merged.new_logprobs) == 6
+    with pytest.raises(ValueError):
+        parts[0].merged_with(tiny_llm.generate([[4, 5]], SamplingParams(max_tokens=1))[0])
