@@ -45,7 +45,7 @@ class LLM:
             params_list = list(params)
             if len(params_list) != len(items):
                 raise ValueError(f"params: {len(params_list)} given for {len(items)} prompts")
-        ids = [self.engine.add_request(prompt, p) for (prompt, _), p in zip(items, params_list, strict=False)]
+        ids = [self.engine.add_request(prompt, p) for (prompt, _), p in zip(items, params_list, strict=True)]
         finals: dict[str, RequestOutput] = {}
         while len(finals) < len(ids):
             outputs, _ = self.engine.step()

@@ -193,7 +193,7 @@ class LLMEngine:
         if sched.prefill_seqs:
             prefill_logits = self.runner.run_prefill(sched.prefill_seqs, sched.prefill_num_tokens)
             prefill_prepare = stats.prepare_time = self.runner.last_timings.prepare
-            rows = [i for i, (s, n) in enumerate(zip(sched.prefill_seqs, sched.prefill_num_tokens, strict=False))
+            rows = [i for i, (s, n) in enumerate(zip(sched.prefill_seqs, sched.prefill_num_tokens, strict=True))
                     if s.num_computed_tokens + n == s.num_tokens]
             if rows:
                 logits.append(prefill_logits if len(rows) == len(sched.prefill_seqs) else prefill_logits[rows])
@@ -206,17 +206,15 @@ class LLMEngine:
         t2 = time.monotonic()
         sampled = self.sampler(torch.cat(logits) if len(logits) > 1 else logits[0], sampling_seqs) if logits else None
         t3 = time.monotonic()
-        for seq, n in zip(sched.prefill_seqs, sched.prefill_num_tokens, strict=False):
+        for seq, n in zip(sched.prefill_seqs, sched.prefill_num_tokens, strict=True):
             seq.num_computed_tokens += n
-            if seq.times.prefill_done is None and seq.num_computed_tokens >= seq.num_prompt_tokens:
-                seq.times.prefill_done = t1
         for seq in sched.decode_seqs:
             seq.num_computed_tokens += 1
         for seq in sched.prefill_seqs + sched.decode_seqs:
             self.block_manager.register_computed_blocks(seq)
         outputs = []
         if sampled is not None:
-            for seq, token_id, logprobs in zip(sampling_seqs, sampled.token_ids, sampled.logprobs, strict=False):
+            for seq, token_id, logprobs in zip(sampling_seqs, sampled.token_ids, sampled.logprobs, strict=True):
                 outputs.append(self._append_token(seq, token_id, logprobs, t3, stats))
         t4 = time.monotonic()
         # Forward times exclude host-side input preparation, which counts as overhead.

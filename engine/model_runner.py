@@ -118,7 +118,7 @@ class ModelRunner:
         token_ids: list[int] = []
         positions, slots, metas, last_indices = [], [], [], []
         num_tokens = 0
-        for seq, n in zip(seqs, num_new_tokens, strict=False):
+        for seq, n in zip(seqs, num_new_tokens, strict=True):
             start = seq.num_computed_tokens
             token_ids.extend(seq.token_ids_slice(start, start + n))
             table = np.asarray(seq.block_table, dtype=np.int64)

@@ -129,7 +129,7 @@ class Sampler:
                 continue
             entry = {token_list[i]: chosen[i]}
             if top_ids is not None:
-                for tid, val in zip(top_ids[i][: p.logprobs], top_vals[i][: p.logprobs], strict=False):
+                for tid, val in zip(top_ids[i][: p.logprobs], top_vals[i][: p.logprobs], strict=True):
                     entry.setdefault(tid, val)
             result.append(entry)
         return result

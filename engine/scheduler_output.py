@@ -38,6 +38,6 @@ class SchedulerOutput:
         return not self.prefill_seqs and not self.decode_seqs
 
     def describe(self) -> str:
-        chunks = ", ".join(f"{s.request_id}:{n}" for s, n in zip(self.prefill_seqs, self.prefill_num_tokens, strict=False))
+        chunks = ", ".join(f"{s.request_id}:{n}" for s, n in zip(self.prefill_seqs, self.prefill_num_tokens, strict=True))
         return (f"prefill[{chunks}] decode[{len(self.decode_seqs)}] "
                 f"preempted[{', '.join(s.request_id for s in self.preempted_seqs)}]")

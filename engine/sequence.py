@@ -29,7 +29,6 @@ class SequenceTimes:
 
     arrival: float
     first_scheduled: float | None = None
-    prefill_done: float | None = None
     first_token: float | None = None
     last_token: float | None = None
     finished: float | None = None

@@ -30,7 +30,7 @@ def messages_from_proto(msg: pb.Messages) -> list[dict[str, str]]:
 def response_from_output(out: RequestOutput) -> pb.GenerateResponse:
     resp = pb.GenerateResponse(request_id=out.request_id, token_ids=out.new_token_ids, text=out.new_text)
     if out.new_logprobs:
-        for token_id, entry in zip(out.new_token_ids, out.new_logprobs, strict=False):
+        for token_id, entry in zip(out.new_token_ids, out.new_logprobs, strict=True):
             top = [pb.TokenLogprob(token_id=t, logprob=v) for t, v in entry.items()]
             resp.logprobs.append(pb.Logprobs(chosen=pb.TokenLogprob(token_id=token_id, logprob=entry[token_id]),
                                              top=top))

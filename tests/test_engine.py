@@ -17,7 +17,7 @@ def test_greedy_matches_transformers_on_tiny_model(tiny_llm: LLM, tiny_model_dir
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir)).eval()
     prompts = [[5, 9, 13], list(range(10, 80)), [42] * 7, list(range(100, 300, 3))]
     outs = tiny_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
-    for prompt, out in zip(prompts, outs, strict=False):
+    for prompt, out in zip(prompts, outs, strict=True):
         with torch.inference_mode():
             ref = hf.generate(torch.tensor([prompt]), max_new_tokens=30, min_new_tokens=30, do_sample=False)
         assert out.token_ids == ref[0, len(prompt):].tolist()
@@ -118,7 +118,7 @@ def test_text_is_incremental_decode_of_tokens(tiny_llm: LLM) -> None:
 def test_logprobs_returned_for_sampled_tokens(tiny_llm: LLM) -> None:
     out = tiny_llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=5, logprobs=3, ignore_eos=True))[0]
     assert len(out.logprobs) == 5
-    for token, entry in zip(out.token_ids, out.logprobs, strict=False):
+    for token, entry in zip(out.token_ids, out.logprobs, strict=True):
         assert token in entry and 3 <= len(entry) <= 4
         assert max(entry.values()) == entry[token]  # greedy picks the most likely token
         assert all(v <= 0 for v in entry.values())

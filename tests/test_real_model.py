@@ -33,7 +33,7 @@ def test_greedy_matches_transformers_token_for_token(real_llm: LLM, hf_model) ->
     prompts = [tok.encode(p) for p in PROMPTS]
     assert len({len(p) for p in prompts}) == len(prompts), "prompts must differ in length"
     outs = real_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
-    for prompt, out in zip(prompts, outs, strict=False):
+    for prompt, out in zip(prompts, outs, strict=True):
         with torch.inference_mode():
             ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24,
                                     do_sample=False)[0, len(prompt):].tolist()

@@ -180,7 +180,7 @@ class LlamaForCausalLM(nn.Module):
         # input_ids, positions: [T] -> hidden: [T, hidden]
         x = self.embed_tokens(input_ids)
         cos, sin = self.rope(positions, x.dtype)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=False):
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, attn, k_cache, v_cache)
         return self.norm(x)
 
