@@ -14,7 +14,7 @@ TORCH_SPEC ?= torch==2.13.0
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q $(TORCH_SPEC)
 	$(PIP) install -q -e '.[test]'
 	$(PY) -c "import service.pb.inference_pb2"  # generate the gRPC code from protos/
 	touch $@
