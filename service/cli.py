@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
         from service.client import InferenceClient
 
         with InferenceClient(args.target) as client:
-            print(client.model_info())  # noqa: T201 - the command's output
+            sys.stdout.write(str(client.model_info()))
 
 
 if __name__ == "__main__":

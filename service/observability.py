@@ -1,6 +1,7 @@
 """Wires metrics and tracing into the server: step listener, request observer, interceptor."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -30,13 +31,12 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
         record = self.metrics.on_grpc_call
 
         def code_of(context: Any, exc: BaseException | None) -> grpc.StatusCode:
-            code = context.code() if hasattr(context, "code") else None
+            code = context.code()  # set by context.abort / set_code
             if isinstance(code, grpc.StatusCode):
                 return code
             if exc is None:
                 return grpc.StatusCode.OK
-            return grpc.StatusCode.CANCELLED if isinstance(exc, BaseException) and not isinstance(exc, Exception) \
-                else grpc.StatusCode.UNKNOWN
+            return grpc.StatusCode.CANCELLED if isinstance(exc, asyncio.CancelledError) else grpc.StatusCode.UNKNOWN
 
         if handler.unary_unary is not None:
             inner = handler.unary_unary
