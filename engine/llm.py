@@ -28,24 +28,31 @@ class LLM:
         """Run prompts (strings or token-id lists) to completion; outputs in input order."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        return self._run([(p, None) for p in prompts], params)
+        return self._run(list(prompts), params)
 
     def chat(self, conversations: list[dict[str, str]] | Seq[list[dict[str, str]]],
              params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
         """Generate replies to chat conversations, each formatted by the model's chat template."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        return self._run([(self.engine.apply_chat_template(list(c)), None) for c in conversations], params)
+        return self._run([self.engine.apply_chat_template(list(c)) for c in conversations], params)
 
-    def _run(self, items: list[tuple[Prompt, None]], params: SamplingParams | Seq[SamplingParams] | None
-             ) -> list[RequestOutput]:
+    def _run(self, prompts: list[Prompt], params: SamplingParams | Seq[SamplingParams] | None) -> list[RequestOutput]:
         if params is None or isinstance(params, SamplingParams):
-            params_list = [params or SamplingParams()] * len(items)
+            params_list = [params or SamplingParams()] * len(prompts)
         else:
             params_list = list(params)
-            if len(params_list) != len(items):
-                raise ValueError(f"params: {len(params_list)} given for {len(items)} prompts")
-        ids = [self.engine.add_request(prompt, p) for (prompt, _), p in zip(items, params_list, strict=True)]
+            if len(params_list) != len(prompts):
+                raise ValueError(f"params: {len(params_list)} given for {len(prompts)} prompts")
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(prompts, params_list, strict=True):
+                ids.append(self.engine.add_request(prompt, p))
+        except ValueError:
+            for request_id in ids:  # all or nothing: do not leave the accepted ones running
+                self.engine.abort_request(request_id)
+            self.engine.step()
+            raise
         finals: dict[str, RequestOutput] = {}
         while len(finals) < len(ids):
             outputs, _ = self.engine.step()

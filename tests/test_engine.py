@@ -232,3 +232,10 @@ def test_outputs_merge_for_slow_readers(tiny_llm: LLM) -> None:
     assert merged.is_finished and merged.metrics is final.metrics and len(merged.new_logprobs) == 6
     with pytest.raises(ValueError):
         parts[0].merged_with(tiny_llm.generate([[4, 5]], SamplingParams(max_tokens=1))[0])
+
+
+def test_generate_is_all_or_nothing_on_bad_input(tiny_llm: LLM) -> None:
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        tiny_llm.generate([[1, 2, 3], [4, 5], []], SamplingParams(max_tokens=3))
+    engine = tiny_llm.engine
+    assert not engine.has_unfinished_requests() and engine.block_manager.num_used_blocks == 0
