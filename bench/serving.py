@@ -17,7 +17,7 @@ from pathlib import Path
 
 from bench.backends import GrpcBackend, OpenAIBackend, RequestResult
 from bench.latency_stats import goodput, summarize
-from bench.workloads import BenchRequest, random_tokens, shared_prefix, synthetic_chat
+from bench.workloads import BenchRequest, random_text, random_tokens, shared_prefix, synthetic_chat
 from service.pb import inference_pb2 as pb
 
 logger = logging.getLogger("bench.serving")
@@ -144,7 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default="localhost:50051", help="gRPC host:port")
     p.add_argument("--base-url", default="http://localhost:8000", help="OpenAI-compatible server")
     p.add_argument("--model", default="", help="model name for the OpenAI backend")
-    p.add_argument("--workload", choices=("random", "chat", "shared-prefix"), default="random")
+    p.add_argument("--workload", choices=("random", "text", "chat", "shared-prefix"), default="random",
+                   help="random: token ids; text: random words as text (for servers without token-id prompts)")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
@@ -167,6 +168,8 @@ def make_requests(args: argparse.Namespace, vocab_size: int) -> list[BenchReques
     if args.workload == "random":
         return random_tokens(args.num_requests, args.input_len, args.output_len, vocab_size, args.seed,
                              args.range_ratio)
+    if args.workload == "text":
+        return random_text(args.num_requests, args.input_len, args.output_len, args.seed)
     if args.workload == "chat":
         return synthetic_chat(args.num_requests, args.output_len, args.seed)
     return shared_prefix(args.num_requests, args.num_prefixes, args.prefix_len, args.suffix_len, args.output_len,

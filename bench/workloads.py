@@ -34,6 +34,14 @@ def random_tokens(num: int, input_len: int, output_len: int, vocab_size: int, se
     return reqs
 
 
+def random_text(num: int, input_words: int, output_len: int, seed: int) -> list[BenchRequest]:
+    """Plain-text prompts of random words, sent as text to any backend (servers that take no
+    token ids, like llama.cpp's, get the very same requests); prompt_len is corrected from usage."""
+    rng = random.Random(seed)
+    return [BenchRequest(" ".join(rng.choice(_WORDS) for _ in range(input_words)), int(input_words * 1.3),
+                         output_len, True) for _ in range(num)]
+
+
 def synthetic_chat(num: int, output_len: int, seed: int) -> list[BenchRequest]:
     """Chat requests of varied length: a question, sometimes with a long pasted context."""
     rng = random.Random(seed)

@@ -12,7 +12,7 @@ from bench.backends import OpenAIBackend, RequestResult
 from bench.latency_stats import goodput, percentile, summarize
 from bench.serving import main as bench_main
 from bench.serving import parse_slos, report
-from bench.workloads import random_tokens, shared_prefix, synthetic_chat
+from bench.workloads import random_text, random_tokens, shared_prefix, synthetic_chat
 from engine import EngineConfig
 from tests.server_harness import ServerThread
 
@@ -62,6 +62,9 @@ def test_workloads_are_deterministic() -> None:
     assert min(lens) >= 10 and max(lens) <= 30 and len(lens) > 5
     chats = synthetic_chat(6, 16, seed=2)
     assert all(c.prompt[0]["role"] == "user" for c in chats) and len({c.prompt_len for c in chats}) > 1
+    texts = random_text(3, 40, 8, seed=4)
+    assert [t.prompt for t in texts] == [t.prompt for t in random_text(3, 40, 8, seed=4)]
+    assert all(isinstance(t.prompt, str) and len(t.prompt.split()) == 40 for t in texts)
     shared = shared_prefix(8, 2, 64, 4, 8, 500, seed=0)
     assert shared[0].prompt[:64] == shared[2].prompt[:64] != shared[1].prompt[:64]
 
