@@ -6,12 +6,25 @@ gives the same results a little slower. MINIVLLM_DISABLE_CPP_KERNELS=1 forces th
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
+import platform
 from pathlib import Path
 from types import ModuleType
 
 logger = logging.getLogger(__name__)
+
+
+def cpu_tag() -> str:
+    """Identifies the CPU's instruction set: a -march=native build is only valid on its own kind."""
+    info = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            info += "".join(line for line in f if line.startswith(("flags", "model name", "Features")))
+    except OSError:
+        pass
+    return hashlib.sha256(info.encode()).hexdigest()[:12]
 
 
 @functools.cache
@@ -23,7 +36,7 @@ def load_cpu_kernels() -> ModuleType | None:
 
         from engine.model_loader import cache_dir
 
-        build_dir = cache_dir() / "torch_extensions"
+        build_dir = cache_dir() / "torch_extensions" / cpu_tag()
         build_dir.mkdir(parents=True, exist_ok=True)
         source = Path(__file__).with_name("paged_attention.cpp")
         return cpp_extension.load(
