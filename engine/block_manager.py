@@ -83,16 +83,15 @@ class BlockManager:
         seq.num_registered_blocks = len(seq.block_table)
         return len(seq.block_table) * self.block_size
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int, is_new: bool = False) -> bool:
-        needed = self.num_blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
-        reserve = self.num_watermark_blocks if is_new else 0
-        return needed <= len(self._free) - reserve
-
     def allocate(self, seq: Sequence, num_new_tokens: int, is_new: bool = False) -> bool:
-        """Make room for num_new_tokens more tokens; False (and nothing changed) if it can't."""
-        if not self.can_allocate(seq, num_new_tokens, is_new):
-            return False
+        """Make room for num_new_tokens more tokens; False (and nothing changed) if it can't.
+
+        A new sequence must also leave the watermark free, so admissions cannot eat the
+        blocks running sequences need to grow.
+        """
         needed = self.num_blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        if needed > len(self._free) - (self.num_watermark_blocks if is_new else 0):
+            return False
         for _ in range(needed):
             block, _ = self._free.popitem(last=False)
             old_hash = self._block_hash[block]

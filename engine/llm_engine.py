@@ -40,15 +40,15 @@ class LLMEngine:
         self.runner = ModelRunner(self.model_dir, hf_config, RunnerConfig(
             device=config.device, dtype=config.dtype, block_size=config.block_size,
             num_kv_blocks=config.num_kv_blocks, kv_cache_gib=config.kv_cache_gib, num_threads=config.num_threads))
-        model_len = config.max_model_len or self.runner.model_config.max_position_embeddings
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size,
+                                          config.enable_prefix_caching, config.watermark)
         # A sequence must fit the pool even with the admission watermark held back, or it
         # could wait forever.
-        usable_blocks = self.runner.num_kv_blocks - int(config.watermark * self.runner.num_kv_blocks)
+        usable_blocks = self.block_manager.num_blocks - self.block_manager.num_watermark_blocks
+        model_len = config.max_model_len or self.runner.model_config.max_position_embeddings
         self.max_model_len = min(model_len, usable_blocks * config.block_size)
         self.vocab_size = self.runner.model_config.vocab_size
         self.eos_token_ids = self._eos_ids(GenerationConfig, hf_config)
-        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size,
-                                          config.enable_prefix_caching, config.watermark)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
             enable_chunked_prefill=config.enable_chunked_prefill, min_prefill_share=config.min_prefill_share,
@@ -169,6 +169,8 @@ class LLMEngine:
         outputs, self._pending = self._pending, []
         sched = self.scheduler.schedule(t0)
         t1 = time.monotonic()
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("step %d: %s", stats.step_id, sched.describe())
         stats.schedule_time = t1 - t0
         if not sched.is_empty:
             try:
@@ -189,10 +191,10 @@ class LLMEngine:
         t0 = time.monotonic()
         logits = []
         sampling_seqs: list[Sequence] = []
-        prefill_prepare = 0.0
+        prefill_prepare = decode_prepare = 0.0
         if sched.prefill_seqs:
             prefill_logits = self.runner.run_prefill(sched.prefill_seqs, sched.prefill_num_tokens)
-            prefill_prepare = stats.prepare_time = self.runner.last_timings.prepare
+            prefill_prepare = self.runner.last_timings.prepare
             rows = [i for i, (s, n) in enumerate(zip(sched.prefill_seqs, sched.prefill_num_tokens, strict=True))
                     if s.num_computed_tokens + n == s.num_tokens]
             if rows:
@@ -201,7 +203,7 @@ class LLMEngine:
         t1 = time.monotonic()
         if sched.decode_seqs:
             logits.append(self.runner.run_decode(sched.decode_seqs))
-            stats.prepare_time += self.runner.last_timings.prepare
+            decode_prepare = self.runner.last_timings.prepare
             sampling_seqs.extend(sched.decode_seqs)
         t2 = time.monotonic()
         sampled = self.sampler(torch.cat(logits) if len(logits) > 1 else logits[0], sampling_seqs) if logits else None
@@ -218,8 +220,9 @@ class LLMEngine:
                 outputs.append(self._append_token(seq, token_id, logprobs, t3, stats))
         t4 = time.monotonic()
         # Forward times exclude host-side input preparation, which counts as overhead.
+        stats.prepare_time = prefill_prepare + decode_prepare
         stats.prefill_time = t1 - t0 - prefill_prepare
-        stats.decode_time = t2 - t1 - (stats.prepare_time - prefill_prepare)
+        stats.decode_time = t2 - t1 - decode_prepare
         stats.sample_time, stats.process_time = t3 - t2, t4 - t3
         stats.num_prefill_tokens, stats.num_decode_tokens = sched.num_prefill_tokens, sched.num_decode_tokens
         stats.num_prefill_seqs, stats.num_decode_seqs = len(sched.prefill_seqs), len(sched.decode_seqs)

@@ -35,19 +35,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    kwargs = {}
-    for f in dataclasses.fields(EngineConfig):
-        value = getattr(args, f.name)
-        if value is not None:
-            kind = f.type if isinstance(f.type, str) else f.type.__name__
-            if isinstance(value, str) and "int" in kind and "str" not in kind:
-                value = int(value)
-            elif isinstance(value, str) and "float" in kind:
-                value = float(value)
-            elif isinstance(value, str) and "bool" in kind:
-                value = value.lower() in ("1", "true", "yes", "on")
-            kwargs[f.name] = value
-    return EngineConfig(**kwargs)
+    # argparse applies each flag's type to string defaults too, so env values arrive typed.
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
+    return EngineConfig(**{name: value for name, value in values.items() if value is not None})
 
 
 async def _serve(args: argparse.Namespace) -> None:

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import grpc
@@ -28,28 +29,13 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return None
         method = details.method.rsplit("/", 1)[-1]
-        record = self.metrics.on_grpc_call
-
-        def code_of(context: Any, exc: BaseException | None) -> grpc.StatusCode:
-            code = context.code()  # set by context.abort / set_code
-            if isinstance(code, grpc.StatusCode):
-                return code
-            if exc is None:
-                return grpc.StatusCode.OK
-            return grpc.StatusCode.CANCELLED if isinstance(exc, asyncio.CancelledError) else grpc.StatusCode.UNKNOWN
-
+        observed = self._observed
         if handler.unary_unary is not None:
             inner = handler.unary_unary
 
             async def unary(request: Any, context: Any) -> Any:
-                start, exc = time.monotonic(), None
-                try:
+                with observed(method, context):
                     return await inner(request, context)
-                except BaseException as e:
-                    exc = e
-                    raise
-                finally:
-                    record(method, code_of(context, exc), time.monotonic() - start)
 
             return grpc.unary_unary_rpc_method_handler(unary, handler.request_deserializer,
                                                        handler.response_serializer)
@@ -57,19 +43,30 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
             inner_stream = handler.unary_stream
 
             async def stream(request: Any, context: Any) -> AsyncIterator[Any]:
-                start, exc = time.monotonic(), None
-                try:
+                with observed(method, context):
                     async for item in inner_stream(request, context):
                         yield item
-                except BaseException as e:
-                    exc = e
-                    raise
-                finally:
-                    record(method, code_of(context, exc), time.monotonic() - start)
 
             return grpc.unary_stream_rpc_method_handler(stream, handler.request_deserializer,
                                                         handler.response_serializer)
         return handler
+
+    @contextlib.contextmanager
+    def _observed(self, method: str, context: Any) -> Iterator[None]:
+        """Time one call and record it with its final status code."""
+        start, code = time.monotonic(), grpc.StatusCode.OK
+        try:
+            yield
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except BaseException:
+            code = grpc.StatusCode.UNKNOWN
+            raise
+        finally:
+            set_code = context.code()  # set by context.abort / set_code
+            self.metrics.on_grpc_call(method, set_code if isinstance(set_code, grpc.StatusCode) else code,
+                                      time.monotonic() - start)
 
 
 class Observability:

@@ -86,4 +86,3 @@ def test_engine_frees_every_block_after_any_mix(tiny_llm: LLM, reqs: list[tuple[
         engine.step()
         _check(bm)
     assert bm.num_used_blocks == 0
-    run_engine(engine)

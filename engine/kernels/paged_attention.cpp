@@ -9,6 +9,7 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 // Math in float32 whatever the storage type (float32 or bfloat16).
@@ -32,17 +33,26 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
   // One task per sequence: each cached token's K (then V) row of all KV heads is contiguous,
   // so it is streamed from memory exactly once.
   at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, qf(num_heads * head_dim), acc(num_heads * head_dim), row(num_kv_heads * head_dim);
+    std::vector<float> scores, qf(num_heads * head_dim), acc(num_heads * head_dim), row(slot_stride);
+    // Token t's K or V row (all KV heads) of sequence b, as float: fp32 is read in place,
+    // other storage types are widened into `row`.
+    auto load_row = [&](const scalar_t* cache, int64_t b, int64_t t) -> const float* {
+      const int64_t slot = bt[b * max_blocks + t / block_size] * block_size + t % block_size;
+      const scalar_t* src = cache + slot * slot_stride;
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        return src;
+      } else {
+        for (int64_t i = 0; i < slot_stride; ++i) row[i] = static_cast<float>(src[i]);
+        return row.data();
+      }
+    };
     for (int64_t b = begin; b < end; ++b) {
       const int64_t ctx = lens[b];
       scores.resize(num_heads * ctx);
       for (int64_t i = 0; i < num_heads * head_dim; ++i) qf[i] = static_cast<float>(qp[b * num_heads * head_dim + i]);
       const float* qb = qf.data();
       for (int64_t t = 0; t < ctx; ++t) {
-        const int64_t slot = bt[b * max_blocks + t / block_size] * block_size + t % block_size;
-        const scalar_t* ks = kp + slot * slot_stride;
-        for (int64_t i = 0; i < slot_stride; ++i) row[i] = static_cast<float>(ks[i]);
-        const float* kt = row.data();
+        const float* kt = load_row(kp, b, t);
         for (int64_t h = 0; h < num_heads; ++h) {
           const float* qh = qb + h * head_dim;
           const float* kh = kt + (h / group) * head_dim;
@@ -67,10 +77,7 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
       float* ob = acc.data();
       for (int64_t i = 0; i < num_heads * head_dim; ++i) ob[i] = 0.f;
       for (int64_t t = 0; t < ctx; ++t) {
-        const int64_t slot = bt[b * max_blocks + t / block_size] * block_size + t % block_size;
-        const scalar_t* vs = vp + slot * slot_stride;
-        for (int64_t i = 0; i < slot_stride; ++i) row[i] = static_cast<float>(vs[i]);
-        const float* vt = row.data();
+        const float* vt = load_row(vp, b, t);
         for (int64_t h = 0; h < num_heads; ++h) {
           const float p = scores[h * ctx + t];
           const float* vh = vt + (h / group) * head_dim;
