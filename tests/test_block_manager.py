@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from engine import LLM, SamplingParams
 from engine.block_manager import BlockManager
-from tests.helpers import fake_seq, run_engine
+from tests.helpers import fake_seq
 
 
 def _check(bm: BlockManager) -> None:
