@@ -20,12 +20,13 @@ COPY protos ./protos
 COPY engine ./engine
 COPY service ./service
 COPY bench ./bench
+COPY minivllm ./minivllm
 # Editable: the gRPC code is generated from protos/ next to the package on first import.
 RUN pip install -e . \
  && python -c "import service.pb.inference_pb2"
 
 # Fetch and convert the default model at build time, so a container starts in seconds.
-RUN python -c "from engine.model_loader import resolve_model; resolve_model(None)"
+RUN python -c "from engine import resolve_model; resolve_model(None)"
 
 EXPOSE 50051 9400
 HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \

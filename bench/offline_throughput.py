@@ -97,10 +97,10 @@ def main() -> None:
     num_out = args.num_prompts * args.output_len
     ours, steps = run_minivllm(llm, prompts, args.output_len)
     overhead = decode_overhead(steps, min(32, args.num_prompts))
-    result = {"workload": vars(args), "threads": torch.get_num_threads(), "dtype": str(llm.engine.runner.dtype),
+    result = {"workload": vars(args), "threads": torch.get_num_threads(), "dtype": str(llm.engine.model_info().dtype),
               "minivllm_s": ours, "minivllm_output_tok_s": num_out / ours, "decode_step_split": overhead}
     print(f"minivllm     : {num_out} output tokens in {ours:7.2f} s = {num_out / ours:7.1f} tok/s "
-          f"({llm.engine.runner.dtype}, {torch.get_num_threads()} threads)")
+          f"({llm.engine.model_info().dtype}, {torch.get_num_threads()} threads)")
     if overhead is not None:
         print(f"decode step  : batch >= {min(32, args.num_prompts)}, median of {overhead['steps']} steps: "
               f"{overhead['step_ms']:.1f} ms = forward {overhead['forward_ms']:.1f} + schedule "
@@ -121,7 +121,7 @@ def main() -> None:
 
 
 def resolve_dir(model: str | None) -> str:
-    from engine.model_loader import resolve_model
+    from engine import resolve_model
 
     return str(resolve_model(model))
 

@@ -67,11 +67,10 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     results = {}
-    engine = None
+    engine = LLMEngine(EngineConfig(model=args.model, max_num_batched_tokens=args.max_num_batched_tokens,
+                                    enable_prefix_caching=False))
     for chunked in (True, False):
-        config = EngineConfig(model=args.model, enable_chunked_prefill=chunked,
-                              max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False)
-        engine = LLMEngine(config) if engine is None else _reconfigure(engine, config)
+        engine.reconfigure(enable_chunked_prefill=chunked)  # same loaded model, another policy
         workload = make_workload(args, engine.vocab_size)
         engine.add_request(workload[0][1][:8], SamplingParams(max_tokens=2))  # warm-up
         while engine.has_unfinished_requests():
@@ -86,14 +85,6 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"workload": vars(args), "results": results}, f, indent=2)
-
-
-def _reconfigure(engine: LLMEngine, config: EngineConfig) -> LLMEngine:
-    """Reuse the loaded model; swap only the scheduling policy."""
-    engine.config = config
-    engine.scheduler.config.enable_chunked_prefill = config.enable_chunked_prefill
-    engine.scheduler.config.max_num_batched_tokens = config.max_num_batched_tokens
-    return engine
 
 
 if __name__ == "__main__":

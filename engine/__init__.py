@@ -1,15 +1,17 @@
 """minivllm engine: continuous batching with split prefill/decode paths on a paged KV cache.
 
-Public API: `from engine import LLM, SamplingParams`.
+Public API: `from engine import LLM, SamplingParams` (offline), `LLMEngine` (the step API), and
+the plain values that cross to the service. Other layers import only these names.
 """
 from engine.config import EngineConfig
 from engine.errors import PromptTooLongError, QueueFullError
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestMetrics, RequestOutput, StepStats
+from engine.model_loader import model_display_name, resolve_model
+from engine.outputs import ModelInfo, RequestMetrics, RequestOutput, StepStats
 from engine.sampling_params import SamplingParams
 
 __all__ = [
-    "LLM", "EngineConfig", "LLMEngine", "PromptTooLongError", "QueueFullError", "RequestMetrics",
-    "RequestOutput", "SamplingParams", "StepStats",
+    "LLM", "EngineConfig", "LLMEngine", "ModelInfo", "PromptTooLongError", "QueueFullError", "RequestMetrics",
+    "RequestOutput", "SamplingParams", "StepStats", "model_display_name", "resolve_model",
 ]

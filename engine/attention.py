@@ -5,9 +5,11 @@ slot = block_id * block_size + offset. New K/V are written at slot_mapping first
 - prefill: per sequence, causal attention of its chunk over its whole context. A sequence
   with nothing cached attends over the fresh K/V directly; one with a cached prefix (prefix
   hit, later chunk, recompute) gathers its context from the cache.
-- decode: one query per sequence. On the CPU in fp32 a C++ kernel walks each block table
-  directly (engine/kernels); otherwise all contexts are gathered at once through a [B, L]
-  slot index shared by every layer, padded positions masked out.
+- decode: one query per sequence. On the CPU (fp32 or bf16) a C++ kernel walks each block
+  table directly (engine/kernels); otherwise all contexts are gathered at once through a
+  [B, L] slot index shared by every layer, padded positions masked out.
+A layer with a sliding window W lets a query at position i see keys j with i - W < j <= i
+(transformers' definition), in both paths.
 """
 from __future__ import annotations
 
@@ -46,34 +48,48 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, seqs: list[PrefillSeqMeta], scale: float) -> torch.Tensor:
+                      v_cache: torch.Tensor, seqs: list[PrefillSeqMeta], scale: float,
+                      window: int | None = None) -> torch.Tensor:
     # q: [T, H, D]; k, v: [T, KVH, D] -> out: [T, H, D]
     out = torch.empty_like(q)
     for meta in seqs:
         q_i = q[meta.query_start : meta.query_start + meta.query_len].transpose(0, 1)  # [H, n, D]
-        if meta.context_slots is None:
+        is_windowed = window is not None and meta.context_len > window
+        if meta.context_slots is None and not is_windowed:
             k_i = k[meta.query_start : meta.query_start + meta.query_len].transpose(0, 1)
             v_i = v[meta.query_start : meta.query_start + meta.query_len].transpose(0, 1)
             o_i = F.scaled_dot_product_attention(q_i, k_i, v_i, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            k_i = k_cache.index_select(0, meta.context_slots).transpose(0, 1)  # [KVH, ctx, D]
-            v_i = v_cache.index_select(0, meta.context_slots).transpose(0, 1)
+            if meta.context_slots is None:  # fresh prompt, but a window narrower than it
+                k_i = k[meta.query_start : meta.query_start + meta.query_len].transpose(0, 1)
+                v_i = v[meta.query_start : meta.query_start + meta.query_len].transpose(0, 1)
+            else:
+                k_i = k_cache.index_select(0, meta.context_slots).transpose(0, 1)  # [KVH, ctx, D]
+                v_i = v_cache.index_select(0, meta.context_slots).transpose(0, 1)
             offset = meta.context_len - meta.query_len
             rows = torch.arange(meta.query_len, device=q.device).unsqueeze(1) + offset
             cols = torch.arange(meta.context_len, device=q.device).unsqueeze(0)
-            o_i = F.scaled_dot_product_attention(q_i, k_i, v_i, attn_mask=cols <= rows, scale=scale,
-                                                 enable_gqa=True)
+            mask = cols <= rows
+            if is_windowed:
+                mask &= cols > rows - window
+            o_i = F.scaled_dot_product_attention(q_i, k_i, v_i, attn_mask=mask, scale=scale, enable_gqa=True)
         out[meta.query_start : meta.query_start + meta.query_len] = o_i.transpose(0, 1)
     return out
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: AttentionMetadata,
-                     scale: float) -> torch.Tensor:
+                     scale: float, window: int | None = None) -> torch.Tensor:
     # q: [B, H, D] -> out: [B, H, D]
     if attn.decode_kernels is not None:
         return attn.decode_kernels.paged_decode_attention(q, k_cache, v_cache, attn.block_tables,
-                                                          attn.context_lens, attn.block_size, scale)
-    return gathered_decode_attention(q, k_cache, v_cache, attn.decode_slots, attn.decode_mask, scale)
+                                                          attn.context_lens, attn.block_size, scale, window or 0)
+    mask = attn.decode_mask
+    if window is not None:
+        # Keys before context_len - window fall out of the window: [B, 1, 1, L]
+        cols = torch.arange(mask.shape[-1], device=mask.device)
+        outside = cols.unsqueeze(0) < (attn.context_lens - window).unsqueeze(1)
+        mask = mask.masked_fill(outside.view(mask.shape), float("-inf"))
+    return gathered_decode_attention(q, k_cache, v_cache, attn.decode_slots, mask, scale)
 
 
 def gathered_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,

@@ -129,3 +129,4 @@ class BlockManager:
                 if self._block_hash[block] is None:
                     self._free.move_to_end(block, last=False)
         seq.block_table = []
+        seq.num_registered_blocks = 0

@@ -8,39 +8,22 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata, PrefillSeqMeta
+from engine.config import EngineConfig
 from engine.kernels import load_cpu_kernels
 from engine.model_loader import iter_weights
-from engine.models import LlamaForCausalLM, ModelConfig
+from engine.models import model_class
+from engine.models.layers import can_pack_linear
 from engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(slots=True)
-class RunnerConfig:
-    device: str = "auto"
-    dtype: str = "auto"
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_gib: float = 1.0
-    num_threads: int | None = None
-
-
-@dataclass(slots=True)
-class RunnerTimings:
-    """Where the last run_prefill / run_decode call spent its time (seconds)."""
-
-    prepare: float = 0.0  # building input tensors and attention metadata on the host
-    forward: float = 0.0  # the model forward and logits
 
 
 def pick_device(device: str) -> torch.device:
@@ -59,44 +42,32 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 class ModelRunner:
-    def __init__(self, model_dir: Path, hf_config: object, config: RunnerConfig) -> None:
+    def __init__(self, model_dir: Path, hf_config: object, config: EngineConfig) -> None:
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, self.device)
         if self.device.type == "cpu":
             torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
-        self.model_config = ModelConfig.from_hf(hf_config)
+        cls = model_class(hf_config.model_type)
+        self.model_config = cls.config_from_hf(hf_config)
         self.block_size = config.block_size
-        self.last_timings = RunnerTimings()
-        model = LlamaForCausalLM(self.model_config)
+        self.last_prepare_time = 0.0  # host-side input building of the last run_* call (seconds)
+        model = cls(self.model_config)
         model.load_weights(iter_weights(model_dir))
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
-        if self.device.type == "cpu" and os.environ.get("MINIVLLM_DISABLE_PACKED_LINEAR") != "1":
-            self._pack_linear_weights()
+        is_cpu = self.device.type == "cpu"
+        if is_cpu and os.environ.get("MINIVLLM_DISABLE_PACKED_LINEAR") != "1" and can_pack_linear(self.dtype):
+            self.model.pack_linear_weights()
         self.num_kv_blocks = config.num_kv_blocks or self._blocks_for(config.kv_cache_gib)
         mc = self.model_config
         # One pool for all layers: [layers, k/v, slots, kv_heads, head_dim].
         self.kv_cache = torch.zeros(mc.num_layers, 2, self.num_kv_blocks * self.block_size, mc.num_kv_heads,
                                     mc.head_dim, dtype=self.dtype, device=self.device)
-        use_kernels = self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
+        use_kernels = (is_cpu and self.dtype in (torch.float32, torch.bfloat16)
+                       and os.environ.get("MINIVLLM_DISABLE_CPP_KERNELS") != "1")
         self.cpu_kernels = load_cpu_kernels() if use_kernels else None
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(mc.num_layers)]
         logger.info("model on %s (%s), KV cache %d blocks x %d tokens (%.2f GiB)", self.device, self.dtype,
                     self.num_kv_blocks, self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**30)
-
-    def _pack_linear_weights(self) -> None:
-        """Use oneDNN packed GEMMs when they work here and agree with F.linear; else keep torch's."""
-        layer = self.model.layers[0].gate_up_proj
-        try:
-            x = torch.randn(3, layer.in_features, dtype=self.dtype)
-            expected = torch.nn.functional.linear(x, layer.weight)
-            packed = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(layer.weight),
-                                                        None, "none", [], "")
-            tol = 1e-3 if self.dtype == torch.float32 else 5e-2
-            if not torch.allclose(packed, expected, rtol=tol, atol=tol):
-                raise RuntimeError("packed GEMM disagrees with F.linear")
-            self.model.pack_linear_weights()
-        except Exception as exc:  # noqa: BLE001 - any failure means: stay on F.linear
-            logger.warning("oneDNN packed linear unavailable (%s); using F.linear", exc)
 
     def _blocks_for(self, gib: float) -> int:
         mc = self.model_config
@@ -133,10 +104,8 @@ class ModelRunner:
         input_ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
         positions_t = self._to_device(np.concatenate(positions))
         last = self._to_device(np.asarray(last_indices, dtype=np.int64))
-        t1 = time.perf_counter()
-        logits = self.model.compute_logits(self.model(input_ids, positions_t, attn, self.kv_caches)[last])
-        self.last_timings = RunnerTimings(prepare=t1 - t0, forward=time.perf_counter() - t1)
-        return logits
+        self.last_prepare_time = time.perf_counter() - t0
+        return self.model.compute_logits(self.model(input_ids, positions_t, attn, self.kv_caches)[last])
 
     @torch.inference_mode()
     def run_decode(self, seqs: list[Sequence]) -> torch.Tensor:
@@ -161,7 +130,5 @@ class ModelRunner:
             attn.decode_mask = self._to_device(mask).to(self.dtype).view(batch, 1, 1, -1)
         input_ids = torch.tensor([s.last_token_id for s in seqs], dtype=torch.long).to(self.device, non_blocking=True)
         positions_t = self._to_device(positions)
-        t1 = time.perf_counter()
-        logits = self.model.compute_logits(self.model(input_ids, positions_t, attn, self.kv_caches))
-        self.last_timings = RunnerTimings(prepare=t1 - t0, forward=time.perf_counter() - t1)
-        return logits
+        self.last_prepare_time = time.perf_counter() - t0
+        return self.model.compute_logits(self.model(input_ids, positions_t, attn, self.kv_caches))

@@ -138,3 +138,21 @@ class StepStats:
     def overhead_time(self) -> float:
         """Time outside the model forward: scheduling, input preparation, sampling, output processing."""
         return self.schedule_time + self.prepare_time + self.sample_time + self.process_time
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What the engine serves and its limits (for GetModelInfo and `minivllm info`)."""
+
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_num_waiting: int
+    block_size: int
+    num_kv_blocks: int
+    device: str
+    dtype: str
+    eos_token_ids: tuple[int, ...]
+    has_chat_template: bool

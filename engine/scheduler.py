@@ -1,4 +1,5 @@
-"""Token-budget scheduler: decides, each step, which prefill chunks and decodes run.
+"""Token-budget scheduler: decides, each step, which prefill chunks and decodes run, and owns
+every request's progress (status, computed tokens, appended tokens, finishing).
 
 The seed's two failure modes and what prevents each:
 - A long prefill stalls every running stream: decodes are scheduled first, and a prompt
@@ -7,30 +8,27 @@ The seed's two failure modes and what prevents each:
   budget is kept for prefill, and waiting requests are ordered by priority lowered with
   age (aging), so no request waits forever behind newer, more urgent ones.
 When KV blocks run out a decode preempts the newest running sequence (recompute): its
-blocks are freed and it rejoins the front of the queue with its tokens intact.
+blocks are freed and it goes back to the waiting queue with its tokens intact. The queue is
+sorted by aged priority, so it is not literally at the front: it runs before every request of
+its priority that arrived after it (its age counts from its original arrival).
+
+The engine's step is `schedule()` -> forward and sampling -> `update_from_output()`; only this
+class moves a sequence's status and num_computed_tokens (vLLM's split, nano-vllm's
+`postprocess`), so the runner and the output processor read sequences and never advance them.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from engine.block_manager import BlockManager
+from engine.config import EngineConfig
 from engine.scheduler_output import SchedulerOutput
-from engine.sequence import Sequence, SequenceStatus
-
-
-@dataclass(slots=True)
-class SchedulerConfig:
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 64
-    enable_chunked_prefill: bool = True
-    min_prefill_share: float = 0.25
-    aging_s: float = 5.0
+from engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
         self.config = config
         self.block_manager = block_manager
+        self.requests: dict[str, Sequence] = {}  # every unfinished request, by id
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []  # in admission order: oldest first
         self._step = 0
@@ -44,20 +42,30 @@ class Scheduler:
         return len(self.running)
 
     @property
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+    def num_requests(self) -> int:
+        return len(self.requests)
+
+    def get(self, request_id: str) -> Sequence | None:
+        return self.requests.get(request_id)
 
     def add(self, seq: Sequence) -> None:
+        if seq.request_id in self.requests:
+            raise ValueError(f"request_id: {seq.request_id!r} is already in use")
         seq.status = SequenceStatus.WAITING
+        self.requests[seq.request_id] = seq
         self.waiting.append(seq)
 
-    def remove(self, seq: Sequence) -> None:
-        """Take a finished or aborted sequence out and free its blocks."""
+    def finish(self, seq: Sequence, reason: FinishReason, now: float) -> None:
+        """End a request (stopped, aborted or failed): out of the queues, blocks freed."""
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.times.finished = now
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
+        self.requests.pop(seq.request_id, None)
 
     def effective_priority(self, seq: Sequence, now: float) -> float:
         return seq.priority - (now - seq.arrival_time) / self.config.aging_s
@@ -116,6 +124,19 @@ class Scheduler:
             budget -= self._add_prefill(out, seq, num_new, scheduled)
         return out
 
+    def update_from_output(self, sched: SchedulerOutput, sampled_token_ids: list[int]) -> None:
+        """Fold a finished forward back into the sequences: the scheduled tokens are now in the
+        KV cache (full blocks go to the prefix cache), and each sampling sequence
+        (`sched.sampling_seqs`, in order) gets its new token."""
+        for seq, num_new in zip(sched.prefill_seqs, sched.prefill_num_tokens, strict=True):
+            seq.num_computed_tokens += num_new
+        for seq in sched.decode_seqs:
+            seq.num_computed_tokens += 1
+        for seq in sched.prefill_seqs + sched.decode_seqs:
+            self.block_manager.register_computed_blocks(seq)
+        for seq, token_id in zip(sched.sampling_seqs, sampled_token_ids, strict=True):
+            seq.output_token_ids.append(token_id)
+
     def _chunk(self, seq: Sequence, budget: int, has_prefill: bool) -> int:
         remaining = seq.num_uncomputed_tokens
         if remaining <= budget:
@@ -129,6 +150,7 @@ class Scheduler:
     def _add_prefill(self, out: SchedulerOutput, seq: Sequence, num_new: int, scheduled: set[int]) -> int:
         out.prefill_seqs.append(seq)
         out.prefill_num_tokens.append(num_new)
+        out.prefill_is_last_chunk.append(num_new == seq.num_uncomputed_tokens)
         scheduled.add(id(seq))
         seq.last_scheduled_step = self._step
         return num_new
@@ -148,9 +170,11 @@ class Scheduler:
         return max(candidates, key=lambda s: s.arrival_time) if candidates else seq
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Preemption by recompute: drop the cache, keep the tokens; prefill runs them again."""
         self.running.remove(seq)
         self.block_manager.free(seq)
-        seq.reset_for_recompute()
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
         self.waiting.insert(0, seq)
         out.preempted_seqs.append(seq)
-

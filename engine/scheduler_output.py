@@ -11,11 +11,13 @@ class SchedulerOutput:
     """Prefill chunks and decodes of one step.
 
     prefill_seqs[i] computes prefill_num_tokens[i] tokens starting at its
-    num_computed_tokens; it samples only if that chunk reaches the end of its tokens.
+    num_computed_tokens; it samples only if that chunk reaches the end of its tokens
+    (prefill_is_last_chunk[i]). Every decode samples.
     """
 
     prefill_seqs: list[Sequence] = field(default_factory=list)
     prefill_num_tokens: list[int] = field(default_factory=list)
+    prefill_is_last_chunk: list[bool] = field(default_factory=list)  # the chunk ends the prompt: it samples
     decode_seqs: list[Sequence] = field(default_factory=list)
     preempted_seqs: list[Sequence] = field(default_factory=list)
     num_prefix_queried_tokens: int = 0
@@ -32,6 +34,16 @@ class SchedulerOutput:
     @property
     def num_batched_tokens(self) -> int:
         return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def prefill_sample_rows(self) -> list[int]:
+        """Indices into prefill_seqs of the chunks that sample a token."""
+        return [i for i, is_last in enumerate(self.prefill_is_last_chunk) if is_last]
+
+    @property
+    def sampling_seqs(self) -> list[Sequence]:
+        """The sequences that get a token this step, in the order the logits are stacked."""
+        return [self.prefill_seqs[i] for i in self.prefill_sample_rows] + self.decode_seqs
 
     @property
     def is_empty(self) -> bool:

@@ -41,6 +41,10 @@ class Sequence:
     Tokens [0, num_computed_tokens) have K/V in the cache at slots given by block_table;
     the rest still have to run through the model. A decode is the case of exactly one
     uncomputed token after at least one generated token.
+
+    Owners: the Scheduler moves status, num_computed_tokens and output_token_ids; the
+    BlockManager owns block_table, block_hashes and num_registered_blocks; the OutputProcessor
+    owns the text, logprobs and timestamps after scheduling.
     """
 
     request_id: str
@@ -49,7 +53,6 @@ class Sequence:
     arrival_time: float
     detokenizer: IncrementalDetokenizer
     eos_token_ids: frozenset[int] = frozenset()
-    max_total_tokens: int = 0  # prompt + output ceiling from the model's context length
     priority: int = 0  # lower runs first; waiting lowers it further (aging)
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
@@ -61,7 +64,6 @@ class Sequence:
     num_registered_blocks: int = 0  # full blocks already published to the prefix cache
     num_cached_prompt_tokens: int = 0  # prefix-cache hits at first admission
     num_preemptions: int = 0
-    num_emitted_tokens: int = 0
     num_emitted_chars: int = 0
     last_scheduled_step: int = -1
     generator: torch.Generator | None = None
@@ -110,11 +112,3 @@ class Sequence:
     @property
     def last_token_id(self) -> int:
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
-
-    def reset_for_recompute(self) -> None:
-        """Preemption by recompute: drop the cache, keep the tokens; prefill runs them again."""
-        self.status = SequenceStatus.WAITING
-        self.num_computed_tokens = 0
-        self.block_table = []
-        self.num_registered_blocks = 0
-        self.num_preemptions += 1

@@ -84,8 +84,10 @@ class ServiceMetrics:
         for phase in ("prefill", "decode", "overhead"):
             self.step_duration.labels(m, phase)
 
-    def serve(self, port: int, host: str = "0.0.0.0") -> None:
-        start_http_server(port, addr=host, registry=self.registry)
+    def serve(self, port: int, host: str = "0.0.0.0") -> int:
+        """Serve /metrics; returns the bound port (port 0 picks a free one)."""
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        return server.server_port
 
     def on_step(self, stats: StepStats) -> None:
         m = self.model_name

@@ -1,7 +1,9 @@
 """Conversions between the wire messages and the engine's plain values."""
 from __future__ import annotations
 
-from engine import RequestOutput, SamplingParams
+import dataclasses
+
+from engine import ModelInfo, RequestOutput, SamplingParams
 from service.pb import inference_pb2 as pb
 
 
@@ -42,3 +44,7 @@ def response_from_output(out: RequestOutput) -> pb.GenerateResponse:
         resp.usage.CopyFrom(pb.Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
                                      cached_prompt_tokens=cached))
     return resp
+
+
+def model_info_to_proto(info: ModelInfo) -> pb.ModelInfo:
+    return pb.ModelInfo(**dataclasses.asdict(info))

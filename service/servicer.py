@@ -8,11 +8,11 @@ from typing import Any
 
 import grpc
 
-from engine import PromptTooLongError, QueueFullError
+from engine import PromptTooLongError, QueueFullError, SamplingParams
 from service.async_engine import AsyncEngine, EngineDeadError
 from service.pb import inference_pb2 as pb
 from service.pb import inference_pb2_grpc as pb_grpc
-from service.protocol import messages_from_proto, response_from_output, sampling_params_from_proto
+from service.protocol import messages_from_proto, model_info_to_proto, response_from_output, sampling_params_from_proto
 
 logger = logging.getLogger(__name__)
 
@@ -20,7 +20,9 @@ logger = logging.getLogger(__name__)
 class RequestObserver:
     """Hooks the servicer calls per request (tracing plugs in here); no-ops by default."""
 
-    def start(self, request_id: str, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> Any:
+    def start(self, request_id: str, request: pb.GenerateRequest, params: SamplingParams | None,
+              context: grpc.aio.ServicerContext) -> Any:
+        """params: the request's validated sampling parameters, None when they were invalid."""
         return None
 
     def finish(self, handle: Any, final: Any, status: grpc.StatusCode, message: str = "") -> None:
@@ -43,11 +45,17 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 "server is draining" if self.is_draining else "model is still loading")
         request_id = request.request_id or f"req-{uuid.uuid4().hex}"
-        handle = self.observer.start(request_id, request, context)
+        params, params_error = None, None
+        try:
+            params = sampling_params_from_proto(request.sampling)
+        except ValueError as exc:
+            params_error = exc
+        handle = self.observer.start(request_id, request, params, context)
         status, message, final = grpc.StatusCode.OK, "", None
         try:
             try:
-                params = sampling_params_from_proto(request.sampling)
+                if params_error is not None:
+                    raise params_error
                 prompt, messages = self._input(request)
                 stream = await engine.generate(request_id, params, prompt=prompt, messages=messages,
                                                priority=request.priority)
@@ -95,14 +103,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
         if self.engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "model is still loading")
-        e = self.engine.engine
-        cfg = e.config
-        return pb.ModelInfo(
-            model_name=e.model_name, max_model_len=e.max_model_len, vocab_size=e.vocab_size,
-            max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
-            max_num_waiting=cfg.max_num_waiting, block_size=cfg.block_size,
-            num_kv_blocks=e.block_manager.num_blocks, device=str(e.runner.device), dtype=str(e.runner.dtype),
-            eos_token_ids=sorted(e.eos_token_ids), has_chat_template=e.tokenizer.chat_template is not None)
+        return model_info_to_proto(self.engine.engine.model_info())
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         if self.engine is None:
@@ -120,4 +121,5 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 raise ValueError("input: one of prompt or messages is required")
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        return pb.TokenizeResponse(token_ids=ids, count=len(ids), max_model_len=self.engine.engine.max_model_len)
+        return pb.TokenizeResponse(token_ids=ids, count=len(ids),
+                                   max_model_len=self.engine.engine.model_info().max_model_len)

@@ -21,7 +21,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
-from engine import RequestMetrics, StepStats
+from engine import RequestMetrics, SamplingParams, StepStats
 from service.pb import inference_pb2 as pb
 from service.servicer import RequestObserver
 
@@ -67,22 +67,23 @@ class Tracing(RequestObserver):
 
     # ---- requests (asyncio thread) ---------------------------------------------------
 
-    def start(self, request_id: str, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> _RequestSpan:
+    def start(self, request_id: str, request: pb.GenerateRequest, params: SamplingParams | None,
+              context: grpc.aio.ServicerContext) -> _RequestSpan:
         carrier = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
         parent = propagate.extract(carrier)
-        s = request.sampling
         attrs: dict[str, Any] = {
             "gen_ai.operation.name": "chat" if request.WhichOneof("input") == "messages" else "text_completion",
             "gen_ai.system": "minivllm",
             "gen_ai.request.model": self.model_name,
             "gen_ai.request.id": request_id,
-            "gen_ai.request.max_tokens": s.max_tokens if s.HasField("max_tokens") else 16,
-            "gen_ai.request.temperature": s.temperature if s.HasField("temperature") else 1.0,
-            "gen_ai.request.top_p": s.top_p if s.HasField("top_p") else 1.0,
             "rpc.system": "grpc", "rpc.service": "minivllm.v1.Inference", "rpc.method": "Generate",
         }
-        if s.HasField("seed"):
-            attrs["gen_ai.request.seed"] = s.seed
+        if params is not None:  # the values the engine really uses, defaults applied
+            attrs |= {"gen_ai.request.temperature": params.temperature, "gen_ai.request.top_p": params.top_p}
+            if params.max_tokens is not None:
+                attrs["gen_ai.request.max_tokens"] = params.max_tokens
+            if params.seed is not None:
+                attrs["gen_ai.request.seed"] = params.seed
         span = self.tracer.start_span(f"{attrs['gen_ai.operation.name']} {self.model_name}", context=parent,
                                       kind=SpanKind.SERVER, attributes=attrs)
         with self._lock:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from engine import LLM
-from engine.tiny_model import build_tiny_model
+from tests.tiny_model import build_tiny_model
 
 logging.getLogger("engine").setLevel(logging.WARNING)
 

@@ -5,7 +5,7 @@ import argparse
 
 import pytest
 
-from service.cli import add_engine_args, engine_config_from_args
+from minivllm.cli import add_engine_args, engine_config_from_args
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:

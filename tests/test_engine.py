@@ -78,17 +78,35 @@ def test_stop_token_id_and_eos(tiny_llm: LLM) -> None:
     out = tiny_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_id]))[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop_id
     assert out.token_ids == tokens[: first + 1]
-    eos = tiny_llm.engine.eos_token_ids
     ids = tiny_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
                                                      min_tokens=20, stop_token_ids=[stop_id]))[0].token_ids
     assert len(ids) == 20  # min_tokens holds stop tokens off
-    assert eos  # the tiny model declares <|im_end|>
 
 
-def test_min_tokens_suppresses_eos(tiny_llm: LLM) -> None:
-    eos = next(iter(tiny_llm.engine.eos_token_ids))
+def test_eos_ends_a_request_unless_ignored(tiny_llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    prompt = [11, 12, 13]
+    tokens = tiny_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0].token_ids
+    # Declare a token the model really produces as EOS, so the stop is seen end to end.
+    eos = tokens[4]
+    monkeypatch.setattr(tiny_llm.engine, "eos_token_ids", frozenset({eos}))
+    out = tiny_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20))[0]
+    assert out.finish_reason == "stop" and out.stop_reason is None  # EOS has no stop_reason
+    assert out.token_ids == tokens[: tokens.index(eos) + 1]
+    ignored = tiny_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0]
+    assert ignored.finish_reason == "length" and ignored.token_ids == tokens
+
+
+def test_min_tokens_suppresses_eos(tiny_llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
     prompts = [[i, i + 1] for i in range(1, 40)]
-    outs = tiny_llm.generate(prompts, SamplingParams(temperature=1.5, max_tokens=12, min_tokens=12, seed=1))
+    params = {"temperature": 1.5, "max_tokens": 12, "seed": 1}
+    free_run = tiny_llm.generate(prompts, SamplingParams(ignore_eos=True, **params))
+    # The most frequent early token stands in for EOS: the control run shows it would stop requests.
+    early = [t for o in free_run for t in o.token_ids[:11]]
+    eos = max(set(early), key=early.count)
+    monkeypatch.setattr(tiny_llm.engine, "eos_token_ids", frozenset({eos}))
+    control = tiny_llm.generate(prompts, SamplingParams(**params))
+    assert any(o.finish_reason == "stop" and len(o.token_ids) < 12 for o in control)
+    outs = tiny_llm.generate(prompts, SamplingParams(min_tokens=12, **params))
     assert all(len(o.token_ids) == 12 and eos not in o.token_ids for o in outs)
 
 
@@ -115,13 +133,22 @@ def test_text_is_incremental_decode_of_tokens(tiny_llm: LLM) -> None:
     assert final.text == tok.decode(final.token_ids, skip_special_tokens=True).rstrip("\ufffd")
 
 
-def test_logprobs_returned_for_sampled_tokens(tiny_llm: LLM) -> None:
-    out = tiny_llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=5, logprobs=3, ignore_eos=True))[0]
+def test_logprobs_equal_an_independent_log_softmax(tiny_llm: LLM, tiny_model_dir) -> None:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir)).eval()
+    prompt = [5, 6, 7]
+    out = tiny_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=5, logprobs=3, ignore_eos=True))[0]
     assert len(out.logprobs) == 5
-    for token, entry in zip(out.token_ids, out.logprobs, strict=True):
+    with torch.inference_mode():
+        logits = hf(torch.tensor([prompt + out.token_ids])).logits[0].float()
+    reference = torch.log_softmax(logits, dim=-1)[len(prompt) - 1 : -1]  # the position that chose each token
+    for i, (token, entry) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
         assert token in entry and 3 <= len(entry) <= 4
-        assert max(entry.values()) == entry[token]  # greedy picks the most likely token
-        assert all(v <= 0 for v in entry.values())
+        top3 = reference[i].topk(3).indices.tolist()
+        assert set(top3) <= set(entry)
+        for tid, value in entry.items():
+            assert value == pytest.approx(reference[i, tid].item(), abs=1e-4)
 
 
 def test_abort_frees_blocks_and_reports(tiny_llm: LLM) -> None:

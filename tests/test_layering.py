@@ -1,21 +1,66 @@
-"""engine/ must not know about the transport or observability layers."""
+"""The layers stay apart: engine/ knows nothing above it; the service and the benchmarks reach
+the engine only through its public names; one module moves a sequence's progress."""
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
 from pathlib import Path
 
-FORBIDDEN = ("service", "grpc", "grpc_health", "grpc_reflection", "prometheus_client", "opentelemetry", "bench")
+import engine
+
+ROOT = Path(__file__).resolve().parents[1]
+ABOVE_ENGINE = ("service", "grpc", "grpc_health", "grpc_reflection", "prometheus_client", "opentelemetry", "bench",
+                "tests", "minivllm")
 
 
-def test_engine_imports_nothing_from_service_grpc_prometheus_or_otel() -> None:
-    engine_dir = Path(__file__).resolve().parents[1] / "engine"
-    offenders = []
-    for path in engine_dir.rglob("*.py"):
+def _imports(package: str) -> Iterator[tuple[str, ast.AST]]:
+    for path in sorted((ROOT / package).rglob("*.py")):
+        if "pb" in path.relative_to(ROOT).parts:
+            continue
         for node in ast.walk(ast.parse(path.read_text())):
-            names = []
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                names = [node.module]
-            offenders += [f"{path.name}: {n}" for n in names if n.split(".")[0] in FORBIDDEN]
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                yield str(path.relative_to(ROOT)), node
+
+
+def test_engine_imports_nothing_from_the_layers_above() -> None:
+    offenders = []
+    for where, node in _imports("engine"):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+        offenders += [f"{where}: {n}" for n in names if n.split(".")[0] in ABOVE_ENGINE]
     assert not offenders, offenders
+
+
+def test_service_bench_and_cli_use_only_the_engines_public_names() -> None:
+    public = set(engine.__all__)
+    offenders = []
+    for package in ("service", "bench", "minivllm"):
+        for where, node in _imports(package):
+            if isinstance(node, ast.Import):
+                offenders += [f"{where}: import {a.name}" for a in node.names if a.name.startswith("engine.")]
+            elif node.module and node.module.startswith("engine"):
+                if node.module != "engine":
+                    offenders.append(f"{where}: from {node.module}")
+                offenders += [f"{where}: {a.name}" for a in node.names if a.name not in public]
+    assert not offenders, offenders
+
+
+def test_service_and_bench_do_not_import_the_cli() -> None:
+    offenders = []
+    for package in ("service", "bench"):
+        for where, node in _imports(package):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            offenders += [f"{where}: {n}" for n in names if n.split(".")[0] == "minivllm"]
+    assert not offenders, offenders
+
+
+def test_only_the_scheduler_moves_sequence_progress() -> None:
+    """status and num_computed_tokens are written in engine/scheduler.py and nowhere else."""
+    writers = set()
+    for path in (ROOT / "engine").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] \
+                if isinstance(node, ast.AugAssign | ast.AnnAssign) else []
+            for target in targets:
+                if isinstance(target, ast.Attribute) and target.attr in ("num_computed_tokens", "status"):
+                    writers.add(path.name)
+    assert writers == {"scheduler.py"}, writers

@@ -151,41 +151,67 @@ def _has_number(result: list[dict]) -> bool:
     return any(r["value"][1] not in ("NaN", "+Inf", "-Inf") for r in result)
 
 
-def test_real_prometheus_scrapes_and_every_panel_has_data(tiny_model_dir: Path, tmp_path: Path) -> None:
-    prometheus = need("prometheus")
-    metrics = ServiceMetrics("model")
-    metrics_port, prom_port = free_port(), free_port()
-    metrics.serve(metrics_port, "127.0.0.1")
-    # A small KV cache forces preemptions; shared prompt prefixes give prefix-cache hits.
-    srv = metered_server(tiny_model_dir, metrics, num_kv_blocks=48, max_num_seqs=16)
+def _start_prometheus(prometheus: str, metrics_port: int, tmp_path: Path) -> tuple[subprocess.Popen, int]:
+    """Prometheus on a free port. Its port must be named up front, so a port taken between
+    picking and binding shows as an early exit, and we pick again."""
     config = tmp_path / "prometheus.yml"
     config.write_text(f"global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: minivllm\n"
                       f"    static_configs:\n      - targets: ['127.0.0.1:{metrics_port}']\n")
-    proc = subprocess.Popen([prometheus, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
-                             f"--web.listen-address=127.0.0.1:{prom_port}"], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.STDOUT)
-    try:
+    for attempt in range(5):
+        port = free_port()
+        proc = subprocess.Popen([prometheus, f"--config.file={config}",
+                                 f"--storage.tsdb.path={tmp_path / f'data{attempt}'}",
+                                 f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30
-        while not _prom_query_ok(prom_port, 'up{job="minivllm"} == 1'):
-            assert time.monotonic() < deadline, "prometheus never scraped the service"
-            time.sleep(0.5)
+        while proc.poll() is None and time.monotonic() < deadline:
+            if _prom_query_ok(port, 'up{job="minivllm"} == 1'):
+                return proc, port
+            time.sleep(0.2)
+        proc.terminate()
+        proc.wait(10)
+    raise AssertionError("prometheus never started and scraped the service")
+
+
+def _wait_for_prom(port: int, expr: str, expected: float, timeout: float = 30.0) -> None:
+    """Poll until Prometheus's latest sample of expr equals what the service holds now."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = _prom_query(port, expr)
+        if result and float(result[0]["value"][1]) == expected:
+            return
+        assert time.monotonic() < deadline, f"prometheus never saw {expr} == {expected}: {result}"
+        time.sleep(0.2)
+
+
+def test_real_prometheus_scrapes_and_every_panel_has_data(tiny_model_dir: Path, tmp_path: Path) -> None:
+    prometheus = need("prometheus")
+    metrics = ServiceMetrics("model")
+    metrics_port = metrics.serve(0, "127.0.0.1")
+    # A small KV cache forces preemptions; shared prompt prefixes give prefix-cache hits.
+    srv = metered_server(tiny_model_dir, metrics, num_kv_blocks=48, max_num_seqs=16)
+    proc, prom_port = _start_prometheus(prometheus, metrics_port, tmp_path)
+    try:
         shared = "The quick brown fox jumps over the lazy dog. " * 3
+        generated = 'sum(minivllm_generation_tokens_total{model_name="model"})'
         for _ in range(3):
             asyncio.run(_load(srv.target, 16, max_tokens=40, prefix=shared))
             with grpc.insecure_channel(srv.target) as channel, pytest.raises(grpc.RpcError):
                 list(pb_grpc.InferenceStub(channel).Generate(pb.GenerateRequest(prompt="x", sampling=pb.SamplingParams(
                     top_p=0))))
-            time.sleep(1.5)
+            # Each round is scraped before the next one starts, so rates see several points.
+            _wait_for_prom(prom_port, generated, sample(metrics, "minivllm_generation_tokens_total"))
         assert sample(metrics, "minivllm_preemptions_total") > 0, "the load was meant to force preemptions"
-        time.sleep(3)  # a few more scrapes after the load
         dashboard = json.loads((ROOT / "grafana" / "dashboards" / "minivllm.json").read_text())
-        empty = []
-        for panel in dashboard["panels"]:
-            for target in panel["targets"]:
-                expr = target["expr"].replace("$model_name", ".*").replace("$__rate_interval", "1m")
-                result = _prom_query(prom_port, expr)
-                if not _has_number(result):
-                    empty.append(f"{panel['title']}: {expr} -> {result}")
+        queries = [(panel["title"], target["expr"].replace("$model_name", ".*").replace("$__rate_interval", "1m"))
+                   for panel in dashboard["panels"] for target in panel["targets"]]
+        deadline = time.monotonic() + 20  # a rate over the last round needs one scrape after it
+        while True:
+            empty = [f"{title}: {expr} -> {result}" for title, expr in queries
+                     if not _has_number(result := _prom_query(prom_port, expr))]
+            if not empty or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
         assert not empty, "panels without data:\n" + "\n".join(empty)
         variable = dashboard["templating"]["list"][0]["query"]["query"]
         assert variable.startswith("label_values(minivllm_requests_running")

@@ -53,3 +53,18 @@ def test_penalties_push_seen_tokens_down() -> None:
     plain = fake_seq("c", 3, params=SamplingParams(temperature=0))
     plain.output_token_ids = [0]
     assert Sampler(torch.device("cpu"))(logits.clone(), [plain]).token_ids == [0]
+
+
+def test_presence_penalty_counts_a_token_once_frequency_per_occurrence() -> None:
+    logits = torch.tensor([[2.0, 1.8, 0.0, 0.0]])
+
+    def pick(**penalty: float) -> int:
+        seq = fake_seq("a", 3, params=SamplingParams(temperature=0, **penalty))
+        seq.output_token_ids = [0, 0, 0]
+        return Sampler(torch.device("cpu"))(logits.clone(), [seq]).token_ids[0]
+
+    assert pick() == 0
+    assert pick(presence_penalty=0.1) == 0  # 2.0 - 0.1 once: still ahead
+    assert pick(frequency_penalty=0.1) == 1  # 2.0 - 3 * 0.1 falls behind 1.8
+    assert pick(presence_penalty=0.3) == 1  # 1.7 < 1.8
+    assert pick(presence_penalty=-0.5) == 0  # negative: encourages repeats

@@ -1,8 +1,9 @@
 """schedule() as a pure decision on fabricated sequences."""
 from __future__ import annotations
 
+from engine import EngineConfig
 from engine.block_manager import BlockManager
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from tests.helpers import fake_seq
 
@@ -10,8 +11,8 @@ from tests.helpers import fake_seq
 def _scheduler(budget: int = 32, max_seqs: int = 64, blocks: int = 256, share: float = 0.25,
                chunked: bool = True, aging_s: float = 5.0) -> Scheduler:
     bm = BlockManager(blocks, 4, enable_prefix_caching=False)
-    return Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
-                                     enable_chunked_prefill=chunked, min_prefill_share=share, aging_s=aging_s), bm)
+    return Scheduler(EngineConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
+                                  enable_chunked_prefill=chunked, min_prefill_share=share, aging_s=aging_s), bm)
 
 
 def _running_decode(sched: Scheduler, rid: str, prompt: int = 6, arrival: float = 0.0) -> Sequence:
@@ -39,12 +40,14 @@ def test_budget_is_never_exceeded_and_chunks_cover_the_prompt() -> None:
     seq = fake_seq("long", 70)
     sched.add(seq)
     chunks = []
-    while seq.num_computed_tokens < seq.num_tokens:
+    while seq.num_output_tokens == 0:
         out = sched.schedule(now=0.0)
         assert out.num_batched_tokens <= 16
         chunks.extend(out.prefill_num_tokens)
-        seq.num_computed_tokens += out.prefill_num_tokens[0]
+        assert out.sampling_seqs == ([seq] if out.prefill_is_last_chunk == [True] else [])
+        sched.update_from_output(out, [9] * len(out.sampling_seqs))
     assert chunks == [16, 16, 16, 16, 6]
+    assert seq.num_computed_tokens == 70 and seq.output_token_ids == [9] and seq.is_decode
 
 
 def test_prefill_share_is_kept_while_requests_wait() -> None:

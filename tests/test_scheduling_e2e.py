@@ -105,7 +105,7 @@ def test_decodes_cannot_starve_waiting_requests(tiny_model_dir: Path) -> None:
             steps_to_finish = step
             break
     assert steps_to_finish is not None and steps_to_finish <= 2  # 8 prompt tokens at a reserved 4 per step
-    for rid in list(engine._seqs):
+    for rid in list(engine.scheduler.requests):
         engine.abort_request(rid)
     run_engine(engine)
     assert engine.block_manager.num_used_blocks == 0

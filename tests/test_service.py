@@ -3,11 +3,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import queue
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -217,41 +220,63 @@ def test_reflection_lists_the_service(server: ServerThread) -> None:
         assert any(s.name == "Inference" for s in desc.service)
 
 
-def _free_port() -> int:
-    import socket
+def _output_reader(proc: subprocess.Popen) -> tuple[list[str], queue.SimpleQueue]:
+    """Collect a child's output lines on a thread, so the test can wait for one while it runs."""
+    lines: list[str] = []
+    new: queue.SimpleQueue = queue.SimpleQueue()
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    def pump() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            new.put(line)
+
+    threading.Thread(target=pump, daemon=True).start()
+    return lines, new
+
+
+def _wait_for_port(new_lines: queue.SimpleQueue, timeout: float = 120.0) -> int:
+    deadline = time.monotonic() + timeout
+    while True:
+        line = new_lines.get(timeout=max(0.1, deadline - time.monotonic()))
+        match = re.search(r"gRPC listening on [^ ]+:(\d+)", line)
+        if match:
+            return int(match.group(1))
+
+
+def _health(channel: grpc.Channel) -> int | None:
+    try:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=SERVICE),
+                                                         timeout=5).status
+    except grpc.RpcError:
+        return None
+
+
+def _poll(predicate: Callable[[], bool], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def test_sigterm_drains_in_flight_stream(tiny_model_dir: Path, tmp_path: Path) -> None:
-    port = _free_port()
     env = dict(os.environ, MINIVLLM_LOG_LEVEL="INFO")
-    proc = subprocess.Popen([sys.executable, "-m", "service", "serve", "--model", str(tiny_model_dir), "--host",
-                             "127.0.0.1", "--port", str(port), "--metrics-port", "0", "--num-kv-blocks", "512"],
+    # Port 0: the server binds a free port itself and logs it (no pick-then-bind race).
+    proc = subprocess.Popen([sys.executable, "-m", "minivllm", "serve", "--model", str(tiny_model_dir), "--host",
+                             "127.0.0.1", "--port", "0", "--metrics-port", "0", "--num-kv-blocks", "512"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines, new_lines = _output_reader(proc)
     try:
-        target = f"127.0.0.1:{port}"
+        target = f"127.0.0.1:{_wait_for_port(new_lines)}"
         with grpc.insecure_channel(target) as channel:
-            health = health_pb2_grpc.HealthStub(channel)
-            deadline = time.monotonic() + 120
-            while True:
-                try:
-                    if health.Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=2).status == \
-                            health_pb2.HealthCheckResponse.SERVING:
-                        break
-                except grpc.RpcError:
-                    pass
-                assert time.monotonic() < deadline, "server did not become healthy"
-                time.sleep(0.2)
+            assert _poll(lambda: _health(channel) == health_pb2.HealthCheckResponse.SERVING, 120), \
+                "server did not become healthy"
             stub = pb_grpc.InferenceStub(channel)
             stream = stub.Generate(build_request("drain me", max_tokens=2500, ignore_eos=True))
             first = next(stream)
             proc.send_signal(signal.SIGTERM)
-            time.sleep(0.3)
-            assert health.Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=5).status == \
-                health_pb2.HealthCheckResponse.NOT_SERVING
+            assert _poll(lambda: _health(channel) == health_pb2.HealthCheckResponse.NOT_SERVING, 10)
             with pytest.raises(grpc.RpcError) as err:
                 list(stub.Generate(build_request("too late", max_tokens=2), timeout=5))
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -262,5 +287,6 @@ def test_sigterm_drains_in_flight_stream(tiny_model_dir: Path, tmp_path: Path) -
     finally:
         if proc.poll() is None:
             proc.kill()
-        output = proc.stdout.read()
+        proc.wait(10)
+    output = "".join(lines)
     assert "draining" in output and "server stopped" in output

@@ -1,14 +1,14 @@
 """Optional C++ CPU kernels, compiled once on first use (torch.utils.cpp_extension).
 
 If the compiler or headers are missing the engine falls back to the pure-torch path, which
-gives the same results a little slower. MINIVLLM_DISABLE_CPP_KERNELS=1 forces the fallback.
+gives the same results a little slower. MINIVLLM_DISABLE_CPP_KERNELS=1 (read by the model
+runner, per engine) forces the fallback.
 """
 from __future__ import annotations
 
 import functools
 import hashlib
 import logging
-import os
 import platform
 from pathlib import Path
 from types import ModuleType
@@ -29,8 +29,6 @@ def cpu_tag() -> str:
 
 @functools.cache
 def load_cpu_kernels() -> ModuleType | None:
-    if os.environ.get("MINIVLLM_DISABLE_CPP_KERNELS") == "1":
-        return None
     try:
         from torch.utils import cpp_extension
 

@@ -8,6 +8,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <type_traits>
 #include <vector>
@@ -16,7 +17,7 @@
 template <typename scalar_t>
 void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                    const torch::Tensor& block_tables, const torch::Tensor& context_lens, int64_t block_size,
-                   double scale, torch::Tensor& out) {
+                   double scale, int64_t window, torch::Tensor& out) {
   const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = k_cache.size(1), group = num_heads / num_kv_heads;
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_decode_attention: contiguous cache");
@@ -47,12 +48,14 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
       }
     };
     for (int64_t b = begin; b < end; ++b) {
-      const int64_t ctx = lens[b];
+      // A sliding window (window > 0) keeps the last `window` tokens: [first, lens[b]).
+      const int64_t first = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;
+      const int64_t ctx = lens[b] - first;
       scores.resize(num_heads * ctx);
       for (int64_t i = 0; i < num_heads * head_dim; ++i) qf[i] = static_cast<float>(qp[b * num_heads * head_dim + i]);
       const float* qb = qf.data();
       for (int64_t t = 0; t < ctx; ++t) {
-        const float* kt = load_row(kp, b, t);
+        const float* kt = load_row(kp, b, first + t);
         for (int64_t h = 0; h < num_heads; ++h) {
           const float* qh = qb + h * head_dim;
           const float* kh = kt + (h / group) * head_dim;
@@ -77,7 +80,7 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
       float* ob = acc.data();
       for (int64_t i = 0; i < num_heads * head_dim; ++i) ob[i] = 0.f;
       for (int64_t t = 0; t < ctx; ++t) {
-        const float* vt = load_row(vp, b, t);
+        const float* vt = load_row(vp, b, first + t);
         for (int64_t h = 0; h < num_heads; ++h) {
           const float p = scores[h * ctx + t];
           const float* vh = vt + (h / group) * head_dim;
@@ -97,7 +100,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q,             // [B, H, D]
                                      torch::Tensor v_cache,       // [slots, KVH, D]
                                      torch::Tensor block_tables,  // [B, max_blocks] int64
                                      torch::Tensor context_lens,  // [B] int64
-                                     int64_t block_size, double scale) {
+                                     int64_t block_size, double scale,
+                                     int64_t window) {             // 0: none, else the last `window` tokens
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
               "paged_decode_attention: q and cache dtypes differ");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && context_lens.scalar_type() == torch::kInt64,
@@ -105,9 +109,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q,             // [B, H, D]
   q = q.contiguous();
   auto out = torch::empty_like(q);
   if (q.scalar_type() == torch::kFloat32) {
-    decode_kernel<float>(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, out);
+    decode_kernel<float>(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, window, out);
   } else if (q.scalar_type() == torch::kBFloat16) {
-    decode_kernel<at::BFloat16>(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, out);
+    decode_kernel<at::BFloat16>(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, window, out);
   } else {
     TORCH_CHECK(false, "paged_decode_attention: float32 or bfloat16 only");
   }
@@ -115,5 +119,5 @@ torch::Tensor paged_decode_attention(torch::Tensor q,             // [B, H, D]
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU, fp32)");
+  m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU, fp32 or bf16, optional sliding window)");
 }

@@ -1,14 +1,15 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5) over a paged KV cache.
+"""Llama-family decoder (Llama 2/3, SmolLM2; Mistral and Qwen2 subclass it) over a paged KV cache.
 
 Follows transformers' LlamaForCausalLM numerics (RMSNorm in fp32, rotate-half RoPE, SiLU
 gated MLP) so greedy output matches `generate()` token for token, with two changes for
 speed: Q/K/V and gate/up projections are fused into one GEMM each, and the whole model
-works on a packed [num_tokens, hidden] batch with no padding.
+works on a packed [num_tokens, hidden] batch with no padding. The model owns how checkpoint
+tensors map onto those fused weights (`load_weights`), and refuses a checkpoint with a tensor
+missing, unknown or of the wrong shape.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -16,119 +17,27 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, decode_attention, prefill_attention, write_kv
+from engine.models.layers import Linear, RMSNorm, rotate_half
+from engine.models.model_config import ModelConfig
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-
-
-@dataclass(slots=True)
-class ModelConfig:
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    qkv_bias: bool
-    inv_freq: torch.Tensor  # [head_dim // 2]
-    rope_scale: float  # attention factor some RoPE variants apply to cos/sin
-
-    @classmethod
-    def from_hf(cls, hf: Any) -> ModelConfig:
-        if hf.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model_type {hf.model_type!r} is not supported; use one of {SUPPORTED_MODEL_TYPES}")
-        num_heads = hf.num_attention_heads
-        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
-        inv_freq, rope_scale = _rope_inv_freq(hf, head_dim)
-        return cls(
-            model_type=hf.model_type,
-            vocab_size=hf.vocab_size,
-            hidden_size=hf.hidden_size,
-            intermediate_size=hf.intermediate_size,
-            num_layers=hf.num_hidden_layers,
-            num_heads=num_heads,
-            num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
-            head_dim=head_dim,
-            rms_norm_eps=hf.rms_norm_eps,
-            max_position_embeddings=hf.max_position_embeddings,
-            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            qkv_bias=hf.model_type == "qwen2" or bool(getattr(hf, "attention_bias", False)),
-            inv_freq=inv_freq,
-            rope_scale=rope_scale,
-        )
-
-
-def _rope_inv_freq(hf: Any, head_dim: int) -> tuple[torch.Tensor, float]:
-    """RoPE inverse frequencies. Non-default types reuse transformers' own init functions
-    so scaled variants (llama3, linear, yarn...) match it exactly."""
-    params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "default":
-        theta = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
-        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-        return 1.0 / (theta**exponent), 1.0
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf, "cpu")
-    return inv_freq.float(), float(scale)
-
-
-class Linear(nn.Linear):
-    """nn.Linear that, once packed, runs on oneDNN with its weight pre-reordered (CPU).
-
-    torch's default CPU GEMM can be held to an older instruction set by the BLAS build or its
-    environment, while oneDNN picks its kernels for the CPU it runs on; with the weight packed
-    once it was 3.5x faster in fp32 at batch 32 on our 2-core AVX-512 machine, still in fp32.
-    """
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
-        super().__init__(in_features, out_features, bias=bias)
-        self.packed_weight: torch.Tensor | None = None
-
-    def pack(self, drop_weight: bool) -> None:
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
-        if drop_weight:  # the packed copy is all the forward needs
-            self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed_weight is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+# Checkpoint projection -> (our fused projection, its shard index).
+_STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+_HF_MODULE = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp", "down_proj": "mlp"}
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer_index: int) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
+        self.sliding_window = cfg.sliding_windows[layer_index]
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
         self.intermediate_size = cfg.intermediate_size
@@ -142,24 +51,29 @@ class DecoderLayer(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
         write_kv(k_cache, v_cache, k, v, attn.slot_mapping)
         if attn.prefill is not None:
-            o = prefill_attention(q, k, v, k_cache, v_cache, attn.prefill, self.scale)
+            o = prefill_attention(q, k, v, k_cache, v_cache, attn.prefill, self.scale, self.sliding_window)
         else:
-            o = decode_attention(q, k_cache, v_cache, attn, self.scale)
+            o = decode_attention(q, k_cache, v_cache, attn, self.scale, self.sliding_window)
         h = x + self.o_proj(o.reshape(num_tokens, self.q_size))
         gate, up = self.gate_up_proj(self.post_attention_layernorm(h)).split(self.intermediate_size, dim=-1)
         return h + self.down_proj(F.silu(gate) * up)
 
 
 class LlamaForCausalLM(nn.Module):
+    @classmethod
+    def config_from_hf(cls, hf: Any) -> ModelConfig:
+        # Llama puts attention_bias on q/k/v and o alike.
+        return ModelConfig.from_hf(hf, o_proj_bias=bool(getattr(hf, "attention_bias", False)))
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_word_embeddings:
@@ -194,37 +108,67 @@ class LlamaForCausalLM(nn.Module):
         # hidden: [N, hidden] -> logits: [N, vocab] in fp32 for the sampler
         return self.lm_head(hidden).float()
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named tensors, fusing q/k/v and gate/up on the way."""
-        params = dict(self.named_parameters())
+    def _shard_sizes(self, fused: str) -> list[int]:
         cfg = self.config
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        fused = {
-            "q_proj": ("qkv_proj", 0, q_size), "k_proj": ("qkv_proj", q_size, kv_size),
-            "v_proj": ("qkv_proj", q_size + kv_size, kv_size),
-            "gate_proj": ("gate_up_proj", 0, cfg.intermediate_size),
-            "up_proj": ("gate_up_proj", cfg.intermediate_size, cfg.intermediate_size),
-        }
+        if fused == "qkv_proj":
+            kv = cfg.num_kv_heads * cfg.head_dim
+            return [cfg.num_heads * cfg.head_dim, kv, kv]
+        return [cfg.intermediate_size, cfg.intermediate_size]
+
+    def _expected_weights(self) -> dict[str, str]:
+        """Every tensor the checkpoint must hold: our key (param, or param#shard) -> its HF name."""
+        expected = {}
+        for name in dict(self.named_parameters()):  # a tied lm_head is not listed again
+            parts = name.split(".")
+            if parts[0] != "layers":
+                expected[name] = f"model.{name}" if name != "lm_head.weight" else name
+                continue
+            layer, module, kind = parts[1], parts[2], parts[3]
+            prefix = f"model.layers.{layer}.{_HF_MODULE.get(module)}"
+            if module in ("qkv_proj", "gate_up_proj"):
+                for hf_proj, (fused, shard) in _STACKED.items():
+                    if fused == module:
+                        expected[f"{name}#{shard}"] = f"{prefix}.{hf_proj}.{kind}"
+            elif module in _HF_MODULE:
+                expected[name] = f"{prefix}.{module}.{kind}"
+            else:
+                expected[name] = f"model.{name}"
+        return expected
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors, fusing q/k/v and gate/up on the way. Raises ValueError naming
+        the tensor when one is unknown, repeated, of the wrong shape, or missing."""
+        params = dict(self.named_parameters())
+        expected = self._expected_weights()
         loaded: set[str] = set()
-        for name, tensor in weights:
-            name = name.removeprefix("model.")
-            if "rotary_emb" in name or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+        for hf_name, tensor in weights:
+            name = hf_name.removeprefix("model.")
+            if "rotary_emb" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
                 continue
             parts = name.split(".")
-            if len(parts) >= 4 and parts[-2] in fused:
-                target, start, size = fused[parts[-2]]
-                name = ".".join(parts[:2] + [target, parts[-1]])
-                params[name].data[start : start + size].copy_(tensor)
-            elif len(parts) >= 4 and parts[-2] in ("o_proj", "down_proj"):
-                name = ".".join(parts[:2] + parts[-2:])
-                params[name].data.copy_(tensor)
-            elif name in params:
-                params[name].data.copy_(tensor)
+            key, dest = name, None
+            if len(parts) == 5 and parts[0] == "layers" and parts[3] in _STACKED:
+                fused, shard = _STACKED[parts[3]]
+                param_name = f"layers.{parts[1]}.{fused}.{parts[4]}"
+                key = f"{param_name}#{shard}"
+                if param_name in params:
+                    sizes = self._shard_sizes(fused)
+                    start = sum(sizes[:shard])
+                    dest = params[param_name].data[start : start + sizes[shard]]
             else:
-                raise ValueError(f"unexpected weight {name!r} in checkpoint")
-            loaded.add(name)
-        missing = {n for n in params if n.split(".")[-2] not in ("qkv_proj", "gate_up_proj")} - loaded
-        if cfg.tie_word_embeddings:
-            missing.discard("lm_head.weight")
+                if len(parts) == 5 and parts[0] == "layers" and parts[3] in ("o_proj", "down_proj"):
+                    key = f"layers.{parts[1]}.{parts[3]}.{parts[4]}"
+                if key in params:
+                    dest = params[key].data
+            if dest is None or key not in expected:
+                raise ValueError(f"unexpected weight {hf_name!r} in checkpoint")
+            if key in loaded:
+                raise ValueError(f"weight {hf_name!r} appears twice in the checkpoint")
+            if tuple(tensor.shape) != tuple(dest.shape):
+                raise ValueError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+            dest.copy_(tensor)
+            loaded.add(key)
+        missing = [hf for key, hf in expected.items() if key not in loaded]
         if missing:
-            raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]}")
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:5])}{more}")

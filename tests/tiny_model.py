@@ -1,13 +1,16 @@
-"""A tiny random-weight Llama with a real byte-level BPE tokenizer, built offline in seconds.
+"""Tiny random-weight models with a real byte-level BPE tokenizer, built offline in seconds.
 
-Unit tests and smoke benchmarks run on it so the suite stays fast and needs no download.
-Weights are scaled up from the usual init so logits are well separated: greedy choices are
-then stable against float rounding, and token-for-token comparisons stay meaningful.
+Unit tests run on them so the suite stays fast and needs no download: `build_tiny_model` (the
+Llama most tests use) and `build_tiny_family_model` (any supported family, from transformers'
+own model classes, for the per-family parity tests). Weights are scaled up from the usual
+init so logits are well separated: greedy choices are then stable against float rounding,
+and token-for-token comparisons stay meaningful.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -24,17 +27,10 @@ _CHAT_TEMPLATE = (
 )
 
 
-def build_tiny_model(path: Path, seed: int = 0, num_layers: int = 2, hidden_size: int = 64,
-                     vocab_size: int = 512, max_position_embeddings: int = 4096) -> Path:
-    """Write config.json, model.safetensors and tokenizer files to path (if not there yet)."""
-    path = Path(path)
-    if (path / "config.json").exists():
-        return path
-    from safetensors.torch import save_file
+def _write_tokenizer(path: Path, vocab_size: int) -> Any:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
-    path.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -45,6 +41,20 @@ def build_tiny_model(path: Path, seed: int = 0, num_layers: int = 2, hidden_size
                                    pad_token="<|endoftext|>", unk_token="<|endoftext|>")
     fast.chat_template = _CHAT_TEMPLATE
     fast.save_pretrained(str(path))
+    return tok
+
+
+def build_tiny_model(path: Path, seed: int = 0, num_layers: int = 2, hidden_size: int = 64,
+                     vocab_size: int = 512, max_position_embeddings: int = 4096) -> Path:
+    """Write config.json, model.safetensors and tokenizer files to path (if not there yet)."""
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    path.mkdir(parents=True, exist_ok=True)
+    tok = _write_tokenizer(path, vocab_size)
 
     num_heads, num_kv_heads = 4, 2
     head_dim = hidden_size // num_heads
@@ -80,4 +90,31 @@ def build_tiny_model(path: Path, seed: int = 0, num_layers: int = 2, hidden_size
     save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id}))
+    return path
+
+
+def build_tiny_family_model(path: Path, config: Any, seed: int = 0) -> Path:
+    """Save a transformers model of `config`'s family (LlamaConfig, Qwen2Config, MistralConfig...)
+    with random, well-separated weights and the tiny tokenizer. config.vocab_size must be at
+    least the tokenizer's (about 500)."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    tok = _write_tokenizer(path, 512)
+    config.bos_token_id = config.pad_token_id = tok.token_to_id("<|endoftext|>")
+    config.eos_token_id = tok.token_to_id("<|im_end|>")
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:  # near 1, but not 1, so a misplaced norm weight shows
+                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
+            else:  # biases too: zero biases would hide a missing bias
+                std = 1.0 if "embed_tokens" in name else 0.25
+                param.copy_(torch.randn(param.shape, generator=gen) * std)
+    model.save_pretrained(str(path))
     return path

@@ -1,4 +1,5 @@
-"""`minivllm` command line: serve, generate, info (and bench, see bench/)."""
+"""`minivllm` command line: serve, generate, info, bench. It sits above service/ and bench/ and
+wires them together; neither imports it."""
 from __future__ import annotations
 
 import argparse
@@ -44,7 +45,7 @@ async def _serve(args: argparse.Namespace) -> None:
     # The engine thread re-takes the GIL after every torch op; with the default 5 ms switch
     # interval a busy asyncio thread (streaming hundreds of messages/s) can hold it that long.
     sys.setswitchinterval(float(os.environ.get("MINIVLLM_SWITCH_INTERVAL", "0.0005")))
-    from engine.model_loader import model_display_name
+    from engine import model_display_name
     from service.observability import Observability
     from service.server import InferenceServer, ServerConfig
 

@@ -1,0 +1,75 @@
+"""From what a client sends to prompt token ids: tokenization, chat templates, input checks.
+
+Kept apart from the engine loop so it can later run off the engine thread (tokenizing a long
+prompt must not stall a step).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from engine.errors import PromptTooLongError
+from engine.sampling_params import SamplingParams
+
+VALID_ROLES = ("system", "user", "assistant", "tool")
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self.tokenizer.chat_template is not None
+
+    def tokenize(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt, add_special_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        if not messages:
+            raise ValueError("messages: must not be empty")
+        for i, m in enumerate(messages):
+            if m.get("role") not in VALID_ROLES:
+                raise ValueError(f"messages[{i}].role: {m.get('role')!r} is not one of {VALID_ROLES}")
+            if not isinstance(m.get("content"), str):
+                raise ValueError(f"messages[{i}].content: must be a string")
+        if not self.has_chat_template:
+            raise ValueError("messages: this model has no chat template; send a prompt instead")
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def process(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        """The prompt's token ids, checked against the vocabulary and the context length."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: must not be empty")
+            token_ids = self.tokenize(prompt)
+        else:
+            token_ids = [int(t) for t in prompt]
+            if not token_ids:
+                raise ValueError("prompt_token_ids: must not be empty")
+            bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"prompt_token_ids: {bad} is outside the vocabulary [0, {self.vocab_size})")
+        if any(not 0 <= t < self.vocab_size for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids: must be in [0, {self.vocab_size})")
+        if len(token_ids) >= self.max_model_len:
+            raise PromptTooLongError(f"prompt: {len(token_ids)} tokens do not fit the context of "
+                                     f"{self.max_model_len} tokens (at least one must be generated)")
+        return token_ids
+
+
+def load_eos_token_ids(model_dir: Path, hf_config: Any, tokenizer: Any) -> frozenset[int]:
+    """EOS ids from generation_config.json (a list for chat models), else config.json, plus the tokenizer's."""
+    from transformers import GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(str(model_dir)).eos_token_id
+    except OSError:
+        eos = getattr(hf_config, "eos_token_id", None)
+    ids = {int(v) for v in (eos if isinstance(eos, list) else [eos]) if v is not None}
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(ids)

@@ -1,0 +1,21 @@
+"""model_type (from config.json) -> the class that implements it, imported on first use."""
+from __future__ import annotations
+
+import importlib
+
+from engine.models.llama import LlamaForCausalLM
+
+_MODELS: dict[str, tuple[str, str]] = {
+    "llama": ("engine.models.llama", "LlamaForCausalLM"),
+    "mistral": ("engine.models.mistral", "MistralForCausalLM"),
+    "qwen2": ("engine.models.qwen2", "Qwen2ForCausalLM"),
+}
+
+SUPPORTED_MODEL_TYPES = tuple(_MODELS)
+
+
+def model_class(model_type: str) -> type[LlamaForCausalLM]:
+    if model_type not in _MODELS:
+        raise ValueError(f"model: model_type {model_type!r} is not supported; use one of {SUPPORTED_MODEL_TYPES}")
+    module, name = _MODELS[model_type]
+    return getattr(importlib.import_module(module), name)

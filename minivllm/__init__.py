@@ -1,0 +1,1 @@
+"""The `minivllm` command line: the layer above the engine, the service and the benchmarks."""

@@ -1,0 +1,3 @@
+from minivllm.cli import main
+
+main()
