@@ -46,7 +46,7 @@ def decode_overhead(steps: list[StepStats], min_batch: int) -> dict[str, float] 
         return None
     med = lambda f: 1000 * statistics.median(f(s) for s in chosen)  # noqa: E731
     split = {"steps": len(chosen), "schedule_ms": med(lambda s: s.schedule_time),
-             "prepare_ms": med(lambda s: s.prepare_time), "forward_ms": med(lambda s: s.decode_time),
+             "prepare_ms": med(lambda s: s.prepare_time), "forward_ms": med(lambda s: s.forward_time),
              "sample_ms": med(lambda s: s.sample_time), "process_ms": med(lambda s: s.process_time),
              "step_ms": med(lambda s: s.total_time)}
     split["overhead_pct"] = 100 * statistics.median(s.overhead_time / s.total_time for s in chosen)

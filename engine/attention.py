@@ -30,7 +30,10 @@ class PrefillSeqMeta:
 
 @dataclass(slots=True)
 class AttentionMetadata:
+    """Rows [0, num_prefill_tokens) of a step are prefill chunks, the rest one decode token each."""
+
     slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V goes
+    num_prefill_tokens: int = 0
     prefill: list[PrefillSeqMeta] | None = None
     block_size: int = 0
     block_tables: torch.Tensor | None = None  # [B, max_blocks] (decode)
@@ -45,6 +48,21 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     # k, v: [num_tokens, num_kv_heads, head_dim]
     k_cache.index_copy_(0, slot_mapping, k)
     v_cache.index_copy_(0, slot_mapping, v)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              attn: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+    """Both paths of one step: prefill rows first, then decode rows. q: [T, H, D] -> [T, H, D]."""
+    num_prefill = attn.num_prefill_tokens
+    if num_prefill == q.shape[0]:
+        return prefill_attention(q, k, v, k_cache, v_cache, attn.prefill, scale, window)
+    if num_prefill == 0:
+        return decode_attention(q, k_cache, v_cache, attn, scale, window)
+    out = torch.empty_like(q)
+    out[:num_prefill] = prefill_attention(q[:num_prefill], k[:num_prefill], v[:num_prefill], k_cache, v_cache,
+                                          attn.prefill, scale, window)
+    out[num_prefill:] = decode_attention(q[num_prefill:], k_cache, v_cache, attn, scale, window)
+    return out
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

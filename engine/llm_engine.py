@@ -1,5 +1,5 @@
-"""The engine: add requests, then step. One step = schedule -> prefill and decode forwards ->
-sample -> scheduler.update_from_output -> output processing, returning per-request deltas and a
+"""The engine: add requests, then step. One step = schedule -> one forward over the prefill
+chunks and the decodes -> sample -> scheduler.update_from_output -> output processing, returning per-request deltas and a
 StepStats value. This class only orchestrates: the scheduler owns request progress, the
 output processor owns what a token means for the client, the runner owns the model."""
 from __future__ import annotations
@@ -165,30 +165,18 @@ class LLMEngine:
 
     def _run(self, sched: SchedulerOutput, stats: StepStats) -> list[RequestOutput]:
         t0 = time.monotonic()
-        logits = []
-        prefill_prepare = decode_prepare = 0.0
-        if sched.prefill_seqs:
-            prefill_logits = self.runner.run_prefill(sched.prefill_seqs, sched.prefill_num_tokens)
-            prefill_prepare = self.runner.last_prepare_time
-            rows = sched.prefill_sample_rows
-            if rows:
-                logits.append(prefill_logits if len(rows) == len(sched.prefill_seqs) else prefill_logits[rows])
+        logits = self.runner.execute(sched)
         t1 = time.monotonic()
-        if sched.decode_seqs:
-            logits.append(self.runner.run_decode(sched.decode_seqs))
-            decode_prepare = self.runner.last_prepare_time
-        t2 = time.monotonic()
         sampling_seqs = sched.sampling_seqs
-        sampled = self.sampler(torch.cat(logits) if len(logits) > 1 else logits[0], sampling_seqs) if logits else None
-        t3 = time.monotonic()
+        sampled = self.sampler(logits, sampling_seqs) if sampling_seqs else None
+        t2 = time.monotonic()
         self.scheduler.update_from_output(sched, sampled.token_ids if sampled is not None else [])
-        outputs = self.output_processor.process(sampling_seqs, sampled.logprobs, t3, stats) if sampled is not None else []
-        t4 = time.monotonic()
-        # Forward times exclude host-side input preparation, which counts as overhead.
-        stats.prepare_time = prefill_prepare + decode_prepare
-        stats.prefill_time = t1 - t0 - prefill_prepare
-        stats.decode_time = t2 - t1 - decode_prepare
-        stats.sample_time, stats.process_time = t3 - t2, t4 - t3
+        outputs = self.output_processor.process(sampling_seqs, sampled.logprobs, t2, stats) if sampled is not None else []
+        t3 = time.monotonic()
+        # The forward time excludes host-side input preparation, which counts as overhead.
+        stats.prepare_time = self.runner.last_prepare_time
+        stats.forward_time = t1 - t0 - stats.prepare_time
+        stats.sample_time, stats.process_time = t2 - t1, t3 - t2
         stats.num_prefill_tokens, stats.num_decode_tokens = sched.num_prefill_tokens, sched.num_decode_tokens
         stats.num_prefill_seqs, stats.num_decode_seqs = len(sched.prefill_seqs), len(sched.decode_seqs)
         stats.prefill_request_ids = [s.request_id for s in sched.prefill_seqs]

@@ -1,4 +1,5 @@
-"""Runs the model for the two workloads: packed prefill and one-token-per-sequence decode.
+"""Runs the model for the two workloads, in one forward per step: packed prefill chunks and one
+token per decoding sequence.
 
 Owns the device, the weights and the KV cache pool. Reads sequences, never mutates them:
 the engine folds results back after sampling.
@@ -8,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +21,7 @@ from engine.kernels import load_cpu_kernels
 from engine.model_loader import iter_weights
 from engine.models import model_class
 from engine.models.layers import can_pack_linear
+from engine.scheduler_output import SchedulerOutput
 from engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
@@ -79,12 +82,34 @@ class ModelRunner:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
 
     @torch.inference_mode()
-    def run_prefill(self, seqs: list[Sequence], num_new_tokens: list[int]) -> torch.Tensor:
-        """Compute the scheduled chunk of each sequence, packed without padding.
-
-        Returns logits at each sequence's last scheduled position: [len(seqs), vocab].
-        """
+    def execute(self, sched: SchedulerOutput) -> torch.Tensor:
+        """One forward over every token the step scheduled: the prefill chunks, packed without
+        padding, then one token per decoding sequence. The projections and MLPs see all rows
+        at once (the weights are read once per step, which on a CPU is most of a small step);
+        only attention splits by path. Returns logits of the sampling rows, in
+        `sched.sampling_seqs` order: [num_sampling, vocab]."""
         t0 = time.perf_counter()
+        prefill = self._prepare_prefill(sched.prefill_seqs, sched.prefill_num_tokens)
+        decode = self._prepare_decode(sched.decode_seqs)
+        num_prefill_tokens = prefill.num_tokens if prefill else 0
+        parts = [p for p in (prefill, decode) if p is not None]
+        input_ids = torch.from_numpy(np.concatenate([p.token_ids for p in parts])).to(self.device)
+        positions = self._to_device(np.concatenate([p.positions for p in parts]))
+        attn = AttentionMetadata(slot_mapping=self._to_device(np.concatenate([p.slot_mapping for p in parts])),
+                                 num_prefill_tokens=num_prefill_tokens,
+                                 prefill=prefill.metas if prefill else None, block_size=self.block_size)
+        if decode is not None:
+            decode.fill(attn, self)
+        rows = [prefill.last_indices[i] for i in sched.prefill_sample_rows] if prefill else []
+        rows += range(num_prefill_tokens, num_prefill_tokens + len(sched.decode_seqs))
+        rows_t = self._to_device(np.asarray(rows, dtype=np.int64))
+        self.last_prepare_time = time.perf_counter() - t0
+        hidden = self.model(input_ids, positions, attn, self.kv_caches)  # [T, hidden]
+        return self.model.compute_logits(hidden[rows_t])
+
+    def _prepare_prefill(self, seqs: list[Sequence], num_new_tokens: list[int]) -> _PrefillInputs | None:
+        if not seqs:
+            return None
         bs = self.block_size
         token_ids: list[int] = []
         positions, slots, metas, last_indices = [], [], [], []
@@ -100,17 +125,12 @@ class ModelRunner:
             metas.append(PrefillSeqMeta(num_tokens, n, start + n, None if start == 0 else self._to_device(ctx_slots)))
             num_tokens += n
             last_indices.append(num_tokens - 1)
-        attn = AttentionMetadata(slot_mapping=self._to_device(np.concatenate(slots)), prefill=metas)
-        input_ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
-        positions_t = self._to_device(np.concatenate(positions))
-        last = self._to_device(np.asarray(last_indices, dtype=np.int64))
-        self.last_prepare_time = time.perf_counter() - t0
-        return self.model.compute_logits(self.model(input_ids, positions_t, attn, self.kv_caches)[last])
+        return _PrefillInputs(np.asarray(token_ids, dtype=np.int64), np.concatenate(positions), np.concatenate(slots),
+                              metas, last_indices)
 
-    @torch.inference_mode()
-    def run_decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        """One new token per sequence against the paged cache. Returns logits [B, vocab]."""
-        t0 = time.perf_counter()
+    def _prepare_decode(self, seqs: list[Sequence]) -> _DecodeInputs | None:
+        if not seqs:
+            return None
         bs = self.block_size
         batch = len(seqs)
         max_blocks = max(len(s.block_table) for s in seqs)
@@ -120,15 +140,39 @@ class ModelRunner:
         context_lens = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=batch)
         positions = context_lens - 1
         slot_mapping = tables[np.arange(batch), positions // bs] * bs + positions % bs
-        attn = AttentionMetadata(slot_mapping=self._to_device(slot_mapping), block_size=bs,
-                                 block_tables=self._to_device(tables), context_lens=self._to_device(context_lens),
-                                 decode_kernels=self.cpu_kernels)
-        if self.cpu_kernels is None:
-            ctx_slots = (tables[:, :, None] * bs + np.arange(bs, dtype=np.int64)).reshape(batch, max_blocks * bs)
-            mask = np.where(np.arange(max_blocks * bs) < context_lens[:, None], 0.0, -np.inf).astype(np.float32)
-            attn.decode_slots = self._to_device(ctx_slots)
-            attn.decode_mask = self._to_device(mask).to(self.dtype).view(batch, 1, 1, -1)
-        input_ids = torch.tensor([s.last_token_id for s in seqs], dtype=torch.long).to(self.device, non_blocking=True)
-        positions_t = self._to_device(positions)
-        self.last_prepare_time = time.perf_counter() - t0
-        return self.model.compute_logits(self.model(input_ids, positions_t, attn, self.kv_caches))
+        token_ids = np.fromiter((s.last_token_id for s in seqs), dtype=np.int64, count=batch)
+        return _DecodeInputs(token_ids, positions, slot_mapping, tables, context_lens)
+
+
+@dataclass(slots=True)
+class _PrefillInputs:
+    token_ids: np.ndarray  # [T_prefill]
+    positions: np.ndarray  # [T_prefill]
+    slot_mapping: np.ndarray  # [T_prefill]
+    metas: list[PrefillSeqMeta]
+    last_indices: list[int]  # each chunk's last row
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(slots=True)
+class _DecodeInputs:
+    token_ids: np.ndarray  # [B]
+    positions: np.ndarray  # [B]
+    slot_mapping: np.ndarray  # [B]
+    block_tables: np.ndarray  # [B, max_blocks]
+    context_lens: np.ndarray  # [B]
+
+    def fill(self, attn: AttentionMetadata, runner: ModelRunner) -> None:
+        attn.block_tables = runner._to_device(self.block_tables)
+        attn.context_lens = runner._to_device(self.context_lens)
+        attn.decode_kernels = runner.cpu_kernels
+        if runner.cpu_kernels is None:  # the torch path gathers contexts through one [B, L] slot index
+            batch, max_blocks = self.block_tables.shape
+            bs = runner.block_size
+            ctx_slots = (self.block_tables[:, :, None] * bs + np.arange(bs, dtype=np.int64)).reshape(batch, -1)
+            mask = np.where(np.arange(max_blocks * bs) < self.context_lens[:, None], 0.0, -np.inf).astype(np.float32)
+            attn.decode_slots = runner._to_device(ctx_slots)
+            attn.decode_mask = runner._to_device(mask).to(runner.dtype).view(batch, 1, 1, -1)

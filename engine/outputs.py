@@ -118,9 +118,8 @@ class StepStats:
     num_prefix_queried_tokens: int = 0
     num_prefix_hit_tokens: int = 0
     schedule_time: float = 0.0
-    prefill_time: float = 0.0
-    decode_time: float = 0.0
-    prepare_time: float = 0.0  # host-side input building (not in prefill_time / decode_time)
+    forward_time: float = 0.0  # the model forward over all scheduled tokens and the logits
+    prepare_time: float = 0.0  # host-side input building (not in forward_time)
     sample_time: float = 0.0
     process_time: float = 0.0
     prefill_request_ids: list[str] = field(default_factory=list)
@@ -130,9 +129,15 @@ class StepStats:
     finished: list[RequestMetrics] = field(default_factory=list)
 
     @property
+    def kind(self) -> str:
+        """prefill, decode or mixed: which paths the step's forward ran (idle: no forward)."""
+        if self.num_prefill_tokens and self.num_decode_tokens:
+            return "mixed"
+        return "prefill" if self.num_prefill_tokens else "decode" if self.num_decode_tokens else "idle"
+
+    @property
     def total_time(self) -> float:
-        return (self.schedule_time + self.prepare_time + self.prefill_time + self.decode_time + self.sample_time
-                + self.process_time)
+        return self.schedule_time + self.prepare_time + self.forward_time + self.sample_time + self.process_time
 
     @property
     def overhead_time(self) -> float:

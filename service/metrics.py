@@ -45,7 +45,7 @@ class ServiceMetrics:
         self.step_decode_tokens = hist("minivllm_step_decode_tokens", "Decode tokens computed in one engine step",
                                        TOKEN_BUCKETS)
         self.step_duration = hist("minivllm_step_duration_seconds",
-                                  "Engine step time by phase (prefill and decode forwards; overhead = schedule, input prep, sampling, output processing)",
+                                  "Engine step time by phase: the forward of prefill-only, decode-only and mixed steps; overhead = schedule, input prep, sampling, output processing",
                                   LATENCY_BUCKETS, ["phase"])
         self.prefill_tokens = Counter("minivllm_prefill_tokens_total", "Tokens run through the prefill path", label,
                                       registry=reg)
@@ -81,7 +81,7 @@ class ServiceMetrics:
         m = model_name
         for reason in FINISH_REASONS:  # every reason is a series from the start, even at zero
             self.finished.labels(m, reason)
-        for phase in ("prefill", "decode", "overhead"):
+        for phase in ("prefill", "decode", "mixed", "overhead"):
             self.step_duration.labels(m, phase)
 
     def serve(self, port: int, host: str = "0.0.0.0") -> int:
@@ -98,10 +98,7 @@ class ServiceMetrics:
             self.step_prefill_tokens.labels(m).observe(stats.num_prefill_tokens)
             self.step_decode_tokens.labels(m).observe(stats.num_decode_tokens)
             self.step_duration.labels(m, "overhead").observe(stats.overhead_time)
-        if stats.num_prefill_tokens:
-            self.step_duration.labels(m, "prefill").observe(stats.prefill_time)
-        if stats.num_decode_tokens:
-            self.step_duration.labels(m, "decode").observe(stats.decode_time)
+            self.step_duration.labels(m, stats.kind).observe(stats.forward_time)
         self.prefill_tokens.labels(m).inc(stats.num_prefill_tokens)
         self.decode_tokens.labels(m).inc(stats.num_decode_tokens)
         self.generation_tokens.labels(m).inc(stats.num_generated_tokens)

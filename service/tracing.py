@@ -153,8 +153,8 @@ class Tracing(RequestObserver):
                                           "minivllm.step.num_prefill_seqs": stats.num_prefill_seqs,
                                           "minivllm.step.num_decode_seqs": stats.num_decode_seqs,
                                           "minivllm.step.preemptions": stats.num_preemptions,
-                                          "minivllm.step.prefill_time": stats.prefill_time,
-                                          "minivllm.step.decode_time": stats.decode_time,
+                                          "minivllm.step.kind": stats.kind,
+                                          "minivllm.step.forward_time": stats.forward_time,
                                       })
         span.end(end_time=epoch_ns(stats.start_time + stats.total_time))
 

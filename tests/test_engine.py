@@ -220,7 +220,7 @@ def test_engine_fault_fails_only_that_step(tiny_llm: LLM, monkeypatch: pytest.Mo
     def boom(*_: object) -> None:
         raise RuntimeError("injected fault")
 
-    monkeypatch.setattr(engine.runner, "run_prefill", boom)
+    monkeypatch.setattr(engine.runner, "execute", boom)
     outputs, _ = engine.step()
     assert outputs[0].request_id == rid and outputs[0].finish_reason == "error"
     assert "injected fault" in outputs[0].error

@@ -169,13 +169,13 @@ def test_deadline_aborts_in_engine(server: ServerThread) -> None:
 
 def test_engine_fault_is_internal_and_server_keeps_serving(server: ServerThread, client: InferenceClient) -> None:
     runner = server.engine.runner
-    original = runner.run_prefill
+    original = runner.execute
 
     def boom(*args: object) -> None:
-        runner.run_prefill = original
+        runner.execute = original
         raise RuntimeError("injected fault")
 
-    runner.run_prefill = boom
+    runner.execute = boom
     with pytest.raises(grpc.RpcError) as err:
         client.complete("fail me", max_tokens=4)
     assert err.value.code() == grpc.StatusCode.INTERNAL and "injected fault" in err.value.details()

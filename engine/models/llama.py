@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, decode_attention, prefill_attention, write_kv
+from engine.attention import AttentionMetadata, attention, write_kv
 from engine.models.layers import Linear, RMSNorm, rotate_half
 from engine.models.model_config import ModelConfig
 
@@ -54,10 +54,7 @@ class DecoderLayer(nn.Module):
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         write_kv(k_cache, v_cache, k, v, attn.slot_mapping)
-        if attn.prefill is not None:
-            o = prefill_attention(q, k, v, k_cache, v_cache, attn.prefill, self.scale, self.sliding_window)
-        else:
-            o = decode_attention(q, k_cache, v_cache, attn, self.scale, self.sliding_window)
+        o = attention(q, k, v, k_cache, v_cache, attn, self.scale, self.sliding_window)
         h = x + self.o_proj(o.reshape(num_tokens, self.q_size))
         gate, up = self.gate_up_proj(self.post_attention_layernorm(h)).split(self.intermediate_size, dim=-1)
         return h + self.down_proj(F.silu(gate) * up)
