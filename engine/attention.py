@@ -4,7 +4,8 @@ Cache layout per layer: k_cache, v_cache: [num_slots, num_kv_heads, head_dim] wh
 slot = block_id * block_size + offset. New K/V are written at slot_mapping first; then
 - prefill: per sequence, causal attention of its chunk over its whole context. A sequence
   with nothing cached attends over the fresh K/V directly; one with a cached prefix (prefix
-  hit, later chunk, recompute) gathers its context from the cache.
+  hit, later chunk, recompute) attends to the cache and to itself separately, merged by
+  log-sum-exp (no mask); the cache is read in place when its slots are consecutive.
 - decode: one query per sequence. On the CPU (fp32 or bf16) a C++ kernel walks each block
   table directly (engine/kernels); otherwise all contexts are gathered at once through a
   [B, L] slot index shared by every layer, padded positions masked out.
@@ -26,6 +27,11 @@ class PrefillSeqMeta:
     query_len: int
     context_len: int  # tokens in the cache after this chunk, including it
     context_slots: torch.Tensor | None  # [context_len] slots; None when nothing was cached
+    cached_slot_start: int | None = None  # set when the cached tokens sit in consecutive slots
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.context_len - self.query_len
 
 
 @dataclass(slots=True)
@@ -71,28 +77,62 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     # q: [T, H, D]; k, v: [T, KVH, D] -> out: [T, H, D]
     out = torch.empty_like(q)
     for meta in seqs:
-        q_i = q[meta.query_start : meta.query_start + meta.query_len].transpose(0, 1)  # [H, n, D]
-        is_windowed = window is not None and meta.context_len > window
-        if meta.context_slots is None and not is_windowed:
-            k_i = k[meta.query_start : meta.query_start + meta.query_len].transpose(0, 1)
-            v_i = v[meta.query_start : meta.query_start + meta.query_len].transpose(0, 1)
+        rows = slice(meta.query_start, meta.query_start + meta.query_len)
+        # [1, heads, n, D] views of the packed rows: SDPA's flash kernel reads them strided (and
+        # shares K/V heads itself, GQA), while 3-D [heads, n, D] input sends it to the math path,
+        # about 4x slower for a 500-token chunk.
+        q_i, k_i, v_i = (x[rows].unsqueeze(0).transpose(1, 2) for x in (q, k, v))
+        if window is not None and meta.context_len > window:
+            o_i = _masked_attention(q_i, k_i, v_i, k_cache, v_cache, meta, scale, window)
+        elif meta.num_cached_tokens == 0:
             o_i = F.scaled_dot_product_attention(q_i, k_i, v_i, is_causal=True, scale=scale, enable_gqa=True)
+        elif q.device.type == "cpu":
+            o_i = _cached_then_causal(q_i, k_i, v_i, k_cache, v_cache, meta, scale)
         else:
-            if meta.context_slots is None:  # fresh prompt, but a window narrower than it
-                k_i = k[meta.query_start : meta.query_start + meta.query_len].transpose(0, 1)
-                v_i = v[meta.query_start : meta.query_start + meta.query_len].transpose(0, 1)
-            else:
-                k_i = k_cache.index_select(0, meta.context_slots).transpose(0, 1)  # [KVH, ctx, D]
-                v_i = v_cache.index_select(0, meta.context_slots).transpose(0, 1)
-            offset = meta.context_len - meta.query_len
-            rows = torch.arange(meta.query_len, device=q.device).unsqueeze(1) + offset
-            cols = torch.arange(meta.context_len, device=q.device).unsqueeze(0)
-            mask = cols <= rows
-            if is_windowed:
-                mask &= cols > rows - window
-            o_i = F.scaled_dot_product_attention(q_i, k_i, v_i, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[meta.query_start : meta.query_start + meta.query_len] = o_i.transpose(0, 1)
+            o_i = _masked_attention(q_i, k_i, v_i, k_cache, v_cache, meta, scale, window)
+        out[rows] = o_i[0].transpose(0, 1)
     return out
+
+
+def _cached_keys(cache: torch.Tensor, meta: PrefillSeqMeta) -> torch.Tensor:
+    """The sequence's cached K or V rows, [1, KVH, num_cached, D]: a view of the pool when its
+    blocks are consecutive (a fresh long prompt's usually are), else gathered."""
+    n = meta.num_cached_tokens
+    if meta.cached_slot_start is not None:
+        rows = cache[meta.cached_slot_start : meta.cached_slot_start + n]
+    else:
+        rows = cache.index_select(0, meta.context_slots[:n])
+    return rows.unsqueeze(0).transpose(1, 2)
+
+
+def _cached_then_causal(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, meta: PrefillSeqMeta, scale: float) -> torch.Tensor:
+    """A chunk after a cached context, with no mask: every cached token precedes every new one, so
+    the chunk attends to the cache without one and to itself causally, each by the flash kernel,
+    and the two softmaxes merge by their log-sum-exps (the weight of the cached part is
+    sigmoid(lse_cached - lse_new)). q: [1, H, n, D] -> [1, H, n, D]."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    o_old, lse_old = flash(q, _cached_keys(k_cache, meta), _cached_keys(v_cache, meta), 0.0, False, scale=scale)
+    o_new, lse_new = flash(q, k_new, v_new, 0.0, True, scale=scale)
+    w_old = torch.sigmoid(lse_old - lse_new).unsqueeze(-1)  # [1, H, n, 1]
+    return torch.lerp(o_new, o_old, w_old)
+
+
+def _masked_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, meta: PrefillSeqMeta, scale: float, window: int | None) -> torch.Tensor:
+    """The general path (sliding windows, non-CPU devices): one SDPA over the whole context with
+    an explicit mask. q: [1, H, n, D] -> [1, H, n, D]."""
+    if meta.num_cached_tokens:
+        k_ctx = torch.cat((_cached_keys(k_cache, meta), k_new), dim=2)
+        v_ctx = torch.cat((_cached_keys(v_cache, meta), v_new), dim=2)
+    else:
+        k_ctx, v_ctx = k_new, v_new
+    rows = torch.arange(meta.query_len, device=q.device).unsqueeze(1) + meta.num_cached_tokens
+    cols = torch.arange(meta.context_len, device=q.device).unsqueeze(0)
+    mask = cols <= rows
+    if window is not None:
+        mask &= cols > rows - window
+    return F.scaled_dot_product_attention(q, k_ctx, v_ctx, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: AttentionMetadata,

@@ -33,6 +33,13 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     min_prefill_share: float = 0.25  # budget share kept for prefill while requests wait
     aging_s: float = 5.0  # each aging_s seconds of waiting raises priority by one level
+    # Time-aware budget: while sequences decode, prefill chunks are sized so the step's
+    # predicted time (from costs learned online) stays under max_step_ms; None: auto,
+    # step_time_ratio x the recent decode-only step, so the streams' pace slows by at most
+    # that factor while prompts prefill. The token budget stays a cap.
+    enable_time_budget: bool = True
+    max_step_ms: float | None = None
+    step_time_ratio: float = 3.0
     enable_prefix_caching: bool = True
     watermark: float = 0.01  # KV blocks kept free when admitting new prompts
 
@@ -53,6 +60,10 @@ class EngineConfig:
             raise ValueError(f"min_prefill_share must be in [0, 1], got {self.min_prefill_share}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        if self.max_step_ms is not None and self.max_step_ms <= 0:
+            raise ValueError(f"max_step_ms must be positive, got {self.max_step_ms}")
+        if self.step_time_ratio <= 1.0:
+            raise ValueError(f"step_time_ratio must be > 1, got {self.step_time_ratio}")
         if self.aging_s <= 0:
             raise ValueError(f"aging_s must be positive, got {self.aging_s}")
         if self.device not in ("auto", "cpu", "cuda"):

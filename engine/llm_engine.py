@@ -31,7 +31,8 @@ logger = logging.getLogger(__name__)
 
 # Options that only change scheduling decisions, so they can change on a loaded, idle engine.
 SCHEDULING_OPTIONS = frozenset({"max_num_batched_tokens", "max_num_seqs", "max_num_waiting",
-                                "enable_chunked_prefill", "min_prefill_share", "aging_s"})
+                                "enable_chunked_prefill", "min_prefill_share", "aging_s", "enable_time_budget",
+                                "max_step_ms", "step_time_ratio"})
 
 
 class LLMEngine:
@@ -91,7 +92,9 @@ class LLMEngine:
         if self.has_unfinished_requests():
             raise RuntimeError("reconfigure needs an idle engine")
         self.config = dataclasses.replace(self.config, **changes)  # validates
+        cost_model = self.scheduler.cost_model  # what was learned about this machine still holds
         self.scheduler = Scheduler(self.config, self.block_manager)
+        self.scheduler.cost_model = cost_model
         self.output_processor = OutputProcessor(self.scheduler, self.max_model_len)
 
     def tokenize(self, prompt: str) -> list[int]:
@@ -160,6 +163,8 @@ class LLMEngine:
         stats.num_preemptions = len(sched.preempted_seqs)
         stats.num_prefix_queried_tokens = sched.num_prefix_queried_tokens
         stats.num_prefix_hit_tokens = sched.num_prefix_hit_tokens
+        stats.budget_source = sched.budget_source
+        stats.step_time_target, stats.predicted_step_time = sched.step_time_target, sched.predicted_step_time
         stats.finished = [o.metrics for o in outputs if o.metrics is not None]
         return outputs, stats
 
@@ -177,6 +182,7 @@ class LLMEngine:
         stats.prepare_time = self.runner.last_prepare_time
         stats.forward_time = t1 - t0 - stats.prepare_time
         stats.sample_time, stats.process_time = t2 - t1, t3 - t2
+        self.scheduler.observe_step_time(sched, stats.forward_time, stats.overhead_time)
         stats.num_prefill_tokens, stats.num_decode_tokens = sched.num_prefill_tokens, sched.num_decode_tokens
         stats.num_prefill_seqs, stats.num_decode_seqs = len(sched.prefill_seqs), len(sched.decode_seqs)
         stats.prefill_request_ids = [s.request_id for s in sched.prefill_seqs]

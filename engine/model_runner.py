@@ -122,7 +122,12 @@ class ModelRunner:
             ctx_slots = table[ctx_pos // bs] * bs + ctx_pos % bs
             positions.append(ctx_pos[start:])
             slots.append(ctx_slots[start:])
-            metas.append(PrefillSeqMeta(num_tokens, n, start + n, None if start == 0 else self._to_device(ctx_slots)))
+            meta = PrefillSeqMeta(num_tokens, n, start + n, None)
+            if start:
+                meta.context_slots = self._to_device(ctx_slots)
+                if ctx_slots[start - 1] - ctx_slots[0] == start - 1:  # consecutive: read the pool in place
+                    meta.cached_slot_start = int(ctx_slots[0])
+            metas.append(meta)
             num_tokens += n
             last_indices.append(num_tokens - 1)
         return _PrefillInputs(np.asarray(token_ids, dtype=np.int64), np.concatenate(positions), np.concatenate(slots),

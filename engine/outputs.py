@@ -117,6 +117,9 @@ class StepStats:
     num_preemptions: int = 0
     num_prefix_queried_tokens: int = 0
     num_prefix_hit_tokens: int = 0
+    budget_source: str = "tokens"  # what sized the prefill: "tokens" or "time"
+    step_time_target: float | None = None  # seconds, when the time budget applied
+    predicted_step_time: float | None = None  # seconds, by the learned cost model
     schedule_time: float = 0.0
     forward_time: float = 0.0  # the model forward over all scheduled tokens and the logits
     prepare_time: float = 0.0  # host-side input building (not in forward_time)

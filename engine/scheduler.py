@@ -22,6 +22,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.scheduler_output import SchedulerOutput
 from engine.sequence import FinishReason, Sequence, SequenceStatus
+from engine.step_cost_model import StepCostModel, attention_pairs
 
 
 class Scheduler:
@@ -31,6 +32,7 @@ class Scheduler:
         self.requests: dict[str, Sequence] = {}  # every unfinished request, by id
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []  # in admission order: oldest first
+        self.cost_model = StepCostModel()
         self._step = 0
 
     @property
@@ -94,12 +96,14 @@ class Scheduler:
 
         # Prefill: chunks already under way, then the waiting queue by aged priority.
         budget = cfg.max_num_batched_tokens - len(out.decode_seqs)
+        time_left = self._prefill_time_allowance(out)
         for seq in [s for s in prefilling if s.status is SequenceStatus.RUNNING]:
             if budget <= 0 or len(scheduled) >= cfg.max_num_seqs:
                 break
-            num_new = self._chunk(seq, budget, bool(out.prefill_seqs))
+            num_new = self._fit_time(seq, self._chunk(seq, budget, bool(out.prefill_seqs)), time_left, out)
             if num_new == 0 or not self._make_room(seq, num_new, scheduled, out):
                 break
+            time_left -= self.cost_model.chunk_cost(num_new, seq.num_computed_tokens, not out.prefill_seqs)
             budget -= self._add_prefill(out, seq, num_new, scheduled)
 
         self.waiting.sort(key=lambda s: (self.effective_priority(s, now), s.arrival_time))
@@ -108,7 +112,7 @@ class Scheduler:
             seq.num_computed_tokens = self.block_manager.allocate_cached_prefix(seq)
             if seq.num_preemptions == 0:
                 seq.num_cached_prompt_tokens = seq.num_computed_tokens
-            num_new = self._chunk(seq, budget, bool(out.prefill_seqs))
+            num_new = self._fit_time(seq, self._chunk(seq, budget, bool(out.prefill_seqs)), time_left, out)
             if num_new == 0 or not self.block_manager.allocate(seq, num_new, is_new=True):
                 # Head of line stays at the head: skipping it would starve long prompts.
                 self.block_manager.free(seq)
@@ -121,8 +125,49 @@ class Scheduler:
             if seq.times.first_scheduled is None:
                 seq.times.first_scheduled = now
             self.running.append(seq)
+            time_left -= self.cost_model.chunk_cost(num_new, seq.num_computed_tokens, not out.prefill_seqs)
             budget -= self._add_prefill(out, seq, num_new, scheduled)
+        if not out.is_empty:
+            out.cost_features = self._step_features(out)
+            if self.cost_model.num_observations:
+                out.predicted_step_time = self.cost_model.predict(*out.cost_features)
         return out
+
+    def _prefill_time_allowance(self, out: SchedulerOutput) -> float:
+        """Seconds of this step the prefill chunks may take: unbounded unless sequences decode
+        (then the streams wait for the whole step, so it is held to the step-time target)."""
+        cfg = self.config
+        if not (cfg.enable_time_budget and cfg.enable_chunked_prefill and out.decode_seqs):
+            return float("inf")
+        model = self.cost_model
+        decode_time = model.predict(len(out.decode_seqs), sum(s.num_tokens for s in out.decode_seqs))
+        # Auto: a multiple of the streams' usual pace (recent decode-only steps), so a step with
+        # prefill is at most step_time_ratio slower than the gaps the clients are used to.
+        typical = model.typical_decode_step or decode_time
+        target = cfg.max_step_ms / 1e3 if cfg.max_step_ms is not None else cfg.step_time_ratio * typical
+        out.budget_source, out.step_time_target = "time", target
+        # Waiting requests keep a share of the step even when decodes alone fill the target.
+        return max(target - decode_time, cfg.min_prefill_share * target)
+
+    def _fit_time(self, seq: Sequence, num_new: int, time_left: float, out: SchedulerOutput) -> int:
+        if out.budget_source != "time" or num_new == 0:
+            return num_new
+        fit = self.cost_model.max_chunk(time_left, seq.num_computed_tokens, num_new, not out.prefill_seqs)
+        if not out.prefill_seqs:
+            # Progress guarantee: the first chunk of a step is at least one block, so a long
+            # prompt finishes its prefill in bounded time however slow the model thinks it is.
+            fit = max(fit, min(num_new, self.block_manager.block_size))
+        return fit
+
+    @staticmethod
+    def _step_features(sched: SchedulerOutput) -> tuple[int, int, int, float]:
+        pairs = sum(attention_pairs(n, s.num_computed_tokens)
+                    for s, n in zip(sched.prefill_seqs, sched.prefill_num_tokens, strict=True))
+        return (len(sched.decode_seqs), sum(s.num_tokens for s in sched.decode_seqs), sched.num_prefill_tokens, pairs)
+
+    def observe_step_time(self, sched: SchedulerOutput, forward_time: float, overhead_time: float) -> None:
+        """Teach the cost model what the step scheduled by `sched` took."""
+        self.cost_model.observe(*sched.cost_features, forward_time, overhead_time)
 
     def update_from_output(self, sched: SchedulerOutput, sampled_token_ids: list[int]) -> None:
         """Fold a finished forward back into the sequences: the scheduled tokens are now in the

@@ -22,6 +22,12 @@ class SchedulerOutput:
     preempted_seqs: list[Sequence] = field(default_factory=list)
     num_prefix_queried_tokens: int = 0
     num_prefix_hit_tokens: int = 0
+    # Why the prefill got what it got: "tokens" (the token budget) or "time" (the step-time target).
+    budget_source: str = "tokens"
+    step_time_target: float | None = None  # seconds, when the time budget applied
+    predicted_step_time: float | None = None  # seconds, by the learned cost model
+    # The cost model's view of the step (decode seqs, decode context, prefill tokens, attention pairs).
+    cost_features: tuple[int, int, int, float] = (0, 0, 0, 0.0)
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -51,5 +57,10 @@ class SchedulerOutput:
 
     def describe(self) -> str:
         chunks = ", ".join(f"{s.request_id}:{n}" for s, n in zip(self.prefill_seqs, self.prefill_num_tokens, strict=True))
+        timing = ""
+        if self.predicted_step_time is not None:
+            target = f" target {1e3 * self.step_time_target:.1f} ms" if self.step_time_target is not None else ""
+            timing = f" predicted {1e3 * self.predicted_step_time:.1f} ms{target}"
         return (f"prefill[{chunks}] decode[{len(self.decode_seqs)}] "
-                f"preempted[{', '.join(s.request_id for s in self.preempted_seqs)}]")
+                f"preempted[{', '.join(s.request_id for s in self.preempted_seqs)}] "
+                f"budget from {self.budget_source}{timing}")

@@ -1,101 +1,99 @@
 """Predicts how long a step will take, from costs learned online from the engine's own steps.
 
-Each forward path is a small linear model fitted by exponentially weighted recursive least
-squares (forgetting factor `decay`, so it follows a machine whose speed drifts):
-- decode:  t = w0 + w1 * sequences + w2 * (context tokens read) / 1000
-- prefill: t = w0 + w1 * tokens + w2 * (query x key pairs of attention) / 1e6
-and host overhead (schedule, input preparation, sampling, output processing) is an
-exponentially weighted mean per step. The intercepts matter: on a CPU a forward first streams
-every weight from memory, which costs the same for 1 row as for 30.
+A step is one forward over its prefill and decode tokens, so its time is modelled as
+    t = w0 + w1 * decode sequences + w2 * decode context tokens / 1e3
+           + w3 * prefill tokens + w4 * prefill attention pairs / 1e6 + w5 * (any prefill)
+           + host overhead
+fitted by exponentially weighted recursive least squares (forgetting factor `decay`, so it
+follows a machine whose speed drifts). w0 matters: on a CPU every forward first streams all
+weights from memory, which costs as much for 1 row as for 30; w5 is what a step pays once for
+having prefill rows (per-layer attention set-up), kept apart so it does not leak into the
+decode-only prediction that the auto target is a multiple of. The host overhead (schedule,
+input preparation, sampling, output processing) is an exponentially weighted mean.
 
-Nothing here is tuned to one machine: the prior only says "a prefill token costs about a
-millisecond" with a wide variance, and a handful of steps replace it with measurements.
+Nothing here is tuned to one machine: the prior only says "a token costs about a millisecond"
+with a wide variance, and a handful of steps replace it with measurements.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
-
-class RecursiveLeastSquares:
-    """w minimising sum_i decay^(n-i) (y_i - w.x_i)^2 + a prior, updated in O(features^2)."""
-
-    def __init__(self, prior: list[float], prior_variance: list[float], decay: float = 0.97) -> None:
-        self.weights = np.asarray(prior, dtype=np.float64)
-        self.covariance = np.diag(np.asarray(prior_variance, dtype=np.float64))
-        self.decay = decay
-        self.num_updates = 0
-
-    def predict(self, features: np.ndarray) -> float:
-        # Negative fitted costs are noise: a feature never makes a step faster.
-        return float(np.maximum(self.weights, 0.0) @ features)
-
-    def update(self, features: np.ndarray, target: float) -> None:
-        p_x = self.covariance @ features
-        gain = p_x / (self.decay + features @ p_x)
-        self.weights = self.weights + gain * (target - features @ self.weights)
-        self.covariance = (self.covariance - np.outer(gain, p_x)) / self.decay
-        self.num_updates += 1
+_PRIOR = [0.0, 1e-3, 1e-3, 1e-3, 1e-2, 0.0]
+_PRIOR_VARIANCE = [1.0, 1e-2, 1e-2, 1e-2, 1.0, 1.0]
+_MAX_VARIANCE_GROWTH = 100.0  # a feature unseen for long regains at most this much uncertainty
 
 
-@dataclass(slots=True)
-class PrefillChunk:
-    num_tokens: int  # new tokens this step
-    num_context_tokens: int  # tokens already in the cache before them
-
-
-def decode_features(num_seqs: int, num_context_tokens: int) -> np.ndarray:
-    return np.array([1.0 if num_seqs else 0.0, num_seqs, num_context_tokens / 1e3])
-
-
-def prefill_features(chunks: list[PrefillChunk]) -> np.ndarray:
-    num_tokens = sum(c.num_tokens for c in chunks)
-    # Each new token attends to the cached context and to the new tokens before it.
-    pairs = sum(c.num_tokens * c.num_context_tokens + c.num_tokens * (c.num_tokens + 1) / 2 for c in chunks)
-    return np.array([1.0 if num_tokens else 0.0, num_tokens, pairs / 1e6])
+def attention_pairs(num_new_tokens: int, num_context_tokens: int) -> float:
+    """Query-key pairs of a chunk: each new token sees the cached context and the new tokens up to it."""
+    return num_new_tokens * num_context_tokens + num_new_tokens * (num_new_tokens + 1) / 2
 
 
 class StepCostModel:
-    def __init__(self, decay: float = 0.97) -> None:
-        self.decode = RecursiveLeastSquares([0.0, 1e-3, 1e-3], [1e-2, 1e-4, 1e-4], decay)
-        self.prefill = RecursiveLeastSquares([0.0, 1e-3, 1e-2], [1e-2, 1e-4, 1e-2], decay)
+    def __init__(self, decay: float = 0.98) -> None:
+        self.weights = np.asarray(_PRIOR, dtype=np.float64)
+        self.covariance = np.diag(np.asarray(_PRIOR_VARIANCE, dtype=np.float64))
+        self._max_variance = np.asarray(_PRIOR_VARIANCE) * _MAX_VARIANCE_GROWTH
+        self.decay = decay
         self.overhead = 0.0
-        self._overhead_decay = decay
+        self.typical_decode_step = 0.0  # exponentially weighted time of decode-only steps (seconds)
         self.num_observations = 0
 
-    def predict_decode(self, num_seqs: int, num_context_tokens: int) -> float:
-        return self.decode.predict(decode_features(num_seqs, num_context_tokens)) if num_seqs else 0.0
+    @staticmethod
+    def features(num_decode_seqs: int, num_decode_context_tokens: int, num_prefill_tokens: int,
+                 num_prefill_pairs: float) -> np.ndarray:
+        is_forward = 1.0 if num_decode_seqs or num_prefill_tokens else 0.0
+        has_prefill = 1.0 if num_prefill_tokens else 0.0
+        return np.array([is_forward, num_decode_seqs, num_decode_context_tokens / 1e3, num_prefill_tokens,
+                         num_prefill_pairs / 1e6, has_prefill])
 
-    def predict_prefill(self, chunks: list[PrefillChunk]) -> float:
-        return self.prefill.predict(prefill_features(chunks)) if chunks else 0.0
+    @property
+    def costs(self) -> np.ndarray:
+        # A negative fitted cost is noise: more work never makes a step faster.
+        return np.maximum(self.weights, 0.0)
 
-    def predict_step(self, num_decode_seqs: int, num_decode_context_tokens: int, chunks: list[PrefillChunk]) -> float:
-        return (self.overhead + self.predict_decode(num_decode_seqs, num_decode_context_tokens)
-                + self.predict_prefill(chunks))
+    def predict(self, num_decode_seqs: int, num_decode_context_tokens: int, num_prefill_tokens: int = 0,
+                num_prefill_pairs: float = 0.0) -> float:
+        """Predicted step time (seconds), host overhead included."""
+        x = self.features(num_decode_seqs, num_decode_context_tokens, num_prefill_tokens, num_prefill_pairs)
+        return self.overhead + float(self.costs @ x)
 
-    def max_chunk(self, time_left: float, num_context_tokens: int, has_prefill: bool, limit: int) -> int:
-        """The most new tokens (<= limit) of one sequence whose prefill fits in time_left seconds,
-        given that the step already has prefill chunks (the path's fixed cost is paid) or not."""
-        w0, w1, w2 = np.maximum(self.prefill.weights, 0.0)
-        budget = time_left - (0.0 if has_prefill else w0)
-        if budget <= 0:
+    def chunk_cost(self, num_new_tokens: int, num_context_tokens: int, is_first: bool = False) -> float:
+        """What adding one prefill chunk to a step that already runs a forward adds to it
+        (is_first: the step has no prefill chunk yet, so it also pays the prefill set-up)."""
+        c = self.costs
+        fixed = c[5] if is_first else 0.0
+        return fixed + c[3] * num_new_tokens + c[4] * attention_pairs(num_new_tokens, num_context_tokens) / 1e6
+
+    def max_chunk(self, time_left: float, num_context_tokens: int, limit: int, is_first: bool = False) -> int:
+        """The most new tokens (<= limit) of one sequence whose chunk fits in time_left seconds."""
+        c = self.costs
+        time_left -= c[5] if is_first else 0.0
+        if time_left <= 0:
             return 0
-        # w1 n + w2 (n c + n (n + 1) / 2) / 1e6 <= budget: a quadratic in n.
-        a = w2 / 2e6
-        b = w1 + w2 * (num_context_tokens + 0.5) / 1e6
-        n = budget / b if a <= 0 else (-b + (b * b + 4 * a * budget) ** 0.5) / (2 * a)
+        # c3 n + c4 (n ctx + n (n + 1) / 2) / 1e6 <= time_left: a quadratic in n.
+        a = c[4] / 2e6
+        b = c[3] + c[4] * (num_context_tokens + 0.5) / 1e6
+        if a <= 0 and b <= 0:
+            return limit
+        n = time_left / b if a <= 0 else (-b + (b * b + 4 * a * time_left) ** 0.5) / (2 * a)
         return max(0, min(limit, int(n)))
 
-    def observe(self, num_decode_seqs: int, num_decode_context_tokens: int, decode_time: float,
-                chunks: list[PrefillChunk], prefill_time: float, overhead_time: float) -> None:
-        """Fold in one step's measured forward times (seconds) per path and its host overhead."""
-        if num_decode_seqs:
-            self.decode.update(decode_features(num_decode_seqs, num_decode_context_tokens), decode_time)
-        if chunks:
-            self.prefill.update(prefill_features(chunks), prefill_time)
-        if self.num_observations == 0:
-            self.overhead = overhead_time
-        else:
-            self.overhead = self._overhead_decay * self.overhead + (1 - self._overhead_decay) * overhead_time
+    def observe(self, num_decode_seqs: int, num_decode_context_tokens: int, num_prefill_tokens: int,
+                num_prefill_pairs: float, forward_time: float, overhead_time: float) -> None:
+        """Fold in one step's measured forward time and host overhead (seconds)."""
+        x = self.features(num_decode_seqs, num_decode_context_tokens, num_prefill_tokens, num_prefill_pairs)
+        p_x = self.covariance @ x
+        gain = p_x / (self.decay + x @ p_x)
+        self.weights = self.weights + gain * (forward_time - x @ self.weights)
+        cov = (self.covariance - np.outer(gain, p_x)) / self.decay
+        # Forgetting inflates the variance of features a workload never varies (windup); cap it.
+        scale = np.sqrt(np.minimum(1.0, self._max_variance / np.maximum(np.diag(cov), 1e-30)))
+        self.covariance = cov * np.outer(scale, scale)
+        self.overhead = self._smooth(self.overhead, overhead_time, self.num_observations == 0)
+        if num_decode_seqs and not num_prefill_tokens:
+            step = forward_time + overhead_time
+            self.typical_decode_step = self._smooth(self.typical_decode_step, step, self.typical_decode_step == 0.0)
         self.num_observations += 1
+
+    def _smooth(self, average: float, value: float, is_first: bool) -> float:
+        return value if is_first else self.decay * average + (1 - self.decay) * value

@@ -22,6 +22,7 @@ from engine import RequestMetrics, StepStats
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
                    1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
 TOKEN_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
@@ -74,6 +75,17 @@ class ServiceMetrics:
         self.request_prompt_tokens = hist("minivllm_request_prompt_tokens", "Prompt tokens per request", TOKEN_BUCKETS)
         self.request_generation_tokens = hist("minivllm_request_generation_tokens", "Generated tokens per request",
                                               TOKEN_BUCKETS)
+        self.step_time_target = Gauge("minivllm_step_time_target_seconds",
+                                      "Step-time target of the last step whose prefill was sized by time", label,
+                                      registry=reg)
+        self.step_time_predicted = Gauge("minivllm_step_time_predicted_seconds",
+                                         "Predicted time of the last step (learned cost model)", label, registry=reg)
+        self.step_time_actual = Gauge("minivllm_step_time_actual_seconds", "Measured time of the last predicted step",
+                                      label, registry=reg)
+        self.step_time_error = hist("minivllm_step_time_prediction_ratio",
+                                    "Measured / predicted step time (1 = exact)", RATIO_BUCKETS)
+        self.steps = Counter("minivllm_steps_total", "Engine steps by what sized their prefill (time or tokens)",
+                             label + ["budget"], registry=reg)
         self.grpc_requests = Counter("minivllm_grpc_requests_total", "gRPC calls by method and status code",
                                      ["method", "code"], registry=reg)
         self.grpc_duration = Histogram("minivllm_grpc_request_duration_seconds", "gRPC call duration by method",
@@ -99,6 +111,13 @@ class ServiceMetrics:
             self.step_decode_tokens.labels(m).observe(stats.num_decode_tokens)
             self.step_duration.labels(m, "overhead").observe(stats.overhead_time)
             self.step_duration.labels(m, stats.kind).observe(stats.forward_time)
+            self.steps.labels(m, stats.budget_source).inc()
+        if stats.step_time_target is not None:
+            self.step_time_target.labels(m).set(stats.step_time_target)
+        if stats.predicted_step_time:
+            self.step_time_predicted.labels(m).set(stats.predicted_step_time)
+            self.step_time_actual.labels(m).set(stats.total_time)
+            self.step_time_error.labels(m).observe(stats.total_time / stats.predicted_step_time)
         self.prefill_tokens.labels(m).inc(stats.num_prefill_tokens)
         self.decode_tokens.labels(m).inc(stats.num_decode_tokens)
         self.generation_tokens.labels(m).inc(stats.num_generated_tokens)

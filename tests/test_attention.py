@@ -1,9 +1,17 @@
-"""The C++ paged decode kernel and the pure-torch path agree with dense attention."""
+"""Attention agrees with dense attention: the C++ paged decode kernel, the pure-torch decode path,
+and every prefill path (fresh, after a cached context read in place or gathered, sliding window)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
-from engine.attention import AttentionMetadata, decode_attention, gathered_decode_attention
+from engine.attention import (
+    AttentionMetadata,
+    PrefillSeqMeta,
+    decode_attention,
+    gathered_decode_attention,
+    prefill_attention,
+)
 from engine.kernels import load_cpu_kernels
 
 
@@ -57,3 +65,42 @@ def test_cpp_kernel_bfloat16_cache() -> None:
     assert out.dtype == torch.bfloat16
     ref = _dense(q.bfloat16().float(), k.bfloat16().float(), v.bfloat16().float(), tables, lens, bs)
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def _dense_prefill(q, k_ctx, v_ctx, num_cached, window=None):
+    """Reference: q [n, H, D] over k/v [ctx, KVH, D], causal from position num_cached on."""
+    n, heads, dim = q.shape
+    group = heads // k_ctx.shape[1]
+    k = k_ctx.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, ctx, D]
+    v = v_ctx.repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = q.transpose(0, 1) @ k.transpose(1, 2) * dim**-0.5  # [H, n, ctx]
+    rows = torch.arange(n).unsqueeze(1) + num_cached
+    cols = torch.arange(k_ctx.shape[0]).unsqueeze(0)
+    allowed = cols <= rows
+    if window is not None:
+        allowed &= cols > rows - window
+    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+    return (probs @ v).transpose(0, 1)
+
+
+@pytest.mark.parametrize("num_cached", [0, 7, 40])
+@pytest.mark.parametrize("consecutive", [True, False])
+@pytest.mark.parametrize("window", [None, 9])
+def test_prefill_attention_matches_dense(num_cached: int, consecutive: bool, window: int | None) -> None:
+    gen = torch.Generator().manual_seed(num_cached)
+    heads, kv_heads, dim, n, num_slots = 9, 3, 16, 13, 128
+    k_cache = torch.randn(num_slots, kv_heads, dim, generator=gen)
+    v_cache = torch.randn(num_slots, kv_heads, dim, generator=gen)
+    # Two sequences packed: one with nothing cached, one with num_cached cached tokens.
+    q = torch.randn(2 * n, heads, dim, generator=gen)
+    k = torch.randn(2 * n, kv_heads, dim, generator=gen)
+    v = torch.randn(2 * n, kv_heads, dim, generator=gen)
+    ctx = num_cached + n
+    slots = torch.arange(20, 20 + ctx) if consecutive else torch.randperm(num_slots, generator=gen)[:ctx]
+    k_cache[slots[num_cached:]], v_cache[slots[num_cached:]] = k[n:], v[n:]  # write_kv's job
+    metas = [PrefillSeqMeta(0, n, n, None),
+             PrefillSeqMeta(n, n, ctx, slots if num_cached else None,
+                            int(slots[0]) if consecutive and num_cached else None)]
+    out = prefill_attention(q, k, v, k_cache, v_cache, metas, dim**-0.5, window)
+    torch.testing.assert_close(out[:n], _dense_prefill(q[:n], k[:n], v[:n], 0, window))
+    torch.testing.assert_close(out[n:], _dense_prefill(q[n:], k_cache[slots], v_cache[slots], num_cached, window))

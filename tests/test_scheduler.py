@@ -9,10 +9,13 @@ from tests.helpers import fake_seq
 
 
 def _scheduler(budget: int = 32, max_seqs: int = 64, blocks: int = 256, share: float = 0.25,
-               chunked: bool = True, aging_s: float = 5.0) -> Scheduler:
+               chunked: bool = True, aging_s: float = 5.0, **time_budget: object) -> Scheduler:
+    """The token-budget policy unless time_budget options (enable_time_budget=True, ...) are given."""
     bm = BlockManager(blocks, 4, enable_prefix_caching=False)
+    options = {"enable_time_budget": False} | time_budget
     return Scheduler(EngineConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
-                                  enable_chunked_prefill=chunked, min_prefill_share=share, aging_s=aging_s), bm)
+                                  enable_chunked_prefill=chunked, min_prefill_share=share, aging_s=aging_s,
+                                  **options), bm)
 
 
 def _running_decode(sched: Scheduler, rid: str, prompt: int = 6, arrival: float = 0.0) -> Sequence:

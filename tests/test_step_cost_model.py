@@ -1,0 +1,139 @@
+"""The learned step-time model and the time-aware prefill budget, on fabricated timings."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine import EngineConfig
+from engine.block_manager import BlockManager
+from engine.scheduler import Scheduler
+from engine.step_cost_model import StepCostModel, attention_pairs
+from tests.helpers import fake_seq
+
+# A made-up machine: 25 ms to stream the weights, 0.3 ms per decode, 1.5 ms per prefill token,
+# 4 ms per million attention pairs, 5 ms to set up prefill attention, 2 ms of host overhead.
+TRUE = (0.025, 0.0003, 0.00002, 0.0015, 0.004, 0.005)
+OVERHEAD = 0.002
+
+
+def true_forward(num_decode: int, decode_ctx: int, num_prefill: int, pairs: float) -> float:
+    w0, w_dec, w_ctx, w_pre, w_pairs, w_setup = TRUE
+    return (w0 + w_dec * num_decode + w_ctx * decode_ctx / 1e3 + w_pre * num_prefill + w_pairs * pairs / 1e6
+            + (w_setup if num_prefill else 0.0))
+
+
+def feed(model: StepCostModel, num_steps: int, rng: random.Random, noise: float = 0.0) -> None:
+    for _ in range(num_steps):
+        num_decode = rng.choice([0, rng.randint(1, 32)])
+        ctx = num_decode * rng.randint(20, 400)
+        chunk = rng.choice([0, rng.randint(1, 512)]) if num_decode else rng.randint(1, 512)
+        pairs = attention_pairs(chunk, rng.randint(0, 1500)) if chunk else 0.0
+        t = true_forward(num_decode, ctx, chunk, pairs) * (1 + rng.uniform(-noise, noise))
+        model.observe(num_decode, ctx, chunk, pairs, t, OVERHEAD)
+
+
+def test_converges_to_the_true_costs_within_a_few_dozen_steps() -> None:
+    model = StepCostModel()
+    feed(model, 50, random.Random(0))
+    for num_decode, ctx, chunk, cached in [(8, 1600, 0, 0), (8, 1600, 64, 0), (32, 9000, 200, 1000), (0, 0, 512, 0)]:
+        pairs = attention_pairs(chunk, cached)
+        expected = true_forward(num_decode, ctx, chunk, pairs) + OVERHEAD
+        assert model.predict(num_decode, ctx, chunk, pairs) == pytest.approx(expected, rel=0.08)
+
+
+def test_follows_a_machine_that_slows_down_and_tolerates_noise() -> None:
+    model = StepCostModel()
+    rng = random.Random(1)
+    feed(model, 40, rng, noise=0.1)
+    global TRUE
+    original = TRUE
+    try:
+        TRUE = tuple(2 * w for w in original)  # the machine halves its speed
+        feed(model, 150, rng, noise=0.1)
+        expected = true_forward(16, 3000, 100, attention_pairs(100, 0)) + OVERHEAD
+        assert model.predict(16, 3000, 100, attention_pairs(100, 0)) == pytest.approx(expected, rel=0.15)
+    finally:
+        TRUE = original
+
+
+def test_long_runs_of_one_kind_of_step_stay_stable() -> None:
+    """Thousands of decode-only steps must not blow up the unexcited prefill directions."""
+    model = StepCostModel()
+    rng = random.Random(2)
+    feed(model, 30, rng)
+    for _ in range(5000):
+        model.observe(16, 4000, 0, 0.0, true_forward(16, 4000, 0, 0.0), OVERHEAD)
+    feed(model, 3, rng)
+    assert model.predict(16, 4000, 128, attention_pairs(128, 0)) == pytest.approx(
+        true_forward(16, 4000, 128, attention_pairs(128, 0)) + OVERHEAD, rel=0.1)
+
+
+def test_max_chunk_is_the_largest_that_fits() -> None:
+    model = StepCostModel()
+    feed(model, 40, random.Random(3))
+    for time_left, cached, first in [(0.05, 0, False), (0.2, 0, True), (0.2, 3000, True)]:
+        n = model.max_chunk(time_left, cached, limit=10_000, is_first=first)
+        assert model.chunk_cost(n, cached, first) <= time_left < model.chunk_cost(n + 1, cached, first)
+    assert model.max_chunk(10.0, 0, limit=77) == 77
+    assert model.max_chunk(0.0, 0, limit=77) == 0
+
+
+def _time_scheduler(**options: object) -> Scheduler:
+    config = EngineConfig(max_num_batched_tokens=2048, min_prefill_share=0.0, **options)
+    sched = Scheduler(config, BlockManager(2048, 16, enable_prefix_caching=False))
+    feed(sched.cost_model, 40, random.Random(4))
+    return sched
+
+
+def _decoding(sched: Scheduler, n: int) -> None:
+    for i in range(n):
+        seq = fake_seq(f"d{i}", 40, num_output=1)
+        sched.add(seq)
+    out = sched.schedule(now=0.0)  # prefill them
+    sched.update_from_output(out, [1] * len(out.sampling_seqs))
+
+
+@pytest.mark.parametrize("max_step_ms", [60.0, 120.0, 400.0])
+def test_prefill_chunk_follows_the_step_time_target(max_step_ms: float) -> None:
+    sched = _time_scheduler(max_step_ms=max_step_ms)
+    _decoding(sched, 8)
+    sched.add(fake_seq("long", 1500, arrival=1.0))
+    out = sched.schedule(now=2.0)
+    assert len(out.decode_seqs) == 8 and out.budget_source == "time"
+    assert out.step_time_target == pytest.approx(max_step_ms / 1e3)
+    chunk = out.prefill_num_tokens[0]
+    expected = true_forward(8, sum(s.num_tokens for s in out.decode_seqs), chunk, attention_pairs(chunk, 0))
+    # The chunk fills the target: the step is predicted (and, here, truly) just under it.
+    assert out.predicted_step_time <= max_step_ms / 1e3 < out.predicted_step_time + 2 * TRUE[3]
+    assert expected + OVERHEAD == pytest.approx(out.predicted_step_time, rel=0.05)
+
+
+def test_auto_target_is_a_multiple_of_the_usual_decode_step_and_nothing_decoding_means_full_budget() -> None:
+    sched = _time_scheduler(step_time_ratio=2.5)
+    sched.add(fake_seq("first", 1500))
+    out = sched.schedule(now=0.0)
+    assert out.budget_source == "tokens" and out.prefill_num_tokens == [1500]  # nothing decodes yet
+    sched = _time_scheduler(step_time_ratio=2.5)
+    _decoding(sched, 8)
+    for _ in range(300):  # decode-only steps of 50 ms set the streams' usual pace
+        sched.cost_model.observe(8, 400, 0, 0.0, 0.048, 0.002)
+    sched.add(fake_seq("long", 1500, arrival=1.0))
+    out = sched.schedule(now=2.0)
+    assert sched.cost_model.typical_decode_step == pytest.approx(0.050, rel=0.01)
+    assert out.step_time_target == pytest.approx(2.5 * sched.cost_model.typical_decode_step)
+    assert out.predicted_step_time <= out.step_time_target
+
+
+def test_a_long_prompt_always_advances_under_a_tight_target() -> None:
+    sched = _time_scheduler(max_step_ms=1.0)  # less than the decodes alone
+    _decoding(sched, 8)
+    long = fake_seq("long", 100, arrival=1.0)
+    sched.add(long)
+    steps = 0
+    while long.num_output_tokens == 0:
+        out = sched.schedule(now=2.0)
+        assert out.prefill_num_tokens == [min(16, long.num_uncomputed_tokens)]  # one block per step
+        sched.update_from_output(out, [1] * len(out.sampling_seqs))
+        steps += 1
+    assert steps == 7
