@@ -39,7 +39,7 @@ class EngineConfig:
     # that factor while prompts prefill. The token budget stays a cap.
     enable_time_budget: bool = True
     max_step_ms: float | None = None
-    step_time_ratio: float = 3.0
+    step_time_ratio: float = 2.2
     enable_prefix_caching: bool = True
     watermark: float = 0.01  # KV blocks kept free when admitting new prompts
 
