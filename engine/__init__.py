@@ -4,7 +4,7 @@ Public API: `from engine import LLM, SamplingParams` (offline), `LLMEngine` (the
 the plain values that cross to the service. Other layers import only these names.
 """
 from engine.config import EngineConfig
-from engine.errors import PromptTooLongError, QueueFullError
+from engine.errors import LimitExceededError, PromptTooLongError, QueueFullError, RequestIdInUseError
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.model_loader import model_display_name, resolve_model
@@ -12,6 +12,7 @@ from engine.outputs import ModelInfo, RequestMetrics, RequestOutput, StepStats
 from engine.sampling_params import SamplingParams
 
 __all__ = [
-    "LLM", "EngineConfig", "LLMEngine", "ModelInfo", "PromptTooLongError", "QueueFullError", "RequestMetrics",
-    "RequestOutput", "SamplingParams", "StepStats", "model_display_name", "resolve_model",
+    "LLM", "EngineConfig", "LLMEngine", "LimitExceededError", "ModelInfo", "PromptTooLongError", "QueueFullError",
+    "RequestIdInUseError", "RequestMetrics", "RequestOutput", "SamplingParams", "StepStats", "model_display_name",
+    "resolve_model",
 ]

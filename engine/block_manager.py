@@ -7,6 +7,11 @@ prefixes map to equal hashes. A block whose ref count drops to zero keeps its ha
 goes to the back of an LRU free list: it can be revived by a later prefix hit until it is
 reused for new tokens. Blocks that never got a hash go to the front so they are reused
 first. Invariant: num_free_blocks + num_used_blocks == num_blocks.
+
+A hit is trusted only after comparing tokens: a cached block remembers its own tokens and its
+parent block, and both must equal the new prompt's. The 64-bit hash only finds candidates,
+so a collision (accidental or crafted, vLLM's CVE-2025-25183) can never serve one request
+another's KV.
 """
 from __future__ import annotations
 
@@ -31,6 +36,11 @@ class BlockManager:
         self.num_watermark_blocks = int(watermark * num_blocks)
         self._ref_counts = [0] * num_blocks
         self._block_hash: list[int | None] = [None] * num_blocks
+        # What a published block holds: (parent block or -1, the parent's generation, its tokens),
+        # checked on every hit. A block's generation grows each time it is reused for new
+        # tokens, so a child never vouches for a parent that has since changed.
+        self._block_content: list[tuple[int, int, tuple[int, ...]] | None] = [None] * num_blocks
+        self._generation = [0] * num_blocks
         self._hash_to_block: dict[int, int] = {}
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
 
@@ -60,6 +70,12 @@ class BlockManager:
             parent = seq.block_hashes[i - 1] if i else 0
             seq.block_hashes.append(hash_block(parent, seq.token_ids_slice(i * bs, (i + 1) * bs)))
 
+    def _content(self, seq: Sequence, i: int) -> tuple[int, int, tuple[int, ...]]:
+        """What block i of seq must hold: its parent (block i - 1 of seq's table) and tokens."""
+        parent = seq.block_table[i - 1] if i else -1
+        bs = self.block_size
+        return parent, self._generation[parent] if i else 0, tuple(seq.token_ids_slice(i * bs, (i + 1) * bs))
+
     def allocate_cached_prefix(self, seq: Sequence) -> int:
         """On first admission, take the longest cached prefix; return its length in tokens.
 
@@ -76,6 +92,8 @@ class BlockManager:
             block = self._hash_to_block.get(seq.block_hashes[i])
             if block is None:
                 break
+            if self._block_content[block] != self._content(seq, i):
+                break  # a hash collision: not our prefix
             if self._ref_counts[block] == 0:
                 del self._free[block]
             self._ref_counts[block] += 1
@@ -100,6 +118,8 @@ class BlockManager:
                 if self._hash_to_block.get(old_hash) == block:
                     del self._hash_to_block[old_hash]
                 self._block_hash[block] = None
+                self._block_content[block] = None
+                self._generation[block] += 1
             self._ref_counts[block] = 1
             seq.block_table.append(block)
         return True
@@ -117,6 +137,7 @@ class BlockManager:
             if block_hash not in self._hash_to_block and self._block_hash[block] is None:
                 self._hash_to_block[block_hash] = block
                 self._block_hash[block] = block_hash
+                self._block_content[block] = self._content(seq, i)
         seq.num_registered_blocks = num_full
 
     def free(self, seq: Sequence) -> None:

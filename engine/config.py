@@ -43,8 +43,18 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     watermark: float = 0.01  # KV blocks kept free when admitting new prompts
 
+    # Request limits, checked before any costly work: beyond them a request is refused
+    # (LimitExceededError -> RESOURCE_EXHAUSTED; out-of-range values -> INVALID_ARGUMENT).
+    max_prompt_chars: int = 1_000_000  # text prompt or all chat message contents together
+    max_stop_strings: int = 32
+    max_stop_string_chars: int = 256
+    max_stop_token_ids: int = 256
+    max_request_id_chars: int = 256
+    max_priority: int = 1000  # priority must lie in [-max_priority, max_priority]
+
     def __post_init__(self) -> None:
-        positive = ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_num_waiting")
+        positive = ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_num_waiting", "max_prompt_chars",
+                    "max_stop_strings", "max_stop_string_chars", "max_stop_token_ids", "max_request_id_chars")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -60,6 +70,8 @@ class EngineConfig:
             raise ValueError(f"min_prefill_share must be in [0, 1], got {self.min_prefill_share}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        if self.max_priority < 0:
+            raise ValueError(f"max_priority must be >= 0, got {self.max_priority}")
         if self.max_step_ms is not None and self.max_step_ms <= 0:
             raise ValueError(f"max_step_ms must be positive, got {self.max_step_ms}")
         if self.step_time_ratio <= 1.0:

@@ -8,17 +8,22 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from engine.errors import PromptTooLongError
+from engine.config import EngineConfig
+from engine.errors import LimitExceededError, PromptTooLongError
 from engine.sampling_params import SamplingParams
 
 VALID_ROLES = ("system", "user", "assistant", "tool")
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int) -> None:
+    """Owns its tokenizer: the engine thread detokenizes with another instance, so tokenizing
+    here can run on a worker thread without sharing one (not thread-safe) tokenizer."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, config: EngineConfig) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.config = config
 
     @property
     def has_chat_template(self) -> bool:
@@ -26,6 +31,30 @@ class InputProcessor:
 
     def tokenize(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt, add_special_tokens=True)
+
+    def check_params(self, params: SamplingParams) -> None:
+        """Request-size limits of the sampling parameters (cheap; before any tokenizing)."""
+        cfg = self.config
+        if len(params.stop) > cfg.max_stop_strings:
+            raise LimitExceededError(f"stop: {len(params.stop)} strings, at most {cfg.max_stop_strings}")
+        if params.max_stop_len > cfg.max_stop_string_chars:
+            raise LimitExceededError(f"stop: a string of {params.max_stop_len} characters, "
+                                     f"at most {cfg.max_stop_string_chars}")
+        if len(params.stop_token_ids) > cfg.max_stop_token_ids:
+            raise LimitExceededError(f"stop_token_ids: {len(params.stop_token_ids)} ids, "
+                                     f"at most {cfg.max_stop_token_ids}")
+        if any(not 0 <= t < self.vocab_size for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids: must be in [0, {self.vocab_size})")
+        if params.max_tokens is not None and params.max_tokens >= self.max_model_len:
+            raise LimitExceededError(f"max_tokens: {params.max_tokens} does not fit the context of "
+                                     f"{self.max_model_len} tokens")
+
+    def check_request(self, request_id: str | None, priority: int) -> None:
+        cfg = self.config
+        if request_id is not None and len(request_id) > cfg.max_request_id_chars:
+            raise LimitExceededError(f"request_id: {len(request_id)} characters, at most {cfg.max_request_id_chars}")
+        if not -cfg.max_priority <= priority <= cfg.max_priority:
+            raise ValueError(f"priority: {priority} is outside [{-cfg.max_priority}, {cfg.max_priority}]")
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         if not messages:
@@ -35,16 +64,22 @@ class InputProcessor:
                 raise ValueError(f"messages[{i}].role: {m.get('role')!r} is not one of {VALID_ROLES}")
             if not isinstance(m.get("content"), str):
                 raise ValueError(f"messages[{i}].content: must be a string")
+        num_chars = sum(len(m["content"]) for m in messages)
+        if num_chars > self.config.max_prompt_chars:
+            raise LimitExceededError(f"messages: {num_chars} characters, at most {self.config.max_prompt_chars}")
         if not self.has_chat_template:
             raise ValueError("messages: this model has no chat template; send a prompt instead")
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def process(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
-        """The prompt's token ids, checked against the vocabulary and the context length."""
+        """The prompt's token ids, checked against the limits, the vocabulary and the context length."""
+        self.check_params(params)
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt: must not be empty")
+            if len(prompt) > self.config.max_prompt_chars:
+                raise LimitExceededError(f"prompt: {len(prompt)} characters, at most {self.config.max_prompt_chars}")
             token_ids = self.tokenize(prompt)
         else:
             token_ids = [int(t) for t in prompt]
@@ -53,11 +88,12 @@ class InputProcessor:
             bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
             if bad is not None:
                 raise ValueError(f"prompt_token_ids: {bad} is outside the vocabulary [0, {self.vocab_size})")
-        if any(not 0 <= t < self.vocab_size for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids: must be in [0, {self.vocab_size})")
         if len(token_ids) >= self.max_model_len:
             raise PromptTooLongError(f"prompt: {len(token_ids)} tokens do not fit the context of "
                                      f"{self.max_model_len} tokens (at least one must be generated)")
+        if params.max_tokens is not None and len(token_ids) + params.max_tokens > self.max_model_len:
+            raise LimitExceededError(f"max_tokens: the prompt's {len(token_ids)} tokens + max_tokens "
+                                     f"{params.max_tokens} exceed the context of {self.max_model_len} tokens")
         return token_ids
 
 

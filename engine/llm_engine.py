@@ -15,7 +15,7 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import QueueFullError
+from engine.errors import QueueFullError, RequestIdInUseError
 from engine.input_processor import InputProcessor, load_eos_token_ids
 from engine.model_loader import model_display_name, resolve_model
 from engine.model_runner import ModelRunner
@@ -54,7 +54,9 @@ class LLMEngine:
         self.max_model_len = min(model_len, usable_blocks * config.block_size)
         self.vocab_size = self.runner.model_config.vocab_size
         self.eos_token_ids = load_eos_token_ids(self.model_dir, hf_config, self.tokenizer)
-        self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len)
+        # A tokenizer of its own, so inputs can be tokenized off the engine thread.
+        self.input_processor = InputProcessor(AutoTokenizer.from_pretrained(config.tokenizer or str(self.model_dir)),
+                                              self.vocab_size, self.max_model_len, config)
         self.scheduler = Scheduler(config, self.block_manager)
         self.output_processor = OutputProcessor(self.scheduler, self.max_model_len)
         self.sampler = Sampler(self.runner.device, config.seed)
@@ -107,13 +109,14 @@ class LLMEngine:
                     request_id: str | None = None, priority: int = 0, arrival_time: float | None = None) -> str:
         """Queue a request; returns its id. Raises ValueError (or a subclass) on bad input."""
         params = params or SamplingParams()
+        self.input_processor.check_request(None, priority)  # the front door checks the client's id
         token_ids = self.input_processor.process(prompt, params)
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         elif not request_id:
             raise ValueError("request_id: must not be empty")
         if self.scheduler.get(request_id) is not None:
-            raise ValueError(f"request_id: {request_id!r} is already in use")
+            raise RequestIdInUseError(f"request_id: {request_id!r} is already in use")
         if self.scheduler.num_waiting >= self.config.max_num_waiting:
             raise QueueFullError(f"{self.scheduler.num_waiting} requests are waiting already "
                                  f"(max_num_waiting={self.config.max_num_waiting}); retry later")

@@ -6,10 +6,14 @@ token means for the client, and asks the scheduler to finish a request when it s
 """
 from __future__ import annotations
 
+import logging
+
 from engine.outputs import RequestMetrics, RequestOutput, StepStats
 from engine.scheduler import Scheduler
 from engine.sequence import FinishReason, Sequence
 from engine.stop_checker import check_token_stop, find_stop_string, num_held_chars
+
+logger = logging.getLogger(__name__)
 
 Logprobs = dict[int, float]
 
@@ -21,8 +25,17 @@ class OutputProcessor:
 
     def process(self, seqs: list[Sequence], logprobs: list[Logprobs | None], now: float,
                 stats: StepStats) -> list[RequestOutput]:
-        """One output per sequence that just got a token (its last output token)."""
-        return [self._process_one(seq, lp, now, stats) for seq, lp in zip(seqs, logprobs, strict=True)]
+        """One output per sequence that just got a token (its last output token). A fault while
+        processing one sequence fails that request alone; the others' outputs, final ones
+        included, are never lost."""
+        outputs = []
+        for seq, lp in zip(seqs, logprobs, strict=True):
+            try:
+                outputs.append(self._process_one(seq, lp, now, stats))
+            except Exception as exc:  # noqa: BLE001 - contained to this request
+                logger.exception("output processing failed for %s", seq.request_id)
+                outputs.extend(self.fail([seq], f"engine error: {exc}", now))
+        return outputs
 
     def abort(self, seq: Sequence, now: float) -> RequestOutput:
         self.scheduler.finish(seq, FinishReason.ABORT, now)

@@ -1,6 +1,7 @@
 """Per-request sampling and stopping parameters, validated at construction."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 _MAX_LOGPROBS = 20
@@ -34,6 +35,9 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            if not math.isfinite(getattr(self, name)):  # NaN slips through every range check below
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < -1:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.errors import RequestIdInUseError
 from engine.scheduler_output import SchedulerOutput
 from engine.sequence import FinishReason, Sequence, SequenceStatus
 from engine.step_cost_model import StepCostModel, attention_pairs
@@ -52,7 +53,7 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         if seq.request_id in self.requests:
-            raise ValueError(f"request_id: {seq.request_id!r} is already in use")
+            raise RequestIdInUseError(f"request_id: {seq.request_id!r} is already in use")
         seq.status = SequenceStatus.WAITING
         self.requests[seq.request_id] = seq
         self.waiting.append(seq)

@@ -41,7 +41,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(**{name: value for name, value in values.items() if value is not None})
 
 
-async def _serve(args: argparse.Namespace) -> None:
+async def _serve(args: argparse.Namespace) -> int:
     # The engine thread re-takes the GIL after every torch op; with the default 5 ms switch
     # interval a busy asyncio thread (streaming hundreds of messages/s) can hold it that long.
     sys.setswitchinterval(float(os.environ.get("MINIVLLM_SWITCH_INTERVAL", "0.0005")))
@@ -50,6 +50,7 @@ async def _serve(args: argparse.Namespace) -> None:
     from service.server import InferenceServer, ServerConfig
 
     config = ServerConfig(host=args.host, port=args.port, drain_grace_s=args.drain_grace,
+                          max_message_bytes=args.max_message_bytes, max_concurrent_rpcs=args.max_concurrent_rpcs,
                           engine=engine_config_from_args(args))
     obs = Observability.from_env(model_name=model_display_name(config.engine.model),
                                  metrics_port=args.metrics_port, metrics_host=args.metrics_host)
@@ -59,6 +60,7 @@ async def _serve(args: argparse.Namespace) -> None:
     await server.start()
     await server.wait_stopped()
     obs.shutdown()
+    return server.exit_code
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -94,6 +96,10 @@ def main(argv: list[str] | None = None) -> None:
                        help="Prometheus /metrics port (0: off)")
     serve.add_argument("--drain-grace", type=float, default=float(_env("drain_grace", "30")),
                        help="seconds running streams get to finish on SIGTERM")
+    serve.add_argument("--max-message-bytes", type=int, default=int(_env("max_message_bytes", str(4 * 2**20))),
+                       help="largest request message accepted")
+    serve.add_argument("--max-concurrent-rpcs", type=int, default=int(_env("max_concurrent_rpcs", "1024")),
+                       help="calls in flight at once; more are refused with RESOURCE_EXHAUSTED")
     add_engine_args(serve)
 
     gen = sub.add_parser("generate", help="stream one completion to the terminal")
@@ -119,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=os.environ.get("MINIVLLM_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
-        asyncio.run(_serve(args))
+        sys.exit(asyncio.run(_serve(args)))
     elif args.command == "generate":
         sys.exit(_generate(args))
     elif args.command == "info":

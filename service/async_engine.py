@@ -4,19 +4,36 @@ One thread owns the LLMEngine. Commands (add, abort) reach it through a queue it
 when idle, so an idle server burns no CPU; each step's outputs go back to the asyncio loop
 in one call_soon_threadsafe, where they fan out to per-request queues. Step stats go to
 listeners on the engine thread (metrics, tracing), never the other way round.
+
+Only the step runs on the engine thread: prompts are tokenized (and chat templates applied) on
+a worker thread with the input processor's own tokenizer, after the cheap admission checks, so
+a multi-megabyte prompt never stalls other streams. Requests are routed by an engine id that is
+unique for the server's life, never by the client's id: a cancelled request's last output can
+never reach a new request that reuses its id. If the engine thread dies, every pending and
+future call fails at once and `on_death` tells the server.
 """
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
 import logging
+import os
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine import LLMEngine, RequestOutput, SamplingParams, StepStats
+from engine import (
+    LimitExceededError,
+    LLMEngine,
+    QueueFullError,
+    RequestIdInUseError,
+    RequestOutput,
+    SamplingParams,
+    StepStats,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -25,10 +42,9 @@ StatsListener = Callable[[StepStats], None]
 
 @dataclass(slots=True)
 class _Add:
-    prompt: str | list[int] | None
-    messages: list[dict[str, str]] | None
+    token_ids: list[int]
     params: SamplingParams
-    request_id: str
+    request_id: str  # the engine id
     priority: int
     admitted: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
@@ -51,16 +67,53 @@ class EngineDeadError(RuntimeError):
     """The engine thread is gone; no request can be served."""
 
 
+class FaultInjector:
+    """Test hook, from MINIVLLM_FAULT: "raise@N" makes the forward of step N raise (that step's
+    requests fail, the engine goes on); "die@N" kills the engine thread before step N."""
+
+    def __init__(self, spec: str | None) -> None:
+        self.mode, self.step = None, 0
+        if spec:
+            mode, _, step = spec.partition("@")
+            if mode not in ("raise", "die") or not step.isdigit():
+                raise ValueError(f"MINIVLLM_FAULT: expected raise@N or die@N, got {spec!r}")
+            self.mode, self.step = mode, int(step)
+
+    def before_step(self, engine: LLMEngine, step: int) -> None:
+        if step != self.step:
+            return
+        if self.mode == "die":
+            raise SystemExit(f"injected engine death at step {step}")
+        if self.mode == "raise":
+            runner, execute = engine.runner, engine.runner.execute
+
+            def fail_once(*args: Any) -> Any:
+                runner.execute = execute
+                raise RuntimeError(f"injected fault at step {step}")
+
+            runner.execute = fail_once
+
+
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, stats_listeners: list[StatsListener] | None = None) -> None:
+    def __init__(self, engine: LLMEngine, stats_listeners: list[StatsListener] | None = None,
+                 on_death: Callable[[], None] | None = None, max_tokenizing: int = 64) -> None:
         self.engine = engine
         self.stats_listeners = list(stats_listeners or [])
+        self.on_death = on_death
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}  # by engine id
+        self._client_ids: set[str] = set()  # ids of live requests, as their clients named them
+        self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._idle = threading.Event()
         self._idle.set()
+        self._is_dead = False
+        # One tokenizer thread: the input processor's tokenizer is not shared with any other.
+        self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+        self._num_tokenizing = 0
+        self._max_tokenizing = max_tokenizing
+        self._fault = FaultInjector(os.environ.get("MINIVLLM_FAULT"))
 
     # ---- asyncio side --------------------------------------------------------------
 
@@ -72,31 +125,77 @@ class AsyncEngine:
     def num_active_streams(self) -> int:
         return len(self._streams)
 
+    @property
+    def is_dead(self) -> bool:
+        return self._is_dead
+
+    def new_engine_id(self, request_id: str) -> str:
+        """An id unique for the server's life, for routing (the client's id stays readable in it)."""
+        return f"{request_id}#{next(self._ids)}"
+
     async def generate(self, request_id: str, params: SamplingParams, prompt: str | list[int] | None = None,
-                       messages: list[dict[str, str]] | None = None, priority: int = 0
-                       ) -> AsyncIterator[RequestOutput]:
-        """Admit a request, then return its output stream.
+                       messages: list[dict[str, str]] | None = None, priority: int = 0,
+                       engine_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Admit a request, then return its output stream (outputs carry engine_id).
 
-        Admission errors (ValueError and subclasses) raise here, before any output, so the
-        caller can answer with the right status code.
+        request_id is the client's; engine_id (from new_engine_id, made here when not given)
+        routes it. Admission errors (ValueError and subclasses) raise here, before any output, so
+        the caller can answer with the right status code.
         """
-        if not self._thread.is_alive():
+        if self._is_dead:
             raise EngineDeadError("the engine thread is not running")
-        stream: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        if request_id in self._streams:
-            raise ValueError(f"request_id: {request_id!r} is already in use")
-        self._streams[request_id] = stream
-        cmd = _Add(prompt, messages, params, request_id, priority)
-        self._inbox.put(cmd)
+        if request_id in self._client_ids:
+            raise RequestIdInUseError(f"request_id: {request_id!r} belongs to a request still running")
+        inputs = self.engine.input_processor
+        inputs.check_request(request_id, priority)
+        inputs.check_params(params)
+        if self.engine.num_waiting >= self.engine.config.max_num_waiting or \
+                self._num_tokenizing >= self._max_tokenizing:
+            raise QueueFullError(f"{self.engine.num_waiting} requests are waiting already "
+                                 f"(max_num_waiting={self.engine.config.max_num_waiting}); retry later")
+        self._client_ids.add(request_id)
+        engine_id = engine_id or self.new_engine_id(request_id)
         try:
-            await asyncio.wrap_future(cmd.admitted)
+            token_ids = await self._tokenize(prompt, messages, params)
+            stream: asyncio.Queue[RequestOutput] = asyncio.Queue()
+            self._streams[engine_id] = stream
+            cmd = _Add(token_ids, params, engine_id, priority)
+            self._inbox.put(cmd)
+            try:
+                await asyncio.wrap_future(cmd.admitted)
+            except BaseException:
+                self._streams.pop(engine_id, None)
+                self.abort(engine_id)  # cancelled while admitting: make sure it ends (no-op otherwise)
+                raise
         except BaseException:
-            self._streams.pop(request_id, None)
-            self.abort(request_id)  # cancelled while admitting: make sure it ends (no-op otherwise)
+            self._client_ids.discard(request_id)
             raise
-        return self._iterate(request_id, stream)
+        return self._iterate(engine_id, request_id, stream)
 
-    async def _iterate(self, request_id: str, stream: asyncio.Queue[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    async def _tokenize(self, prompt: str | list[int] | None, messages: list[dict[str, str]] | None,
+                        params: SamplingParams) -> list[int]:
+        inputs = self.engine.input_processor
+
+        def work() -> list[int]:
+            return inputs.process(inputs.apply_chat_template(messages) if messages is not None else prompt, params)
+
+        self._num_tokenizing += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, work)
+        finally:
+            self._num_tokenizing -= 1
+
+    async def tokenize(self, prompt: str | None = None, messages: list[dict[str, str]] | None = None) -> list[int]:
+        """Token ids of a prompt or a chat, as generate would see them (on the tokenizer thread)."""
+        inputs = self.engine.input_processor
+        if prompt is not None and len(prompt) > self.engine.config.max_prompt_chars:
+            raise LimitExceededError(f"prompt: {len(prompt)} characters, at most {self.engine.config.max_prompt_chars}")
+        work = (lambda: inputs.apply_chat_template(messages)) if messages is not None else \
+            (lambda: inputs.tokenize(prompt))
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, work)
+
+    async def _iterate(self, engine_id: str, request_id: str, stream: asyncio.Queue[RequestOutput]
+                       ) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while not finished:
@@ -106,12 +205,15 @@ class AsyncEngine:
                 finished = out.is_finished
                 yield out
         finally:
-            self._streams.pop(request_id, None)
+            self._streams.pop(engine_id, None)
+            self._client_ids.discard(request_id)
             if not finished:
-                self.abort(request_id)  # client went away: free its KV blocks now
+                self.abort(engine_id)  # client went away: free its KV blocks now
 
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
-        """Run fn(engine) on the engine thread (the tokenizer is not safe to share across threads)."""
+        """Run fn(engine) on the engine thread, between steps."""
+        if self._is_dead:
+            raise EngineDeadError("the engine thread is not running")
         cmd = _Call(fn)
         self._inbox.put(cmd)
         return await asyncio.wrap_future(cmd.result)
@@ -128,6 +230,7 @@ class AsyncEngine:
         self._inbox.put(_STOP)
         if self._thread.is_alive():
             self._thread.join(timeout)
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -139,13 +242,16 @@ class AsyncEngine:
 
     def _run(self) -> None:
         engine = self.engine
+        clean_exit = False
         try:
+            step = 0
             while True:
                 busy = engine.has_unfinished_requests()
                 if not busy:
                     self._idle.set()
                     cmd = self._inbox.get()  # block: nothing to do until a command comes
                     if not self._handle(cmd):
+                        clean_exit = True
                         return
                 while True:  # drain whatever else arrived, without blocking
                     try:
@@ -153,10 +259,13 @@ class AsyncEngine:
                     except queue.Empty:
                         break
                     if not self._handle(cmd):
+                        clean_exit = True
                         return
                 if not engine.has_unfinished_requests():
                     continue
                 self._idle.clear()
+                step += 1
+                self._fault.before_step(engine, step)
                 try:
                     outputs, stats = engine.step()
                 except Exception as exc:  # noqa: BLE001 - keep serving; fail what was in flight
@@ -170,11 +279,28 @@ class AsyncEngine:
                             listener(stats)
                         except Exception:  # noqa: BLE001 - observability must not stop serving
                             logger.exception("stats listener failed")
+        except BaseException:
+            logger.exception("the engine thread died")
         finally:
-            outputs = self.engine.fail_all("engine stopped")
+            self._is_dead = True
+            self._fail_pending_commands()
+            outputs = self.engine.fail_all("engine stopped" if clean_exit else "the engine thread died")
             if outputs and self._loop is not None and not self._loop.is_closed():
                 self._loop.call_soon_threadsafe(self._dispatch, outputs)
             self._idle.set()
+            if not clean_exit and self.on_death is not None and self._loop is not None and not self._loop.is_closed():
+                self._loop.call_soon_threadsafe(self.on_death)
+
+    def _fail_pending_commands(self) -> None:
+        """Nothing queued for a dead engine may wait forever."""
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            future = cmd.admitted if isinstance(cmd, _Add) else cmd.result if isinstance(cmd, _Call) else None
+            if future is not None and future.set_running_or_notify_cancel():
+                future.set_exception(EngineDeadError("the engine thread is not running"))
 
     def _handle(self, cmd: Any) -> bool:
         if cmd is _STOP:
@@ -192,8 +318,7 @@ class AsyncEngine:
         if not cmd.admitted.set_running_or_notify_cancel():
             return True  # the caller gave up before admission
         try:
-            prompt = cmd.prompt if cmd.messages is None else self.engine.apply_chat_template(cmd.messages)
-            self.engine.add_request(prompt, cmd.params, request_id=cmd.request_id, priority=cmd.priority)
+            self.engine.add_request(cmd.token_ids, cmd.params, request_id=cmd.request_id, priority=cmd.priority)
         except Exception as exc:  # noqa: BLE001 - handed back to the caller as is
             cmd.admitted.set_exception(exc)
         else:

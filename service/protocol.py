@@ -29,8 +29,9 @@ def messages_from_proto(msg: pb.Messages) -> list[dict[str, str]]:
     return [{"role": m.role, "content": m.content} for m in msg.messages]
 
 
-def response_from_output(out: RequestOutput) -> pb.GenerateResponse:
-    resp = pb.GenerateResponse(request_id=out.request_id, token_ids=out.new_token_ids, text=out.new_text)
+def response_from_output(out: RequestOutput, request_id: str) -> pb.GenerateResponse:
+    """request_id: the client's (the output carries the engine's)."""
+    resp = pb.GenerateResponse(request_id=request_id, token_ids=out.new_token_ids, text=out.new_text)
     if out.new_logprobs:
         for token_id, entry in zip(out.new_token_ids, out.new_logprobs, strict=True):
             top = [pb.TokenLogprob(token_id=t, logprob=v) for t, v in entry.items()]

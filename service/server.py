@@ -20,7 +20,6 @@ from service.servicer import InferenceServicer, RequestObserver
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
-MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 
 @dataclass(slots=True)
@@ -28,7 +27,8 @@ class ServerConfig:
     host: str = "0.0.0.0"
     port: int = 50051
     drain_grace_s: float = 30.0
-    max_message_bytes: int = MAX_MESSAGE_BYTES
+    max_message_bytes: int = 4 * 1024 * 1024  # larger requests are refused by gRPC (RESOURCE_EXHAUSTED)
+    max_concurrent_rpcs: int | None = 1024  # beyond it gRPC refuses new calls (RESOURCE_EXHAUSTED)
     engine: EngineConfig = field(default_factory=EngineConfig)
 
 
@@ -42,7 +42,9 @@ class InferenceServer:
         self.stats_listeners = list(stats_listeners or [])
         self.servicer = InferenceServicer(observer)
         self.health = health.aio.HealthServicer()
-        self.server = grpc.aio.server(interceptors=interceptors or [], options=[
+        self.exit_code = 0  # non-zero once the engine died: the process should exit so a supervisor restarts it
+        self.server = grpc.aio.server(interceptors=interceptors or [], maximum_concurrent_rpcs=config.max_concurrent_rpcs,
+                                      options=[
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.max_send_message_length", config.max_message_bytes),
             ("grpc.keepalive_time_ms", 30_000),
@@ -71,7 +73,7 @@ class InferenceServer:
         logger.info("gRPC listening on %s:%d (health NOT_SERVING while the model loads)", self.config.host, self.port)
         factory = engine_factory or (lambda: LLMEngine(self.config.engine))
         engine = await asyncio.get_running_loop().run_in_executor(None, factory)
-        self.async_engine = AsyncEngine(engine, self.stats_listeners)
+        self.async_engine = AsyncEngine(engine, self.stats_listeners, on_death=self._on_engine_death)
         self.async_engine.start()
         self.servicer.engine = self.async_engine
         await self._set_serving(True)
@@ -93,6 +95,17 @@ class InferenceServer:
             self.async_engine.stop()
         self._stopped.set()
         logger.info("server stopped")
+
+    def _on_engine_death(self) -> None:
+        logger.critical("the engine thread died: NOT_SERVING, failing every call, exiting")
+        self.exit_code = 1
+        self.servicer.is_draining = True
+        asyncio.ensure_future(self._stop_after_death())
+
+    async def _stop_after_death(self) -> None:
+        await self._set_serving(False)
+        await self.server.stop(grace=1.0)
+        self._stopped.set()
 
     async def wait_stopped(self) -> None:
         await self._stopped.wait()

@@ -8,7 +8,7 @@ from typing import Any
 
 import grpc
 
-from engine import PromptTooLongError, QueueFullError, SamplingParams
+from engine import LimitExceededError, QueueFullError, RequestIdInUseError, SamplingParams
 from service.async_engine import AsyncEngine, EngineDeadError
 from service.pb import inference_pb2 as pb
 from service.pb import inference_pb2_grpc as pb_grpc
@@ -20,9 +20,10 @@ logger = logging.getLogger(__name__)
 class RequestObserver:
     """Hooks the servicer calls per request (tracing plugs in here); no-ops by default."""
 
-    def start(self, request_id: str, request: pb.GenerateRequest, params: SamplingParams | None,
+    def start(self, request_id: str, engine_id: str, request: pb.GenerateRequest, params: SamplingParams | None,
               context: grpc.aio.ServicerContext) -> Any:
-        """params: the request's validated sampling parameters, None when they were invalid."""
+        """request_id: the client's; engine_id: the engine's (StepStats name requests by it);
+        params: the request's validated sampling parameters, None when they were invalid."""
         return None
 
     def finish(self, handle: Any, final: Any, status: grpc.StatusCode, message: str = "") -> None:
@@ -42,15 +43,17 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                        ) -> AsyncIterator[pb.GenerateResponse]:
         engine = self._ready_engine()
         if engine is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                "server is draining" if self.is_draining else "model is still loading")
+            reason = "model is still loading" if self.engine is None else \
+                "the engine died" if self.engine.is_dead else "server is draining"
+            await context.abort(grpc.StatusCode.UNAVAILABLE, reason)
         request_id = request.request_id or f"req-{uuid.uuid4().hex}"
+        engine_id = engine.new_engine_id(request_id[:64])
         params, params_error = None, None
         try:
             params = sampling_params_from_proto(request.sampling)
         except ValueError as exc:
             params_error = exc
-        handle = self.observer.start(request_id, request, params, context)
+        handle = self.observer.start(request_id, engine_id, request, params, context)
         status, message, final = grpc.StatusCode.OK, "", None
         try:
             try:
@@ -58,9 +61,12 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                     raise params_error
                 prompt, messages = self._input(request)
                 stream = await engine.generate(request_id, params, prompt=prompt, messages=messages,
-                                               priority=request.priority)
-            except (QueueFullError, PromptTooLongError) as exc:
+                                               priority=request.priority, engine_id=engine_id)
+            except (QueueFullError, LimitExceededError) as exc:
                 status, message = grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+                await context.abort(status, message)
+            except RequestIdInUseError as exc:
+                status, message = grpc.StatusCode.ALREADY_EXISTS, str(exc)
                 await context.abort(status, message)
             except ValueError as exc:
                 status, message = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
@@ -76,7 +82,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 if out.is_finished:
                     final = out
                 if out.new_token_ids or out.is_finished:
-                    yield response_from_output(out)
+                    yield response_from_output(out, request_id)
         except BaseException as exc:
             if status is grpc.StatusCode.OK:
                 status = grpc.StatusCode.CANCELLED
@@ -113,12 +119,13 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             if kind == "prompt":
                 if not request.prompt:
                     raise ValueError("prompt: must not be empty")
-                ids = await self.engine.call(lambda e: e.tokenize(request.prompt))
+                ids = await self.engine.tokenize(prompt=request.prompt)
             elif kind == "messages":
-                messages = messages_from_proto(request.messages)
-                ids = await self.engine.call(lambda e: e.apply_chat_template(messages))
+                ids = await self.engine.tokenize(messages=messages_from_proto(request.messages))
             else:
                 raise ValueError("input: one of prompt or messages is required")
+        except LimitExceededError as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return pb.TokenizeResponse(token_ids=ids, count=len(ids),

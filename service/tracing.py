@@ -67,7 +67,7 @@ class Tracing(RequestObserver):
 
     # ---- requests (asyncio thread) ---------------------------------------------------
 
-    def start(self, request_id: str, request: pb.GenerateRequest, params: SamplingParams | None,
+    def start(self, request_id: str, engine_id: str, request: pb.GenerateRequest, params: SamplingParams | None,
               context: grpc.aio.ServicerContext) -> _RequestSpan:
         carrier = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
         parent = propagate.extract(carrier)
@@ -87,8 +87,8 @@ class Tracing(RequestObserver):
         span = self.tracer.start_span(f"{attrs['gen_ai.operation.name']} {self.model_name}", context=parent,
                                       kind=SpanKind.SERVER, attributes=attrs)
         with self._lock:
-            self._live[request_id] = span.get_span_context()
-        return _RequestSpan(span, request_id)
+            self._live[engine_id] = span.get_span_context()  # step stats name requests by engine id
+        return _RequestSpan(span, engine_id)
 
     def finish(self, handle: _RequestSpan | None, final: Any, status: grpc.StatusCode, message: str = "") -> None:
         if handle is None:

@@ -241,7 +241,7 @@ def test_longest_admissible_prompt_runs_despite_the_watermark(tiny_model_dir) ->
     engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=100, block_size=4, watermark=0.1,
                                     enable_chunked_prefill=False, max_num_batched_tokens=1024))
     assert engine.max_model_len == 90 * 4
-    rid = engine.add_request([5] * (engine.max_model_len - 1), SamplingParams(max_tokens=5, ignore_eos=True))
+    rid = engine.add_request([5] * (engine.max_model_len - 1), SamplingParams(max_tokens=None, ignore_eos=True))
     outputs, _ = run_engine(engine, max_steps=50)
     assert outputs[rid][-1].finish_reason == "length" and len(outputs[rid][-1].token_ids) == 1
 

@@ -10,6 +10,7 @@ import functools
 import hashlib
 import logging
 import platform
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -27,6 +28,20 @@ def cpu_tag() -> str:
     return hashlib.sha256(info.encode()).hexdigest()[:12]
 
 
+_STALE_LOCK_S = 300  # a build takes well under a minute; an older lock is from a killed process
+
+
+def _remove_stale_lock(lock: Path) -> None:
+    """torch waits forever on the lock of a build whose process was killed (a container stopped
+    during its first start): without this, every later start would hang."""
+    try:
+        if time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
+            logger.warning("removing a stale kernel build lock %s", lock)
+            lock.unlink()
+    except FileNotFoundError:
+        pass
+
+
 @functools.cache
 def load_cpu_kernels() -> ModuleType | None:
     try:
@@ -36,6 +51,7 @@ def load_cpu_kernels() -> ModuleType | None:
 
         build_dir = cache_dir() / "torch_extensions" / cpu_tag()
         build_dir.mkdir(parents=True, exist_ok=True)
+        _remove_stale_lock(build_dir / "lock")
         source = Path(__file__).with_name("paged_attention.cpp")
         return cpp_extension.load(
             name="minivllm_cpu_kernels", sources=[str(source)], build_directory=str(build_dir),
