@@ -125,8 +125,9 @@ class ModelRunner:
             meta = PrefillSeqMeta(num_tokens, n, start + n, None)
             if start:
                 meta.context_slots = self._to_device(ctx_slots)
-                if ctx_slots[start - 1] - ctx_slots[0] == start - 1:  # consecutive: read the pool in place
-                    meta.cached_slot_start = int(ctx_slots[0])
+                first = int(ctx_slots[0])
+                if np.array_equal(ctx_slots[:start], np.arange(first, first + start)):  # read the pool in place
+                    meta.cached_slot_start = first
             metas.append(meta)
             num_tokens += n
             last_indices.append(num_tokens - 1)

@@ -77,7 +77,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             async for out in stream:
                 if out.finish_reason == "error":
                     final = out
-                    status, message = grpc.StatusCode.INTERNAL, out.error or "engine error"
+                    # A dead engine is the server's state (retry elsewhere); a failed step is a fault.
+                    status = grpc.StatusCode.UNAVAILABLE if engine.is_dead else grpc.StatusCode.INTERNAL
+                    message = out.error or "engine error"
                     await context.abort(status, message)
                 if out.is_finished:
                     final = out

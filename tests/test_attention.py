@@ -104,3 +104,19 @@ def test_prefill_attention_matches_dense(num_cached: int, consecutive: bool, win
     out = prefill_attention(q, k, v, k_cache, v_cache, metas, dim**-0.5, window)
     torch.testing.assert_close(out[:n], _dense_prefill(q[:n], k[:n], v[:n], 0, window))
     torch.testing.assert_close(out[n:], _dense_prefill(q[n:], k_cache[slots], v_cache[slots], num_cached, window))
+
+
+def test_runner_reads_the_cache_in_place_only_for_consecutive_slots(tiny_llm) -> None:
+    """Block tables like [6, 5, 7, 9] span as many slots as a consecutive run but are not one."""
+    from engine.sequence import Sequence
+    from tests.helpers import fake_seq
+
+    runner = tiny_llm.engine.runner
+    bs = runner.block_size
+    cases = {(6, 5, 7, 9, 10): False, (3, 4, 5, 6, 7): True, (9, 8, 7, 6, 5): False}
+    for table, in_place in cases.items():
+        seq: Sequence = fake_seq("s", 5 * bs)
+        seq.block_table = list(table)
+        seq.num_computed_tokens = 4 * bs
+        meta = runner._prepare_prefill([seq], [bs]).metas[0]
+        assert (meta.cached_slot_start is not None) == in_place, table
