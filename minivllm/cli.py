@@ -47,11 +47,13 @@ async def _serve(args: argparse.Namespace) -> int:
     sys.setswitchinterval(float(os.environ.get("MINIVLLM_SWITCH_INTERVAL", "0.0005")))
     from engine import model_display_name
     from service.observability import Observability
+    from service.security import load_tokens
     from service.server import InferenceServer, ServerConfig
 
     config = ServerConfig(host=args.host, port=args.port, drain_grace_s=args.drain_grace,
                           max_message_bytes=args.max_message_bytes, max_concurrent_rpcs=args.max_concurrent_rpcs,
-                          engine=engine_config_from_args(args))
+                          tls_cert_file=args.tls_cert, tls_key_file=args.tls_key, tls_client_ca_file=args.tls_client_ca,
+                          auth_tokens=load_tokens(args.auth_token_file), engine=engine_config_from_args(args))
     obs = Observability.from_env(model_name=model_display_name(config.engine.model),
                                  metrics_port=args.metrics_port, metrics_host=args.metrics_host)
     server = InferenceServer(config, stats_listeners=[obs.on_step], observer=obs.request_observer,
@@ -66,10 +68,9 @@ async def _serve(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     import grpc
 
-    from service.client import InferenceClient
 
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
-    with InferenceClient(args.target, timeout=args.timeout) as client:
+    with _client(args, timeout=args.timeout) as client:
         try:
             for chunk in client.generate(prompt, max_tokens=args.max_tokens, temperature=args.temperature):
                 sys.stdout.write(chunk.text)
@@ -82,6 +83,13 @@ def _generate(args: argparse.Namespace) -> int:
             logger.error("%s: %s", err.code().name, err.details())
             return 1
     return 0
+
+
+def _client(args: argparse.Namespace, timeout: float | None = None) -> object:
+    from service.client import InferenceClient
+
+    return InferenceClient(args.target, timeout=timeout, tls_ca_file=args.tls_ca, tls_cert_file=args.tls_cert,
+                           tls_key_file=args.tls_key, token=args.token)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -100,6 +108,12 @@ def main(argv: list[str] | None = None) -> None:
                        help="largest request message accepted")
     serve.add_argument("--max-concurrent-rpcs", type=int, default=int(_env("max_concurrent_rpcs", "1024")),
                        help="calls in flight at once; more are refused with RESOURCE_EXHAUSTED")
+    serve.add_argument("--tls-cert", default=_env("tls_cert"), help="server certificate (PEM): serve TLS only")
+    serve.add_argument("--tls-key", default=_env("tls_key"), help="server private key (PEM)")
+    serve.add_argument("--tls-client-ca", default=_env("tls_client_ca"),
+                       help="CA (PEM) whose client certificates are required (mutual TLS)")
+    serve.add_argument("--auth-token-file", default=_env("auth_token_file"),
+                       help="bearer tokens, one per line (also MINIVLLM_AUTH_TOKENS=a,b); health stays open")
     add_engine_args(serve)
 
     gen = sub.add_parser("generate", help="stream one completion to the terminal")
@@ -112,6 +126,11 @@ def main(argv: list[str] | None = None) -> None:
 
     info = sub.add_parser("info", help="print the served model's info")
     info.add_argument("--target", default=_env("target", "localhost:50051"))
+    for client_parser in (gen, info):
+        client_parser.add_argument("--tls-ca", default=_env("tls_ca"), help="CA (PEM) of the server: use TLS")
+        client_parser.add_argument("--tls-cert", default=_env("client_tls_cert"), help="client certificate (mTLS)")
+        client_parser.add_argument("--tls-key", default=_env("client_tls_key"), help="client key (mTLS)")
+        client_parser.add_argument("--token", default=_env("token"), help="bearer token (or MINIVLLM_TOKEN)")
 
     sub.add_parser("bench", help="serving benchmark; `minivllm bench --help` for its options")
 
@@ -129,9 +148,8 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "generate":
         sys.exit(_generate(args))
     elif args.command == "info":
-        from service.client import InferenceClient
 
-        with InferenceClient(args.target) as client:
+        with _client(args) as client:
             sys.stdout.write(str(client.model_info()))
 
 

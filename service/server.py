@@ -15,6 +15,7 @@ from engine import EngineConfig, LLMEngine
 from service.async_engine import AsyncEngine, StatsListener
 from service.pb import inference_pb2 as pb
 from service.pb import inference_pb2_grpc as pb_grpc
+from service.security import TokenAuthInterceptor, server_credentials
 from service.servicer import InferenceServicer, RequestObserver
 
 logger = logging.getLogger(__name__)
@@ -29,6 +30,10 @@ class ServerConfig:
     drain_grace_s: float = 30.0
     max_message_bytes: int = 4 * 1024 * 1024  # larger requests are refused by gRPC (RESOURCE_EXHAUSTED)
     max_concurrent_rpcs: int | None = 1024  # beyond it gRPC refuses new calls (RESOURCE_EXHAUSTED)
+    tls_cert_file: str | None = None  # with tls_key_file: serve TLS only
+    tls_key_file: str | None = None
+    tls_client_ca_file: str | None = None  # mutual TLS: clients need a certificate this CA signed
+    auth_tokens: list[str] = field(default_factory=list)  # non-empty: bearer tokens required (health stays open)
     engine: EngineConfig = field(default_factory=EngineConfig)
 
 
@@ -43,7 +48,10 @@ class InferenceServer:
         self.servicer = InferenceServicer(observer)
         self.health = health.aio.HealthServicer()
         self.exit_code = 0  # non-zero once the engine died: the process should exit so a supervisor restarts it
-        self.server = grpc.aio.server(interceptors=interceptors or [], maximum_concurrent_rpcs=config.max_concurrent_rpcs,
+        interceptors = list(interceptors or [])
+        if config.auth_tokens:
+            interceptors.insert(0, TokenAuthInterceptor(config.auth_tokens))
+        self.server = grpc.aio.server(interceptors=interceptors, maximum_concurrent_rpcs=config.max_concurrent_rpcs,
                                       options=[
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.max_send_message_length", config.max_message_bytes),
@@ -55,7 +63,16 @@ class InferenceServer:
         pb_grpc.add_InferenceServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
-        self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
+        address = f"{config.host}:{config.port}"
+        if (config.tls_cert_file is None) != (config.tls_key_file is None):
+            raise ValueError("tls: give both a certificate and a key file")
+        if config.tls_cert_file is not None:
+            creds = server_credentials(config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file)
+            self.port = self.server.add_secure_port(address, creds)
+        else:
+            if config.tls_client_ca_file is not None:
+                raise ValueError("tls: a client CA needs a server certificate and key")
+            self.port = self.server.add_insecure_port(address)
         if self.port == 0:
             raise OSError(f"cannot listen on {config.host}:{config.port}")
         self.async_engine: AsyncEngine | None = None

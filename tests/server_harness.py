@@ -15,8 +15,10 @@ from service.servicer import RequestObserver
 class ServerThread:
     def __init__(self, engine_config: EngineConfig, stats_listeners: list[StatsListener] | None = None,
                  observer: RequestObserver | None = None, interceptors: list | None = None,
-                 engine_factory: Callable[[], LLMEngine] | None = None, wait_ready: bool = True) -> None:
-        self.config = ServerConfig(host="127.0.0.1", port=0, drain_grace_s=10.0, engine=engine_config)
+                 engine_factory: Callable[[], LLMEngine] | None = None, wait_ready: bool = True,
+                 **server_options: object) -> None:
+        self.config = ServerConfig(host="127.0.0.1", port=0, drain_grace_s=10.0, engine=engine_config,
+                                   **server_options)
         self._factory = engine_factory
         self._listeners, self._observer, self._interceptors = stats_listeners, observer, interceptors
         self._ready = threading.Event()
@@ -32,8 +34,10 @@ class ServerThread:
 
     async def _main(self) -> None:
         self.loop = asyncio.get_running_loop()
-        self.server = InferenceServer(self.config, self._listeners, self._observer, self._interceptors)
-        self._started.set()
+        try:
+            self.server = InferenceServer(self.config, self._listeners, self._observer, self._interceptors)
+        finally:
+            self._started.set()
         await self.server.start(self._factory)
         self._ready.set()
         await self.server.wait_stopped()
