@@ -17,6 +17,8 @@ class LLM:
         unknown = set(engine_config) - set(EngineConfig.field_names())
         if unknown:
             raise ValueError(f"unknown engine option(s): {sorted(unknown)}")
+        # Offline nobody watches a stream's pace: prefill by the token budget (throughput) unless asked.
+        engine_config.setdefault("enable_time_budget", False)
         self.engine = LLMEngine(EngineConfig(model=model, **engine_config))
 
     @property

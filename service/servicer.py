@@ -54,7 +54,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         except ValueError as exc:
             params_error = exc
         handle = self.observer.start(request_id, engine_id, request, params, context)
-        status, message, final = grpc.StatusCode.OK, "", None
+        status, message, final, stream = grpc.StatusCode.OK, "", None, None
         try:
             try:
                 if params_error is not None:
@@ -91,6 +91,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 message = type(exc).__name__
             raise
         finally:
+            if stream is not None:
+                # Close the engine stream now (it aborts an unfinished request and frees its KV
+                # blocks), not whenever the garbage collector gets to it.
+                await stream.aclose()
             self.observer.finish(handle, final, status, message)
 
     @staticmethod
