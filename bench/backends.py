@@ -46,15 +46,20 @@ class RequestResult:
 
 
 class GrpcBackend:
-    def __init__(self, target: str) -> None:
-        self.channel = grpc.aio.insecure_channel(target)
+    def __init__(self, target: str, tls_ca_file: str | None = None, token: str | None = None) -> None:
+        if tls_ca_file is None:
+            self.channel = grpc.aio.insecure_channel(target)
+        else:
+            with open(tls_ca_file, "rb") as f:
+                self.channel = grpc.aio.secure_channel(target, grpc.ssl_channel_credentials(f.read()))
         self.stub = pb_grpc.InferenceStub(self.channel)
+        self.metadata = [("authorization", f"Bearer {token}")] if token else None
 
     async def send(self, req: BenchRequest) -> RequestResult:
         result = RequestResult(prompt_len=req.prompt_len, start=time.monotonic())
         try:
             call = self.stub.Generate(build_request(req.prompt, max_tokens=req.output_len, temperature=0,
-                                                    ignore_eos=req.ignore_eos))
+                                                    ignore_eos=req.ignore_eos), metadata=self.metadata)
             async for chunk in call:
                 now = time.monotonic()
                 result.token_times.extend([now] * len(chunk.token_ids))

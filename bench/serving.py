@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import math
+import os
 import random
 import time
 from pathlib import Path
@@ -142,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", choices=("grpc", "openai"), default="grpc")
     p.add_argument("--target", default="localhost:50051", help="gRPC host:port")
+    p.add_argument("--tls-ca", default=None, help="CA (PEM) of a TLS server")
+    p.add_argument("--token", default=os.environ.get("MINIVLLM_TOKEN"), help="bearer token (or MINIVLLM_TOKEN)")
     p.add_argument("--base-url", default="http://localhost:8000", help="OpenAI-compatible server")
     p.add_argument("--model", default="", help="model name for the OpenAI backend")
     p.add_argument("--workload", choices=("random", "text", "chat", "shared-prefix"), default="random",
@@ -181,7 +184,7 @@ async def _main(args: argparse.Namespace) -> dict:
     if args.num_requests <= 0:
         raise ValueError("--num-requests must be positive")
     if args.backend == "grpc":
-        backend = GrpcBackend(args.target)
+        backend = GrpcBackend(args.target, tls_ca_file=args.tls_ca, token=args.token)
         vocab = args.vocab_size or (await backend.stub.GetModelInfo(pb.GetModelInfoRequest())).vocab_size
     else:
         backend = OpenAIBackend(args.base_url, args.model)

@@ -145,11 +145,7 @@ class Scheduler:
         # Auto: a multiple of the streams' usual pace (recent decode-only steps), so a step with
         # prefill is at most step_time_ratio slower than the gaps the clients are used to.
         typical = model.typical_decode_step or decode_time
-        # Backlog pressure: with many requests waiting per running one (a burst, an offline batch)
-        # admitting them is worth more slowdown, since the bigger batch then decodes far more
-        # tokens per second; with a short queue the ratio is what the streams are promised.
-        pressure = 1.0 + len(self.waiting) / max(1, len(self.running))
-        target = cfg.max_step_ms / 1e3 if cfg.max_step_ms is not None else cfg.step_time_ratio * typical * pressure
+        target = cfg.max_step_ms / 1e3 if cfg.max_step_ms is not None else cfg.step_time_ratio * typical
         out.budget_source, out.step_time_target = "time", target
         # Waiting requests keep a share of the step even when decodes alone fill the target.
         return max(target - decode_time, cfg.min_prefill_share * target)

@@ -81,11 +81,30 @@ def test_bearer_tokens(tiny_model_dir: Path) -> None:
         for token in ("s3cret", "other"):
             with InferenceClient(srv.target, timeout=30, token=token) as client:
                 assert _ok(client) and client.model_info().vocab_size > 0
+        assert _bench_sends(srv.target, "s3cret") == ("", 4)  # `minivllm bench --token`
+        assert "UNAUTHENTICATED" in _bench_sends(srv.target, None)[0]
         with grpc.insecure_channel(srv.target) as channel:  # probes need no token
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
     finally:
         srv.stop()
+
+
+def _bench_sends(target: str, token: str | None) -> tuple[str, int]:
+    import asyncio
+
+    from bench.backends import GrpcBackend
+    from bench.workloads import BenchRequest
+
+    async def send() -> tuple[str, int]:
+        backend = GrpcBackend(target, token=token)
+        try:
+            result = await backend.send(BenchRequest([5, 6, 7], 3, 4, True))
+        finally:
+            await backend.close()
+        return result.error, result.output_len
+
+    return asyncio.run(send())
 
 
 def test_token_check_needs_the_bearer_scheme_and_an_exact_token() -> None:
