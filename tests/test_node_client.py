@@ -15,7 +15,9 @@ from tests.server_harness import ServerThread
 NODE_DIR = Path(__file__).parent / "node"
 
 
-def test_node_client_streams_generate(tiny_model_dir: Path, tiny_llm: LLM) -> None:
+@pytest.mark.parametrize("secure", [False, True], ids=["plaintext", "tls-and-token"])
+def test_node_client_streams_generate(tiny_model_dir: Path, tiny_llm: LLM, secure: bool,
+                                      request: pytest.FixtureRequest) -> None:
     in_ci = os.environ.get("CI") == "true"
     if shutil.which("node") is None or not (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").exists():
         if in_ci:
@@ -23,13 +25,19 @@ def test_node_client_streams_generate(tiny_model_dir: Path, tiny_llm: LLM) -> No
         pytest.skip("node or tests/node/node_modules missing: run `make test`")
     prompt = "Hello world! Once upon a time"
     out = tiny_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
-    srv = ServerThread(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=256))
+    options, extra_env = {}, {}
+    if secure:
+        pki = request.getfixturevalue("pki")
+        options = {"tls_cert_file": str(pki / "server.pem"), "tls_key_file": str(pki / "server.key"),
+                   "auth_tokens": ["node-secret"]}
+        extra_env = {"MINIVLLM_TLS_CA": str(pki / "ca.pem"), "MINIVLLM_TOKEN": "node-secret"}
+    srv = ServerThread(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=256), **options)
     try:
-        env = dict(os.environ, MINIVLLM_TARGET=srv.target,
+        env = dict(os.environ, MINIVLLM_TARGET=srv.target, **extra_env,
                    MINIVLLM_EXPECTED=json.dumps({"prompt": prompt, "text": out.text, "token_ids": out.token_ids}))
         proc = subprocess.run(["node", "--test", "generate.test.mjs"], cwd=NODE_DIR, env=env, capture_output=True,
                               text=True, timeout=120)
     finally:
         srv.stop()
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "# pass 3" in proc.stdout and "# fail 0" in proc.stdout
+    assert f"# pass {4 if secure else 3}" in proc.stdout and "# fail 0" in proc.stdout

@@ -1,8 +1,6 @@
 """TLS, mutual TLS and bearer tokens on the gRPC server, with certificates made in the test."""
 from __future__ import annotations
 
-import shutil
-import subprocess
 from pathlib import Path
 
 import grpc
@@ -13,28 +11,6 @@ from engine import EngineConfig
 from service.client import InferenceClient
 from service.security import TokenAuthInterceptor
 from tests.server_harness import ServerThread
-
-
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A CA, a server certificate for 127.0.0.1/localhost and a client certificate, all signed by the CA."""
-    if shutil.which("openssl") is None:
-        pytest.fail("openssl is required (make test installs it)")
-    d = tmp_path_factory.mktemp("pki")
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
-             "-subj", "/CN=minivllm test CA", cwd=d)
-    (d / "san.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    for name, cn in (("server", "localhost"), ("client", "test client")):
-        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
-                 "-subj", f"/CN={cn}", cwd=d)
-        extra = ["-extfile", "san.cnf"] if name == "server" else []
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-                 "-out", f"{name}.pem", "-days", "2", *extra, cwd=d)
-    return d
 
 
 def _ok(client: InferenceClient) -> bool:

@@ -1,7 +1,9 @@
 // Streams Generate from a running minivllm server using nothing but protos/inference.proto.
-// MINIVLLM_TARGET: host:port; MINIVLLM_EXPECTED: JSON {prompt, text, token_ids} from the Python side.
+// MINIVLLM_TARGET: host:port; MINIVLLM_EXPECTED: JSON {prompt, text, token_ids} from the Python side;
+// optional MINIVLLM_TLS_CA (PEM file: use TLS) and MINIVLLM_TOKEN (bearer token).
 import { test } from 'node:test';
 import assert from 'node:assert/strict';
+import fs from 'node:fs';
 import path from 'node:path';
 import { fileURLToPath } from 'node:url';
 import grpc from '@grpc/grpc-js';
@@ -12,13 +14,22 @@ const definition = protoLoader.loadSync(path.join(here, '..', '..', 'protos', 'i
   keepCase: true, longs: Number, enums: String, defaults: true, oneofs: true,
 });
 const { Inference } = grpc.loadPackageDefinition(definition).minivllm.v1;
-const client = new Inference(process.env.MINIVLLM_TARGET, grpc.credentials.createInsecure());
+const caFile = process.env.MINIVLLM_TLS_CA;
+const token = process.env.MINIVLLM_TOKEN;
+const credentials = caFile ? grpc.credentials.createSsl(fs.readFileSync(caFile)) : grpc.credentials.createInsecure();
+const client = new Inference(process.env.MINIVLLM_TARGET, credentials);
 const expected = JSON.parse(process.env.MINIVLLM_EXPECTED);
 
-function collect(request) {
+function metadata(withToken = true) {
+  const md = new grpc.Metadata();
+  if (token && withToken) md.add('authorization', `Bearer ${token}`);
+  return md;
+}
+
+function collect(request, withToken = true) {
   return new Promise((resolve, reject) => {
     const chunks = [];
-    const call = client.Generate(request, { deadline: Date.now() + 60000 });
+    const call = client.Generate(request, metadata(withToken), { deadline: Date.now() + 60000 });
     call.on('data', (chunk) => chunks.push(chunk));
     call.on('error', reject);
     call.on('end', () => resolve(chunks));
@@ -46,9 +57,16 @@ test('bad sampling params come back as INVALID_ARGUMENT naming the field', async
   });
 });
 
+test('without the token the server says UNAUTHENTICATED', { skip: !token }, async () => {
+  await assert.rejects(collect({ prompt: 'hi' }, false), (err) => {
+    assert.equal(err.code, grpc.status.UNAUTHENTICATED);
+    return true;
+  });
+});
+
 test('GetModelInfo answers', async () => {
   const info = await new Promise((resolve, reject) =>
-    client.GetModelInfo({}, (err, res) => (err ? reject(err) : resolve(res))));
+    client.GetModelInfo({}, metadata(), (err, res) => (err ? reject(err) : resolve(res))));
   assert.ok(info.vocab_size > 0 && info.max_model_len > 0);
   client.close();
 });
