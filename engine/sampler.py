@@ -48,9 +48,8 @@ class Sampler:
         rows, cols = [], []
         for i, seq in enumerate(seqs):
             if seq.num_output_tokens < seq.params.min_tokens:
-                stop_ids = set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else seq.eos_token_ids)
-                rows.extend([i] * len(stop_ids))
-                cols.extend(stop_ids)
+                rows.extend([i] * len(seq.min_tokens_stop_ids))
+                cols.extend(seq.min_tokens_stop_ids)
         if rows:
             logits = logits.clone()
             logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = -float("inf")

@@ -29,6 +29,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per generated token (the sampled one always)
     skip_special_tokens: bool = True
+    stop_token_set: frozenset[int] = field(init=False, repr=False, compare=False)  # built once, read per token
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -66,6 +67,7 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, {_MAX_LOGPROBS}], got {self.logprobs}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        self.stop_token_set = frozenset(self.stop_token_ids)
 
     @property
     def is_greedy(self) -> bool:

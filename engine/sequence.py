@@ -68,9 +68,13 @@ class Sequence:
     last_scheduled_step: int = -1
     generator: torch.Generator | None = None
     times: SequenceTimes = field(init=False)
+    # Token ids min_tokens holds off (stop ids, and EOS unless ignored): built once, used per step.
+    min_tokens_stop_ids: frozenset[int] = field(init=False)
 
     def __post_init__(self) -> None:
         self.times = SequenceTimes(arrival=self.arrival_time)
+        eos = frozenset() if self.params.ignore_eos else self.eos_token_ids
+        self.min_tokens_stop_ids = self.params.stop_token_set | eos
 
     @property
     def num_prompt_tokens(self) -> int:

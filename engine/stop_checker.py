@@ -10,7 +10,7 @@ def check_token_stop(seq: Sequence, token_id: int, max_model_len: int) -> tuple[
     if seq.num_output_tokens >= params.min_tokens:
         if not params.ignore_eos and token_id in seq.eos_token_ids:
             return FinishReason.STOP, None
-        if token_id in params.stop_token_ids:
+        if token_id in params.stop_token_set:
             return FinishReason.STOP, token_id
     if (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens) or seq.num_tokens >= max_model_len:
         return FinishReason.LENGTH, None
