@@ -147,8 +147,10 @@ class Scheduler:
         typical = model.typical_decode_step or decode_time
         target = cfg.max_step_ms / 1e3 if cfg.max_step_ms is not None else cfg.step_time_ratio * typical
         out.budget_source, out.step_time_target = "time", target
-        # Waiting requests keep a share of the step even when decodes alone fill the target.
-        return max(target - decode_time, cfg.min_prefill_share * target)
+        # Aim below the target by the model's usual error, so most steps really land under it;
+        # waiting requests keep a share of the step even when decodes alone fill the target.
+        aim = target / max(1.0, model.error_quantile)
+        return max(aim - decode_time, cfg.min_prefill_share * target)
 
     def _fit_time(self, seq: Sequence, num_new: int, time_left: float, out: SchedulerOutput) -> int:
         if out.budget_source != "time" or num_new == 0:

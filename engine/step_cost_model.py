@@ -11,6 +11,10 @@ having prefill rows (per-layer attention set-up), kept apart so it does not leak
 decode-only prediction that the auto target is a multiple of. The host overhead (schedule,
 input preparation, sampling, output processing) is an exponentially weighted mean.
 
+The model also tracks how far it errs: an online estimate of the 90th percentile of
+measured / predicted step time, so the scheduler can aim below the target by that margin and
+keep nine steps in ten under it on a machine whose speed jitters.
+
 Nothing here is tuned to one machine: the prior only says "a token costs about a millisecond"
 with a wide variance, and a handful of steps replace it with measurements.
 """
@@ -21,6 +25,8 @@ import numpy as np
 _PRIOR = [0.0, 1e-3, 1e-3, 1e-3, 1e-2, 0.0]
 _PRIOR_VARIANCE = [1.0, 1e-2, 1e-2, 1e-2, 1.0, 1.0]
 _MAX_VARIANCE_GROWTH = 100.0  # a feature unseen for long regains at most this much uncertainty
+ERROR_QUANTILE = 0.9
+_QUANTILE_STEP = 0.01  # how far one step moves the error quantile estimate
 
 
 def attention_pairs(num_new_tokens: int, num_context_tokens: int) -> float:
@@ -36,6 +42,7 @@ class StepCostModel:
         self.decay = decay
         self.overhead = 0.0
         self.typical_decode_step = 0.0  # exponentially weighted time of decode-only steps (seconds)
+        self.error_quantile = 1.0  # online ERROR_QUANTILE of measured / predicted step time
         self.num_observations = 0
 
     @staticmethod
@@ -55,7 +62,9 @@ class StepCostModel:
                 num_prefill_pairs: float = 0.0) -> float:
         """Predicted step time (seconds), host overhead included."""
         x = self.features(num_decode_seqs, num_decode_context_tokens, num_prefill_tokens, num_prefill_pairs)
-        return self.overhead + float(self.costs @ x)
+        # The raw fit, not the clipped costs: with correlated features one weight may go negative
+        # while the sum stays right, and clipping it would bias every prediction upwards.
+        return self.overhead + max(0.0, float(self.weights @ x))
 
     def chunk_cost(self, num_new_tokens: int, num_context_tokens: int, is_first: bool = False) -> float:
         """What adding one prefill chunk to a step that already runs a forward adds to it
@@ -82,6 +91,12 @@ class StepCostModel:
                 num_prefill_pairs: float, forward_time: float, overhead_time: float) -> None:
         """Fold in one step's measured forward time and host overhead (seconds)."""
         x = self.features(num_decode_seqs, num_decode_context_tokens, num_prefill_tokens, num_prefill_pairs)
+        if self.num_observations >= 10:  # once the fit means something
+            predicted = self.overhead + max(0.0, float(self.weights @ x))
+            if predicted > 0:
+                # Stochastic quantile tracking: up by q when above, down by 1 - q when below.
+                above = (forward_time + overhead_time) / predicted > self.error_quantile
+                self.error_quantile += _QUANTILE_STEP * (ERROR_QUANTILE if above else ERROR_QUANTILE - 1)
         p_x = self.covariance @ x
         gain = p_x / (self.decay + x @ p_x)
         self.weights = self.weights + gain * (forward_time - x @ self.weights)
