@@ -2,9 +2,15 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import queue
+import re
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from engine import EngineConfig, LLMEngine
 from service.async_engine import StatsListener
@@ -62,3 +68,54 @@ class ServerThread:
         if self.loop is not None and self.server is not None:
             asyncio.run_coroutine_threadsafe(self.server.drain_and_stop(), self.loop).result(30)
         self._thread.join(30)
+
+
+def poll(predicate: Callable[[], bool], timeout: float) -> bool:
+    """Wait until predicate() holds (checked every 50 ms); False if it never did."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+class ServerProcess:
+    """`minivllm serve` as a child process on a port it picks itself (port 0, read back from its
+    log: no pick-then-bind race); its output is collected on a thread."""
+
+    def __init__(self, model_dir: Path, *args: str, env: dict[str, str] | None = None) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "minivllm", "serve", "--model", str(model_dir), "--host", "127.0.0.1", "--port",
+             "0", "--metrics-port", "0", *args], env=dict(os.environ, MINIVLLM_LOG_LEVEL="INFO", **(env or {})),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        self._new: queue.SimpleQueue[str] = queue.SimpleQueue()
+        threading.Thread(target=self._pump, daemon=True).start()
+        self.port = self._wait_for_port(120.0)
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            self._new.put(line)
+
+    def _wait_for_port(self, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        while True:
+            line = self._new.get(timeout=max(0.1, deadline - time.monotonic()))
+            match = re.search(r"gRPC listening on [^ ]+:(\d+)", line)
+            if match:
+                return int(match.group(1))
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)

@@ -3,11 +3,8 @@ from __future__ import annotations
 
 import asyncio
 import math
-import os
 import random
 import resource
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,7 +17,7 @@ from service.client import build_request
 from service.pb import inference_pb2 as pb
 from service.pb import inference_pb2_grpc as pb_grpc
 from tests.helpers import run_engine
-from tests.server_harness import ServerThread
+from tests.server_harness import ServerProcess, ServerThread, poll
 
 INVALID, TOO_BIG = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED
 SP = pb.SamplingParams
@@ -203,29 +200,20 @@ def test_a_step_that_raises_fails_its_requests_and_the_engine_goes_on(tiny_model
 
 
 def test_engine_thread_death_fails_calls_fast_and_exits_non_zero(tiny_model_dir: Path) -> None:
-    env = dict(os.environ, MINIVLLM_FAULT="die@4", MINIVLLM_LOG_LEVEL="INFO")
-    proc = subprocess.Popen([sys.executable, "-m", "minivllm", "serve", "--model", str(tiny_model_dir), "--host",
-                             "127.0.0.1", "--port", "0", "--metrics-port", "0", "--num-kv-blocks", "256"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    from tests.test_service import _output_reader, _poll, _wait_for_port
-
-    lines, new_lines = _output_reader(proc)
+    server = ServerProcess(tiny_model_dir, "--num-kv-blocks", "256", env={"MINIVLLM_FAULT": "die@4"})
     try:
-        target = f"127.0.0.1:{_wait_for_port(new_lines)}"
-        with grpc.insecure_channel(target) as channel:
-            assert _poll(lambda: _serving_or_none(channel), 120)
+        with grpc.insecure_channel(server.target) as channel:
+            assert poll(lambda: _serving_or_none(channel), 120)
             stub = pb_grpc.InferenceStub(channel)
             started = time.monotonic()
             with pytest.raises(grpc.RpcError) as err:
                 list(stub.Generate(build_request("doomed", max_tokens=50, ignore_eos=True), timeout=30))
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
             assert time.monotonic() - started < 10  # failed, not hung until the deadline
-        assert proc.wait(30) != 0
+        assert server.proc.wait(30) != 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(10)
-    assert "the engine thread died" in "".join(lines)
+        server.close()
+    assert "the engine thread died" in server.output
 
 
 def _serving_or_none(channel: grpc.Channel) -> bool:

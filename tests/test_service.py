@@ -2,15 +2,8 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import queue
-import re
 import signal
-import subprocess
-import sys
 import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -21,7 +14,7 @@ from engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from service.client import InferenceClient, build_request
 from service.pb import inference_pb2 as pb
 from service.pb import inference_pb2_grpc as pb_grpc
-from tests.server_harness import ServerThread
+from tests.server_harness import ServerProcess, ServerThread, poll
 
 SERVICE = "minivllm.v1.Inference"
 
@@ -220,29 +213,6 @@ def test_reflection_lists_the_service(server: ServerThread) -> None:
         assert any(s.name == "Inference" for s in desc.service)
 
 
-def _output_reader(proc: subprocess.Popen) -> tuple[list[str], queue.SimpleQueue]:
-    """Collect a child's output lines on a thread, so the test can wait for one while it runs."""
-    lines: list[str] = []
-    new: queue.SimpleQueue = queue.SimpleQueue()
-
-    def pump() -> None:
-        for line in proc.stdout:
-            lines.append(line)
-            new.put(line)
-
-    threading.Thread(target=pump, daemon=True).start()
-    return lines, new
-
-
-def _wait_for_port(new_lines: queue.SimpleQueue, timeout: float = 120.0) -> int:
-    deadline = time.monotonic() + timeout
-    while True:
-        line = new_lines.get(timeout=max(0.1, deadline - time.monotonic()))
-        match = re.search(r"gRPC listening on [^ ]+:(\d+)", line)
-        if match:
-            return int(match.group(1))
-
-
 def _health(channel: grpc.Channel) -> int | None:
     try:
         return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=SERVICE),
@@ -251,42 +221,24 @@ def _health(channel: grpc.Channel) -> int | None:
         return None
 
 
-def _poll(predicate: Callable[[], bool], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
 def test_sigterm_drains_in_flight_stream(tiny_model_dir: Path, tmp_path: Path) -> None:
-    env = dict(os.environ, MINIVLLM_LOG_LEVEL="INFO")
-    # Port 0: the server binds a free port itself and logs it (no pick-then-bind race).
-    proc = subprocess.Popen([sys.executable, "-m", "minivllm", "serve", "--model", str(tiny_model_dir), "--host",
-                             "127.0.0.1", "--port", "0", "--metrics-port", "0", "--num-kv-blocks", "512"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines, new_lines = _output_reader(proc)
+    server = ServerProcess(tiny_model_dir, "--num-kv-blocks", "512")
     try:
-        target = f"127.0.0.1:{_wait_for_port(new_lines)}"
-        with grpc.insecure_channel(target) as channel:
-            assert _poll(lambda: _health(channel) == health_pb2.HealthCheckResponse.SERVING, 120), \
+        with grpc.insecure_channel(server.target) as channel:
+            assert poll(lambda: _health(channel) == health_pb2.HealthCheckResponse.SERVING, 120), \
                 "server did not become healthy"
             stub = pb_grpc.InferenceStub(channel)
             stream = stub.Generate(build_request("drain me", max_tokens=2500, ignore_eos=True))
             first = next(stream)
-            proc.send_signal(signal.SIGTERM)
-            assert _poll(lambda: _health(channel) == health_pb2.HealthCheckResponse.NOT_SERVING, 10)
+            server.proc.send_signal(signal.SIGTERM)
+            assert poll(lambda: _health(channel) == health_pb2.HealthCheckResponse.NOT_SERVING, 10)
             with pytest.raises(grpc.RpcError) as err:
                 list(stub.Generate(build_request("too late", max_tokens=2), timeout=5))
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
             rest = list(stream)
             assert rest[-1].finish_reason == "length"
             assert len(first.token_ids) + sum(len(c.token_ids) for c in rest) == 2500
-        assert proc.wait(60) == 0
+        assert server.proc.wait(60) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(10)
-    output = "".join(lines)
-    assert "draining" in output and "server stopped" in output
+        server.close()
+    assert "draining" in server.output and "server stopped" in server.output
