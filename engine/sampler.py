@@ -21,6 +21,10 @@ class SamplerOutput:
     logprobs: list[dict[int, float] | None]  # per row: sampled token + top-N, when asked
 
 
+# Columns of SamplingParams.row.
+_TEMPERATURE, _TOP_P, _MIN_P, _REPETITION, _FREQUENCY, _PRESENCE, _IS_GREEDY = range(7)
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0) -> None:
         self.device = device
@@ -32,13 +36,15 @@ class Sampler:
         params = [s.params for s in seqs]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(p.logprobs is not None for p in params) else None
         logits = self._mask_stops_before_min_tokens(logits, seqs)
-        if any(p.has_penalties for p in params):
-            logits = self._apply_penalties(logits, seqs)
+        has_penalties = any(p.has_penalties for p in params)
+        is_all_greedy = all(p.is_greedy for p in params)
+        # One [N, 7] tensor of the rows' parameters, each row built once per request.
+        rows = None if is_all_greedy and not has_penalties else \
+            torch.tensor([p.row for p in params], device=logits.device)
+        if has_penalties:
+            logits = self._apply_penalties(logits, seqs, rows)
         greedy = logits.argmax(dim=-1)
-        if all(p.is_greedy for p in params):
-            tokens = greedy
-        else:
-            tokens = self._sample(logits, seqs, greedy)
+        tokens = greedy if is_all_greedy else self._sample(logits, seqs, greedy, rows)
         token_list = tokens.tolist()  # the step's one host sync
         if raw_logprobs is None:
             return SamplerOutput(token_list, [None] * len(seqs))
@@ -55,7 +61,7 @@ class Sampler:
             logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = -float("inf")
         return logits
 
-    def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence], rows: torch.Tensor) -> torch.Tensor:
         num_rows, vocab = logits.shape
         dev = logits.device
 
@@ -70,20 +76,18 @@ class Sampler:
 
         output_counts = counts_of([s.output_token_ids for s in seqs])
         prompt_seen = counts_of([s.prompt_token_ids if s.params.repetition_penalty != 1.0 else [] for s in seqs]) > 0
-        rep = torch.tensor([s.params.repetition_penalty for s in seqs], device=dev).unsqueeze(1)
-        freq = torch.tensor([s.params.frequency_penalty for s in seqs], device=dev).unsqueeze(1)
-        pres = torch.tensor([s.params.presence_penalty for s in seqs], device=dev).unsqueeze(1)
+        rep, freq, pres = (rows[:, c : c + 1] for c in (_REPETITION, _FREQUENCY, _PRESENCE))  # [N, 1] each
         seen = prompt_seen | (output_counts > 0)
         penalized = torch.where(logits > 0, logits / rep, logits * rep)
         logits = torch.where(seen, penalized, logits)
         return logits - freq * output_counts - pres * (output_counts > 0).float()
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy: torch.Tensor) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy: torch.Tensor,
+                rows: torch.Tensor) -> torch.Tensor:
         params = [s.params for s in seqs]
         num_rows, vocab = logits.shape
         dev = logits.device
-        temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=dev)
-        logits = logits / temps.unsqueeze(1)
+        logits = logits / rows[:, _TEMPERATURE : _TEMPERATURE + 1]
         top_ks = [p.top_k if p.top_k > 0 else vocab for p in params]
         if min(top_ks) < vocab:
             k_max = max(k for k in top_ks if k < vocab)
@@ -94,13 +98,13 @@ class Sampler:
             logits = logits.masked_fill(limited & (logits < kth), -float("inf"))
         probs = torch.softmax(logits, dim=-1)
         if any(p.top_p < 1.0 for p in params):
-            top_ps = torch.tensor([p.top_p for p in params], device=dev).unsqueeze(1)
+            top_ps = rows[:, _TOP_P : _TOP_P + 1]
             sorted_probs, order = probs.sort(dim=-1, descending=True)
             # Drop a token when the mass before it already reaches top_p (the top one always stays).
             drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_ps
             probs = probs.masked_fill(torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted), 0.0)
         if any(p.min_p > 0.0 for p in params):
-            min_ps = torch.tensor([p.min_p for p in params], device=dev).unsqueeze(1)
+            min_ps = rows[:, _MIN_P : _MIN_P + 1]
             probs = probs.masked_fill(probs < min_ps * probs.max(dim=-1, keepdim=True).values, 0.0)
         noise = torch.empty_like(probs)
         unseeded = [i for i, s in enumerate(seqs) if s.generator is None]
@@ -110,8 +114,7 @@ class Sampler:
             if seq.generator is not None:
                 noise[i].exponential_(generator=seq.generator)
         sampled = (probs / noise).argmax(dim=-1)
-        is_greedy = torch.tensor([p.is_greedy for p in params], device=dev)
-        return torch.where(is_greedy, greedy, sampled)
+        return torch.where(rows[:, _IS_GREEDY] > 0, greedy, sampled)
 
     @staticmethod
     def _gather_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, params: list) -> list[dict[int, float] | None]:

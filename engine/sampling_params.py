@@ -30,6 +30,9 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per generated token (the sampled one always)
     skip_special_tokens: bool = True
     stop_token_set: frozenset[int] = field(init=False, repr=False, compare=False)  # built once, read per token
+    # The sampler's per-row values, built once per request (the sampler stacks them per step):
+    # (temperature or 1 when greedy, top_p, min_p, repetition, frequency, presence penalty, is_greedy)
+    row: tuple[float, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -68,6 +71,8 @@ class SamplingParams:
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         self.stop_token_set = frozenset(self.stop_token_ids)
+        self.row = (self.temperature if self.temperature > 0 else 1.0, self.top_p, self.min_p, self.repetition_penalty,
+                    self.frequency_penalty, self.presence_penalty, float(self.is_greedy))
 
     @property
     def is_greedy(self) -> bool:
