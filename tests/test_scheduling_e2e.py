@@ -12,8 +12,10 @@ PROMPTS = [[(i * 13 + j * 7) % 400 + 3 for j in range(n)] for i, n in enumerate(
 
 
 def _engine(model: Path, **kw: object) -> LLMEngine:
+    # The token budget: chunk sizes then depend on the policy alone, not on measured step times,
+    # so a failure here reproduces.
     base = dict(model=str(model), block_size=4, num_kv_blocks=1024, max_num_batched_tokens=4096,
-                enable_prefix_caching=False)
+                enable_prefix_caching=False, enable_time_budget=False)
     base.update(kw)
     return LLMEngine(EngineConfig(**base))
 
@@ -35,7 +37,7 @@ def test_preemption_gives_the_same_tokens(tiny_model_dir: Path) -> None:
     reference = _tokens(_engine(tiny_model_dir), PROMPTS)
     # 120 blocks of 4 tokens cannot hold all six sequences as they grow: some get preempted
     # (with the token budget's schedule, which this setup was sized for).
-    small = _engine(tiny_model_dir, num_kv_blocks=120, max_num_batched_tokens=64, enable_time_budget=False)
+    small = _engine(tiny_model_dir, num_kv_blocks=120, max_num_batched_tokens=64)
     preemptions = 0
     ids = [small.add_request(p, GREEDY) for p in PROMPTS]
     finals = {}
