@@ -145,7 +145,11 @@ class Scheduler:
         # Auto: a multiple of the streams' usual pace (recent decode-only steps), so a step with
         # prefill is at most step_time_ratio slower than the gaps the clients are used to.
         typical = model.typical_decode_step or decode_time
-        target = cfg.max_step_ms / 1e3 if cfg.max_step_ms is not None else cfg.step_time_ratio * typical
+        # A burst (more than one request waiting per running one) is worth slower steps: the
+        # queue's TTFT grows with every step it waits, and the bigger batch it becomes decodes
+        # more tokens per second. One waiting request (a long prompt arriving) gets no relief.
+        backlog = 1.0 + max(0, len(self.waiting) - 1) / max(1, len(self.running))
+        target = cfg.max_step_ms / 1e3 if cfg.max_step_ms is not None else cfg.step_time_ratio * typical * backlog
         out.budget_source, out.step_time_target = "time", target
         # Aim below the target by the model's usual error, so most steps really land under it;
         # waiting requests keep a share of the step even when decodes alone fill the target.

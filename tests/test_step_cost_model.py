@@ -138,6 +138,22 @@ def test_auto_target_is_a_multiple_of_the_usual_decode_step_and_nothing_decoding
     assert out.predicted_step_time <= out.step_time_target
 
 
+def test_a_burst_raises_the_auto_target_a_single_arrival_does_not() -> None:
+    """Several requests waiting per running one (a burst) are worth slower steps; one waiting
+    request (a long prompt arriving among streams) gets the streams' promised pace."""
+    targets = {}
+    for num_waiting in (1, 17):
+        sched = _time_scheduler(step_time_ratio=2.0)
+        _decoding(sched, 8)
+        for _ in range(300):
+            sched.cost_model.observe(8, 400, 0, 0.0, 0.048, 0.002)
+        for i in range(num_waiting):
+            sched.add(fake_seq(f"w{i}", 300, arrival=1.0 + i))
+        targets[num_waiting] = sched.schedule(now=30.0).step_time_target
+    assert targets[1] == pytest.approx(2.0 * 0.050, rel=0.01)
+    assert targets[17] == pytest.approx(targets[1] * (1 + 16 / 8))
+
+
 def test_a_long_prompt_always_advances_under_a_tight_target() -> None:
     sched = _time_scheduler(max_step_ms=1.0)  # less than the decodes alone
     _decoding(sched, 8)
