@@ -1,6 +1,6 @@
 """The engine thread ("the heartbeat") and its asyncio front door.
 
-One thread owns the LLMEngine. Commands (add, abort) reach it through a queue it blocks on
+One thread owns the LLMEngine. Commands (add, abort, stop) reach it through a queue it blocks on
 when idle, so an idle server burns no CPU; each step's outputs go back to the asyncio loop
 in one call_soon_threadsafe, where they fan out to per-request queues. Step stats go to
 listeners on the engine thread (metrics, tracing), never the other way round.
@@ -52,12 +52,6 @@ class _Add:
 @dataclass(slots=True)
 class _Abort:
     request_id: str
-
-
-@dataclass(slots=True)
-class _Call:
-    fn: Callable[[LLMEngine], Any]
-    result: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
 
 _STOP = object()
@@ -210,14 +204,6 @@ class AsyncEngine:
             if not finished:
                 self.abort(engine_id)  # client went away: free its KV blocks now
 
-    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
-        """Run fn(engine) on the engine thread, between steps."""
-        if self._is_dead:
-            raise EngineDeadError("the engine thread is not running")
-        cmd = _Call(fn)
-        self._inbox.put(cmd)
-        return await asyncio.wrap_future(cmd.result)
-
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
 
@@ -298,22 +284,14 @@ class AsyncEngine:
                 cmd = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            future = cmd.admitted if isinstance(cmd, _Add) else cmd.result if isinstance(cmd, _Call) else None
-            if future is not None and future.set_running_or_notify_cancel():
-                future.set_exception(EngineDeadError("the engine thread is not running"))
+            if isinstance(cmd, _Add) and cmd.admitted.set_running_or_notify_cancel():
+                cmd.admitted.set_exception(EngineDeadError("the engine thread is not running"))
 
     def _handle(self, cmd: Any) -> bool:
         if cmd is _STOP:
             return False
         if isinstance(cmd, _Abort):
             self.engine.abort_request(cmd.request_id)
-            return True
-        if isinstance(cmd, _Call):
-            if cmd.result.set_running_or_notify_cancel():
-                try:
-                    cmd.result.set_result(cmd.fn(self.engine))
-                except Exception as exc:  # noqa: BLE001 - handed back to the caller
-                    cmd.result.set_exception(exc)
             return True
         if not cmd.admitted.set_running_or_notify_cancel():
             return True  # the caller gave up before admission

@@ -30,16 +30,20 @@ def hf_model(real_llm: LLM):
     return AutoModelForCausalLM.from_pretrained(str(real_llm.engine.model_dir), dtype=torch.float32).eval()
 
 
+def _hf_greedy(hf_model, prompt: list[int], num_tokens: int) -> list[int]:
+    with torch.inference_mode():
+        ids = hf_model.generate(torch.tensor([prompt]), max_new_tokens=num_tokens, min_new_tokens=num_tokens,
+                                do_sample=False)
+    return ids[0, len(prompt):].tolist()
+
+
 def test_greedy_matches_transformers_token_for_token(real_llm: LLM, hf_model) -> None:
     tok = real_llm.tokenizer
     prompts = [tok.encode(p) for p in PROMPTS]
     assert len({len(p) for p in prompts}) == len(prompts), "prompts must differ in length"
     outs = real_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     for prompt, out in zip(prompts, outs, strict=True):
-        with torch.inference_mode():
-            ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24,
-                                    do_sample=False)[0, len(prompt):].tolist()
-        assert out.token_ids == ref, f"prompt of {len(prompt)} tokens diverged"
+        assert out.token_ids == _hf_greedy(hf_model, prompt, 24), f"prompt of {len(prompt)} tokens diverged"
         assert out.finish_reason == "length"
 
 
@@ -90,10 +94,7 @@ def test_chunked_prefill_matches_transformers(real_llm: LLM, hf_model) -> None:
     chunked = LLM(None, num_kv_blocks=512, max_num_batched_tokens=64)
     outs = chunked.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     for prompt, out in zip(prompts, outs, strict=True):
-        with torch.inference_mode():
-            ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12,
-                                    do_sample=False)[0, len(prompt):].tolist()
-        assert out.token_ids == ref, f"prompt of {len(prompt)} tokens diverged when chunked"
+        assert out.token_ids == _hf_greedy(hf_model, prompt, 12), f"prompt of {len(prompt)} tokens diverged chunked"
 
 
 def test_long_prompt_does_not_stall_running_streams_over_grpc() -> None:
