@@ -11,12 +11,13 @@ TORCH_SPEC ?= torch==2.13.0
 
 .PHONY: setup serve test test-deps lint bench-offline bench-scheduling bench-serving compose-check clean
 
-$(VENV)/.installed: pyproject.toml
+# The install generates the gRPC code from protos/ (setup.py), so a .proto edit re-runs it.
+$(VENV)/.installed: pyproject.toml setup.py protos/inference.proto
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH_SPEC)
 	$(PIP) install -q -e '.[test]'
-	$(PY) -c "import service.pb.inference_pb2"  # generate the gRPC code from protos/
+	$(PY) -c "import service.pb.inference_pb2"
 	touch $@
 
 setup: $(VENV)/.installed

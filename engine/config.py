@@ -1,7 +1,28 @@
 """Engine configuration: one validated dataclass, every knob with a CPU-friendly default."""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+
+def _opt(default: Any, help: str) -> Any:
+    """A config field whose help text the CLI shows (one source for flags, env vars and docs)."""
+    return field(default=default, metadata={"help": help})
+
+
+def usable_cpus() -> int:
+    """CPUs this process may really use: its affinity mask, capped by a cgroup v2 CPU quota
+    (a container limited to 2 CPUs on a 64-core host must not start 64 threads)."""
+    count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            count = min(count, max(1, int(int(quota) / int(period) + 0.5)))
+    except (OSError, ValueError):
+        pass
+    return max(1, count)
 
 
 @dataclass(slots=True)
@@ -12,45 +33,47 @@ class EngineConfig:
     file, or a hub id (only where a network allows it).
     """
 
-    model: str | None = None
-    tokenizer: str | None = None
-    device: str = "auto"  # auto | cpu | cuda
-    dtype: str = "auto"  # auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16
-    seed: int = 0
-    num_threads: int | None = None  # None: one per core, so both cores compute
+    model: str | None = _opt(None, "a local HF directory, a .gguf file or a hub id; unset: SmolLM2-135M-Instruct")
+    tokenizer: str | None = _opt(None, "tokenizer directory or id; unset: the model's")
+    device: str = _opt("auto", "auto | cpu | cuda")
+    dtype: str = _opt("auto", "auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 | float16")
+    seed: int = _opt(0, "seed of the engine's random generator (per-request seeds override it)")
+    num_threads: int | None = _opt(None, "torch threads; unset: the CPUs this process may use "
+                                         "(affinity and cgroup quota)")
 
     # Paged KV cache.
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # None: sized from kv_cache_gib
-    kv_cache_gib: float = 1.0
-    max_model_len: int | None = None  # None: the model's context length
+    block_size: int = _opt(16, "tokens per KV cache block")
+    num_kv_blocks: int | None = _opt(None, "KV cache blocks; unset: sized from kv_cache_gib")
+    kv_cache_gib: float = _opt(1.0, "KV cache size in GiB when num_kv_blocks is unset")
+    max_model_len: int | None = _opt(None, "longest prompt + output in tokens; unset: the model's context length")
 
     # Scheduler: the token budget of one step and the policy knobs that balance
     # prefill (time to first token) against decode (streaming pace).
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 64
-    max_num_waiting: int = 1024  # admission limit: beyond it add_request raises QueueFullError
-    enable_chunked_prefill: bool = True
-    min_prefill_share: float = 0.25  # budget share kept for prefill while requests wait
-    aging_s: float = 5.0  # each aging_s seconds of waiting raises priority by one level
+    max_num_batched_tokens: int = _opt(512, "token budget of one engine step (prefill + decode)")
+    max_num_seqs: int = _opt(64, "sequences in the running batch at most")
+    max_num_waiting: int = _opt(1024, "waiting requests at most; more are refused (RESOURCE_EXHAUSTED / HTTP 429)")
+    enable_chunked_prefill: bool = _opt(True, "split long prompts over several steps")
+    min_prefill_share: float = _opt(0.25, "budget share kept for prefill while requests wait (0..1)")
+    aging_s: float = _opt(5.0, "each aging_s seconds of waiting raises a request's priority by one level")
     # Time-aware budget: while sequences decode, prefill chunks are sized so the step's
     # predicted time (from costs learned online) stays under max_step_ms; None: auto,
     # step_time_ratio x the recent decode-only step, so the streams' pace slows by at most
     # that factor while prompts prefill. The token budget stays a cap.
-    enable_time_budget: bool = True
-    max_step_ms: float | None = None
-    step_time_ratio: float = 2.2
-    enable_prefix_caching: bool = True
-    watermark: float = 0.01  # KV blocks kept free when admitting new prompts
+    enable_time_budget: bool = _opt(True, "size prefill chunks by predicted step time while sequences decode")
+    max_step_ms: float | None = _opt(None, "step-time target in ms while sequences decode; unset: "
+                                           "step_time_ratio x the recent decode-only step")
+    step_time_ratio: float = _opt(2.2, "auto step-time target as a multiple of the decode-only step (> 1)")
+    enable_prefix_caching: bool = _opt(True, "reuse the KV blocks of shared prompt prefixes")
+    watermark: float = _opt(0.01, "fraction of KV blocks kept free when admitting new prompts")
 
     # Request limits, checked before any costly work: beyond them a request is refused
     # (LimitExceededError -> RESOURCE_EXHAUSTED; out-of-range values -> INVALID_ARGUMENT).
-    max_prompt_chars: int = 1_000_000  # text prompt or all chat message contents together
-    max_stop_strings: int = 32
-    max_stop_string_chars: int = 256
-    max_stop_token_ids: int = 256
-    max_request_id_chars: int = 256
-    max_priority: int = 1000  # priority must lie in [-max_priority, max_priority]
+    max_prompt_chars: int = _opt(1_000_000, "characters of a text prompt or of all chat messages together")
+    max_stop_strings: int = _opt(32, "stop strings per request")
+    max_stop_string_chars: int = _opt(256, "characters of one stop string")
+    max_stop_token_ids: int = _opt(256, "stop token ids per request")
+    max_request_id_chars: int = _opt(256, "characters of a client's request id")
+    max_priority: int = _opt(1000, "priority must lie in [-max_priority, max_priority]")
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_num_waiting", "max_prompt_chars",

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata, PrefillSeqMeta
-from engine.config import EngineConfig
+from engine.config import EngineConfig, usable_cpus
 from engine.kernels import load_cpu_kernels
 from engine.model_loader import iter_weights
 from engine.models import model_class
@@ -49,7 +49,7 @@ class ModelRunner:
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, self.device)
         if self.device.type == "cpu":
-            torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+            torch.set_num_threads(config.num_threads or usable_cpus())
         cls = model_class(hf_config.model_type)
         self.model_config = cls.config_from_hf(hf_config)
         self.block_size = config.block_size

@@ -188,6 +188,12 @@ class AsyncEngine:
             (lambda: inputs.tokenize(prompt))
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, work)
 
+    async def token_texts(self, token_ids: list[int]) -> list[str]:
+        """The text of each token on its own (for logprobs), decoded on the tokenizer thread."""
+        tokenizer = self.engine.input_processor.tokenizer
+        return await asyncio.get_running_loop().run_in_executor(
+            self._tokenizer_pool, lambda: [tokenizer.decode([t]) for t in token_ids])
+
     async def _iterate(self, engine_id: str, request_id: str, stream: asyncio.Queue[RequestOutput]
                        ) -> AsyncIterator[RequestOutput]:
         finished = False

@@ -6,7 +6,6 @@ fine enough for a CPU model, whose steps take tens to hundreds of milliseconds.
 """
 from __future__ import annotations
 
-import grpc
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -19,8 +18,9 @@ from prometheus_client import (
 
 from engine import RequestMetrics, StepStats
 
+# Up to 40 minutes: a CPU serving long outputs to a crowd can take many minutes per request.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
-                   1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+                   1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0, 1280.0, 2400.0)
 TOKEN_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -65,7 +65,9 @@ class ServiceMetrics:
         self.ttft = hist("minivllm_time_to_first_token_seconds", "Arrival to first token", LATENCY_BUCKETS)
         self.itl = hist("minivllm_inter_token_latency_seconds", "Gap between consecutive tokens of a request",
                         LATENCY_BUCKETS)
-        self.tpot = hist("minivllm_time_per_output_token_seconds", "Mean gap between output tokens of a request",
+        # Per request (its mean gap), not per token: minivllm_inter_token_latency_seconds is that.
+        self.tpot = hist("minivllm_request_time_per_output_token_seconds",
+                         "Mean gap between the output tokens of one request (one sample per finished request)",
                          LATENCY_BUCKETS)
         self.queue_time = hist("minivllm_request_queue_time_seconds", "Arrival to first scheduled", LATENCY_BUCKETS)
         self.prefill_time = hist("minivllm_request_prefill_time_seconds", "First scheduled to first token",
@@ -86,10 +88,12 @@ class ServiceMetrics:
                                     "Measured / predicted step time (1 = exact)", RATIO_BUCKETS)
         self.steps = Counter("minivllm_steps_total", "Engine steps by what sized their prefill (time or tokens)",
                              label + ["budget"], registry=reg)
-        self.grpc_requests = Counter("minivllm_grpc_requests_total", "gRPC calls by method and status code",
-                                     ["method", "code"], registry=reg)
-        self.grpc_duration = Histogram("minivllm_grpc_request_duration_seconds", "gRPC call duration by method",
-                                       ["method"], buckets=LATENCY_BUCKETS, registry=reg)
+        self.api_requests = Counter("minivllm_api_requests_total",
+                                    "Calls by protocol (grpc | http), method (RPC or route) and status code "
+                                    "(gRPC code name or HTTP status)", label + ["protocol", "method", "code"],
+                                    registry=reg)
+        self.api_duration = hist("minivllm_api_request_duration_seconds", "Call duration by protocol and method",
+                                 LATENCY_BUCKETS, ["protocol", "method"])
         m = model_name
         for reason in FINISH_REASONS:  # every reason is a series from the start, even at zero
             self.finished.labels(m, reason)
@@ -144,6 +148,7 @@ class ServiceMetrics:
             if value is not None:
                 hist.labels(m).observe(value)
 
-    def on_grpc_call(self, method: str, code: grpc.StatusCode, duration: float) -> None:
-        self.grpc_requests.labels(method, code.name).inc()
-        self.grpc_duration.labels(method).observe(duration)
+    def on_api_call(self, protocol: str, method: str, code: str, duration: float) -> None:
+        """protocol: grpc | http; code: the gRPC status code name or the HTTP status."""
+        self.api_requests.labels(self.model_name, protocol, method, code).inc()
+        self.api_duration.labels(self.model_name, protocol, method).observe(duration)

@@ -13,7 +13,7 @@ import grpc
 from engine import StepStats
 from service.metrics import ServiceMetrics
 from service.servicer import RequestObserver
-from service.tracing import Tracing, make_provider, tracing_enabled_by_env
+from service.tracing import Tracing, make_provider, step_spans_enabled_by_env, tracing_enabled_by_env
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +65,8 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
             raise
         finally:
             set_code = context.code()  # set by context.abort / set_code
-            self.metrics.on_grpc_call(method, set_code if isinstance(set_code, grpc.StatusCode) else code,
-                                      time.monotonic() - start)
+            final = set_code if isinstance(set_code, grpc.StatusCode) else code
+            self.metrics.on_api_call("grpc", method, final.name, time.monotonic() - start)
 
 
 class Observability:
@@ -80,9 +80,11 @@ class Observability:
         if metrics_port:
             metrics.serve(metrics_port, metrics_host)
             logger.info("Prometheus metrics on http://%s:%d/metrics", metrics_host, metrics_port)
-        tracing = Tracing(make_provider(), model_name) if tracing_enabled_by_env() else None
-        if tracing is not None:
-            logger.info("OpenTelemetry tracing on (OTLP exporter from OTEL_* variables)")
+        tracing = None
+        if tracing_enabled_by_env():
+            tracing = Tracing(make_provider(), model_name, trace_steps=step_spans_enabled_by_env())
+            logger.info("OpenTelemetry tracing on (OTLP exporter from OTEL_* variables; step spans %s)",
+                        "on" if tracing.trace_steps else "off")
         return cls(metrics, tracing)
 
     @property

@@ -1,4 +1,5 @@
-"""The gRPC server: health, reflection, keepalive and size limits, graceful SIGTERM drain."""
+"""The server: gRPC (health, reflection, keepalive and size limits) and the OpenAI-compatible
+HTTP front door on one event loop and one engine, with one graceful SIGTERM drain for both."""
 from __future__ import annotations
 
 import asyncio
@@ -11,12 +12,15 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from engine import EngineConfig, LLMEngine
+from engine import EngineConfig, LLMEngine, model_display_name
 from service.async_engine import AsyncEngine, StatsListener
+from service.http_server import ApiCallListener, HttpServer, OpenAIFrontDoor
 from service.pb import inference_pb2 as pb
 from service.pb import inference_pb2_grpc as pb_grpc
+from service.request_observer import RequestObserver
 from service.security import TokenAuthInterceptor, server_credentials
-from service.servicer import InferenceServicer, RequestObserver
+from service.servicer import InferenceServicer
+from service.serving_state import ServingState
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +38,9 @@ class ServerConfig:
     tls_key_file: str | None = None
     tls_client_ca_file: str | None = None  # mutual TLS: clients need a certificate this CA signed
     auth_tokens: list[str] = field(default_factory=list)  # non-empty: bearer tokens required (health stays open)
+    http_host: str = "0.0.0.0"
+    http_port: int | None = None  # OpenAI-compatible HTTP; None: off, 0: a free port
+    served_model_name: str | None = None  # the name clients see (OpenAI `model`); None: the model's own
     engine: EngineConfig = field(default_factory=EngineConfig)
 
 
@@ -42,10 +49,12 @@ class InferenceServer:
 
     def __init__(self, config: ServerConfig, stats_listeners: list[StatsListener] | None = None,
                  observer: RequestObserver | None = None,
-                 interceptors: list[grpc.aio.ServerInterceptor] | None = None) -> None:
+                 interceptors: list[grpc.aio.ServerInterceptor] | None = None,
+                 on_http_call: ApiCallListener | None = None) -> None:
         self.config = config
         self.stats_listeners = list(stats_listeners or [])
-        self.servicer = InferenceServicer(observer)
+        self.state = ServingState()
+        self.servicer = InferenceServicer(self.state, observer)
         self.health = health.aio.HealthServicer()
         self.exit_code = 0  # non-zero once the engine died: the process should exit so a supervisor restarts it
         interceptors = list(interceptors or [])
@@ -75,6 +84,11 @@ class InferenceServer:
             self.port = self.server.add_insecure_port(address)
         if self.port == 0:
             raise OSError(f"cannot listen on {config.host}:{config.port}")
+        self.http: HttpServer | None = None
+        if config.http_port is not None:
+            door = OpenAIFrontDoor(self.state, config.served_model_name or model_display_name(config.engine.model),
+                                   observer, config.auth_tokens, config.max_message_bytes, on_http_call)
+            self.http = HttpServer(door, config.http_host, config.http_port)
         self.async_engine: AsyncEngine | None = None
         self._stopped = asyncio.Event()
 
@@ -88,26 +102,31 @@ class InferenceServer:
         await self._set_serving(False)
         await self.server.start()
         logger.info("gRPC listening on %s:%d (health NOT_SERVING while the model loads)", self.config.host, self.port)
+        if self.http is not None:
+            await self.http.start()
+            logger.info("HTTP (OpenAI-compatible) listening on %s:%d", self.config.http_host, self.http.port)
         factory = engine_factory or (lambda: LLMEngine(self.config.engine))
         engine = await asyncio.get_running_loop().run_in_executor(None, factory)
         self.async_engine = AsyncEngine(engine, self.stats_listeners, on_death=self._on_engine_death)
         self.async_engine.start()
-        self.servicer.engine = self.async_engine
+        self.state.engine = self.async_engine
         await self._set_serving(True)
         logger.info("model %s loaded; serving on %s:%d", engine.model_name, self.config.host, self.port)
 
     async def drain_and_stop(self) -> None:
         """Graceful shutdown: NOT_SERVING, refuse new calls, let running streams finish."""
-        if self.servicer.is_draining:
+        if self.state.is_draining:
             return
         logger.info("draining: refusing new requests, finishing running ones (grace %.0f s)", self.config.drain_grace_s)
-        self.servicer.is_draining = True
+        self.state.is_draining = True
         await self.health.enter_graceful_shutdown()
         if self.async_engine is not None:
             drained = await self.async_engine.wait_idle(self.config.drain_grace_s)
             if not drained:
                 logger.warning("grace period over with requests still running; aborting them")
         await self.server.stop(grace=1.0)
+        if self.http is not None:
+            await self.http.stop()
         if self.async_engine is not None:
             self.async_engine.stop()
         self._stopped.set()
@@ -116,12 +135,14 @@ class InferenceServer:
     def _on_engine_death(self) -> None:
         logger.critical("the engine thread died: NOT_SERVING, failing every call, exiting")
         self.exit_code = 1
-        self.servicer.is_draining = True
+        self.state.is_draining = True
         asyncio.ensure_future(self._stop_after_death())
 
     async def _stop_after_death(self) -> None:
         await self._set_serving(False)
         await self.server.stop(grace=1.0)
+        if self.http is not None:
+            await self.http.stop()
         self._stopped.set()
 
     async def wait_stopped(self) -> None:

@@ -4,48 +4,43 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
 
 import grpc
 
-from engine import LimitExceededError, QueueFullError, RequestIdInUseError, SamplingParams
+from engine import LimitExceededError, QueueFullError, RequestIdInUseError
 from service.async_engine import AsyncEngine, EngineDeadError
 from service.pb import inference_pb2 as pb
 from service.pb import inference_pb2_grpc as pb_grpc
 from service.protocol import messages_from_proto, model_info_to_proto, response_from_output, sampling_params_from_proto
+from service.request_observer import CallInfo, RequestObserver
+from service.serving_state import EngineUnavailableError, ServingState
+
+__all__ = ["InferenceServicer", "RequestObserver"]
 
 logger = logging.getLogger(__name__)
 
 
-class RequestObserver:
-    """Hooks the servicer calls per request (tracing plugs in here); no-ops by default."""
-
-    def start(self, request_id: str, engine_id: str, request: pb.GenerateRequest, params: SamplingParams | None,
-              context: grpc.aio.ServicerContext) -> Any:
-        """request_id: the client's; engine_id: the engine's (StepStats name requests by it);
-        params: the request's validated sampling parameters, None when they were invalid."""
-        return None
-
-    def finish(self, handle: Any, final: Any, status: grpc.StatusCode, message: str = "") -> None:
-        return None
-
-
 class InferenceServicer(pb_grpc.InferenceServicer):
-    def __init__(self, observer: RequestObserver | None = None) -> None:
-        self.engine: AsyncEngine | None = None  # set once the model has loaded
-        self.is_draining = False
+    def __init__(self, state: ServingState, observer: RequestObserver | None = None) -> None:
+        self.state = state
         self.observer = observer or RequestObserver()
 
-    def _ready_engine(self) -> AsyncEngine | None:
-        return None if self.is_draining else self.engine
+    @property
+    def engine(self) -> AsyncEngine | None:
+        return self.state.engine
+
+    async def _loaded_engine(self, context: grpc.aio.ServicerContext) -> AsyncEngine:
+        try:
+            return self.state.loaded_engine()
+        except EngineUnavailableError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[pb.GenerateResponse]:
-        engine = self._ready_engine()
-        if engine is None:
-            reason = "model is still loading" if self.engine is None else \
-                "the engine died" if self.engine.is_dead else "server is draining"
-            await context.abort(grpc.StatusCode.UNAVAILABLE, reason)
+        try:
+            engine = self.state.ready_engine()
+        except EngineUnavailableError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         request_id = request.request_id or f"req-{uuid.uuid4().hex}"
         engine_id = engine.new_engine_id(request_id[:64])
         params, params_error = None, None
@@ -53,7 +48,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             params = sampling_params_from_proto(request.sampling)
         except ValueError as exc:
             params_error = exc
-        handle = self.observer.start(request_id, engine_id, request, params, context)
+        carrier = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+        operation = "chat" if request.WhichOneof("input") == "messages" else "text_completion"
+        handle = self.observer.start(request_id, engine_id, CallInfo("grpc", "Generate", operation, carrier), params)
         status, message, final, stream = grpc.StatusCode.OK, "", None, None
         try:
             try:
@@ -95,7 +92,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 # Close the engine stream now (it aborts an unfinished request and frees its KV
                 # blocks), not whenever the garbage collector gets to it.
                 await stream.aclose()
-            self.observer.finish(handle, final, status, message)
+            self.observer.finish(handle, final, None if status is grpc.StatusCode.OK else status.name, message,
+                                 {"rpc.grpc.status_code": status.value[0]})
 
     @staticmethod
     def _input(request: pb.GenerateRequest) -> tuple[str | list[int] | None, list[dict[str, str]] | None]:
@@ -113,21 +111,19 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         raise ValueError("input: one of prompt, prompt_token_ids or messages is required")
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
-        if self.engine is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "model is still loading")
-        return model_info_to_proto(self.engine.engine.model_info())
+        engine = await self._loaded_engine(context)
+        return model_info_to_proto(engine.engine.model_info())
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
-        if self.engine is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "model is still loading")
+        engine = await self._loaded_engine(context)
         try:
             kind = request.WhichOneof("input")
             if kind == "prompt":
                 if not request.prompt:
                     raise ValueError("prompt: must not be empty")
-                ids = await self.engine.tokenize(prompt=request.prompt)
+                ids = await engine.tokenize(prompt=request.prompt)
             elif kind == "messages":
-                ids = await self.engine.tokenize(messages=messages_from_proto(request.messages))
+                ids = await engine.tokenize(messages=messages_from_proto(request.messages))
             else:
                 raise ValueError("input: one of prompt or messages is required")
         except LimitExceededError as exc:
@@ -135,4 +131,4 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return pb.TokenizeResponse(token_ids=ids, count=len(ids),
-                                   max_model_len=self.engine.engine.model_info().max_model_len)
+                                   max_model_len=engine.engine.model_info().max_model_len)

@@ -22,11 +22,13 @@ class ServerThread:
     def __init__(self, engine_config: EngineConfig, stats_listeners: list[StatsListener] | None = None,
                  observer: RequestObserver | None = None, interceptors: list | None = None,
                  engine_factory: Callable[[], LLMEngine] | None = None, wait_ready: bool = True,
+                 on_http_call: Callable[[str, str, str, float], None] | None = None,
                  **server_options: object) -> None:
         self.config = ServerConfig(host="127.0.0.1", port=0, drain_grace_s=10.0, engine=engine_config,
                                    **server_options)
         self._factory = engine_factory
         self._listeners, self._observer, self._interceptors = stats_listeners, observer, interceptors
+        self._on_http_call = on_http_call
         self._ready = threading.Event()
         self._started = threading.Event()
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -41,7 +43,8 @@ class ServerThread:
     async def _main(self) -> None:
         self.loop = asyncio.get_running_loop()
         try:
-            self.server = InferenceServer(self.config, self._listeners, self._observer, self._interceptors)
+            self.server = InferenceServer(self.config, self._listeners, self._observer, self._interceptors,
+                                          self._on_http_call)
         finally:
             self._started.set()
         await self.server.start(self._factory)
@@ -51,6 +54,10 @@ class ServerThread:
     @property
     def target(self) -> str:
         return f"127.0.0.1:{self.server.port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.server.http.port}"
 
     @property
     def engine(self) -> LLMEngine:
@@ -84,11 +91,15 @@ class ServerProcess:
     """`minivllm serve` as a child process on a port it picks itself (port 0, read back from its
     log: no pick-then-bind race); its output is collected on a thread."""
 
-    def __init__(self, model_dir: Path, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, model_dir: Path, *args: str, env: dict[str, str] | None = None,
+                 command: list[str] | None = None, cwd: Path | None = None) -> None:
+        """command: how to run the CLI (default: this interpreter's `-m minivllm`); later flags
+        in args override the defaults here (HTTP off, metrics off)."""
+        command = command or [sys.executable, "-m", "minivllm"]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "minivllm", "serve", "--model", str(model_dir), "--host", "127.0.0.1", "--port",
-             "0", "--metrics-port", "0", *args], env=dict(os.environ, MINIVLLM_LOG_LEVEL="INFO", **(env or {})),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            [*command, "serve", "--model", str(model_dir), "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
+             "--http-port", "0", *args], env=dict(os.environ, MINIVLLM_LOG_LEVEL="INFO", **(env or {})),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd)
         self.lines: list[str] = []
         self._new: queue.SimpleQueue[str] = queue.SimpleQueue()
         threading.Thread(target=self._pump, daemon=True).start()

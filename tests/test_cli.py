@@ -29,3 +29,40 @@ def test_flags_override_env_and_bad_values_name_the_field(monkeypatch: pytest.Mo
     assert engine_config_from_args(_parse(["--max-num-seqs", "3"])).max_num_seqs == 3
     with pytest.raises(ValueError, match="max_num_seqs"):
         engine_config_from_args(_parse(["--max-num-seqs", "0"]))
+
+
+def test_boolean_flags_take_no_value_and_typos_in_env_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert engine_config_from_args(_parse(["--no-enable-prefix-caching"])).enable_prefix_caching is False
+    assert engine_config_from_args(_parse(["--enable-time-budget"])).enable_time_budget is True
+    with pytest.raises(SystemExit):  # a value after a boolean flag is an unknown argument, not False
+        _parse(["--enable-prefix-caching", "ture"])
+    monkeypatch.setenv("MINIVLLM_ENABLE_PREFIX_CACHING", "ture")
+    with pytest.raises(SystemExit, match="MINIVLLM_ENABLE_PREFIX_CACHING"):
+        _parse([])
+
+
+def test_every_flag_has_help_from_the_config_docs(capsys: pytest.CaptureFixture[str]) -> None:
+    import dataclasses
+
+    from engine import EngineConfig
+    from minivllm.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for f in dataclasses.fields(EngineConfig):
+        assert " ".join(f.metadata["help"].split()) in text, f.name
+    for flag in ("--http-port", "--metrics-port", "--drain-grace", "--auth-token-file"):
+        assert flag in text
+    serve = next(a for a in build_parser()._subparsers._group_actions[0].choices["serve"]._actions
+                 if a.dest == "max_num_seqs")
+    assert serve.help and "MINIVLLM_MAX_NUM_SEQS" in serve.help
+
+
+def test_version_and_log_level(capsys: pytest.CaptureFixture[str]) -> None:
+    from minivllm.cli import build_parser
+
+    with pytest.raises(SystemExit) as info:
+        build_parser(with_serve_args=False).parse_args(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out.startswith("minivllm ")
+    assert build_parser(with_serve_args=False).parse_args(["--log-level", "debug", "info"]).log_level == "DEBUG"

@@ -9,6 +9,7 @@ import shutil
 import socket
 import subprocess
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -48,10 +49,22 @@ def free_port() -> int:
 
 
 def metered_server(model: Path, metrics: ServiceMetrics, **engine_kw: object) -> ServerThread:
+    """A server with metrics on both front doors (HTTP on a free port)."""
     kw = dict(model=str(model), num_kv_blocks=512, block_size=4, max_num_batched_tokens=64)
     kw.update(engine_kw)
     return ServerThread(EngineConfig(**kw), stats_listeners=[metrics.on_step],
-                        interceptors=[MetricsInterceptor(metrics)])
+                        interceptors=[MetricsInterceptor(metrics)], http_port=0, served_model_name="model",
+                        on_http_call=metrics.on_api_call)
+
+
+def _http_completion(srv: ServerThread, body: dict) -> int:
+    request = urllib.request.Request(f"http://127.0.0.1:{srv.server.http.port}/v1/completions",
+                                     data=json.dumps(body).encode(), headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as resp:
+            return resp.status
+    except urllib.error.HTTPError as err:
+        return err.code
 
 
 def sample(metrics: ServiceMetrics, name: str, labels: dict[str, str] | None = None) -> float:
@@ -83,13 +96,15 @@ def test_histogram_counts_match_what_happened(tiny_model_dir: Path) -> None:
     assert sample(metrics, "minivllm_time_to_first_token_seconds_count") == 6
     assert sample(metrics, "minivllm_e2e_request_latency_seconds_count") == 6
     assert sample(metrics, "minivllm_request_queue_time_seconds_count") == 6
-    assert sample(metrics, "minivllm_time_per_output_token_seconds_count") == 6
+    assert sample(metrics, "minivllm_request_time_per_output_token_seconds_count") == 6
     assert sample(metrics, "minivllm_inter_token_latency_seconds_count") == 6 * 8  # 9 tokens: 8 gaps each
     assert sample(metrics, "minivllm_generation_tokens_total") == 6 * 9
     assert sample(metrics, "minivllm_requests_finished_total", {"model_name": "model", "finish_reason": "length"}) == 6
     assert sample(metrics, "minivllm_decode_tokens_total") == 6 * 8
-    assert sample(metrics, "minivllm_grpc_requests_total", {"method": "Generate", "code": "OK"}) == 6
-    assert sample(metrics, "minivllm_grpc_requests_total", {"method": "Generate", "code": "INVALID_ARGUMENT"}) == 1
+    grpc_call = {"model_name": "model", "protocol": "grpc", "method": "Generate"}
+    assert sample(metrics, "minivllm_api_requests_total", grpc_call | {"code": "OK"}) == 6
+    assert sample(metrics, "minivllm_api_requests_total", grpc_call | {"code": "INVALID_ARGUMENT"}) == 1
+    assert sample(metrics, "minivllm_api_request_duration_seconds_count", grpc_call) == 7
     assert sample(metrics, "minivllm_requests_running") == 0 and sample(metrics, "minivllm_kv_cache_usage_ratio") == 0
 
 
@@ -196,6 +211,8 @@ def test_real_prometheus_scrapes_and_every_panel_has_data(tiny_model_dir: Path, 
         generated = 'sum(minivllm_generation_tokens_total{model_name="model"})'
         for _ in range(3):
             asyncio.run(_load(srv.target, 16, max_tokens=40, prefix=shared))
+            assert _http_completion(srv, {"prompt": shared, "max_tokens": 8}) == 200
+            assert _http_completion(srv, {"prompt": shared, "max_tokens": 0}) == 400
             with grpc.insecure_channel(srv.target) as channel, pytest.raises(grpc.RpcError):
                 list(pb_grpc.InferenceStub(channel).Generate(pb.GenerateRequest(prompt="x", sampling=pb.SamplingParams(
                     top_p=0))))
@@ -203,8 +220,8 @@ def test_real_prometheus_scrapes_and_every_panel_has_data(tiny_model_dir: Path, 
             _wait_for_prom(prom_port, generated, sample(metrics, "minivllm_generation_tokens_total"))
         assert sample(metrics, "minivllm_preemptions_total") > 0, "the load was meant to force preemptions"
         dashboard = json.loads((ROOT / "grafana" / "dashboards" / "minivllm.json").read_text())
-        queries = [(panel["title"], target["expr"].replace("$model_name", ".*").replace("$__rate_interval", "1m"))
-                   for panel in dashboard["panels"] for target in panel["targets"]]
+        queries = [(panel["title"], target["expr"].replace("$model_name", ".*").replace("$instance", ".*")
+                    .replace("$__rate_interval", "1m")) for panel in dashboard["panels"] for target in panel["targets"]]
         deadline = time.monotonic() + 20  # a rate over the last round needs one scrape after it
         while True:
             empty = [f"{title}: {expr} -> {result}" for title, expr in queries
@@ -213,9 +230,18 @@ def test_real_prometheus_scrapes_and_every_panel_has_data(tiny_model_dir: Path, 
                 break
             time.sleep(0.5)
         assert not empty, "panels without data:\n" + "\n".join(empty)
-        variable = dashboard["templating"]["list"][0]["query"]["query"]
-        assert variable.startswith("label_values(minivllm_requests_running")
-        assert _prom_query(prom_port, "minivllm_requests_running")[0]["metric"]["model_name"] == "model"
+        variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+        for name in ("model_name", "instance"):  # each variable's query finds its label's values
+            match = re.fullmatch(r"label_values\((.*), (\w+)\)", variables[name]["query"]["query"])
+            selector = match.group(1).replace("$model_name", ".*")
+            expected = {"model_name": "model", "instance": f"127.0.0.1:{metrics_port}"}[name]
+            assert {r["metric"][match.group(2)] for r in _prom_query(prom_port, selector)} == {expected}
+        # Imports into any Grafana: no panel names a datasource uid, they all use the variable.
+        assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+        assert {json.dumps(p["datasource"]) for p in dashboard["panels"]} == {
+            json.dumps({"type": "prometheus", "uid": "${datasource}"})}
+        assert sample(metrics, "minivllm_api_requests_total", {"model_name": "model", "protocol": "http",
+                                                               "method": "/v1/completions", "code": "400"}) == 3
     finally:
         proc.terminate()
         proc.wait(10)
@@ -235,7 +261,7 @@ PARENT_SPAN_ID = "00f067aa0ba902b7"
 
 def test_request_and_step_spans(tiny_model_dir: Path) -> None:
     exporter = InMemorySpanExporter()
-    tracing = Tracing(make_provider(exporter, batch=False), "model")
+    tracing = Tracing(make_provider(exporter, batch=False), "model", trace_steps=True)
     srv = ServerThread(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=256), stats_listeners=[tracing.on_step],
                        observer=tracing)
     try:
@@ -255,10 +281,15 @@ def test_request_and_step_spans(tiny_model_dir: Path) -> None:
         assert format(span.parent.span_id, "016x") == PARENT_SPAN_ID
         a = span.attributes
         assert a["gen_ai.request.max_tokens"] == 6 and abs(a["gen_ai.request.temperature"] - 0.5) < 1e-6
-        assert abs(a["gen_ai.request.top_p"] - 0.9) < 1e-6 and a["gen_ai.request.id"].startswith("req-")
+        assert abs(a["gen_ai.request.top_p"] - 0.9) < 1e-6 and a["gen_ai.response.id"].startswith("req-")
+        assert a["gen_ai.provider.name"] == "minivllm" and "gen_ai.system" not in a
+        assert a["gen_ai.operation.name"] == "text_completion" and a["gen_ai.request.model"] == "model"
         assert a["gen_ai.usage.output_tokens"] == 6 and a["gen_ai.usage.input_tokens"] > 0
-        for key in ("gen_ai.latency.time_to_first_token", "gen_ai.latency.time_in_queue",
-                    "gen_ai.latency.time_in_model_prefill", "gen_ai.latency.time_in_model_decode", "gen_ai.latency.e2e"):
+        assert a["gen_ai.usage.cache_read.input_tokens"] >= 0 and a["gen_ai.response.finish_reasons"] == ("length",)
+        assert a["rpc.grpc.status_code"] == 0 and "error.type" not in a
+        for key in ("minivllm.latency.time_to_first_token", "minivllm.latency.time_in_queue",
+                    "minivllm.latency.time_in_model_prefill", "minivllm.latency.time_in_model_decode",
+                    "minivllm.latency.e2e"):
             assert a[key] >= 0
         assert [e.name for e in span.events] == ["queued", "scheduled", "first_token", "finished"]
         children = sorted(s.name for s in spans if s.parent is not None and s.parent.span_id == span.context.span_id)
@@ -292,7 +323,8 @@ def test_spans_reach_an_otlp_receiver(tiny_model_dir: Path) -> None:
     trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Receiver(), collector)
     port = collector.add_insecure_port("127.0.0.1:0")
     collector.start()
-    tracing = Tracing(make_provider(OTLPSpanExporter(endpoint=f"127.0.0.1:{port}", insecure=True)), "model")
+    tracing = Tracing(make_provider(OTLPSpanExporter(endpoint=f"127.0.0.1:{port}", insecure=True)), "model",
+                      trace_steps=True)
     srv = ServerThread(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=256), stats_listeners=[tracing.on_step],
                        observer=tracing)
     try:

@@ -1,0 +1,219 @@
+"""The OpenAI-compatible HTTP API's bodies (validated by pydantic) and their mapping to the engine.
+
+Request fields follow the OpenAI API (plus vLLM's usual extras: top_k, min_p,
+repetition_penalty, min_tokens, ignore_eos, stop_token_ids, skip_special_tokens). Unknown fields
+are ignored, as OpenAI-compatible servers do, so SDK additions do not break clients; known fields
+that minivllm cannot honour yet (n > 1, echo, suffix, tools, ...) are refused with a 400 naming
+the field rather than silently ignored.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine import RequestOutput, SamplingParams
+
+FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "stop"}
+
+
+class UnsupportedFieldError(ValueError):
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None
+    # vLLM's extras, same names.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = Field(default=0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+
+    def _common(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        if self.n != 1:
+            raise UnsupportedFieldError("n", f"only n=1 is supported, got {self.n}; send one request per sample")
+        kwargs: dict[str, Any] = {
+            "max_tokens": max_tokens, "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty, "min_tokens": self.min_tokens, "ignore_eos": self.ignore_eos,
+            "skip_special_tokens": self.skip_special_tokens, "logprobs": logprobs,
+            "stop": [self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            "stop_token_ids": list(self.stop_token_ids or []),
+        }
+        for name in ("temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty"):
+            if getattr(self, name) is not None:
+                kwargs[name] = getattr(self, name)
+        return SamplingParams(**kwargs)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def prompt_input(self) -> str | list[int]:
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise UnsupportedFieldError("prompt", f"a batch of {len(prompt)} prompts is not supported; "
+                                                      "send one request per prompt")
+            prompt = prompt[0]
+        if not prompt:
+            raise UnsupportedFieldError("prompt", "must not be empty")
+        return prompt
+
+    def sampling_params(self, default_max_tokens: int = 16) -> SamplingParams:
+        if self.echo:
+            raise UnsupportedFieldError("echo", "is not supported")
+        if self.suffix:
+            raise UnsupportedFieldError("suffix", "is not supported")
+        if self.best_of not in (None, 1):
+            raise UnsupportedFieldError("best_of", "only 1 is supported")
+        # OpenAI's completions default to 16 tokens.
+        return self._common(self.max_tokens or default_max_tokens, self.logprobs)
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessageIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: str
+    content: str | list[ContentPart] | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessageIn] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+    tools: list[Any] | None = None
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        out = []
+        for i, m in enumerate(self.messages):
+            if isinstance(m.content, list):
+                parts = []
+                for j, part in enumerate(m.content):
+                    if part.type != "text" or part.text is None:
+                        raise UnsupportedFieldError(f"messages[{i}].content[{j}]",
+                                                    f"only text parts are supported, got {part.type!r}")
+                    parts.append(part.text)
+                content = "".join(parts)
+            else:
+                content = m.content or ""
+            out.append({"role": m.role, "content": content})
+        return out
+
+    def sampling_params(self) -> SamplingParams:
+        if self.tools:
+            raise UnsupportedFieldError("tools", "tool calling is not supported")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise UnsupportedFieldError("response_format", f"type {self.response_format.type!r} is not supported")
+        if self.top_logprobs and not self.logprobs:
+            raise UnsupportedFieldError("top_logprobs", "needs logprobs: true")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._common(self.max_completion_tokens or self.max_tokens, logprobs)
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error shape."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def param_of(message: str) -> str | None:
+    """The field a ValueError names ("max_tokens must be ...", "prompt: ...")."""
+    head = message.split(":", 1)[0].split(" ", 1)[0]
+    return head if head and all(c.isalnum() or c in "_.[]" for c in head) else None
+
+
+def usage_body(out: RequestOutput) -> dict[str, Any]:
+    cached = out.metrics.num_cached_tokens if out.metrics is not None else 0
+    return {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": out.num_output_tokens,
+            "total_tokens": out.num_prompt_tokens + out.num_output_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def finish_reason(out: RequestOutput) -> str | None:
+    return FINISH_REASONS.get(out.finish_reason) if out.finish_reason else None
+
+
+class ChoiceLogprobs:
+    """Logprob entries for one chunk, in the chat or the completions layout."""
+
+    @staticmethod
+    def ids(out: RequestOutput, top_n: int) -> list[int]:
+        """Every token id whose text the layout needs (chosen and top alternatives)."""
+        ids: list[int] = []
+        for token_id, entry in zip(out.new_token_ids, out.new_logprobs or [], strict=False):
+            ids.append(token_id)
+            ids.extend(sorted(entry, key=entry.__getitem__, reverse=True)[:top_n])
+        return ids
+
+    @staticmethod
+    def chat(out: RequestOutput, top_n: int, text: dict[int, str]) -> dict[str, Any]:
+        content = []
+        for token_id, entry in zip(out.new_token_ids, out.new_logprobs or [], strict=False):
+            top = sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[:top_n]
+            content.append({
+                "token": text[token_id], "logprob": entry[token_id], "bytes": list(text[token_id].encode()),
+                "top_logprobs": [{"token": text[t], "logprob": v, "bytes": list(text[t].encode())} for t, v in top]})
+        return {"content": content}
+
+    @staticmethod
+    def completion(out: RequestOutput, top_n: int, text: dict[int, str], offset: int) -> dict[str, Any]:
+        tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+        for token_id, entry in zip(out.new_token_ids, out.new_logprobs or [], strict=False):
+            tokens.append(text[token_id])
+            token_logprobs.append(entry[token_id])
+            top = sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[:top_n]
+            top_logprobs.append({text[t]: v for t, v in top})
+            offsets.append(offset)
+            offset += len(text[token_id])
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+                "text_offset": offsets}
+
+
+def now() -> int:
+    return int(time.time())
