@@ -25,12 +25,14 @@ setup: $(VENV)/.installed
 serve: setup
 	$(VENV)/bin/minivllm serve
 
-# Test-only tools: a real Prometheus (promtool too), docker-compose and openssl (test certificates) from Debian,
-# and the Node.js gRPC client's packages from npm.
+# Test-only tools: a real Prometheus (promtool too), Alertmanager's amtool, docker-compose and openssl (test
+# certificates) from Debian, and the Node.js gRPC client's packages from npm.
 test-deps:
-	@if ! command -v promtool >/dev/null || ! command -v docker-compose >/dev/null || ! command -v openssl >/dev/null; then \
+	@if ! command -v promtool >/dev/null || ! command -v amtool >/dev/null || ! command -v docker-compose >/dev/null \
+	    || ! command -v openssl >/dev/null; then \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q prometheus docker-compose openssl; \
+	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q --no-install-recommends \
+	    prometheus prometheus-alertmanager docker-compose openssl; \
 	fi
 	cd tests/node && npm ci --no-audit --no-fund --loglevel=error
 

@@ -145,13 +145,49 @@ def test_dashboard_matches_grafana_schema() -> None:
     assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
 
 
-def test_compose_file_is_valid() -> None:
+def test_compose_file_is_valid_and_gated_on_health() -> None:
+    import yaml
+
     compose = need("docker-compose")
     proc = subprocess.run([compose, "config", "-q"], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    config = subprocess.run([compose, "config"], cwd=ROOT, capture_output=True, text=True).stdout
-    for service in ("minivllm:", "prometheus:", "grafana:", "jaeger:"):
-        assert service in config
+    config = yaml.safe_load(subprocess.run([compose, "config"], cwd=ROOT, capture_output=True, text=True).stdout)
+    services = config["services"]
+    assert set(services) == {"minivllm", "otel-collector", "jaeger", "prometheus", "alertmanager", "grafana"}
+    assert not services["jaeger"]["image"].startswith("jaegertracing/all-in-one")  # Jaeger v1 is end of life
+    env = services["minivllm"]["environment"]
+    assert env["OTEL_EXPORTER_OTLP_ENDPOINT"].startswith("http://otel-collector:")
+    for name in ("minivllm", "prometheus", "alertmanager", "grafana"):
+        assert services[name]["healthcheck"]["test"], name
+    # Every dependency on a service that has a healthcheck waits for it to be healthy.
+    for name, service in services.items():
+        for dep, cond in (service.get("depends_on") or {}).items():
+            wanted = "service_healthy" if "healthcheck" in services[dep] else "service_started"
+            assert cond["condition"] == wanted, f"{name} -> {dep}"
+
+
+def test_alertmanager_collector_and_dockerfile() -> None:
+    import yaml
+
+    amtool = need("amtool")
+    proc = subprocess.run([amtool, "check-config", "alertmanager/alertmanager.yml"], cwd=ROOT, capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    prometheus = yaml.safe_load((ROOT / "prometheus" / "prometheus.yml").read_text())
+    assert prometheus["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"] == ["alertmanager:9093"]
+    # No collector binary here: check the pipeline only names components the file defines.
+    collector = yaml.safe_load((ROOT / "otel" / "collector.yaml").read_text())
+    for pipeline in collector["service"]["pipelines"].values():
+        for kind in ("receivers", "processors", "exporters"):
+            assert set(pipeline.get(kind, [])) <= set(collector.get(kind) or {}), kind
+    assert "otlp" in collector["receivers"] and collector["exporters"]["otlp/jaeger"]["endpoint"] == "jaeger:4317"
+    lines = [line.split()[0:2] for line in (ROOT / "Dockerfile").read_text().splitlines()
+             if line and not line.startswith((" ", "#"))]
+    instructions = [" ".join(parts) for parts in lines]
+    users = [i for i in instructions if i.startswith("USER ")]
+    assert users and users[-1] not in ("USER root", "USER 0"), "the service must not run as root"
+    order = [instructions.index(step) for step in ("COPY pyproject.toml", "COPY engine/model_loader.py", "COPY engine")]
+    assert order == sorted(order), "dependencies, then the model, then the source"
 
 
 def _prom_query(port: int, expr: str) -> list[dict]:
@@ -336,3 +372,55 @@ def test_spans_reach_an_otlp_receiver(tiny_model_dir: Path) -> None:
         tracing.shutdown()
         collector.stop(0)
     assert "text_completion model" in received and "engine.step" in received and "prefill" in received
+
+
+def test_otlp_protocol_follows_the_standard_variables(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """http/protobuf (the specification's default) to an HTTP receiver; grpc when asked; a typo is refused."""
+    import http.server
+    import threading
+
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+
+    from service.tracing import make_otlp_exporter
+
+    received: list[str] = []
+
+    class Receiver(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            body = self.rfile.read(int(self.headers["content-length"]))
+            request = trace_service_pb2.ExportTraceServiceRequest.FromString(body)
+            received.extend(f"{self.path} {span.name}" for rs in request.resource_spans for ss in rs.scope_spans
+                            for span in ss.spans)
+            self.send_response(200)
+            self.send_header("content-type", "application/x-protobuf")
+            self.end_headers()
+            self.wfile.write(trace_service_pb2.ExportTraceServiceResponse().SerializeToString())
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), Receiver)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_PROTOCOL", raising=False)
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", raising=False)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{httpd.server_port}")
+    tracing = Tracing(make_provider(), "model")
+    srv = ServerThread(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=128), observer=tracing)
+    try:
+        with grpc.insecure_channel(srv.target) as channel:
+            list(pb_grpc.InferenceStub(channel).Generate(build_request("otlp over http", max_tokens=3)))
+    finally:
+        srv.stop()
+        tracing.provider.force_flush()
+        tracing.shutdown()
+        httpd.shutdown()
+    assert "/v1/traces text_completion model" in received, received
+    assert not any("engine.step" in r for r in received)  # step spans are opt-in
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "grpc")
+    assert type(make_otlp_exporter()).__module__.startswith("opentelemetry.exporter.otlp.proto.grpc")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+    assert type(make_otlp_exporter()).__module__.startswith("opentelemetry.exporter.otlp.proto.http")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/json")
+    with pytest.raises(ValueError, match="OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"):
+        make_otlp_exporter()
