@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import logging
 import math
@@ -220,6 +221,9 @@ def print_summary(s: dict) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    missing = [name for name in ("matplotlib", "aiohttp") if importlib.util.find_spec(name) is None]
+    if missing:  # found before the run, not when its plots are drawn
+        raise SystemExit(f"minivllm bench needs {', '.join(missing)}: pip install 'minivllm[bench]'")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     print_summary(asyncio.run(_main(args)))
 

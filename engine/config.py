@@ -12,12 +12,12 @@ def _opt(default: Any, help: str) -> Any:
     return field(default=default, metadata={"help": help})
 
 
-def usable_cpus() -> int:
+def usable_cpus(cgroup_dir: Path = Path("/sys/fs/cgroup")) -> int:
     """CPUs this process may really use: its affinity mask, capped by a cgroup v2 CPU quota
     (a container limited to 2 CPUs on a 64-core host must not start 64 threads)."""
     count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     try:
-        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        quota, period = (cgroup_dir / "cpu.max").read_text().split()[:2]
         if quota != "max":
             count = min(count, max(1, int(int(quota) / int(period) + 0.5)))
     except (OSError, ValueError):

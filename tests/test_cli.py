@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
@@ -66,3 +67,18 @@ def test_version_and_log_level(capsys: pytest.CaptureFixture[str]) -> None:
         build_parser(with_serve_args=False).parse_args(["--version"])
     assert info.value.code == 0 and capsys.readouterr().out.startswith("minivllm ")
     assert build_parser(with_serve_args=False).parse_args(["--log-level", "debug", "info"]).log_level == "DEBUG"
+
+
+def test_threads_follow_the_cgroup_quota_and_affinity(tmp_path: Path) -> None:
+    import os
+
+    from engine.config import usable_cpus
+
+    affinity = len(os.sched_getaffinity(0))
+    assert usable_cpus(tmp_path) == affinity  # no cgroup file: the affinity mask
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert usable_cpus(tmp_path) == affinity
+    (tmp_path / "cpu.max").write_text("50000 100000\n")  # half a CPU still gets one thread
+    assert usable_cpus(tmp_path) == 1
+    (tmp_path / "cpu.max").write_text(f"{100000 * (affinity + 8)} 100000\n")  # quota above affinity: affinity
+    assert usable_cpus(tmp_path) == affinity
