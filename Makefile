@@ -25,14 +25,14 @@ setup: $(VENV)/.installed
 serve: setup
 	$(VENV)/bin/minivllm serve
 
-# Test-only tools: a real Prometheus (promtool too), Alertmanager's amtool, docker-compose and openssl (test
-# certificates) from Debian, and the Node.js gRPC client's packages from npm.
+# Test-only tools: a real Prometheus (promtool too), Alertmanager's amtool, nginx (the replica proxy),
+# docker-compose and openssl (test certificates) from Debian, and the Node.js packages from npm.
 test-deps:
 	@if ! command -v promtool >/dev/null || ! command -v amtool >/dev/null || ! command -v docker-compose >/dev/null \
-	    || ! command -v openssl >/dev/null; then \
+	    || ! command -v openssl >/dev/null || ! { command -v nginx >/dev/null || [ -x /usr/sbin/nginx ]; }; then \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q --no-install-recommends \
-	    prometheus prometheus-alertmanager docker-compose openssl; \
+	    prometheus prometheus-alertmanager nginx docker-compose openssl; \
 	fi
 	cd tests/node && npm ci --no-audit --no-fund --loglevel=error
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from bench.workloads import BenchRequest
-from service.client import build_request
+from service.client import build_request, channel_options, channel_target
 from service.pb import inference_pb2_grpc as pb_grpc
 
 
@@ -47,11 +47,15 @@ class RequestResult:
 
 class GrpcBackend:
     def __init__(self, target: str, tls_ca_file: str | None = None, token: str | None = None) -> None:
+        """target: host:port, ip:port,ip:port (balanced) or dns:///name:port (every address)."""
+        address = channel_target(target)
+        options = channel_options(address)
         if tls_ca_file is None:
-            self.channel = grpc.aio.insecure_channel(target)
+            self.channel = grpc.aio.insecure_channel(address, options=options)
         else:
             with open(tls_ca_file, "rb") as f:
-                self.channel = grpc.aio.secure_channel(target, grpc.ssl_channel_credentials(f.read()))
+                self.channel = grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(f.read()),
+                                                       options=options)
         self.stub = pb_grpc.InferenceStub(self.channel)
         self.metadata = [("authorization", f"Bearer {token}")] if token else None
 

@@ -143,7 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="minivllm bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", choices=("grpc", "openai"), default="grpc")
-    p.add_argument("--target", default="localhost:50051", help="gRPC host:port")
+    p.add_argument("--target", default="localhost:50051",
+                   help="gRPC host:port; several as ip:port,ip:port or dns:///name:port (round-robin over replicas)")
     p.add_argument("--tls-ca", default=None, help="CA (PEM) of a TLS server")
     p.add_argument("--token", default=os.environ.get("MINIVLLM_TOKEN"), help="bearer token (or MINIVLLM_TOKEN)")
     p.add_argument("--base-url", default="http://localhost:8000", help="OpenAI-compatible server")

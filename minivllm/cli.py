@@ -106,7 +106,8 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
 
 def _add_client_args(parser: argparse.ArgumentParser, timeout: float) -> None:
     parser.add_argument("--target", default=_env("target", "localhost:50051"),
-                        help="server address host:port (env MINIVLLM_TARGET)")
+                        help="server host:port; several as ip:port,ip:port or dns:///name:port, balanced "
+                             "round-robin (env MINIVLLM_TARGET)")
     parser.add_argument("--timeout", type=float, default=timeout, help=f"seconds before giving up (default {timeout})")
     parser.add_argument("--tls-ca", default=_env("tls_ca"), help="CA (PEM) of the server: use TLS (env MINIVLLM_TLS_CA)")
     parser.add_argument("--tls-cert", default=_env("client_tls_cert"),

@@ -44,8 +44,12 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
 
             async def stream(request: Any, context: Any) -> AsyncIterator[Any]:
                 with observed(method, context):
-                    async for item in inner_stream(request, context):
-                        yield item
+                    result = inner_stream(request, context)
+                    if hasattr(result, "__aiter__"):  # an async generator handler
+                        async for item in result:
+                            yield item
+                    else:  # a coroutine that writes with context.write (grpc.health.v1 Watch)
+                        await result
 
             return grpc.unary_stream_rpc_method_handler(stream, handler.request_deserializer,
                                                         handler.response_serializer)

@@ -108,6 +108,25 @@ def test_histogram_counts_match_what_happened(tiny_model_dir: Path) -> None:
     assert sample(metrics, "minivllm_requests_running") == 0 and sample(metrics, "minivllm_kv_cache_usage_ratio") == 0
 
 
+def test_streaming_handlers_of_both_styles_pass_the_metrics_interceptor(tiny_model_dir: Path) -> None:
+    """Generate yields its messages; grpc.health.v1 Watch writes them with context.write (what
+    client-side health checking calls): both must stream through the interceptor."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    metrics = ServiceMetrics("model")
+    srv = metered_server(tiny_model_dir, metrics)
+    try:
+        with grpc.insecure_channel(srv.target) as channel:
+            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=10)
+            assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+            watch.cancel()
+        asyncio.run(_load(srv.target, 1))
+    finally:
+        srv.stop()
+    assert sample(metrics, "minivllm_api_requests_total", {"model_name": "model", "protocol": "grpc",
+                                                           "method": "Watch", "code": "CANCELLED"}) == 1
+
+
 def test_exposition_passes_promtool(tiny_model_dir: Path) -> None:
     promtool = need("promtool")
     metrics = ServiceMetrics("model")
@@ -153,7 +172,11 @@ def test_compose_file_is_valid_and_gated_on_health() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     config = yaml.safe_load(subprocess.run([compose, "config"], cwd=ROOT, capture_output=True, text=True).stdout)
     services = config["services"]
-    assert set(services) == {"minivllm", "otel-collector", "jaeger", "prometheus", "alertmanager", "grafana"}
+    assert set(services) == {"minivllm", "proxy", "otel-collector", "jaeger", "prometheus", "alertmanager", "grafana"}
+    # Scalable: replicas publish no host port (the proxy does), and Prometheus finds each by DNS.
+    assert "ports" not in services["minivllm"] and {p["target"] for p in services["proxy"]["ports"]} == {50051, 8000}
+    prometheus = yaml.safe_load((ROOT / "prometheus" / "prometheus.yml").read_text())
+    assert prometheus["scrape_configs"][0]["dns_sd_configs"][0]["names"] == ["minivllm"]
     assert not services["jaeger"]["image"].startswith("jaegertracing/all-in-one")  # Jaeger v1 is end of life
     env = services["minivllm"]["environment"]
     assert env["OTEL_EXPORTER_OTLP_ENDPOINT"].startswith("http://otel-collector:")
