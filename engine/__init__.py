@@ -10,9 +10,11 @@ from engine.llm_engine import LLMEngine
 from engine.model_loader import model_display_name, resolve_model
 from engine.outputs import ModelInfo, RequestMetrics, RequestOutput, StepStats
 from engine.sampling_params import SamplingParams
+from engine.structured_output import StructuredOutput
 
 __all__ = [
     "LLM", "EngineConfig", "LLMEngine", "LimitExceededError", "ModelInfo", "PromptTooLongError", "QueueFullError",
-    "RequestIdInUseError", "RequestMetrics", "RequestOutput", "SamplingParams", "StepStats", "model_display_name",
+    "RequestIdInUseError", "RequestMetrics", "RequestOutput", "SamplingParams", "StepStats", "StructuredOutput",
+    "model_display_name",
     "resolve_model",
 ]

@@ -84,8 +84,8 @@ class BlockManager:
         """
         if seq.block_table:
             raise RuntimeError(f"sequence {seq.request_id} already owns blocks")
-        if not self.enable_prefix_caching:
-            return 0
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return 0  # prompt logprobs need every prompt position computed
         max_blocks = (seq.num_tokens - 1) // self.block_size
         self._update_hashes(seq, max_blocks * self.block_size)
         for i in range(max_blocks):

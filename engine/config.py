@@ -74,10 +74,12 @@ class EngineConfig:
     max_stop_token_ids: int = _opt(256, "stop token ids per request")
     max_request_id_chars: int = _opt(256, "characters of a client's request id")
     max_priority: int = _opt(1000, "priority must lie in [-max_priority, max_priority]")
+    max_logit_bias: int = _opt(300, "logit_bias entries per request")
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_num_waiting", "max_prompt_chars",
-                    "max_stop_strings", "max_stop_string_chars", "max_stop_token_ids", "max_request_id_chars")
+                    "max_stop_strings", "max_stop_string_chars", "max_stop_token_ids", "max_request_id_chars",
+                    "max_logit_bias")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

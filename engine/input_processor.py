@@ -11,6 +11,7 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.errors import LimitExceededError, PromptTooLongError
 from engine.sampling_params import SamplingParams
+from engine.structured_output import GrammarCompiler
 
 VALID_ROLES = ("system", "user", "assistant", "tool")
 
@@ -19,11 +20,13 @@ class InputProcessor:
     """Owns its tokenizer: the engine thread detokenizes with another instance, so tokenizing
     here can run on a worker thread without sharing one (not thread-safe) tokenizer."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, config: EngineConfig) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, config: EngineConfig,
+                 eos_token_ids: frozenset[int] = frozenset()) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.config = config
+        self.grammar = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
 
     @property
     def has_chat_template(self) -> bool:
@@ -45,6 +48,12 @@ class InputProcessor:
                                      f"at most {cfg.max_stop_token_ids}")
         if any(not 0 <= t < self.vocab_size for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids: must be in [0, {self.vocab_size})")
+        if params.logit_bias is not None:
+            if len(params.logit_bias) > cfg.max_logit_bias:
+                raise LimitExceededError(f"logit_bias: {len(params.logit_bias)} entries, at most {cfg.max_logit_bias}")
+            bad = next((t for t in params.logit_bias if t >= self.vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         if params.max_tokens is not None and params.max_tokens >= self.max_model_len:
             raise LimitExceededError(f"max_tokens: {params.max_tokens} does not fit the context of "
                                      f"{self.max_model_len} tokens")
@@ -88,6 +97,10 @@ class InputProcessor:
             bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
             if bad is not None:
                 raise ValueError(f"prompt_token_ids: {bad} is outside the vocabulary [0, {self.vocab_size})")
+        if params.truncate_prompt_tokens is not None:
+            token_ids = token_ids[-params.truncate_prompt_tokens:]
+        if params.structured_output is not None:
+            self.grammar.compile(params.structured_output)  # validated (and cached) here, off the engine thread
         if len(token_ids) >= self.max_model_len:
             raise PromptTooLongError(f"prompt: {len(token_ids)} tokens do not fit the context of "
                                      f"{self.max_model_len} tokens (at least one must be generated)")

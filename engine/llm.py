@@ -56,9 +56,13 @@ class LLM:
             self.engine.step()
             raise
         finals: dict[str, RequestOutput] = {}
+        prompt_logprobs: dict[str, list] = {}  # they come with a request's first output only
         while len(finals) < len(ids):
             outputs, _ = self.engine.step()
             for out in outputs:
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs[out.request_id] = out.prompt_logprobs
                 if out.is_finished:
+                    out.prompt_logprobs = prompt_logprobs.get(out.request_id, out.prompt_logprobs)
                     finals[out.request_id] = out
         return [finals[i] for i in ids]

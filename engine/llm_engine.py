@@ -56,10 +56,11 @@ class LLMEngine:
         self.eos_token_ids = load_eos_token_ids(self.model_dir, hf_config, self.tokenizer)
         # A tokenizer of its own, so inputs can be tokenized off the engine thread.
         self.input_processor = InputProcessor(AutoTokenizer.from_pretrained(config.tokenizer or str(self.model_dir)),
-                                              self.vocab_size, self.max_model_len, config)
+                                              self.vocab_size, self.max_model_len, config, self.eos_token_ids)
         self.scheduler = Scheduler(config, self.block_manager)
         self.output_processor = OutputProcessor(self.scheduler, self.max_model_len)
-        self.sampler = Sampler(self.runner.device, config.seed)
+        self.sampler = Sampler(self.runner.device, config.seed, self.vocab_size, config.max_num_seqs,
+                               self.runner.cpu_kernels)
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
         self._ids = itertools.count()
         self._step_ids = itertools.count(1)
@@ -124,11 +125,14 @@ class LLMEngine:
         if params.seed is not None:
             generator = torch.Generator(device=self.runner.device)
             generator.manual_seed(params.seed)
+        matcher = None
+        if params.structured_output is not None:  # compiled already: a matcher costs well under 1 ms
+            matcher = self.input_processor.grammar.matcher(params.structured_output)
         self.scheduler.add(Sequence(
             request_id=request_id, prompt_token_ids=token_ids, params=params,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens),
-            eos_token_ids=self.eos_token_ids, priority=priority, generator=generator))
+            eos_token_ids=self.eos_token_ids, priority=priority, generator=generator, matcher=matcher))
         return request_id
 
     def abort_request(self, request_id: str) -> bool:
@@ -178,6 +182,8 @@ class LLMEngine:
         sampling_seqs = sched.sampling_seqs
         sampled = self.sampler(logits, sampling_seqs) if sampling_seqs else None
         t2 = time.monotonic()
+        for seq, first_position, entries in self.runner.last_prompt_logprobs:
+            self.output_processor.add_prompt_logprobs(seq, first_position, entries)
         self.scheduler.update_from_output(sched, sampled.token_ids if sampled is not None else [])
         outputs = self.output_processor.process(sampling_seqs, sampled.logprobs, t2, stats) if sampled is not None else []
         t3 = time.monotonic()

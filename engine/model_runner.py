@@ -26,6 +26,8 @@ from engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
+_PROMPT_LOGPROB_ROWS = 256  # prompt positions scored per logits slice
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -54,6 +56,8 @@ class ModelRunner:
         self.model_config = cls.config_from_hf(hf_config)
         self.block_size = config.block_size
         self.last_prepare_time = 0.0  # host-side input building of the last run_* call (seconds)
+        # (seq, first prompt position, entries) of the last execute's prompt-logprob chunks
+        self.last_prompt_logprobs: list[tuple[Sequence, int, list[dict[int, float]]]] = []
         model = cls(self.model_config)
         model.load_weights(iter_weights(model_dir))
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
@@ -105,7 +109,39 @@ class ModelRunner:
         rows_t = self._to_device(np.asarray(rows, dtype=np.int64))
         self.last_prepare_time = time.perf_counter() - t0
         hidden = self.model(input_ids, positions, attn, self.kv_caches)  # [T, hidden]
+        self.last_prompt_logprobs = self._prompt_logprobs(sched, prefill, hidden) if prefill else []
         return self.model.compute_logits(hidden[rows_t])
+
+    def _prompt_logprobs(self, sched: SchedulerOutput, prefill: _PrefillInputs, hidden: torch.Tensor
+                         ) -> list[tuple[Sequence, int, list[dict[int, float]]]]:
+        """(seq, first prompt position, entries) for prefill chunks that asked for prompt
+        logprobs: entry k scores prompt token first + k (from position first + k - 1), with
+        that token's logprob and the top-N. Logits are made a slice of rows at a time, never for
+        a whole long prompt at once ([rows, vocab] fp32 is 200 KB per row here)."""
+        results = []
+        for seq, n, meta in zip(sched.prefill_seqs, sched.prefill_num_tokens, prefill.metas, strict=True):
+            top_n = seq.params.prompt_logprobs
+            if top_n is None:
+                continue
+            start = seq.num_computed_tokens  # this chunk covers positions [start, start + n)
+            first_row, last_pos = meta.query_start, min(start + n, seq.num_prompt_tokens - 1)  # the last scores no prompt token
+            entries: list[dict[int, float]] = []
+            for lo in range(start, last_pos, _PROMPT_LOGPROB_ROWS):
+                hi = min(lo + _PROMPT_LOGPROB_ROWS, last_pos)
+                logprobs = torch.log_softmax(self.model.compute_logits(
+                    hidden[first_row + lo - start : first_row + hi - start]).float(), dim=-1)  # [rows, vocab]
+                targets = torch.tensor(seq.prompt_token_ids[lo + 1 : hi + 1], device=logprobs.device)
+                chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+                top = logprobs.topk(top_n, dim=-1) if top_n else None
+                top_ids = top.indices.tolist() if top is not None else [[]] * len(chosen)
+                top_values = top.values.tolist() if top is not None else [[]] * len(chosen)
+                for target, value, ids, values in zip(targets.tolist(), chosen, top_ids, top_values, strict=True):
+                    entry = {target: value}
+                    for token_id, v in zip(ids, values, strict=True):
+                        entry.setdefault(token_id, v)
+                    entries.append(entry)
+            results.append((seq, start + 1, entries))
+        return results
 
     def _prepare_prefill(self, seqs: list[Sequence], num_new_tokens: list[int]) -> _PrefillInputs | None:
         if not seqs:

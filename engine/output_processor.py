@@ -67,7 +67,7 @@ class OutputProcessor:
         if params.stop and reason is not FinishReason.STOP:
             match = find_stop_string(seq, num_new_chars)
             if match is not None:
-                seq.detokenizer.truncate(match[0])
+                seq.detokenizer.truncate(match[0] + (len(match[1]) if params.include_stop_str_in_output else 0))
                 reason, stop_reason = FinishReason.STOP, match[1]
         text = seq.text
         emit_end = len(text) if reason is not None or not params.stop else len(text) - num_held_chars(text, params.stop)
@@ -75,8 +75,19 @@ class OutputProcessor:
         seq.num_emitted_chars = max(seq.num_emitted_chars, emit_end)
         if reason is not None:
             self.scheduler.finish(seq, reason, now)
-        return make_output(seq, [token_id], new_text, [logprobs] if logprobs is not None else None,
-                           stop_reason=stop_reason)
+        output = make_output(seq, [token_id], new_text, [logprobs] if logprobs is not None else None,
+                             stop_reason=stop_reason)
+        if seq.num_output_tokens == 1 and seq.prompt_logprobs is not None:
+            output.prompt_logprobs = seq.prompt_logprobs  # with the first token, once
+        return output
+
+    @staticmethod
+    def add_prompt_logprobs(seq: Sequence, first_position: int, entries: list[Logprobs]) -> None:
+        """Record one chunk's prompt logprobs; a chunk recomputed after preemption adds nothing."""
+        if seq.prompt_logprobs is None:
+            seq.prompt_logprobs = [None]  # the first prompt token has no logprob
+        if first_position == len(seq.prompt_logprobs):
+            seq.prompt_logprobs.extend(entries)
 
 
 def make_output(seq: Sequence, new_token_ids: list[int], new_text: str, new_logprobs: list[Logprobs] | None,

@@ -72,6 +72,8 @@ class RequestOutput:
     logprobs: list[dict[int, float]] | None = None
     metrics: RequestMetrics | None = None
     error: str | None = None
+    # On the first output only, when asked: one entry per prompt token (None for the first).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def is_finished(self) -> bool:
@@ -89,7 +91,7 @@ class RequestOutput:
             text=later.text, new_token_ids=self.new_token_ids + later.new_token_ids,
             new_text=self.new_text + later.new_text, finish_reason=later.finish_reason,
             stop_reason=later.stop_reason, new_logprobs=new_logprobs, logprobs=later.logprobs,
-            metrics=later.metrics, error=later.error)
+            metrics=later.metrics, error=later.error, prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs)
 
     @property
     def num_prompt_tokens(self) -> int:

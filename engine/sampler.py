@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.sequence import Sequence
+from engine.structured_output import GrammarMask
 
 
 @dataclass(slots=True)
@@ -26,16 +27,24 @@ _TEMPERATURE, _TOP_P, _MIN_P, _REPETITION, _FREQUENCY, _PRESENCE, _IS_GREEDY = r
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int = 0) -> None:
+    def __init__(self, device: torch.device, seed: int = 0, vocab_size: int = 0, max_num_seqs: int = 64,
+                 kernels: object = None) -> None:
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self.kernels = kernels
+        self.grammar_mask = GrammarMask(vocab_size, max_num_seqs, kernels) if vocab_size else None
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         # logits: [N, vocab] fp32
         params = [s.params for s in seqs]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(p.logprobs is not None for p in params) else None
         logits = self._mask_stops_before_min_tokens(logits, seqs)
+        if any(p.logit_bias for p in params):
+            logits = self._apply_logit_bias(logits, seqs)
+        constrained = [(i, s.matcher) for i, s in enumerate(seqs) if s.matcher is not None]
+        if constrained:  # only those rows; unconstrained steps pay nothing
+            logits = self._grammar_mask(logits.shape[1]).apply(logits, constrained)
         has_penalties = any(p.has_penalties for p in params)
         is_all_greedy = all(p.is_greedy for p in params)
         # One [N, 7] tensor of the rows' parameters, each row built once per request.
@@ -46,9 +55,30 @@ class Sampler:
         greedy = logits.argmax(dim=-1)
         tokens = greedy if is_all_greedy else self._sample(logits, seqs, greedy, rows)
         token_list = tokens.tolist()  # the step's one host sync
+        if constrained:
+            self.grammar_mask.consume([(matcher, token_list[i]) for i, matcher in constrained])
         if raw_logprobs is None:
             return SamplerOutput(token_list, [None] * len(seqs))
         return SamplerOutput(token_list, self._gather_logprobs(raw_logprobs, tokens, params))
+
+    def _grammar_mask(self, vocab_size: int) -> GrammarMask:
+        if self.grammar_mask is None or self.grammar_mask.vocab_size != vocab_size:
+            self.grammar_mask = GrammarMask(vocab_size, 64, self.kernels)
+        return self.grammar_mask
+
+    @staticmethod
+    def _apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        rows, cols, values = [], [], []
+        for i, seq in enumerate(seqs):
+            for token_id, bias in (seq.params.logit_bias or {}).items():
+                rows.append(i)
+                cols.append(token_id)
+                values.append(bias)
+        logits = logits.clone()
+        dev = logits.device
+        logits.index_put_((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
+                          torch.tensor(values, device=dev, dtype=logits.dtype), accumulate=True)
+        return logits
 
     def _mask_stops_before_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         rows, cols = [], []

@@ -4,7 +4,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from engine.structured_output import StructuredOutput
+
 _MAX_LOGPROBS = 20
+_MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, +100 all but forces it
 
 
 @dataclass(slots=True)
@@ -29,6 +32,11 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per generated token (the sampled one always)
     skip_special_tokens: bool = True
+    structured_output: StructuredOutput | None = None  # constrain decoding (JSON schema, regex, ...)
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
+    truncate_prompt_tokens: int | None = None  # keep only the last N prompt tokens
+    include_stop_str_in_output: bool = False  # keep the matched stop string at the end of the text
+    prompt_logprobs: int | None = None  # top-N logprobs of every prompt position (and the actual token's)
     stop_token_set: frozenset[int] = field(init=False, repr=False, compare=False)  # built once, read per token
     # The sampler's per-row values, built once per request (the sampler stacks them per step):
     # (temperature or 1 when greedy, top_p, min_p, repetition, frequency, presence penalty, is_greedy)
@@ -70,6 +78,18 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, {_MAX_LOGPROBS}], got {self.logprobs}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if self.logit_bias is not None:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            for token_id, bias in self.logit_bias.items():
+                if token_id < 0:
+                    raise ValueError(f"logit_bias: token id {token_id} is negative")
+                if not math.isfinite(bias) or not -_MAX_LOGIT_BIAS <= bias <= _MAX_LOGIT_BIAS:
+                    raise ValueError(f"logit_bias: the bias of token {token_id} must be in "
+                                     f"[{-_MAX_LOGIT_BIAS:g}, {_MAX_LOGIT_BIAS:g}], got {bias}")
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
+            raise ValueError(f"truncate_prompt_tokens must be >= 1, got {self.truncate_prompt_tokens}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= _MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {_MAX_LOGPROBS}], got {self.prompt_logprobs}")
         self.stop_token_set = frozenset(self.stop_token_ids)
         self.row = (self.temperature if self.temperature > 0 else 1.0, self.top_p, self.min_p, self.repetition_penalty,
                     self.frequency_penalty, self.presence_penalty, float(self.is_greedy))

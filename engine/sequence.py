@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -67,6 +68,8 @@ class Sequence:
     num_emitted_chars: int = 0
     last_scheduled_step: int = -1
     generator: torch.Generator | None = None
+    matcher: Any = None  # the grammar state of a structured-output request (llguidance LLMatcher)
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # per prompt position, when asked
     times: SequenceTimes = field(init=False)
     # Token ids min_tokens holds off (stop ids, and EOS unless ignored): built once, used per step.
     min_tokens_stop_ids: frozenset[int] = field(init=False)

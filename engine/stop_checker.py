@@ -7,6 +7,8 @@ from engine.sequence import FinishReason, Sequence
 def check_token_stop(seq: Sequence, token_id: int, max_model_len: int) -> tuple[FinishReason | None, int | None]:
     """Stop conditions decided by the new token id alone."""
     params = seq.params
+    if seq.matcher is not None and seq.matcher.is_stopped():  # the grammar is complete: nothing may follow
+        return FinishReason.STOP, None
     if seq.num_output_tokens >= params.min_tokens:
         if not params.ignore_eos and token_id in seq.eos_token_ids:
             return FinishReason.STOP, None

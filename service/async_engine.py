@@ -108,6 +108,7 @@ class AsyncEngine:
         self._num_tokenizing = 0
         self._max_tokenizing = max_tokenizing
         self._fault = FaultInjector(os.environ.get("MINIVLLM_FAULT"))
+        self._token_texts: dict[int, str] = {}
 
     # ---- asyncio side --------------------------------------------------------------
 
@@ -189,10 +190,15 @@ class AsyncEngine:
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, work)
 
     async def token_texts(self, token_ids: list[int]) -> list[str]:
-        """The text of each token on its own (for logprobs), decoded on the tokenizer thread."""
-        tokenizer = self.engine.input_processor.tokenizer
-        return await asyncio.get_running_loop().run_in_executor(
-            self._tokenizer_pool, lambda: [tokenizer.decode([t]) for t in token_ids])
+        """The text of each token on its own (for logprobs), decoded on the tokenizer thread
+        and remembered (the vocabulary bounds the cache)."""
+        missing = [t for t in set(token_ids) if t not in self._token_texts]
+        if missing:
+            tokenizer = self.engine.input_processor.tokenizer
+            texts = await asyncio.get_running_loop().run_in_executor(
+                self._tokenizer_pool, lambda: [tokenizer.decode([t]) for t in missing])
+            self._token_texts.update(zip(missing, texts, strict=True))
+        return [self._token_texts[t] for t in token_ids]
 
     async def _iterate(self, engine_id: str, request_id: str, stream: asyncio.Queue[RequestOutput]
                        ) -> AsyncIterator[RequestOutput]:

@@ -278,6 +278,22 @@ class _Call:
         self.text_offset += len(out.new_text)
         return entry
 
+    async def _prompt_logprobs(self, out: RequestOutput) -> list[Any] | None:
+        """vLLM's layout: per prompt token, None for the first, else token id -> {logprob, rank, decoded_token}."""
+        if not out.prompt_logprobs:
+            return None
+        ids = sorted({t for entry in out.prompt_logprobs if entry for t in entry})
+        texts = dict(zip(ids, await self.engine.token_texts(ids), strict=True))
+        result: list[Any] = []
+        for entry in out.prompt_logprobs:
+            if entry is None:
+                result.append(None)
+                continue
+            ranked = sorted(entry.items(), key=lambda kv: kv[1], reverse=True)
+            result.append({str(t): {"logprob": v, "rank": r + 1, "decoded_token": texts[t]}
+                           for r, (t, v) in enumerate(ranked)})
+        return result
+
     def _chunk(self, choice: dict[str, Any], usage: dict[str, Any] | None = None) -> str:
         kind = "chat.completion.chunk" if self.is_chat else "text_completion"
         payload: dict[str, Any] = {"id": self.request_id, "object": kind, "created": self.created,
@@ -301,7 +317,8 @@ class _Call:
                     if out.is_finished:
                         final[0] = out
                     logprobs = await self._logprobs(out)
-                    if out.new_text or logprobs or out.is_finished:
+                    prompt_logprobs = await self._prompt_logprobs(out)
+                    if out.new_text or logprobs or prompt_logprobs or out.is_finished:
                         if self.is_chat:
                             delta = {"content": out.new_text} if out.new_text else {}
                             choice = {"index": 0, "delta": delta, "logprobs": logprobs,
@@ -309,6 +326,8 @@ class _Call:
                         else:
                             choice = {"index": 0, "text": out.new_text, "logprobs": logprobs,
                                       "finish_reason": finish_reason(out)}
+                        if prompt_logprobs is not None:
+                            choice["prompt_logprobs"] = prompt_logprobs
                         yield self._chunk(choice)
                 if self.body.include_usage and final[0] is not None:
                     yield self._chunk({}, usage_body(final[0]))
@@ -334,6 +353,7 @@ class _Call:
     async def _collect(self) -> JSONResponse:
         with self._observed() as final:
             text: list[str] = []
+            prompt_logprobs: list[Any] | None = None
             chat_logprobs: list[dict[str, Any]] = []
             completion_logprobs: dict[str, list[Any]] = {}
             try:
@@ -342,6 +362,7 @@ class _Call:
                         final[0] = out
                         return JSONResponse(error_body(out.error or "engine error", "server_error"), status_code=500)
                     text.append(out.new_text)
+                    prompt_logprobs = prompt_logprobs or await self._prompt_logprobs(out)
                     logprobs = await self._logprobs(out)
                     if logprobs is not None and self.is_chat:
                         chat_logprobs.extend(logprobs["content"])
@@ -364,6 +385,8 @@ class _Call:
                 choice = {"index": 0, "text": "".join(text), "logprobs": logprobs_body,
                           "finish_reason": finish_reason(out)}
                 kind = "text_completion"
+            if prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs
             return JSONResponse({"id": self.request_id, "object": kind, "created": self.created,
                                  "model": self.door.model_name, "choices": [choice], "usage": usage_body(out)})
 

@@ -8,12 +8,13 @@ the field rather than silently ignored.
 """
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine import RequestOutput, SamplingParams
+from engine import RequestOutput, SamplingParams, StructuredOutput
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "stop"}
 
@@ -51,8 +52,50 @@ class _SamplingRequest(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[str, float] | None = None  # OpenAI: token id (as a string) -> bias
+    include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+    prompt_logprobs: int | None = Field(default=None, ge=0)
+    # vLLM's structured-output extras: structured_outputs {json|regex|choice|grammar} and the
+    # older guided_* names.
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
-    def _common(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _structured(self) -> StructuredOutput | None:
+        specs: list[tuple[str, Any]] = []
+        for key, value in (self.structured_outputs or {}).items():
+            if value is not None and value is not False:
+                specs.append((f"structured_outputs.{key}", value))
+        for key in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+            if getattr(self, key) is not None:
+                specs.append((key, getattr(self, key)))
+        if not specs:
+            return None
+        if len(specs) > 1:
+            raise UnsupportedFieldError(specs[1][0], f"only one structured-output constraint at a time, also got "
+                                                     f"{specs[0][0]}")
+        name, value = specs[0]
+        kind = name.rsplit(".", 1)[-1].removeprefix("guided_")
+        try:
+            if kind == "json":
+                if isinstance(value, dict) and not value:
+                    return StructuredOutput("json_object")
+                return StructuredOutput("json_schema", value if isinstance(value, str) else json.dumps(value))
+            if kind == "json_object":
+                return StructuredOutput("json_object")
+            if kind == "choice":
+                return StructuredOutput.choice(value)
+            if kind in ("regex", "grammar"):
+                return StructuredOutput(kind, value)
+        except ValueError as exc:
+            raise UnsupportedFieldError(name, str(exc)) from None
+        raise UnsupportedFieldError(name, "unknown structured-output kind")
+
+    def _common(self, max_tokens: int | None, logprobs: int | None,
+                structured: StructuredOutput | None = None) -> SamplingParams:
         if self.n != 1:
             raise UnsupportedFieldError("n", f"only n=1 is supported, got {self.n}; send one request per sample")
         kwargs: dict[str, Any] = {
@@ -62,9 +105,17 @@ class _SamplingRequest(BaseModel):
             "stop": [self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             "stop_token_ids": list(self.stop_token_ids or []),
         }
-        for name in ("temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty"):
+        for name in ("temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty", "truncate_prompt_tokens",
+                     "prompt_logprobs"):
             if getattr(self, name) is not None:
                 kwargs[name] = getattr(self, name)
+        if self.logit_bias:
+            try:
+                kwargs["logit_bias"] = {int(k): v for k, v in self.logit_bias.items()}
+            except ValueError:
+                raise UnsupportedFieldError("logit_bias", "keys must be token ids") from None
+        kwargs["include_stop_str_in_output"] = self.include_stop_str_in_output
+        kwargs["structured_output"] = structured or self._structured()
         return SamplingParams(**kwargs)
 
     @property
@@ -115,10 +166,31 @@ class ChatMessageIn(BaseModel):
     content: str | list[ContentPart] | None = None
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str = ""
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="ignore")
 
     type: str
+    json_schema: JsonSchemaFormat | None = None
+
+    def structured(self) -> StructuredOutput | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutput("json_object")
+        if self.type == "json_schema":
+            if self.json_schema is None or self.json_schema.json_schema is None:
+                raise UnsupportedFieldError("response_format.json_schema", "needs a schema")
+            return StructuredOutput("json_schema", json.dumps(self.json_schema.json_schema))
+        raise UnsupportedFieldError("response_format", f"type {self.type!r} is not one of text, json_object, "
+                                                       "json_schema")
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -148,12 +220,11 @@ class ChatCompletionRequest(_SamplingRequest):
     def sampling_params(self) -> SamplingParams:
         if self.tools:
             raise UnsupportedFieldError("tools", "tool calling is not supported")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise UnsupportedFieldError("response_format", f"type {self.response_format.type!r} is not supported")
+        structured = self.response_format.structured() if self.response_format is not None else None
         if self.top_logprobs and not self.logprobs:
             raise UnsupportedFieldError("top_logprobs", "needs logprobs: true")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._common(self.max_completion_tokens or self.max_tokens, logprobs)
+        return self._common(self.max_completion_tokens or self.max_tokens, logprobs, structured)
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,

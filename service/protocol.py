@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from engine import ModelInfo, RequestOutput, SamplingParams
+from engine import ModelInfo, RequestOutput, SamplingParams, StructuredOutput
 from service.pb import inference_pb2 as pb
 
 
@@ -15,9 +15,20 @@ def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         "frequency_penalty": msg.frequency_penalty,
     }
     for name in ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "repetition_penalty",
-                 "logprobs", "skip_special_tokens"):
+                 "logprobs", "skip_special_tokens", "truncate_prompt_tokens", "prompt_logprobs"):
         if msg.HasField(name):
             kwargs[name] = getattr(msg, name)
+    kind = msg.WhichOneof("structured_output")
+    if kind == "choice":
+        kwargs["structured_output"] = StructuredOutput.choice(list(msg.choice.choices))
+    elif kind == "json_object":
+        if msg.json_object:
+            kwargs["structured_output"] = StructuredOutput("json_object")
+    elif kind is not None:
+        kwargs["structured_output"] = StructuredOutput(kind, getattr(msg, kind))
+    if msg.logit_bias:
+        kwargs["logit_bias"] = dict(msg.logit_bias)
+    kwargs["include_stop_str_in_output"] = msg.include_stop_str_in_output
     if msg.HasField("max_tokens") and msg.max_tokens == 0:
         raise ValueError("max_tokens must be >= 1, got 0")
     return SamplingParams(**kwargs)
@@ -29,14 +40,32 @@ def messages_from_proto(msg: pb.Messages) -> list[dict[str, str]]:
     return [{"role": m.role, "content": m.content} for m in msg.messages]
 
 
-def response_from_output(out: RequestOutput, request_id: str) -> pb.GenerateResponse:
-    """request_id: the client's (the output carries the engine's)."""
+def logprob_token_ids(out: RequestOutput) -> list[int]:
+    """Every token id a response's logprobs name (their texts go with them)."""
+    ids = {t for entry in out.new_logprobs or () for t in entry}
+    ids.update(t for entry in out.prompt_logprobs or () if entry for t in entry)
+    return sorted(ids)
+
+
+def _logprobs(chosen_id: int, entry: dict[int, float], texts: dict[int, str]) -> pb.Logprobs:
+    top = [pb.TokenLogprob(token_id=t, logprob=v, token=texts.get(t, "")) for t, v in entry.items()]
+    return pb.Logprobs(chosen=pb.TokenLogprob(token_id=chosen_id, logprob=entry[chosen_id],
+                                              token=texts.get(chosen_id, "")), top=top)
+
+
+def response_from_output(out: RequestOutput, request_id: str, texts: dict[int, str] | None = None
+                         ) -> pb.GenerateResponse:
+    """request_id: the client's (the output carries the engine's); texts: token id -> text for
+    the logprobs (logprob_token_ids)."""
+    texts = texts or {}
     resp = pb.GenerateResponse(request_id=request_id, token_ids=out.new_token_ids, text=out.new_text)
     if out.new_logprobs:
         for token_id, entry in zip(out.new_token_ids, out.new_logprobs, strict=True):
-            top = [pb.TokenLogprob(token_id=t, logprob=v) for t, v in entry.items()]
-            resp.logprobs.append(pb.Logprobs(chosen=pb.TokenLogprob(token_id=token_id, logprob=entry[token_id]),
-                                             top=top))
+            resp.logprobs.append(_logprobs(token_id, entry, texts))
+    if out.prompt_logprobs:
+        prompt = out.prompt_token_ids
+        for position, entry in enumerate(out.prompt_logprobs[1:], start=1):
+            resp.prompt_logprobs.append(_logprobs(prompt[position], entry, texts))
     if out.is_finished:
         resp.finish_reason = out.finish_reason
         if out.stop_reason is not None:

@@ -11,7 +11,13 @@ from engine import LimitExceededError, QueueFullError, RequestIdInUseError
 from service.async_engine import AsyncEngine, EngineDeadError
 from service.pb import inference_pb2 as pb
 from service.pb import inference_pb2_grpc as pb_grpc
-from service.protocol import messages_from_proto, model_info_to_proto, response_from_output, sampling_params_from_proto
+from service.protocol import (
+    logprob_token_ids,
+    messages_from_proto,
+    model_info_to_proto,
+    response_from_output,
+    sampling_params_from_proto,
+)
 from service.request_observer import CallInfo, RequestObserver
 from service.serving_state import EngineUnavailableError, ServingState
 
@@ -81,7 +87,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 if out.is_finished:
                     final = out
                 if out.new_token_ids or out.is_finished:
-                    yield response_from_output(out, request_id)
+                    ids = logprob_token_ids(out) if params.logprobs is not None or out.prompt_logprobs else []
+                    texts = dict(zip(ids, await engine.token_texts(ids), strict=True)) if ids else None
+                    yield response_from_output(out, request_id, texts)
         except BaseException as exc:
             if status is grpc.StatusCode.OK:
                 status = grpc.StatusCode.CANCELLED

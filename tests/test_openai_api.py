@@ -259,3 +259,39 @@ def test_grpc_still_serves_beside_http(server: ServerThread) -> None:
     with grpc.insecure_channel(server.target) as channel:
         grpc.channel_ready_future(channel).result(timeout=10)
     assert _grpc_greedy(server, "x", 2)[1]
+
+
+def test_structured_output_logit_bias_and_prompt_logprobs(server: ServerThread, client: openai.OpenAI) -> None:
+    import re
+
+    schema = {"type": "object", "properties": {"c": {"enum": ["yes", "no"]}}, "required": ["c"],
+              "additionalProperties": False}
+    out = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "answer"}], max_tokens=400, temperature=0.9, seed=4,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
+    assert json.loads(out.choices[0].message.content)["c"] in ("yes", "no"), out.choices[0].message.content
+    regex = r"[0-9]{3}-[a-z]{2,5}"
+    for extra in ({"structured_outputs": {"regex": regex}}, {"guided_regex": regex}):
+        text = client.completions.create(model=MODEL, prompt="code:", max_tokens=30, temperature=1.0,
+                                         extra_body=extra).choices[0].text
+        assert re.fullmatch(regex, text), text
+    picked = client.completions.create(model=MODEL, prompt="pick", max_tokens=10, temperature=1.0,
+                                       extra_body={"structured_outputs": {"choice": ["red", "blue"]}})
+    assert picked.choices[0].text in ("red", "blue")
+    forced = client.completions.create(model=MODEL, prompt="x", max_tokens=3, temperature=0, logit_bias={"9": 100},
+                                       logprobs=0, extra_body={"ignore_eos": True})
+    tokenizer = server.engine.input_processor.tokenizer
+    assert forced.choices[0].logprobs.tokens == [tokenizer.decode([9])] * 3
+    scored = client.completions.create(model=MODEL, prompt="the quick brown fox", max_tokens=1, temperature=0,
+                                       extra_body={"prompt_logprobs": 1})
+    prompt_logprobs = scored.model_extra.get("prompt_logprobs") or scored.choices[0].model_extra["prompt_logprobs"]
+    assert prompt_logprobs[0] is None and len(prompt_logprobs) == scored.usage.prompt_tokens
+    assert all(any(v["rank"] == 1 for v in entry.values()) for entry in prompt_logprobs[1:])
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                       response_format={"type": "xml"})
+    assert info.value.body["param"] == "response_format"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2,
+                                  extra_body={"structured_outputs": {"json": {"type": "objekt"}}})
+    assert "structured_output.json_schema" in info.value.body["message"]

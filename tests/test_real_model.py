@@ -143,3 +143,53 @@ def test_long_prompt_does_not_stall_running_streams_over_grpc() -> None:
     median = sorted(gaps)[len(gaps) // 2]
     assert during, "the long prefill overlapped no decoding"
     assert max(during) <= 5 * median, f"worst gap {max(during):.3f} s vs median {median:.3f} s"
+
+
+PROFILE_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 30},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "color": {"enum": ["red", "green", "blue"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 3},
+    },
+    "required": ["name", "age", "color", "tags"],
+    "additionalProperties": False,
+}
+
+
+def test_json_schema_output_parses_and_validates_while_sampling(real_llm: LLM) -> None:
+    import json
+
+    import jsonschema
+
+    from engine import StructuredOutput
+
+    prompts = ["Describe a person called Ann as JSON.", "Give me a JSON profile of a pirate.",
+               "Invent a user record for a shop."]
+    ids = [real_llm.engine.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    spec = StructuredOutput("json_schema", json.dumps(PROFILE_SCHEMA))
+    outs = real_llm.generate(ids * 2, [SamplingParams(temperature=0.8, seed=s, max_tokens=200, structured_output=spec)
+                                       for s in range(6)])
+    for out in outs:
+        assert out.finish_reason == "stop", out.text
+        jsonschema.validate(json.loads(out.text), PROFILE_SCHEMA)
+    # Unconstrained, the same model answers in prose around its JSON (or none at all).
+    free = real_llm.generate(ids[:1], SamplingParams(temperature=0, max_tokens=80))[0].text
+    with pytest.raises((ValueError, jsonschema.ValidationError)):
+        jsonschema.validate(json.loads(free), PROFILE_SCHEMA)
+
+
+def test_regex_and_choice_on_the_real_model(real_llm: LLM) -> None:
+    import re
+
+    from engine import StructuredOutput
+
+    ids = real_llm.engine.apply_chat_template([{"role": "user", "content": "What is today's date?"}])
+    date = real_llm.generate([ids], SamplingParams(temperature=0.7, seed=1, max_tokens=20,
+                                                   structured_output=StructuredOutput("regex", r"[0-9]{4}-[0-9]{2}-[0-9]{2}")))[0]
+    assert re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", date.text), date.text
+    ids = real_llm.engine.apply_chat_template([{"role": "user", "content": "Is the sky blue? Answer yes or no."}])
+    answer = real_llm.generate([ids], SamplingParams(temperature=0.7, seed=2, max_tokens=5,
+                                                     structured_output=StructuredOutput.choice(["yes", "no"])))[0]
+    assert answer.text in ("yes", "no")
