@@ -112,14 +112,7 @@ class BlockManager:
             return False
         for _ in range(needed):
             block, _ = self._free.popitem(last=False)
-            old_hash = self._block_hash[block]
-            if old_hash is not None:
-                # Reused for new tokens: the old prefix is evicted from the cache.
-                if self._hash_to_block.get(old_hash) == block:
-                    del self._hash_to_block[old_hash]
-                self._block_hash[block] = None
-                self._block_content[block] = None
-                self._generation[block] += 1
+            self._reset(block)  # reused for new tokens: the old prefix is evicted from the cache
             self._ref_counts[block] = 1
             seq.block_table.append(block)
         return True
@@ -139,6 +132,40 @@ class BlockManager:
                 self._block_hash[block] = block_hash
                 self._block_content[block] = self._content(seq, i)
         seq.num_registered_blocks = num_full
+
+    def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
+        """Share the parent's blocks with a new sample of the same prompt (ref counts). A
+        partly filled last block gets its own copy at once (copy-on-write: the samples write
+        different tokens into it next step); returns (source, copy) blocks for the KV copy, or
+        None when the last block is full. Raises MemoryError when no block is free for the copy."""
+        num_computed = parent.num_prompt_tokens  # the prompt has just been computed
+        is_partial = num_computed % self.block_size != 0
+        if is_partial and not self._free:
+            raise MemoryError("no free block for a forked sample")
+        for block in parent.block_table:
+            self._ref_counts[block] += 1
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_registered_blocks = num_computed // self.block_size
+        if not is_partial:
+            return None
+        source = child.block_table[-1]
+        self._ref_counts[source] -= 1
+        block, _ = self._free.popitem(last=False)
+        self._reset(block)
+        self._ref_counts[block] = 1
+        child.block_table[-1] = block
+        return source, block
+
+    def _reset(self, block: int) -> None:
+        """A free block taken for new tokens: whatever prefix it cached is evicted."""
+        old_hash = self._block_hash[block]
+        if old_hash is not None:
+            if self._hash_to_block.get(old_hash) == block:
+                del self._hash_to_block[old_hash]
+            self._block_hash[block] = None
+            self._block_content[block] = None
+            self._generation[block] += 1
 
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references. Tail blocks go to the LRU first: they are the

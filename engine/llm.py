@@ -27,7 +27,8 @@ class LLM:
 
     def generate(self, prompts: Prompt | Seq[Prompt],
                  params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Run prompts (strings or token-id lists) to completion; outputs in input order."""
+        """Run prompts (strings or token-id lists) to completion; outputs in input order. For
+        params.n > 1 each output is sample 0 and its `samples` holds all n, by index."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         return self._run(list(prompts), params)
@@ -55,14 +56,22 @@ class LLM:
                 self.engine.abort_request(request_id)
             self.engine.step()
             raise
-        finals: dict[str, RequestOutput] = {}
+        num_samples = {request_id: p.n for request_id, p in zip(ids, params_list, strict=True)}
+        finals: dict[str, dict[int, RequestOutput]] = {request_id: {} for request_id in ids}
         prompt_logprobs: dict[str, list] = {}  # they come with a request's first output only
-        while len(finals) < len(ids):
+        while any(len(finals[i]) < num_samples[i] for i in ids):
             outputs, _ = self.engine.step()
             for out in outputs:
                 if out.prompt_logprobs is not None:
                     prompt_logprobs[out.request_id] = out.prompt_logprobs
                 if out.is_finished:
-                    out.prompt_logprobs = prompt_logprobs.get(out.request_id, out.prompt_logprobs)
-                    finals[out.request_id] = out
-        return [finals[i] for i in ids]
+                    if out.index == 0:
+                        out.prompt_logprobs = prompt_logprobs.get(out.request_id, out.prompt_logprobs)
+                    finals[out.request_id][out.index] = out
+        results = []
+        for request_id in ids:
+            first = finals[request_id][0]
+            if num_samples[request_id] > 1:
+                first.samples = [finals[request_id][i] for i in range(num_samples[request_id])]
+            results.append(first)
+        return results

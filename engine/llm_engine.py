@@ -121,10 +121,6 @@ class LLMEngine:
         if self.scheduler.num_waiting >= self.config.max_num_waiting:
             raise QueueFullError(f"{self.scheduler.num_waiting} requests are waiting already "
                                  f"(max_num_waiting={self.config.max_num_waiting}); retry later")
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.runner.device)
-            generator.manual_seed(params.seed)
         matcher = None
         if params.structured_output is not None:  # compiled already: a matcher costs well under 1 ms
             matcher = self.input_processor.grammar.matcher(params.structured_output)
@@ -132,16 +128,36 @@ class LLMEngine:
             request_id=request_id, prompt_token_ids=token_ids, params=params,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens),
-            eos_token_ids=self.eos_token_ids, priority=priority, generator=generator, matcher=matcher))
+            eos_token_ids=self.eos_token_ids, priority=priority, generator=self._generator(params, 0),
+            matcher=matcher))
         return request_id
 
+    def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
+        """Sample i of a seeded request draws from seed + i: n reproducible, different samples."""
+        if params.seed is None:
+            return None
+        generator = torch.Generator(device=self.runner.device)
+        generator.manual_seed((params.seed + index) % 2**63)
+        return generator
+
+    def _new_sample(self, parent: Sequence, index: int) -> Sequence:
+        params = parent.params
+        child = Sequence(
+            request_id=f"{parent.group_id}/{index}", group_id=parent.group_id, index=index,
+            prompt_token_ids=parent.prompt_token_ids, params=params, arrival_time=parent.arrival_time,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, parent.prompt_token_ids, params.skip_special_tokens),
+            eos_token_ids=self.eos_token_ids, priority=parent.priority, generator=self._generator(params, index),
+            matcher=parent.matcher.deep_copy() if parent.matcher is not None else None)
+        child.num_cached_prompt_tokens = parent.num_cached_prompt_tokens
+        return child
+
     def abort_request(self, request_id: str) -> bool:
-        """Stop a request now and free its blocks; its final output comes from the next step."""
-        seq = self.scheduler.get(request_id)
-        if seq is None:
-            return False
-        self._pending.append(self.output_processor.abort(seq, time.monotonic()))
-        return True
+        """Stop a request (every sample of it) now and free its blocks; its final outputs come
+        from the next step."""
+        samples = self.scheduler.group(request_id)
+        for seq in samples:
+            self._pending.append(self.output_processor.abort(seq, time.monotonic()))
+        return bool(samples)
 
     def fail_all(self, error: str) -> list[RequestOutput]:
         """End every request with an error (engine shutdown or fault)."""
@@ -178,6 +194,15 @@ class LLMEngine:
     def _run(self, sched: SchedulerOutput, stats: StepStats) -> list[RequestOutput]:
         t0 = time.monotonic()
         logits = self.runner.execute(sched)
+        copies = []
+        for row, seq in enumerate(sched.sampling_seqs):
+            if seq.needs_fork:  # its prompt is in the cache now: the other samples share it
+                children = [self._new_sample(seq, i) for i in range(1, seq.params.n)]
+                copies += self.scheduler.fork(seq, children, row, sched)
+        if copies:
+            self.runner.copy_blocks(copies)
+        if sched.forked_seqs:
+            logits = torch.cat([logits, logits[torch.tensor(sched.fork_rows, device=logits.device)]])
         t1 = time.monotonic()
         sampling_seqs = sched.sampling_seqs
         sampled = self.sampler(logits, sampling_seqs) if sampling_seqs else None

@@ -76,6 +76,15 @@ class ModelRunner:
         logger.info("model on %s (%s), KV cache %d blocks x %d tokens (%.2f GiB)", self.device, self.dtype,
                     self.num_kv_blocks, self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**30)
 
+    @torch.inference_mode()
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write of forked samples: the K/V of block src into block dst, every layer at once."""
+        bs = self.block_size
+        offsets = torch.arange(bs)
+        src = torch.cat([offsets + s * bs for s, _ in pairs]).to(self.device)  # [copies * bs] slots
+        dst = torch.cat([offsets + d * bs for _, d in pairs]).to(self.device)
+        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]  # [layers, k/v, slots, kv_heads, head_dim]
+
     def _blocks_for(self, gib: float) -> int:
         mc = self.model_config
         bytes_per_block = (2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim

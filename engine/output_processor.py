@@ -103,7 +103,7 @@ def make_output(seq: Sequence, new_token_ids: list[int], new_text: str, new_logp
             arrival_time=t.arrival, first_scheduled_time=t.first_scheduled, first_token_time=t.first_token,
             finished_time=t.finished)
     return RequestOutput(
-        request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
+        request_id=seq.group_id, index=seq.index, prompt_token_ids=seq.prompt_token_ids,
         token_ids=list(seq.output_token_ids), text=seq.text[: seq.num_emitted_chars],
         new_token_ids=new_token_ids, new_text=new_text,
         finish_reason=seq.finish_reason.value if finished else None, stop_reason=stop_reason,

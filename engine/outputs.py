@@ -74,6 +74,8 @@ class RequestOutput:
     error: str | None = None
     # On the first output only, when asked: one entry per prompt token (None for the first).
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    index: int = 0  # which sample of an n > 1 request (request_id is the request's)
+    samples: list[RequestOutput] | None = None  # offline LLM, n > 1: every sample's final output
 
     @property
     def is_finished(self) -> bool:
@@ -81,8 +83,8 @@ class RequestOutput:
 
     def merged_with(self, later: RequestOutput) -> RequestOutput:
         """One output covering this one and the next of the same request (a slow reader's backlog)."""
-        if later.request_id != self.request_id:
-            raise ValueError("can only merge outputs of the same request")
+        if later.request_id != self.request_id or later.index != self.index:
+            raise ValueError("can only merge outputs of the same request and sample")
         new_logprobs = None
         if self.new_logprobs is not None or later.new_logprobs is not None:
             new_logprobs = (self.new_logprobs or []) + (later.new_logprobs or [])
@@ -91,7 +93,8 @@ class RequestOutput:
             text=later.text, new_token_ids=self.new_token_ids + later.new_token_ids,
             new_text=self.new_text + later.new_text, finish_reason=later.finish_reason,
             stop_reason=later.stop_reason, new_logprobs=new_logprobs, logprobs=later.logprobs,
-            metrics=later.metrics, error=later.error, prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs)
+            metrics=later.metrics, error=later.error, prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs,
+            index=self.index)
 
     @property
     def num_prompt_tokens(self) -> int:

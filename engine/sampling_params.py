@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from engine.structured_output import StructuredOutput
 
 _MAX_LOGPROBS = 20
-_MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, +100 all but forces it
+_MAX_LOGIT_BIAS = 100.0
+_MAX_N = 128  # OpenAI's range: -100 bans a token, +100 all but forces it
 
 
 @dataclass(slots=True)
@@ -37,6 +38,7 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None  # keep only the last N prompt tokens
     include_stop_str_in_output: bool = False  # keep the matched stop string at the end of the text
     prompt_logprobs: int | None = None  # top-N logprobs of every prompt position (and the actual token's)
+    n: int = 1  # samples of the prompt; they share its KV blocks (sample i is seeded with seed + i)
     stop_token_set: frozenset[int] = field(init=False, repr=False, compare=False)  # built once, read per token
     # The sampler's per-row values, built once per request (the sampler stacks them per step):
     # (temperature or 1 when greedy, top_p, min_p, repetition, frequency, presence penalty, is_greedy)
@@ -88,6 +90,8 @@ class SamplingParams:
                                      f"[{-_MAX_LOGIT_BIAS:g}, {_MAX_LOGIT_BIAS:g}], got {bias}")
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
             raise ValueError(f"truncate_prompt_tokens must be >= 1, got {self.truncate_prompt_tokens}")
+        if not 1 <= self.n <= _MAX_N:
+            raise ValueError(f"n must be in [1, {_MAX_N}], got {self.n}")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= _MAX_LOGPROBS:
             raise ValueError(f"prompt_logprobs must be in [0, {_MAX_LOGPROBS}], got {self.prompt_logprobs}")
         self.stop_token_set = frozenset(self.stop_token_ids)

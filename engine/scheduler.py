@@ -70,6 +70,38 @@ class Scheduler:
         self.block_manager.free(seq)
         self.requests.pop(seq.request_id, None)
 
+    def group(self, group_id: str) -> list[Sequence]:
+        """The unfinished samples of a request (one unless it asked for n > 1)."""
+        return [s for s in self.requests.values() if s.group_id == group_id]
+
+    def fork(self, parent: Sequence, children: list[Sequence], row: int, sched: SchedulerOutput
+             ) -> list[tuple[int, int]]:
+        """Adopt the other samples of parent's request, now that its prompt is computed: they
+        share its blocks and sample from its logits row this step. Returns the (source, copy)
+        blocks whose K/V must be copied (the partly filled last block, copy-on-write). A sample
+        that finds no free block for its copy waits instead and recomputes its prompt (its full
+        blocks then come from the prefix cache): nothing is lost, nothing blocks."""
+        copies = []
+        for child in children:
+            if child.request_id in self.requests:
+                raise RequestIdInUseError(f"request_id: {child.request_id!r} is already in use")
+            self.requests[child.request_id] = child
+            child.times.first_scheduled = parent.times.first_scheduled
+            try:
+                pair = self.block_manager.fork(parent, child)
+            except MemoryError:
+                child.status = SequenceStatus.WAITING
+                self.waiting.insert(0, child)
+                continue
+            if pair is not None:
+                copies.append(pair)
+            child.status = SequenceStatus.RUNNING
+            child.num_computed_tokens = parent.num_prompt_tokens
+            self.running.append(child)
+            sched.forked_seqs.append(child)
+            sched.fork_rows.append(row)
+        return copies
+
     def effective_priority(self, seq: Sequence, now: float) -> float:
         return seq.priority - (now - seq.arrival_time) / self.config.aging_s
 
@@ -211,7 +243,10 @@ class Scheduler:
         """Allocate blocks for seq, preempting the newest unscheduled running sequences."""
         while not self.block_manager.allocate(seq, num_new):
             victim = self._pick_victim(seq, scheduled)
-            self._preempt(victim, out)
+            # The samples of one request go together: none is left behind half the group.
+            for member in [victim] + [s for s in self.running if s.group_id == victim.group_id and s is not victim
+                                      and s is not seq and id(s) not in scheduled]:
+                self._preempt(member, out)
             if victim is seq:
                 return False
         return True

@@ -20,6 +20,10 @@ class SchedulerOutput:
     prefill_is_last_chunk: list[bool] = field(default_factory=list)  # the chunk ends the prompt: it samples
     decode_seqs: list[Sequence] = field(default_factory=list)
     preempted_seqs: list[Sequence] = field(default_factory=list)
+    # Samples forked this step from a request's sample 0 (after the forward): each samples from
+    # its parent's logits row, fork_rows[i] of the stacked rows.
+    forked_seqs: list[Sequence] = field(default_factory=list)
+    fork_rows: list[int] = field(default_factory=list)
     num_prefix_queried_tokens: int = 0
     num_prefix_hit_tokens: int = 0
     # Why the prefill got what it got: "tokens" (the token budget) or "time" (the step-time target).
@@ -48,8 +52,9 @@ class SchedulerOutput:
 
     @property
     def sampling_seqs(self) -> list[Sequence]:
-        """The sequences that get a token this step, in the order the logits are stacked."""
-        return [self.prefill_seqs[i] for i in self.prefill_sample_rows] + self.decode_seqs
+        """The sequences that get a token this step, in the order the logits are stacked
+        (forked samples last, sampling from copies of their parents' rows)."""
+        return [self.prefill_seqs[i] for i in self.prefill_sample_rows] + self.decode_seqs + self.forked_seqs
 
     @property
     def is_empty(self) -> bool:

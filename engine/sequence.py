@@ -69,12 +69,18 @@ class Sequence:
     last_scheduled_step: int = -1
     generator: torch.Generator | None = None
     matcher: Any = None  # the grammar state of a structured-output request (llguidance LLMatcher)
+    # Parallel sampling (params.n > 1): the request's id, which outputs carry, and this sample's
+    # index. Sample 0 is the request itself (group_id == request_id); it prefills the prompt
+    # once and forks the others when its first token is sampled.
+    group_id: str = ""
+    index: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None  # per prompt position, when asked
     times: SequenceTimes = field(init=False)
     # Token ids min_tokens holds off (stop ids, and EOS unless ignored): built once, used per step.
     min_tokens_stop_ids: frozenset[int] = field(init=False)
 
     def __post_init__(self) -> None:
+        self.group_id = self.group_id or self.request_id
         self.times = SequenceTimes(arrival=self.arrival_time)
         eos = frozenset() if self.params.ignore_eos else self.eos_token_ids
         self.min_tokens_stop_ids = self.params.stop_token_set | eos
@@ -98,6 +104,11 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    @property
+    def needs_fork(self) -> bool:
+        """Sample 0 of an n > 1 request, about to get its first token: the others fork now."""
+        return self.params.n > 1 and self.index == 0 and self.num_output_tokens == 0
 
     @property
     def is_decode(self) -> bool:

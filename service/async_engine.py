@@ -165,7 +165,7 @@ class AsyncEngine:
         except BaseException:
             self._client_ids.discard(request_id)
             raise
-        return self._iterate(engine_id, request_id, stream)
+        return self._iterate(engine_id, request_id, stream, params.n)
 
     async def _tokenize(self, prompt: str | list[int] | None, messages: list[dict[str, str]] | None,
                         params: SamplingParams) -> list[int]:
@@ -200,15 +200,19 @@ class AsyncEngine:
             self._token_texts.update(zip(missing, texts, strict=True))
         return [self._token_texts[t] for t in token_ids]
 
-    async def _iterate(self, engine_id: str, request_id: str, stream: asyncio.Queue[RequestOutput]
-                       ) -> AsyncIterator[RequestOutput]:
+    async def _iterate(self, engine_id: str, request_id: str, stream: asyncio.Queue[RequestOutput],
+                       num_samples: int = 1) -> AsyncIterator[RequestOutput]:
+        """The request's outputs until every sample has finished."""
         finished = False
+        num_finished = 0
         try:
             while not finished:
                 out = await stream.get()
-                while not out.is_finished and not stream.empty():
-                    out = out.merged_with(stream.get_nowait())  # one message for a backlog
-                finished = out.is_finished
+                # One message for a backlog (samples of an n > 1 request interleave: not merged).
+                while num_samples == 1 and not out.is_finished and not stream.empty():
+                    out = out.merged_with(stream.get_nowait())
+                num_finished += out.is_finished
+                finished = num_finished >= num_samples or out.finish_reason == "error"
                 yield out
         finally:
             self._streams.pop(engine_id, None)

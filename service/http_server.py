@@ -236,7 +236,8 @@ class _AbortingStreamingResponse(StreamingResponse):
 
 
 class _Call:
-    """One admitted request: its engine stream rendered as SSE chunks or as one JSON body."""
+    """One admitted request: its engine stream rendered as SSE chunks or as one JSON body, with
+    one choice per sample (n > 1: `index` tells them apart; usage counts the prompt once)."""
 
     def __init__(self, door: OpenAIFrontDoor, engine: AsyncEngine, stream: AsyncIterator[RequestOutput],
                  body: CompletionRequest | ChatCompletionRequest, params: SamplingParams, request_id: str,
@@ -246,7 +247,8 @@ class _Call:
         self.is_chat = isinstance(body, ChatCompletionRequest)
         self.top_n = (body.top_logprobs or 0) if self.is_chat else (body.logprobs or 0)
         self.created = now()
-        self.text_offset = 0
+        self.text_offsets = [0] * params.n
+        self.finals: dict[int, RequestOutput] = {}
 
     @contextlib.contextmanager
     def _observed(self) -> Iterator[list[Any]]:
@@ -267,6 +269,12 @@ class _Call:
         finally:
             self.door.observer.finish(self.handle, final[0], error_type, message, {"http.response.status_code": status})
 
+    def _usage(self) -> dict[str, Any]:
+        body = usage_body(self.finals[0] if 0 in self.finals else next(iter(self.finals.values())))
+        body["completion_tokens"] = sum(o.num_output_tokens for o in self.finals.values())
+        body["total_tokens"] = body["prompt_tokens"] + body["completion_tokens"]
+        return body
+
     async def _logprobs(self, out: RequestOutput) -> dict[str, Any] | None:
         if self.params.logprobs is None or not out.new_logprobs:
             return None
@@ -274,8 +282,8 @@ class _Call:
         texts = dict(zip(ids, await self.engine.token_texts(ids), strict=True))
         if self.is_chat:
             return ChoiceLogprobs.chat(out, self.top_n, texts)
-        entry = ChoiceLogprobs.completion(out, self.top_n, texts, self.text_offset)
-        self.text_offset += len(out.new_text)
+        entry = ChoiceLogprobs.completion(out, self.top_n, texts, self.text_offsets[out.index])
+        self.text_offsets[out.index] += len(out.new_text)
         return entry
 
     async def _prompt_logprobs(self, out: RequestOutput) -> list[Any] | None:
@@ -307,8 +315,9 @@ class _Call:
         with self._observed() as final:
             try:
                 if self.is_chat:
-                    yield self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                       "finish_reason": None})
+                    for index in range(self.params.n):
+                        yield self._chunk({"index": index, "delta": {"role": "assistant", "content": ""},
+                                           "logprobs": None, "finish_reason": None})
                 async for out in self.stream:
                     if out.finish_reason == "error":
                         final[0] = out
@@ -316,21 +325,22 @@ class _Call:
                         return
                     if out.is_finished:
                         final[0] = out
+                        self.finals[out.index] = out
                     logprobs = await self._logprobs(out)
                     prompt_logprobs = await self._prompt_logprobs(out)
                     if out.new_text or logprobs or prompt_logprobs or out.is_finished:
                         if self.is_chat:
                             delta = {"content": out.new_text} if out.new_text else {}
-                            choice = {"index": 0, "delta": delta, "logprobs": logprobs,
+                            choice = {"index": out.index, "delta": delta, "logprobs": logprobs,
                                       "finish_reason": finish_reason(out)}
                         else:
-                            choice = {"index": 0, "text": out.new_text, "logprobs": logprobs,
+                            choice = {"index": out.index, "text": out.new_text, "logprobs": logprobs,
                                       "finish_reason": finish_reason(out)}
                         if prompt_logprobs is not None:
                             choice["prompt_logprobs"] = prompt_logprobs
                         yield self._chunk(choice)
-                if self.body.include_usage and final[0] is not None:
-                    yield self._chunk({}, usage_body(final[0]))
+                if self.body.include_usage and self.finals:
+                    yield self._chunk({}, self._usage())
                 yield "data: [DONE]\n\n"
             finally:
                 await self.stream.aclose()  # aborts an unfinished request: frees its KV blocks now
@@ -351,44 +361,48 @@ class _Call:
             disconnect.cancel()
 
     async def _collect(self) -> JSONResponse:
+        n = self.params.n
         with self._observed() as final:
-            text: list[str] = []
+            texts: list[list[str]] = [[] for _ in range(n)]
             prompt_logprobs: list[Any] | None = None
-            chat_logprobs: list[dict[str, Any]] = []
-            completion_logprobs: dict[str, list[Any]] = {}
+            chat_logprobs: list[list[dict[str, Any]]] = [[] for _ in range(n)]
+            completion_logprobs: list[dict[str, list[Any]]] = [{} for _ in range(n)]
             try:
                 async for out in self.stream:
                     if out.finish_reason == "error":
                         final[0] = out
                         return JSONResponse(error_body(out.error or "engine error", "server_error"), status_code=500)
-                    text.append(out.new_text)
+                    texts[out.index].append(out.new_text)
                     prompt_logprobs = prompt_logprobs or await self._prompt_logprobs(out)
                     logprobs = await self._logprobs(out)
                     if logprobs is not None and self.is_chat:
-                        chat_logprobs.extend(logprobs["content"])
+                        chat_logprobs[out.index].extend(logprobs["content"])
                     elif logprobs is not None:
                         for key, values in logprobs.items():
-                            completion_logprobs.setdefault(key, []).extend(values)
+                            completion_logprobs[out.index].setdefault(key, []).extend(values)
                     if out.is_finished:
                         final[0] = out
+                        self.finals[out.index] = out
             finally:
                 await self.stream.aclose()
-            out = final[0]
-            logprobs_body: Any = None
-            if self.params.logprobs is not None:
-                logprobs_body = {"content": chat_logprobs} if self.is_chat else completion_logprobs
-            if self.is_chat:
-                choice = {"index": 0, "message": {"role": "assistant", "content": "".join(text)},
-                          "logprobs": logprobs_body, "finish_reason": finish_reason(out)}
-                kind = "chat.completion"
-            else:
-                choice = {"index": 0, "text": "".join(text), "logprobs": logprobs_body,
-                          "finish_reason": finish_reason(out)}
-                kind = "text_completion"
-            if prompt_logprobs is not None:
-                choice["prompt_logprobs"] = prompt_logprobs
+            choices = []
+            for index in range(n):
+                logprobs_body: Any = None
+                if self.params.logprobs is not None:
+                    logprobs_body = {"content": chat_logprobs[index]} if self.is_chat else completion_logprobs[index]
+                reason = finish_reason(self.finals[index]) if index in self.finals else None
+                if self.is_chat:
+                    choice = {"index": index, "message": {"role": "assistant", "content": "".join(texts[index])},
+                              "logprobs": logprobs_body, "finish_reason": reason}
+                else:
+                    choice = {"index": index, "text": "".join(texts[index]), "logprobs": logprobs_body,
+                              "finish_reason": reason}
+                if index == 0 and prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = prompt_logprobs
+                choices.append(choice)
+            kind = "chat.completion" if self.is_chat else "text_completion"
             return JSONResponse({"id": self.request_id, "object": kind, "created": self.created,
-                                 "model": self.door.model_name, "choices": [choice], "usage": usage_body(out)})
+                                 "model": self.door.model_name, "choices": choices, "usage": self._usage()})
 
 
 async def _disconnected(receive: Callable) -> None:

@@ -3,7 +3,7 @@
 Request fields follow the OpenAI API (plus vLLM's usual extras: top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, stop_token_ids, skip_special_tokens). Unknown fields
 are ignored, as OpenAI-compatible servers do, so SDK additions do not break clients; known fields
-that minivllm cannot honour yet (n > 1, echo, suffix, tools, ...) are refused with a 400 naming
+that minivllm cannot honour yet (echo, suffix, tools, ...) are refused with a 400 naming
 the field rather than silently ignored.
 """
 from __future__ import annotations
@@ -96,9 +96,8 @@ class _SamplingRequest(BaseModel):
 
     def _common(self, max_tokens: int | None, logprobs: int | None,
                 structured: StructuredOutput | None = None) -> SamplingParams:
-        if self.n != 1:
-            raise UnsupportedFieldError("n", f"only n=1 is supported, got {self.n}; send one request per sample")
         kwargs: dict[str, Any] = {
+            "n": self.n,
             "max_tokens": max_tokens, "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty, "min_tokens": self.min_tokens, "ignore_eos": self.ignore_eos,
             "skip_special_tokens": self.skip_special_tokens, "logprobs": logprobs,

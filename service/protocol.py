@@ -15,7 +15,7 @@ def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         "frequency_penalty": msg.frequency_penalty,
     }
     for name in ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "repetition_penalty",
-                 "logprobs", "skip_special_tokens", "truncate_prompt_tokens", "prompt_logprobs"):
+                 "logprobs", "skip_special_tokens", "truncate_prompt_tokens", "prompt_logprobs", "n"):
         if msg.HasField(name):
             kwargs[name] = getattr(msg, name)
     kind = msg.WhichOneof("structured_output")
@@ -58,7 +58,8 @@ def response_from_output(out: RequestOutput, request_id: str, texts: dict[int, s
     """request_id: the client's (the output carries the engine's); texts: token id -> text for
     the logprobs (logprob_token_ids)."""
     texts = texts or {}
-    resp = pb.GenerateResponse(request_id=request_id, token_ids=out.new_token_ids, text=out.new_text)
+    resp = pb.GenerateResponse(request_id=request_id, token_ids=out.new_token_ids, text=out.new_text,
+                               index=out.index)
     if out.new_logprobs:
         for token_id, entry in zip(out.new_token_ids, out.new_logprobs, strict=True):
             resp.logprobs.append(_logprobs(token_id, entry, texts))
@@ -74,6 +75,10 @@ def response_from_output(out: RequestOutput, request_id: str, texts: dict[int, s
         resp.usage.CopyFrom(pb.Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
                                      cached_prompt_tokens=cached))
     return resp
+
+
+def response_usage_cached(out: RequestOutput) -> int:
+    return out.metrics.num_cached_tokens if out.metrics is not None else 0
 
 
 def model_info_to_proto(info: ModelInfo) -> pb.ModelInfo:

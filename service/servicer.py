@@ -16,6 +16,7 @@ from service.protocol import (
     messages_from_proto,
     model_info_to_proto,
     response_from_output,
+    response_usage_cached,
     sampling_params_from_proto,
 )
 from service.request_observer import CallInfo, RequestObserver
@@ -58,6 +59,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         operation = "chat" if request.WhichOneof("input") == "messages" else "text_completion"
         handle = self.observer.start(request_id, engine_id, CallInfo("grpc", "Generate", operation, carrier), params)
         status, message, final, stream = grpc.StatusCode.OK, "", None, None
+        num_samples, num_finished, num_completion_tokens = 1, 0, 0
         try:
             try:
                 if params_error is not None:
@@ -65,6 +67,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 prompt, messages = self._input(request)
                 stream = await engine.generate(request_id, params, prompt=prompt, messages=messages,
                                                priority=request.priority, engine_id=engine_id)
+                num_samples = params.n
             except (QueueFullError, LimitExceededError) as exc:
                 status, message = grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
                 await context.abort(status, message)
@@ -86,10 +89,20 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                     await context.abort(status, message)
                 if out.is_finished:
                     final = out
+                    num_finished += 1
+                    num_completion_tokens += out.num_output_tokens
                 if out.new_token_ids or out.is_finished:
                     ids = logprob_token_ids(out) if params.logprobs is not None or out.prompt_logprobs else []
                     texts = dict(zip(ids, await engine.token_texts(ids), strict=True)) if ids else None
-                    yield response_from_output(out, request_id, texts)
+                    response = response_from_output(out, request_id, texts)
+                    if out.is_finished and num_samples > 1:
+                        # Usage once, on the request's last message: the prompt counted once.
+                        response.ClearField("usage")
+                        if num_finished == num_samples:
+                            response.usage.CopyFrom(pb.Usage(prompt_tokens=out.num_prompt_tokens,
+                                                             completion_tokens=num_completion_tokens,
+                                                             cached_prompt_tokens=response_usage_cached(out)))
+                    yield response
         except BaseException as exc:
             if status is grpc.StatusCode.OK:
                 status = grpc.StatusCode.CANCELLED

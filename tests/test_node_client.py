@@ -40,4 +40,4 @@ def test_node_client_streams_generate(tiny_model_dir: Path, tiny_llm: LLM, secur
     finally:
         srv.stop()
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert f"# pass {4 if secure else 3}" in proc.stdout and "# fail 0" in proc.stdout
+    assert f"# pass {5 if secure else 4}" in proc.stdout and "# fail 0" in proc.stdout

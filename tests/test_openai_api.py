@@ -133,7 +133,8 @@ def test_logprobs_have_token_text(server: ServerThread, client: openai.OpenAI) -
 @pytest.mark.parametrize(("body", "param"), [
     ({"max_tokens": 0}, "max_tokens"),
     ({"temperature": -1}, "temperature"),
-    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),
+    ({"n": 500}, "n"),
     ({"top_p": 0}, "top_p"),
     ({"stop": [""]}, "stop"),
     ({"prompt": ["a", "b"]}, "prompt"),

@@ -64,6 +64,22 @@ test('without the token the server says UNAUTHENTICATED', { skip: !token }, asyn
   });
 });
 
+test('n samples, structured output and logprob token texts', async () => {
+  const chunks = await collect({
+    prompt: 'code:',
+    sampling: { n: 3, temperature: 1, seed: 5, max_tokens: 30, regex: '[0-9]{3}-[a-z]{2,4}', logprobs: 1 },
+  });
+  const texts = ['', '', ''];
+  for (const c of chunks) texts[c.index] += c.text;
+  for (const text of texts) assert.match(text, /^[0-9]{3}-[a-z]{2,4}$/);
+  assert.deepEqual(chunks.filter((c) => c.finish_reason).map((c) => c.index).sort(), [0, 1, 2]);
+  assert.equal(chunks.filter((c) => c.usage).length, 1, 'usage once, on the last message');
+  // Each chosen token's text, joined per sample, is that sample's (ASCII) text.
+  const tokenTexts = ['', '', ''];
+  for (const c of chunks) tokenTexts[c.index] += c.logprobs.map((lp) => lp.chosen.token).join('');
+  assert.deepEqual(tokenTexts, texts);
+});
+
 test('GetModelInfo answers', async () => {
   const info = await new Promise((resolve, reject) =>
     client.GetModelInfo({}, metadata(), (err, res) => (err ? reject(err) : resolve(res))));
