@@ -193,3 +193,18 @@ def test_regex_and_choice_on_the_real_model(real_llm: LLM) -> None:
     answer = real_llm.generate([ids], SamplingParams(temperature=0.7, seed=2, max_tokens=5,
                                                      structured_output=StructuredOutput.choice(["yes", "no"])))[0]
     assert answer.text in ("yes", "no")
+
+
+def test_prompt_logprobs_equal_transformers_log_softmax(real_llm: LLM, hf_model) -> None:
+    ids = real_llm.tokenizer.encode(PROMPTS[5])
+    out = real_llm.generate([ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=5))[0]
+    with torch.inference_mode():
+        expected = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), dim=-1)  # [P, vocab]
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+    worst = 0.0
+    for position in range(1, len(ids)):
+        entry, row = out.prompt_logprobs[position], expected[position - 1]
+        top = row.topk(5)
+        for token_id in [ids[position], *top.indices.tolist()]:
+            worst = max(worst, abs(entry[token_id] - row[token_id].item()))
+    assert worst < 1e-4, worst
