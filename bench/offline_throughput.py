@@ -53,6 +53,73 @@ def decode_overhead(steps: list[StepStats], min_batch: int) -> dict[str, float] 
     return split
 
 
+def weight_bytes_per_token(llm: LLM) -> int:
+    """Bytes of weights one decode step reads: every projection and the LM head (a packed linear
+    counts its packed copy; a tied LM head reads the embedding matrix), plus the norms. The
+    embedding lookup reads one row, which is left out."""
+    model = llm.engine.runner.model
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    total = 0
+    for module in linears:
+        packed = getattr(module, "packed_weight", None)
+        weight = packed if packed is not None else module.weight
+        total += weight.numel() * weight.element_size()
+        if module.bias is not None:
+            total += module.bias.numel() * module.bias.element_size()
+    counted = {id(p) for m in linears for p in m.parameters()} | {id(model.embed_tokens.weight)}
+    total += sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in counted)  # the norms
+    return total
+
+
+def read_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
+    """This machine's memory read bandwidth as torch sees it: a sum over 1 GiB, best of 5 (B/s)."""
+    x = torch.ones(num_bytes // 4, dtype=torch.float32)
+    x.sum()
+    best = min(_timed(x.sum) for _ in range(repeats))
+    return num_bytes / best
+
+
+def _timed(fn) -> float:  # noqa: ANN001 - a thunk
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def decode_split_batch1(llm: LLM, steps: list[StepStats], context: int) -> dict[str, float]:
+    """Per-token split of a batch-1 decode step: projections (every Linear, LM head included,
+    on one row), attention (every layer's decode attention at `context`), the rest (norms, RoPE,
+    adds, casts, cache writes, per-op dispatch), from the measured forward time."""
+    engine = llm.engine
+    runner, model = engine.runner, engine.runner.model
+    forwards = [s.forward_time for s in steps if s.num_prefill_tokens == 0 and s.num_decode_seqs == 1]
+    forward = statistics.median(forwards)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    inputs = {m.in_features: torch.randn(1, m.in_features, dtype=runner.dtype) for m in linears}
+    mc = runner.model_config
+    bs = runner.block_size
+    num_blocks = (context + bs - 1) // bs
+    q = torch.randn(1, mc.num_heads, mc.head_dim, dtype=runner.dtype)
+    tables = torch.arange(num_blocks, dtype=torch.int64).unsqueeze(0)
+    lens = torch.tensor([context], dtype=torch.int64)
+    k_cache, v_cache = runner.kv_caches[0]
+
+    def attention() -> None:
+        for _ in range(mc.num_layers):
+            if runner.cpu_kernels is not None:
+                runner.cpu_kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, bs, mc.head_dim**-0.5, 0)
+            else:
+                k = k_cache[:context].unsqueeze(0).transpose(1, 2)  # the torch path's gathered context
+                torch.nn.functional.scaled_dot_product_attention(
+                    q.unsqueeze(2), k.repeat_interleave(mc.num_heads // mc.num_kv_heads, 1),
+                    k.repeat_interleave(mc.num_heads // mc.num_kv_heads, 1))
+
+    with torch.inference_mode():
+        projections = statistics.median(_timed(lambda: [m(inputs[m.in_features]) for m in linears]) for _ in range(20))
+        attn = statistics.median(_timed(attention) for _ in range(20))
+    return {"forward_ms": 1e3 * forward, "projections_ms": 1e3 * projections, "attention_ms": 1e3 * attn,
+            "rest_ms": 1e3 * max(0.0, forward - projections - attn)}
+
+
 def run_transformers(model_dir: str, prompts: list[list[int]], output_len: int, batch_size: int) -> float:
     from transformers import AutoModelForCausalLM
 
@@ -107,6 +174,20 @@ def main() -> None:
               f"{overhead['schedule_ms']:.2f} + prepare {overhead['prepare_ms']:.2f} + sample "
               f"{overhead['sample_ms']:.2f} + process {overhead['process_ms']:.2f}; "
               f"engine overhead {overhead['overhead_pct']:.1f}%")
+    if args.single_stream:
+        weights, bandwidth = weight_bytes_per_token(llm), read_bandwidth()
+        decode_steps = [s for s in steps if s.num_prefill_tokens == 0]
+        achieved = 1.0 / statistics.median(s.total_time for s in decode_steps)
+        bound = bandwidth / weights
+        split = decode_split_batch1(llm, steps, args.max_input + args.output_len // 2)
+        result |= {"weight_bytes_per_token": weights, "read_bandwidth_gb_s": bandwidth / 1e9,
+                   "bound_tok_s": bound, "achieved_decode_tok_s": achieved, "decode_split_batch1": split}
+        print(f"memory bound : {weights / 1e6:.0f} MB of weights per token at {bandwidth / 1e9:.1f} GB/s read "
+              f"(torch sum over 1 GiB) -> at most {bound:.1f} tok/s; decode steps achieve {achieved:.1f} tok/s "
+              f"({100 * achieved / bound:.0f}% of the bound)")
+        print(f"per token    : forward {split['forward_ms']:.1f} ms = projections {split['projections_ms']:.1f} "
+              f"(LM head included) + attention {split['attention_ms']:.2f} + rest {split['rest_ms']:.1f} "
+              f"(norms, RoPE, adds, casts, cache writes, op dispatch)")
     if not args.skip_transformers:
         del llm
         hf = run_transformers(resolve_dir(args.model), prompts, args.output_len,
