@@ -14,7 +14,8 @@ from grpc_reflection.v1alpha import reflection
 
 from engine import EngineConfig, LLMEngine, model_display_name
 from service.async_engine import AsyncEngine, StatsListener
-from service.http_server import ApiCallListener, HttpServer, OpenAIFrontDoor
+from service.http_server import HttpServer
+from service.openai_api import ApiCallListener, OpenAIFrontDoor
 from service.pb import inference_pb2 as pb
 from service.pb import inference_pb2_grpc as pb_grpc
 from service.request_observer import RequestObserver
@@ -88,7 +89,7 @@ class InferenceServer:
         if config.http_port is not None:
             door = OpenAIFrontDoor(self.state, config.served_model_name or model_display_name(config.engine.model),
                                    observer, config.auth_tokens, config.max_message_bytes, on_http_call)
-            self.http = HttpServer(door, config.http_host, config.http_port)
+            self.http = HttpServer(door.asgi, config.http_host, config.http_port)
         self.async_engine: AsyncEngine | None = None
         self._stopped = asyncio.Event()
 

@@ -16,8 +16,9 @@ from opentelemetry.trace import SpanKind
 from bench.serving import main as bench_main
 from engine import EngineConfig
 from service.client import InferenceClient
-from service.http_server import HttpServer, OpenAIFrontDoor
+from service.http_server import HttpServer
 from service.metrics import ServiceMetrics
+from service.openai_api import OpenAIFrontDoor
 from service.pb import inference_pb2 as pb
 from service.serving_state import ServingState
 from service.tracing import Tracing, make_provider
@@ -253,7 +254,7 @@ def test_http_port_taken_is_an_oserror_not_an_exit() -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         with pytest.raises(OSError):
-            HttpServer(OpenAIFrontDoor(ServingState(), MODEL), "127.0.0.1", taken.getsockname()[1])
+            HttpServer(OpenAIFrontDoor(ServingState(), MODEL).asgi, "127.0.0.1", taken.getsockname()[1])
 
 
 def test_grpc_still_serves_beside_http(server: ServerThread) -> None:

@@ -1,0 +1,206 @@
+"""The OpenAI-compatible HTTP front door: the FastAPI app (routes, auth, errors, call metrics).
+
+Routes: POST /v1/completions, POST /v1/chat/completions (streamed as server-sent events or
+whole), GET /v1/models, GET /health. Both front doors share the engine, the serving state (a
+drain or a dead engine refuses new calls on both), the bearer tokens, the request observer
+(traces) and the call metrics (`protocol="http"`). A client that disconnects aborts its
+request, which frees its KV blocks at once.
+"""
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from engine import LimitExceededError, QueueFullError, RequestIdInUseError
+from service.async_engine import AsyncEngine, EngineDeadError
+from service.openai_call import AbortingStreamingResponse, OpenAICall
+from service.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    UnsupportedFieldError,
+    error_body,
+    now,
+    param_of,
+)
+from service.request_observer import CallInfo, RequestObserver
+from service.serving_state import EngineUnavailableError, ServingState
+
+logger = logging.getLogger(__name__)
+
+ApiCallListener = Callable[[str, str, str, float], None]  # (protocol, method, code, seconds)
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(self.message, self.kind, self.param, self.code), status_code=self.status)
+
+
+def _admission_error(exc: Exception) -> ApiError:
+    """The HTTP status of an admission failure (the gRPC front door maps the same errors)."""
+    if isinstance(exc, QueueFullError):
+        return ApiError(429, str(exc), "rate_limit_error")
+    if isinstance(exc, RequestIdInUseError):
+        return ApiError(409, str(exc), param="request_id")
+    if isinstance(exc, (EngineDeadError, EngineUnavailableError)):
+        return ApiError(503, str(exc), "service_unavailable")
+    if isinstance(exc, UnsupportedFieldError):
+        return ApiError(400, str(exc), param=exc.param)
+    if isinstance(exc, (LimitExceededError, ValueError)):
+        return ApiError(400, str(exc), param=param_of(str(exc)))
+    raise exc
+
+
+class CallMiddleware:
+    """Pure ASGI middleware: refuses bodies over the size limit, times every call to its last
+    body byte (a stream's whole life) and reports its final status (499: the client left first)."""
+
+    def __init__(self, app: Any, listener: ApiCallListener | None, max_body_bytes: int) -> None:
+        self.app, self.listener, self.max_body_bytes = app, listener, max_body_bytes
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start, status = time.monotonic(), [0]
+        length = dict(scope.get("headers") or ()).get(b"content-length", b"")
+        app = self.app
+        if length.isdigit() and int(length) > self.max_body_bytes:
+            app = ApiError(413, f"body: {int(length)} bytes, at most {self.max_body_bytes}").response()
+
+        async def observed_send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await app(scope, receive, observed_send)
+        except BaseException:
+            status[0] = status[0] or 500
+            raise
+        finally:
+            if self.listener is not None:
+                route = scope["path"] if scope["path"] in ROUTES else "other"
+                self.listener("http", route, str(status[0] or 499), time.monotonic() - start)
+
+
+class OpenAIFrontDoor:
+    def __init__(self, state: ServingState, model_name: str, observer: RequestObserver | None = None,
+                 auth_tokens: list[str] | None = None, max_body_bytes: int = 4 * 1024 * 1024,
+                 on_call: ApiCallListener | None = None) -> None:
+        self.state = state
+        self.model_name = model_name
+        self.observer = observer or RequestObserver()
+        self.auth_tokens = list(auth_tokens or [])
+        self.max_body_bytes = max_body_bytes
+        self.app = self._build_app()
+        self.asgi = CallMiddleware(self.app, on_call, max_body_bytes)
+
+    # ---- app ---------------------------------------------------------------------------
+
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(title="minivllm OpenAI-compatible API", docs_url=None, redoc_url=None)
+
+        @app.exception_handler(ApiError)
+        async def api_error(_: Request, exc: ApiError) -> JSONResponse:
+            return exc.response()
+
+        @app.exception_handler(RequestValidationError)
+        async def invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
+            first = exc.errors()[0] if exc.errors() else {}
+            loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+            param = ".".join(loc) or None
+            message = f"{param}: {first.get('msg', 'invalid body')}" if param else first.get("msg", "invalid body")
+            return JSONResponse(error_body(message, param=param), status_code=400)
+
+        auth = Depends(self._check_token)
+
+        @app.get("/health")
+        async def health() -> JSONResponse:
+            try:
+                self.state.ready_engine()
+            except EngineUnavailableError as exc:
+                return JSONResponse({"status": str(exc)}, status_code=503)
+            return JSONResponse({"status": "ok"})
+
+        @app.get("/v1/models", dependencies=[auth])
+        async def models() -> dict[str, Any]:
+            engine = self._loaded()
+            info = engine.engine.model_info()
+            return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": now(),
+                                                "owned_by": "minivllm", "max_model_len": info.max_model_len}]}
+
+        @app.post("/v1/completions", dependencies=[auth])
+        async def completions(body: CompletionRequest, request: Request) -> Any:
+            return await self._serve(body, request, "text_completion", "/v1/completions")
+
+        @app.post("/v1/chat/completions", dependencies=[auth])
+        async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+            return await self._serve(body, request, "chat", "/v1/chat/completions")
+
+        return app
+
+    async def _check_token(self, request: Request) -> None:
+        if not self.auth_tokens:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not any(secrets.compare_digest(token.strip(), t) for t in self.auth_tokens):
+            raise ApiError(401, "missing or invalid bearer token", "authentication_error", code="invalid_api_key")
+
+    def _loaded(self) -> AsyncEngine:
+        try:
+            return self.state.loaded_engine()
+        except EngineUnavailableError as exc:
+            raise ApiError(503, str(exc), "service_unavailable") from exc
+
+    # ---- generation ---------------------------------------------------------------------
+
+    async def _serve(self, body: CompletionRequest | ChatCompletionRequest, request: Request, operation: str,
+                     route: str) -> Any:
+        is_chat = isinstance(body, ChatCompletionRequest)
+        request_id = f"{'chatcmpl' if is_chat else 'cmpl'}-{uuid.uuid4().hex}"
+        params, params_error = None, None
+        try:
+            params = body.sampling_params()
+        except ValueError as exc:
+            params_error = exc
+        handle = self.observer.start(request_id, request_id, CallInfo("http", route, operation, dict(request.headers),
+                                                                      body.n), params)
+        try:
+            if body.model not in (None, "", self.model_name):
+                raise ApiError(404, f"model: {body.model!r} is not served here (this server serves "
+                                    f"{self.model_name!r})", param="model", code="model_not_found")
+            if params_error is not None:
+                raise params_error
+            engine = self.state.ready_engine()
+            if is_chat:
+                stream = await engine.generate(request_id, params, messages=body.chat_messages(), engine_id=request_id)
+            else:
+                stream = await engine.generate(request_id, params, prompt=body.prompt_input(), engine_id=request_id)
+        except ApiError as exc:
+            self.observer.finish(handle, None, str(exc.status), exc.message, {"http.response.status_code": exc.status})
+            raise
+        except (ValueError, EngineDeadError, EngineUnavailableError) as exc:
+            error = _admission_error(exc)
+            self.observer.finish(handle, None, str(error.status), error.message,
+                                 {"http.response.status_code": error.status})
+            raise error from exc
+        call = OpenAICall(self.model_name, self.observer, engine, stream, body, params, request_id, handle)
+        if body.stream:
+            return AbortingStreamingResponse(call.events(), media_type="text/event-stream",
+                                              headers={"cache-control": "no-cache", "x-request-id": request_id})
+        return await call.whole(request)

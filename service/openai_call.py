@@ -1,0 +1,227 @@
+"""One admitted OpenAI-API call: the engine's output stream rendered as server-sent events or as
+one JSON body, one choice per sample; a client that goes away aborts the request (its KV blocks
+are freed at once)."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.requests import ClientDisconnect
+
+from engine import RequestOutput, SamplingParams
+from service.async_engine import AsyncEngine
+from service.openai_protocol import (
+    ChatCompletionRequest,
+    ChoiceLogprobs,
+    CompletionRequest,
+    error_body,
+    finish_reason,
+    now,
+    usage_body,
+)
+from service.request_observer import RequestObserver
+
+
+class OpenAICall:
+    """One admitted request: its engine stream rendered as SSE chunks or as one JSON body, with
+    one choice per sample (n > 1: `index` tells them apart; usage counts the prompt once)."""
+
+    def __init__(self, model_name: str, observer: RequestObserver, engine: AsyncEngine,
+                 stream: AsyncIterator[RequestOutput], body: CompletionRequest | ChatCompletionRequest,
+                 params: SamplingParams, request_id: str, handle: Any) -> None:
+        self.model_name, self.observer = model_name, observer
+        self.engine, self.stream, self.body = engine, stream, body
+        self.params, self.request_id, self.handle = params, request_id, handle
+        self.is_chat = isinstance(body, ChatCompletionRequest)
+        self.top_n = (body.top_logprobs or 0) if self.is_chat else (body.logprobs or 0)
+        self.created = now()
+        self.text_offsets = [0] * params.n
+        self.finals: dict[int, RequestOutput] = {}
+
+    @contextlib.contextmanager
+    def _observed(self) -> Iterator[list[Any]]:
+        """Reports the outcome to the observer whatever happens; yields a [final output] cell."""
+        final: list[Any] = [None]
+        error_type, message, status = None, "", 200
+        try:
+            yield final
+            out = final[0]
+            if out is not None and out.finish_reason == "error":
+                error_type, message, status = "500", out.error or "engine error", 500
+        except asyncio.CancelledError:
+            error_type, message, status = "499", "client disconnected", 499
+            raise
+        except BaseException as exc:
+            error_type, message, status = "500", type(exc).__name__, 500
+            raise
+        finally:
+            self.observer.finish(self.handle, final[0], error_type, message, {"http.response.status_code": status})
+
+    def _usage(self) -> dict[str, Any]:
+        body = usage_body(self.finals[0] if 0 in self.finals else next(iter(self.finals.values())))
+        body["completion_tokens"] = sum(o.num_output_tokens for o in self.finals.values())
+        body["total_tokens"] = body["prompt_tokens"] + body["completion_tokens"]
+        return body
+
+    async def _logprobs(self, out: RequestOutput) -> dict[str, Any] | None:
+        if self.params.logprobs is None or not out.new_logprobs:
+            return None
+        ids = ChoiceLogprobs.ids(out, self.top_n)
+        texts = dict(zip(ids, await self.engine.token_texts(ids), strict=True))
+        if self.is_chat:
+            return ChoiceLogprobs.chat(out, self.top_n, texts)
+        entry = ChoiceLogprobs.completion(out, self.top_n, texts, self.text_offsets[out.index])
+        self.text_offsets[out.index] += len(out.new_text)
+        return entry
+
+    async def _prompt_logprobs(self, out: RequestOutput) -> list[Any] | None:
+        """vLLM's layout: per prompt token, None for the first, else token id -> {logprob, rank, decoded_token}."""
+        if not out.prompt_logprobs:
+            return None
+        ids = sorted({t for entry in out.prompt_logprobs if entry for t in entry})
+        texts = dict(zip(ids, await self.engine.token_texts(ids), strict=True))
+        result: list[Any] = []
+        for entry in out.prompt_logprobs:
+            if entry is None:
+                result.append(None)
+                continue
+            ranked = sorted(entry.items(), key=lambda kv: kv[1], reverse=True)
+            result.append({str(t): {"logprob": v, "rank": r + 1, "decoded_token": texts[t]}
+                           for r, (t, v) in enumerate(ranked)})
+        return result
+
+    def _chunk(self, choice: dict[str, Any], usage: dict[str, Any] | None = None) -> str:
+        kind = "chat.completion.chunk" if self.is_chat else "text_completion"
+        payload: dict[str, Any] = {"id": self.request_id, "object": kind, "created": self.created,
+                                   "model": self.model_name, "choices": [choice] if choice else []}
+        if usage is not None:
+            payload["usage"] = usage
+        return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+    async def events(self) -> AsyncIterator[str]:
+        """Server-sent events; the client going away cancels this generator, which aborts the request."""
+        with self._observed() as final:
+            try:
+                if self.is_chat:
+                    for index in range(self.params.n):
+                        yield self._chunk({"index": index, "delta": {"role": "assistant", "content": ""},
+                                           "logprobs": None, "finish_reason": None})
+                async for out in self.stream:
+                    if out.finish_reason == "error":
+                        final[0] = out
+                        yield f"data: {json.dumps(error_body(out.error or 'engine error', 'server_error'))}\n\n"
+                        return
+                    if out.is_finished:
+                        final[0] = out
+                        self.finals[out.index] = out
+                    logprobs = await self._logprobs(out)
+                    prompt_logprobs = await self._prompt_logprobs(out)
+                    if out.new_text or logprobs or prompt_logprobs or out.is_finished:
+                        if self.is_chat:
+                            delta = {"content": out.new_text} if out.new_text else {}
+                            choice = {"index": out.index, "delta": delta, "logprobs": logprobs,
+                                      "finish_reason": finish_reason(out)}
+                        else:
+                            choice = {"index": out.index, "text": out.new_text, "logprobs": logprobs,
+                                      "finish_reason": finish_reason(out)}
+                        if prompt_logprobs is not None:
+                            choice["prompt_logprobs"] = prompt_logprobs
+                        yield self._chunk(choice)
+                if self.body.include_usage and self.finals:
+                    yield self._chunk({}, self._usage())
+                yield "data: [DONE]\n\n"
+            finally:
+                await self.stream.aclose()  # aborts an unfinished request: frees its KV blocks now
+
+    async def whole(self, request: Request) -> JSONResponse:
+        """Collects the whole answer; a client that disconnects first aborts the request."""
+        collect = asyncio.ensure_future(self._collect())
+        disconnect = asyncio.ensure_future(disconnected(request.receive))
+        try:
+            done, _ = await asyncio.wait({collect, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+            if collect not in done:
+                collect.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await collect
+                return JSONResponse(error_body("client disconnected"), status_code=499)
+            return collect.result()
+        finally:
+            disconnect.cancel()
+
+    async def _collect(self) -> JSONResponse:
+        n = self.params.n
+        with self._observed() as final:
+            texts: list[list[str]] = [[] for _ in range(n)]
+            prompt_logprobs: list[Any] | None = None
+            chat_logprobs: list[list[dict[str, Any]]] = [[] for _ in range(n)]
+            completion_logprobs: list[dict[str, list[Any]]] = [{} for _ in range(n)]
+            try:
+                async for out in self.stream:
+                    if out.finish_reason == "error":
+                        final[0] = out
+                        return JSONResponse(error_body(out.error or "engine error", "server_error"), status_code=500)
+                    texts[out.index].append(out.new_text)
+                    prompt_logprobs = prompt_logprobs or await self._prompt_logprobs(out)
+                    logprobs = await self._logprobs(out)
+                    if logprobs is not None and self.is_chat:
+                        chat_logprobs[out.index].extend(logprobs["content"])
+                    elif logprobs is not None:
+                        for key, values in logprobs.items():
+                            completion_logprobs[out.index].setdefault(key, []).extend(values)
+                    if out.is_finished:
+                        final[0] = out
+                        self.finals[out.index] = out
+            finally:
+                await self.stream.aclose()
+            choices = []
+            for index in range(n):
+                logprobs_body: Any = None
+                if self.params.logprobs is not None:
+                    logprobs_body = {"content": chat_logprobs[index]} if self.is_chat else completion_logprobs[index]
+                reason = finish_reason(self.finals[index]) if index in self.finals else None
+                if self.is_chat:
+                    choice = {"index": index, "message": {"role": "assistant", "content": "".join(texts[index])},
+                              "logprobs": logprobs_body, "finish_reason": reason}
+                else:
+                    choice = {"index": index, "text": "".join(texts[index]), "logprobs": logprobs_body,
+                              "finish_reason": reason}
+                if index == 0 and prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = prompt_logprobs
+                choices.append(choice)
+            kind = "chat.completion" if self.is_chat else "text_completion"
+            return JSONResponse({"id": self.request_id, "object": kind, "created": self.created,
+                                 "model": self.model_name, "choices": choices, "usage": self._usage()})
+
+
+class AbortingStreamingResponse(StreamingResponse):
+    """Stops the event generator (which aborts the request) as soon as the client disconnects,
+    even while no token is due (a long prefill), and always closes it: never left to the GC."""
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        respond = asyncio.ensure_future(super().__call__(scope, receive, send))
+        disconnect = asyncio.ensure_future(disconnected(receive))
+        try:
+            done, _ = await asyncio.wait({respond, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+            if respond not in done:
+                respond.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await respond
+            else:
+                with contextlib.suppress(ClientDisconnect, OSError):
+                    respond.result()
+        finally:
+            disconnect.cancel()
+            await self.body_iterator.aclose()
+
+
+async def disconnected(receive: Callable) -> None:
+    """Returns when the client has gone away (the body is already read, so only that can arrive)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
