@@ -1,8 +1,9 @@
-"""Percentiles, summaries and goodput over measured latencies (pure functions, unit-tested)."""
+"""Percentiles, summaries and goodput over measured latencies (pure functions, unit-tested), and a timer."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -40,3 +41,10 @@ def goodput(requests: Sequence[dict[str, float | None]], slos: dict[str, float],
         if all(req.get(name) is None or req[name] <= limit for name, limit in slos.items()):
             good += 1
     return good / duration_s
+
+
+def timed(fn: Callable[[], object]) -> float:
+    """Seconds one call of fn takes (wall clock)."""
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0

@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from bench.latency_stats import timed
 from engine import LLM, SamplingParams, StepStats
 
 logger = logging.getLogger("bench.offline")
@@ -75,14 +76,8 @@ def read_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
     """This machine's memory read bandwidth as torch sees it: a sum over 1 GiB, best of 5 (B/s)."""
     x = torch.ones(num_bytes // 4, dtype=torch.float32)
     x.sum()
-    best = min(_timed(x.sum) for _ in range(repeats))
+    best = min(timed(x.sum) for _ in range(repeats))
     return num_bytes / best
-
-
-def _timed(fn) -> float:  # noqa: ANN001 - a thunk
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def decode_split_batch1(llm: LLM, steps: list[StepStats], context: int) -> dict[str, float]:
@@ -114,8 +109,8 @@ def decode_split_batch1(llm: LLM, steps: list[StepStats], context: int) -> dict[
                     k.repeat_interleave(mc.num_heads // mc.num_kv_heads, 1))
 
     with torch.inference_mode():
-        projections = statistics.median(_timed(lambda: [m(inputs[m.in_features]) for m in linears]) for _ in range(20))
-        attn = statistics.median(_timed(attention) for _ in range(20))
+        projections = statistics.median(timed(lambda: [m(inputs[m.in_features]) for m in linears]) for _ in range(20))
+        attn = statistics.median(timed(attention) for _ in range(20))
     return {"forward_ms": 1e3 * forward, "projections_ms": 1e3 * projections, "attention_ms": 1e3 * attn,
             "rest_ms": 1e3 * max(0.0, forward - projections - attn)}
 

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from bench.latency_stats import summarize
+from bench.latency_stats import summarize, timed
 from engine import EngineConfig, LLMEngine, SamplingParams
 
 logger = logging.getLogger("bench.scheduling")
@@ -116,11 +116,6 @@ def chunk_split(engine: LLMEngine, chunk: int, context: int, repeats: int = 5) -
             if stats.num_prefill_tokens:
                 times.append(stats.forward_time)
         return times[-1]
-
-    def timed(fn) -> float:
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
 
     parts: dict[str, list[float]] = {"forward": [], "projections": [], "gemm": [], "attention": []}
     with torch.inference_mode():

@@ -16,6 +16,7 @@ import statistics
 import time
 
 from engine import LLM, SamplingParams, StructuredOutput
+from engine.structured_output import GrammarMask
 
 logger = logging.getLogger("bench.structured_output")
 
@@ -58,7 +59,8 @@ def main(argv: list[str] | None = None) -> None:
     constrained = SamplingParams(temperature=0.8, seed=1, max_tokens=args.steps + 8, structured_output=spec)
     mask_times: list[float] = []
     sampler = llm.engine.sampler
-    apply = sampler._grammar_mask(llm.engine.vocab_size).apply
+    sampler.grammar_mask = GrammarMask(llm.engine.vocab_size, args.batch, sampler.kernels)
+    apply = sampler.grammar_mask.apply
 
     def timed_apply(*a: object) -> object:
         t0 = time.perf_counter()

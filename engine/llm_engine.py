@@ -59,8 +59,7 @@ class LLMEngine:
                                               self.vocab_size, self.max_model_len, config, self.eos_token_ids)
         self.scheduler = Scheduler(config, self.block_manager)
         self.output_processor = OutputProcessor(self.scheduler, self.max_model_len)
-        self.sampler = Sampler(self.runner.device, config.seed, self.vocab_size, config.max_num_seqs,
-                               self.runner.cpu_kernels)
+        self.sampler = Sampler(self.runner.device, config.seed, self.runner.cpu_kernels)
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
         self._ids = itertools.count()
         self._step_ids = itertools.count(1)

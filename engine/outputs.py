@@ -97,6 +97,11 @@ class RequestOutput:
             index=self.index)
 
     @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache (known once finished)."""
+        return self.metrics.num_cached_tokens if self.metrics is not None else 0
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 

@@ -27,24 +27,29 @@ _TEMPERATURE, _TOP_P, _MIN_P, _REPETITION, _FREQUENCY, _PRESENCE, _IS_GREEDY = r
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int = 0, vocab_size: int = 0, max_num_seqs: int = 64,
-                 kernels: object = None) -> None:
+    def __init__(self, device: torch.device, seed: int = 0, kernels: object = None) -> None:
+        """kernels: the C++ CPU kernels (the grammar mask uses them), or None."""
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self.kernels = kernels
-        self.grammar_mask = GrammarMask(vocab_size, max_num_seqs, kernels) if vocab_size else None
+        self.grammar_mask: GrammarMask | None = None  # made on the first constrained step
 
+    # Inference mode: the model's logits are an inference tensor, and here they may be edited in
+    # place (stop masks, biases, grammar masks) instead of copied once per edit.
+    @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
-        # logits: [N, vocab] fp32
+        """logits: [N, vocab] fp32, consumed (edited in place)."""
         params = [s.params for s in seqs]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(p.logprobs is not None for p in params) else None
-        logits = self._mask_stops_before_min_tokens(logits, seqs)
+        self._mask_stops_before_min_tokens(logits, seqs)
         if any(p.logit_bias for p in params):
-            logits = self._apply_logit_bias(logits, seqs)
+            self._apply_logit_bias(logits, seqs)
         constrained = [(i, s.matcher) for i, s in enumerate(seqs) if s.matcher is not None]
         if constrained:  # only those rows; unconstrained steps pay nothing
-            logits = self._grammar_mask(logits.shape[1]).apply(logits, constrained)
+            if self.grammar_mask is None:
+                self.grammar_mask = GrammarMask(logits.shape[1], len(seqs), self.kernels)
+            self.grammar_mask.apply(logits, constrained)
         has_penalties = any(p.has_penalties for p in params)
         is_all_greedy = all(p.is_greedy for p in params)
         # One [N, 7] tensor of the rows' parameters, each row built once per request.
@@ -61,35 +66,27 @@ class Sampler:
             return SamplerOutput(token_list, [None] * len(seqs))
         return SamplerOutput(token_list, self._gather_logprobs(raw_logprobs, tokens, params))
 
-    def _grammar_mask(self, vocab_size: int) -> GrammarMask:
-        if self.grammar_mask is None or self.grammar_mask.vocab_size != vocab_size:
-            self.grammar_mask = GrammarMask(vocab_size, 64, self.kernels)
-        return self.grammar_mask
-
     @staticmethod
-    def _apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> None:
         rows, cols, values = [], [], []
         for i, seq in enumerate(seqs):
-            for token_id, bias in (seq.params.logit_bias or {}).items():
-                rows.append(i)
-                cols.append(token_id)
-                values.append(bias)
-        logits = logits.clone()
+            bias = seq.params.logit_bias or {}
+            rows.extend([i] * len(bias))
+            cols.extend(bias)
+            values.extend(bias.values())
         dev = logits.device
         logits.index_put_((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
                           torch.tensor(values, device=dev, dtype=logits.dtype), accumulate=True)
-        return logits
 
-    def _mask_stops_before_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    @staticmethod
+    def _mask_stops_before_min_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> None:
         rows, cols = [], []
         for i, seq in enumerate(seqs):
             if seq.num_output_tokens < seq.params.min_tokens:
                 rows.extend([i] * len(seq.min_tokens_stop_ids))
                 cols.extend(seq.min_tokens_stop_ids)
         if rows:
-            logits = logits.clone()
             logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = -float("inf")
-        return logits
 
     def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence], rows: torch.Tensor) -> torch.Tensor:
         num_rows, vocab = logits.shape

@@ -117,7 +117,7 @@ class GrammarCompiler:
 class GrammarMask:
     """Applies the matchers' allowed-token bitmasks to their rows of the logits."""
 
-    def __init__(self, vocab_size: int, max_rows: int, kernels: Any = None) -> None:
+    def __init__(self, vocab_size: int, max_rows: int = 64, kernels: Any = None) -> None:
         """kernels: the C++ CPU kernels (an in-place masking op), or None for the torch path."""
         self.vocab_size = vocab_size
         self.num_words = (vocab_size + 31) // 32
@@ -138,24 +138,23 @@ class GrammarMask:
         """Advance each (matcher, sampled token), in parallel: one call, not one per row."""
         self.executor.consume_token_par(matchers)
 
-    def apply(self, logits: torch.Tensor, matchers: list[tuple[int, Any]]) -> torch.Tensor:
-        """matchers: (row, matcher) of the constrained rows; the others are left untouched."""
+    def apply(self, logits: torch.Tensor, matchers: list[tuple[int, Any]]) -> None:
+        """Mask, in place, the rows of `matchers` ((row, matcher) pairs); the others are left untouched."""
         # logits: [N, vocab]
         if len(matchers) > self._bitmask.shape[0]:
             self._bitmask = torch.zeros(len(matchers), self.num_words, dtype=torch.int32)
         bitmask = self._bitmask[: len(matchers)]  # [k, words]
         self.executor.unsafe_compute_mask_ptr([(m, i) for i, (_, m) in enumerate(matchers)], bitmask.data_ptr(),
                                               self.num_words * 4, len(matchers))
-        return self.mask_logits(logits, bitmask, torch.tensor([row for row, _ in matchers], device=logits.device))
+        self.mask_logits(logits, bitmask, torch.tensor([row for row, _ in matchers], device=logits.device))
 
-    def mask_logits(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """A copy of logits with -inf wherever row rows[i]'s token is not allowed by bitmask[i]
-        (columns past the bitmask's 32 * words are never allowed)."""
+    def mask_logits(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+        """Set, in place, -inf wherever row rows[i]'s token is not allowed by bitmask[i] (columns
+        past the bitmask's 32 * words are never allowed)."""
         # logits: [N, vocab], bitmask: [k, words] int32, rows: [k] int64
-        logits = logits.clone()  # the model's logits are an inference tensor: not updated in place
         if self.kernels is not None and logits.device.type == "cpu" and logits.dtype == torch.float32:
             self.kernels.apply_token_bitmask_(logits, bitmask, rows)
-            return logits
+            return
         # [k, words, 32] bits -> [k, words * 32] allowed
         allowed = ((bitmask.unsqueeze(-1) >> self._shifts) & 1).bool().reshape(len(rows), -1)
         vocab = logits.shape[1]
@@ -163,4 +162,3 @@ class GrammarMask:
             allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
         allowed = allowed[:, :vocab].to(logits.device)
         logits[rows] = logits[rows].masked_fill(~allowed, -float("inf"))
-        return logits

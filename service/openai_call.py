@@ -62,12 +62,6 @@ class OpenAICall:
         finally:
             self.observer.finish(self.handle, final[0], error_type, message, {"http.response.status_code": status})
 
-    def _usage(self) -> dict[str, Any]:
-        body = usage_body(self.finals[0] if 0 in self.finals else next(iter(self.finals.values())))
-        body["completion_tokens"] = sum(o.num_output_tokens for o in self.finals.values())
-        body["total_tokens"] = body["prompt_tokens"] + body["completion_tokens"]
-        return body
-
     async def _logprobs(self, out: RequestOutput) -> dict[str, Any] | None:
         if self.params.logprobs is None or not out.new_logprobs:
             return None
@@ -133,7 +127,7 @@ class OpenAICall:
                             choice["prompt_logprobs"] = prompt_logprobs
                         yield self._chunk(choice)
                 if self.body.include_usage and self.finals:
-                    yield self._chunk({}, self._usage())
+                    yield self._chunk({}, usage_body(list(self.finals.values())))
                 yield "data: [DONE]\n\n"
             finally:
                 await self.stream.aclose()  # aborts an unfinished request: frees its KV blocks now
@@ -195,7 +189,7 @@ class OpenAICall:
                 choices.append(choice)
             kind = "chat.completion" if self.is_chat else "text_completion"
             return JSONResponse({"id": self.request_id, "object": kind, "created": self.created,
-                                 "model": self.model_name, "choices": choices, "usage": self._usage()})
+                                 "model": self.model_name, "choices": choices, "usage": usage_body(list(self.finals.values()))})
 
 
 class AbortingStreamingResponse(StreamingResponse):

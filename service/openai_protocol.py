@@ -238,11 +238,12 @@ def param_of(message: str) -> str | None:
     return head if head and all(c.isalnum() or c in "_.[]" for c in head) else None
 
 
-def usage_body(out: RequestOutput) -> dict[str, Any]:
-    cached = out.metrics.num_cached_tokens if out.metrics is not None else 0
-    return {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": out.num_output_tokens,
-            "total_tokens": out.num_prompt_tokens + out.num_output_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+def usage_body(outs: list[RequestOutput]) -> dict[str, Any]:
+    """Usage of a request from its samples' final outputs: the prompt once, every sample's tokens."""
+    completion = sum(o.num_output_tokens for o in outs)
+    return {"prompt_tokens": outs[0].num_prompt_tokens, "completion_tokens": completion,
+            "total_tokens": outs[0].num_prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": outs[0].num_cached_tokens}}
 
 
 def finish_reason(out: RequestOutput) -> str | None:

@@ -53,10 +53,11 @@ def _logprobs(chosen_id: int, entry: dict[int, float], texts: dict[int, str]) ->
                                               token=texts.get(chosen_id, "")), top=top)
 
 
-def response_from_output(out: RequestOutput, request_id: str, texts: dict[int, str] | None = None
-                         ) -> pb.GenerateResponse:
+def response_from_output(out: RequestOutput, request_id: str, texts: dict[int, str] | None = None,
+                         num_completion_tokens: int | None = None) -> pb.GenerateResponse:
     """request_id: the client's (the output carries the engine's); texts: token id -> text for
-    the logprobs (logprob_token_ids)."""
+    the logprobs (logprob_token_ids); num_completion_tokens: given on the request's last
+    message, the tokens of all its samples (the usage counts the prompt once)."""
     texts = texts or {}
     resp = pb.GenerateResponse(request_id=request_id, token_ids=out.new_token_ids, text=out.new_text,
                                index=out.index)
@@ -71,14 +72,10 @@ def response_from_output(out: RequestOutput, request_id: str, texts: dict[int, s
         resp.finish_reason = out.finish_reason
         if out.stop_reason is not None:
             resp.stop_reason = str(out.stop_reason)
-        cached = out.metrics.num_cached_tokens if out.metrics is not None else 0
-        resp.usage.CopyFrom(pb.Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
-                                     cached_prompt_tokens=cached))
+    if num_completion_tokens is not None:
+        resp.usage.CopyFrom(pb.Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=num_completion_tokens,
+                                     cached_prompt_tokens=out.num_cached_tokens))
     return resp
-
-
-def response_usage_cached(out: RequestOutput) -> int:
-    return out.metrics.num_cached_tokens if out.metrics is not None else 0
 
 
 def model_info_to_proto(info: ModelInfo) -> pb.ModelInfo:

@@ -16,7 +16,6 @@ from service.protocol import (
     messages_from_proto,
     model_info_to_proto,
     response_from_output,
-    response_usage_cached,
     sampling_params_from_proto,
 )
 from service.request_observer import CallInfo, RequestObserver
@@ -94,15 +93,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 if out.new_token_ids or out.is_finished:
                     ids = logprob_token_ids(out) if params.logprobs is not None or out.prompt_logprobs else []
                     texts = dict(zip(ids, await engine.token_texts(ids), strict=True)) if ids else None
-                    response = response_from_output(out, request_id, texts)
-                    if out.is_finished and num_samples > 1:
-                        # Usage once, on the request's last message: the prompt counted once.
-                        response.ClearField("usage")
-                        if num_finished == num_samples:
-                            response.usage.CopyFrom(pb.Usage(prompt_tokens=out.num_prompt_tokens,
-                                                             completion_tokens=num_completion_tokens,
-                                                             cached_prompt_tokens=response_usage_cached(out)))
-                    yield response
+                    is_last = out.is_finished and num_finished == num_samples
+                    yield response_from_output(out, request_id, texts, num_completion_tokens if is_last else None)
         except BaseException as exc:
             if status is grpc.StatusCode.OK:
                 status = grpc.StatusCode.CANCELLED

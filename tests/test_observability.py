@@ -363,6 +363,20 @@ def test_request_and_step_spans(tiny_model_dir: Path) -> None:
     assert any(s.links for s in steps)
 
 
+def _one_traced_request(model_dir: Path, tracing: Tracing, prompt: str, max_tokens: int) -> None:
+    """One Generate through a server traced by `tracing` (step spans too, if it records them),
+    then every span flushed to its exporter."""
+    srv = ServerThread(EngineConfig(model=str(model_dir), num_kv_blocks=128), stats_listeners=[tracing.on_step],
+                       observer=tracing)
+    try:
+        with grpc.insecure_channel(srv.target) as channel:
+            list(pb_grpc.InferenceStub(channel).Generate(build_request(prompt, max_tokens=max_tokens)))
+    finally:
+        srv.stop()
+        tracing.provider.force_flush()
+        tracing.shutdown()
+
+
 def test_spans_reach_an_otlp_receiver(tiny_model_dir: Path) -> None:
     from concurrent import futures
 
@@ -384,15 +398,9 @@ def test_spans_reach_an_otlp_receiver(tiny_model_dir: Path) -> None:
     collector.start()
     tracing = Tracing(make_provider(OTLPSpanExporter(endpoint=f"127.0.0.1:{port}", insecure=True)), "model",
                       trace_steps=True)
-    srv = ServerThread(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=256), stats_listeners=[tracing.on_step],
-                       observer=tracing)
     try:
-        with grpc.insecure_channel(srv.target) as channel:
-            list(pb_grpc.InferenceStub(channel).Generate(build_request("otlp", max_tokens=4)))
+        _one_traced_request(tiny_model_dir, tracing, "otlp", 4)
     finally:
-        srv.stop()
-        tracing.provider.force_flush()
-        tracing.shutdown()
         collector.stop(0)
     assert "text_completion model" in received and "engine.step" in received and "prefill" in received
 
@@ -427,15 +435,9 @@ def test_otlp_protocol_follows_the_standard_variables(tiny_model_dir: Path, monk
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_PROTOCOL", raising=False)
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", raising=False)
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{httpd.server_port}")
-    tracing = Tracing(make_provider(), "model")
-    srv = ServerThread(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=128), observer=tracing)
     try:
-        with grpc.insecure_channel(srv.target) as channel:
-            list(pb_grpc.InferenceStub(channel).Generate(build_request("otlp over http", max_tokens=3)))
+        _one_traced_request(tiny_model_dir, Tracing(make_provider(), "model"), "otlp over http", 3)
     finally:
-        srv.stop()
-        tracing.provider.force_flush()
-        tracing.shutdown()
         httpd.shutdown()
     assert "/v1/traces text_completion model" in received, received
     assert not any("engine.step" in r for r in received)  # step spans are opt-in

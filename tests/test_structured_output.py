@@ -166,8 +166,9 @@ def test_bitmask_kernel_and_torch_path_agree(vocab: int) -> None:
     bitmask = torch.randint(-2**31, 2**31 - 1, (3, words), dtype=torch.int32, generator=generator)
     logits = torch.randn(5, vocab, generator=generator)
     rows = torch.tensor([4, 0, 2])
-    fast = GrammarMask(1000, 4, kernels).mask_logits(logits, bitmask, rows)
-    slow = GrammarMask(1000, 4, None).mask_logits(logits, bitmask, rows)
+    fast, slow = logits.clone(), logits.clone()
+    GrammarMask(1000, 4, kernels).mask_logits(fast, bitmask, rows)
+    GrammarMask(1000, 4, None).mask_logits(slow, bitmask, rows)
     assert torch.equal(fast, slow)
     assert torch.equal(fast[[1, 3]], logits[[1, 3]])  # unconstrained rows untouched
     for i, row in enumerate(rows.tolist()):  # reference: bit v % 32 of word v // 32
