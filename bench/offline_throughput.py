@@ -2,15 +2,22 @@
 `generate()` with static padded batches, in one run, printing output tokens/s and the ratio.
 
     python -m bench.offline_throughput --num-prompts 64 --min-input 32 --max-input 512 --output-len 128
+
+`--compare MODE,MODE,...` runs minivllm once per weight mode (float32, bfloat16, int8) and, with
+`--llama-cpp-python PYTHON` (a separate venv holding llama-cpp-python; README), llama.cpp on
+the GGUF the default model ships as, all on the same token-id prompts, printed side by side.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
 import random
 import statistics
+import subprocess
 import time
+from pathlib import Path
 
 import torch
 
@@ -62,7 +69,11 @@ def weight_bytes_per_token(llm: LLM) -> int:
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     total = 0
     for module in linears:
+        panels = getattr(module, "panels", None)
         packed = getattr(module, "packed_weight", None)
+        if panels is not None and (module.max_panel_rows >= 1 or packed is None):  # what a batch-1 step reads
+            total += panels.num_bytes
+            continue
         weight = packed if packed is not None else module.weight
         total += weight.numel() * weight.element_size()
         if module.bias is not None:
@@ -145,16 +156,27 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--dtype", default="auto", help="engine dtype: auto (fp32 on CPU) | float32 | bfloat16")
+    parser.add_argument("--quantization", default="none", help="engine weight quantization: none | int8")
+    parser.add_argument("--max-fused-decode-batch", type=int, default=None,
+                        help="engine max_fused_decode_batch (default: the engine's)")
     parser.add_argument("--json", default=None, help="also write the figures to this file")
     parser.add_argument("--single-stream", action="store_true",
                         help="batch 1 instead: one prompt of --max-input tokens, greedy, --output-len tokens")
+    parser.add_argument("--compare", default=None,
+                        help="comma-separated minivllm weight modes to run side by side: float32, bfloat16, int8")
+    parser.add_argument("--llama-cpp-python", default=None,
+                        help="with --compare: the Python of a venv with llama-cpp-python (or MINIVLLM_LLAMA_CPP_PYTHON)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-
-    llm = LLM(args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              dtype=args.dtype)
     if args.single_stream:
         args.num_prompts, args.min_input, args.hf_batch_size = 1, args.max_input, 1
+    if args.compare:
+        compare(args)
+        return
+
+    fused = {} if args.max_fused_decode_batch is None else {"max_fused_decode_batch": args.max_fused_decode_batch}
+    llm = LLM(args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              dtype=args.dtype, quantization=args.quantization, **fused)
     prompts = make_prompts(args.num_prompts, args.min_input, args.max_input, llm.engine.vocab_size, args.seed)
     num_out = args.num_prompts * args.output_len
     ours, steps = run_minivllm(llm, prompts, args.output_len)
@@ -194,6 +216,59 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
+
+
+_MODES = {"float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"},
+          "int8": {"dtype": "float32", "quantization": "int8"}}
+
+
+def run_llama_cpp(python: str, gguf: Path, prompts: list[list[int]], output_len: int) -> dict[str, float]:
+    """The workload through llama.cpp in its own environment (bench/llama_cpp_peer.py)."""
+    job = {"model_path": str(gguf), "prompts": prompts, "output_len": output_len, "threads": torch.get_num_threads()}
+    script = Path(__file__).with_name("llama_cpp_peer.py")
+    done = subprocess.run([python, str(script)], input=json.dumps(job), capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"llama.cpp run failed: {done.stderr.strip()[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def compare(args: argparse.Namespace) -> None:
+    """Each minivllm weight mode, then llama.cpp, on the same prompts, in one run."""
+    from engine.model_loader import fetch_default_gguf
+
+    rows, result = [], {"workload": vars(args), "threads": torch.get_num_threads(), "systems": {}}
+    prompts = None
+    for mode in args.compare.split(","):
+        if mode not in _MODES:
+            raise SystemExit(f"--compare: unknown mode {mode!r}; choose from {', '.join(_MODES)}")
+        llm = LLM(args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                  **_MODES[mode])
+        if prompts is None:
+            prompts = make_prompts(args.num_prompts, args.min_input, args.max_input, llm.engine.vocab_size, args.seed)
+        seconds, steps = run_minivllm(llm, prompts, args.output_len)
+        decode = [s.total_time for s in steps if s.num_prefill_tokens == 0]
+        figures = {"output_tok_s": args.num_prompts * args.output_len / seconds,
+                   "decode_tok_s": 1 / statistics.median(decode) if args.num_prompts == 1 and decode else None,
+                   "weight_bytes_per_token": weight_bytes_per_token(llm)}
+        result["systems"][f"minivllm {mode}"] = figures
+        rows.append((f"minivllm {mode}", figures))
+        del llm
+    python = args.llama_cpp_python or os.environ.get("MINIVLLM_LLAMA_CPP_PYTHON")
+    if python:
+        peer = run_llama_cpp(python, fetch_default_gguf(), prompts, args.output_len)
+        figures = {"output_tok_s": peer["output_tokens"] / peer["seconds"],
+                   "decode_tok_s": peer["decode_tok_s"] if args.num_prompts == 1 else None}
+        result["systems"]["llama.cpp Q4_1"] = figures
+        rows.append(("llama.cpp Q4_1 (GGUF)", figures))
+    print(f"{args.num_prompts} prompt(s) of {args.min_input}..{args.max_input} tokens, {args.output_len} out, greedy, "
+          f"{torch.get_num_threads()} threads")
+    for name, figures in rows:
+        decode = f", decode steps {figures['decode_tok_s']:6.1f} tok/s" if figures.get("decode_tok_s") else ""
+        weights = figures.get("weight_bytes_per_token")
+        weights = f", {weights / 1e6:4.0f} MB weights/token" if weights else ""
+        print(f"{name:24s}: {figures['output_tok_s']:7.1f} output tok/s{decode}{weights}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
 
 
 def resolve_dir(model: str | None) -> str:

@@ -47,6 +47,7 @@ class AttentionMetadata:
     decode_kernels: ModuleType | None = None  # C++ kernels, when usable
     decode_slots: torch.Tensor | None = None  # [B, L] context slots (torch decode path)
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, L] additive: 0 or -inf (torch decode path)
+    is_fused_decode: bool = False  # a decode-only step small enough for the model's one-call C++ layers
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -114,7 +115,7 @@ def _cached_then_causal(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tenso
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     o_old, lse_old = flash(q, _cached_keys(k_cache, meta), _cached_keys(v_cache, meta), 0.0, False, scale=scale)
     o_new, lse_new = flash(q, k_new, v_new, 0.0, True, scale=scale)
-    w_old = torch.sigmoid(lse_old - lse_new).unsqueeze(-1)  # [1, H, n, 1]
+    w_old = torch.sigmoid(lse_old - lse_new).unsqueeze(-1).to(o_new.dtype)  # [1, H, n, 1]; lse is float32
     return torch.lerp(o_new, o_old, w_old)
 
 

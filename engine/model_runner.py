@@ -11,6 +11,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -46,6 +47,24 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+_ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
+
+
+def pick_isa(kernels: ModuleType | None, wanted: str) -> int:
+    """The SIMD path of the C++ kernels: the best this CPU runs, or a lower one named by
+    MINIVLLM_KERNEL_ISA (scalar | avx2 | avx512) to test or compare it."""
+    if kernels is None:
+        return 0
+    best = kernels.best_isa()
+    if wanted == "auto":
+        return best
+    if wanted not in _ISAS:
+        raise ValueError(f"MINIVLLM_KERNEL_ISA must be auto, scalar, avx2 or avx512, got {wanted!r}")
+    if _ISAS[wanted] > best:
+        raise ValueError(f"MINIVLLM_KERNEL_ISA={wanted}: this CPU does not run it")
+    return _ISAS[wanted]
+
+
 class ModelRunner:
     def __init__(self, model_dir: Path, hf_config: object, config: EngineConfig) -> None:
         self.device = pick_device(config.device)
@@ -62,16 +81,26 @@ class ModelRunner:
         model.load_weights(iter_weights(model_dir))
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         is_cpu = self.device.type == "cpu"
-        if is_cpu and os.environ.get("MINIVLLM_DISABLE_PACKED_LINEAR") != "1" and can_pack_linear(self.dtype):
-            self.model.pack_linear_weights()
+        quantized = config.quantization == "int8"
+        if quantized and not is_cpu:
+            raise ValueError("quantization: int8 runs on the CPU only")
+        use_kernels = (is_cpu and self.dtype in (torch.float32, torch.bfloat16)
+                       and os.environ.get("MINIVLLM_DISABLE_CPP_KERNELS") != "1")
+        self.cpu_kernels = load_cpu_kernels() if use_kernels else None
+        self.isa = pick_isa(self.cpu_kernels, os.environ.get("MINIVLLM_KERNEL_ISA", "auto"))
+        onednn = (is_cpu and not quantized and os.environ.get("MINIVLLM_DISABLE_PACKED_LINEAR") != "1"
+                  and can_pack_linear(self.dtype))
+        panel_dtype = torch.int8 if quantized else None
+        if self.cpu_kernels is not None and config.max_fused_decode_batch > 0 and not quantized:
+            panel_dtype = self.dtype
+        if onednn or panel_dtype is not None:
+            self.model.pack_weights(onednn, panel_dtype, self.cpu_kernels, self.isa, config.max_fused_decode_batch)
+        self.max_fused_decode_batch = config.max_fused_decode_batch if self.model.decode_kernels is not None else 0
         self.num_kv_blocks = config.num_kv_blocks or self._blocks_for(config.kv_cache_gib)
         mc = self.model_config
         # One pool for all layers: [layers, k/v, slots, kv_heads, head_dim].
         self.kv_cache = torch.zeros(mc.num_layers, 2, self.num_kv_blocks * self.block_size, mc.num_kv_heads,
                                     mc.head_dim, dtype=self.dtype, device=self.device)
-        use_kernels = (is_cpu and self.dtype in (torch.float32, torch.bfloat16)
-                       and os.environ.get("MINIVLLM_DISABLE_CPP_KERNELS") != "1")
-        self.cpu_kernels = load_cpu_kernels() if use_kernels else None
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(mc.num_layers)]
         logger.info("model on %s (%s), KV cache %d blocks x %d tokens (%.2f GiB)", self.device, self.dtype,
                     self.num_kv_blocks, self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**30)
@@ -113,6 +142,7 @@ class ModelRunner:
                                  prefill=prefill.metas if prefill else None, block_size=self.block_size)
         if decode is not None:
             decode.fill(attn, self)
+            attn.is_fused_decode = prefill is None and len(sched.decode_seqs) <= self.max_fused_decode_batch
         rows = [prefill.last_indices[i] for i in sched.prefill_sample_rows] if prefill else []
         rows += range(num_prefill_tokens, num_prefill_tokens + len(sched.decode_seqs))
         rows_t = self._to_device(np.asarray(rows, dtype=np.int64))

@@ -120,3 +120,18 @@ def test_runner_reads_the_cache_in_place_only_for_consecutive_slots(tiny_llm) ->
         seq.num_computed_tokens = 4 * bs
         meta = runner._prepare_prefill([seq], [bs]).metas[0]
         assert (meta.cached_slot_start is not None) == in_place, table
+
+
+def test_bfloat16_chunk_after_a_cached_context_matches_dense() -> None:
+    """The log-sum-exp merge in bfloat16 (the flash kernel's lse is float32 whatever the input)."""
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, dim, n, num_cached = 9, 3, 16, 13, 24
+    k_cache, v_cache = (torch.randn(64, kv_heads, dim, generator=gen).to(torch.bfloat16) for _ in range(2))
+    q = torch.randn(n, heads, dim, generator=gen).to(torch.bfloat16)
+    slots = torch.arange(8, 8 + num_cached + n)
+    k, v = k_cache[slots[num_cached:]], v_cache[slots[num_cached:]]
+    meta = PrefillSeqMeta(0, n, num_cached + n, slots, 8)
+    out = prefill_attention(q, k, v, k_cache, v_cache, [meta], dim**-0.5)
+    assert out.dtype == torch.bfloat16
+    expected = _dense_prefill(q.float(), k_cache[slots].float(), v_cache[slots].float(), num_cached)
+    torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=3e-2)

@@ -59,15 +59,21 @@ def reference(family_model: tuple[str, Path]) -> list[list[int]]:
     return refs
 
 
-@pytest.mark.parametrize("decode_path", ["cpp", "torch"])
+@pytest.mark.parametrize("decode_path", ["fused", "fused-avx2", "cpp", "torch"])
 @pytest.mark.parametrize("budget", [512, 16], ids=["whole-prefill", "chunked-prefill"])
 def test_greedy_matches_transformers(family_model: tuple[str, Path], reference: list[list[int]], decode_path: str,
                                      budget: int, monkeypatch: pytest.MonkeyPatch) -> None:
     family, path = family_model
     if decode_path == "torch":
         monkeypatch.setenv("MINIVLLM_DISABLE_CPP_KERNELS", "1")
-    llm = LLM(str(path), num_kv_blocks=256, block_size=4, max_num_batched_tokens=budget)
-    assert (llm.engine.runner.cpu_kernels is None) == (decode_path == "torch")
+    if decode_path == "fused-avx2":
+        monkeypatch.setenv("MINIVLLM_KERNEL_ISA", "avx2")  # the lower SIMD path, on any x86-64 CI machine
+    fused = 0 if decode_path in ("cpp", "torch") else 8
+    llm = LLM(str(path), num_kv_blocks=256, block_size=4, max_num_batched_tokens=budget, max_fused_decode_batch=fused)
+    runner = llm.engine.runner
+    assert (runner.cpu_kernels is None) == (decode_path == "torch")
+    assert runner.max_fused_decode_batch == fused
+    assert runner.isa == (1 if decode_path == "fused-avx2" else runner.cpu_kernels.best_isa() if runner.cpu_kernels else 0)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True))
     for prompt, out, ref in zip(PROMPTS, outs, reference, strict=True):
         assert out.token_ids == ref, f"{family}: prompt of {len(prompt)} tokens diverged"

@@ -28,6 +28,7 @@ def cpu_tag() -> str:
     return hashlib.sha256(info.encode()).hexdigest()[:12]
 
 
+_SOURCES = ("bindings.cpp", "paged_attention.cpp", "packed_gemm.cpp", "decode_layer.cpp", "token_bitmask.cpp")
 _STALE_LOCK_S = 300  # a build takes well under a minute; an older lock is from a killed process
 
 
@@ -52,9 +53,9 @@ def load_cpu_kernels() -> ModuleType | None:
         build_dir = cache_dir() / "torch_extensions" / cpu_tag()
         build_dir.mkdir(parents=True, exist_ok=True)
         _remove_stale_lock(build_dir / "lock")
-        source = Path(__file__).with_name("paged_attention.cpp")
+        here = Path(__file__).parent
         return cpp_extension.load(
-            name="minivllm_cpu_kernels", sources=[str(source)], build_directory=str(build_dir),
+            name="minivllm_cpu_kernels", sources=[str(here / name) for name in _SOURCES], build_directory=str(build_dir),
             extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # noqa: BLE001 - any build failure means: use the torch path
         logger.warning("C++ CPU kernels unavailable (%s); using the pure-torch attention path", exc)

@@ -5,7 +5,8 @@
 // Here each sequence walks its block table once: scores of every query head (a KV head
 // serves `group` of them, GQA), a softmax, then the weighted sum of V. K and V are read
 // once, nothing is materialised, and sequences run in parallel across cores.
-#include <torch/extension.h>
+#include "cpu_kernels.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -14,86 +15,110 @@
 #include <type_traits>
 #include <vector>
 
-// Math in float32 whatever the storage type (float32 or bfloat16).
+namespace minivllm {
+namespace {
+
+// One sequence, math in float32 whatever the storage type (float32 or bfloat16): q [H, D] ->
+// out [H, D]. scratch holds the scores and one widened cache row.
+template <typename cache_t>
+void attend_one(const float* qb, const cache_t* kp, const cache_t* vp, const int64_t* table, int64_t len,
+                int64_t block_size, float scale, int64_t window, int64_t num_heads, int64_t num_kv_heads,
+                int64_t head_dim, float* ob, std::vector<float>& scratch) {
+  const int64_t group = num_heads / num_kv_heads, slot_stride = num_kv_heads * head_dim;
+  // A sliding window (window > 0) keeps the last `window` tokens: [first, len).
+  const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+  const int64_t ctx = len - first;
+  scratch.resize(num_heads * ctx + slot_stride);
+  float* scores = scratch.data();
+  float* row = scores + num_heads * ctx;
+  // Token t's K or V row (all KV heads), as float: fp32 is read in place, other storage types
+  // are widened into `row`.
+  auto load_row = [&](const cache_t* cache, int64_t t) -> const float* {
+    const int64_t slot = table[t / block_size] * block_size + t % block_size;
+    const cache_t* src = cache + slot * slot_stride;
+    if constexpr (std::is_same_v<cache_t, float>) {
+      return src;
+    } else {
+      for (int64_t i = 0; i < slot_stride; ++i) row[i] = static_cast<float>(src[i]);
+      return row;
+    }
+  };
+  for (int64_t t = 0; t < ctx; ++t) {
+    const float* kt = load_row(kp, first + t);
+    for (int64_t h = 0; h < num_heads; ++h) {
+      const float* qh = qb + h * head_dim;
+      const float* kh = kt + (h / group) * head_dim;
+      float s = 0.f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t d = 0; d < head_dim; ++d) s += qh[d] * kh[d];
+      scores[h * ctx + t] = s * scale;
+    }
+  }
+  for (int64_t h = 0; h < num_heads; ++h) {
+    float* sh = scores + h * ctx;
+    float mx = sh[0];
+    for (int64_t t = 1; t < ctx; ++t) mx = std::max(mx, sh[t]);
+    float sum = 0.f;
+    for (int64_t t = 0; t < ctx; ++t) {
+      sh[t] = std::exp(sh[t] - mx);
+      sum += sh[t];
+    }
+    const float inv = 1.f / sum;
+    for (int64_t t = 0; t < ctx; ++t) sh[t] *= inv;
+  }
+  std::fill(ob, ob + num_heads * head_dim, 0.f);
+  for (int64_t t = 0; t < ctx; ++t) {
+    const float* vt = load_row(vp, first + t);
+    for (int64_t h = 0; h < num_heads; ++h) {
+      const float p = scores[h * ctx + t];
+      const float* vh = vt + (h / group) * head_dim;
+      float* oh = ob + h * head_dim;
+#pragma omp simd
+      for (int64_t d = 0; d < head_dim; ++d) oh[d] += p * vh[d];
+    }
+  }
+}
+
+// One task per sequence: each cached token's K (then V) row of all KV heads is contiguous,
+// so it is streamed from memory exactly once.
 template <typename scalar_t>
 void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                    const torch::Tensor& block_tables, const torch::Tensor& context_lens, int64_t block_size,
                    double scale, int64_t window, torch::Tensor& out) {
   const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t num_kv_heads = k_cache.size(1), group = num_heads / num_kv_heads;
+  const int64_t num_kv_heads = k_cache.size(1);
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_decode_attention: contiguous cache");
   const int64_t max_blocks = block_tables.size(1);
   const scalar_t* qp = q.data_ptr<scalar_t>();
-  const scalar_t* kp = k_cache.data_ptr<scalar_t>();
-  const scalar_t* vp = v_cache.data_ptr<scalar_t>();
   const int64_t* bt = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   scalar_t* op = out.data_ptr<scalar_t>();
-  const int64_t slot_stride = num_kv_heads * head_dim;
-  const float fscale = static_cast<float>(scale);
-
-  // One task per sequence: each cached token's K (then V) row of all KV heads is contiguous,
-  // so it is streamed from memory exactly once.
+  const int64_t width = num_heads * head_dim;
   at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, qf(num_heads * head_dim), acc(num_heads * head_dim), row(slot_stride);
-    // Token t's K or V row (all KV heads) of sequence b, as float: fp32 is read in place,
-    // other storage types are widened into `row`.
-    auto load_row = [&](const scalar_t* cache, int64_t b, int64_t t) -> const float* {
-      const int64_t slot = bt[b * max_blocks + t / block_size] * block_size + t % block_size;
-      const scalar_t* src = cache + slot * slot_stride;
-      if constexpr (std::is_same_v<scalar_t, float>) {
-        return src;
-      } else {
-        for (int64_t i = 0; i < slot_stride; ++i) row[i] = static_cast<float>(src[i]);
-        return row.data();
-      }
-    };
+    std::vector<float> scratch, qf(width), acc(width);
     for (int64_t b = begin; b < end; ++b) {
-      // A sliding window (window > 0) keeps the last `window` tokens: [first, lens[b]).
-      const int64_t first = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;
-      const int64_t ctx = lens[b] - first;
-      scores.resize(num_heads * ctx);
-      for (int64_t i = 0; i < num_heads * head_dim; ++i) qf[i] = static_cast<float>(qp[b * num_heads * head_dim + i]);
-      const float* qb = qf.data();
-      for (int64_t t = 0; t < ctx; ++t) {
-        const float* kt = load_row(kp, b, first + t);
-        for (int64_t h = 0; h < num_heads; ++h) {
-          const float* qh = qb + h * head_dim;
-          const float* kh = kt + (h / group) * head_dim;
-          float s = 0.f;
-#pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < head_dim; ++d) s += qh[d] * kh[d];
-          scores[h * ctx + t] = s * fscale;
-        }
-      }
-      for (int64_t h = 0; h < num_heads; ++h) {
-        float* sh = scores.data() + h * ctx;
-        float mx = sh[0];
-        for (int64_t t = 1; t < ctx; ++t) mx = std::max(mx, sh[t]);
-        float sum = 0.f;
-        for (int64_t t = 0; t < ctx; ++t) {
-          sh[t] = std::exp(sh[t] - mx);
-          sum += sh[t];
-        }
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < ctx; ++t) sh[t] *= inv;
-      }
-      float* ob = acc.data();
-      for (int64_t i = 0; i < num_heads * head_dim; ++i) ob[i] = 0.f;
-      for (int64_t t = 0; t < ctx; ++t) {
-        const float* vt = load_row(vp, b, first + t);
-        for (int64_t h = 0; h < num_heads; ++h) {
-          const float p = scores[h * ctx + t];
-          const float* vh = vt + (h / group) * head_dim;
-          float* oh = ob + h * head_dim;
-#pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) oh[d] += p * vh[d];
-        }
-      }
-      scalar_t* o = op + b * num_heads * head_dim;
-      for (int64_t i = 0; i < num_heads * head_dim; ++i) o[i] = static_cast<scalar_t>(ob[i]);
+      for (int64_t i = 0; i < width; ++i) qf[i] = static_cast<float>(qp[b * width + i]);
+      attend_one(qf.data(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), bt + b * max_blocks, lens[b],
+                 block_size, static_cast<float>(scale), window, num_heads, num_kv_heads, head_dim, acc.data(), scratch);
+      for (int64_t i = 0; i < width; ++i) op[b * width + i] = static_cast<scalar_t>(acc[i]);
     }
   });
+}
+
+}  // namespace
+
+void attend_decode_row(const float* q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                       const int64_t* block_table, int64_t context_len, int64_t block_size, float scale,
+                       int64_t window, int64_t num_heads, float* out, std::vector<float>& scratch) {
+  const int64_t num_kv_heads = k_cache.size(1), head_dim = k_cache.size(2);
+  if (k_cache.scalar_type() == torch::kFloat32) {
+    attend_one(q, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), block_table, context_len, block_size, scale,
+               window, num_heads, num_kv_heads, head_dim, out, scratch);
+  } else {
+    TORCH_CHECK(k_cache.scalar_type() == torch::kBFloat16, "attention: float32 or bfloat16 cache only");
+    attend_one(q, k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(), block_table, context_len,
+               block_size, scale, window, num_heads, num_kv_heads, head_dim, out, scratch);
+  }
 }
 
 torch::Tensor paged_decode_attention(torch::Tensor q,             // [B, H, D]
@@ -119,33 +144,4 @@ torch::Tensor paged_decode_attention(torch::Tensor q,             // [B, H, D]
   return out;
 }
 
-// Structured output: logits[rows[i], v] = -inf where bit v of bitmask[i] is 0 (llguidance's
-// layout: 32 tokens per int32 word, token v at bit v % 32 of word v / 32). In place, rows in
-// parallel: at batch 32 and a 49k vocabulary this is a fraction of the torch unpack-and-mask.
-void apply_token_bitmask_(torch::Tensor logits,         // [N, V] float32, contiguous
-                          const torch::Tensor& bitmask,  // [R, W] int32
-                          const torch::Tensor& rows) {   // [R] int64: the logits row of each mask row
-  TORCH_CHECK(logits.scalar_type() == torch::kFloat32 && logits.is_contiguous(), "apply_token_bitmask_: float32 logits");
-  TORCH_CHECK(bitmask.scalar_type() == torch::kInt32 && rows.scalar_type() == torch::kInt64, "apply_token_bitmask_: types");
-  const int64_t vocab = logits.size(1), words = bitmask.size(1), num_rows = rows.size(0);
-  const auto mask = bitmask.contiguous();
-  const int32_t* mask_data = mask.data_ptr<int32_t>();
-  const int64_t* row_data = rows.data_ptr<int64_t>();
-  float* out = logits.data_ptr<float>();
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-  at::parallel_for(0, num_rows, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      float* row = out + row_data[r] * vocab;
-      const int32_t* m = mask_data + r * words;
-      for (int64_t v = 0; v < vocab; ++v) {
-        const int64_t w = v >> 5;
-        if (w >= words || !((static_cast<uint32_t>(m[w]) >> (v & 31)) & 1u)) row[v] = neg_inf;
-      }
-    }
-  });
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("apply_token_bitmask_", &apply_token_bitmask_, "Mask logits in place by llguidance token bitmasks (CPU, fp32)");
-  m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU, fp32 or bf16, optional sliding window)");
-}
+}  // namespace minivllm

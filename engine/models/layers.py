@@ -2,32 +2,52 @@
 from __future__ import annotations
 
 import logging
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.models.packed_weight import PackedWeight
+
 logger = logging.getLogger(__name__)
 
 
 class Linear(nn.Linear):
-    """nn.Linear that, once packed, runs on oneDNN with its weight pre-reordered (CPU).
+    """nn.Linear with up to two packed forms of its weight, for the CPU.
 
-    torch's default CPU GEMM can be held to an older instruction set by the BLAS build or its
-    environment, while oneDNN picks its kernels for the CPU it runs on; with the weight packed
-    once it was 3.5x faster in fp32 at batch 32 on our 2-core AVX-512 machine, still in fp32.
+    - oneDNN, pre-reordered (`pack`): torch's default CPU GEMM can be held to an older
+      instruction set by the BLAS build or its environment, while oneDNN picks its kernels for
+      the CPU it runs on; with the weight packed once it was 3.5x faster in fp32 at batch 32 on
+      our 2-core AVX-512 machine. Used for prefill and large batches (compute bound).
+    - panels for the C++ small-batch kernels (`pack_panels`, PackedWeight): the weight read
+      once at memory speed, in float32, bfloat16 or int8. Used for inputs of at most
+      `max_panel_rows` rows, and for every input when they are the only copy (int8).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.packed_weight: torch.Tensor | None = None
+        self.panels: PackedWeight | None = None
+        self.kernels: ModuleType | None = None
+        self.isa = 0
+        self.max_panel_rows = 0
 
     def pack(self, drop_weight: bool) -> None:
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
         if drop_weight:  # the packed copy is all the forward needs
-            self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
+            self.drop_weight()
+
+    def pack_panels(self, dtype: torch.dtype, kernels: ModuleType | None, isa: int, max_panel_rows: int) -> None:
+        self.panels = PackedWeight.pack(self.weight.detach(), self.bias, dtype)
+        self.kernels, self.isa, self.max_panel_rows = kernels, isa, max_panel_rows
+
+    def drop_weight(self) -> None:
+        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.panels is not None and (x.shape[0] <= self.max_panel_rows or self.packed_weight is None):
+            return self.panels.linear(x, self.kernels, self.isa).to(x.dtype)
         if self.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

@@ -10,6 +10,7 @@ missing, unknown or of the wrong shape.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -41,6 +42,18 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
         self.intermediate_size = cfg.intermediate_size
+        self.eps = cfg.rms_norm_eps
+        self.norm_weights: tuple[torch.Tensor, torch.Tensor] | None = None  # float32 copies for the C++ layer
+
+    def forward_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, kernels: ModuleType) -> None:
+        """The whole layer as one C++ call over the panel-packed weights, for decode steps of a
+        few sequences. x: [B, hidden] float32, updated in place; cos, sin: [B, head_dim] float32."""
+        proj = (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
+        kernels.decode_layer(x, cos, sin, *self.norm_weights, *(p.panels.as_args() for p in proj),
+                             k_cache, v_cache, attn.slot_mapping, attn.block_tables, attn.context_lens,
+                             self.num_heads, attn.block_size, self.eps, self.scale, self.sliding_window or 0,
+                             self.qkv_proj.isa)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
@@ -78,6 +91,7 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("inv_freq", cfg.inv_freq.clone(), persistent=False)
         for p in self.parameters():
             p.requires_grad_(False)
+        self.decode_kernels: ModuleType | None = None  # set when every layer has panels (pack_weights)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [T] -> cos, sin: [T, 1, head_dim], computed once per forward for all layers
@@ -90,16 +104,44 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         # input_ids, positions: [T] -> hidden: [T, hidden]
         x = self.embed_tokens(input_ids)
+        if attn.is_fused_decode:
+            return self._forward_fused(x, positions, attn, kv_caches)
         cos, sin = self.rope(positions, x.dtype)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, attn, k_cache, v_cache)
         return self.norm(x)
 
-    def pack_linear_weights(self) -> None:
-        """Switch every projection to oneDNN with packed weights (CPU only, after loading)."""
+    def _forward_fused(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
+                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        # x: [B, hidden] -> hidden: [B, hidden]; the residual stream stays float32 across layers
+        dtype = x.dtype
+        x = x.float().contiguous()
+        cos, sin = (t.squeeze(1).contiguous() for t in self.rope(positions, torch.float32))  # [B, head_dim]
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            layer.forward_fused(x, cos, sin, attn, k_cache, v_cache, self.decode_kernels)
+        return self.norm(x).to(dtype)
+
+    def pack_weights(self, onednn: bool, panel_dtype: torch.dtype | None, kernels: ModuleType | None, isa: int,
+                     max_panel_rows: int) -> None:
+        """Pack every projection once, after loading (CPU): for oneDNN (prefill, large batches)
+        and/or as panels of `panel_dtype` for the C++ small-batch kernels (decode at up to
+        `max_panel_rows` sequences; every batch when they are the only copy, as in int8). With
+        panels and kernels, decode steps run each layer as one C++ call (`forward_fused`)."""
         for module in self.modules():
-            if isinstance(module, Linear):
-                module.pack(drop_weight=module is not self.lm_head or not self.config.tie_word_embeddings)
+            if not isinstance(module, Linear):
+                continue
+            tied = module is self.lm_head and self.config.tie_word_embeddings  # the embedding still needs it
+            if panel_dtype is not None:
+                module.pack_panels(panel_dtype, kernels, isa, max_panel_rows)
+            if onednn:
+                module.pack(drop_weight=not tied)
+            elif panel_dtype is not None and not tied:
+                module.drop_weight()
+        if panel_dtype is not None and kernels is not None:
+            for layer in self.layers:
+                layer.norm_weights = (layer.input_layernorm.weight.float().contiguous(),
+                                      layer.post_attention_layernorm.weight.float().contiguous())
+            self.decode_kernels = kernels
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden] -> logits: [N, vocab] in fp32 for the sampler

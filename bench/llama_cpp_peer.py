@@ -1,0 +1,48 @@
+"""Runs the offline workload through llama.cpp (llama-cpp-python), in llama.cpp's own
+environment: `bench.offline_throughput --compare` starts this file with that environment's
+Python and reads one JSON line back. Imports nothing from minivllm, so the peer's venv needs
+only `llama-cpp-python`.
+
+stdin: {"model_path": str, "prompts": [[token ids]], "output_len": int, "threads": int}
+stdout: {"seconds": float, "decode_tok_s": float, "output_tokens": int}
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+
+
+def main() -> None:
+    from llama_cpp import Llama
+
+    job = json.loads(sys.stdin.read())
+    prompts, output_len = job["prompts"], job["output_len"]
+    n_ctx = max(len(p) for p in prompts) + output_len + 8
+    llm = Llama(model_path=job["model_path"], n_threads=job["threads"], n_threads_batch=job["threads"],
+                n_ctx=n_ctx, n_batch=512, verbose=False)
+    for _ in zip(range(4), llm.generate(prompts[0][:8], temp=0.0, top_k=1), strict=False):  # warm-up
+        pass
+    decode_rates, total, produced = [], 0.0, 0
+    for prompt in prompts:  # llama-cpp-python serves one sequence at a time
+        llm.reset()
+        start = time.perf_counter()
+        first = start
+        count = 0
+        for _ in llm.generate(prompt, temp=0.0, top_k=1, reset=True):  # greedy; EOS is ignored by the count
+            count += 1
+            if count == 1:
+                first = time.perf_counter()
+            if count >= output_len:
+                break
+        end = time.perf_counter()
+        total += end - start
+        produced += count
+        if count > 1:
+            decode_rates.append((count - 1) / (end - first))
+    print(json.dumps({"seconds": total, "output_tokens": produced, "decode_tok_s": statistics.median(decode_rates)}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,12 @@
+// The extension module: every kernel Python calls, defined in its own file.
+#include "cpu_kernels.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("apply_token_bitmask_", &minivllm::apply_token_bitmask_,
+        "Mask logits in place by llguidance token bitmasks (CPU, fp32)");
+  m.def("paged_decode_attention", &minivllm::paged_decode_attention,
+        "Paged decode attention (CPU, fp32 or bf16, optional sliding window)");
+  m.def("best_isa", &minivllm::best_isa, "The best SIMD path this CPU runs: 0 scalar, 1 AVX2, 2 AVX-512");
+  m.def("packed_linear", &minivllm::packed_linear, "x [M, K] times panel-packed weights -> [M, n] float32");
+  m.def("decode_layer", &minivllm::decode_layer, "One decoder layer of a decode step, in place on x (CPU)");
+}

@@ -1,0 +1,46 @@
+// What the kernel files share: the instruction-set codes, the packed GEMM and one sequence's
+// decode attention (each defined in its own .cpp, all linked into one extension module).
+#pragma once
+
+#include <torch/extension.h>
+
+#include <optional>
+#include <tuple>
+#include <vector>
+
+namespace minivllm {
+
+// Which SIMD code path a kernel runs. Python picks one per engine (the best the CPU has, or a
+// lower one to test it) and passes it in: no global switch.
+enum Isa : int64_t { kIsaScalar = 0, kIsaAvx2 = 1, kIsaAvx512 = 2 };
+
+int64_t best_isa();
+
+// out[m, n] = sum_k x[m, k] * W[n, k] * scale[n] + bias[n], for m < M, n < N.
+// W is packed in panels of 16 output channels: [ceil(N / 16), K, 16] of float32, bfloat16 or
+// int8 (int8 needs scale, per output channel). x: [M, K] float32 rows ldx apart; out rows ldo
+// apart; accumulate adds into out instead (a residual). Panels run in parallel.
+void packed_gemm(const float* x, int64_t M, int64_t ldx, const torch::Tensor& w, const float* scale,
+                 const float* bias, int64_t N, float* out, int64_t ldo, int64_t isa, bool accumulate);
+
+// One sequence's decode attention from the paged cache: q [H, D] float32 -> out [H, D] float32.
+void attend_decode_row(const float* q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                       const int64_t* block_table, int64_t context_len, int64_t block_size, float scale,
+                       int64_t window, int64_t num_heads, float* out, std::vector<float>& scratch);
+
+// The Python-facing kernels (bindings.cpp), each documented where it is defined.
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
+                                     double scale, int64_t window);
+void apply_token_bitmask_(torch::Tensor logits, const torch::Tensor& bitmask, const torch::Tensor& rows);
+torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& w, const std::optional<torch::Tensor>& scale,
+                            const std::optional<torch::Tensor>& bias, int64_t n, int64_t isa);
+using PackedLinear = std::tuple<torch::Tensor, std::optional<torch::Tensor>, std::optional<torch::Tensor>, int64_t>;
+void decode_layer(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& input_norm,
+                  const torch::Tensor& post_norm, const PackedLinear& qkv, const PackedLinear& o_proj,
+                  const PackedLinear& gate_up, const PackedLinear& down, torch::Tensor k_cache, torch::Tensor v_cache,
+                  const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
+                  const torch::Tensor& context_lens, int64_t num_heads, int64_t block_size, double eps, double scale,
+                  int64_t window, int64_t isa);
+
+}  // namespace minivllm

@@ -1,0 +1,65 @@
+"""A projection's weight packed for the C++ small-batch kernels: panels of 16 output channels.
+
+Layout [ceil(N / 16), K, 16]: each panel is one contiguous stream and each k gives 16 weights
+that one broadcast of x[m, k] multiplies (engine/kernels/packed_gemm.cpp says why). float32 and
+bfloat16 keep the model's values exactly; int8 is weight-only quantization, symmetric with one
+float32 scale per output channel (max |w| / 127), which halves bf16's bytes and quarters fp32's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+PANEL = 16
+
+
+@dataclass(slots=True)
+class PackedWeight:
+    data: torch.Tensor  # [ceil(N / 16), K, 16] float32 | bfloat16 | int8
+    scales: torch.Tensor | None  # [ceil(N / 16) * 16] float32 (int8 only)
+    bias: torch.Tensor | None  # [N] float32
+    out_features: int
+
+    @classmethod
+    def pack(cls, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> PackedWeight:
+        """weight: [N, K] -> panels of `dtype` (float32, bfloat16 or int8)."""
+        if dtype not in (torch.float32, torch.bfloat16, torch.int8):
+            raise ValueError(f"packed weights are float32, bfloat16 or int8, not {dtype}")
+        n, k = weight.shape
+        num_panels = -(-n // PANEL)
+        padded = torch.zeros(num_panels * PANEL, k, dtype=torch.float32)
+        padded[:n] = weight.float()
+        scales = None
+        if dtype == torch.int8:
+            scales = padded.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # [N_pad]
+            padded = torch.round(padded / scales.unsqueeze(1)).clamp(-127, 127)
+        data = padded.to(dtype).view(num_panels, PANEL, k).transpose(1, 2).contiguous()
+        return cls(data, scales, None if bias is None else bias.detach().float().clone(), n)
+
+    @property
+    def in_features(self) -> int:
+        return self.data.shape[1]
+
+    @property
+    def num_bytes(self) -> int:
+        extra = sum(t.numel() * t.element_size() for t in (self.scales, self.bias) if t is not None)
+        return self.data.numel() * self.data.element_size() + extra
+
+    def as_args(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, int]:
+        """What the C++ kernels take for one projection."""
+        return self.data, self.scales, self.bias, self.out_features
+
+    def dequantize(self) -> torch.Tensor:
+        """The [N, K] float32 matrix these panels hold (the torch fallback, and tests)."""
+        num_panels, k, _ = self.data.shape
+        weight = self.data.float().transpose(1, 2).reshape(num_panels * PANEL, k)
+        if self.scales is not None:
+            weight = weight * self.scales.unsqueeze(1)
+        return weight[: self.out_features]
+
+    def linear(self, x: torch.Tensor, kernels: object | None, isa: int) -> torch.Tensor:
+        """x [M, K] -> [M, N] float32, by the C++ kernel when there is one."""
+        if kernels is not None:
+            return kernels.packed_linear(x, *self.as_args(), isa)
+        return torch.nn.functional.linear(x.float(), self.dequantize(), self.bias)

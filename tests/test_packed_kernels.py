@@ -1,0 +1,124 @@
+"""The small-batch C++ kernels against torch references: the packed matrix product in float32,
+bfloat16 and int8 on odd shapes (M = 1, 3, 17; K and N not multiples of the vector width) on
+every SIMD path this CPU runs (AVX2 is forced on AVX-512 machines), and one whole decoder layer
+in one call against the torch layer it replaces."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.kernels import load_cpu_kernels
+from engine.model_runner import pick_isa
+from engine.models.llama import DecoderLayer
+from engine.models.model_config import ModelConfig
+from engine.models.packed_weight import PackedWeight
+
+ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512"}
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    k = load_cpu_kernels()
+    if k is None:
+        pytest.fail("the C++ kernels must build here (make test installs a compiler)")
+    return k
+
+
+def _isas(kernels) -> list[int]:
+    return list(range(kernels.best_isa() + 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8], ids=["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("shape", [(1, 37, 20), (3, 64, 48), (17, 100, 33), (9, 576, 960)],
+                         ids=lambda s: "M{}-K{}-N{}".format(*s))
+def test_packed_linear_matches_the_matrix_it_packs(kernels, dtype: torch.dtype, shape: tuple[int, int, int]) -> None:
+    m, k, n = shape
+    gen = torch.Generator().manual_seed(m * 1000 + k)
+    weight, bias, x = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen), torch.randn(m, k, generator=gen)
+    packed = PackedWeight.pack(weight, bias, dtype)
+    reference = x.double() @ packed.dequantize().double().T + bias.double()
+    for isa in _isas(kernels):
+        out = kernels.packed_linear(x, *packed.as_args(), isa)
+        assert out.shape == (m, n)
+        err = (out.double() - reference).abs().max().item()
+        assert err < 1e-3 * k**0.5, f"{ISA_NAMES[isa]}: max error {err}"
+    # The torch fallback computes the same product.
+    assert torch.allclose(packed.linear(x, None, 0).double(), reference, atol=1e-3 * k**0.5)
+
+
+def test_packing_keeps_fp32_exact_and_int8_within_half_a_step() -> None:
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(40, 24, generator=gen) * torch.linspace(0.01, 3, 40).unsqueeze(1)  # rows of different range
+    assert torch.equal(PackedWeight.pack(weight, None, torch.float32).dequantize(), weight)
+    q = PackedWeight.pack(weight, None, torch.int8)
+    step = weight.abs().amax(dim=1, keepdim=True) / 127  # one scale per output channel
+    assert ((q.dequantize() - weight).abs() <= step / 2 + 1e-7).all()
+    assert q.num_bytes == 48 * 24 + 48 * 4  # int8 plus one float32 scale per channel, padded to 48
+    with pytest.raises(ValueError, match="float32, bfloat16 or int8"):
+        PackedWeight.pack(weight, None, torch.float16)
+
+
+def test_isa_choice_refuses_unknown_and_unsupported_names(kernels) -> None:
+    assert pick_isa(kernels, "auto") == kernels.best_isa()
+    assert pick_isa(kernels, "scalar") == 0
+    assert pick_isa(None, "avx512") == 0  # no kernels, nothing to choose
+    with pytest.raises(ValueError, match="MINIVLLM_KERNEL_ISA"):
+        pick_isa(kernels, "sse2")
+    if kernels.best_isa() < 2:
+        with pytest.raises(ValueError, match="does not run it"):
+            pick_isa(kernels, "avx512")
+
+
+def _layer_case(weight_dtype: torch.dtype, window: int | None, kernels, isa: int):
+    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=48, intermediate_size=80, num_layers=1,
+                      num_heads=6, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5, max_position_embeddings=512,
+                      tie_word_embeddings=False, qkv_bias=True, o_proj_bias=False, inv_freq=torch.ones(4),
+                      rope_scale=1.0, sliding_windows=[window])
+    torch.manual_seed(1)
+    layer = DecoderLayer(cfg, 0)
+    for p in layer.parameters():
+        p.data.normal_(0, 0.3)
+    layer.input_layernorm.weight.data.uniform_(0.5, 1.5)
+    layer.post_attention_layernorm.weight.data.uniform_(0.5, 1.5)
+    for proj in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
+        proj.pack_panels(weight_dtype, kernels, isa, max_panel_rows=8)
+        proj.weight.data.copy_(proj.panels.dequantize())  # the torch path runs the same (quantized) weights
+    layer.norm_weights = (layer.input_layernorm.weight.float(), layer.post_attention_layernorm.weight.float())
+    return cfg, layer
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.int8], ids=["fp32", "int8"])
+@pytest.mark.parametrize("window", [None, 5], ids=["full", "window5"])
+def test_decode_layer_in_one_call_matches_the_torch_layer(kernels, weight_dtype: torch.dtype,
+                                                          window: int | None) -> None:
+    bs, num_blocks, batch = 4, 24, 3
+    lens = torch.tensor([1, 9, 14])  # tokens in the cache after this step, the new one included
+    tables = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(2))[: batch * 4].view(batch, 4)
+    positions = lens - 1
+    slots = tables[torch.arange(batch), positions // bs] * bs + positions % bs
+    for isa in _isas(kernels):
+        cfg, layer = _layer_case(weight_dtype, window, kernels, isa)
+        gen = torch.Generator().manual_seed(3)
+        k_cache = torch.randn(num_blocks * bs, cfg.num_kv_heads, cfg.head_dim, generator=gen)
+        v_cache = torch.randn(num_blocks * bs, cfg.num_kv_heads, cfg.head_dim, generator=gen)
+        x = torch.randn(batch, cfg.hidden_size, generator=gen)
+        freqs = positions.float().unsqueeze(1) * torch.linspace(1, 0.01, cfg.head_dim // 2).unsqueeze(0)
+        emb = torch.cat((freqs, freqs), dim=-1)  # [B, D]
+        cos, sin = emb.cos(), emb.sin()
+        attn = AttentionMetadata(slot_mapping=slots, block_size=bs, block_tables=tables, context_lens=lens,
+                                 decode_kernels=kernels)
+        k_ref, v_ref = k_cache.clone(), v_cache.clone()
+        projections = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+        panels = [proj.panels for proj in projections]
+        with torch.inference_mode():
+            for proj in projections:
+                proj.panels = None  # the torch layer: F.linear on the same weights
+            expected = layer(x, cos.unsqueeze(1), sin.unsqueeze(1), attn, k_ref, v_ref)
+            for proj, saved in zip(projections, panels, strict=True):
+                proj.panels = saved
+            out = x.clone()
+            layer.forward_fused(out, cos, sin, attn, k_cache, v_cache, kernels)
+        assert torch.allclose(out, expected, atol=1e-4), f"{ISA_NAMES[isa]}: {(out - expected).abs().max()}"
+        assert torch.allclose(k_cache, k_ref, atol=1e-5) and torch.allclose(v_cache, v_ref, atol=1e-5)
+        assert not torch.equal(k_cache[slots], torch.zeros_like(k_cache[slots]))
