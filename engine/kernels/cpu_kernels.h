@@ -23,10 +23,12 @@ int64_t best_isa();
 void packed_gemm(const float* x, int64_t M, int64_t ldx, const torch::Tensor& w, const float* scale,
                  const float* bias, int64_t N, float* out, int64_t ldo, int64_t isa, bool accumulate);
 
-// One sequence's decode attention from the paged cache: q [H, D] float32 -> out [H, D] float32.
+// One sequence's decode attention from the paged cache, for the query heads that share KV head
+// kv_head: q [H, D] float32 -> those heads' rows of out [H, D] float32.
 void attend_decode_row(const float* q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                        const int64_t* block_table, int64_t context_len, int64_t block_size, float scale,
-                       int64_t window, int64_t num_heads, float* out, std::vector<float>& scratch);
+                       int64_t window, int64_t num_heads, float* out, std::vector<float>& scratch,
+                       int64_t kv_head);
 
 // The Python-facing kernels (bindings.cpp), each documented where it is defined.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,

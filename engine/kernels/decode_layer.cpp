@@ -117,11 +117,14 @@ void decode_layer(torch::Tensor x,                    // [M, hidden] float32, up
       write_row<at::BFloat16>(v_cache, slots[m], row + q_size + kv_size, kv_size);
     }
   }
-  at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
+  // One task per (sequence, KV head): at batch 1 both cores still share the attention.
+  at::parallel_for(0, M * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch;
-    for (int64_t m = begin; m < end; ++m) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t m = task / num_kv_heads;
       attend_decode_row(qkv_out.data() + m * lqkv.n, k_cache, v_cache, tables + m * max_blocks, lens[m], block_size,
-                        static_cast<float>(scale), window, num_heads, attn_out.data() + m * q_size, scratch);
+                        static_cast<float>(scale), window, num_heads, attn_out.data() + m * q_size, scratch,
+                        task % num_kv_heads);
     }
   });
   gemm(lo, attn_out.data(), M, q_size, xp, isa, true);  // x += o_proj(attention)

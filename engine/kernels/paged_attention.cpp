@@ -19,12 +19,15 @@ namespace minivllm {
 namespace {
 
 // One sequence, math in float32 whatever the storage type (float32 or bfloat16): q [H, D] ->
-// out [H, D]. scratch holds the scores and one widened cache row.
+// out [H, D], for the query heads of KV heads [kv_begin, kv_end) (all of them by default).
+// scratch holds the scores and one widened cache row.
 template <typename cache_t>
 void attend_one(const float* qb, const cache_t* kp, const cache_t* vp, const int64_t* table, int64_t len,
                 int64_t block_size, float scale, int64_t window, int64_t num_heads, int64_t num_kv_heads,
-                int64_t head_dim, float* ob, std::vector<float>& scratch) {
+                int64_t head_dim, float* ob, std::vector<float>& scratch, int64_t kv_begin = 0,
+                int64_t kv_end = -1) {
   const int64_t group = num_heads / num_kv_heads, slot_stride = num_kv_heads * head_dim;
+  const int64_t h_begin = kv_begin * group, h_end = (kv_end < 0 ? num_kv_heads : kv_end) * group;
   // A sliding window (window > 0) keeps the last `window` tokens: [first, len).
   const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
   const int64_t ctx = len - first;
@@ -45,7 +48,7 @@ void attend_one(const float* qb, const cache_t* kp, const cache_t* vp, const int
   };
   for (int64_t t = 0; t < ctx; ++t) {
     const float* kt = load_row(kp, first + t);
-    for (int64_t h = 0; h < num_heads; ++h) {
+    for (int64_t h = h_begin; h < h_end; ++h) {
       const float* qh = qb + h * head_dim;
       const float* kh = kt + (h / group) * head_dim;
       float s = 0.f;
@@ -54,7 +57,7 @@ void attend_one(const float* qb, const cache_t* kp, const cache_t* vp, const int
       scores[h * ctx + t] = s * scale;
     }
   }
-  for (int64_t h = 0; h < num_heads; ++h) {
+  for (int64_t h = h_begin; h < h_end; ++h) {
     float* sh = scores + h * ctx;
     float mx = sh[0];
     for (int64_t t = 1; t < ctx; ++t) mx = std::max(mx, sh[t]);
@@ -66,10 +69,10 @@ void attend_one(const float* qb, const cache_t* kp, const cache_t* vp, const int
     const float inv = 1.f / sum;
     for (int64_t t = 0; t < ctx; ++t) sh[t] *= inv;
   }
-  std::fill(ob, ob + num_heads * head_dim, 0.f);
+  std::fill(ob + h_begin * head_dim, ob + h_end * head_dim, 0.f);
   for (int64_t t = 0; t < ctx; ++t) {
     const float* vt = load_row(vp, first + t);
-    for (int64_t h = 0; h < num_heads; ++h) {
+    for (int64_t h = h_begin; h < h_end; ++h) {
       const float p = scores[h * ctx + t];
       const float* vh = vt + (h / group) * head_dim;
       float* oh = ob + h * head_dim;
@@ -109,15 +112,16 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
 
 void attend_decode_row(const float* q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                        const int64_t* block_table, int64_t context_len, int64_t block_size, float scale,
-                       int64_t window, int64_t num_heads, float* out, std::vector<float>& scratch) {
+                       int64_t window, int64_t num_heads, float* out, std::vector<float>& scratch,
+                       int64_t kv_head) {
   const int64_t num_kv_heads = k_cache.size(1), head_dim = k_cache.size(2);
   if (k_cache.scalar_type() == torch::kFloat32) {
     attend_one(q, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), block_table, context_len, block_size, scale,
-               window, num_heads, num_kv_heads, head_dim, out, scratch);
+               window, num_heads, num_kv_heads, head_dim, out, scratch, kv_head, kv_head + 1);
   } else {
     TORCH_CHECK(k_cache.scalar_type() == torch::kBFloat16, "attention: float32 or bfloat16 cache only");
     attend_one(q, k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(), block_table, context_len,
-               block_size, scale, window, num_heads, num_kv_heads, head_dim, out, scratch);
+               block_size, scale, window, num_heads, num_kv_heads, head_dim, out, scratch, kv_head, kv_head + 1);
   }
 }
 

@@ -45,8 +45,11 @@ class Linear(nn.Linear):
     def drop_weight(self) -> None:
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
+    def uses_panels(self, num_rows: int) -> bool:
+        return self.panels is not None and (num_rows <= self.max_panel_rows or self.packed_weight is None)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.panels is not None and (x.shape[0] <= self.max_panel_rows or self.packed_weight is None):
+        if self.uses_panels(x.shape[0]):
             return self.panels.linear(x, self.kernels, self.isa).to(x.dtype)
         if self.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")

@@ -145,6 +145,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden] -> logits: [N, vocab] in fp32 for the sampler
+        if self.lm_head.uses_panels(hidden.shape[0]):  # the kernel's fp32 output, not rounded to bf16 and back
+            return self.lm_head.panels.linear(hidden, self.lm_head.kernels, self.lm_head.isa)
         return self.lm_head(hidden).float()
 
     def _shard_sizes(self, fused: str) -> list[int]:

@@ -1,0 +1,35 @@
+"""Runs the offline workload through vLLM's CPU build, in vLLM's own environment:
+`bench.offline_throughput --compare --vllm-python PYTHON` starts this file with that Python
+and reads one JSON line back. Imports nothing from minivllm.
+
+stdin: {"model_dir": str, "prompts": [[token ids]], "output_len": int, "dtype": str, "max_num_seqs": int}
+stdout (last line): RESULT {"seconds": float, "output_tokens": int}
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def main() -> None:
+    job = json.loads(sys.stdin.read())
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # both cores compute, as ours do
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, as our default pool
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=job["model_dir"], dtype=job["dtype"], max_num_seqs=job["max_num_seqs"], seed=0,
+              max_model_len=max(len(p) for p in job["prompts"]) + job["output_len"] + 16)
+    params = SamplingParams(temperature=0, max_tokens=job["output_len"], ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in job["prompts"]]
+    llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    print("RESULT " + json.dumps({"seconds": seconds, "output_tokens": tokens}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
