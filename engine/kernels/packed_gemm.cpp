@@ -17,6 +17,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <type_traits>
 
@@ -29,6 +30,7 @@ namespace {
 
 constexpr int64_t kPanel = 16;
 constexpr int64_t kRowBlock = 64;  // rows of x kept hot in cache while a task walks its panels
+constexpr int64_t kTasksPerThread = 4;
 // Weights are requested this far ahead of use: a layer's matrices are a few hundred KB each,
 // too short a stream for the hardware prefetcher to reach full speed on its own.
 constexpr int64_t kPrefetchBytes = 4096;
@@ -179,10 +181,20 @@ void gemm_typed(const float* x, int64_t M, int64_t ldx, const T* w, int64_t K, c
                 int64_t N, float* out, int64_t ldo, int64_t isa, bool accumulate) {
   const int64_t num_panels = (N + kPanel - 1) / kPanel;
   const int64_t tile_rows = max_tile_rows(isa);
-  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+  // Tasks of a few panels each (for one block of rows), taken from a shared counter rather than
+  // split evenly up front: a thread the OS preempts (a serving process's event loop, a client
+  // on the same cores) then delays its own tasks only, not the whole product.
+  const int64_t num_threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t chunk = std::max<int64_t>(1, (num_panels + kTasksPerThread * num_threads - 1) /
+                                                 (kTasksPerThread * num_threads));
+  const int64_t num_chunks = (num_panels + chunk - 1) / chunk;
+  const int64_t num_tasks = num_chunks * ((M + kRowBlock - 1) / kRowBlock);
+  std::atomic<int64_t> next_task{0};
+  at::parallel_for(0, std::min(num_threads, num_tasks), 1, [&](int64_t, int64_t) {
     alignas(64) float acc[8 * kPanel];
-    for (int64_t m_block = 0; m_block < M; m_block += kRowBlock) {
-      const int64_t m_end = std::min(M, m_block + kRowBlock);
+    for (int64_t task = next_task++; task < num_tasks; task = next_task++) {
+      const int64_t m_block = (task / num_chunks) * kRowBlock, m_end = std::min(M, m_block + kRowBlock);
+      const int64_t begin = (task % num_chunks) * chunk, end = std::min(num_panels, begin + chunk);
       for (int64_t p = begin; p < end; ++p) {
         const T* panel = w + p * K * kPanel;
         const int64_t n0 = p * kPanel, width = std::min(kPanel, N - n0);
