@@ -26,7 +26,6 @@ def main() -> None:
         pass
     decode_rates, total, produced = [], 0.0, 0
     for prompt in prompts:  # llama-cpp-python serves one sequence at a time
-        llm.reset()
         start = time.perf_counter()
         first = start
         count = 0

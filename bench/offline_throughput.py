@@ -24,6 +24,7 @@ import torch
 
 from bench.latency_stats import timed
 from engine import LLM, SamplingParams, StepStats
+from engine.models.layers import Linear
 
 logger = logging.getLogger("bench.offline")
 
@@ -67,14 +68,13 @@ def weight_bytes_per_token(llm: LLM) -> int:
     counts its packed copy; a tied LM head reads the embedding matrix), plus the norms. The
     embedding lookup reads one row, which is left out."""
     model = llm.engine.runner.model
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
     total = 0
     for module in linears:
-        panels = getattr(module, "panels", None)
-        packed = getattr(module, "packed_weight", None)
-        if panels is not None and (module.max_panel_rows >= 1 or packed is None):  # what a batch-1 step reads
-            total += panels.num_bytes
+        if module.uses_panels(1):  # what a batch-1 step reads
+            total += module.panels.num_bytes
             continue
+        packed = module.packed_weight
         weight = packed if packed is not None else module.weight
         total += weight.numel() * weight.element_size()
         if module.bias is not None:
@@ -221,8 +221,9 @@ def main() -> None:
             json.dump(result, f, indent=2)
 
 
-_MODES = {"float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"},
-          "int8": {"dtype": "float32", "quantization": "int8"}}
+# weight mode -> engine options (bench.perplexity uses the same table)
+WEIGHT_MODES = {"float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"},
+                "int8": {"dtype": "float32", "quantization": "int8"}}
 
 
 def run_llama_cpp(python: str, gguf: Path, prompts: list[list[int]], output_len: int) -> dict[str, float]:
@@ -262,10 +263,10 @@ def compare(args: argparse.Namespace) -> None:
     rows, result = [], {"workload": vars(args), "threads": torch.get_num_threads(), "systems": {}}
     prompts = None
     for mode in args.compare.split(","):
-        if mode not in _MODES:
-            raise SystemExit(f"--compare: unknown mode {mode!r}; choose from {', '.join(_MODES)}")
+        if mode not in WEIGHT_MODES:
+            raise SystemExit(f"--compare: unknown mode {mode!r}; choose from {', '.join(WEIGHT_MODES)}")
         llm = LLM(args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                  **_MODES[mode])
+                  **WEIGHT_MODES[mode])
         if prompts is None:
             prompts = make_prompts(args.num_prompts, args.min_input, args.max_input, llm.engine.vocab_size, args.seed)
         seconds, steps = run_minivllm(llm, prompts, args.output_len)
@@ -288,7 +289,7 @@ def compare(args: argparse.Namespace) -> None:
         for mode in args.compare.split(","):
             if mode == "int8":
                 continue  # vLLM's CPU build has no weight-only int8 for this model
-            peer = run_vllm(vllm, resolve_dir(args.model), prompts, args.output_len, _MODES[mode]["dtype"],
+            peer = run_vllm(vllm, resolve_dir(args.model), prompts, args.output_len, WEIGHT_MODES[mode]["dtype"],
                             args.max_num_seqs)
             figures = {"output_tok_s": peer["output_tokens"] / peer["seconds"]}
             result["systems"][f"vLLM CPU {mode}"] = figures

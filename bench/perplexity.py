@@ -12,14 +12,12 @@ import logging
 import math
 from pathlib import Path
 
+from bench.offline_throughput import WEIGHT_MODES as MODES
 from engine import LLM, SamplingParams
 
 logger = logging.getLogger("bench.perplexity")
 
 TEXT = Path(__file__).with_name("data") / "perplexity.txt"
-# mode -> engine options
-MODES = {"float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"},
-         "int8": {"dtype": "float32", "quantization": "int8"}}
 
 
 def perplexity(llm: LLM, token_ids: list[int]) -> float:

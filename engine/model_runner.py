@@ -87,15 +87,16 @@ class ModelRunner:
         use_kernels = (is_cpu and self.dtype in (torch.float32, torch.bfloat16)
                        and os.environ.get("MINIVLLM_DISABLE_CPP_KERNELS") != "1")
         self.cpu_kernels = load_cpu_kernels() if use_kernels else None
+        if quantized and self.cpu_kernels is None:
+            raise ValueError("quantization: int8 needs the C++ CPU kernels (a compiler, dtype float32 or bfloat16, "
+                             "MINIVLLM_DISABLE_CPP_KERNELS unset)")
         self.isa = pick_isa(self.cpu_kernels, os.environ.get("MINIVLLM_KERNEL_ISA", "auto"))
         onednn = (is_cpu and not quantized and os.environ.get("MINIVLLM_DISABLE_PACKED_LINEAR") != "1"
                   and can_pack_linear(self.dtype))
         max_fused = config.max_fused_decode_batch
         if max_fused is None:  # the crossover measured on a 2-core AVX-512/AMX CPU (README)
             max_fused = config.max_num_seqs if quantized else 24 if self.dtype == torch.float32 else 8
-        panel_dtype = torch.int8 if quantized else None
-        if self.cpu_kernels is not None and max_fused > 0 and not quantized:
-            panel_dtype = self.dtype
+        panel_dtype = torch.int8 if quantized else self.dtype if self.cpu_kernels is not None and max_fused > 0 else None
         if onednn or panel_dtype is not None:
             self.model.pack_weights(onednn, panel_dtype, self.cpu_kernels, self.isa, max_fused)
         self.max_fused_decode_batch = max_fused if self.model.decode_kernels is not None else 0

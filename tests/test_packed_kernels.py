@@ -4,6 +4,8 @@ every SIMD path this CPU runs (AVX2 is forced on AVX-512 machines), and one whol
 in one call against the torch layer it replaces."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -43,8 +45,6 @@ def test_packed_linear_matches_the_matrix_it_packs(kernels, dtype: torch.dtype, 
         assert out.shape == (m, n)
         err = (out.double() - reference).abs().max().item()
         assert err < 1e-3 * k**0.5, f"{ISA_NAMES[isa]}: max error {err}"
-    # The torch fallback computes the same product.
-    assert torch.allclose(packed.linear(x, None, 0).double(), reference, atol=1e-3 * k**0.5)
 
 
 def test_packing_keeps_fp32_exact_and_int8_within_half_a_step() -> None:
@@ -65,9 +65,10 @@ def test_isa_choice_refuses_unknown_and_unsupported_names(kernels) -> None:
     assert pick_isa(None, "avx512") == 0  # no kernels, nothing to choose
     with pytest.raises(ValueError, match="MINIVLLM_KERNEL_ISA"):
         pick_isa(kernels, "sse2")
-    if kernels.best_isa() < 2:
-        with pytest.raises(ValueError, match="does not run it"):
-            pick_isa(kernels, "avx512")
+    avx2_only = SimpleNamespace(best_isa=lambda: 1)  # an AVX2 machine, whatever this one is
+    assert pick_isa(avx2_only, "auto") == 1
+    with pytest.raises(ValueError, match="does not run it"):
+        pick_isa(avx2_only, "avx512")
 
 
 def _layer_case(weight_dtype: torch.dtype, window: int | None, kernels, isa: int):
@@ -118,7 +119,7 @@ def test_decode_layer_in_one_call_matches_the_torch_layer(kernels, weight_dtype:
             for proj, saved in zip(projections, panels, strict=True):
                 proj.panels = saved
             out = x.clone()
-            layer.forward_fused(out, cos, sin, attn, k_cache, v_cache, kernels)
+            layer.forward_fused(out, cos, sin, attn, k_cache, v_cache, kernels, isa)
         assert torch.allclose(out, expected, atol=1e-4), f"{ISA_NAMES[isa]}: {(out - expected).abs().max()}"
         assert torch.allclose(k_cache, k_ref, atol=1e-5) and torch.allclose(v_cache, v_ref, atol=1e-5)
         assert not torch.equal(k_cache[slots], torch.zeros_like(k_cache[slots]))
@@ -140,3 +141,11 @@ def test_fused_decode_batch_defaults_to_the_measured_crossover(tiny_model_dir) -
         fused(max_fused_decode_batch=-1)
     with pytest.raises(ValueError, match="quantization"):
         fused(quantization="int4")
+
+
+def test_int8_without_the_kernels_is_refused_not_slow(tiny_model_dir, monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine import LLM
+
+    monkeypatch.setenv("MINIVLLM_DISABLE_CPP_KERNELS", "1")
+    with pytest.raises(ValueError, match="int8 needs the C\\+\\+ CPU kernels"):
+        LLM(str(tiny_model_dir), num_kv_blocks=64, quantization="int8")

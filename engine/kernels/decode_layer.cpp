@@ -88,6 +88,9 @@ void decode_layer(torch::Tensor x,                    // [M, hidden] float32, up
   TORCH_CHECK(input_norm.scalar_type() == torch::kFloat32 && post_norm.scalar_type() == torch::kFloat32,
               "decode_layer: float32 norm weights");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "decode_layer: contiguous cache");
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && block_tables.scalar_type() == torch::kInt64 &&
+              context_lens.scalar_type() == torch::kInt64 && block_tables.is_contiguous(),
+              "decode_layer: int64 slots, block tables and lengths");
   const int64_t M = x.size(0), hidden = x.size(1);
   const int64_t num_kv_heads = k_cache.size(1), head_dim = k_cache.size(2);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;

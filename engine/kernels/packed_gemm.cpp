@@ -219,12 +219,16 @@ void gemm_typed(const float* x, int64_t M, int64_t ldx, const T* w, int64_t K, c
 }  // namespace
 
 int64_t best_isa() {
+  // Asked on every product (to refuse a path the CPU lacks): detect once.
+  static const int64_t best = [] {
 #if defined(__x86_64__)
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) return kIsaAvx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kIsaAvx2;
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) return kIsaAvx512;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kIsaAvx2;
 #endif
-  return kIsaScalar;
+    return kIsaScalar;
+  }();
+  return best;
 }
 
 void packed_gemm(const float* x, int64_t M, int64_t ldx, const torch::Tensor& w, const float* scale,

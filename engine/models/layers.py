@@ -29,7 +29,7 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias)
         self.packed_weight: torch.Tensor | None = None
         self.panels: PackedWeight | None = None
-        self.kernels: ModuleType | None = None
+        self.kernels: ModuleType | None = None  # with panels: the C++ kernels and SIMD path that run them
         self.isa = 0
         self.max_panel_rows = 0
 
@@ -38,7 +38,7 @@ class Linear(nn.Linear):
         if drop_weight:  # the packed copy is all the forward needs
             self.drop_weight()
 
-    def pack_panels(self, dtype: torch.dtype, kernels: ModuleType | None, isa: int, max_panel_rows: int) -> None:
+    def pack_panels(self, dtype: torch.dtype, kernels: ModuleType, isa: int, max_panel_rows: int) -> None:
         self.panels = PackedWeight.pack(self.weight.detach(), self.bias, dtype)
         self.kernels, self.isa, self.max_panel_rows = kernels, isa, max_panel_rows
 
@@ -49,8 +49,15 @@ class Linear(nn.Linear):
         return self.panels is not None and (num_rows <= self.max_panel_rows or self.packed_weight is None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_float(x).to(x.dtype) if self.uses_panels(x.shape[0]) else self._forward_native(x)
+
+    def forward_float(self, x: torch.Tensor) -> torch.Tensor:
+        """The product in float32 (logits): the panels' own output, not rounded to x's dtype and back."""
         if self.uses_panels(x.shape[0]):
-            return self.panels.linear(x, self.kernels, self.isa).to(x.dtype)
+            return self.panels.linear(x, self.kernels, self.isa)
+        return self._forward_native(x).float()
+
+    def _forward_native(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

@@ -46,14 +46,13 @@ class DecoderLayer(nn.Module):
         self.norm_weights: tuple[torch.Tensor, torch.Tensor] | None = None  # float32 copies for the C++ layer
 
     def forward_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata,
-                      k_cache: torch.Tensor, v_cache: torch.Tensor, kernels: ModuleType) -> None:
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, kernels: ModuleType, isa: int) -> None:
         """The whole layer as one C++ call over the panel-packed weights, for decode steps of a
         few sequences. x: [B, hidden] float32, updated in place; cos, sin: [B, head_dim] float32."""
         proj = (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
         kernels.decode_layer(x, cos, sin, *self.norm_weights, *(p.panels.as_args() for p in proj),
                              k_cache, v_cache, attn.slot_mapping, attn.block_tables, attn.context_lens,
-                             self.num_heads, attn.block_size, self.eps, self.scale, self.sliding_window or 0,
-                             self.qkv_proj.isa)
+                             self.num_heads, attn.block_size, self.eps, self.scale, self.sliding_window or 0, isa)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
@@ -92,6 +91,7 @@ class LlamaForCausalLM(nn.Module):
         for p in self.parameters():
             p.requires_grad_(False)
         self.decode_kernels: ModuleType | None = None  # set when every layer has panels (pack_weights)
+        self.decode_isa = 0
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [T] -> cos, sin: [T, 1, head_dim], computed once per forward for all layers
@@ -118,7 +118,7 @@ class LlamaForCausalLM(nn.Module):
         x = x.float().contiguous()
         cos, sin = (t.squeeze(1).contiguous() for t in self.rope(positions, torch.float32))  # [B, head_dim]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            layer.forward_fused(x, cos, sin, attn, k_cache, v_cache, self.decode_kernels)
+            layer.forward_fused(x, cos, sin, attn, k_cache, v_cache, self.decode_kernels, self.decode_isa)
         return self.norm(x).to(dtype)
 
     def pack_weights(self, onednn: bool, panel_dtype: torch.dtype | None, kernels: ModuleType | None, isa: int,
@@ -126,7 +126,9 @@ class LlamaForCausalLM(nn.Module):
         """Pack every projection once, after loading (CPU): for oneDNN (prefill, large batches)
         and/or as panels of `panel_dtype` for the C++ small-batch kernels (decode at up to
         `max_panel_rows` sequences; every batch when they are the only copy, as in int8). With
-        panels and kernels, decode steps run each layer as one C++ call (`forward_fused`)."""
+        panels, decode steps run each layer as one C++ call (`forward_fused`); panels need `kernels`."""
+        if panel_dtype is not None and kernels is None:
+            raise ValueError("panel-packed weights need the C++ CPU kernels")
         for module in self.modules():
             if not isinstance(module, Linear):
                 continue
@@ -137,17 +139,15 @@ class LlamaForCausalLM(nn.Module):
                 module.pack(drop_weight=not tied)
             elif panel_dtype is not None and not tied:
                 module.drop_weight()
-        if panel_dtype is not None and kernels is not None:
+        if panel_dtype is not None:
             for layer in self.layers:
                 layer.norm_weights = (layer.input_layernorm.weight.float().contiguous(),
                                       layer.post_attention_layernorm.weight.float().contiguous())
-            self.decode_kernels = kernels
+            self.decode_kernels, self.decode_isa = kernels, isa
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden] -> logits: [N, vocab] in fp32 for the sampler
-        if self.lm_head.uses_panels(hidden.shape[0]):  # the kernel's fp32 output, not rounded to bf16 and back
-            return self.lm_head.panels.linear(hidden, self.lm_head.kernels, self.lm_head.isa)
-        return self.lm_head(hidden).float()
+        return self.lm_head.forward_float(hidden)
 
     def _shard_sizes(self, fused: str) -> list[int]:
         cfg = self.config

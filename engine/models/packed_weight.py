@@ -8,6 +8,7 @@ float32 scale per output channel (max |w| / 127), which halves bf16's bytes and 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
@@ -51,15 +52,13 @@ class PackedWeight:
         return self.data, self.scales, self.bias, self.out_features
 
     def dequantize(self) -> torch.Tensor:
-        """The [N, K] float32 matrix these panels hold (the torch fallback, and tests)."""
+        """The [N, K] float32 matrix these panels hold (what the kernels multiply by; tests)."""
         num_panels, k, _ = self.data.shape
         weight = self.data.float().transpose(1, 2).reshape(num_panels * PANEL, k)
         if self.scales is not None:
             weight = weight * self.scales.unsqueeze(1)
         return weight[: self.out_features]
 
-    def linear(self, x: torch.Tensor, kernels: object | None, isa: int) -> torch.Tensor:
-        """x [M, K] -> [M, N] float32, by the C++ kernel when there is one."""
-        if kernels is not None:
-            return kernels.packed_linear(x, *self.as_args(), isa)
-        return torch.nn.functional.linear(x.float(), self.dequantize(), self.bias)
+    def linear(self, x: torch.Tensor, kernels: ModuleType, isa: int) -> torch.Tensor:
+        """x [M, K] -> [M, N] float32."""
+        return kernels.packed_linear(x, *self.as_args(), isa)
