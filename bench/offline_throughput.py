@@ -158,8 +158,8 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--dtype", default="auto", help="engine dtype: auto (fp32 on CPU) | float32 | bfloat16")
     parser.add_argument("--quantization", default="none", help="engine weight quantization: none | int8")
-    parser.add_argument("--max-fused-decode-batch", type=int, default=None,
-                        help="engine max_fused_decode_batch (default: the engine's)")
+    parser.add_argument("--max-fused-tokens", type=int, default=None,
+                        help="engine max_fused_tokens (default: the engine's)")
     parser.add_argument("--json", default=None, help="also write the figures to this file")
     parser.add_argument("--single-stream", action="store_true",
                         help="batch 1 instead: one prompt of --max-input tokens, greedy, --output-len tokens")
@@ -177,7 +177,7 @@ def main() -> None:
         compare(args)
         return
 
-    fused = {} if args.max_fused_decode_batch is None else {"max_fused_decode_batch": args.max_fused_decode_batch}
+    fused = {} if args.max_fused_tokens is None else {"max_fused_tokens": args.max_fused_tokens}
     llm = LLM(args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               dtype=args.dtype, quantization=args.quantization, **fused)
     prompts = make_prompts(args.num_prompts, args.min_input, args.max_input, llm.engine.vocab_size, args.seed)

@@ -92,7 +92,7 @@ def chunk_split(engine: LLMEngine, chunk: int, context: int, repeats: int = 5) -
     layer) and the rest; and the projections' GFLOP/s beside plain torch GEMMs of the same shapes.
     The parts are measured in turn, `repeats` times, and each is the median: the machine's speed
     drifts, so parts timed minutes apart would not add up."""
-    from engine.attention import PrefillSeqMeta, prefill_attention
+    from engine.attention import AttentionMetadata, PrefillSeqMeta, prefill_attention
 
     runner = engine.runner
     model, mc = runner.model, runner.model_config
@@ -104,7 +104,12 @@ def chunk_split(engine: LLMEngine, chunk: int, context: int, repeats: int = 5) -
     k = torch.randn(chunk, mc.num_kv_heads, mc.head_dim, dtype=runner.dtype)
     k_cache, v_cache = runner.kv_caches[0]
     slots = torch.arange(context + chunk)
-    meta = [PrefillSeqMeta(0, chunk, context + chunk, slots if context else None, 0 if context else None)]
+    block_table = torch.arange((context + chunk + runner.block_size - 1) // runner.block_size)
+    meta = [PrefillSeqMeta(0, chunk, context + chunk, slots if context else None, 0 if context else None,
+                           block_table=block_table)]
+    attn = AttentionMetadata(slot_mapping=slots[context:], num_prefill_tokens=chunk, prefill=meta,
+                             block_size=runner.block_size, prefill_kernels=runner.prefill_kernels,
+                             kernel_isa=runner.isa)
     engine.reconfigure(max_num_batched_tokens=chunk)
 
     def engine_chunk() -> float:
@@ -123,7 +128,7 @@ def chunk_split(engine: LLMEngine, chunk: int, context: int, repeats: int = 5) -
             parts["forward"].append(engine_chunk())
             parts["projections"].append(timed(lambda: [m(x[m.in_features]) for m in linears]))
             parts["gemm"].append(timed(lambda: [torch.nn.functional.linear(x[i], weights[(i, o)]) for i, o in shapes]))
-            parts["attention"].append(timed(lambda: [prefill_attention(q, k, k, k_cache, v_cache, meta,
+            parts["attention"].append(timed(lambda: [prefill_attention(q, k, k, k_cache, v_cache, attn,
                                                                        mc.head_dim**-0.5)
                                                      for _ in range(mc.num_layers)]))
     med = {name: statistics.median(values[1:]) for name, values in parts.items()}

@@ -2,10 +2,12 @@
 
 Cache layout per layer: k_cache, v_cache: [num_slots, num_kv_heads, head_dim] where
 slot = block_id * block_size + offset. New K/V are written at slot_mapping first; then
-- prefill: per sequence, causal attention of its chunk over its whole context. A sequence
-  with nothing cached attends over the fresh K/V directly; one with a cached prefix (prefix
-  hit, later chunk, recompute) attends to the cache and to itself separately, merged by
-  log-sum-exp (no mask); the cache is read in place when its slots are consecutive.
+- prefill: per sequence, causal attention of its chunk over its whole context. On an AVX-512
+  CPU a C++ flash-style kernel reads every key straight from the paged cache through the block
+  table (engine/kernels/prefill_attention.cpp). Otherwise a sequence with nothing cached
+  attends over the fresh K/V directly; one with a cached prefix (prefix hit, later chunk,
+  recompute) attends to the cache and to itself separately, merged by log-sum-exp (no mask);
+  the cache is read in place when its slots are consecutive.
 - decode: one query per sequence. On the CPU (fp32 or bf16) a C++ kernel walks each block
   table directly (engine/kernels); otherwise all contexts are gathered at once through a
   [B, L] slot index shared by every layer, padded positions masked out.
@@ -28,6 +30,7 @@ class PrefillSeqMeta:
     context_len: int  # tokens in the cache after this chunk, including it
     context_slots: torch.Tensor | None  # [context_len] slots; None when nothing was cached
     cached_slot_start: int | None = None  # set when the cached tokens sit in consecutive slots
+    block_table: torch.Tensor | None = None  # [num_blocks] int64, for the C++ prefill kernel
 
     @property
     def num_cached_tokens(self) -> int:
@@ -45,9 +48,11 @@ class AttentionMetadata:
     block_tables: torch.Tensor | None = None  # [B, max_blocks] (decode)
     context_lens: torch.Tensor | None = None  # [B] (decode)
     decode_kernels: ModuleType | None = None  # C++ kernels, when usable
+    prefill_kernels: ModuleType | None = None  # C++ kernels, when their prefill attention is the faster path
+    kernel_isa: int = 0  # the SIMD path the prefill kernel runs
     decode_slots: torch.Tensor | None = None  # [B, L] context slots (torch decode path)
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, L] additive: 0 or -inf (torch decode path)
-    is_fused_decode: bool = False  # a decode-only step small enough for the model's one-call C++ layers
+    is_fused: bool = False  # a step small enough for the model's C++ layers (forward_fused)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -62,19 +67,43 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
     """Both paths of one step: prefill rows first, then decode rows. q: [T, H, D] -> [T, H, D]."""
     num_prefill = attn.num_prefill_tokens
     if num_prefill == q.shape[0]:
-        return prefill_attention(q, k, v, k_cache, v_cache, attn.prefill, scale, window)
+        return prefill_attention(q, k, v, k_cache, v_cache, attn, scale, window)
     if num_prefill == 0:
         return decode_attention(q, k_cache, v_cache, attn, scale, window)
     out = torch.empty_like(q)
     out[:num_prefill] = prefill_attention(q[:num_prefill], k[:num_prefill], v[:num_prefill], k_cache, v_cache,
-                                          attn.prefill, scale, window)
+                                          attn, scale, window)
     out[num_prefill:] = decode_attention(q[num_prefill:], k_cache, v_cache, attn, scale, window)
     return out
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, seqs: list[PrefillSeqMeta], scale: float,
+                      v_cache: torch.Tensor, attn: AttentionMetadata, scale: float,
                       window: int | None = None) -> torch.Tensor:
+    """Every chunk of the step, its own K/V already in the cache. q: [T, H, D]; k, v: [T, KVH, D]
+    -> [T, H, D] in q's dtype (the math in the cache's dtype, or float32 in the C++ kernel)."""
+    if attn.prefill_kernels is not None:
+        return _kernel_prefill(q, k_cache, v_cache, attn, scale, window)
+    dtype = q.dtype
+    q, k, v = (x.to(k_cache.dtype) for x in (q, k, v))
+    return _torch_prefill(q, k, v, k_cache, v_cache, attn.prefill, scale, window).to(dtype)
+
+
+def _kernel_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: AttentionMetadata,
+                    scale: float, window: int | None) -> torch.Tensor:
+    # q: [T, H, D] -> [T, H, D]
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    for meta in attn.prefill:
+        rows = slice(meta.query_start, meta.query_start + meta.query_len)
+        out[rows] = attn.prefill_kernels.paged_prefill_attention(
+            q[rows].float(), k_cache, v_cache, meta.block_table, meta.num_cached_tokens, attn.block_size, scale,
+            window or 0, attn.kernel_isa)
+    return out.to(q.dtype)
+
+
+def _torch_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, seqs: list[PrefillSeqMeta], scale: float,
+                   window: int | None = None) -> torch.Tensor:
     # q: [T, H, D]; k, v: [T, KVH, D] -> out: [T, H, D]
     out = torch.empty_like(q)
     for meta in seqs:

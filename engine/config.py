@@ -42,11 +42,11 @@ class EngineConfig:
                                          "(affinity and cgroup quota)")
     quantization: str = _opt("none", "weight quantization: none | int8 (weight-only, one scale per output "
                                      "channel; CPU; activations and KV cache keep dtype)")
-    max_fused_decode_batch: int | None = _opt(None, "decode steps of at most this many sequences run each layer as "
-                                                    "one C++ call over weights packed for small batches (CPU; in "
-                                                    "float32/bfloat16 a second copy of the weights); 0: off; unset: "
-                                                    "24 in float32, 8 in bfloat16 (where oneDNN's GEMM takes over "
-                                                    "on an AMX CPU), every batch with int8 weights")
+    max_fused_tokens: int | None = _opt(None, "steps of at most this many tokens (decode sequences + prefill "
+                                              "tokens) run each layer in C++ over weights packed for small "
+                                              "batches (CPU; in float32/bfloat16 a second copy of the weights); "
+                                              "0: off; unset: 64 in float32, 8 in bfloat16 (where oneDNN's AMX "
+                                              "GEMM takes over), every step with int8 weights")
 
     # Paged KV cache.
     block_size: int = _opt(16, "tokens per KV cache block")
@@ -114,8 +114,8 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.quantization not in ("none", "int8"):
             raise ValueError(f"quantization must be none or int8, got {self.quantization!r}")
-        if self.max_fused_decode_batch is not None and self.max_fused_decode_batch < 0:
-            raise ValueError(f"max_fused_decode_batch must be >= 0, got {self.max_fused_decode_batch}")
+        if self.max_fused_tokens is not None and self.max_fused_tokens < 0:
+            raise ValueError(f"max_fused_tokens must be >= 0, got {self.max_fused_tokens}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
 

@@ -5,6 +5,7 @@ output processor owns what a token means for the client, the runner owns the mod
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import logging
 import time
@@ -63,6 +64,12 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
         self._ids = itertools.count()
         self._step_ids = itertools.count(1)
+        # Everything loaded so far (model, tokenizers, libraries: about 300k objects) lives as
+        # long as the engine; frozen, the collector stops walking it. Unfrozen, a full
+        # collection took 115-120 ms here (0.06 ms frozen), a stall of 5 decode steps in every
+        # running stream whenever one runs (vLLM freezes after start-up too).
+        gc.collect()
+        gc.freeze()
 
     # ---- requests -------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,15 +94,20 @@ class ModelRunner:
         self.isa = pick_isa(self.cpu_kernels, os.environ.get("MINIVLLM_KERNEL_ISA", "auto"))
         onednn = (is_cpu and not quantized and os.environ.get("MINIVLLM_DISABLE_PACKED_LINEAR") != "1"
                   and can_pack_linear(self.dtype))
-        max_fused = config.max_fused_decode_batch
+        max_fused = config.max_fused_tokens
         if max_fused is None:  # the crossover measured on a 2-core AVX-512/AMX CPU (README)
-            max_fused = config.max_num_seqs if quantized else 24 if self.dtype == torch.float32 else 8
+            max_fused = sys.maxsize if quantized else 64 if self.dtype == torch.float32 else 8
         panel_dtype = torch.int8 if quantized else self.dtype if self.cpu_kernels is not None and max_fused > 0 else None
         if onednn or panel_dtype is not None:
             self.model.pack_weights(onednn, panel_dtype, self.cpu_kernels, self.isa, max_fused)
-        self.max_fused_decode_batch = max_fused if self.model.decode_kernels is not None else 0
-        self.num_kv_blocks = config.num_kv_blocks or self._blocks_for(config.kv_cache_gib)
+        self.max_fused_tokens = max_fused if self.model.fused_kernels is not None else 0
         mc = self.model_config
+        # The C++ prefill attention where it was measured ahead of torch's flash kernel: its
+        # AVX-512 tiles (1.3x at a chunk over 1000 cached tokens, 2.6x at a first chunk, README);
+        # its portable loop is slower than flash, so AVX2 machines keep flash.
+        fits = mc.num_heads // mc.num_kv_heads <= 8 and mc.head_dim <= 256
+        self.prefill_kernels = self.cpu_kernels if self.isa == _ISAS["avx512"] and fits else None
+        self.num_kv_blocks = config.num_kv_blocks or self._blocks_for(config.kv_cache_gib)
         # One pool for all layers: [layers, k/v, slots, kv_heads, head_dim].
         self.kv_cache = torch.zeros(mc.num_layers, 2, self.num_kv_blocks * self.block_size, mc.num_kv_heads,
                                     mc.head_dim, dtype=self.dtype, device=self.device)
@@ -144,9 +150,11 @@ class ModelRunner:
         attn = AttentionMetadata(slot_mapping=self._to_device(np.concatenate([p.slot_mapping for p in parts])),
                                  num_prefill_tokens=num_prefill_tokens,
                                  prefill=prefill.metas if prefill else None, block_size=self.block_size)
+        if prefill is not None:
+            attn.prefill_kernels, attn.kernel_isa = self.prefill_kernels, self.isa
         if decode is not None:
             decode.fill(attn, self)
-            attn.is_fused_decode = prefill is None and len(sched.decode_seqs) <= self.max_fused_decode_batch
+        attn.is_fused = len(input_ids) <= self.max_fused_tokens
         rows = [prefill.last_indices[i] for i in sched.prefill_sample_rows] if prefill else []
         rows += range(num_prefill_tokens, num_prefill_tokens + len(sched.decode_seqs))
         rows_t = self._to_device(np.asarray(rows, dtype=np.int64))
@@ -201,7 +209,7 @@ class ModelRunner:
             ctx_slots = table[ctx_pos // bs] * bs + ctx_pos % bs
             positions.append(ctx_pos[start:])
             slots.append(ctx_slots[start:])
-            meta = PrefillSeqMeta(num_tokens, n, start + n, None)
+            meta = PrefillSeqMeta(num_tokens, n, start + n, None, block_table=self._to_device(table))
             if start:
                 meta.context_slots = self._to_device(ctx_slots)
                 first = int(ctx_slots[0])

@@ -199,14 +199,16 @@ class Scheduler:
         return fit
 
     @staticmethod
-    def _step_features(sched: SchedulerOutput) -> tuple[int, int, int, float]:
+    def _step_features(sched: SchedulerOutput) -> tuple[int, int, int, float, int]:
         pairs = sum(attention_pairs(n, s.num_computed_tokens)
                     for s, n in zip(sched.prefill_seqs, sched.prefill_num_tokens, strict=True))
-        return (len(sched.decode_seqs), sum(s.num_tokens for s in sched.decode_seqs), sched.num_prefill_tokens, pairs)
+        return (len(sched.decode_seqs), sum(s.num_tokens for s in sched.decode_seqs), sched.num_prefill_tokens, pairs,
+                sum(s.num_computed_tokens for s in sched.prefill_seqs))
 
     def observe_step_time(self, sched: SchedulerOutput, forward_time: float, overhead_time: float) -> None:
         """Teach the cost model what the step scheduled by `sched` took."""
-        self.cost_model.observe(*sched.cost_features, forward_time, overhead_time)
+        *features, num_cached = sched.cost_features
+        self.cost_model.observe(*features, forward_time, overhead_time, num_cached)
 
     def update_from_output(self, sched: SchedulerOutput, sampled_token_ids: list[int]) -> None:
         """Fold a finished forward back into the sequences: the scheduled tokens are now in the

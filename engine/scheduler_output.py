@@ -30,8 +30,9 @@ class SchedulerOutput:
     budget_source: str = "tokens"
     step_time_target: float | None = None  # seconds, when the time budget applied
     predicted_step_time: float | None = None  # seconds, by the learned cost model
-    # The cost model's view of the step (decode seqs, decode context, prefill tokens, attention pairs).
-    cost_features: tuple[int, int, int, float] = (0, 0, 0, 0.0)
+    # The cost model's view of the step (decode seqs, decode context, prefill tokens, attention
+    # pairs, cached tokens the prefill chunks read).
+    cost_features: tuple[int, int, int, float, int] = (0, 0, 0, 0.0, 0)
 
     @property
     def num_prefill_tokens(self) -> int:

@@ -3,12 +3,15 @@
 A step is one forward over its prefill and decode tokens, so its time is modelled as
     t = w0 + w1 * decode sequences + w2 * decode context tokens / 1e3
            + w3 * prefill tokens + w4 * prefill attention pairs / 1e6 + w5 * (any prefill)
-           + host overhead
+           + w6 * cached tokens the chunks read / 1e3 + host overhead
 fitted by exponentially weighted recursive least squares (forgetting factor `decay`, so it
 follows a machine whose speed drifts). w0 matters: on a CPU every forward first streams all
 weights from memory, which costs as much for 1 row as for 30; w5 is what a step pays once for
 having prefill rows (per-layer attention set-up), kept apart so it does not leak into the
-decode-only prediction that the auto target is a multiple of. The host overhead (schedule,
+decode-only prediction that the auto target is a multiple of; w6 is what a chunk pays per
+cached token whatever its own length (the C++ prefill kernel lays each layer's cached K/V out
+for its tiles), which pairs alone under-predict for the small chunks a time budget cuts: a
+16-token chunk over 1000 cached tokens cost 13 ms more than over none. The host overhead (schedule,
 input preparation, sampling, output processing) is an exponentially weighted mean.
 
 The model also tracks how far it errs: an online estimate of the 90th percentile of
@@ -22,8 +25,8 @@ from __future__ import annotations
 
 import numpy as np
 
-_PRIOR = [0.0, 1e-3, 1e-3, 1e-3, 1e-2, 0.0]
-_PRIOR_VARIANCE = [1.0, 1e-2, 1e-2, 1e-2, 1.0, 1.0]
+_PRIOR = [0.0, 1e-3, 1e-3, 1e-3, 1e-2, 0.0, 1e-3]
+_PRIOR_VARIANCE = [1.0, 1e-2, 1e-2, 1e-2, 1.0, 1.0, 1e-2]
 _MAX_VARIANCE_GROWTH = 100.0  # a feature unseen for long regains at most this much uncertainty
 ERROR_QUANTILE = 0.9
 _QUANTILE_STEP = 0.01  # how far one step moves the error quantile estimate
@@ -47,11 +50,11 @@ class StepCostModel:
 
     @staticmethod
     def features(num_decode_seqs: int, num_decode_context_tokens: int, num_prefill_tokens: int,
-                 num_prefill_pairs: float) -> np.ndarray:
+                 num_prefill_pairs: float, num_prefill_cached_tokens: int = 0) -> np.ndarray:
         is_forward = 1.0 if num_decode_seqs or num_prefill_tokens else 0.0
         has_prefill = 1.0 if num_prefill_tokens else 0.0
         return np.array([is_forward, num_decode_seqs, num_decode_context_tokens / 1e3, num_prefill_tokens,
-                         num_prefill_pairs / 1e6, has_prefill])
+                         num_prefill_pairs / 1e6, has_prefill, num_prefill_cached_tokens / 1e3])
 
     @property
     def costs(self) -> np.ndarray:
@@ -59,9 +62,10 @@ class StepCostModel:
         return np.maximum(self.weights, 0.0)
 
     def predict(self, num_decode_seqs: int, num_decode_context_tokens: int, num_prefill_tokens: int = 0,
-                num_prefill_pairs: float = 0.0) -> float:
+                num_prefill_pairs: float = 0.0, num_prefill_cached_tokens: int = 0) -> float:
         """Predicted step time (seconds), host overhead included."""
-        x = self.features(num_decode_seqs, num_decode_context_tokens, num_prefill_tokens, num_prefill_pairs)
+        x = self.features(num_decode_seqs, num_decode_context_tokens, num_prefill_tokens, num_prefill_pairs,
+                          num_prefill_cached_tokens)
         # The raw fit, not the clipped costs: with correlated features one weight may go negative
         # while the sum stays right, and clipping it would bias every prediction upwards.
         return self.overhead + max(0.0, float(self.weights @ x))
@@ -70,13 +74,13 @@ class StepCostModel:
         """What adding one prefill chunk to a step that already runs a forward adds to it
         (is_first: the step has no prefill chunk yet, so it also pays the prefill set-up)."""
         c = self.costs
-        fixed = c[5] if is_first else 0.0
+        fixed = (c[5] if is_first else 0.0) + c[6] * num_context_tokens / 1e3
         return fixed + c[3] * num_new_tokens + c[4] * attention_pairs(num_new_tokens, num_context_tokens) / 1e6
 
     def max_chunk(self, time_left: float, num_context_tokens: int, limit: int, is_first: bool = False) -> int:
         """The most new tokens (<= limit) of one sequence whose chunk fits in time_left seconds."""
         c = self.costs
-        time_left -= c[5] if is_first else 0.0
+        time_left -= (c[5] if is_first else 0.0) + c[6] * num_context_tokens / 1e3
         if time_left <= 0:
             return 0
         # c3 n + c4 (n ctx + n (n + 1) / 2) / 1e6 <= time_left: a quadratic in n.
@@ -88,9 +92,11 @@ class StepCostModel:
         return max(0, min(limit, int(n)))
 
     def observe(self, num_decode_seqs: int, num_decode_context_tokens: int, num_prefill_tokens: int,
-                num_prefill_pairs: float, forward_time: float, overhead_time: float) -> None:
+                num_prefill_pairs: float, forward_time: float, overhead_time: float,
+                num_prefill_cached_tokens: int = 0) -> None:
         """Fold in one step's measured forward time and host overhead (seconds)."""
-        x = self.features(num_decode_seqs, num_decode_context_tokens, num_prefill_tokens, num_prefill_pairs)
+        x = self.features(num_decode_seqs, num_decode_context_tokens, num_prefill_tokens, num_prefill_pairs,
+                          num_prefill_cached_tokens)
         if self.num_observations >= 10:  # once the fit means something
             predicted = self.overhead + max(0.0, float(self.weights @ x))
             if predicted > 0:

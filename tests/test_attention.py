@@ -101,7 +101,8 @@ def test_prefill_attention_matches_dense(num_cached: int, consecutive: bool, win
     metas = [PrefillSeqMeta(0, n, n, None),
              PrefillSeqMeta(n, n, ctx, slots if num_cached else None,
                             int(slots[0]) if consecutive and num_cached else None)]
-    out = prefill_attention(q, k, v, k_cache, v_cache, metas, dim**-0.5, window)
+    attn = AttentionMetadata(slot_mapping=slots[num_cached:], num_prefill_tokens=2 * n, prefill=metas)
+    out = prefill_attention(q, k, v, k_cache, v_cache, attn, dim**-0.5, window)
     torch.testing.assert_close(out[:n], _dense_prefill(q[:n], k[:n], v[:n], 0, window))
     torch.testing.assert_close(out[n:], _dense_prefill(q[n:], k_cache[slots], v_cache[slots], num_cached, window))
 
@@ -131,7 +132,47 @@ def test_bfloat16_chunk_after_a_cached_context_matches_dense() -> None:
     slots = torch.arange(8, 8 + num_cached + n)
     k, v = k_cache[slots[num_cached:]], v_cache[slots[num_cached:]]
     meta = PrefillSeqMeta(0, n, num_cached + n, slots, 8)
-    out = prefill_attention(q, k, v, k_cache, v_cache, [meta], dim**-0.5)
+    attn = AttentionMetadata(slot_mapping=slots[num_cached:], num_prefill_tokens=n, prefill=[meta])
+    out = prefill_attention(q, k, v, k_cache, v_cache, attn, dim**-0.5)
     assert out.dtype == torch.bfloat16
     expected = _dense_prefill(q.float(), k_cache[slots].float(), v_cache[slots].float(), num_cached)
     torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("dim", [64, 16, 24], ids=["D64", "D16", "D24-portable"])
+@pytest.mark.parametrize("window", [None, 21], ids=["full", "window21"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cpp_prefill_kernel_matches_dense(dim: int, window: int | None, dtype: torch.dtype) -> None:
+    """The C++ prefill kernel through prefill_attention, on every SIMD path the CPU has: a whole
+    prompt, a chunk after a cached context (scattered blocks), and a one-token chunk, packed in one
+    step; 9 query heads on 3 KV heads (tiles of 2 tokens) and 4 on 4 (tiles of 8), so full and
+    partial tiles and several tiles per task all run; D = 24 takes the portable loop everywhere."""
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        pytest.fail("the C++ kernels must build here (make test installs a compiler)")
+    for heads, kv_heads in [(9, 3), (4, 4)]:
+        gen = torch.Generator().manual_seed(dim + heads)
+        bs, num_blocks = 4, 64
+        k_cache = torch.randn(num_blocks * bs, kv_heads, dim, generator=gen).to(dtype)
+        v_cache = torch.randn(num_blocks * bs, kv_heads, dim, generator=gen).to(dtype)
+        tables = torch.randperm(num_blocks, generator=gen)[:60].view(3, 20)
+        chunks = [(0, 37), (50, 29), (11, 1)]  # (cached tokens, new tokens) per sequence
+        metas, start = [], 0
+        for (cached, n), table in zip(chunks, tables, strict=True):
+            metas.append(PrefillSeqMeta(start, n, cached + n, None, block_table=table))
+            start += n
+        q = torch.randn(start, heads, dim, generator=gen).to(dtype)
+        for isa in range(kernels.best_isa() + 1):
+            attn = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.int64), num_prefill_tokens=start,
+                                     prefill=metas, block_size=bs, prefill_kernels=kernels, kernel_isa=isa)
+            out = prefill_attention(q, q[:, :kv_heads], q[:, :kv_heads], k_cache, v_cache, attn, dim**-0.5, window)
+            assert out.dtype == dtype
+            for (cached, n), meta, table in zip(chunks, metas, tables, strict=True):
+                positions = torch.arange(cached + n)
+                slots = table[positions // bs] * bs + positions % bs
+                rows = slice(meta.query_start, meta.query_start + n)
+                expected = _dense_prefill(q[rows].double(), k_cache[slots].double(), v_cache[slots].double(), cached,
+                                          window)
+                tol = 1e-5 if dtype == torch.float32 else 2e-2
+                torch.testing.assert_close(out[rows].double(), expected, atol=tol, rtol=tol,
+                                           msg=lambda m, isa=isa, n=n: f"isa {isa}, chunk of {n}: {m}")

@@ -68,11 +68,13 @@ def test_greedy_matches_transformers(family_model: tuple[str, Path], reference: 
         monkeypatch.setenv("MINIVLLM_DISABLE_CPP_KERNELS", "1")
     if decode_path == "fused-avx2":
         monkeypatch.setenv("MINIVLLM_KERNEL_ISA", "avx2")  # the lower SIMD path, on any x86-64 CI machine
-    fused = 0 if decode_path in ("cpp", "torch") else 8
-    llm = LLM(str(path), num_kv_blocks=256, block_size=4, max_num_batched_tokens=budget, max_fused_decode_batch=fused)
+    # 16: the chunked runs take every step (chunks beside decodes, chunks over a cached context,
+    # sliding windows) through the fused layers, the whole-prefill runs only their decode steps.
+    fused = 0 if decode_path in ("cpp", "torch") else 16
+    llm = LLM(str(path), num_kv_blocks=256, block_size=4, max_num_batched_tokens=budget, max_fused_tokens=fused)
     runner = llm.engine.runner
     assert (runner.cpu_kernels is None) == (decode_path == "torch")
-    assert runner.max_fused_decode_batch == fused
+    assert runner.max_fused_tokens == fused
     assert runner.isa == (1 if decode_path == "fused-avx2" else runner.cpu_kernels.best_isa() if runner.cpu_kernels else 0)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True))
     for prompt, out, ref in zip(PROMPTS, outs, reference, strict=True):

@@ -4,6 +4,7 @@ every SIMD path this CPU runs (AVX2 is forced on AVX-512 machines), and one whol
 in one call against the torch layer it replaces."""
 from __future__ import annotations
 
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -32,7 +33,10 @@ def _isas(kernels) -> list[int]:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8], ids=["fp32", "bf16", "int8"])
-@pytest.mark.parametrize("shape", [(1, 37, 20), (3, 64, 48), (17, 100, 33), (9, 576, 960)],
+# N = 984: 62 panels, so tasks take several and the two-panel tiles run, the last pair ending in
+# a partial panel; M = 6 and 21 give them tiles of 6, 8 and 5 rows.
+@pytest.mark.parametrize("shape", [(1, 37, 20), (3, 64, 48), (17, 100, 33), (9, 576, 960), (6, 50, 984),
+                                   (21, 33, 984)],
                          ids=lambda s: "M{}-K{}-N{}".format(*s))
 def test_packed_linear_matches_the_matrix_it_packs(kernels, dtype: torch.dtype, shape: tuple[int, int, int]) -> None:
     m, k, n = shape
@@ -93,12 +97,15 @@ def _layer_case(weight_dtype: torch.dtype, window: int | None, kernels, isa: int
 @pytest.mark.parametrize("window", [None, 5], ids=["full", "window5"])
 def test_decode_layer_in_one_call_matches_the_torch_layer(kernels, weight_dtype: torch.dtype,
                                                           window: int | None) -> None:
-    bs, num_blocks, batch = 4, 24, 3
-    lens = torch.tensor([1, 9, 14])  # tokens in the cache after this step, the new one included
+    bs, num_blocks, batch = 4, 24, 4
+    lens = torch.tensor([1, 9, 14, 6])  # tokens in the cache after this step, the new one included
     tables = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(2))[: batch * 4].view(batch, 4)
     positions = lens - 1
     slots = tables[torch.arange(batch), positions // bs] * bs + positions % bs
-    for isa in _isas(kernels):
+    num_threads = torch.get_num_threads()
+    # 2 threads: one attention task per (sequence, KV head); 1 thread: 4 rows fill it, one per sequence.
+    for isa, threads in [(isa, t) for isa in _isas(kernels) for t in (2, 1)]:
+        torch.set_num_threads(threads)
         cfg, layer = _layer_case(weight_dtype, window, kernels, isa)
         gen = torch.Generator().manual_seed(3)
         k_cache = torch.randn(num_blocks * bs, cfg.num_kv_heads, cfg.head_dim, generator=gen)
@@ -120,25 +127,67 @@ def test_decode_layer_in_one_call_matches_the_torch_layer(kernels, weight_dtype:
                 proj.panels = saved
             out = x.clone()
             layer.forward_fused(out, cos, sin, attn, k_cache, v_cache, kernels, isa)
-        assert torch.allclose(out, expected, atol=1e-4), f"{ISA_NAMES[isa]}: {(out - expected).abs().max()}"
+        torch.set_num_threads(num_threads)
+        assert torch.allclose(out, expected, atol=1e-4), f"{ISA_NAMES[isa]}, {threads} threads: {(out - expected).abs().max()}"
         assert torch.allclose(k_cache, k_ref, atol=1e-5) and torch.allclose(v_cache, v_ref, atol=1e-5)
         assert not torch.equal(k_cache[slots], torch.zeros_like(k_cache[slots]))
 
 
-def test_fused_decode_batch_defaults_to_the_measured_crossover(tiny_model_dir) -> None:
-    """Unset: 24 sequences in float32 and 8 in bfloat16 (past that, oneDNN's GEMM wins on an AMX
-    CPU), every batch with int8 weights (they have no oneDNN copy); 0 turns the path off."""
+@pytest.mark.parametrize("window", [None, 5], ids=["full", "window5"])
+def test_fused_layer_with_prefill_rows_matches_the_torch_layer(kernels, window: int | None) -> None:
+    """A mixed step in the two-call form: a 5-token chunk after 6 cached tokens (flash attention
+    over cache and chunk), a whole 3-token prompt, then 2 decode rows (the paged C++ kernel)."""
+    from engine.attention import PrefillSeqMeta
+
+    bs, num_blocks = 4, 24
+    tables = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(4))[:16].view(4, 4)
+    chunk_pos, prompt_pos = torch.arange(6, 11), torch.arange(3)
+    decode_lens = torch.tensor([7, 13])
+    slots_of = lambda table, pos: table[pos // bs] * bs + pos % bs  # noqa: E731
+    slots = torch.cat([slots_of(tables[0], chunk_pos), slots_of(tables[1], prompt_pos),
+                       slots_of(tables[2], decode_lens[:1] - 1), slots_of(tables[3], decode_lens[1:] - 1)])
+    positions = torch.cat([chunk_pos, prompt_pos, decode_lens - 1])
+    metas = [PrefillSeqMeta(0, 5, 11, slots_of(tables[0], torch.arange(11))), PrefillSeqMeta(5, 3, 3, None)]
+    for isa in _isas(kernels):
+        cfg, layer = _layer_case(torch.float32, window, kernels, isa)
+        gen = torch.Generator().manual_seed(5)
+        k_cache = torch.randn(num_blocks * bs, cfg.num_kv_heads, cfg.head_dim, generator=gen)
+        v_cache = torch.randn(num_blocks * bs, cfg.num_kv_heads, cfg.head_dim, generator=gen)
+        x = torch.randn(len(positions), cfg.hidden_size, generator=gen)
+        freqs = positions.float().unsqueeze(1) * torch.linspace(1, 0.01, cfg.head_dim // 2).unsqueeze(0)
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+        cos, sin = emb.cos(), emb.sin()
+        attn = AttentionMetadata(slot_mapping=slots, num_prefill_tokens=8, prefill=metas, block_size=bs,
+                                 block_tables=tables[2:], context_lens=decode_lens, decode_kernels=kernels)
+        k_ref, v_ref = k_cache.clone(), v_cache.clone()
+        projections = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+        panels = [proj.panels for proj in projections]
+        with torch.inference_mode():
+            for proj in projections:
+                proj.panels = None
+            expected = layer(x, cos.unsqueeze(1), sin.unsqueeze(1), attn, k_ref, v_ref)
+            for proj, saved in zip(projections, panels, strict=True):
+                proj.panels = saved
+            out = x.clone()
+            layer.forward_fused(out, cos, sin, attn, k_cache, v_cache, kernels, isa)
+        assert torch.allclose(out, expected, atol=1e-4), f"{ISA_NAMES[isa]}: {(out - expected).abs().max()}"
+        assert torch.allclose(k_cache, k_ref, atol=1e-5) and torch.allclose(v_cache, v_ref, atol=1e-5)
+
+
+def test_fused_tokens_defaults_to_the_measured_crossover(tiny_model_dir) -> None:
+    """Unset: steps of 64 tokens in float32 and 8 in bfloat16 (past that, oneDNN's GEMM wins on an
+    AMX CPU), every step with int8 weights (they have no oneDNN copy); 0 turns the path off."""
     from engine import LLM
 
     def fused(**options) -> int:
-        return LLM(str(tiny_model_dir), num_kv_blocks=64, max_num_seqs=40, **options).engine.runner.max_fused_decode_batch
+        return LLM(str(tiny_model_dir), num_kv_blocks=64, max_num_seqs=40, **options).engine.runner.max_fused_tokens
 
-    assert fused() == 24
+    assert fused() == 64
     assert fused(dtype="bfloat16") == 8
-    assert fused(quantization="int8") == 40
-    assert fused(max_fused_decode_batch=0) == 0
-    with pytest.raises(ValueError, match="max_fused_decode_batch"):
-        fused(max_fused_decode_batch=-1)
+    assert fused(quantization="int8") == sys.maxsize
+    assert fused(max_fused_tokens=0) == 0
+    with pytest.raises(ValueError, match="max_fused_tokens"):
+        fused(max_fused_tokens=-1)
     with pytest.raises(ValueError, match="quantization"):
         fused(quantization="int4")
 

@@ -28,7 +28,8 @@ def cpu_tag() -> str:
     return hashlib.sha256(info.encode()).hexdigest()[:12]
 
 
-_SOURCES = ("bindings.cpp", "paged_attention.cpp", "packed_gemm.cpp", "decode_layer.cpp", "token_bitmask.cpp")
+_SOURCES = ("bindings.cpp", "paged_attention.cpp", "prefill_attention.cpp", "packed_gemm.cpp", "decode_layer.cpp",
+            "token_bitmask.cpp")
 _STALE_LOCK_S = 300  # a build takes well under a minute; an older lock is from a killed process
 
 

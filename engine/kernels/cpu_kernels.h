@@ -23,17 +23,20 @@ int64_t best_isa();
 void packed_gemm(const float* x, int64_t M, int64_t ldx, const torch::Tensor& w, const float* scale,
                  const float* bias, int64_t N, float* out, int64_t ldo, int64_t isa, bool accumulate);
 
-// One sequence's decode attention from the paged cache, for the query heads that share KV head
-// kv_head: q [H, D] float32 -> those heads' rows of out [H, D] float32.
+// One sequence's decode attention from the paged cache, for the query heads of KV heads
+// [kv_begin, kv_end): q [H, D] float32 -> those heads' rows of out [H, D] float32.
 void attend_decode_row(const float* q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                        const int64_t* block_table, int64_t context_len, int64_t block_size, float scale,
                        int64_t window, int64_t num_heads, float* out, std::vector<float>& scratch,
-                       int64_t kv_head);
+                       int64_t kv_begin, int64_t kv_end);
 
 // The Python-facing kernels (bindings.cpp), each documented where it is defined.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
                                      double scale, int64_t window);
+torch::Tensor paged_prefill_attention(torch::Tensor q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                                      const torch::Tensor& block_table, int64_t start_pos, int64_t block_size,
+                                      double scale, int64_t window, int64_t isa);
 void apply_token_bitmask_(torch::Tensor logits, const torch::Tensor& bitmask, const torch::Tensor& rows);
 torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& w, const std::optional<torch::Tensor>& scale,
                             const std::optional<torch::Tensor>& bias, int64_t n, int64_t isa);
@@ -44,5 +47,15 @@ void decode_layer(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor
                   const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
                   const torch::Tensor& context_lens, int64_t num_heads, int64_t block_size, double eps, double scale,
                   int64_t window, int64_t isa);
+// The same layer in two halves around an attention computed elsewhere (steps with prefill rows,
+// whose chunks attend through torch's flash kernel).
+torch::Tensor layer_attention_inputs(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                                     const torch::Tensor& input_norm, const PackedLinear& qkv, torch::Tensor k_cache,
+                                     torch::Tensor v_cache, const torch::Tensor& slot_mapping, int64_t num_heads,
+                                     double eps, int64_t isa);
+void layer_attention_outputs(torch::Tensor x, const torch::Tensor& attn_out, const torch::Tensor& post_norm,
+                             const PackedLinear& qkv, const PackedLinear& o_proj, const PackedLinear& gate_up,
+                             const PackedLinear& down, const torch::Tensor& k_cache, int64_t num_heads, double eps,
+                             int64_t isa);
 
 }  // namespace minivllm

@@ -67,6 +67,73 @@ void write_row(torch::Tensor& cache, int64_t slot, const float* src, int64_t wid
   for (int64_t i = 0; i < width; ++i) dst[i] = static_cast<cache_t>(src[i]);
 }
 
+// What the layer's three parts share: shapes, the packed projections, the norms.
+struct LayerShapes {
+  int64_t M, hidden, num_heads, num_kv_heads, head_dim, q_size, kv_size;
+};
+
+LayerShapes shapes_of(const torch::Tensor& x, const torch::Tensor& k_cache, const LinearView& qkv, int64_t num_heads) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2,
+              "fused layer: x must be contiguous float32 [M, hidden]");
+  TORCH_CHECK(k_cache.is_contiguous(), "fused layer: contiguous cache");
+  const int64_t num_kv_heads = k_cache.size(1), head_dim = k_cache.size(2);
+  const LayerShapes s{x.size(0), x.size(1), num_heads, num_kv_heads, head_dim, num_heads * head_dim,
+                      num_kv_heads * head_dim};
+  TORCH_CHECK(qkv.n == s.q_size + 2 * s.kv_size, "fused layer: QKV projection width");
+  return s;
+}
+
+// Before attention: RMSNorm, QKV projection, RoPE of q and k, the new K/V written at their slots.
+// qkv_out: [M, q_size + 2 * kv_size] float32 (q | k | v per row).
+void attention_inputs(const LayerShapes& s, const float* xp, const torch::Tensor& cos, const torch::Tensor& sin,
+                      const torch::Tensor& input_norm, const LinearView& lqkv, torch::Tensor& k_cache,
+                      torch::Tensor& v_cache, const torch::Tensor& slot_mapping, double eps, int64_t isa,
+                      float* qkv_out) {
+  TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 && cos.is_contiguous() &&
+              sin.is_contiguous() && cos.size(0) == s.M, "fused layer: cos and sin must be contiguous float32 [M, D]");
+  TORCH_CHECK(input_norm.scalar_type() == torch::kFloat32, "fused layer: float32 norm weights");
+  TORCH_CHECK(v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type(), "fused layer: cache layout");
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.size(0) == s.M,
+              "fused layer: int64 slot_mapping [M]");
+  std::vector<float> h(s.M * s.hidden);
+  rms_norm(xp, s.M, s.hidden, input_norm.data_ptr<float>(), static_cast<float>(eps), h.data());
+  gemm(lqkv, h.data(), s.M, s.hidden, qkv_out, isa, false);
+  const float* cos_p = cos.data_ptr<float>();
+  const float* sin_p = sin.data_ptr<float>();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t m = 0; m < s.M; ++m) {
+    float* row = qkv_out + m * lqkv.n;  // q | k | v
+    rope(row, s.num_heads + s.num_kv_heads, s.head_dim, cos_p + m * s.head_dim, sin_p + m * s.head_dim);
+    if (k_cache.scalar_type() == torch::kFloat32) {
+      write_row<float>(k_cache, slots[m], row + s.q_size, s.kv_size);
+      write_row<float>(v_cache, slots[m], row + s.q_size + s.kv_size, s.kv_size);
+    } else {
+      TORCH_CHECK(k_cache.scalar_type() == torch::kBFloat16, "fused layer: float32 or bfloat16 cache");
+      write_row<at::BFloat16>(k_cache, slots[m], row + s.q_size, s.kv_size);
+      write_row<at::BFloat16>(v_cache, slots[m], row + s.q_size + s.kv_size, s.kv_size);
+    }
+  }
+}
+
+// After attention: x += o_proj(attn_out); x += down(silu(gate) * up) of RMSNorm(x).
+void attention_outputs(const LayerShapes& s, float* xp, const float* attn_out, const torch::Tensor& post_norm,
+                       const LinearView& lo, const LinearView& lgu, const LinearView& ldown, double eps, int64_t isa) {
+  TORCH_CHECK(post_norm.scalar_type() == torch::kFloat32, "fused layer: float32 norm weights");
+  TORCH_CHECK(lo.n == s.hidden && ldown.n == s.hidden, "fused layer: output projection widths");
+  const int64_t intermediate = lgu.n / 2;
+  std::vector<float> h(s.M * s.hidden), gu(s.M * lgu.n), act(s.M * intermediate);
+  gemm(lo, attn_out, s.M, s.q_size, xp, isa, true);
+  rms_norm(xp, s.M, s.hidden, post_norm.data_ptr<float>(), static_cast<float>(eps), h.data());
+  gemm(lgu, h.data(), s.M, s.hidden, gu.data(), isa, false);
+  for (int64_t m = 0; m < s.M; ++m) {
+    const float* g = gu.data() + m * lgu.n;
+    const float* u = g + intermediate;
+    float* a = act.data() + m * intermediate;
+    for (int64_t i = 0; i < intermediate; ++i) a[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+  }
+  gemm(ldown, act.data(), s.M, intermediate, xp, isa, true);
+}
+
 }  // namespace
 
 void decode_layer(torch::Tensor x,                    // [M, hidden] float32, updated in place
@@ -82,64 +149,61 @@ void decode_layer(torch::Tensor x,                    // [M, hidden] float32, up
                   const torch::Tensor& block_tables,  // [M, max_blocks] int64
                   const torch::Tensor& context_lens,  // [M] int64
                   int64_t num_heads, int64_t block_size, double eps, double scale, int64_t window, int64_t isa) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "decode_layer: x must be contiguous float32");
-  TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 && cos.is_contiguous() &&
-              sin.is_contiguous(), "decode_layer: cos and sin must be contiguous float32");
-  TORCH_CHECK(input_norm.scalar_type() == torch::kFloat32 && post_norm.scalar_type() == torch::kFloat32,
-              "decode_layer: float32 norm weights");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "decode_layer: contiguous cache");
-  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && block_tables.scalar_type() == torch::kInt64 &&
-              context_lens.scalar_type() == torch::kInt64 && block_tables.is_contiguous(),
-              "decode_layer: int64 slots, block tables and lengths");
-  const int64_t M = x.size(0), hidden = x.size(1);
-  const int64_t num_kv_heads = k_cache.size(1), head_dim = k_cache.size(2);
-  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-  const LinearView lqkv = view(qkv), lo = view(o_proj), lgu = view(gate_up), ldown = view(down);
-  const int64_t intermediate = lgu.n / 2;
-  TORCH_CHECK(lqkv.n == q_size + 2 * kv_size && lo.n == hidden && ldown.n == hidden, "decode_layer: shapes");
+  const LinearView lqkv = view(qkv);
+  const LayerShapes s = shapes_of(x, k_cache, lqkv, num_heads);
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && context_lens.scalar_type() == torch::kInt64 &&
+              block_tables.is_contiguous(), "decode_layer: int64 block tables and lengths");
   float* xp = x.data_ptr<float>();
-  std::vector<float> h(M * hidden), qkv_out(M * lqkv.n), attn_out(M * q_size), gu(M * lgu.n), act(M * intermediate);
-  const float* cos_p = cos.data_ptr<float>();
-  const float* sin_p = sin.data_ptr<float>();
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  std::vector<float> qkv_out(s.M * lqkv.n), attn_out(s.M * s.q_size);
+  attention_inputs(s, xp, cos, sin, input_norm, lqkv, k_cache, v_cache, slot_mapping, eps, isa, qkv_out.data());
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   const int64_t max_blocks = block_tables.size(1);
-
-  rms_norm(xp, M, hidden, input_norm.data_ptr<float>(), static_cast<float>(eps), h.data());
-  gemm(lqkv, h.data(), M, hidden, qkv_out.data(), isa, false);
-  for (int64_t m = 0; m < M; ++m) {
-    float* row = qkv_out.data() + m * lqkv.n;  // q | k | v
-    rope(row, num_heads + num_kv_heads, head_dim, cos_p + m * head_dim, sin_p + m * head_dim);
-    if (k_cache.scalar_type() == torch::kFloat32) {
-      write_row<float>(k_cache, slots[m], row + q_size, kv_size);
-      write_row<float>(v_cache, slots[m], row + q_size + kv_size, kv_size);
-    } else {
-      TORCH_CHECK(k_cache.scalar_type() == torch::kBFloat16, "decode_layer: float32 or bfloat16 cache");
-      write_row<at::BFloat16>(k_cache, slots[m], row + q_size, kv_size);
-      write_row<at::BFloat16>(v_cache, slots[m], row + q_size + kv_size, kv_size);
-    }
-  }
-  // One task per (sequence, KV head): at batch 1 both cores still share the attention.
-  at::parallel_for(0, M * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // One task per sequence, whose K and V rows (all KV heads) then stream once; at a batch too
+  // small to keep every core busy, one per (sequence, KV head), each reading a third of a row
+  // (with SmolLM2's 3 KV heads), so the cores share even a single sequence.
+  const int64_t heads_per_task = s.M >= 4 * at::get_num_threads() ? s.num_kv_heads : 1;
+  const int64_t tasks_per_row = s.num_kv_heads / heads_per_task;
+  at::parallel_for(0, s.M * tasks_per_row, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t m = task / num_kv_heads;
+      const int64_t m = task / tasks_per_row, kv_begin = (task % tasks_per_row) * heads_per_task;
       attend_decode_row(qkv_out.data() + m * lqkv.n, k_cache, v_cache, tables + m * max_blocks, lens[m], block_size,
-                        static_cast<float>(scale), window, num_heads, attn_out.data() + m * q_size, scratch,
-                        task % num_kv_heads);
+                        static_cast<float>(scale), window, num_heads, attn_out.data() + m * s.q_size, scratch,
+                        kv_begin, kv_begin + heads_per_task);
     }
   });
-  gemm(lo, attn_out.data(), M, q_size, xp, isa, true);  // x += o_proj(attention)
-  rms_norm(xp, M, hidden, post_norm.data_ptr<float>(), static_cast<float>(eps), h.data());
-  gemm(lgu, h.data(), M, hidden, gu.data(), isa, false);
-  for (int64_t m = 0; m < M; ++m) {
-    const float* g = gu.data() + m * lgu.n;
-    const float* u = g + intermediate;
-    float* a = act.data() + m * intermediate;
-    for (int64_t i = 0; i < intermediate; ++i) a[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
-  }
-  gemm(ldown, act.data(), M, intermediate, xp, isa, true);  // x += down(silu(gate) * up)
+  attention_outputs(s, xp, attn_out.data(), post_norm, view(o_proj), view(gate_up), view(down), eps, isa);
+}
+
+torch::Tensor layer_attention_inputs(const torch::Tensor& x,             // [M, hidden] float32
+                                     const torch::Tensor& cos,           // [M, D] float32
+                                     const torch::Tensor& sin,           // [M, D] float32
+                                     const torch::Tensor& input_norm,    // [hidden] float32
+                                     const PackedLinear& qkv,
+                                     torch::Tensor k_cache,              // [slots, KVH, D]
+                                     torch::Tensor v_cache,              // [slots, KVH, D]
+                                     const torch::Tensor& slot_mapping,  // [M] int64
+                                     int64_t num_heads, double eps, int64_t isa) {
+  const LinearView lqkv = view(qkv);
+  const LayerShapes s = shapes_of(x, k_cache, lqkv, num_heads);
+  auto out = torch::empty({s.M, lqkv.n}, x.options());  // [M, q | k | v]
+  attention_inputs(s, x.data_ptr<float>(), cos, sin, input_norm, lqkv, k_cache, v_cache, slot_mapping, eps, isa,
+                   out.data_ptr<float>());
+  return out;
+}
+
+void layer_attention_outputs(torch::Tensor x,                  // [M, hidden] float32, updated in place
+                             const torch::Tensor& attn_out,    // [M, H * D] float32
+                             const torch::Tensor& post_norm,   // [hidden] float32
+                             const PackedLinear& qkv, const PackedLinear& o_proj, const PackedLinear& gate_up,
+                             const PackedLinear& down, const torch::Tensor& k_cache, int64_t num_heads, double eps,
+                             int64_t isa) {
+  const LayerShapes s = shapes_of(x, k_cache, view(qkv), num_heads);
+  TORCH_CHECK(attn_out.scalar_type() == torch::kFloat32 && attn_out.is_contiguous() && attn_out.size(0) == s.M &&
+              attn_out.numel() == s.M * s.q_size, "fused layer: attn_out must be contiguous float32 [M, H * D]");
+  attention_outputs(s, x.data_ptr<float>(), attn_out.data_ptr<float>(), post_norm, view(o_proj), view(gate_up),
+                    view(down), eps, isa);
 }
 
 }  // namespace minivllm

@@ -90,6 +90,31 @@ MINIVLLM_AVX512 void tile_avx512(const float* x, int64_t ldx, const T* w, int64_
   }
 }
 
+// MT rows x 2 panels (32 outputs) at once, for compute-bound tiles (prefill rows, bigger
+// batches): per k, 2 weight loads and MT broadcasts feed 2 * MT multiply-adds, where one panel
+// gives MT + 1 loads for MT, so the loads rather than the FMA units set the pace.
+template <int MT, typename T>
+MINIVLLM_AVX512 void tile2_avx512(const float* x, int64_t ldx, const T* w0, const T* w1, int64_t K, float* acc_out) {
+  __m512 acc0[MT], acc1[MT];
+  for (int m = 0; m < MT; ++m) acc0[m] = acc1[m] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    if ((k * kPanel * sizeof(T)) % 64 == 0) {
+      _mm_prefetch(reinterpret_cast<const char*>(w0 + k * kPanel) + kPrefetchBytes, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w1 + k * kPanel) + kPrefetchBytes, _MM_HINT_T0);
+    }
+    const __m512 a = load16(w0 + k * kPanel), b = load16(w1 + k * kPanel);
+    for (int m = 0; m < MT; ++m) {
+      const __m512 xv = _mm512_set1_ps(x[m * ldx + k]);
+      acc0[m] = _mm512_fmadd_ps(a, xv, acc0[m]);
+      acc1[m] = _mm512_fmadd_ps(b, xv, acc1[m]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+    _mm512_storeu_ps(acc_out + m * kPanel, acc0[m]);
+    _mm512_storeu_ps(acc_out + (MT + m) * kPanel, acc1[m]);
+  }
+}
+
 // The 16 weights of one k as two 8-lane halves.
 MINIVLLM_AVX2 inline void load8x2(const float* p, __m256& lo, __m256& hi) {
   lo = _mm256_loadu_ps(p);
@@ -176,6 +201,39 @@ void run_tile(int64_t isa, int64_t rows, const float* x, int64_t ldx, const T* w
   tile_scalar(x, rows, ldx, w, K, acc);
 }
 
+// acc[2 * rows, 16] = x[rows, K] . (panel w0, then panel w1); false when the ISA has no such tile.
+template <typename T>
+bool run_tile2(int64_t isa, int64_t rows, const float* x, int64_t ldx, const T* w0, const T* w1, int64_t K,
+               float* acc) {
+#if defined(__x86_64__)
+  if (isa == kIsaAvx512) {
+    switch (rows) {
+      case 4: tile2_avx512<4>(x, ldx, w0, w1, K, acc); return true;
+      case 5: tile2_avx512<5>(x, ldx, w0, w1, K, acc); return true;
+      case 6: tile2_avx512<6>(x, ldx, w0, w1, K, acc); return true;
+      case 7: tile2_avx512<7>(x, ldx, w0, w1, K, acc); return true;
+      case 8: tile2_avx512<8>(x, ldx, w0, w1, K, acc); return true;
+      default: return false;
+    }
+  }
+#endif
+  return false;
+}
+
+// out rows [m0, m0 + rows), columns [n0, n0 + width) from acc[rows, 16].
+inline void store_tile(const float* acc, int64_t rows, int64_t m0, int64_t n0, int64_t width, const float* scale,
+                       const float* bias, float* out, int64_t ldo, bool accumulate) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* o = out + (m0 + r) * ldo + n0;
+    for (int64_t j = 0; j < width; ++j) {
+      float v = acc[r * kPanel + j];
+      if (scale != nullptr) v *= scale[n0 + j];
+      if (bias != nullptr) v += bias[n0 + j];
+      o[j] = accumulate ? o[j] + v : v;
+    }
+  }
+}
+
 template <typename T>
 void gemm_typed(const float* x, int64_t M, int64_t ldx, const T* w, int64_t K, const float* scale, const float* bias,
                 int64_t N, float* out, int64_t ldo, int64_t isa, bool accumulate) {
@@ -191,26 +249,32 @@ void gemm_typed(const float* x, int64_t M, int64_t ldx, const T* w, int64_t K, c
   const int64_t num_tasks = num_chunks * ((M + kRowBlock - 1) / kRowBlock);
   std::atomic<int64_t> next_task{0};
   at::parallel_for(0, std::min(num_threads, num_tasks), 1, [&](int64_t, int64_t) {
-    alignas(64) float acc[8 * kPanel];
+    alignas(64) float acc[2 * 8 * kPanel];
     for (int64_t task = next_task++; task < num_tasks; task = next_task++) {
       const int64_t m_block = (task / num_chunks) * kRowBlock, m_end = std::min(M, m_block + kRowBlock);
       const int64_t begin = (task % num_chunks) * chunk, end = std::min(num_panels, begin + chunk);
-      for (int64_t p = begin; p < end; ++p) {
+      for (int64_t p = begin; p < end;) {
         const T* panel = w + p * K * kPanel;
         const int64_t n0 = p * kPanel, width = std::min(kPanel, N - n0);
+        // Two panels a tile where the tile is compute bound (several rows); one otherwise.
+        const bool pair = p + 1 < end;
+        const int64_t width1 = pair ? std::min(kPanel, N - n0 - kPanel) : 0;
         for (int64_t m0 = m_block; m0 < m_end; m0 += tile_rows) {
           const int64_t rows = std::min(tile_rows, m_end - m0);
+          if (pair && run_tile2(isa, rows, x + m0 * ldx, ldx, panel, panel + K * kPanel, K, acc)) {
+            store_tile(acc, rows, m0, n0, width, scale, bias, out, ldo, accumulate);
+            store_tile(acc + rows * kPanel, rows, m0, n0 + kPanel, width1, scale, bias, out, ldo, accumulate);
+            continue;
+          }
+          // One panel at a time (too few rows for the pair): in memory order, for the prefetcher.
           run_tile(isa, rows, x + m0 * ldx, ldx, panel, K, acc);
-          for (int64_t r = 0; r < rows; ++r) {
-            float* o = out + (m0 + r) * ldo + n0;
-            for (int64_t j = 0; j < width; ++j) {
-              float v = acc[r * kPanel + j];
-              if (scale != nullptr) v *= scale[n0 + j];
-              if (bias != nullptr) v += bias[n0 + j];
-              o[j] = accumulate ? o[j] + v : v;
-            }
+          store_tile(acc, rows, m0, n0, width, scale, bias, out, ldo, accumulate);
+          if (pair) {
+            run_tile(isa, rows, x + m0 * ldx, ldx, panel + K * kPanel, K, acc);
+            store_tile(acc, rows, m0, n0 + kPanel, width1, scale, bias, out, ldo, accumulate);
           }
         }
+        p += pair ? 2 : 1;
       }
     }
   });

@@ -113,15 +113,15 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
 void attend_decode_row(const float* q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                        const int64_t* block_table, int64_t context_len, int64_t block_size, float scale,
                        int64_t window, int64_t num_heads, float* out, std::vector<float>& scratch,
-                       int64_t kv_head) {
+                       int64_t kv_begin, int64_t kv_end) {
   const int64_t num_kv_heads = k_cache.size(1), head_dim = k_cache.size(2);
   if (k_cache.scalar_type() == torch::kFloat32) {
     attend_one(q, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), block_table, context_len, block_size, scale,
-               window, num_heads, num_kv_heads, head_dim, out, scratch, kv_head, kv_head + 1);
+               window, num_heads, num_kv_heads, head_dim, out, scratch, kv_begin, kv_end);
   } else {
     TORCH_CHECK(k_cache.scalar_type() == torch::kBFloat16, "attention: float32 or bfloat16 cache only");
     attend_one(q, k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(), block_table, context_len,
-               block_size, scale, window, num_heads, num_kv_heads, head_dim, out, scratch, kv_head, kv_head + 1);
+               block_size, scale, window, num_heads, num_kv_heads, head_dim, out, scratch, kv_begin, kv_end);
   }
 }
 

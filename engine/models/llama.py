@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, attention, write_kv
+from engine.attention import AttentionMetadata, attention, prefill_attention, write_kv
 from engine.models.layers import Linear, RMSNorm, rotate_half
 from engine.models.model_config import ModelConfig
 
@@ -47,12 +47,39 @@ class DecoderLayer(nn.Module):
 
     def forward_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata,
                       k_cache: torch.Tensor, v_cache: torch.Tensor, kernels: ModuleType, isa: int) -> None:
-        """The whole layer as one C++ call over the panel-packed weights, for decode steps of a
-        few sequences. x: [B, hidden] float32, updated in place; cos, sin: [B, head_dim] float32."""
-        proj = (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
-        kernels.decode_layer(x, cos, sin, *self.norm_weights, *(p.panels.as_args() for p in proj),
-                             k_cache, v_cache, attn.slot_mapping, attn.block_tables, attn.context_lens,
-                             self.num_heads, attn.block_size, self.eps, self.scale, self.sliding_window or 0, isa)
+        """The layer in C++ over the panel-packed weights, for steps of a few tokens.
+        x: [T, hidden] float32, updated in place; cos, sin: [T, head_dim] float32.
+
+        A decode-only step is one call. A step with prefill rows is two, around an attention
+        done here: the chunks by `prefill_attention` (a chunk's queries share every key they
+        read; per-row decode attention would walk the context once per query), the decode rows
+        by the paged C++ decode kernel. The small chunks a time-budgeted step carries
+        beside running streams then cost their GEMM rows, not the ~150 dispatched ops per layer
+        of the torch path, which alone take about as long as a whole decode step."""
+        qkv, o, gate_up, down = (p.panels.as_args() for p in (self.qkv_proj, self.o_proj, self.gate_up_proj,
+                                                               self.down_proj))
+        window = self.sliding_window or 0
+        num_prefill = attn.num_prefill_tokens
+        if num_prefill == 0:
+            kernels.decode_layer(x, cos, sin, *self.norm_weights, qkv, o, gate_up, down, k_cache, v_cache,
+                                 attn.slot_mapping, attn.block_tables, attn.context_lens, self.num_heads,
+                                 attn.block_size, self.eps, self.scale, window, isa)
+            return
+        num_tokens = x.shape[0]
+        qkv_out = kernels.layer_attention_inputs(x, cos, sin, self.norm_weights[0], qkv, k_cache, v_cache,
+                                                 attn.slot_mapping, self.num_heads, self.eps, isa)  # [T, q | k | v]
+        q, k, v = qkv_out.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        out = torch.empty(num_tokens, self.num_heads, self.head_dim)  # float32
+        out[:num_prefill] = prefill_attention(q[:num_prefill], k[:num_prefill], v[:num_prefill], k_cache, v_cache,
+                                              attn, self.scale, self.sliding_window)
+        if num_tokens > num_prefill:
+            out[num_prefill:] = kernels.paged_decode_attention(q[num_prefill:].to(k_cache.dtype), k_cache, v_cache, attn.block_tables,
+                                                               attn.context_lens, attn.block_size, self.scale, window)
+        kernels.layer_attention_outputs(x, out.view(num_tokens, self.q_size), self.norm_weights[1], qkv, o, gate_up,
+                                        down, k_cache, self.num_heads, self.eps, isa)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
@@ -90,8 +117,8 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("inv_freq", cfg.inv_freq.clone(), persistent=False)
         for p in self.parameters():
             p.requires_grad_(False)
-        self.decode_kernels: ModuleType | None = None  # set when every layer has panels (pack_weights)
-        self.decode_isa = 0
+        self.fused_kernels: ModuleType | None = None  # set when every layer has panels (pack_weights)
+        self.fused_isa = 0
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [T] -> cos, sin: [T, 1, head_dim], computed once per forward for all layers
@@ -104,7 +131,7 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         # input_ids, positions: [T] -> hidden: [T, hidden]
         x = self.embed_tokens(input_ids)
-        if attn.is_fused_decode:
+        if attn.is_fused:
             return self._forward_fused(x, positions, attn, kv_caches)
         cos, sin = self.rope(positions, x.dtype)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
@@ -113,20 +140,20 @@ class LlamaForCausalLM(nn.Module):
 
     def _forward_fused(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
                        kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        # x: [B, hidden] -> hidden: [B, hidden]; the residual stream stays float32 across layers
+        # x: [T, hidden] -> hidden: [T, hidden]; the residual stream stays float32 across layers
         dtype = x.dtype
         x = x.float().contiguous()
-        cos, sin = (t.squeeze(1).contiguous() for t in self.rope(positions, torch.float32))  # [B, head_dim]
+        cos, sin = (t.squeeze(1).contiguous() for t in self.rope(positions, torch.float32))  # [T, head_dim]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            layer.forward_fused(x, cos, sin, attn, k_cache, v_cache, self.decode_kernels, self.decode_isa)
+            layer.forward_fused(x, cos, sin, attn, k_cache, v_cache, self.fused_kernels, self.fused_isa)
         return self.norm(x).to(dtype)
 
     def pack_weights(self, onednn: bool, panel_dtype: torch.dtype | None, kernels: ModuleType | None, isa: int,
                      max_panel_rows: int) -> None:
         """Pack every projection once, after loading (CPU): for oneDNN (prefill, large batches)
-        and/or as panels of `panel_dtype` for the C++ small-batch kernels (decode at up to
-        `max_panel_rows` sequences; every batch when they are the only copy, as in int8). With
-        panels, decode steps run each layer as one C++ call (`forward_fused`); panels need `kernels`."""
+        and/or as panels of `panel_dtype` for the C++ small-batch kernels (steps of up to
+        `max_panel_rows` tokens; every step when they are the only copy, as in int8). With
+        panels, such steps run each layer as C++ calls (`forward_fused`); panels need `kernels`."""
         if panel_dtype is not None and kernels is None:
             raise ValueError("panel-packed weights need the C++ CPU kernels")
         for module in self.modules():
@@ -143,7 +170,7 @@ class LlamaForCausalLM(nn.Module):
             for layer in self.layers:
                 layer.norm_weights = (layer.input_layernorm.weight.float().contiguous(),
                                       layer.post_attention_layernorm.weight.float().contiguous())
-            self.decode_kernels, self.decode_isa = kernels, isa
+            self.fused_kernels, self.fused_isa = kernels, isa
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden] -> logits: [N, vocab] in fp32 for the sampler

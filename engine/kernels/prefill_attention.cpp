@@ -1,0 +1,501 @@
+// Causal attention of one prefill chunk over its sequence's paged KV cache, for the CPU: the
+// flash-attention loop (online softmax over blocks of 16 keys) with the chunk's own K/V already
+// written to the cache, so a chunk after a cached context needs no gather, no mask tensor and
+// no log-sum-exp merge, and a first chunk skips the keys above the diagonal.
+//
+// Per KV head, the context's keys are first laid out as panels [blocks of 16 keys, D, 16] and
+// its values as rows [L, D] in float32 (bf16 caches are widened once here, not per query). A
+// task then takes a tile of up to 8 query rows (the `group` query heads of a few tokens, GQA)
+// and walks the key blocks it may see: scores as a small matrix product (one broadcast
+// multiply-add into 16 keys per row and dimension), an exponential evaluated lane-wise, and
+// the weighted values accumulated per row. The loops are written for the compiler to vectorize
+// (built with -march=native for the CPU it runs on), with fixed 16-key blocks as the vector.
+#include "cpu_kernels.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace minivllm {
+namespace {
+
+constexpr int64_t kKeys = 16;  // keys per block: one 16-float vector of scores per query row
+constexpr int64_t kRows = 8;   // query rows per tile
+
+// e^x for x <= 0 (a score minus the running maximum) in plain arithmetic the compiler can
+// vectorize: 2^(x log2 e) split into an integer power (built in the exponent bits) and a
+// degree-6 polynomial on [-ln2/2, ln2/2] (Cephes' expf coefficients, about 1 ulp).
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;  // x - n ln2, in two parts
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// Keys [first, first + count) (count <= 16) of one KV head, as one panel [D, 16] (zero past the
+// last key) and value rows [count, D], in float32.
+template <typename cache_t>
+void gather_block(const cache_t* k_cache, const cache_t* v_cache, const int64_t* table, int64_t block_size,
+                  int64_t slot_stride, int64_t head_offset, int64_t head_dim, int64_t first, int64_t count,
+                  float* panel, float* v_rows) {
+  if (count < kKeys) std::fill(panel, panel + head_dim * kKeys, 0.f);
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t t = first + i;
+    const int64_t slot = table[t / block_size] * block_size + t % block_size;
+    const cache_t* k = k_cache + slot * slot_stride + head_offset;
+    const cache_t* v = v_cache + slot * slot_stride + head_offset;
+    for (int64_t d = 0; d < head_dim; ++d) panel[d * kKeys + i] = static_cast<float>(k[d]);
+    float* vr = v_rows + i * head_dim;
+    for (int64_t d = 0; d < head_dim; ++d) vr[d] = static_cast<float>(v[d]);
+  }
+}
+
+// One tile: rows [row_begin, row_end) of the (token, group head) rows of one KV head.
+void attend_tile(const float* q, int64_t row_begin, int64_t row_end, int64_t group, int64_t kv_head,
+                 int64_t num_heads, int64_t head_dim, int64_t start_pos, int64_t first_key, int64_t window,
+                 float scale, const float* k_panels, const float* v_rows, float* out) {
+  const int64_t R = row_end - row_begin;
+  float qs[kRows][256];  // the tile's queries, pre-scaled (head_dim <= 256)
+  float o[kRows][256];
+  int64_t pos[kRows];
+  float m[kRows], l[kRows];
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t row = row_begin + r, token = row / group, h = kv_head * group + row % group;
+    pos[r] = start_pos + token;
+    const float* qr = q + (token * num_heads + h) * head_dim;
+    for (int64_t d = 0; d < head_dim; ++d) qs[r][d] = qr[d] * scale;
+    std::fill(o[r], o[r] + head_dim, 0.f);
+    m[r] = -std::numeric_limits<float>::infinity();
+    l[r] = 0.f;
+  }
+  // Keys this tile may see: [lo, hi) in context positions.
+  const int64_t hi = pos[R - 1] + 1;
+  const int64_t lo = window > 0 ? std::max<int64_t>(first_key, pos[0] - window + 1) : first_key;
+  const int64_t block_lo = (lo - first_key) / kKeys, block_hi = (hi - first_key + kKeys - 1) / kKeys;
+  for (int64_t b = block_lo; b < block_hi; ++b) {
+    const float* panel = k_panels + b * head_dim * kKeys;
+    const int64_t key0 = first_key + b * kKeys;
+    float s[kRows][kKeys] = {};
+    for (int64_t d = 0; d < head_dim; ++d) {
+      const float* kd = panel + d * kKeys;
+      for (int64_t r = 0; r < R; ++r) {
+        const float qv = qs[r][d];
+#pragma omp simd
+        for (int64_t j = 0; j < kKeys; ++j) s[r][j] += qv * kd[j];
+      }
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      // Key key0 + j is visible to row r when key0 + j <= pos and (no window or > pos - window).
+      const int64_t visible_hi = pos[r] + 1 - key0;  // j < this
+      const int64_t visible_lo = window > 0 ? pos[r] - window + 1 - key0 : -kKeys;  // j >= this
+      if (visible_hi <= 0 || visible_lo >= kKeys) continue;
+      float block_max = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < kKeys; ++j) {
+        if (j >= visible_hi || j < visible_lo) s[r][j] = -std::numeric_limits<float>::infinity();
+        block_max = std::max(block_max, s[r][j]);
+      }
+      const float m_new = std::max(m[r], block_max);
+      const float alpha = exp_nonpositive(m[r] - m_new);  // 0 on the first block (m = -inf clamps)
+      float p[kKeys];
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t j = 0; j < kKeys; ++j) {
+        p[j] = s[r][j] == -std::numeric_limits<float>::infinity() ? 0.f : exp_nonpositive(s[r][j] - m_new);
+        sum += p[j];
+      }
+      l[r] = l[r] * alpha + sum;
+      m[r] = m_new;
+      float* orow = o[r];
+#pragma omp simd
+      for (int64_t d = 0; d < head_dim; ++d) orow[d] *= alpha;
+      const int64_t j_end = std::min(kKeys, visible_hi);
+      for (int64_t j = std::max<int64_t>(0, visible_lo); j < j_end; ++j) {
+        const float pj = p[j];
+        const float* vr = v_rows + (b * kKeys + j) * head_dim;
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; ++d) orow[d] += pj * vr[d];
+      }
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t row = row_begin + r, token = row / group, h = kv_head * group + row % group;
+    float* dst = out + (token * num_heads + h) * head_dim;
+    const float inv = 1.f / l[r];
+    for (int64_t d = 0; d < head_dim; ++d) dst[d] = o[r][d] * inv;
+  }
+}
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define MINIVLLM_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,fma")))
+
+// e^x lane-wise, as exp_nonpositive (the same polynomial; the power of two by scalef).
+MINIVLLM_AVX512 inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// The running state of R query rows (one tile): scaled queries, output accumulators, softmax
+// maximum and sum, positions.
+template <int R>
+struct TileState {
+  alignas(64) float qs[R][256];
+  alignas(64) float o[R][256];
+  alignas(64) float p[R][64];
+  int64_t pos[R];
+  float m[R], l[R];
+  int64_t lo, hi;  // keys this tile may see: [lo, hi) in context positions
+};
+
+template <int R>
+void init_tile(TileState<R>& t, const float* q, int64_t row_begin, int64_t group, int64_t kv_head,
+               int64_t num_heads, int64_t head_dim, int64_t start_pos, int64_t first_key, int64_t window, float scale) {
+  for (int r = 0; r < R; ++r) {
+    const int64_t row = row_begin + r, token = row / group, h = kv_head * group + row % group;
+    t.pos[r] = start_pos + token;
+    const float* qr = q + (token * num_heads + h) * head_dim;
+    for (int64_t d = 0; d < head_dim; ++d) t.qs[r][d] = qr[d] * scale;
+    std::fill(t.o[r], t.o[r] + head_dim, 0.f);
+    t.m[r] = -std::numeric_limits<float>::infinity();
+    t.l[r] = 0.f;
+  }
+  t.hi = t.pos[R - 1] + 1;
+  t.lo = window > 0 ? std::max<int64_t>(first_key, t.pos[0] - window + 1) : first_key;
+}
+
+template <int R>
+void finish_tile(const TileState<R>& t, int64_t row_begin, int64_t group, int64_t kv_head, int64_t num_heads,
+                 int64_t head_dim, float* out) {
+  for (int r = 0; r < R; ++r) {
+    const int64_t row = row_begin + r, token = row / group, h = kv_head * group + row % group;
+    float* dst = out + (token * num_heads + h) * head_dim;
+    const float inv = 1.f / t.l[r];
+    for (int64_t d = 0; d < head_dim; ++d) dst[d] = t.o[r][d] * inv;
+  }
+}
+
+// o[:, d : d + 16 NV] += p[:, :num_keys] . v[:num_keys, d : d + 16 NV], the accumulators in
+// registers (NV a constant, so the compiler keeps all R x NV of them there).
+template <int R, int NV>
+MINIVLLM_AVX512 inline void pv_block(TileState<R>& t, const float* vb, int64_t num_keys, int64_t head_dim, int64_t d) {
+  __m512 acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_load_ps(t.o[r] + d + 16 * c);
+  for (int64_t j = 0; j < num_keys; ++j) {
+    __m512 v[NV];
+    for (int c = 0; c < NV; ++c) v[c] = _mm512_loadu_ps(vb + j * head_dim + d + 16 * c);
+    for (int r = 0; r < R; ++r) {
+      const __m512 pj = _mm512_set1_ps(t.p[r][j]);
+      for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_fmadd_ps(pj, v[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NV; ++c) _mm512_store_ps(t.o[r] + d + 16 * c, acc[r][c]);
+}
+
+// One step of a tile with AVX-512 intrinsics (head_dim a multiple of 16): keys [key0, key0 +
+// 16 nsub), nsub <= 4. The scores of R rows x 64 keys sit in 4R registers (FMA bound; a row's
+// softmax bookkeeping is paid once per 64 keys), the weighted values are an [R, 64] x [64, D]
+// product accumulated in registers, 64 columns of D at a time.
+template <int R>
+MINIVLLM_AVX512 void tile_step_avx512(TileState<R>& t, const float* panel, const float* vb, int64_t key0, int nsub,
+                                      int64_t head_dim, int64_t window) {
+  constexpr int kSub = 4;
+  const __m512 lane = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 s[R][kSub];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kSub; ++c) s[r][c] = _mm512_setzero_ps();
+  if (nsub == kSub) {
+    for (int64_t d = 0; d < head_dim; ++d) {
+      __m512 kd[kSub];
+      for (int c = 0; c < kSub; ++c) kd[c] = _mm512_loadu_ps(panel + (c * head_dim + d) * kKeys);
+      for (int r = 0; r < R; ++r) {
+        const __m512 qv = _mm512_set1_ps(t.qs[r][d]);
+        for (int c = 0; c < kSub; ++c) s[r][c] = _mm512_fmadd_ps(qv, kd[c], s[r][c]);
+      }
+    }
+  } else {
+    for (int c = 0; c < nsub; ++c)
+      for (int64_t d = 0; d < head_dim; ++d) {
+        const __m512 kd = _mm512_loadu_ps(panel + (c * head_dim + d) * kKeys);
+        for (int r = 0; r < R; ++r) s[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(t.qs[r][d]), kd, s[r][c]);
+      }
+  }
+  // Mask what each row may not see, then the rows' new maxima, their rescale factors in one
+  // vector exponential, and the probabilities; rows that see none of these keys keep their state.
+  alignas(64) float m_new[16], alpha[16];
+  __mmask16 visible[R][kSub];
+  bool any = false;
+  for (int r = 0; r < R; ++r) {
+    // Visible: key0 + j <= pos and (no window or key0 + j > pos - window).
+    const __m512 vis_hi = _mm512_set1_ps(static_cast<float>(t.pos[r] + 1 - key0));
+    const __m512 vis_lo = _mm512_set1_ps(static_cast<float>(window > 0 ? t.pos[r] - window + 1 - key0 : -1));
+    __m512 row_max = neg_inf;
+    for (int c = 0; c < kSub; ++c) {
+      const __m512 j = _mm512_add_ps(lane, _mm512_set1_ps(static_cast<float>(c * kKeys)));
+      visible[r][c] = c < nsub ? _mm512_cmp_ps_mask(j, vis_hi, _CMP_LT_OQ) & _mm512_cmp_ps_mask(j, vis_lo, _CMP_GE_OQ)
+                               : 0;
+      s[r][c] = _mm512_mask_mov_ps(neg_inf, visible[r][c], s[r][c]);
+      row_max = _mm512_max_ps(row_max, s[r][c]);
+    }
+    m_new[r] = std::max(t.m[r], _mm512_reduce_max_ps(row_max));  // -inf: nothing seen yet
+  }
+  for (int r = R; r < 16; ++r) m_new[r] = 0.f;
+  {
+    __m512 m_old = _mm512_set1_ps(0.f);
+    for (int r = 0; r < R; ++r) m_old = _mm512_mask_mov_ps(m_old, static_cast<__mmask16>(1u << r), _mm512_set1_ps(t.m[r]));
+    // exp(m_old - m_new): 0 on a row's first keys (m_old = -inf clamps), 1 when the max holds.
+    const __m512 diff = _mm512_sub_ps(m_old, _mm512_load_ps(m_new));
+    _mm512_store_ps(alpha, exp512(_mm512_mask_mov_ps(diff, _mm512_cmp_ps_mask(diff, diff, _CMP_UNORD_Q),
+                                                     _mm512_set1_ps(0.f))));
+  }
+  for (int r = 0; r < R; ++r) {
+    if (m_new[r] == -std::numeric_limits<float>::infinity()) {  // no key visible to this row yet
+      for (int c = 0; c < kSub; ++c) _mm512_store_ps(t.p[r] + c * kKeys, _mm512_setzero_ps());
+      continue;
+    }
+    any = true;
+    const __m512 mv = _mm512_set1_ps(m_new[r]);
+    __m512 sum = _mm512_setzero_ps();
+    for (int c = 0; c < kSub; ++c) {
+      const __m512 pc = _mm512_maskz_mov_ps(visible[r][c], exp512(_mm512_sub_ps(s[r][c], mv)));
+      _mm512_store_ps(t.p[r] + c * kKeys, pc);
+      sum = _mm512_add_ps(sum, pc);
+    }
+    t.l[r] = t.l[r] * alpha[r] + _mm512_reduce_add_ps(sum);
+    t.m[r] = m_new[r];
+    if (alpha[r] != 1.f) {
+      const __m512 a = _mm512_set1_ps(alpha[r]);
+      for (int64_t d = 0; d < head_dim; d += 16) _mm512_store_ps(t.o[r] + d, _mm512_mul_ps(a, _mm512_load_ps(t.o[r] + d)));
+    }
+  }
+  if (!any) return;
+  const int64_t num_keys = std::min<int64_t>(nsub * kKeys, t.hi - key0);
+  int64_t d = 0;
+  for (; d + 64 <= head_dim; d += 64) pv_block<R, 4>(t, vb, num_keys, head_dim, d);
+  for (; d < head_dim; d += 16) pv_block<R, 1>(t, vb, num_keys, head_dim, d);
+}
+
+// Tiles [tile_begin, tile_end) of R rows each, together: each 64-key step's K and V (32 KB at
+// D = 64) is loaded into L1 once and serves every tile, where one tile alone would stream the
+// whole context from L2 for only R rows of work.
+template <int R>
+MINIVLLM_AVX512 void attend_tiles_avx512(const float* q, int64_t row_begin, int64_t num_tiles, int64_t group,
+                                         int64_t kv_head, int64_t num_heads, int64_t head_dim, int64_t start_pos,
+                                         int64_t first_key, int64_t window, float scale, const float* k_panels,
+                                         const float* v_rows, float* out) {
+  constexpr int64_t kMaxTiles = 8;
+  TORCH_CHECK(num_tiles <= kMaxTiles, "prefill attention: too many tiles");
+  TileState<R> tiles[kMaxTiles];
+  int64_t lo = std::numeric_limits<int64_t>::max(), hi = 0;
+  for (int64_t i = 0; i < num_tiles; ++i) {
+    init_tile(tiles[i], q, row_begin + i * R, group, kv_head, num_heads, head_dim, start_pos, first_key, window,
+              scale);
+    lo = std::min(lo, tiles[i].lo);
+    hi = std::max(hi, tiles[i].hi);
+  }
+  const int64_t block_lo = (lo - first_key) / kKeys, block_hi = (hi - first_key + kKeys - 1) / kKeys;
+  for (int64_t b = block_lo; b < block_hi; b += 4) {
+    const int nsub = static_cast<int>(std::min<int64_t>(4, block_hi - b));
+    const int64_t key0 = first_key + b * kKeys;
+    for (int64_t i = 0; i < num_tiles; ++i) {
+      TileState<R>& t = tiles[i];
+      if (key0 >= t.hi || key0 + nsub * kKeys <= t.lo) continue;  // none of these keys visible to the tile
+      tile_step_avx512(t, k_panels + b * head_dim * kKeys, v_rows + b * kKeys * head_dim, key0, nsub, head_dim,
+                       window);
+    }
+  }
+  for (int64_t i = 0; i < num_tiles; ++i) finish_tile(tiles[i], row_begin + i * R, group, kv_head, num_heads, head_dim, out);
+}
+
+// gather_block for a full block of 16 keys of a float32 cache (head_dim a multiple of 16): the
+// K rows transposed into the panel 16 x 16 at a time in registers, not one strided store per
+// element (at a small chunk over a long context, the gather is most of the attention's time).
+MINIVLLM_AVX512 void gather_block_avx512(const float* k_cache, const float* v_cache, const int64_t* table,
+                                         int64_t block_size, int64_t slot_stride, int64_t head_offset,
+                                         int64_t head_dim, int64_t first, float* panel, float* v_rows) {
+  const float* k_rows[kKeys];
+  for (int64_t i = 0; i < kKeys; ++i) {
+    const int64_t t = first + i;
+    const int64_t slot = (table[t / block_size] * block_size + t % block_size) * slot_stride + head_offset;
+    k_rows[i] = k_cache + slot;
+    std::memcpy(v_rows + i * head_dim, v_cache + slot, head_dim * sizeof(float));
+  }
+  for (int64_t d = 0; d < head_dim; d += 16) {
+    __m512 r[16], t[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(k_rows[i] + d);
+    // Interleave pairs, then quads (as 64-bit lanes), then 128-bit lanes twice: row i of the
+    // result holds element i of every input row.
+    for (int i = 0; i < 16; i += 2) {
+      t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+      t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+      r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+      r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+      r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+      r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+    }
+    for (int i = 0; i < 4; ++i) {
+      t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+      t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
+      t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+      t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 8; ++i) {
+      r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+      r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+    }
+    for (int j = 0; j < 16; ++j) _mm512_storeu_ps(panel + (d + j) * kKeys, r[j]);  // element d + j of the 16 keys
+  }
+}
+
+// Full tiles of `rows` rows with AVX-512 intrinsics; false when there are none for that many
+// rows (then the portable loop runs).
+bool run_tiles_avx512(int64_t rows, const float* q, int64_t row_begin, int64_t num_tiles, int64_t group,
+                      int64_t kv_head, int64_t num_heads, int64_t head_dim, int64_t start_pos, int64_t first_key,
+                      int64_t window, float scale, const float* k_panels, const float* v_rows, float* out) {
+  if (head_dim % 16 != 0) return false;
+#define MINIVLLM_TILE(R)                                                                                         \
+  case R:                                                                                                        \
+    attend_tiles_avx512<R>(q, row_begin, num_tiles, group, kv_head, num_heads, head_dim, start_pos, first_key,   \
+                           window, scale, k_panels, v_rows, out);                                                \
+    return true;
+  switch (rows) {
+    MINIVLLM_TILE(1) MINIVLLM_TILE(2) MINIVLLM_TILE(3) MINIVLLM_TILE(4) MINIVLLM_TILE(5) MINIVLLM_TILE(6)
+    MINIVLLM_TILE(7) MINIVLLM_TILE(8)
+    default: return false;
+  }
+#undef MINIVLLM_TILE
+}
+#endif  // __x86_64__
+
+template <typename cache_t>
+void chunk_kernel(const float* q, int64_t num_tokens, int64_t num_heads, const cache_t* k_cache,
+                  const cache_t* v_cache, int64_t num_kv_heads, int64_t head_dim, const int64_t* table,
+                  int64_t block_size, int64_t start_pos, float scale, int64_t window, int64_t isa, float* out) {
+  const int64_t group = num_heads / num_kv_heads, slot_stride = num_kv_heads * head_dim;
+  const int64_t num_ctx = start_pos + num_tokens;  // keys [0, num_ctx), the chunk's own included
+  // With a window, no query sees keys before its first token's window.
+  const int64_t first_key = window > 0 ? std::max<int64_t>(0, start_pos - window + 1) : 0;
+  const int64_t num_keys = num_ctx - first_key;
+  const int64_t num_blocks = (num_keys + kKeys - 1) / kKeys;
+  std::vector<float> k_panels(num_kv_heads * num_blocks * head_dim * kKeys), v_rows(num_kv_heads * num_keys * head_dim);
+  at::parallel_for(0, num_kv_heads * num_blocks, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task / num_blocks, b = task % num_blocks;
+      const int64_t count = std::min(kKeys, num_keys - b * kKeys);
+      float* panel = k_panels.data() + (h * num_blocks + b) * head_dim * kKeys;
+      float* rows = v_rows.data() + (h * num_keys + b * kKeys) * head_dim;
+#if defined(__x86_64__)
+      if constexpr (std::is_same_v<cache_t, float>) {
+        if (isa == kIsaAvx512 && count == kKeys && head_dim % 16 == 0) {
+          gather_block_avx512(k_cache, v_cache, table, block_size, slot_stride, h * head_dim, head_dim,
+                              first_key + b * kKeys, panel, rows);
+          continue;
+        }
+      }
+#endif
+      gather_block(k_cache, v_cache, table, block_size, slot_stride, h * head_dim, head_dim, first_key + b * kKeys,
+                   count, panel, rows);
+    }
+  });
+  // Tiles of whole tokens (all `group` heads of each), so a tile's rows share key ranges; a
+  // task takes up to kTilesPerTask neighbouring tiles (they share each block of K and V), and
+  // the last, partial tile alone.
+  constexpr int64_t kTilesPerTask = 8;
+  const int64_t tokens_per_tile = std::max<int64_t>(1, kRows / group);
+  const int64_t rows_per_tile = tokens_per_tile * group;
+  const int64_t num_rows = num_tokens * group;
+  const int64_t num_full = num_rows / rows_per_tile, partial_rows = num_rows - num_full * rows_per_tile;
+  const int64_t tasks_per_head = (num_full + kTilesPerTask - 1) / kTilesPerTask + (partial_rows ? 1 : 0);
+  // Later tiles see more keys: hand them out first, from a shared counter, so the threads
+  // finish together.
+  const int64_t num_tasks = num_kv_heads * tasks_per_head;
+  std::atomic<int64_t> next_task{0};
+  at::parallel_for(0, std::min<int64_t>(std::max(1, at::get_num_threads()), num_tasks), 1, [&](int64_t, int64_t) {
+    for (int64_t task = next_task++; task < num_tasks; task = next_task++) {
+      const int64_t h = task % num_kv_heads, index = tasks_per_head - 1 - task / num_kv_heads;
+      const bool is_partial = partial_rows && index == tasks_per_head - 1;
+      const int64_t row_begin = is_partial ? num_full * rows_per_tile : index * kTilesPerTask * rows_per_tile;
+      const int64_t rows = is_partial ? partial_rows : rows_per_tile;
+      const int64_t num_tiles = is_partial ? 1 : std::min(kTilesPerTask, num_full - index * kTilesPerTask);
+      const float* kp = k_panels.data() + h * num_blocks * head_dim * kKeys;
+      const float* vr = v_rows.data() + h * num_keys * head_dim;
+#if defined(__x86_64__)
+      if (isa == kIsaAvx512 && run_tiles_avx512(rows, q, row_begin, num_tiles, group, h, num_heads, head_dim,
+                                                start_pos, first_key, window, scale, kp, vr, out))
+        continue;
+#endif
+      for (int64_t i = 0; i < num_tiles; ++i)
+        attend_tile(q, row_begin + i * rows, row_begin + (i + 1) * rows, group, h, num_heads, head_dim, start_pos,
+                    first_key, window, scale, kp, vr, out);
+    }
+  });
+}
+
+}  // namespace
+
+torch::Tensor paged_prefill_attention(torch::Tensor q,                   // [n, H, D] float32
+                                      const torch::Tensor& k_cache,      // [slots, KVH, D]
+                                      const torch::Tensor& v_cache,      // [slots, KVH, D]
+                                      const torch::Tensor& block_table,  // [max_blocks] int64
+                                      int64_t start_pos,                 // cached tokens before the chunk
+                                      int64_t block_size, double scale, int64_t window, int64_t isa) {
+  TORCH_CHECK(isa <= best_isa(), "paged_prefill_attention: this CPU lacks the requested instruction set");
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32, "paged_prefill_attention: q must be float32 [n, H, D]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "paged_prefill_attention: contiguous caches of one dtype");
+  TORCH_CHECK(block_table.scalar_type() == torch::kInt64 && block_table.is_contiguous(),
+              "paged_prefill_attention: int64 block table");
+  const int64_t num_tokens = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_kv_heads = k_cache.size(1);
+  TORCH_CHECK(k_cache.size(2) == head_dim && num_heads % num_kv_heads == 0 && head_dim <= 256 &&
+              num_heads / num_kv_heads <= kRows, "paged_prefill_attention: head shapes (D <= 256, group <= 8)");
+  TORCH_CHECK(block_table.size(0) * block_size >= start_pos + num_tokens, "paged_prefill_attention: block table too short");
+  q = q.contiguous();
+  auto out = torch::empty_like(q);
+  const int64_t* table = block_table.data_ptr<int64_t>();
+  const float s = static_cast<float>(scale);
+  if (k_cache.scalar_type() == torch::kFloat32) {
+    chunk_kernel(q.data_ptr<float>(), num_tokens, num_heads, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                 num_kv_heads, head_dim, table, block_size, start_pos, s, window, isa, out.data_ptr<float>());
+  } else {
+    TORCH_CHECK(k_cache.scalar_type() == torch::kBFloat16, "paged_prefill_attention: float32 or bfloat16 cache");
+    chunk_kernel(q.data_ptr<float>(), num_tokens, num_heads, k_cache.data_ptr<at::BFloat16>(),
+                 v_cache.data_ptr<at::BFloat16>(), num_kv_heads, head_dim, table, block_size, start_pos, s, window, isa,
+                 out.data_ptr<float>());
+  }
+  return out;
+}
+
+}  // namespace minivllm
