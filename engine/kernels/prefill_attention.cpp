@@ -221,6 +221,20 @@ MINIVLLM_AVX512 inline void pv_block(TileState<R>& t, const float* vb, int64_t n
     for (int c = 0; c < NV; ++c) _mm512_store_ps(t.o[r] + d + 16 * c, acc[r][c]);
 }
 
+// s[:, :NS] = the tile's (scaled) queries . NS panels of 16 keys: per dimension, NS key vectors
+// and R broadcasts feed R * NS multiply-adds into registers (NS a constant, so they stay there).
+template <int R, int NS>
+MINIVLLM_AVX512 inline void scores(const TileState<R>& t, const float* panel, int64_t head_dim, __m512 (&s)[R][4]) {
+  for (int64_t d = 0; d < head_dim; ++d) {
+    __m512 kd[NS];
+    for (int c = 0; c < NS; ++c) kd[c] = _mm512_loadu_ps(panel + (c * head_dim + d) * kKeys);
+    for (int r = 0; r < R; ++r) {
+      const __m512 qv = _mm512_set1_ps(t.qs[r][d]);
+      for (int c = 0; c < NS; ++c) s[r][c] = _mm512_fmadd_ps(qv, kd[c], s[r][c]);
+    }
+  }
+}
+
 // One step of a tile with AVX-512 intrinsics (head_dim a multiple of 16): keys [key0, key0 +
 // 16 nsub), nsub <= 4. The scores of R rows x 64 keys sit in 4R registers (FMA bound; a row's
 // softmax bookkeeping is paid once per 64 keys), the weighted values are an [R, 64] x [64, D]
@@ -234,21 +248,11 @@ MINIVLLM_AVX512 void tile_step_avx512(TileState<R>& t, const float* panel, const
   __m512 s[R][kSub];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < kSub; ++c) s[r][c] = _mm512_setzero_ps();
-  if (nsub == kSub) {
-    for (int64_t d = 0; d < head_dim; ++d) {
-      __m512 kd[kSub];
-      for (int c = 0; c < kSub; ++c) kd[c] = _mm512_loadu_ps(panel + (c * head_dim + d) * kKeys);
-      for (int r = 0; r < R; ++r) {
-        const __m512 qv = _mm512_set1_ps(t.qs[r][d]);
-        for (int c = 0; c < kSub; ++c) s[r][c] = _mm512_fmadd_ps(qv, kd[c], s[r][c]);
-      }
-    }
-  } else {
-    for (int c = 0; c < nsub; ++c)
-      for (int64_t d = 0; d < head_dim; ++d) {
-        const __m512 kd = _mm512_loadu_ps(panel + (c * head_dim + d) * kKeys);
-        for (int r = 0; r < R; ++r) s[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(t.qs[r][d]), kd, s[r][c]);
-      }
+  switch (nsub) {
+    case 4: scores<R, 4>(t, panel, head_dim, s); break;
+    case 3: scores<R, 3>(t, panel, head_dim, s); break;
+    case 2: scores<R, 2>(t, panel, head_dim, s); break;
+    default: scores<R, 1>(t, panel, head_dim, s); break;
   }
   // Mask what each row may not see, then the rows' new maxima, their rescale factors in one
   // vector exponential, and the probabilities; rows that see none of these keys keep their state.
@@ -330,7 +334,9 @@ MINIVLLM_AVX512 void attend_tiles_avx512(const float* q, int64_t row_begin, int6
     for (int64_t i = 0; i < num_tiles; ++i) {
       TileState<R>& t = tiles[i];
       if (key0 >= t.hi || key0 + nsub * kKeys <= t.lo) continue;  // none of these keys visible to the tile
-      tile_step_avx512(t, k_panels + b * head_dim * kKeys, v_rows + b * kKeys * head_dim, key0, nsub, head_dim,
+      // Only the panels up to the tile's last visible key (on the diagonal of a causal chunk).
+      const int tile_nsub = static_cast<int>(std::min<int64_t>(nsub, (t.hi - key0 + kKeys - 1) / kKeys));
+      tile_step_avx512(t, k_panels + b * head_dim * kKeys, v_rows + b * kKeys * head_dim, key0, tile_nsub, head_dim,
                        window);
     }
   }
