@@ -167,10 +167,11 @@ def _masked_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: AttentionMetadata,
                      scale: float, window: int | None = None) -> torch.Tensor:
-    # q: [B, H, D] -> out: [B, H, D]
+    # q: [B, H, D] -> out: [B, H, D] in q's dtype (the fused layers' q is float32 over any cache)
     if attn.decode_kernels is not None:
-        return attn.decode_kernels.paged_decode_attention(q, k_cache, v_cache, attn.block_tables,
-                                                          attn.context_lens, attn.block_size, scale, window or 0)
+        return attn.decode_kernels.paged_decode_attention(q.to(k_cache.dtype), k_cache, v_cache, attn.block_tables,
+                                                          attn.context_lens, attn.block_size, scale,
+                                                          window or 0).to(q.dtype)
     mask = attn.decode_mask
     if window is not None:
         # Keys before context_len - window fall out of the window: [B, 1, 1, L]

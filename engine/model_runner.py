@@ -209,8 +209,10 @@ class ModelRunner:
             ctx_slots = table[ctx_pos // bs] * bs + ctx_pos % bs
             positions.append(ctx_pos[start:])
             slots.append(ctx_slots[start:])
-            meta = PrefillSeqMeta(num_tokens, n, start + n, None, block_table=self._to_device(table))
-            if start:
+            meta = PrefillSeqMeta(num_tokens, n, start + n, None)
+            if self.prefill_kernels is not None:  # the C++ kernel reads the cache by block table
+                meta.block_table = self._to_device(table)
+            elif start:  # the torch path reads the cached context by slot
                 meta.context_slots = self._to_device(ctx_slots)
                 first = int(ctx_slots[0])
                 if np.array_equal(ctx_slots[:start], np.arange(first, first + start)):  # read the pool in place

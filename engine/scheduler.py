@@ -207,8 +207,7 @@ class Scheduler:
 
     def observe_step_time(self, sched: SchedulerOutput, forward_time: float, overhead_time: float) -> None:
         """Teach the cost model what the step scheduled by `sched` took."""
-        *features, num_cached = sched.cost_features
-        self.cost_model.observe(*features, forward_time, overhead_time, num_cached)
+        self.cost_model.observe(*sched.cost_features, forward_time, overhead_time)
 
     def update_from_output(self, sched: SchedulerOutput, sampled_token_ids: list[int]) -> None:
         """Fold a finished forward back into the sequences: the scheduled tokens are now in the

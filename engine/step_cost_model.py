@@ -95,8 +95,8 @@ class StepCostModel:
         return max(0, min(limit, int(n)))
 
     def observe(self, num_decode_seqs: int, num_decode_context_tokens: int, num_prefill_tokens: int,
-                num_prefill_pairs: float, forward_time: float, overhead_time: float,
-                num_prefill_cached_tokens: int = 0) -> None:
+                num_prefill_pairs: float, num_prefill_cached_tokens: int, forward_time: float,
+                overhead_time: float) -> None:
         """Fold in one step's measured forward time and host overhead (seconds)."""
         x = self.features(num_decode_seqs, num_decode_context_tokens, num_prefill_tokens, num_prefill_pairs,
                           num_prefill_cached_tokens)

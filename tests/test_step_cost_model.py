@@ -30,7 +30,7 @@ def feed(model: StepCostModel, num_steps: int, rng: random.Random, noise: float 
         chunk = rng.choice([0, rng.randint(1, 512)]) if num_decode else rng.randint(1, 512)
         pairs = attention_pairs(chunk, rng.randint(0, 1500)) if chunk else 0.0
         t = true_forward(num_decode, ctx, chunk, pairs) * (1 + rng.uniform(-noise, noise))
-        model.observe(num_decode, ctx, chunk, pairs, t, OVERHEAD)
+        model.observe(num_decode, ctx, chunk, pairs, 0, t, OVERHEAD)
 
 
 def test_converges_to_the_true_costs_within_a_few_dozen_steps() -> None:
@@ -63,7 +63,7 @@ def test_long_runs_of_one_kind_of_step_stay_stable() -> None:
     rng = random.Random(2)
     feed(model, 30, rng)
     for _ in range(5000):
-        model.observe(16, 4000, 0, 0.0, true_forward(16, 4000, 0, 0.0), OVERHEAD)
+        model.observe(16, 4000, 0, 0.0, 0, true_forward(16, 4000, 0, 0.0), OVERHEAD)
     feed(model, 3, rng)
     assert model.predict(16, 4000, 128, attention_pairs(128, 0)) == pytest.approx(
         true_forward(16, 4000, 128, attention_pairs(128, 0)) + OVERHEAD, rel=0.1)
@@ -74,7 +74,7 @@ def test_tracks_the_97th_percentile_of_its_error() -> None:
     rng = random.Random(5)
     feed(model, 40, rng)
     for _ in range(3000):  # the machine jitters: measured = true * U(0.8, 1.3), so p97 is 1.285
-        model.observe(8, 1600, 0, 0.0, true_forward(8, 1600, 0, 0.0) * rng.uniform(0.8, 1.3), OVERHEAD)
+        model.observe(8, 1600, 0, 0.0, 0, true_forward(8, 1600, 0, 0.0) * rng.uniform(0.8, 1.3), OVERHEAD)
     mean_ratio = 1.05  # the fit follows the mean; the quantile is relative to it
     assert model.error_quantile == pytest.approx(1.285 / mean_ratio, abs=0.04)
 
@@ -130,7 +130,7 @@ def test_auto_target_is_a_multiple_of_the_usual_decode_step_and_nothing_decoding
     sched = _time_scheduler(step_time_ratio=2.5)
     _decoding(sched, 8)
     for _ in range(300):  # decode-only steps of 50 ms set the streams' usual pace
-        sched.cost_model.observe(8, 400, 0, 0.0, 0.048, 0.002)
+        sched.cost_model.observe(8, 400, 0, 0.0, 0, 0.048, 0.002)
     sched.add(fake_seq("long", 1500, arrival=1.0))
     out = sched.schedule(now=2.0)
     assert sched.cost_model.typical_decode_step == pytest.approx(0.050, rel=0.01)
@@ -146,7 +146,7 @@ def test_a_burst_raises_the_auto_target_a_single_arrival_does_not() -> None:
         sched = _time_scheduler(step_time_ratio=2.0)
         _decoding(sched, 8)
         for _ in range(300):
-            sched.cost_model.observe(8, 400, 0, 0.0, 0.048, 0.002)
+            sched.cost_model.observe(8, 400, 0, 0.0, 0, 0.048, 0.002)
         for i in range(num_waiting):
             sched.add(fake_seq(f"w{i}", 300, arrival=1.0 + i))
         targets[num_waiting] = sched.schedule(now=30.0).step_time_target
@@ -180,8 +180,8 @@ def test_learns_what_a_chunk_pays_per_cached_token() -> None:
     for _ in range(300):  # pairs and cached tokens move together in small chunks: slower to separate
         num_decode, chunk = rng.randint(1, 8), rng.randint(1, 64)
         cached = rng.choice([0, rng.randint(1, 2000)])
-        model.observe(num_decode, 100 * num_decode, chunk, attention_pairs(chunk, cached), forward(num_decode, chunk, cached),
-                      OVERHEAD, cached)
+        model.observe(num_decode, 100 * num_decode, chunk, attention_pairs(chunk, cached), cached,
+                      forward(num_decode, chunk, cached), OVERHEAD)
     pairs = attention_pairs(16, 1000)
     assert model.predict(2, 200, 16, pairs, 1000) == pytest.approx(forward(2, 16, 1000) + OVERHEAD, rel=0.05)
     assert model.chunk_cost(16, 1000) - model.chunk_cost(16, 0) == pytest.approx(

@@ -47,15 +47,14 @@ void decode_layer(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor
                   const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
                   const torch::Tensor& context_lens, int64_t num_heads, int64_t block_size, double eps, double scale,
                   int64_t window, int64_t isa);
-// The same layer in two halves around an attention computed elsewhere (steps with prefill rows,
-// whose chunks attend through torch's flash kernel).
+// The same layer in two halves around an attention computed elsewhere (steps with prefill rows:
+// engine/attention.py's `attention`, whose chunks attend through the C++ prefill kernel or flash).
 torch::Tensor layer_attention_inputs(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                                      const torch::Tensor& input_norm, const PackedLinear& qkv, torch::Tensor k_cache,
                                      torch::Tensor v_cache, const torch::Tensor& slot_mapping, int64_t num_heads,
                                      double eps, int64_t isa);
 void layer_attention_outputs(torch::Tensor x, const torch::Tensor& attn_out, const torch::Tensor& post_norm,
-                             const PackedLinear& qkv, const PackedLinear& o_proj, const PackedLinear& gate_up,
-                             const PackedLinear& down, const torch::Tensor& k_cache, int64_t num_heads, double eps,
-                             int64_t isa);
+                             const PackedLinear& o_proj, const PackedLinear& gate_up, const PackedLinear& down,
+                             const torch::Tensor& k_cache, int64_t num_heads, double eps, int64_t isa);
 
 }  // namespace minivllm

@@ -67,20 +67,17 @@ void write_row(torch::Tensor& cache, int64_t slot, const float* src, int64_t wid
   for (int64_t i = 0; i < width; ++i) dst[i] = static_cast<cache_t>(src[i]);
 }
 
-// What the layer's three parts share: shapes, the packed projections, the norms.
+// The shapes the layer's parts share.
 struct LayerShapes {
   int64_t M, hidden, num_heads, num_kv_heads, head_dim, q_size, kv_size;
 };
 
-LayerShapes shapes_of(const torch::Tensor& x, const torch::Tensor& k_cache, const LinearView& qkv, int64_t num_heads) {
+LayerShapes shapes_of(const torch::Tensor& x, const torch::Tensor& k_cache, int64_t num_heads) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2,
               "fused layer: x must be contiguous float32 [M, hidden]");
   TORCH_CHECK(k_cache.is_contiguous(), "fused layer: contiguous cache");
   const int64_t num_kv_heads = k_cache.size(1), head_dim = k_cache.size(2);
-  const LayerShapes s{x.size(0), x.size(1), num_heads, num_kv_heads, head_dim, num_heads * head_dim,
-                      num_kv_heads * head_dim};
-  TORCH_CHECK(qkv.n == s.q_size + 2 * s.kv_size, "fused layer: QKV projection width");
-  return s;
+  return {x.size(0), x.size(1), num_heads, num_kv_heads, head_dim, num_heads * head_dim, num_kv_heads * head_dim};
 }
 
 // Before attention: RMSNorm, QKV projection, RoPE of q and k, the new K/V written at their slots.
@@ -95,6 +92,7 @@ void attention_inputs(const LayerShapes& s, const float* xp, const torch::Tensor
   TORCH_CHECK(v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type(), "fused layer: cache layout");
   TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.size(0) == s.M,
               "fused layer: int64 slot_mapping [M]");
+  TORCH_CHECK(lqkv.n == s.q_size + 2 * s.kv_size, "fused layer: QKV projection width");
   std::vector<float> h(s.M * s.hidden);
   rms_norm(xp, s.M, s.hidden, input_norm.data_ptr<float>(), static_cast<float>(eps), h.data());
   gemm(lqkv, h.data(), s.M, s.hidden, qkv_out, isa, false);
@@ -150,7 +148,7 @@ void decode_layer(torch::Tensor x,                    // [M, hidden] float32, up
                   const torch::Tensor& context_lens,  // [M] int64
                   int64_t num_heads, int64_t block_size, double eps, double scale, int64_t window, int64_t isa) {
   const LinearView lqkv = view(qkv);
-  const LayerShapes s = shapes_of(x, k_cache, lqkv, num_heads);
+  const LayerShapes s = shapes_of(x, k_cache, num_heads);
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && context_lens.scalar_type() == torch::kInt64 &&
               block_tables.is_contiguous(), "decode_layer: int64 block tables and lengths");
   float* xp = x.data_ptr<float>();
@@ -186,7 +184,7 @@ torch::Tensor layer_attention_inputs(const torch::Tensor& x,             // [M, 
                                      const torch::Tensor& slot_mapping,  // [M] int64
                                      int64_t num_heads, double eps, int64_t isa) {
   const LinearView lqkv = view(qkv);
-  const LayerShapes s = shapes_of(x, k_cache, lqkv, num_heads);
+  const LayerShapes s = shapes_of(x, k_cache, num_heads);
   auto out = torch::empty({s.M, lqkv.n}, x.options());  // [M, q | k | v]
   attention_inputs(s, x.data_ptr<float>(), cos, sin, input_norm, lqkv, k_cache, v_cache, slot_mapping, eps, isa,
                    out.data_ptr<float>());
@@ -196,10 +194,10 @@ torch::Tensor layer_attention_inputs(const torch::Tensor& x,             // [M, 
 void layer_attention_outputs(torch::Tensor x,                  // [M, hidden] float32, updated in place
                              const torch::Tensor& attn_out,    // [M, H * D] float32
                              const torch::Tensor& post_norm,   // [hidden] float32
-                             const PackedLinear& qkv, const PackedLinear& o_proj, const PackedLinear& gate_up,
-                             const PackedLinear& down, const torch::Tensor& k_cache, int64_t num_heads, double eps,
-                             int64_t isa) {
-  const LayerShapes s = shapes_of(x, k_cache, view(qkv), num_heads);
+                             const PackedLinear& o_proj, const PackedLinear& gate_up, const PackedLinear& down,
+                             const torch::Tensor& k_cache,  // [slots, KVH, D]: the head shapes
+                             int64_t num_heads, double eps, int64_t isa) {
+  const LayerShapes s = shapes_of(x, k_cache, num_heads);
   TORCH_CHECK(attn_out.scalar_type() == torch::kFloat32 && attn_out.is_contiguous() && attn_out.size(0) == s.M &&
               attn_out.numel() == s.M * s.q_size, "fused layer: attn_out must be contiguous float32 [M, H * D]");
   attention_outputs(s, x.data_ptr<float>(), attn_out.data_ptr<float>(), post_norm, view(o_proj), view(gate_up),

@@ -1,15 +1,17 @@
 // Causal attention of one prefill chunk over its sequence's paged KV cache, for the CPU: the
-// flash-attention loop (online softmax over blocks of 16 keys) with the chunk's own K/V already
+// flash-attention loop (online softmax over blocks of keys) with the chunk's own K/V already
 // written to the cache, so a chunk after a cached context needs no gather, no mask tensor and
 // no log-sum-exp merge, and a first chunk skips the keys above the diagonal.
 //
 // Per KV head, the context's keys are first laid out as panels [blocks of 16 keys, D, 16] and
 // its values as rows [L, D] in float32 (bf16 caches are widened once here, not per query). A
-// task then takes a tile of up to 8 query rows (the `group` query heads of a few tokens, GQA)
-// and walks the key blocks it may see: scores as a small matrix product (one broadcast
-// multiply-add into 16 keys per row and dimension), an exponential evaluated lane-wise, and
-// the weighted values accumulated per row. The loops are written for the compiler to vectorize
-// (built with -march=native for the CPU it runs on), with fixed 16-key blocks as the vector.
+// task then takes up to 8 neighbouring tiles of up to 8 query rows (the `group` query heads of
+// a few tokens, GQA) and walks the keys they may see, 64 a step: scores as a small matrix
+// product (one broadcast multiply-add into 16 keys per row and dimension), an exponential
+// evaluated lane-wise, and the weighted values accumulated per row, all in AVX-512 registers.
+// Elsewhere (or for head sizes not a multiple of 16) a portable loop over 16-key blocks runs,
+// written for the compiler to vectorize; it is slower than torch's flash kernel, so the engine
+// routes only AVX-512 CPUs here.
 #include "cpu_kernels.h"
 
 #include <ATen/Parallel.h>
@@ -67,27 +69,54 @@ void gather_block(const cache_t* k_cache, const cache_t* v_cache, const int64_t*
   }
 }
 
-// One tile: rows [row_begin, row_end) of the (token, group head) rows of one KV head.
+// The running state of R query rows (one tile): scaled queries, output accumulators, softmax
+// maximum and sum, positions.
+template <int R>
+struct TileState {
+  alignas(64) float qs[R][256];
+  alignas(64) float o[R][256];
+  alignas(64) float p[R][64];
+  int64_t pos[R];
+  float m[R], l[R];
+  int64_t lo, hi;  // keys this tile may see: [lo, hi) in context positions
+};
+
+// Rows [row_begin, row_begin + rows) (rows <= R) of the (token, group head) rows of one KV head.
+template <int R>
+void init_tile(TileState<R>& t, int64_t rows, const float* q, int64_t row_begin, int64_t group, int64_t kv_head,
+               int64_t num_heads, int64_t head_dim, int64_t start_pos, int64_t first_key, int64_t window, float scale) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t row = row_begin + r, token = row / group, h = kv_head * group + row % group;
+    t.pos[r] = start_pos + token;
+    const float* qr = q + (token * num_heads + h) * head_dim;
+    for (int64_t d = 0; d < head_dim; ++d) t.qs[r][d] = qr[d] * scale;
+    std::fill(t.o[r], t.o[r] + head_dim, 0.f);
+    t.m[r] = -std::numeric_limits<float>::infinity();
+    t.l[r] = 0.f;
+  }
+  t.hi = t.pos[rows - 1] + 1;
+  t.lo = window > 0 ? std::max<int64_t>(first_key, t.pos[0] - window + 1) : first_key;
+}
+
+template <int R>
+void finish_tile(const TileState<R>& t, int64_t rows, int64_t row_begin, int64_t group, int64_t kv_head,
+                 int64_t num_heads, int64_t head_dim, float* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t row = row_begin + r, token = row / group, h = kv_head * group + row % group;
+    float* dst = out + (token * num_heads + h) * head_dim;
+    const float inv = 1.f / t.l[r];
+    for (int64_t d = 0; d < head_dim; ++d) dst[d] = t.o[r][d] * inv;
+  }
+}
+
+// One tile by the portable loop: rows [row_begin, row_end) of one KV head.
 void attend_tile(const float* q, int64_t row_begin, int64_t row_end, int64_t group, int64_t kv_head,
                  int64_t num_heads, int64_t head_dim, int64_t start_pos, int64_t first_key, int64_t window,
                  float scale, const float* k_panels, const float* v_rows, float* out) {
   const int64_t R = row_end - row_begin;
-  float qs[kRows][256];  // the tile's queries, pre-scaled (head_dim <= 256)
-  float o[kRows][256];
-  int64_t pos[kRows];
-  float m[kRows], l[kRows];
-  for (int64_t r = 0; r < R; ++r) {
-    const int64_t row = row_begin + r, token = row / group, h = kv_head * group + row % group;
-    pos[r] = start_pos + token;
-    const float* qr = q + (token * num_heads + h) * head_dim;
-    for (int64_t d = 0; d < head_dim; ++d) qs[r][d] = qr[d] * scale;
-    std::fill(o[r], o[r] + head_dim, 0.f);
-    m[r] = -std::numeric_limits<float>::infinity();
-    l[r] = 0.f;
-  }
-  // Keys this tile may see: [lo, hi) in context positions.
-  const int64_t hi = pos[R - 1] + 1;
-  const int64_t lo = window > 0 ? std::max<int64_t>(first_key, pos[0] - window + 1) : first_key;
+  TileState<kRows> t;
+  init_tile(t, R, q, row_begin, group, kv_head, num_heads, head_dim, start_pos, first_key, window, scale);
+  auto& [qs, o, p_unused, pos, m, l, lo, hi] = t;
   const int64_t block_lo = (lo - first_key) / kKeys, block_hi = (hi - first_key + kKeys - 1) / kKeys;
   for (int64_t b = block_lo; b < block_hi; ++b) {
     const float* panel = k_panels + b * head_dim * kKeys;
@@ -134,12 +163,7 @@ void attend_tile(const float* q, int64_t row_begin, int64_t row_end, int64_t gro
       }
     }
   }
-  for (int64_t r = 0; r < R; ++r) {
-    const int64_t row = row_begin + r, token = row / group, h = kv_head * group + row % group;
-    float* dst = out + (token * num_heads + h) * head_dim;
-    const float inv = 1.f / l[r];
-    for (int64_t d = 0; d < head_dim; ++d) dst[d] = o[r][d] * inv;
-  }
+  finish_tile(t, R, row_begin, group, kv_head, num_heads, head_dim, out);
 }
 
 #if defined(__x86_64__)
@@ -161,45 +185,6 @@ MINIVLLM_AVX512 inline __m512 exp512(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
   p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
   return _mm512_scalef_ps(p, n);
-}
-
-// The running state of R query rows (one tile): scaled queries, output accumulators, softmax
-// maximum and sum, positions.
-template <int R>
-struct TileState {
-  alignas(64) float qs[R][256];
-  alignas(64) float o[R][256];
-  alignas(64) float p[R][64];
-  int64_t pos[R];
-  float m[R], l[R];
-  int64_t lo, hi;  // keys this tile may see: [lo, hi) in context positions
-};
-
-template <int R>
-void init_tile(TileState<R>& t, const float* q, int64_t row_begin, int64_t group, int64_t kv_head,
-               int64_t num_heads, int64_t head_dim, int64_t start_pos, int64_t first_key, int64_t window, float scale) {
-  for (int r = 0; r < R; ++r) {
-    const int64_t row = row_begin + r, token = row / group, h = kv_head * group + row % group;
-    t.pos[r] = start_pos + token;
-    const float* qr = q + (token * num_heads + h) * head_dim;
-    for (int64_t d = 0; d < head_dim; ++d) t.qs[r][d] = qr[d] * scale;
-    std::fill(t.o[r], t.o[r] + head_dim, 0.f);
-    t.m[r] = -std::numeric_limits<float>::infinity();
-    t.l[r] = 0.f;
-  }
-  t.hi = t.pos[R - 1] + 1;
-  t.lo = window > 0 ? std::max<int64_t>(first_key, t.pos[0] - window + 1) : first_key;
-}
-
-template <int R>
-void finish_tile(const TileState<R>& t, int64_t row_begin, int64_t group, int64_t kv_head, int64_t num_heads,
-                 int64_t head_dim, float* out) {
-  for (int r = 0; r < R; ++r) {
-    const int64_t row = row_begin + r, token = row / group, h = kv_head * group + row % group;
-    float* dst = out + (token * num_heads + h) * head_dim;
-    const float inv = 1.f / t.l[r];
-    for (int64_t d = 0; d < head_dim; ++d) dst[d] = t.o[r][d] * inv;
-  }
 }
 
 // o[:, d : d + 16 NV] += p[:, :num_keys] . v[:num_keys, d : d + 16 NV], the accumulators in
@@ -322,7 +307,7 @@ MINIVLLM_AVX512 void attend_tiles_avx512(const float* q, int64_t row_begin, int6
   TileState<R> tiles[kMaxTiles];
   int64_t lo = std::numeric_limits<int64_t>::max(), hi = 0;
   for (int64_t i = 0; i < num_tiles; ++i) {
-    init_tile(tiles[i], q, row_begin + i * R, group, kv_head, num_heads, head_dim, start_pos, first_key, window,
+    init_tile(tiles[i], R, q, row_begin + i * R, group, kv_head, num_heads, head_dim, start_pos, first_key, window,
               scale);
     lo = std::min(lo, tiles[i].lo);
     hi = std::max(hi, tiles[i].hi);
@@ -340,7 +325,7 @@ MINIVLLM_AVX512 void attend_tiles_avx512(const float* q, int64_t row_begin, int6
                        window);
     }
   }
-  for (int64_t i = 0; i < num_tiles; ++i) finish_tile(tiles[i], row_begin + i * R, group, kv_head, num_heads, head_dim, out);
+  for (int64_t i = 0; i < num_tiles; ++i) finish_tile(tiles[i], R, row_begin + i * R, group, kv_head, num_heads, head_dim, out);
 }
 
 // gather_block for a full block of 16 keys of a float32 cache (head_dim a multiple of 16): the

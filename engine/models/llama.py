@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, attention, prefill_attention, write_kv
+from engine.attention import AttentionMetadata, attention, write_kv
 from engine.models.layers import Linear, RMSNorm, rotate_half
 from engine.models.model_config import ModelConfig
 
@@ -50,10 +50,9 @@ class DecoderLayer(nn.Module):
         """The layer in C++ over the panel-packed weights, for steps of a few tokens.
         x: [T, hidden] float32, updated in place; cos, sin: [T, head_dim] float32.
 
-        A decode-only step is one call. A step with prefill rows is two, around an attention
-        done here: the chunks by `prefill_attention` (a chunk's queries share every key they
-        read; per-row decode attention would walk the context once per query), the decode rows
-        by the paged C++ decode kernel. The small chunks a time-budgeted step carries
+        A decode-only step is one call. A step with prefill rows is two, around the step's
+        `attention` (a chunk's queries share every key they read; per-row decode attention
+        would walk the context once per query). The small chunks a time-budgeted step carries
         beside running streams then cost their GEMM rows, not the ~150 dispatched ops per layer
         of the torch path, which alone take about as long as a whole decode step."""
         qkv, o, gate_up, down = (p.panels.as_args() for p in (self.qkv_proj, self.o_proj, self.gate_up_proj,
@@ -72,13 +71,8 @@ class DecoderLayer(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = torch.empty(num_tokens, self.num_heads, self.head_dim)  # float32
-        out[:num_prefill] = prefill_attention(q[:num_prefill], k[:num_prefill], v[:num_prefill], k_cache, v_cache,
-                                              attn, self.scale, self.sliding_window)
-        if num_tokens > num_prefill:
-            out[num_prefill:] = kernels.paged_decode_attention(q[num_prefill:].to(k_cache.dtype), k_cache, v_cache, attn.block_tables,
-                                                               attn.context_lens, attn.block_size, self.scale, window)
-        kernels.layer_attention_outputs(x, out.view(num_tokens, self.q_size), self.norm_weights[1], qkv, o, gate_up,
+        out = attention(q, k, v, k_cache, v_cache, attn, self.scale, self.sliding_window)  # [T, H, D] float32
+        kernels.layer_attention_outputs(x, out.reshape(num_tokens, self.q_size), self.norm_weights[1], o, gate_up,
                                         down, k_cache, self.num_heads, self.eps, isa)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata,
