@@ -64,11 +64,11 @@ class EngineConfig:
     aging_s: float = _opt(5.0, "each aging_s seconds of waiting raises a request's priority by one level")
     # Time-aware budget: while sequences decode, prefill chunks are sized so the step's
     # predicted time (from costs learned online) stays under max_step_ms; None: auto,
-    # step_time_ratio x the recent decode-only step, so the streams' pace slows by at most
+    # step_time_ratio x the running batch's decode-only step (predicted), so their pace slows by at most
     # that factor while prompts prefill. The token budget stays a cap.
     enable_time_budget: bool = _opt(True, "size prefill chunks by predicted step time while sequences decode")
     max_step_ms: float | None = _opt(None, "step-time target in ms while sequences decode; unset: "
-                                           "step_time_ratio x the recent decode-only step")
+                                           "step_time_ratio x the running batch's decode-only step")
     step_time_ratio: float = _opt(2.2, "auto step-time target as a multiple of the decode-only step (> 1)")
     enable_prefix_caching: bool = _opt(True, "reuse the KV blocks of shared prompt prefixes")
     watermark: float = _opt(0.01, "fraction of KV blocks kept free when admitting new prompts")

@@ -2,9 +2,9 @@
 
 Each transform runs only when some row needs it, and on all rows at once: rows that did not
 ask for it carry neutral values (temperature 1, top_k = vocab, top_p 1, min_p 0, penalty 1).
-Sampling uses the exponential race (argmax of p / E with E ~ Exp(1)), which draws from p
-exactly and lets a seeded request draw its own noise row from its own generator, so its
-tokens do not depend on the rest of the batch.
+Sampling inverts each row's CDF at one uniform draw, which draws from p exactly and lets a
+seeded request take its draw from its own generator, so its tokens do not depend on the rest
+of the batch.
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ class SamplerOutput:
 
 # Columns of SamplingParams.row.
 _TEMPERATURE, _TOP_P, _MIN_P, _REPETITION, _FREQUENCY, _PRESENCE, _IS_GREEDY = range(7)
+_NUCLEUS_CANDIDATES = 256  # top_p looks among this many likeliest tokens before sorting a row whole
 
 
 class Sampler:
@@ -125,23 +126,54 @@ class Sampler:
             logits = logits.masked_fill(limited & (logits < kth), -float("inf"))
         probs = torch.softmax(logits, dim=-1)
         if any(p.top_p < 1.0 for p in params):
-            top_ps = rows[:, _TOP_P : _TOP_P + 1]
-            sorted_probs, order = probs.sort(dim=-1, descending=True)
-            # Drop a token when the mass before it already reaches top_p (the top one always stays).
-            drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_ps
-            probs = probs.masked_fill(torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted), 0.0)
+            probs = self._top_p(probs, rows[:, _TOP_P : _TOP_P + 1])
         if any(p.min_p > 0.0 for p in params):
             min_ps = rows[:, _MIN_P : _MIN_P + 1]
             probs = probs.masked_fill(probs < min_ps * probs.max(dim=-1, keepdim=True).values, 0.0)
-        noise = torch.empty_like(probs)
+        # Inverse CDF: one uniform draw per row, so a seeded request draws from its own generator
+        # and its tokens do not depend on the rest of the batch. (An exponential race, argmax of
+        # p / E, needs a draw per vocabulary entry: torch's exponential_ took 48 ms a step for
+        # 32 rows of 49152 here, a third of a decode step.) The CDF is summed in float64 so a
+        # 49k-entry sum does not blur the small probabilities.
+        draws = torch.empty(num_rows, 1, dtype=torch.float64, device=dev)
         unseeded = [i for i, s in enumerate(seqs) if s.generator is None]
         if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), vocab, device=dev).exponential_(generator=self.generator)
+            draws[unseeded] = torch.rand(len(unseeded), 1, dtype=torch.float64, device=dev, generator=self.generator)
         for i, seq in enumerate(seqs):
             if seq.generator is not None:
-                noise[i].exponential_(generator=seq.generator)
-        sampled = (probs / noise).argmax(dim=-1)
+                draws[i] = torch.rand(1, dtype=torch.float64, device=dev, generator=seq.generator)
+        cdf = probs.cumsum(dim=-1, dtype=torch.float64)  # [N, vocab]
+        # The first token whose CDF passes the draw (right=True: never a zero-probability one).
+        sampled = torch.searchsorted(cdf, draws * cdf[:, -1:], right=True).squeeze(1)  # [N]
+        # A draw that rounds up to the total mass falls off the end: take the likeliest token.
+        sampled = torch.where(sampled < vocab, sampled, greedy)
         return torch.where(rows[:, _IS_GREEDY] > 0, greedy, sampled)
+
+    @staticmethod
+    def _top_p(probs: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+        """Zero what lies outside each row's nucleus: a token is dropped when the mass of the
+        tokens above it already reaches top_p (the top one always stays). probs: [N, vocab];
+        top_ps: [N, 1], 1 for rows that did not ask.
+
+        The nucleus is looked for among the top 256 first (a full sort of 32 rows of 49152
+        took 62 ms here, the top 256 3.6 ms); a row whose nucleus reaches past them is sorted
+        whole. Tokens tied with the smallest kept probability are all kept."""
+        num_rows, vocab = probs.shape
+        k = min(_NUCLEUS_CANDIDATES, vocab)
+        values = probs.topk(k, dim=-1).values  # [N, k], descending
+        kept = (values.cumsum(dim=-1) - values) < top_ps  # [N, k]: a prefix of each row
+        asked = top_ps < 1.0  # [N, 1]
+        smallest_kept = values.masked_fill(~kept, float("inf")).amin(dim=-1, keepdim=True)  # [N, 1]
+        threshold = torch.where(asked, smallest_kept, torch.zeros_like(smallest_kept))
+        result = probs.masked_fill(probs < threshold, 0.0)
+        wide = (kept[:, -1:] & asked).squeeze(1) if k < vocab else torch.zeros(num_rows, dtype=torch.bool)
+        if wide.any():
+            rows = wide.nonzero().squeeze(1)
+            sub = probs[rows]
+            sorted_probs, order = sub.sort(dim=-1, descending=True)
+            drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_ps[rows]
+            result[rows] = sub.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), 0.0)
+        return result
 
     @staticmethod
     def _gather_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, params: list) -> list[dict[int, float] | None]:

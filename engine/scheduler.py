@@ -174,9 +174,13 @@ class Scheduler:
             return float("inf")
         model = self.cost_model
         decode_time = model.predict(len(out.decode_seqs), sum(s.num_tokens for s in out.decode_seqs))
-        # Auto: a multiple of the streams' usual pace (recent decode-only steps), so a step with
-        # prefill is at most step_time_ratio slower than the gaps the clients are used to.
-        typical = model.typical_decode_step or decode_time
+        # Auto: a multiple of the streams' own pace (this batch decoding alone), so a step with
+        # prefill is at most step_time_ratio slower than the gaps these clients get without it.
+        # The pace is predicted for this batch, not averaged over past decode-only steps: under
+        # a steady stream of arrivals there are none, and the last ones (a smaller batch) held
+        # the chunks to a pace the batch had outgrown (closed loop of 32 streams: a mean decode
+        # batch of 14 and 26 % less throughput than without the time budget).
+        typical = decode_time
         # A burst (more than one request waiting per running one) is worth slower steps: the
         # queue's TTFT grows with every step it waits, and the bigger batch it becomes decodes
         # more tokens per second. One waiting request (a long prompt arriving) gets no relief.

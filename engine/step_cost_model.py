@@ -47,7 +47,6 @@ class StepCostModel:
         self._max_variance = np.asarray(_PRIOR_VARIANCE) * _MAX_VARIANCE_GROWTH
         self.decay = decay
         self.overhead = 0.0
-        self.typical_decode_step = 0.0  # exponentially weighted time of decode-only steps (seconds)
         self.error_quantile = 1.0  # online ERROR_QUANTILE of measured / predicted step time
         self.num_observations = 0
 
@@ -114,9 +113,6 @@ class StepCostModel:
         scale = np.sqrt(np.minimum(1.0, self._max_variance / np.maximum(np.diag(cov), 1e-30)))
         self.covariance = cov * np.outer(scale, scale)
         self.overhead = self._smooth(self.overhead, overhead_time, self.num_observations == 0)
-        if num_decode_seqs and not num_prefill_tokens:
-            step = forward_time + overhead_time
-            self.typical_decode_step = self._smooth(self.typical_decode_step, step, self.typical_decode_step == 0.0)
         self.num_observations += 1
 
     def _smooth(self, average: float, value: float, is_first: bool) -> float:

@@ -68,3 +68,34 @@ def test_presence_penalty_counts_a_token_once_frequency_per_occurrence() -> None
     assert pick(frequency_penalty=0.1) == 1  # 2.0 - 3 * 0.1 falls behind 1.8
     assert pick(presence_penalty=0.3) == 1  # 1.7 < 1.8
     assert pick(presence_penalty=-0.5) == 0  # negative: encourages repeats
+
+
+def _nucleus_by_full_sort(probs: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_ps
+    return probs.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), 0.0)
+
+
+def test_top_p_keeps_exactly_the_nucleus_narrow_wide_and_untouched_rows() -> None:
+    """The top-256 search and its whole-row fallback agree with a full sort: peaked rows (the
+    nucleus within the top 256), flat rows (it reaches past them) and rows that did not ask."""
+    gen = torch.Generator().manual_seed(3)
+    peaked = torch.softmax(torch.randn(4, 5000, generator=gen) * 4, dim=-1)
+    flat = torch.softmax(torch.randn(4, 5000, generator=gen) * 0.1, dim=-1)
+    probs = torch.cat([peaked, flat])
+    top_ps = torch.tensor([[0.5], [0.9], [1.0], [0.99], [0.5], [0.9], [1.0], [0.2]])
+    got = Sampler._top_p(probs, top_ps)
+    asked = [0, 1, 3, 4, 5, 7]
+    assert torch.equal(got[asked], _nucleus_by_full_sort(probs[asked], top_ps[asked]))
+    # Rows at top_p 1 stay whole (a float32 cumulative sum can reach 1 before the tail does,
+    # so the full-sort rule would clip their rarest tokens).
+    assert torch.equal(got[[2, 6]], probs[[2, 6]])
+    assert (got[4] > 0).sum() > 256  # a nucleus wider than the candidates: the sorted fallback
+
+
+def test_sampling_with_top_p_follows_the_renormalized_nucleus() -> None:
+    probs = torch.tensor([0.5, 0.25, 0.15, 0.1])
+    logits = torch.log(probs).repeat(4000, 1)
+    tokens = Sampler(torch.device("cpu"), seed=7)(logits, _seqs(*[SamplingParams(top_p=0.7)] * 4000)).token_ids
+    freq = torch.bincount(torch.tensor(tokens), minlength=4).float() / 4000
+    assert torch.allclose(freq, torch.tensor([0.5, 0.25, 0.0, 0.0]) / 0.75, atol=0.03)

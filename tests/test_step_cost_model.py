@@ -133,9 +133,27 @@ def test_auto_target_is_a_multiple_of_the_usual_decode_step_and_nothing_decoding
         sched.cost_model.observe(8, 400, 0, 0.0, 0, 0.048, 0.002)
     sched.add(fake_seq("long", 1500, arrival=1.0))
     out = sched.schedule(now=2.0)
-    assert sched.cost_model.typical_decode_step == pytest.approx(0.050, rel=0.01)
-    assert out.step_time_target == pytest.approx(2.5 * sched.cost_model.typical_decode_step)
+    assert out.step_time_target == pytest.approx(2.5 * 0.050, rel=0.02)
     assert out.predicted_step_time <= out.step_time_target
+
+
+def test_auto_target_follows_the_batch_not_past_decode_only_steps() -> None:
+    """Under a steady stream of arrivals every step carries a chunk: the target must grow
+    with the batch that decodes now, not stay at the pace of the last decode-only steps (of a
+    smaller batch)."""
+    sched = _time_scheduler(step_time_ratio=2.0)
+    for _ in range(200):  # a batch of 2 decoding alone
+        sched.cost_model.observe(2, 100, 0, 0.0, 0, true_forward(2, 100, 0, 0.0), OVERHEAD)
+    for _ in range(50):  # then only mixed steps while the batch grows to 24
+        sched.cost_model.observe(24, 2400, 64, attention_pairs(64, 0), 0,
+                                 true_forward(24, 2400, 64, attention_pairs(64, 0)), OVERHEAD)
+    _decoding(sched, 24)
+    sched.add(fake_seq("next", 300, arrival=1.0))
+    out = sched.schedule(now=2.0)
+    assert len(out.decode_seqs) == 24
+    ctx = sum(s.num_tokens for s in out.decode_seqs)
+    pace = true_forward(24, ctx, 0, 0.0) + OVERHEAD
+    assert out.step_time_target == pytest.approx(2.0 * pace, rel=0.05)
 
 
 def test_a_burst_raises_the_auto_target_a_single_arrival_does_not() -> None:
