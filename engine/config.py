@@ -69,7 +69,7 @@ class EngineConfig:
     enable_time_budget: bool = _opt(True, "size prefill chunks by predicted step time while sequences decode")
     max_step_ms: float | None = _opt(None, "step-time target in ms while sequences decode; unset: "
                                            "step_time_ratio x the running batch's decode-only step")
-    step_time_ratio: float = _opt(2.2, "auto step-time target as a multiple of the decode-only step (> 1)")
+    step_time_ratio: float = _opt(2.0, "auto step-time target as a multiple of the decode-only step (> 1)")
     enable_prefix_caching: bool = _opt(True, "reuse the KV blocks of shared prompt prefixes")
     watermark: float = _opt(0.01, "fraction of KV blocks kept free when admitting new prompts")
 
