@@ -180,12 +180,11 @@ class Scheduler:
         # a steady stream of arrivals there are none, and the last ones (a smaller batch) held
         # the chunks to a pace the batch had outgrown (closed loop of 32 streams: a mean decode
         # batch of 14 and 26 % less throughput than without the time budget).
-        typical = decode_time
         # A burst (more than one request waiting per running one) is worth slower steps: the
         # queue's TTFT grows with every step it waits, and the bigger batch it becomes decodes
         # more tokens per second. One waiting request (a long prompt arriving) gets no relief.
         backlog = 1.0 + max(0, len(self.waiting) - 1) / max(1, len(self.running))
-        target = cfg.max_step_ms / 1e3 if cfg.max_step_ms is not None else cfg.step_time_ratio * typical * backlog
+        target = cfg.max_step_ms / 1e3 if cfg.max_step_ms is not None else cfg.step_time_ratio * decode_time * backlog
         out.budget_source, out.step_time_target = "time", target
         # Aim below the target by the model's usual error, so most steps really land under it;
         # waiting requests keep a share of the step even when decodes alone fill the target.
