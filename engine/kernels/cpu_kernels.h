@@ -55,6 +55,6 @@ torch::Tensor layer_attention_inputs(const torch::Tensor& x, const torch::Tensor
                                      double eps, int64_t isa);
 void layer_attention_outputs(torch::Tensor x, const torch::Tensor& attn_out, const torch::Tensor& post_norm,
                              const PackedLinear& o_proj, const PackedLinear& gate_up, const PackedLinear& down,
-                             const torch::Tensor& k_cache, int64_t num_heads, double eps, int64_t isa);
+                             double eps, int64_t isa);
 
 }  // namespace minivllm

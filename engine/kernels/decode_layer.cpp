@@ -114,22 +114,24 @@ void attention_inputs(const LayerShapes& s, const float* xp, const torch::Tensor
 }
 
 // After attention: x += o_proj(attn_out); x += down(silu(gate) * up) of RMSNorm(x).
-void attention_outputs(const LayerShapes& s, float* xp, const float* attn_out, const torch::Tensor& post_norm,
-                       const LinearView& lo, const LinearView& lgu, const LinearView& ldown, double eps, int64_t isa) {
+// attn_out: [M, q_size]; x: [M, hidden].
+void attention_outputs(int64_t M, int64_t hidden, int64_t q_size, float* xp, const float* attn_out,
+                       const torch::Tensor& post_norm, const LinearView& lo, const LinearView& lgu,
+                       const LinearView& ldown, double eps, int64_t isa) {
   TORCH_CHECK(post_norm.scalar_type() == torch::kFloat32, "fused layer: float32 norm weights");
-  TORCH_CHECK(lo.n == s.hidden && ldown.n == s.hidden, "fused layer: output projection widths");
+  TORCH_CHECK(lo.n == hidden && ldown.n == hidden, "fused layer: output projection widths");
   const int64_t intermediate = lgu.n / 2;
-  std::vector<float> h(s.M * s.hidden), gu(s.M * lgu.n), act(s.M * intermediate);
-  gemm(lo, attn_out, s.M, s.q_size, xp, isa, true);
-  rms_norm(xp, s.M, s.hidden, post_norm.data_ptr<float>(), static_cast<float>(eps), h.data());
-  gemm(lgu, h.data(), s.M, s.hidden, gu.data(), isa, false);
-  for (int64_t m = 0; m < s.M; ++m) {
+  std::vector<float> h(M * hidden), gu(M * lgu.n), act(M * intermediate);
+  gemm(lo, attn_out, M, q_size, xp, isa, true);
+  rms_norm(xp, M, hidden, post_norm.data_ptr<float>(), static_cast<float>(eps), h.data());
+  gemm(lgu, h.data(), M, hidden, gu.data(), isa, false);
+  for (int64_t m = 0; m < M; ++m) {
     const float* g = gu.data() + m * lgu.n;
     const float* u = g + intermediate;
     float* a = act.data() + m * intermediate;
     for (int64_t i = 0; i < intermediate; ++i) a[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
   }
-  gemm(ldown, act.data(), s.M, intermediate, xp, isa, true);
+  gemm(ldown, act.data(), M, intermediate, xp, isa, true);
 }
 
 }  // namespace
@@ -171,7 +173,8 @@ void decode_layer(torch::Tensor x,                    // [M, hidden] float32, up
                         kv_begin, kv_begin + heads_per_task);
     }
   });
-  attention_outputs(s, xp, attn_out.data(), post_norm, view(o_proj), view(gate_up), view(down), eps, isa);
+  attention_outputs(s.M, s.hidden, s.q_size, xp, attn_out.data(), post_norm, view(o_proj), view(gate_up), view(down),
+                    eps, isa);
 }
 
 torch::Tensor layer_attention_inputs(const torch::Tensor& x,             // [M, hidden] float32
@@ -195,13 +198,13 @@ void layer_attention_outputs(torch::Tensor x,                  // [M, hidden] fl
                              const torch::Tensor& attn_out,    // [M, H * D] float32
                              const torch::Tensor& post_norm,   // [hidden] float32
                              const PackedLinear& o_proj, const PackedLinear& gate_up, const PackedLinear& down,
-                             const torch::Tensor& k_cache,  // [slots, KVH, D]: the head shapes
-                             int64_t num_heads, double eps, int64_t isa) {
-  const LayerShapes s = shapes_of(x, k_cache, num_heads);
-  TORCH_CHECK(attn_out.scalar_type() == torch::kFloat32 && attn_out.is_contiguous() && attn_out.size(0) == s.M &&
-              attn_out.numel() == s.M * s.q_size, "fused layer: attn_out must be contiguous float32 [M, H * D]");
-  attention_outputs(s, x.data_ptr<float>(), attn_out.data_ptr<float>(), post_norm, view(o_proj), view(gate_up),
-                    view(down), eps, isa);
+                             double eps, int64_t isa) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2,
+              "fused layer: x must be contiguous float32 [M, hidden]");
+  TORCH_CHECK(attn_out.scalar_type() == torch::kFloat32 && attn_out.is_contiguous() && attn_out.dim() == 2 &&
+              attn_out.size(0) == x.size(0), "fused layer: attn_out must be contiguous float32 [M, H * D]");
+  attention_outputs(x.size(0), x.size(1), attn_out.size(1), x.data_ptr<float>(), attn_out.data_ptr<float>(), post_norm,
+                    view(o_proj), view(gate_up), view(down), eps, isa);
 }
 
 }  // namespace minivllm

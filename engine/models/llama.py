@@ -73,7 +73,7 @@ class DecoderLayer(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         out = attention(q, k, v, k_cache, v_cache, attn, self.scale, self.sliding_window)  # [T, H, D] float32
         kernels.layer_attention_outputs(x, out.reshape(num_tokens, self.q_size), self.norm_weights[1], o, gate_up,
-                                        down, k_cache, self.num_heads, self.eps, isa)
+                                        down, self.eps, isa)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
