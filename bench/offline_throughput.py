@@ -119,7 +119,8 @@ def decode_split_batch1(llm: LLM, steps: list[StepStats], context: int) -> dict[
     def attention() -> None:
         for _ in range(mc.num_layers):
             if runner.cpu_kernels is not None:
-                runner.cpu_kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, bs, mc.head_dim**-0.5, 0)
+                runner.cpu_kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, bs, mc.head_dim**-0.5, 0,
+                                                          runner.isa)
             else:
                 k = k_cache[:context].unsqueeze(0).transpose(1, 2)  # the torch path's gathered context
                 torch.nn.functional.scaled_dot_product_attention(

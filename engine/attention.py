@@ -49,7 +49,7 @@ class AttentionMetadata:
     context_lens: torch.Tensor | None = None  # [B] (decode)
     decode_kernels: ModuleType | None = None  # C++ kernels, when usable
     prefill_kernels: ModuleType | None = None  # C++ kernels, when their prefill attention is the faster path
-    kernel_isa: int = 0  # the SIMD path the prefill kernel runs
+    kernel_isa: int = 0  # the SIMD path the C++ attention kernels run
     decode_slots: torch.Tensor | None = None  # [B, L] context slots (torch decode path)
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, L] additive: 0 or -inf (torch decode path)
     is_fused: bool = False  # a step small enough for the model's C++ layers (forward_fused)
@@ -171,7 +171,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if attn.decode_kernels is not None:
         return attn.decode_kernels.paged_decode_attention(q.to(k_cache.dtype), k_cache, v_cache, attn.block_tables,
                                                           attn.context_lens, attn.block_size, scale,
-                                                          window or 0).to(q.dtype)
+                                                          window or 0, attn.kernel_isa).to(q.dtype)
     mask = attn.decode_mask
     if window is not None:
         # Keys before context_len - window fall out of the window: [B, 1, 1, L]

@@ -45,8 +45,9 @@ class EngineConfig:
     max_fused_tokens: int | None = _opt(None, "steps of at most this many tokens (decode sequences + prefill "
                                               "tokens) run each layer in C++ over weights packed for small "
                                               "batches (CPU; in float32/bfloat16 a second copy of the weights); "
-                                              "0: off; unset: 64 in float32, 8 in bfloat16 (where oneDNN's AMX "
-                                              "GEMM takes over), every step with int8 weights")
+                                              "0: off; unset: 64 in float32 and in bfloat16 on AMX CPUs (its "
+                                              "tiles run the bf16 panels), 8 in bfloat16 elsewhere (where oneDNN "
+                                              "takes over), every step with int8 weights")
 
     # Paged KV cache.
     block_size: int = _opt(16, "tokens per KV cache block")

@@ -48,19 +48,20 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-_ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
+_ISAS = {"scalar": 0, "avx2": 1, "avx512": 2, "amx": 3}
 
 
 def pick_isa(kernels: ModuleType | None, wanted: str) -> int:
     """The SIMD path of the C++ kernels: the best this CPU runs, or a lower one named by
-    MINIVLLM_KERNEL_ISA (scalar | avx2 | avx512) to test or compare it."""
+    MINIVLLM_KERNEL_ISA (scalar | avx2 | avx512 | amx) to test or compare it. amx is AVX-512
+    plus the AMX tiles, which run bfloat16 panels' products (bf16 activations there)."""
     if kernels is None:
         return 0
     best = kernels.best_isa()
     if wanted == "auto":
         return best
     if wanted not in _ISAS:
-        raise ValueError(f"MINIVLLM_KERNEL_ISA must be auto, scalar, avx2 or avx512, got {wanted!r}")
+        raise ValueError(f"MINIVLLM_KERNEL_ISA must be auto, scalar, avx2, avx512 or amx, got {wanted!r}")
     if _ISAS[wanted] > best:
         raise ValueError(f"MINIVLLM_KERNEL_ISA={wanted}: this CPU does not run it")
     return _ISAS[wanted]
@@ -95,8 +96,11 @@ class ModelRunner:
         onednn = (is_cpu and not quantized and os.environ.get("MINIVLLM_DISABLE_PACKED_LINEAR") != "1"
                   and can_pack_linear(self.dtype))
         max_fused = config.max_fused_tokens
-        if max_fused is None:  # the crossover measured on a 2-core AVX-512/AMX CPU (README)
-            max_fused = sys.maxsize if quantized else 64 if self.dtype == torch.float32 else 8
+        if max_fused is None:  # the crossovers measured on a 2-core AVX-512/AMX CPU (README)
+            # bf16 panels on the AMX tiles match oneDNN's bf16 GEMM at 64 rows and beat it below;
+            # on the vector units they lose past a few rows.
+            amx = self.isa == _ISAS["amx"]
+            max_fused = (sys.maxsize if quantized else 64 if self.dtype == torch.float32 or amx else 8)
         panel_dtype = torch.int8 if quantized else self.dtype if self.cpu_kernels is not None and max_fused > 0 else None
         if onednn or panel_dtype is not None:
             self.model.pack_weights(onednn, panel_dtype, self.cpu_kernels, self.isa, max_fused)
@@ -106,7 +110,7 @@ class ModelRunner:
         # AVX-512 tiles (1.3x at a chunk over 1000 cached tokens, 2.6x at a first chunk, README);
         # its portable loop is slower than flash, so AVX2 machines keep flash.
         fits = mc.num_heads // mc.num_kv_heads <= 8 and mc.head_dim <= 256
-        self.prefill_kernels = self.cpu_kernels if self.isa == _ISAS["avx512"] and fits else None
+        self.prefill_kernels = self.cpu_kernels if self.isa >= _ISAS["avx512"] and fits else None
         self.num_kv_blocks = config.num_kv_blocks or self._blocks_for(config.kv_cache_gib)
         # One pool for all layers: [layers, k/v, slots, kv_heads, head_dim].
         self.kv_cache = torch.zeros(mc.num_layers, 2, self.num_kv_blocks * self.block_size, mc.num_kv_heads,
@@ -149,9 +153,10 @@ class ModelRunner:
         positions = self._to_device(np.concatenate([p.positions for p in parts]))
         attn = AttentionMetadata(slot_mapping=self._to_device(np.concatenate([p.slot_mapping for p in parts])),
                                  num_prefill_tokens=num_prefill_tokens,
-                                 prefill=prefill.metas if prefill else None, block_size=self.block_size)
+                                 prefill=prefill.metas if prefill else None, block_size=self.block_size,
+                                 kernel_isa=self.isa)
         if prefill is not None:
-            attn.prefill_kernels, attn.kernel_isa = self.prefill_kernels, self.isa
+            attn.prefill_kernels = self.prefill_kernels
         if decode is not None:
             decode.fill(attn, self)
         attn.is_fused = len(input_ids) <= self.max_fused_tokens

@@ -15,9 +15,9 @@ from engine.attention import (
 from engine.kernels import load_cpu_kernels
 
 
-def _case(seed: int = 0):
+def _case(seed: int = 0, dim: int = 16):
     gen = torch.Generator().manual_seed(seed)
-    batch, heads, kv_heads, dim, bs, blocks = 5, 9, 3, 16, 4, 40
+    batch, heads, kv_heads, bs, blocks = 5, 9, 3, 4, 40
     k = torch.randn(blocks * bs, kv_heads, dim, generator=gen)
     v = torch.randn(blocks * bs, kv_heads, dim, generator=gen)
     q = torch.randn(batch, heads, dim, generator=gen)
@@ -26,10 +26,12 @@ def _case(seed: int = 0):
     return q, k, v, tables, lens, bs
 
 
-def _dense(q, k, v, tables, lens, bs):
+def _dense(q, k, v, tables, lens, bs, window=None):
     outs = []
     for b in range(q.shape[0]):
         slots = (tables[b, :, None] * bs + torch.arange(bs)).flatten()[: lens[b]]
+        if window is not None:
+            slots = slots[-window:]  # the last `window` tokens
         kb = k[slots].repeat_interleave(3, dim=1).transpose(0, 1)  # [H, L, D]
         vb = v[slots].repeat_interleave(3, dim=1).transpose(0, 1)
         probs = torch.softmax(q[b].unsqueeze(1) @ kb.transpose(1, 2) * q.shape[-1] ** -0.5, dim=-1)
@@ -45,26 +47,35 @@ def test_torch_decode_path_matches_dense() -> None:
     torch.testing.assert_close(out, _dense(q, k, v, tables, lens, bs))
 
 
-def test_cpp_kernel_matches_dense() -> None:
+# Head sizes: 16 (one vector), 80 (64 columns in registers, then 16 more); lengths from 1 to 24
+# (a partial and a full 16-token score block), with and without a sliding window. Every SIMD
+# path this CPU runs.
+@pytest.mark.parametrize("dim", [16, 80])
+@pytest.mark.parametrize("window", [None, 7])
+def test_cpp_kernel_matches_dense(dim: int, window: int | None) -> None:
     kernels = load_cpu_kernels()
     assert kernels is not None, "the C++ kernel must build here (gcc and torch headers are installed)"
-    q, k, v, tables, lens, bs = _case(1)
-    attn = AttentionMetadata(slot_mapping=torch.zeros(1, dtype=torch.long), block_size=bs, block_tables=tables,
-                             context_lens=lens, decode_kernels=kernels)
-    out = decode_attention(q, k, v, attn, q.shape[-1] ** -0.5)
-    torch.testing.assert_close(out, _dense(q, k, v, tables, lens, bs))
+    q, k, v, tables, lens, bs = _case(1, dim)
+    expected = _dense(q, k, v, tables, lens, bs, window)
+    for isa in range(kernels.best_isa() + 1):
+        attn = AttentionMetadata(slot_mapping=torch.zeros(1, dtype=torch.long), block_size=bs, block_tables=tables,
+                                 context_lens=lens, decode_kernels=kernels, kernel_isa=isa)
+        out = decode_attention(q, k, v, attn, q.shape[-1] ** -0.5, window)
+        torch.testing.assert_close(out, expected, msg=lambda m, isa=isa: f"isa {isa}: {m}")
 
 
-def test_cpp_kernel_bfloat16_cache() -> None:
+@pytest.mark.parametrize("dim", [16, 80])
+def test_cpp_kernel_bfloat16_cache(dim: int) -> None:
     kernels = load_cpu_kernels()
     assert kernels is not None
-    q, k, v, tables, lens, bs = _case(2)
-    attn = AttentionMetadata(slot_mapping=torch.zeros(1, dtype=torch.long), block_size=bs, block_tables=tables,
-                             context_lens=lens, decode_kernels=kernels)
-    out = decode_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), attn, q.shape[-1] ** -0.5)
-    assert out.dtype == torch.bfloat16
+    q, k, v, tables, lens, bs = _case(2, dim)
     ref = _dense(q.bfloat16().float(), k.bfloat16().float(), v.bfloat16().float(), tables, lens, bs)
-    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    for isa in range(kernels.best_isa() + 1):
+        attn = AttentionMetadata(slot_mapping=torch.zeros(1, dtype=torch.long), block_size=bs, block_tables=tables,
+                                 context_lens=lens, decode_kernels=kernels, kernel_isa=isa)
+        out = decode_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), attn, q.shape[-1] ** -0.5)
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2, msg=lambda m, isa=isa: f"isa {isa}: {m}")
 
 
 def _dense_prefill(q, k_ctx, v_ctx, num_cached, window=None):

@@ -17,7 +17,8 @@ from engine.models.llama import DecoderLayer
 from engine.models.model_config import ModelConfig
 from engine.models.packed_weight import PackedWeight
 
-ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512"}
+ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512", 3: "amx"}
+AMX = 3
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +35,11 @@ def _isas(kernels) -> list[int]:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8], ids=["fp32", "bf16", "int8"])
 # N = 984: 62 panels, so tasks take several and the two-panel tiles run, the last pair ending in
-# a partial panel; M = 6 and 21 give them tiles of 6, 8 and 5 rows.
+# a partial panel; M = 6 and 21 give them tiles of 6, 8 and 5 rows. Odd K leaves bf16's last
+# pair half used; on AMX, M = 21 and 40 leave row blocks of 5 and 8 rows, K = 33 and 577 a
+# padded last tile of k.
 @pytest.mark.parametrize("shape", [(1, 37, 20), (3, 64, 48), (17, 100, 33), (9, 576, 960), (6, 50, 984),
-                                   (21, 33, 984)],
+                                   (21, 33, 984), (40, 577, 50)],
                          ids=lambda s: "M{}-K{}-N{}".format(*s))
 def test_packed_linear_matches_the_matrix_it_packs(kernels, dtype: torch.dtype, shape: tuple[int, int, int]) -> None:
     m, k, n = shape
@@ -44,8 +47,12 @@ def test_packed_linear_matches_the_matrix_it_packs(kernels, dtype: torch.dtype, 
     weight, bias, x = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen), torch.randn(m, k, generator=gen)
     packed = PackedWeight.pack(weight, bias, dtype)
     reference = x.double() @ packed.dequantize().double().T + bias.double()
+    # AMX multiplies bf16 weights by x rounded to bf16 (as torch's bf16 path does), sums in fp32.
+    rounded = x.bfloat16().double() @ packed.dequantize().double().T + bias.double()
     for isa in _isas(kernels):
         out = kernels.packed_linear(x, *packed.as_args(), isa)
+        if isa == AMX and dtype == torch.bfloat16:
+            reference = rounded
         assert out.shape == (m, n)
         err = (out.double() - reference).abs().max().item()
         assert err < 1e-3 * k**0.5, f"{ISA_NAMES[isa]}: max error {err}"
@@ -55,6 +62,9 @@ def test_packing_keeps_fp32_exact_and_int8_within_half_a_step() -> None:
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(40, 24, generator=gen) * torch.linspace(0.01, 3, 40).unsqueeze(1)  # rows of different range
     assert torch.equal(PackedWeight.pack(weight, None, torch.float32).dequantize(), weight)
+    bf16 = PackedWeight.pack(weight[:, :23], None, torch.bfloat16)  # odd K: pairs of k, padded to 32
+    assert bf16.data.shape == (3, 16, 32)
+    assert torch.equal(bf16.dequantize(), weight[:, :23].bfloat16().float())
     q = PackedWeight.pack(weight, None, torch.int8)
     step = weight.abs().amax(dim=1, keepdim=True) / 127  # one scale per output channel
     assert ((q.dequantize() - weight).abs() <= step / 2 + 1e-7).all()
@@ -175,15 +185,17 @@ def test_fused_layer_with_prefill_rows_matches_the_torch_layer(kernels, window: 
 
 
 def test_fused_tokens_defaults_to_the_measured_crossover(tiny_model_dir) -> None:
-    """Unset: steps of 64 tokens in float32 and 8 in bfloat16 (past that, oneDNN's GEMM wins on an
-    AMX CPU), every step with int8 weights (they have no oneDNN copy); 0 turns the path off."""
+    """Unset: steps of 64 tokens in float32, and in bfloat16 where AMX runs the panels (8 elsewhere:
+    past that, oneDNN's GEMM wins), every step with int8 weights (they have no oneDNN copy); 0
+    turns the path off."""
     from engine import LLM
 
     def fused(**options) -> int:
         return LLM(str(tiny_model_dir), num_kv_blocks=64, max_num_seqs=40, **options).engine.runner.max_fused_tokens
 
     assert fused() == 64
-    assert fused(dtype="bfloat16") == 8
+    amx = LLM(str(tiny_model_dir), num_kv_blocks=64).engine.runner.isa == 3
+    assert fused(dtype="bfloat16") == (64 if amx else 8)
     assert fused(quantization="int8") == sys.maxsize
     assert fused(max_fused_tokens=0) == 0
     with pytest.raises(ValueError, match="max_fused_tokens"):

@@ -15,7 +15,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Paged decode attention (CPU, fp32 or bf16, optional sliding window)", no_gil);
   m.def("paged_prefill_attention", &minivllm::paged_prefill_attention,
         "Causal attention of one prefill chunk over its paged cache, chunk K/V already written (CPU)", no_gil);
-  m.def("best_isa", &minivllm::best_isa, "The best SIMD path this CPU runs: 0 scalar, 1 AVX2, 2 AVX-512");
+  m.def("best_isa", &minivllm::best_isa,
+        "The best SIMD path this CPU runs: 0 scalar, 1 AVX2, 2 AVX-512, 3 AVX-512 + AMX");
   m.def("packed_linear", &minivllm::packed_linear, "x [M, K] times panel-packed weights -> [M, n] float32", no_gil);
   m.def("decode_layer", &minivllm::decode_layer, "One decoder layer of a decode step, in place on x (CPU)", no_gil);
   m.def("layer_attention_inputs", &minivllm::layer_attention_inputs,

@@ -11,16 +11,18 @@
 namespace minivllm {
 
 // Which SIMD code path a kernel runs. Python picks one per engine (the best the CPU has, or a
-// lower one to test it) and passes it in: no global switch.
-enum Isa : int64_t { kIsaScalar = 0, kIsaAvx2 = 1, kIsaAvx512 = 2 };
+// lower one to test it) and passes it in: no global switch. kIsaAmx is AVX-512 plus the AMX
+// tiles (bfloat16 weights' products); every other kernel runs its AVX-512 path there.
+enum Isa : int64_t { kIsaScalar = 0, kIsaAvx2 = 1, kIsaAvx512 = 2, kIsaAmx = 3 };
 
 int64_t best_isa();
 
 // out[m, n] = sum_k x[m, k] * W[n, k] * scale[n] + bias[n], for m < M, n < N.
-// W is packed in panels of 16 output channels: [ceil(N / 16), K, 16] of float32, bfloat16 or
-// int8 (int8 needs scale, per output channel). x: [M, K] float32 rows ldx apart; out rows ldo
-// apart; accumulate adds into out instead (a residual). Panels run in parallel.
-void packed_gemm(const float* x, int64_t M, int64_t ldx, const torch::Tensor& w, const float* scale,
+// W is packed in panels of 16 output channels: [ceil(N / 16), K, 16] of float32 or int8 (int8
+// needs scale, per output channel), or [ceil(N / 16), Kp / 2, 32] of bfloat16 pairs of k (Kp: K
+// rounded up to 32). x: [M, K] float32 rows ldx apart; out rows ldo apart; accumulate adds into
+// out instead (a residual). Panels run in parallel.
+void packed_gemm(const float* x, int64_t M, int64_t K, int64_t ldx, const torch::Tensor& w, const float* scale,
                  const float* bias, int64_t N, float* out, int64_t ldo, int64_t isa, bool accumulate);
 
 // One sequence's decode attention from the paged cache, for the query heads of KV heads
@@ -28,12 +30,12 @@ void packed_gemm(const float* x, int64_t M, int64_t ldx, const torch::Tensor& w,
 void attend_decode_row(const float* q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                        const int64_t* block_table, int64_t context_len, int64_t block_size, float scale,
                        int64_t window, int64_t num_heads, float* out, std::vector<float>& scratch,
-                       int64_t kv_begin, int64_t kv_end);
+                       int64_t kv_begin, int64_t kv_end, int64_t isa);
 
 // The Python-facing kernels (bindings.cpp), each documented where it is defined.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
-                                     double scale, int64_t window);
+                                     double scale, int64_t window, int64_t isa);
 torch::Tensor paged_prefill_attention(torch::Tensor q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                                       const torch::Tensor& block_table, int64_t start_pos, int64_t block_size,
                                       double scale, int64_t window, int64_t isa);

@@ -10,11 +10,54 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <memory>
+#include <numeric>
 #include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+#include "simd_exp.h"
+#endif
 
 namespace minivllm {
 namespace {
+
+// a[i] = silu(g[i]) * u[i] = g[i] / (1 + e^-g[i]) * u[i]: 16 lanes at a time with AVX-512 (a
+// batch-32 step has 49k of them per layer; one libm call each cost more than the layer's
+// matrix products), a scalar loop elsewhere and for the tail.
+#if defined(__x86_64__)
+__attribute__((target("avx512f,fma"))) int64_t silu_mul_avx512(const float* g, const float* u, float* a, int64_t n) {
+  int64_t i = 0;
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 gv = _mm512_loadu_ps(g + i);
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+    _mm512_storeu_ps(a + i, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e)), _mm512_loadu_ps(u + i)));
+  }
+  return i;
+}
+#endif
+
+void silu_mul(const float* g, const float* u, float* a, int64_t n, int64_t isa) {
+  int64_t i = 0;
+#if defined(__x86_64__)
+  if (isa >= kIsaAvx512) i = silu_mul_avx512(g, u, a, n);
+#endif
+  for (; i < n; ++i) a[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+}
+
+// Rows per task of the row-wise parts (norms, RoPE, SiLU): a decode step's few rows stay on
+// the calling thread; a prefill chunk's hundreds are shared, not left to one core while the
+// other spins at the next product's barrier.
+constexpr int64_t kRowGrain = 16;
+
+// A scratch array every element of which is written before it is read: no zeroing (a memset of
+// a prefill chunk's MLP activations cost 6 % of its step).
+std::unique_ptr<float[]> scratch_floats(int64_t n) { return std::unique_ptr<float[]>(new float[n]); }
 
 struct LinearView {
   const torch::Tensor& w;
@@ -31,21 +74,23 @@ LinearView view(const PackedLinear& linear) {
 }
 
 void gemm(const LinearView& l, const float* x, int64_t M, int64_t K, float* out, int64_t isa, bool accumulate) {
-  packed_gemm(x, M, K, l.w, l.scale, l.bias, l.n, out, l.n, isa, accumulate);
+  packed_gemm(x, M, K, K, l.w, l.scale, l.bias, l.n, out, l.n, isa, accumulate);
 }
 
 // out[m] = x[m] * rsqrt(mean(x[m]^2) + eps) * weight, as transformers' LlamaRMSNorm in float32.
 void rms_norm(const float* x, int64_t M, int64_t width, const float* weight, float eps, float* out) {
-  for (int64_t m = 0; m < M; ++m) {
-    const float* xm = x + m * width;
-    float sum = 0.f;
+  at::parallel_for(0, M, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const float* xm = x + m * width;
+      float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < width; ++i) sum += xm[i] * xm[i];
-    const float inv = 1.f / std::sqrt(sum / static_cast<float>(width) + eps);
-    float* om = out + m * width;
+      for (int64_t i = 0; i < width; ++i) sum += xm[i] * xm[i];
+      const float inv = 1.f / std::sqrt(sum / static_cast<float>(width) + eps);
+      float* om = out + m * width;
 #pragma omp simd
-    for (int64_t i = 0; i < width; ++i) om[i] = weight[i] * (xm[i] * inv);
-  }
+      for (int64_t i = 0; i < width; ++i) om[i] = weight[i] * (xm[i] * inv);
+    }
+  });
 }
 
 // Rotate-half RoPE of `num_heads` heads of one token in place: cos, sin [D].
@@ -93,24 +138,28 @@ void attention_inputs(const LayerShapes& s, const float* xp, const torch::Tensor
   TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.size(0) == s.M,
               "fused layer: int64 slot_mapping [M]");
   TORCH_CHECK(lqkv.n == s.q_size + 2 * s.kv_size, "fused layer: QKV projection width");
-  std::vector<float> h(s.M * s.hidden);
-  rms_norm(xp, s.M, s.hidden, input_norm.data_ptr<float>(), static_cast<float>(eps), h.data());
-  gemm(lqkv, h.data(), s.M, s.hidden, qkv_out, isa, false);
+  TORCH_CHECK(k_cache.scalar_type() == torch::kFloat32 || k_cache.scalar_type() == torch::kBFloat16,
+              "fused layer: float32 or bfloat16 cache");
+  const auto h = scratch_floats(s.M * s.hidden);
+  rms_norm(xp, s.M, s.hidden, input_norm.data_ptr<float>(), static_cast<float>(eps), h.get());
+  gemm(lqkv, h.get(), s.M, s.hidden, qkv_out, isa, false);
   const float* cos_p = cos.data_ptr<float>();
   const float* sin_p = sin.data_ptr<float>();
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  for (int64_t m = 0; m < s.M; ++m) {
-    float* row = qkv_out + m * lqkv.n;  // q | k | v
-    rope(row, s.num_heads + s.num_kv_heads, s.head_dim, cos_p + m * s.head_dim, sin_p + m * s.head_dim);
-    if (k_cache.scalar_type() == torch::kFloat32) {
-      write_row<float>(k_cache, slots[m], row + s.q_size, s.kv_size);
-      write_row<float>(v_cache, slots[m], row + s.q_size + s.kv_size, s.kv_size);
-    } else {
-      TORCH_CHECK(k_cache.scalar_type() == torch::kBFloat16, "fused layer: float32 or bfloat16 cache");
-      write_row<at::BFloat16>(k_cache, slots[m], row + s.q_size, s.kv_size);
-      write_row<at::BFloat16>(v_cache, slots[m], row + s.q_size + s.kv_size, s.kv_size);
+  const bool fp32_cache = k_cache.scalar_type() == torch::kFloat32;
+  at::parallel_for(0, s.M, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      float* row = qkv_out + m * lqkv.n;  // q | k | v
+      rope(row, s.num_heads + s.num_kv_heads, s.head_dim, cos_p + m * s.head_dim, sin_p + m * s.head_dim);
+      if (fp32_cache) {
+        write_row<float>(k_cache, slots[m], row + s.q_size, s.kv_size);
+        write_row<float>(v_cache, slots[m], row + s.q_size + s.kv_size, s.kv_size);
+      } else {
+        write_row<at::BFloat16>(k_cache, slots[m], row + s.q_size, s.kv_size);
+        write_row<at::BFloat16>(v_cache, slots[m], row + s.q_size + s.kv_size, s.kv_size);
+      }
     }
-  }
+  });
 }
 
 // After attention: x += o_proj(attn_out); x += down(silu(gate) * up) of RMSNorm(x).
@@ -121,17 +170,17 @@ void attention_outputs(int64_t M, int64_t hidden, int64_t q_size, float* xp, con
   TORCH_CHECK(post_norm.scalar_type() == torch::kFloat32, "fused layer: float32 norm weights");
   TORCH_CHECK(lo.n == hidden && ldown.n == hidden, "fused layer: output projection widths");
   const int64_t intermediate = lgu.n / 2;
-  std::vector<float> h(M * hidden), gu(M * lgu.n), act(M * intermediate);
+  const auto h = scratch_floats(M * hidden), gu = scratch_floats(M * lgu.n), act = scratch_floats(M * intermediate);
   gemm(lo, attn_out, M, q_size, xp, isa, true);
-  rms_norm(xp, M, hidden, post_norm.data_ptr<float>(), static_cast<float>(eps), h.data());
-  gemm(lgu, h.data(), M, hidden, gu.data(), isa, false);
-  for (int64_t m = 0; m < M; ++m) {
-    const float* g = gu.data() + m * lgu.n;
-    const float* u = g + intermediate;
-    float* a = act.data() + m * intermediate;
-    for (int64_t i = 0; i < intermediate; ++i) a[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
-  }
-  gemm(ldown, act.data(), M, intermediate, xp, isa, true);
+  rms_norm(xp, M, hidden, post_norm.data_ptr<float>(), static_cast<float>(eps), h.get());
+  gemm(lgu, h.get(), M, hidden, gu.get(), isa, false);
+  at::parallel_for(0, M, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const float* g = gu.get() + m * lgu.n;
+      silu_mul(g, g + intermediate, act.get() + m * intermediate, intermediate, isa);
+    }
+  });
+  gemm(ldown, act.get(), M, intermediate, xp, isa, true);
 }
 
 }  // namespace
@@ -154,26 +203,34 @@ void decode_layer(torch::Tensor x,                    // [M, hidden] float32, up
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && context_lens.scalar_type() == torch::kInt64 &&
               block_tables.is_contiguous(), "decode_layer: int64 block tables and lengths");
   float* xp = x.data_ptr<float>();
-  std::vector<float> qkv_out(s.M * lqkv.n), attn_out(s.M * s.q_size);
-  attention_inputs(s, xp, cos, sin, input_norm, lqkv, k_cache, v_cache, slot_mapping, eps, isa, qkv_out.data());
+  const auto qkv_out = scratch_floats(s.M * lqkv.n), attn_out = scratch_floats(s.M * s.q_size);
+  attention_inputs(s, xp, cos, sin, input_norm, lqkv, k_cache, v_cache, slot_mapping, eps, isa, qkv_out.get());
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   const int64_t max_blocks = block_tables.size(1);
   // One task per sequence, whose K and V rows (all KV heads) then stream once; at a batch too
   // small to keep every core busy, one per (sequence, KV head), each reading a third of a row
   // (with SmolLM2's 3 KV heads), so the cores share even a single sequence.
-  const int64_t heads_per_task = s.M >= 4 * at::get_num_threads() ? s.num_kv_heads : 1;
-  const int64_t tasks_per_row = s.num_kv_heads / heads_per_task;
-  at::parallel_for(0, s.M * tasks_per_row, 1, [&](int64_t begin, int64_t end) {
+  const int64_t num_threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t heads_per_task = s.M >= 4 * num_threads ? s.num_kv_heads : 1;
+  const int64_t tasks_per_row = s.num_kv_heads / heads_per_task, num_tasks = s.M * tasks_per_row;
+  // Sequences' contexts differ in length: the longest first, each thread taking the next from a
+  // shared counter, so the threads finish together (an even split of rows left one thread
+  // spinning for a fifth of a batch-32 step).
+  std::vector<int64_t> rows_by_len(s.M);
+  std::iota(rows_by_len.begin(), rows_by_len.end(), 0);
+  std::stable_sort(rows_by_len.begin(), rows_by_len.end(), [&](int64_t a, int64_t b) { return lens[a] > lens[b]; });
+  std::atomic<int64_t> next_task{0};
+  at::parallel_for(0, std::min(num_threads, num_tasks), 1, [&](int64_t, int64_t) {
     std::vector<float> scratch;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t m = task / tasks_per_row, kv_begin = (task % tasks_per_row) * heads_per_task;
-      attend_decode_row(qkv_out.data() + m * lqkv.n, k_cache, v_cache, tables + m * max_blocks, lens[m], block_size,
-                        static_cast<float>(scale), window, num_heads, attn_out.data() + m * s.q_size, scratch,
-                        kv_begin, kv_begin + heads_per_task);
+    for (int64_t task = next_task++; task < num_tasks; task = next_task++) {
+      const int64_t m = rows_by_len[task / tasks_per_row], kv_begin = (task % tasks_per_row) * heads_per_task;
+      attend_decode_row(qkv_out.get() + m * lqkv.n, k_cache, v_cache, tables + m * max_blocks, lens[m], block_size,
+                        static_cast<float>(scale), window, num_heads, attn_out.get() + m * s.q_size, scratch,
+                        kv_begin, kv_begin + heads_per_task, isa);
     }
   });
-  attention_outputs(s.M, s.hidden, s.q_size, xp, attn_out.data(), post_norm, view(o_proj), view(gate_up), view(down),
+  attention_outputs(s.M, s.hidden, s.q_size, xp, attn_out.get(), post_norm, view(o_proj), view(gate_up), view(down),
                     eps, isa);
 }
 

@@ -4,14 +4,22 @@
 // weights once. The weights are packed in panels of 16 output channels, [ceil(N/16), K, 16]:
 // a panel is one contiguous stream, each k gives one vector of 16 weights, and each row of x
 // contributes one broadcast multiply-add into 16 outputs, so no horizontal sums are needed and
-// any K works (no multiple of the vector width required). Weights are float32, bfloat16
-// (widened by a shift) or int8 with a scale per output channel (widened, scaled once at the
-// end): activations stay float32, only the weights are narrowed.
+// any K works (no multiple of the vector width required). Weights are float32, bfloat16 or
+// int8 with a scale per output channel (widened, scaled once at the end).
 //
-// Two SIMD paths, chosen at run time by the caller (`isa`): AVX-512 (16 lanes, up to 8 rows per
-// tile) and AVX2 + FMA (two 8-lane halves, up to 4 rows per tile); plus plain C++ elsewhere.
-// Each tile keeps 8 independent accumulators (rows x unrolled k) so the multiply-adds do not
-// wait on each other at batch 1.
+// bfloat16 panels interleave pairs of k, [ceil(N/16), Kp/2, 16, 2] with K padded to Kp, a
+// multiple of 32: the layout AMX's bf16 tile product reads as its B operand, 16 pairs of k a
+// tile row. The vector paths widen such a 64-byte row into k's 16 weights by a shift and k+1's
+// by a mask (no shuffle).
+//
+// SIMD paths, chosen at run time by the caller (`isa`): AVX-512 (16 lanes, up to 8 rows per
+// tile), AVX2 + FMA (two 8-lane halves, up to 4 rows per tile), plain C++ elsewhere; these keep
+// activations float32, only the weights are narrowed. Each tile keeps 8 independent
+// accumulators (rows x unrolled k) so the multiply-adds do not wait on each other at batch 1.
+// With AMX, bfloat16 products run on the tile unit instead: x rounded to bfloat16 (as torch's
+// bf16 path rounds every activation), products summed in float32, up to 32 rows x 32 outputs a
+// tile. Its bf16 multiply-adds are ~16x the AVX-512 FMA rate, so a batch-32 decode step reads
+// its weights at memory speed instead of waiting on the FMA units.
 #include "cpu_kernels.h"
 
 #include <ATen/Parallel.h>
@@ -19,10 +27,20 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
+#include <vector>
 
 #if defined(__x86_64__)
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+// AMX intrinsics need GCC 11 or clang; an older compiler builds everything else.
+#if defined(__x86_64__) && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 11))
+#define MINIVLLM_HAS_AMX 1
 #endif
 
 namespace minivllm {
@@ -30,23 +48,29 @@ namespace {
 
 constexpr int64_t kPanel = 16;
 constexpr int64_t kRowBlock = 64;  // rows of x kept hot in cache while a task walks its panels
+constexpr int64_t kAmxRowBlock = 256;  // the same on AMX, whose tiles eat rows 8x as fast
 constexpr int64_t kTasksPerThread = 4;
 // Weights are requested this far ahead of use: a layer's matrices are a few hundred KB each,
 // too short a stream for the hardware prefetcher to reach full speed on its own.
 constexpr int64_t kPrefetchBytes = 4096;
 
-inline float widen(float v) { return v; }
-inline float widen(at::BFloat16 v) { return static_cast<float>(v); }
-inline float widen(int8_t v) { return static_cast<float>(v); }
+constexpr int64_t kPairChunk = 32;  // bfloat16 panels pad K to this (one AMX tile's k)
+
+// Weight j (< 16) of input k in a panel. float32 and int8 panels hold k's 16 weights at
+// k * 16; bfloat16 panels hold the pair (k, k + 1), k even, interleaved at the same offset.
+inline float weight_at(const float* w, int64_t k, int64_t j) { return w[k * kPanel + j]; }
+inline float weight_at(const int8_t* w, int64_t k, int64_t j) { return static_cast<float>(w[k * kPanel + j]); }
+inline float weight_at(const at::BFloat16* w, int64_t k, int64_t j) {
+  return static_cast<float>(w[(k & ~int64_t{1}) * kPanel + 2 * j + (k & 1)]);
+}
 
 template <typename T>
 void tile_scalar(const float* x, int64_t rows, int64_t ldx, const T* w, int64_t K, float* acc) {
   std::fill(acc, acc + rows * kPanel, 0.f);
   for (int64_t k = 0; k < K; ++k) {
-    const T* wk = w + k * kPanel;
     for (int64_t m = 0; m < rows; ++m) {
       const float xv = x[m * ldx + k];
-      for (int64_t j = 0; j < kPanel; ++j) acc[m * kPanel + j] += xv * widen(wk[j]);
+      for (int64_t j = 0; j < kPanel; ++j) acc[m * kPanel + j] += xv * weight_at(w, k, j);
     }
   }
 }
@@ -55,32 +79,64 @@ void tile_scalar(const float* x, int64_t rows, int64_t ldx, const T* w, int64_t 
 #define MINIVLLM_AVX512 __attribute__((target("avx512f,avx512bw,fma")))
 #define MINIVLLM_AVX2 __attribute__((target("avx2,fma")))
 
-MINIVLLM_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-MINIVLLM_AVX512 inline __m512 load16(const at::BFloat16* p) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-MINIVLLM_AVX512 inline __m512 load16(const int8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+// Requests, kPrefetchBytes ahead, the cache lines of k and k + 1 (k even) of a panel: two for
+// float32, one for bfloat16, and for int8 one every other pair (k a multiple of 4).
+template <typename T>
+inline void prefetch_pair(const T* w, int64_t k) {
+  const char* p = reinterpret_cast<const char*>(w + k * kPanel) + kPrefetchBytes;
+  const int64_t offset = k * kPanel * static_cast<int64_t>(sizeof(T));
+  if (offset % 64 != 0) return;  // int8: this pair shares the line the previous one requested
+  for (int64_t line = 0; line < 2 * kPanel * static_cast<int64_t>(sizeof(T)); line += 64)
+    _mm_prefetch(p + line, _MM_HINT_T0);
 }
 
-// MT rows x 16 outputs; U consecutive k run in separate accumulators, summed at the end.
+// The 16 weights of k and of k + 1 (k even).
+MINIVLLM_AVX512 inline void load_pair(const float* w, int64_t k, __m512& even, __m512& odd) {
+  even = _mm512_loadu_ps(w + k * kPanel);
+  odd = _mm512_loadu_ps(w + (k + 1) * kPanel);
+}
+MINIVLLM_AVX512 inline __m512 widen16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+MINIVLLM_AVX512 inline void load_pair(const int8_t* w, int64_t k, __m512& even, __m512& odd) {
+  even = widen16(w + k * kPanel);
+  odd = widen16(w + (k + 1) * kPanel);
+}
+MINIVLLM_AVX512 inline void load_pair(const at::BFloat16* w, int64_t k, __m512& even, __m512& odd) {
+  const __m512i pairs = _mm512_loadu_si512(w + k * kPanel);  // 16 x (k, k + 1)
+  even = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+  odd = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+// The 16 weights of one k, either parity (the tail of an odd K).
+MINIVLLM_AVX512 inline __m512 load_one(const float* w, int64_t k) { return _mm512_loadu_ps(w + k * kPanel); }
+MINIVLLM_AVX512 inline __m512 load_one(const int8_t* w, int64_t k) { return widen16(w + k * kPanel); }
+MINIVLLM_AVX512 inline __m512 load_one(const at::BFloat16* w, int64_t k) {
+  __m512 even, odd;
+  load_pair(w, k & ~int64_t{1}, even, odd);
+  return (k & 1) ? odd : even;
+}
+
+// MT rows x 16 outputs; U (even) consecutive k run in separate accumulators, summed at the end.
 template <int MT, int U, typename T>
 MINIVLLM_AVX512 void tile_avx512(const float* x, int64_t ldx, const T* w, int64_t K, float* acc_out) {
+  static_assert(U % 2 == 0, "k runs in pairs");
   __m512 acc[MT][U];
   for (int m = 0; m < MT; ++m)
     for (int u = 0; u < U; ++u) acc[m][u] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + U <= K; k += U) {
-    for (int u = 0; u < U; ++u) {
-      if ((u * kPanel * sizeof(T)) % 64 == 0)
-        _mm_prefetch(reinterpret_cast<const char*>(w + (k + u) * kPanel) + kPrefetchBytes, _MM_HINT_T0);
-      const __m512 wv = load16(w + (k + u) * kPanel);
-      for (int m = 0; m < MT; ++m) acc[m][u] = _mm512_fmadd_ps(wv, _mm512_set1_ps(x[m * ldx + k + u]), acc[m][u]);
+    for (int u = 0; u < U; u += 2) {
+      prefetch_pair(w, k + u);
+      __m512 even, odd;
+      load_pair(w, k + u, even, odd);
+      for (int m = 0; m < MT; ++m) {
+        acc[m][u] = _mm512_fmadd_ps(even, _mm512_set1_ps(x[m * ldx + k + u]), acc[m][u]);
+        acc[m][u + 1] = _mm512_fmadd_ps(odd, _mm512_set1_ps(x[m * ldx + k + u + 1]), acc[m][u + 1]);
+      }
     }
   }
   for (; k < K; ++k) {
-    const __m512 wv = load16(w + k * kPanel);
+    const __m512 wv = load_one(w, k);
     for (int m = 0; m < MT; ++m) acc[m][0] = _mm512_fmadd_ps(wv, _mm512_set1_ps(x[m * ldx + k]), acc[m][0]);
   }
   for (int m = 0; m < MT; ++m) {
@@ -97,12 +153,21 @@ template <int MT, typename T>
 MINIVLLM_AVX512 void tile2_avx512(const float* x, int64_t ldx, const T* w0, const T* w1, int64_t K, float* acc_out) {
   __m512 acc0[MT], acc1[MT];
   for (int m = 0; m < MT; ++m) acc0[m] = acc1[m] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    if ((k * kPanel * sizeof(T)) % 64 == 0) {
-      _mm_prefetch(reinterpret_cast<const char*>(w0 + k * kPanel) + kPrefetchBytes, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(w1 + k * kPanel) + kPrefetchBytes, _MM_HINT_T0);
+  int64_t k = 0;
+  for (; k + 2 <= K; k += 2) {
+    prefetch_pair(w0, k);
+    prefetch_pair(w1, k);
+    __m512 a0, a1, b0, b1;
+    load_pair(w0, k, a0, a1);
+    load_pair(w1, k, b0, b1);
+    for (int m = 0; m < MT; ++m) {
+      const __m512 x0 = _mm512_set1_ps(x[m * ldx + k]), x1 = _mm512_set1_ps(x[m * ldx + k + 1]);
+      acc0[m] = _mm512_fmadd_ps(a1, x1, _mm512_fmadd_ps(a0, x0, acc0[m]));
+      acc1[m] = _mm512_fmadd_ps(b1, x1, _mm512_fmadd_ps(b0, x0, acc1[m]));
     }
-    const __m512 a = load16(w0 + k * kPanel), b = load16(w1 + k * kPanel);
+  }
+  if (k < K) {
+    const __m512 a = load_one(w0, k), b = load_one(w1, k);
     for (int m = 0; m < MT; ++m) {
       const __m512 xv = _mm512_set1_ps(x[m * ldx + k]);
       acc0[m] = _mm512_fmadd_ps(a, xv, acc0[m]);
@@ -115,44 +180,66 @@ MINIVLLM_AVX512 void tile2_avx512(const float* x, int64_t ldx, const T* w0, cons
   }
 }
 
-// The 16 weights of one k as two 8-lane halves.
-MINIVLLM_AVX2 inline void load8x2(const float* p, __m256& lo, __m256& hi) {
-  lo = _mm256_loadu_ps(p);
-  hi = _mm256_loadu_ps(p + 8);
+// The 16 weights of one k as two 8-lane halves, for k and k + 1 (k even) or one k.
+MINIVLLM_AVX2 inline void load8x2(const float* w, int64_t k, __m256& lo, __m256& hi) {
+  lo = _mm256_loadu_ps(w + k * kPanel);
+  hi = _mm256_loadu_ps(w + k * kPanel + 8);
 }
-MINIVLLM_AVX2 inline void load8x2(const at::BFloat16* p, __m256& lo, __m256& hi) {
-  const __m128i* q = reinterpret_cast<const __m128i*>(p);
-  lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(q)), 16));
-  hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(q + 1)), 16));
-}
-MINIVLLM_AVX2 inline void load8x2(const int8_t* p, __m256& lo, __m256& hi) {
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+MINIVLLM_AVX2 inline void load8x2(const int8_t* w, int64_t k, __m256& lo, __m256& hi) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * kPanel));
   lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
   hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)));
 }
+template <typename T>
+MINIVLLM_AVX2 inline void load8x2_pair(const T* w, int64_t k, __m256& lo0, __m256& hi0, __m256& lo1, __m256& hi1) {
+  load8x2(w, k, lo0, hi0);
+  load8x2(w, k + 1, lo1, hi1);
+}
+MINIVLLM_AVX2 inline void load8x2_pair(const at::BFloat16* w, int64_t k, __m256& lo0, __m256& hi0, __m256& lo1,
+                                       __m256& hi1) {
+  const __m256i* p = reinterpret_cast<const __m256i*>(w + k * kPanel);
+  const __m256i mask = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const __m256i lo = _mm256_loadu_si256(p), hi = _mm256_loadu_si256(p + 1);  // outputs 0-7, 8-15: (k, k + 1)
+  lo0 = _mm256_castsi256_ps(_mm256_slli_epi32(lo, 16));
+  hi0 = _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16));
+  lo1 = _mm256_castsi256_ps(_mm256_and_si256(lo, mask));
+  hi1 = _mm256_castsi256_ps(_mm256_and_si256(hi, mask));
+}
+MINIVLLM_AVX2 inline void load8x2(const at::BFloat16* w, int64_t k, __m256& lo, __m256& hi) {
+  __m256 lo0, hi0, lo1, hi1;
+  load8x2_pair(w, k & ~int64_t{1}, lo0, hi0, lo1, hi1);
+  lo = (k & 1) ? lo1 : lo0;
+  hi = (k & 1) ? hi1 : hi0;
+}
 
+// U consecutive k in separate accumulators (U even; U = 1: k and k + 1 share one).
 template <int MT, int U, typename T>
 MINIVLLM_AVX2 void tile_avx2(const float* x, int64_t ldx, const T* w, int64_t K, float* acc_out) {
+  static_assert(U == 1 || U % 2 == 0, "k runs in pairs");
+  constexpr int kStep = U == 1 ? 2 : U;
   __m256 lo[MT][U], hi[MT][U];
   for (int m = 0; m < MT; ++m)
     for (int u = 0; u < U; ++u) lo[m][u] = hi[m][u] = _mm256_setzero_ps();
   int64_t k = 0;
-  for (; k + U <= K; k += U) {
-    for (int u = 0; u < U; ++u) {
-      if ((u * kPanel * sizeof(T)) % 64 == 0)
-        _mm_prefetch(reinterpret_cast<const char*>(w + (k + u) * kPanel) + kPrefetchBytes, _MM_HINT_T0);
-      __m256 wl, wh;
-      load8x2(w + (k + u) * kPanel, wl, wh);
+  for (; k + kStep <= K; k += kStep) {
+    for (int u = 0; u < kStep; u += 2) {
+      prefetch_pair(w, k + u);
+      constexpr int kOdd = U == 1 ? 0 : 1;
+      __m256 wl0, wh0, wl1, wh1;
+      load8x2_pair(w, k + u, wl0, wh0, wl1, wh1);
       for (int m = 0; m < MT; ++m) {
-        const __m256 xv = _mm256_set1_ps(x[m * ldx + k + u]);
-        lo[m][u] = _mm256_fmadd_ps(wl, xv, lo[m][u]);
-        hi[m][u] = _mm256_fmadd_ps(wh, xv, hi[m][u]);
+        const int a = U == 1 ? 0 : u;
+        const __m256 x0 = _mm256_set1_ps(x[m * ldx + k + u]), x1 = _mm256_set1_ps(x[m * ldx + k + u + 1]);
+        lo[m][a] = _mm256_fmadd_ps(wl0, x0, lo[m][a]);
+        hi[m][a] = _mm256_fmadd_ps(wh0, x0, hi[m][a]);
+        lo[m][a + kOdd] = _mm256_fmadd_ps(wl1, x1, lo[m][a + kOdd]);
+        hi[m][a + kOdd] = _mm256_fmadd_ps(wh1, x1, hi[m][a + kOdd]);
       }
     }
   }
   for (; k < K; ++k) {
     __m256 wl, wh;
-    load8x2(w + k * kPanel, wl, wh);
+    load8x2(w, k, wl, wh);
     for (int m = 0; m < MT; ++m) {
       const __m256 xv = _mm256_set1_ps(x[m * ldx + k]);
       lo[m][0] = _mm256_fmadd_ps(wl, xv, lo[m][0]);
@@ -171,22 +258,117 @@ MINIVLLM_AVX2 void tile_avx2(const float* x, int64_t ldx, const T* w, int64_t K,
 }
 #endif  // __x86_64__
 
-int64_t max_tile_rows(int64_t isa) { return isa == kIsaAvx512 ? 8 : 4; }
+#if defined(MINIVLLM_HAS_AMX)
+#define MINIVLLM_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl")))
+
+// The tile registers' shapes, as ldtilecfg reads them (palette 1).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles: C(r, p) = tmm(2r + p), the float32 sums of row block r (16 rows) and panel p; A(r) =
+// tmm(4 + r), 16 rows x 32 k of x; B(p) = tmm(6 + p), panel p's 16 outputs x 32 k (16 pairs).
+MINIVLLM_AMX void configure_tiles(int64_t rows0, int64_t rows1) {
+  TileConfig cfg;
+  for (int r = 0; r < 2; ++r) {
+    const auto rows = static_cast<uint8_t>(r == 0 || rows1 == 0 ? rows0 : rows1);  // unused: any valid shape
+    for (int t : {2 * r, 2 * r + 1, 4 + r}) {
+      cfg.rows[t] = rows;
+      cfg.colsb[t] = 64;
+    }
+  }
+  for (int t : {6, 7}) {
+    cfg.rows[t] = kPairChunk / 2;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// R row blocks (16 rows each; the last may be shorter, as configured) x P panels over the whole
+// of Kp. xb: bfloat16 rows ldxb apart; w0, w1: panels. The sums go to c0 (panel 0) and c1
+// (panel 1), float32 rows ldc floats apart, the second row block 16 rows down; with
+// accumulate they start from what c0 and c1 hold (a residual added in the tile unit).
+// prefetch: the panels come from memory (their first row block), so ask for them ahead.
+template <int R, int P>
+MINIVLLM_AMX void tile_amx(const uint16_t* xb, int64_t ldxb, const at::BFloat16* w0, const at::BFloat16* w1,
+                           int64_t Kp, float* c0, float* c1, int64_t ldc, bool accumulate, bool prefetch) {
+  const int64_t cstride = ldc * static_cast<int64_t>(sizeof(float));
+  if (accumulate) {
+    _tile_loadd(0, c0, cstride);
+    if constexpr (P == 2) _tile_loadd(1, c1, cstride);
+    if constexpr (R == 2) _tile_loadd(2, c0 + 16 * ldc, cstride);
+    if constexpr (R == 2 && P == 2) _tile_loadd(3, c1 + 16 * ldc, cstride);
+  } else {
+    _tile_zero(0);
+    if constexpr (P == 2) _tile_zero(1);
+    if constexpr (R == 2) _tile_zero(2);
+    if constexpr (R == 2 && P == 2) _tile_zero(3);
+  }
+  const int64_t stride = ldxb * static_cast<int64_t>(sizeof(uint16_t));
+  for (int64_t k = 0; k < Kp; k += kPairChunk) {
+    if (prefetch) {  // the panels' next tiles, kPrefetchBytes ahead
+      const char* ahead0 = reinterpret_cast<const char*>(w0 + k * kPanel) + kPrefetchBytes;
+      const char* ahead1 = reinterpret_cast<const char*>(w1 + k * kPanel) + kPrefetchBytes;
+      for (int64_t line = 0; line < kPairChunk * kPanel * 2; line += 64) {
+        _mm_prefetch(ahead0 + line, _MM_HINT_T0);
+        if constexpr (P == 2) _mm_prefetch(ahead1 + line, _MM_HINT_T0);
+      }
+    }
+    _tile_loadd(4, xb + k, stride);
+    if constexpr (R == 2) _tile_loadd(5, xb + 16 * ldxb + k, stride);
+    _tile_loadd(6, w0 + k * kPanel, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (R == 2) _tile_dpbf16ps(2, 5, 6);
+    if constexpr (P == 2) {
+      _tile_loadd(7, w1 + k * kPanel, 64);
+      _tile_dpbf16ps(1, 4, 7);
+      if constexpr (R == 2) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c0, cstride);
+  if constexpr (P == 2) _tile_stored(1, c1, cstride);
+  if constexpr (R == 2) _tile_stored(2, c0 + 16 * ldc, cstride);
+  if constexpr (R == 2 && P == 2) _tile_stored(3, c1 + 16 * ldc, cstride);
+}
+
+// xb[m, :Kp] = x[m, :K] rounded to nearest-even bfloat16 (torch's rounding), zero past K.
+MINIVLLM_AMX void round_rows_bf16(const float* x, int64_t M, int64_t ldx, int64_t K, uint16_t* xb, int64_t Kp) {
+  const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7FFF);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t k = 0; k < Kp; k += 16) {
+      const int64_t left = std::max<int64_t>(0, std::min<int64_t>(16, K - k));
+      const __mmask16 mask = static_cast<__mmask16>((1u << left) - 1u);
+      const __m512i bits = _mm512_castps_si512(_mm512_maskz_loadu_ps(mask, x + m * ldx + k));
+      const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), one);
+      const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(bias, lsb)), 16);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xb + m * Kp + k), _mm512_cvtepi32_epi16(rounded));
+    }
+  }
+}
+
+MINIVLLM_AMX void release_tiles() { _tile_release(); }
+#endif  // MINIVLLM_HAS_AMX
+
+int64_t max_tile_rows(int64_t isa) { return isa >= kIsaAvx512 ? 8 : 4; }
 
 // acc[rows, 16] = x[rows, K] . panel, by the chosen path.
 template <typename T>
 void run_tile(int64_t isa, int64_t rows, const float* x, int64_t ldx, const T* w, int64_t K, float* acc) {
 #if defined(__x86_64__)
-  if (isa == kIsaAvx512) {
+  if (isa >= kIsaAvx512) {
     switch (rows) {
       case 1: return tile_avx512<1, 8>(x, ldx, w, K, acc);
       case 2: return tile_avx512<2, 4>(x, ldx, w, K, acc);
       case 3: return tile_avx512<3, 2>(x, ldx, w, K, acc);
       case 4: return tile_avx512<4, 2>(x, ldx, w, K, acc);
-      case 5: return tile_avx512<5, 1>(x, ldx, w, K, acc);
-      case 6: return tile_avx512<6, 1>(x, ldx, w, K, acc);
-      case 7: return tile_avx512<7, 1>(x, ldx, w, K, acc);
-      default: return tile_avx512<8, 1>(x, ldx, w, K, acc);
+      case 5: return tile_avx512<5, 2>(x, ldx, w, K, acc);
+      case 6: return tile_avx512<6, 2>(x, ldx, w, K, acc);
+      case 7: return tile_avx512<7, 2>(x, ldx, w, K, acc);
+      default: return tile_avx512<8, 2>(x, ldx, w, K, acc);
     }
   }
   if (isa == kIsaAvx2) {
@@ -206,7 +388,7 @@ template <typename T>
 bool run_tile2(int64_t isa, int64_t rows, const float* x, int64_t ldx, const T* w0, const T* w1, int64_t K,
                float* acc) {
 #if defined(__x86_64__)
-  if (isa == kIsaAvx512) {
+  if (isa >= kIsaAvx512) {
     switch (rows) {
       case 4: tile2_avx512<4>(x, ldx, w0, w1, K, acc); return true;
       case 5: tile2_avx512<5>(x, ldx, w0, w1, K, acc); return true;
@@ -220,66 +402,164 @@ bool run_tile2(int64_t isa, int64_t rows, const float* x, int64_t ldx, const T* 
   return false;
 }
 
-// out rows [m0, m0 + rows), columns [n0, n0 + width) from acc[rows, 16].
+// out rows [m0, m0 + rows), columns [n0, n0 + width) from acc[rows, 16]. The options are
+// tested once per tile, not per element, so each loop below is one vectorised pass.
 inline void store_tile(const float* acc, int64_t rows, int64_t m0, int64_t n0, int64_t width, const float* scale,
                        const float* bias, float* out, int64_t ldo, bool accumulate) {
+  alignas(64) float scaled[8 * 2 * kPanel];
+  if (scale != nullptr || bias != nullptr) {
+    const int64_t max_rows = static_cast<int64_t>(sizeof(scaled) / sizeof(float)) / kPanel;
+    for (int64_t r0 = 0; r0 < rows; r0 += max_rows) {
+      const int64_t count = std::min(max_rows, rows - r0);
+      for (int64_t r = 0; r < count; ++r) {
+        const float* a = acc + (r0 + r) * kPanel;
+        float* d = scaled + r * kPanel;
+#pragma omp simd
+        for (int64_t j = 0; j < width; ++j)  // bias holds N values, not a padded panel's
+          d[j] = a[j] * (scale != nullptr ? scale[n0 + j] : 1.f) + (bias != nullptr ? bias[n0 + j] : 0.f);
+      }
+      store_tile(scaled, count, m0 + r0, n0, width, nullptr, nullptr, out, ldo, accumulate);
+    }
+    return;
+  }
   for (int64_t r = 0; r < rows; ++r) {
     float* o = out + (m0 + r) * ldo + n0;
-    for (int64_t j = 0; j < width; ++j) {
-      float v = acc[r * kPanel + j];
-      if (scale != nullptr) v *= scale[n0 + j];
-      if (bias != nullptr) v += bias[n0 + j];
-      o[j] = accumulate ? o[j] + v : v;
+    const float* a = acc + r * kPanel;
+    if (accumulate) {
+#pragma omp simd
+      for (int64_t j = 0; j < width; ++j) o[j] += a[j];
+    } else {
+#pragma omp simd
+      for (int64_t j = 0; j < width; ++j) o[j] = a[j];
     }
   }
 }
 
-template <typename T>
-void gemm_typed(const float* x, int64_t M, int64_t ldx, const T* w, int64_t K, const float* scale, const float* bias,
-                int64_t N, float* out, int64_t ldo, int64_t isa, bool accumulate) {
-  const int64_t num_panels = (N + kPanel - 1) / kPanel;
-  const int64_t tile_rows = max_tile_rows(isa);
-  // Tasks of a few panels each (for one block of rows), taken from a shared counter rather than
-  // split evenly up front: a thread the OS preempts (a serving process's event loop, a client
-  // on the same cores) then delays its own tasks only, not the whole product.
+// Runs body(m_begin, m_end, panel_begin, panel_end) over tasks of a few panels each (for one
+// block of rows), taken from a shared counter rather than split evenly up front: a thread the OS
+// preempts (a serving process's event loop, a client on the same cores) then delays its own
+// tasks only, not the whole product.
+template <typename Body>
+void parallel_tasks(int64_t M, int64_t num_panels, int64_t row_block, const Body& body) {
   const int64_t num_threads = std::max<int64_t>(1, at::get_num_threads());
   const int64_t chunk = std::max<int64_t>(1, (num_panels + kTasksPerThread * num_threads - 1) /
                                                  (kTasksPerThread * num_threads));
   const int64_t num_chunks = (num_panels + chunk - 1) / chunk;
-  const int64_t num_tasks = num_chunks * ((M + kRowBlock - 1) / kRowBlock);
+  const int64_t num_tasks = num_chunks * ((M + row_block - 1) / row_block);
   std::atomic<int64_t> next_task{0};
   at::parallel_for(0, std::min(num_threads, num_tasks), 1, [&](int64_t, int64_t) {
-    alignas(64) float acc[2 * 8 * kPanel];
     for (int64_t task = next_task++; task < num_tasks; task = next_task++) {
-      const int64_t m_block = (task / num_chunks) * kRowBlock, m_end = std::min(M, m_block + kRowBlock);
-      const int64_t begin = (task % num_chunks) * chunk, end = std::min(num_panels, begin + chunk);
-      for (int64_t p = begin; p < end;) {
-        const T* panel = w + p * K * kPanel;
-        const int64_t n0 = p * kPanel, width = std::min(kPanel, N - n0);
-        // Two panels a tile where the tile is compute bound (several rows); one otherwise.
-        const bool pair = p + 1 < end;
-        const int64_t width1 = pair ? std::min(kPanel, N - n0 - kPanel) : 0;
-        for (int64_t m0 = m_block; m0 < m_end; m0 += tile_rows) {
-          const int64_t rows = std::min(tile_rows, m_end - m0);
-          if (pair && run_tile2(isa, rows, x + m0 * ldx, ldx, panel, panel + K * kPanel, K, acc)) {
-            store_tile(acc, rows, m0, n0, width, scale, bias, out, ldo, accumulate);
-            store_tile(acc + rows * kPanel, rows, m0, n0 + kPanel, width1, scale, bias, out, ldo, accumulate);
-            continue;
-          }
-          // One panel at a time (too few rows for the pair): in memory order, for the prefetcher.
-          run_tile(isa, rows, x + m0 * ldx, ldx, panel, K, acc);
-          store_tile(acc, rows, m0, n0, width, scale, bias, out, ldo, accumulate);
-          if (pair) {
-            run_tile(isa, rows, x + m0 * ldx, ldx, panel + K * kPanel, K, acc);
-            store_tile(acc, rows, m0, n0 + kPanel, width1, scale, bias, out, ldo, accumulate);
-          }
-        }
-        p += pair ? 2 : 1;
-      }
+      const int64_t m_block = (task / num_chunks) * row_block, begin = (task % num_chunks) * chunk;
+      body(m_block, std::min(M, m_block + row_block), begin, std::min(num_panels, begin + chunk));
     }
   });
 }
 
+// The product on the vector units: x stays float32.
+template <typename T>
+void gemm_vector(const float* x, int64_t M, int64_t ldx, const T* w, int64_t panel_size, int64_t K, const float* scale,
+                 const float* bias, int64_t N, float* out, int64_t ldo, int64_t isa, bool accumulate) {
+  const int64_t tile_rows = max_tile_rows(isa);
+  parallel_tasks(M, (N + kPanel - 1) / kPanel, kRowBlock, [&](int64_t m_block, int64_t m_end, int64_t begin,
+                                                              int64_t end) {
+    alignas(64) float acc[2 * 8 * kPanel];
+    for (int64_t p = begin; p < end;) {
+      const T* panel = w + p * panel_size;
+      const int64_t n0 = p * kPanel, width = std::min(kPanel, N - n0);
+      // Two panels a tile where the tile is compute bound (several rows); one otherwise.
+      const bool pair = p + 1 < end;
+      const int64_t width1 = pair ? std::min(kPanel, N - n0 - kPanel) : 0;
+      for (int64_t m0 = m_block; m0 < m_end; m0 += tile_rows) {
+        const int64_t rows = std::min(tile_rows, m_end - m0);
+        if (pair && run_tile2(isa, rows, x + m0 * ldx, ldx, panel, panel + panel_size, K, acc)) {
+          store_tile(acc, rows, m0, n0, width, scale, bias, out, ldo, accumulate);
+          store_tile(acc + rows * kPanel, rows, m0, n0 + kPanel, width1, scale, bias, out, ldo, accumulate);
+          continue;
+        }
+        // One panel at a time (too few rows for the pair): in memory order, for the prefetcher.
+        run_tile(isa, rows, x + m0 * ldx, ldx, panel, K, acc);
+        store_tile(acc, rows, m0, n0, width, scale, bias, out, ldo, accumulate);
+        if (pair) {
+          run_tile(isa, rows, x + m0 * ldx, ldx, panel + panel_size, K, acc);
+          store_tile(acc, rows, m0, n0 + kPanel, width1, scale, bias, out, ldo, accumulate);
+        }
+      }
+      p += pair ? 2 : 1;
+    }
+  });
+}
+
+#if defined(MINIVLLM_HAS_AMX)
+// The product on the AMX tiles, for bfloat16 panels (Kp = their padded K). Full panels without
+// a bias go straight between the tiles and `out`; a partial panel or a bias goes through acc.
+void gemm_amx(const float* x, int64_t M, int64_t ldx, const at::BFloat16* w, int64_t Kp, int64_t K,
+              const float* bias, int64_t N, float* out, int64_t ldo, bool accumulate) {
+  std::vector<uint16_t> xb(M * Kp);  // [M, Kp]
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    round_rows_bf16(x + begin * ldx, end - begin, ldx, K, xb.data() + begin * Kp, Kp);
+  });
+  const int64_t panel_size = Kp * kPanel;
+  // Per task a pair of panels at a time (the pair's weights, 2 x Kp x 32 bytes, stay in L1/L2)
+  // against every 32-row block of up to kAmxRowBlock rows of x.
+  parallel_tasks(M, (N + kPanel - 1) / kPanel, kAmxRowBlock, [&](int64_t m_block, int64_t m_end, int64_t begin,
+                                                                 int64_t end) {
+    alignas(64) float acc[4 * 16 * kPanel];  // [panel][32 rows][16]
+    int64_t configured0 = -1, configured1 = -1;
+    for (int64_t p = begin; p < end; p += 2) {
+      const at::BFloat16* panel = w + p * panel_size;
+      const bool pair = p + 1 < end;
+      const int64_t n0 = p * kPanel, width = (pair ? 2 : 1) * kPanel;
+      const bool direct = bias == nullptr && n0 + width <= N;
+      for (int64_t m0 = m_block; m0 < m_end; m0 += 32) {
+        const int64_t rows = std::min<int64_t>(32, m_end - m0), rows0 = std::min<int64_t>(16, rows);
+        const int64_t rows1 = rows - rows0;
+        if (rows0 != configured0 || rows1 != configured1) {
+          configure_tiles(rows0, rows1);
+          configured0 = rows0;
+          configured1 = rows1;
+        }
+        const uint16_t* xm = xb.data() + m0 * Kp;
+        float* c0 = direct ? out + m0 * ldo + n0 : acc;
+        float* c1 = direct ? c0 + kPanel : acc + 32 * kPanel;
+        const int64_t ldc = direct ? ldo : kPanel;
+        const bool load_c = direct && accumulate;
+        const bool first = m0 == m_block;
+        if (rows1 > 0) {
+          pair ? tile_amx<2, 2>(xm, Kp, panel, panel + panel_size, Kp, c0, c1, ldc, load_c, first)
+               : tile_amx<2, 1>(xm, Kp, panel, panel, Kp, c0, c1, ldc, load_c, first);
+        } else {
+          pair ? tile_amx<1, 2>(xm, Kp, panel, panel + panel_size, Kp, c0, c1, ldc, load_c, first)
+               : tile_amx<1, 1>(xm, Kp, panel, panel, Kp, c0, c1, ldc, load_c, first);
+        }
+        if (direct) continue;
+        store_tile(acc, rows, m0, n0, std::min(kPanel, N - n0), nullptr, bias, out, ldo, accumulate);
+        if (pair)
+          store_tile(acc + 32 * kPanel, rows, m0, n0 + kPanel, std::min(kPanel, N - n0 - kPanel), nullptr, bias, out,
+                     ldo, accumulate);
+      }
+    }
+    release_tiles();
+  });
+}
+#endif
+
+}  // namespace
+
+namespace {
+// AMX with bf16 products, and the kernel's leave to use the tile registers: Linux (5.16+) hands
+// out their state only to a process that asks.
+bool can_use_amx_bf16() {
+#if defined(MINIVLLM_HAS_AMX)
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+  constexpr unsigned kAmxBf16 = 1u << 22, kAmxTile = 1u << 24;
+  if ((edx & kAmxBf16) == 0 || (edx & kAmxTile) == 0) return false;
+  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+  return false;
+#endif
+}
 }  // namespace
 
 int64_t best_isa() {
@@ -287,7 +567,8 @@ int64_t best_isa() {
   static const int64_t best = [] {
 #if defined(__x86_64__)
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) return kIsaAvx512;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw"))
+      return can_use_amx_bf16() ? kIsaAmx : kIsaAvx512;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kIsaAvx2;
 #endif
     return kIsaScalar;
@@ -295,20 +576,31 @@ int64_t best_isa() {
   return best;
 }
 
-void packed_gemm(const float* x, int64_t M, int64_t ldx, const torch::Tensor& w, const float* scale,
+void packed_gemm(const float* x, int64_t M, int64_t K, int64_t ldx, const torch::Tensor& w, const float* scale,
                  const float* bias, int64_t N, float* out, int64_t ldo, int64_t isa, bool accumulate) {
-  TORCH_CHECK(w.dim() == 3 && w.size(2) == kPanel && w.is_contiguous(), "packed_gemm: weight must be [N/16, K, 16]");
-  TORCH_CHECK(w.size(0) * kPanel >= N, "packed_gemm: weight has fewer than N output channels");
   TORCH_CHECK(isa <= best_isa(), "packed_gemm: this CPU lacks the requested instruction set");
-  const int64_t K = w.size(1);
+  TORCH_CHECK(w.dim() == 3 && w.size(0) * kPanel >= N && w.is_contiguous(),
+              "packed_gemm: weight must be [ceil(N/16), K, 16] (bfloat16: [ceil(N/16), Kp/2, 32])");
+  const int64_t panel_size = w.size(1) * w.size(2);
   switch (w.scalar_type()) {
     case torch::kFloat32:
-      return gemm_typed(x, M, ldx, w.data_ptr<float>(), K, scale, bias, N, out, ldo, isa, accumulate);
-    case torch::kBFloat16:
-      return gemm_typed(x, M, ldx, w.data_ptr<at::BFloat16>(), K, scale, bias, N, out, ldo, isa, accumulate);
+      TORCH_CHECK(w.size(1) == K && w.size(2) == kPanel, "packed_gemm: float32 weight must be [N/16, K, 16]");
+      return gemm_vector(x, M, ldx, w.data_ptr<float>(), panel_size, K, scale, bias, N, out, ldo, isa, accumulate);
+    case torch::kBFloat16: {
+      const int64_t Kp = 2 * w.size(1);
+      TORCH_CHECK(w.size(2) == 2 * kPanel && Kp >= K && Kp < K + kPairChunk && Kp % kPairChunk == 0,
+                  "packed_gemm: bfloat16 weight must be [N/16, Kp/2, 32], Kp = K rounded up to 32");
+#if defined(MINIVLLM_HAS_AMX)
+      if (isa == kIsaAmx && scale == nullptr)
+        return gemm_amx(x, M, ldx, w.data_ptr<at::BFloat16>(), Kp, K, bias, N, out, ldo, accumulate);
+#endif
+      return gemm_vector(x, M, ldx, w.data_ptr<at::BFloat16>(), panel_size, K, scale, bias, N, out, ldo, isa,
+                         accumulate);
+    }
     case torch::kInt8:
       TORCH_CHECK(scale != nullptr, "packed_gemm: int8 weights need per-channel scales");
-      return gemm_typed(x, M, ldx, w.data_ptr<int8_t>(), K, scale, bias, N, out, ldo, isa, accumulate);
+      TORCH_CHECK(w.size(1) == K && w.size(2) == kPanel, "packed_gemm: int8 weight must be [N/16, K, 16]");
+      return gemm_vector(x, M, ldx, w.data_ptr<int8_t>(), panel_size, K, scale, bias, N, out, ldo, isa, accumulate);
     default:
       TORCH_CHECK(false, "packed_gemm: weights must be float32, bfloat16 or int8");
   }
@@ -317,13 +609,13 @@ void packed_gemm(const float* x, int64_t M, int64_t ldx, const torch::Tensor& w,
 // x: [M, K] (any float dtype) -> [M, n] float32.
 torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& w, const std::optional<torch::Tensor>& scale,
                             const std::optional<torch::Tensor>& bias, int64_t n, int64_t isa) {
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == w.size(1), "packed_linear: x must be [M, K] with the weight's K");
+  TORCH_CHECK(x.dim() == 2, "packed_linear: x must be [M, K]");
   const auto xf = x.to(torch::kFloat32).contiguous();
   const auto out = torch::empty({x.size(0), n}, xf.options());
   const float* scale_data = scale ? scale->data_ptr<float>() : nullptr;
   const float* bias_data = bias ? bias->data_ptr<float>() : nullptr;
-  packed_gemm(xf.data_ptr<float>(), x.size(0), x.size(1), w, scale_data, bias_data, n, out.data_ptr<float>(), n, isa,
-              false);
+  packed_gemm(xf.data_ptr<float>(), x.size(0), x.size(1), x.size(1), w, scale_data, bias_data, n,
+              out.data_ptr<float>(), n, isa, false);
   return out;
 }
 

@@ -5,6 +5,12 @@
 // Here each sequence walks its block table once: scores of every query head (a KV head
 // serves `group` of them, GQA), a softmax, then the weighted sum of V. K and V are read
 // once, nothing is materialised, and sequences run in parallel across cores.
+//
+// With AVX-512 (head sizes a multiple of 16), a KV head's `group` query heads run together in
+// registers: each K row (bf16 widened by a shift) meets every query head once, 16 tokens'
+// partial dot products are summed horizontally in one transpose-add, the softmax's
+// exponentials run 16 lanes at a time, and the weighted sum of V accumulates in registers.
+// The portable loop (written for the compiler to vectorize) runs elsewhere.
 #include "cpu_kernels.h"
 
 #include <ATen/Parallel.h>
@@ -15,8 +21,162 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+#include "simd_exp.h"
+#endif
+
 namespace minivllm {
 namespace {
+
+#if defined(__x86_64__)
+#define MINIVLLM_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,fma")))
+
+MINIVLLM_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+MINIVLLM_AVX512 inline __m512 load16(const at::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// Rows of the paged cache are scattered (a block of 16 tokens, then a jump) and each is read
+// once, so the hardware prefetcher lags: the kernels ask for the row this many tokens ahead.
+constexpr int64_t kPrefetchRows = 24;
+
+template <typename cache_t>
+inline void prefetch_row(const cache_t* row, int64_t count) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t offset = 0; offset < count * static_cast<int64_t>(sizeof(cache_t)); offset += 64)
+    _mm_prefetch(p + offset, _MM_HINT_T0);
+}
+
+// Lane i = the sum of v[i]'s 16 lanes: pairs, then quads, then 128-bit lanes, adding as it goes.
+MINIVLLM_AVX512 inline __m512 sum_lanes16(const __m512 (&v)[16]) {
+  __m512 a[8], b[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [v0+v2, w0+w2, v1+v3, w1+w3] of v = v[2i], w = v[2i+1]
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: that lane's sum of v[4i .. 4i + 3]
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  __m512 c[2];
+  for (int i = 0; i < 2; ++i)  // 128-bit lanes: [b(2i).L0+L1, b(2i).L2+L3, b(2i+1).L0+L1, b(2i+1).L2+L3]
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xdd));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xdd));
+}
+
+// out[g, :] += sum_t p[g, t] v_t[:], columns [c0, c0 + 16 NC) of the G query heads, in registers.
+template <int G, int NC, typename cache_t>
+MINIVLLM_AVX512 void weighted_values(const float* probs, int64_t ctx_stride, const cache_t* const* v_rows, int64_t ctx,
+                                     int64_t c0, const float* inv_sum, int64_t head_dim, float* out) {
+  __m512 acc[G][NC];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < ctx; ++t) {
+    if (t + kPrefetchRows < ctx) prefetch_row(v_rows[t + kPrefetchRows] + c0, NC * 16);
+    __m512 v[NC];
+    for (int c = 0; c < NC; ++c) v[c] = load16(v_rows[t] + c0 + 16 * c);
+    for (int g = 0; g < G; ++g) {
+      const __m512 pg = _mm512_set1_ps(probs[g * ctx_stride + t]);
+      for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_fmadd_ps(pg, v[c], acc[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NC; ++c)
+      _mm512_storeu_ps(out + g * head_dim + c0 + 16 * c, _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv_sum[g])));
+}
+
+// One KV head's G query heads (q: [G, D], unscaled) over its K and V rows (pointers, one per
+// context token) -> out [G, D]. scratch: G * round_up(ctx, 16) scores.
+template <int G, typename cache_t>
+MINIVLLM_AVX512 void attend_kv_head_avx512(const float* q, const cache_t* const* k_rows, const cache_t* const* v_rows,
+                                           int64_t ctx, int64_t head_dim, float scale, float* scratch, float* out) {
+  const int64_t ctx_stride = (ctx + 15) / 16 * 16, nd = head_dim / 16;
+  float* scores = scratch;  // [G, ctx_stride]
+  const __m512 vscale = _mm512_set1_ps(scale);
+  // Scores, 16 tokens at a time: per token and head a 16-lane partial dot product, then one
+  // transpose-add turns 16 of them into 16 scores.
+  for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
+    const int64_t n = std::min<int64_t>(16, ctx - t0);
+    __m512 partial[G][16];
+    for (int64_t j = 0; j < 16; ++j) {
+      if (j >= n) {
+        for (int g = 0; g < G; ++g) partial[g][j] = _mm512_setzero_ps();
+        continue;
+      }
+      const cache_t* k = k_rows[t0 + j];
+      if (t0 + j + kPrefetchRows < ctx) prefetch_row(k_rows[t0 + j + kPrefetchRows], head_dim);
+      __m512 acc[G];
+      for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+      for (int64_t c = 0; c < nd; ++c) {
+        const __m512 kc = load16(k + 16 * c);
+        for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * head_dim + 16 * c), kc, acc[g]);
+      }
+      for (int g = 0; g < G; ++g) partial[g][j] = acc[g];
+    }
+    for (int g = 0; g < G; ++g)
+      _mm512_storeu_ps(scores + g * ctx_stride + t0, _mm512_mul_ps(sum_lanes16(partial[g]), vscale));
+  }
+  // Softmax per head; the normalisation is folded into the output.
+  alignas(64) float inv_sum[G];
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int g = 0; g < G; ++g) {
+    float* sg = scores + g * ctx_stride;
+    __m512 mx = neg_inf;
+    for (int64_t t = 0; t < ctx; t += 16) {
+      const __mmask16 m = static_cast<__mmask16>(ctx - t >= 16 ? 0xFFFF : (1u << (ctx - t)) - 1u);
+      mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(neg_inf, m, sg + t));
+    }
+    const __m512 vmax = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < ctx; t += 16) {
+      const __mmask16 m = static_cast<__mmask16>(ctx - t >= 16 ? 0xFFFF : (1u << (ctx - t)) - 1u);
+      const __m512 e = _mm512_maskz_mov_ps(m, exp512(_mm512_sub_ps(_mm512_loadu_ps(sg + t), vmax)));
+      _mm512_storeu_ps(sg + t, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    inv_sum[g] = 1.f / _mm512_reduce_add_ps(sum);
+  }
+  int64_t c0 = 0;
+  for (; c0 + 64 <= head_dim; c0 += 64)
+    weighted_values<G, 4>(scores, ctx_stride, v_rows, ctx, c0, inv_sum, head_dim, out);
+  for (; c0 < head_dim; c0 += 16) weighted_values<G, 1>(scores, ctx_stride, v_rows, ctx, c0, inv_sum, head_dim, out);
+}
+
+// The AVX-512 path of attend_one (same arguments); false for shapes it does not cover.
+template <typename cache_t>
+bool attend_one_avx512(const float* qb, const cache_t* kp, const cache_t* vp, const int64_t* table, int64_t first,
+                       int64_t ctx, int64_t block_size, float scale, int64_t num_heads, int64_t num_kv_heads,
+                       int64_t head_dim, float* ob, std::vector<float>& scratch, int64_t kv_begin, int64_t kv_end) {
+  const int64_t group = num_heads / num_kv_heads, slot_stride = num_kv_heads * head_dim;
+  if (head_dim % 16 != 0 || group > 8 || ctx <= 0) return false;
+  const int64_t ctx_stride = (ctx + 15) / 16 * 16;
+  if (scratch.size() < static_cast<size_t>(group * ctx_stride)) scratch.resize(group * ctx_stride);
+  float* scores = scratch.data();
+  std::vector<const cache_t*> rows(2 * ctx);  // each token's K row, then each token's V row, of one KV head
+  const cache_t** k_rows = rows.data();
+  const cache_t** v_rows = k_rows + ctx;
+  for (int64_t h = kv_begin; h < kv_end; ++h) {
+    for (int64_t t = 0; t < ctx; ++t) {
+      const int64_t pos = first + t;
+      const int64_t offset = (table[pos / block_size] * block_size + pos % block_size) * slot_stride + h * head_dim;
+      k_rows[t] = kp + offset;
+      v_rows[t] = vp + offset;
+    }
+    const float* q = qb + h * group * head_dim;
+    float* o = ob + h * group * head_dim;
+    switch (group) {
+#define MINIVLLM_GROUP(G) \
+  case G: attend_kv_head_avx512<G>(q, k_rows, v_rows, ctx, head_dim, scale, scores, o); break;
+      MINIVLLM_GROUP(1) MINIVLLM_GROUP(2) MINIVLLM_GROUP(3) MINIVLLM_GROUP(4) MINIVLLM_GROUP(5) MINIVLLM_GROUP(6)
+      MINIVLLM_GROUP(7) MINIVLLM_GROUP(8)
+#undef MINIVLLM_GROUP
+    }
+  }
+  return true;
+}
+#endif  // __x86_64__
 
 // One sequence, math in float32 whatever the storage type (float32 or bfloat16): q [H, D] ->
 // out [H, D], for the query heads of KV heads [kv_begin, kv_end) (all of them by default).
@@ -24,13 +184,19 @@ namespace {
 template <typename cache_t>
 void attend_one(const float* qb, const cache_t* kp, const cache_t* vp, const int64_t* table, int64_t len,
                 int64_t block_size, float scale, int64_t window, int64_t num_heads, int64_t num_kv_heads,
-                int64_t head_dim, float* ob, std::vector<float>& scratch, int64_t kv_begin = 0,
+                int64_t head_dim, float* ob, std::vector<float>& scratch, int64_t isa, int64_t kv_begin = 0,
                 int64_t kv_end = -1) {
   const int64_t group = num_heads / num_kv_heads, slot_stride = num_kv_heads * head_dim;
-  const int64_t h_begin = kv_begin * group, h_end = (kv_end < 0 ? num_kv_heads : kv_end) * group;
+  if (kv_end < 0) kv_end = num_kv_heads;
+  const int64_t h_begin = kv_begin * group, h_end = kv_end * group;
   // A sliding window (window > 0) keeps the last `window` tokens: [first, len).
   const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
   const int64_t ctx = len - first;
+#if defined(__x86_64__)
+  if (isa >= kIsaAvx512 && attend_one_avx512(qb, kp, vp, table, first, ctx, block_size, scale, num_heads, num_kv_heads,
+                                             head_dim, ob, scratch, kv_begin, kv_end))
+    return;
+#endif
   scratch.resize(num_heads * ctx + slot_stride);
   float* scores = scratch.data();
   float* row = scores + num_heads * ctx;
@@ -87,7 +253,7 @@ void attend_one(const float* qb, const cache_t* kp, const cache_t* vp, const int
 template <typename scalar_t>
 void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                    const torch::Tensor& block_tables, const torch::Tensor& context_lens, int64_t block_size,
-                   double scale, int64_t window, torch::Tensor& out) {
+                   double scale, int64_t window, int64_t isa, torch::Tensor& out) {
   const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = k_cache.size(1);
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_decode_attention: contiguous cache");
@@ -102,7 +268,8 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
     for (int64_t b = begin; b < end; ++b) {
       for (int64_t i = 0; i < width; ++i) qf[i] = static_cast<float>(qp[b * width + i]);
       attend_one(qf.data(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), bt + b * max_blocks, lens[b],
-                 block_size, static_cast<float>(scale), window, num_heads, num_kv_heads, head_dim, acc.data(), scratch);
+                 block_size, static_cast<float>(scale), window, num_heads, num_kv_heads, head_dim, acc.data(), scratch,
+                 isa);
       for (int64_t i = 0; i < width; ++i) op[b * width + i] = static_cast<scalar_t>(acc[i]);
     }
   });
@@ -113,15 +280,15 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
 void attend_decode_row(const float* q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                        const int64_t* block_table, int64_t context_len, int64_t block_size, float scale,
                        int64_t window, int64_t num_heads, float* out, std::vector<float>& scratch,
-                       int64_t kv_begin, int64_t kv_end) {
+                       int64_t kv_begin, int64_t kv_end, int64_t isa) {
   const int64_t num_kv_heads = k_cache.size(1), head_dim = k_cache.size(2);
   if (k_cache.scalar_type() == torch::kFloat32) {
     attend_one(q, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), block_table, context_len, block_size, scale,
-               window, num_heads, num_kv_heads, head_dim, out, scratch, kv_begin, kv_end);
+               window, num_heads, num_kv_heads, head_dim, out, scratch, isa, kv_begin, kv_end);
   } else {
     TORCH_CHECK(k_cache.scalar_type() == torch::kBFloat16, "attention: float32 or bfloat16 cache only");
     attend_one(q, k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(), block_table, context_len,
-               block_size, scale, window, num_heads, num_kv_heads, head_dim, out, scratch, kv_begin, kv_end);
+               block_size, scale, window, num_heads, num_kv_heads, head_dim, out, scratch, isa, kv_begin, kv_end);
   }
 }
 
@@ -131,17 +298,19 @@ torch::Tensor paged_decode_attention(torch::Tensor q,             // [B, H, D]
                                      torch::Tensor block_tables,  // [B, max_blocks] int64
                                      torch::Tensor context_lens,  // [B] int64
                                      int64_t block_size, double scale,
-                                     int64_t window) {             // 0: none, else the last `window` tokens
+                                     int64_t window,               // 0: none, else the last `window` tokens
+                                     int64_t isa) {
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
               "paged_decode_attention: q and cache dtypes differ");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && context_lens.scalar_type() == torch::kInt64,
               "paged_decode_attention: int64 block tables and lengths");
+  TORCH_CHECK(isa <= best_isa(), "paged_decode_attention: this CPU lacks the requested instruction set");
   q = q.contiguous();
   auto out = torch::empty_like(q);
   if (q.scalar_type() == torch::kFloat32) {
-    decode_kernel<float>(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, window, out);
+    decode_kernel<float>(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, window, isa, out);
   } else if (q.scalar_type() == torch::kBFloat16) {
-    decode_kernel<at::BFloat16>(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, window, out);
+    decode_kernel<at::BFloat16>(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, window, isa, out);
   } else {
     TORCH_CHECK(false, "paged_decode_attention: float32 or bfloat16 only");
   }

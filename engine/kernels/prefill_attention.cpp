@@ -25,6 +25,12 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+#include "simd_exp.h"  // exp512: e^x lane-wise, the polynomial of exp_nonpositive below
+#endif
+
 namespace minivllm {
 namespace {
 
@@ -167,25 +173,7 @@ void attend_tile(const float* q, int64_t row_begin, int64_t row_end, int64_t gro
 }
 
 #if defined(__x86_64__)
-#include <immintrin.h>
 #define MINIVLLM_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,fma")))
-
-// e^x lane-wise, as exp_nonpositive (the same polynomial; the power of two by scalef).
-MINIVLLM_AVX512 inline __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
 
 // o[:, d : d + 16 NV] += p[:, :num_keys] . v[:num_keys, d : d + 16 NV], the accumulators in
 // registers (NV a constant, so the compiler keeps all R x NV of them there).
@@ -409,7 +397,7 @@ void chunk_kernel(const float* q, int64_t num_tokens, int64_t num_heads, const c
       float* rows = v_rows.data() + (h * num_keys + b * kKeys) * head_dim;
 #if defined(__x86_64__)
       if constexpr (std::is_same_v<cache_t, float>) {
-        if (isa == kIsaAvx512 && count == kKeys && head_dim % 16 == 0) {
+        if (isa >= kIsaAvx512 && count == kKeys && head_dim % 16 == 0) {
           gather_block_avx512(k_cache, v_cache, table, block_size, slot_stride, h * head_dim, head_dim,
                               first_key + b * kKeys, panel, rows);
           continue;
@@ -443,7 +431,7 @@ void chunk_kernel(const float* q, int64_t num_tokens, int64_t num_heads, const c
       const float* kp = k_panels.data() + h * num_blocks * head_dim * kKeys;
       const float* vr = v_rows.data() + h * num_keys * head_dim;
 #if defined(__x86_64__)
-      if (isa == kIsaAvx512 && run_tiles_avx512(rows, q, row_begin, num_tiles, group, h, num_heads, head_dim,
+      if (isa >= kIsaAvx512 && run_tiles_avx512(rows, q, row_begin, num_tiles, group, h, num_heads, head_dim,
                                                 start_pos, first_key, window, scale, kp, vr, out))
         continue;
 #endif

@@ -1,9 +1,11 @@
 """A projection's weight packed for the C++ small-batch kernels: panels of 16 output channels.
 
 Layout [ceil(N / 16), K, 16]: each panel is one contiguous stream and each k gives 16 weights
-that one broadcast of x[m, k] multiplies (engine/kernels/packed_gemm.cpp says why). float32 and
-bfloat16 keep the model's values exactly; int8 is weight-only quantization, symmetric with one
-float32 scale per output channel (max |w| / 127), which halves bf16's bytes and quarters fp32's.
+that one broadcast of x[m, k] multiplies (engine/kernels/packed_gemm.cpp says why). bfloat16
+interleaves pairs of k, [ceil(N / 16), Kp / 2, 16 * 2] with K zero-padded to Kp (a multiple of
+32): AMX's tile product reads that as it is. float32 and bfloat16 keep the model's values
+exactly; int8 is weight-only quantization, symmetric with one float32 scale per output channel
+(max |w| / 127), which halves bf16's bytes and quarters fp32's.
 """
 from __future__ import annotations
 
@@ -13,14 +15,16 @@ from types import ModuleType
 import torch
 
 PANEL = 16
+PAIR_CHUNK = 32  # bfloat16 panels pad K to a multiple of this (one AMX tile's k)
 
 
 @dataclass(slots=True)
 class PackedWeight:
-    data: torch.Tensor  # [ceil(N / 16), K, 16] float32 | bfloat16 | int8
+    data: torch.Tensor  # [ceil(N / 16), K, 16] float32 | int8; [ceil(N / 16), Kp / 2, 32] bfloat16
     scales: torch.Tensor | None  # [ceil(N / 16) * 16] float32 (int8 only)
     bias: torch.Tensor | None  # [N] float32
     out_features: int
+    in_features: int
 
     @classmethod
     def pack(cls, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> PackedWeight:
@@ -35,12 +39,15 @@ class PackedWeight:
         if dtype == torch.int8:
             scales = padded.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # [N_pad]
             padded = torch.round(padded / scales.unsqueeze(1)).clamp(-127, 127)
-        data = padded.to(dtype).view(num_panels, PANEL, k).transpose(1, 2).contiguous()
-        return cls(data, scales, None if bias is None else bias.detach().float().clone(), n)
-
-    @property
-    def in_features(self) -> int:
-        return self.data.shape[1]
+        if dtype == torch.bfloat16:
+            k_pad = -(-k // PAIR_CHUNK) * PAIR_CHUNK
+            padded = torch.nn.functional.pad(padded, (0, k_pad - k))  # [N_pad, Kp]
+            # [P, 16, Kp / 2, 2] -> [P, Kp / 2, 16, 2]: the 16 outputs' (k, k + 1) pairs side by side
+            data = padded.to(dtype).view(num_panels, PANEL, k_pad // 2, 2).transpose(1, 2)
+            data = data.reshape(num_panels, k_pad // 2, 2 * PANEL).contiguous()
+        else:
+            data = padded.to(dtype).view(num_panels, PANEL, k).transpose(1, 2).contiguous()
+        return cls(data, scales, None if bias is None else bias.detach().float().clone(), n, k)
 
     @property
     def num_bytes(self) -> int:
@@ -53,8 +60,12 @@ class PackedWeight:
 
     def dequantize(self) -> torch.Tensor:
         """The [N, K] float32 matrix these panels hold (what the kernels multiply by; tests)."""
-        num_panels, k, _ = self.data.shape
-        weight = self.data.float().transpose(1, 2).reshape(num_panels * PANEL, k)
+        num_panels, rows, width = self.data.shape
+        if width == 2 * PANEL:  # bfloat16 pairs of k: [P, Kp / 2, 16, 2] -> [P * 16, Kp]
+            weight = self.data.float().view(num_panels, rows, PANEL, 2).transpose(1, 2)
+            weight = weight.reshape(num_panels * PANEL, 2 * rows)[:, : self.in_features]
+        else:
+            weight = self.data.float().transpose(1, 2).reshape(num_panels * PANEL, rows)
         if self.scales is not None:
             weight = weight * self.scales.unsqueeze(1)
         return weight[: self.out_features]
