@@ -93,15 +93,23 @@ class ModelRunner:
             raise ValueError("quantization: int8 needs the C++ CPU kernels (a compiler, dtype float32 or bfloat16, "
                              "MINIVLLM_DISABLE_CPP_KERNELS unset)")
         self.isa = pick_isa(self.cpu_kernels, os.environ.get("MINIVLLM_KERNEL_ISA", "auto"))
-        onednn = (is_cpu and not quantized and os.environ.get("MINIVLLM_DISABLE_PACKED_LINEAR") != "1"
-                  and can_pack_linear(self.dtype))
         max_fused = config.max_fused_tokens
         if max_fused is None:  # the crossovers measured on a 2-core AVX-512/AMX CPU (README)
-            # bf16 panels on the AMX tiles match oneDNN's bf16 GEMM at 64 rows and beat it below;
-            # on the vector units they lose past a few rows.
-            amx = self.isa == _ISAS["amx"]
-            max_fused = (sys.maxsize if quantized else 64 if self.dtype == torch.float32 or amx else 8)
+            # Every step: in int8 (the panels are its only copy); in float32 with AVX-512 (the
+            # panels' GEMM keeps up with oneDNN's at 512 rows, and a step past the old limit of 64
+            # tokens, 22 decodes + a 72-token chunk under the time budget, cost 156 ms through
+            # torch's ~150 ops a layer against 109-126 ms fused); in bf16 on AMX (the tiles beat
+            # oneDNN's bf16 GEMM up to 64 rows and reach 0.75x of it at 512, where the fused
+            # layer's fewer ops even it out). Unmeasured past 64 on AVX2; bf16 on the vector units
+            # loses to oneDNN past a few rows.
+            every_step = (quantized or (self.dtype == torch.float32 and self.isa >= _ISAS["avx512"])
+                          or self.isa == _ISAS["amx"])
+            max_fused = sys.maxsize if every_step else 64 if self.dtype == torch.float32 else 8
         panel_dtype = torch.int8 if quantized else self.dtype if self.cpu_kernels is not None and max_fused > 0 else None
+        # oneDNN's copy of the weights only where some step runs the torch path.
+        every_step_fused = panel_dtype is not None and max_fused == sys.maxsize
+        onednn = (is_cpu and not every_step_fused and os.environ.get("MINIVLLM_DISABLE_PACKED_LINEAR") != "1"
+                  and can_pack_linear(self.dtype))
         if onednn or panel_dtype is not None:
             self.model.pack_weights(onednn, panel_dtype, self.cpu_kernels, self.isa, max_fused)
         self.max_fused_tokens = max_fused if self.model.fused_kernels is not None else 0

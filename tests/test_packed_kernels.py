@@ -185,17 +185,24 @@ def test_fused_layer_with_prefill_rows_matches_the_torch_layer(kernels, window: 
 
 
 def test_fused_tokens_defaults_to_the_measured_crossover(tiny_model_dir) -> None:
-    """Unset: steps of 64 tokens in float32, and in bfloat16 where AMX runs the panels (8 elsewhere:
-    past that, oneDNN's GEMM wins), every step with int8 weights (they have no oneDNN copy); 0
-    turns the path off."""
+    """Unset: every step with int8 weights (their only copy), in float32 with AVX-512 and in
+    bfloat16 on AMX, and then without oneDNN's second copy of the weights; 64 tokens in float32
+    on AVX2 and 8 in bfloat16 on the vector units (past that, oneDNN's GEMM wins); 0 turns the
+    path off."""
     from engine import LLM
 
-    def fused(**options) -> int:
-        return LLM(str(tiny_model_dir), num_kv_blocks=64, max_num_seqs=40, **options).engine.runner.max_fused_tokens
+    def runner(**options):
+        return LLM(str(tiny_model_dir), num_kv_blocks=64, max_num_seqs=40, **options).engine.runner
 
-    assert fused() == 64
-    amx = LLM(str(tiny_model_dir), num_kv_blocks=64).engine.runner.isa == 3
-    assert fused(dtype="bfloat16") == (64 if amx else 8)
+    def fused(**options) -> int:
+        return runner(**options).max_fused_tokens
+
+    isa = runner().isa
+    assert fused() == (sys.maxsize if isa >= 2 else 64)
+    assert fused(dtype="bfloat16") == (sys.maxsize if isa == 3 else 8)
+    if isa >= 2:  # every step fused: the projections keep no oneDNN copy
+        assert all(m.packed_weight is None for m in runner().model.modules() if hasattr(m, "packed_weight"))
+    assert runner(max_fused_tokens=64).model.layers[0].qkv_proj.packed_weight is not None
     assert fused(quantization="int8") == sys.maxsize
     assert fused(max_fused_tokens=0) == 0
     with pytest.raises(ValueError, match="max_fused_tokens"):
