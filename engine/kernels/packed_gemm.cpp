@@ -27,9 +27,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <cstring>
+#include <memory>
 #include <type_traits>
-#include <vector>
 
 #if defined(__x86_64__)
 #include <cpuid.h>
@@ -494,9 +493,10 @@ void gemm_vector(const float* x, int64_t M, int64_t ldx, const T* w, int64_t pan
 // a bias go straight between the tiles and `out`; a partial panel or a bias goes through acc.
 void gemm_amx(const float* x, int64_t M, int64_t ldx, const at::BFloat16* w, int64_t Kp, int64_t K,
               const float* bias, int64_t N, float* out, int64_t ldo, bool accumulate) {
-  std::vector<uint16_t> xb(M * Kp);  // [M, Kp]
+  // [M, Kp], every element written below (pads included), so not zeroed first.
+  const std::unique_ptr<uint16_t[]> xb(new uint16_t[M * Kp]);
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-    round_rows_bf16(x + begin * ldx, end - begin, ldx, K, xb.data() + begin * Kp, Kp);
+    round_rows_bf16(x + begin * ldx, end - begin, ldx, K, xb.get() + begin * Kp, Kp);
   });
   const int64_t panel_size = Kp * kPanel;
   // Per task a pair of panels at a time (the pair's weights, 2 x Kp x 32 bytes, stay in L1/L2)
@@ -518,7 +518,7 @@ void gemm_amx(const float* x, int64_t M, int64_t ldx, const at::BFloat16* w, int
           configured0 = rows0;
           configured1 = rows1;
         }
-        const uint16_t* xm = xb.data() + m0 * Kp;
+        const uint16_t* xm = xb.get() + m0 * Kp;
         float* c0 = direct ? out + m0 * ldo + n0 : acc;
         float* c1 = direct ? c0 + kPanel : acc + 32 * kPanel;
         const int64_t ldc = direct ? ldo : kPanel;
