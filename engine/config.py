@@ -43,11 +43,10 @@ class EngineConfig:
     quantization: str = _opt("none", "weight quantization: none | int8 (weight-only, one scale per output "
                                      "channel; CPU; activations and KV cache keep dtype)")
     max_fused_tokens: int | None = _opt(None, "steps of at most this many tokens (decode sequences + prefill "
-                                              "tokens) run each layer in C++ over weights packed for small "
-                                              "batches (CPU; in float32/bfloat16 a second copy of the weights); "
-                                              "0: off; unset: 64 in float32 and in bfloat16 on AMX CPUs (its "
-                                              "tiles run the bf16 panels), 8 in bfloat16 elsewhere (where oneDNN "
-                                              "takes over), every step with int8 weights")
+                                              "tokens) run each layer in C++ over weights packed in 16-channel "
+                                              "panels (CPU); 0: off; unset: every step with int8 weights, in "
+                                              "float32 on AVX-512 and in bfloat16 on AMX CPUs (then no oneDNN "
+                                              "copy of the weights is kept), else 64 in float32 and 8 in bfloat16")
 
     # Paged KV cache.
     block_size: int = _opt(16, "tokens per KV cache block")

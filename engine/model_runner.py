@@ -99,7 +99,7 @@ class ModelRunner:
             # panels' GEMM keeps up with oneDNN's at 512 rows, and a step past the old limit of 64
             # tokens, 22 decodes + a 72-token chunk under the time budget, cost 156 ms through
             # torch's ~150 ops a layer against 109-126 ms fused); in bf16 on AMX (the tiles beat
-            # oneDNN's bf16 GEMM up to 64 rows and reach 0.75x of it at 512, where the fused
+            # oneDNN's bf16 GEMM up to 128 rows and reach 0.7-0.86x of it at 512, where the fused
             # layer's fewer ops even it out). Unmeasured past 64 on AVX2; bf16 on the vector units
             # loses to oneDNN past a few rows.
             every_step = (quantized or (self.dtype == torch.float32 and self.isa >= _ISAS["avx512"])

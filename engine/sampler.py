@@ -158,7 +158,7 @@ class Sampler:
         The nucleus is looked for among the top 256 first (a full sort of 32 rows of 49152
         took 62 ms here, the top 256 3.6 ms); a row whose nucleus reaches past them is sorted
         whole. Tokens tied with the smallest kept probability are all kept."""
-        num_rows, vocab = probs.shape
+        vocab = probs.shape[1]
         k = min(_NUCLEUS_CANDIDATES, vocab)
         values = probs.topk(k, dim=-1).values  # [N, k], descending
         kept = (values.cumsum(dim=-1) - values) < top_ps  # [N, k]: a prefix of each row
@@ -166,7 +166,9 @@ class Sampler:
         smallest_kept = values.masked_fill(~kept, float("inf")).amin(dim=-1, keepdim=True)  # [N, 1]
         threshold = torch.where(asked, smallest_kept, torch.zeros_like(smallest_kept))
         result = probs.masked_fill(probs < threshold, 0.0)
-        wide = (kept[:, -1:] & asked).squeeze(1) if k < vocab else torch.zeros(num_rows, dtype=torch.bool, device=probs.device)
+        if k == vocab:  # the candidates were the whole row
+            return result
+        wide = kept[:, -1] & asked[:, 0]  # [N]: the nucleus may reach past the candidates
         if wide.any():
             rows = wide.nonzero().squeeze(1)
             sub = probs[rows]

@@ -51,10 +51,9 @@ def test_packed_linear_matches_the_matrix_it_packs(kernels, dtype: torch.dtype, 
     rounded = x.bfloat16().double() @ packed.dequantize().double().T + bias.double()
     for isa in _isas(kernels):
         out = kernels.packed_linear(x, *packed.as_args(), isa)
-        if isa == AMX and dtype == torch.bfloat16:
-            reference = rounded
+        expected = rounded if isa == AMX and dtype == torch.bfloat16 else reference
         assert out.shape == (m, n)
-        err = (out.double() - reference).abs().max().item()
+        err = (out.double() - expected).abs().max().item()
         assert err < 1e-3 * k**0.5, f"{ISA_NAMES[isa]}: max error {err}"
 
 

@@ -18,8 +18,8 @@
 // accumulators (rows x unrolled k) so the multiply-adds do not wait on each other at batch 1.
 // With AMX, bfloat16 products run on the tile unit instead: x rounded to bfloat16 (as torch's
 // bf16 path rounds every activation), products summed in float32, up to 32 rows x 32 outputs a
-// tile. Its bf16 multiply-adds are ~16x the AVX-512 FMA rate, so a batch-32 decode step reads
-// its weights at memory speed instead of waiting on the FMA units.
+// tile. On the model's layer shapes at 32 rows that ran 945 GFLOP/s against 263 for the FMA
+// path (python -m bench.packed_gemm), so a batch-32 decode step no longer waits on the FMAs.
 #include "cpu_kernels.h"
 
 #include <ATen/Parallel.h>
@@ -47,7 +47,7 @@ namespace {
 
 constexpr int64_t kPanel = 16;
 constexpr int64_t kRowBlock = 64;  // rows of x kept hot in cache while a task walks its panels
-constexpr int64_t kAmxRowBlock = 256;  // the same on AMX, whose tiles eat rows 8x as fast
+constexpr int64_t kAmxRowBlock = 256;  // the same on AMX, where a task's panels serve more rows
 constexpr int64_t kTasksPerThread = 4;
 // Weights are requested this far ahead of use: a layer's matrices are a few hundred KB each,
 // too short a stream for the hardware prefetcher to reach full speed on its own.
@@ -543,9 +543,6 @@ void gemm_amx(const float* x, int64_t M, int64_t ldx, const at::BFloat16* w, int
 }
 #endif
 
-}  // namespace
-
-namespace {
 // AMX with bf16 products, and the kernel's leave to use the tile registers: Linux (5.16+) hands
 // out their state only to a process that asks.
 bool can_use_amx_bf16() {

@@ -68,18 +68,18 @@ MINIVLLM_AVX512 inline __m512 sum_lanes16(const __m512 (&v)[16]) {
 
 // out[g, :] += sum_t p[g, t] v_t[:], columns [c0, c0 + 16 NC) of the G query heads, in registers.
 template <int G, int NC, typename cache_t>
-MINIVLLM_AVX512 void weighted_values(const float* probs, int64_t ctx_stride, const cache_t* const* v_rows, int64_t ctx,
-                                     int64_t c0, const float* inv_sum, int64_t head_dim, float* out) {
+MINIVLLM_AVX512 void weighted_values(const float* probs, int64_t ctx_stride, const cache_t* v, const int64_t* offsets,
+                                     int64_t ctx, int64_t c0, const float* inv_sum, int64_t head_dim, float* out) {
   __m512 acc[G][NC];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_setzero_ps();
   for (int64_t t = 0; t < ctx; ++t) {
-    if (t + kPrefetchRows < ctx) prefetch_row(v_rows[t + kPrefetchRows] + c0, NC * 16);
-    __m512 v[NC];
-    for (int c = 0; c < NC; ++c) v[c] = load16(v_rows[t] + c0 + 16 * c);
+    if (t + kPrefetchRows < ctx) prefetch_row(v + offsets[t + kPrefetchRows] + c0, NC * 16);
+    __m512 vt[NC];
+    for (int c = 0; c < NC; ++c) vt[c] = load16(v + offsets[t] + c0 + 16 * c);
     for (int g = 0; g < G; ++g) {
       const __m512 pg = _mm512_set1_ps(probs[g * ctx_stride + t]);
-      for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_fmadd_ps(pg, v[c], acc[g][c]);
+      for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_fmadd_ps(pg, vt[c], acc[g][c]);
     }
   }
   for (int g = 0; g < G; ++g)
@@ -87,10 +87,11 @@ MINIVLLM_AVX512 void weighted_values(const float* probs, int64_t ctx_stride, con
       _mm512_storeu_ps(out + g * head_dim + c0 + 16 * c, _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv_sum[g])));
 }
 
-// One KV head's G query heads (q: [G, D], unscaled) over its K and V rows (pointers, one per
-// context token) -> out [G, D]. scratch: G * round_up(ctx, 16) scores.
+// One KV head's G query heads (q: [G, D], unscaled) over its K and V rows (token t's at
+// k + offsets[t] and v + offsets[t], k and v pointing at this head's columns) -> out [G, D].
+// scratch: G * round_up(ctx, 16) scores.
 template <int G, typename cache_t>
-MINIVLLM_AVX512 void attend_kv_head_avx512(const float* q, const cache_t* const* k_rows, const cache_t* const* v_rows,
+MINIVLLM_AVX512 void attend_kv_head_avx512(const float* q, const cache_t* k, const cache_t* v, const int64_t* offsets,
                                            int64_t ctx, int64_t head_dim, float scale, float* scratch, float* out) {
   const int64_t ctx_stride = (ctx + 15) / 16 * 16, nd = head_dim / 16;
   float* scores = scratch;  // [G, ctx_stride]
@@ -105,12 +106,12 @@ MINIVLLM_AVX512 void attend_kv_head_avx512(const float* q, const cache_t* const*
         for (int g = 0; g < G; ++g) partial[g][j] = _mm512_setzero_ps();
         continue;
       }
-      const cache_t* k = k_rows[t0 + j];
-      if (t0 + j + kPrefetchRows < ctx) prefetch_row(k_rows[t0 + j + kPrefetchRows], head_dim);
+      const cache_t* kt = k + offsets[t0 + j];
+      if (t0 + j + kPrefetchRows < ctx) prefetch_row(k + offsets[t0 + j + kPrefetchRows], head_dim);
       __m512 acc[G];
       for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
       for (int64_t c = 0; c < nd; ++c) {
-        const __m512 kc = load16(k + 16 * c);
+        const __m512 kc = load16(kt + 16 * c);
         for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * head_dim + 16 * c), kc, acc[g]);
       }
       for (int g = 0; g < G; ++g) partial[g][j] = acc[g];
@@ -140,8 +141,9 @@ MINIVLLM_AVX512 void attend_kv_head_avx512(const float* q, const cache_t* const*
   }
   int64_t c0 = 0;
   for (; c0 + 64 <= head_dim; c0 += 64)
-    weighted_values<G, 4>(scores, ctx_stride, v_rows, ctx, c0, inv_sum, head_dim, out);
-  for (; c0 < head_dim; c0 += 16) weighted_values<G, 1>(scores, ctx_stride, v_rows, ctx, c0, inv_sum, head_dim, out);
+    weighted_values<G, 4>(scores, ctx_stride, v, offsets, ctx, c0, inv_sum, head_dim, out);
+  for (; c0 < head_dim; c0 += 16)
+    weighted_values<G, 1>(scores, ctx_stride, v, offsets, ctx, c0, inv_sum, head_dim, out);
 }
 
 // The AVX-512 path of attend_one (same arguments); false for shapes it does not cover.
@@ -154,21 +156,20 @@ bool attend_one_avx512(const float* qb, const cache_t* kp, const cache_t* vp, co
   const int64_t ctx_stride = (ctx + 15) / 16 * 16;
   if (scratch.size() < static_cast<size_t>(group * ctx_stride)) scratch.resize(group * ctx_stride);
   float* scores = scratch.data();
-  std::vector<const cache_t*> rows(2 * ctx);  // each token's K row, then each token's V row, of one KV head
-  const cache_t** k_rows = rows.data();
-  const cache_t** v_rows = k_rows + ctx;
+  // Each token's slot offset (into a K or V cache), once for all KV heads of the call.
+  std::vector<int64_t> offsets(ctx);
+  for (int64_t t = 0; t < ctx; ++t) {
+    const int64_t pos = first + t;
+    offsets[t] = (table[pos / block_size] * block_size + pos % block_size) * slot_stride;
+  }
   for (int64_t h = kv_begin; h < kv_end; ++h) {
-    for (int64_t t = 0; t < ctx; ++t) {
-      const int64_t pos = first + t;
-      const int64_t offset = (table[pos / block_size] * block_size + pos % block_size) * slot_stride + h * head_dim;
-      k_rows[t] = kp + offset;
-      v_rows[t] = vp + offset;
-    }
     const float* q = qb + h * group * head_dim;
     float* o = ob + h * group * head_dim;
+    const cache_t* k = kp + h * head_dim;
+    const cache_t* v = vp + h * head_dim;
     switch (group) {
 #define MINIVLLM_GROUP(G) \
-  case G: attend_kv_head_avx512<G>(q, k_rows, v_rows, ctx, head_dim, scale, scores, o); break;
+  case G: attend_kv_head_avx512<G>(q, k, v, offsets.data(), ctx, head_dim, scale, scores, o); break;
       MINIVLLM_GROUP(1) MINIVLLM_GROUP(2) MINIVLLM_GROUP(3) MINIVLLM_GROUP(4) MINIVLLM_GROUP(5) MINIVLLM_GROUP(6)
       MINIVLLM_GROUP(7) MINIVLLM_GROUP(8)
 #undef MINIVLLM_GROUP

@@ -1,5 +1,5 @@
-// e^x over 16 floats with AVX-512, shared by the attention kernels (their softmax). Include
-// only inside an x86-64 guard, after <immintrin.h>.
+// e^x over 16 floats with AVX-512, shared by the attention kernels' softmax and the fused
+// layer's SiLU. x86-64 only: include it inside an `#if defined(__x86_64__)` guard.
 #pragma once
 
 #include <immintrin.h>

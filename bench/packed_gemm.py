@@ -1,0 +1,70 @@
+"""The panel GEMM against oneDNN's packed GEMM on the default model's four layer shapes
+(QKV, O, gate/up, down), per row count, in GFLOP/s (best of 3), side by side in one run:
+
+    python -m bench.packed_gemm                     # bfloat16: AVX-512 panels, AMX tiles, oneDNN
+    python -m bench.packed_gemm --dtype float32
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+
+import torch
+
+from engine.kernels import load_cpu_kernels
+from engine.models.packed_weight import PackedWeight
+
+logger = logging.getLogger(__name__)
+_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (K, N) of SmolLM2-135M's projections
+_ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512", 3: "amx"}
+
+
+def best_time(fn, reps: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        best = min(best, (time.perf_counter() - start) / reps)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--rows", default="1,8,32,64,128,512")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        raise SystemExit("the C++ kernels did not build")
+    dtype = getattr(torch, args.dtype)
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(n, k, generator=gen) * 0.05 for k, n in _SHAPES]
+    panels = [PackedWeight.pack(w, None, dtype) for w in weights]
+    onednn = [torch.ops.mkldnn._reorder_linear_weight(w.to(dtype)) for w in weights]
+    isas = [i for i in (2, 3) if i <= kernels.best_isa()] or [kernels.best_isa()]
+    flops_per_row = 2 * sum(w.numel() for w in weights)
+    for m in (int(r) for r in args.rows.split(",")):
+        xs = [torch.randn(m, k, generator=gen) for k, _ in _SHAPES]
+        xs_native = [x.to(dtype) for x in xs]
+        reps = max(3, 400 // m)
+        parts = [f"M={m:4d}"]
+        for isa in isas:
+            def run_panels(isa: int = isa, xs: list[torch.Tensor] = xs) -> None:
+                for x, p in zip(xs, panels, strict=True):
+                    kernels.packed_linear(x, *p.as_args(), isa)
+            t = best_time(run_panels, reps)
+            parts.append(f"panels/{_ISA_NAMES[isa]} {m * flops_per_row / t / 1e9:7.1f}")
+        def run_onednn(xs_native: list[torch.Tensor] = xs_native) -> None:
+            for x, w in zip(xs_native, onednn, strict=True):
+                torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+        t = best_time(run_onednn, reps)
+        parts.append(f"oneDNN {m * flops_per_row / t / 1e9:7.1f}")
+        logger.info("%s  GFLOP/s", " | ".join(parts))
+
+
+if __name__ == "__main__":
+    main()
