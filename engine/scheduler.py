@@ -173,7 +173,7 @@ class Scheduler:
         if not (cfg.enable_time_budget and cfg.enable_chunked_prefill and out.decode_seqs):
             return float("inf")
         model = self.cost_model
-        decode_time = model.predict(len(out.decode_seqs), sum(s.num_tokens for s in out.decode_seqs))
+        decode_time = model.decode_pace(len(out.decode_seqs), sum(s.num_tokens for s in out.decode_seqs))
         # Auto: a multiple of the streams' own pace (this batch decoding alone), so a step with
         # prefill is at most step_time_ratio slower than the gaps these clients get without it.
         # The pace is predicted for this batch, not averaged over past decode-only steps: under

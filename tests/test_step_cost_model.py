@@ -156,6 +156,29 @@ def test_auto_target_follows_the_batch_not_past_decode_only_steps() -> None:
     assert out.step_time_target == pytest.approx(2.0 * pace, rel=0.05)
 
 
+def test_a_run_whose_every_step_has_prefill_still_reads_the_streams_true_pace() -> None:
+    """Requests arriving one after another from the start (a served closed loop): no step is
+    decode-only, so the weights' read (w0) and the prefill set-up (w5) are one constant to the
+    fit. The target must rest on their sum, not on the share the fit happens to give w0 (half,
+    from equal priors: chunks were held to one block for dozens of steps)."""
+    config = EngineConfig(max_num_batched_tokens=2048, min_prefill_share=0.0, step_time_ratio=2.0)
+    sched = Scheduler(config, BlockManager(2048, 16, enable_prefix_caching=False))
+    model = sched.cost_model
+    model.observe(0, 0, 50, attention_pairs(50, 0), 0, true_forward(0, 0, 50, attention_pairs(50, 0)), OVERHEAD)
+    rng = random.Random(7)
+    for _ in range(30):
+        num_decode, chunk = rng.randint(4, 12), rng.randint(16, 48)
+        pairs = attention_pairs(chunk, 0)
+        model.observe(num_decode, 100 * num_decode, chunk, pairs, 0, true_forward(num_decode, 100 * num_decode, chunk,
+                                                                                pairs), OVERHEAD)
+    _decoding(sched, 24)
+    sched.add(fake_seq("next", 300, arrival=1.0))
+    out = sched.schedule(now=2.0)
+    ctx = sum(s.num_tokens for s in out.decode_seqs)
+    pace = true_forward(24, ctx, 0, 0.0) + OVERHEAD + TRUE[5]
+    assert out.step_time_target == pytest.approx(2.0 * pace, rel=0.1)
+
+
 def test_a_burst_raises_the_auto_target_a_single_arrival_does_not() -> None:
     """Several requests waiting per running one (a burst) are worth slower steps; one waiting
     request (a long prompt arriving among streams) gets the streams' promised pace."""
