@@ -86,12 +86,15 @@ def replay(engine: LLMEngine, workload: list[tuple[float, list[int], SamplingPar
             "duration_s": duration}
 
 
-def chunk_split(engine: LLMEngine, chunk: int, context: int, repeats: int = 5) -> dict[str, float]:
-    """Time of one prefill chunk of `chunk` tokens after `context` cached tokens, split into
-    projections (every Linear on the chunk's rows), attention (the prefill attention of every
+def chunk_split(engine: LLMEngine, chunk: int, contexts: tuple[int, ...], repeats: int = 9) -> dict[int, dict]:
+    """Time of one prefill chunk of `chunk` tokens after each of `contexts` cached tokens, split
+    into projections (every Linear on the chunk's rows), attention (the prefill attention of every
     layer) and the rest; and the projections' GFLOP/s beside plain torch GEMMs of the same shapes.
-    The parts are measured in turn, `repeats` times, and each is the median: the machine's speed
-    drifts, so parts timed minutes apart would not add up."""
+    Every part of every context is measured once per round, `repeats` rounds, and each figure is
+    the median over rounds. The machine's speed drifts (by 1.5x within minutes here), so the
+    shares and the later/first ratio are taken within each round, from parts timed seconds
+    apart, and their medians printed: medians of parts timed separately swung a 10 % share
+    between 8.8 and 10.9 % and the ratio between 1.18x and 1.49x in four runs of one build."""
     from engine.attention import AttentionMetadata, PrefillSeqMeta, prefill_attention
 
     runner = engine.runner
@@ -103,16 +106,18 @@ def chunk_split(engine: LLMEngine, chunk: int, context: int, repeats: int = 5) -
     q = torch.randn(chunk, mc.num_heads, mc.head_dim, dtype=runner.dtype)
     k = torch.randn(chunk, mc.num_kv_heads, mc.head_dim, dtype=runner.dtype)
     k_cache, v_cache = runner.kv_caches[0]
-    slots = torch.arange(context + chunk)
-    block_table = torch.arange((context + chunk + runner.block_size - 1) // runner.block_size)
-    meta = [PrefillSeqMeta(0, chunk, context + chunk, slots if context else None, 0 if context else None,
-                           block_table=block_table)]
-    attn = AttentionMetadata(slot_mapping=slots[context:], num_prefill_tokens=chunk, prefill=meta,
-                             block_size=runner.block_size, prefill_kernels=runner.prefill_kernels,
-                             kernel_isa=runner.isa)
     engine.reconfigure(max_num_batched_tokens=chunk)
 
-    def engine_chunk() -> float:
+    def metadata(context: int) -> AttentionMetadata:
+        slots = torch.arange(context + chunk)
+        block_table = torch.arange((context + chunk + runner.block_size - 1) // runner.block_size)
+        meta = [PrefillSeqMeta(0, chunk, context + chunk, slots if context else None, 0 if context else None,
+                               block_table=block_table)]
+        return AttentionMetadata(slot_mapping=slots[context:], num_prefill_tokens=chunk, prefill=meta,
+                                 block_size=runner.block_size, prefill_kernels=runner.prefill_kernels,
+                                 kernel_isa=runner.isa)
+
+    def engine_chunk(context: int) -> float:
         """The engine's own step: a prompt of context + chunk tokens, chunked; the last chunk's forward."""
         engine.add_request(list(range(100, 100 + context + chunk)), SamplingParams(max_tokens=1))
         times = []
@@ -122,20 +127,33 @@ def chunk_split(engine: LLMEngine, chunk: int, context: int, repeats: int = 5) -
                 times.append(stats.forward_time)
         return times[-1]
 
-    parts: dict[str, list[float]] = {"forward": [], "projections": [], "gemm": [], "attention": []}
+    attns = {c: metadata(c) for c in contexts}
+    rounds: list[dict[str, float]] = []
     with torch.inference_mode():
         for _ in range(repeats + 1):  # the first round warms up and is dropped
-            parts["forward"].append(engine_chunk())
-            parts["projections"].append(timed(lambda: [m(x[m.in_features]) for m in linears]))
-            parts["gemm"].append(timed(lambda: [torch.nn.functional.linear(x[i], weights[(i, o)]) for i, o in shapes]))
-            parts["attention"].append(timed(lambda: [prefill_attention(q, k, k, k_cache, v_cache, attn,
-                                                                       mc.head_dim**-0.5)
-                                                     for _ in range(mc.num_layers)]))
-    med = {name: statistics.median(values[1:]) for name, values in parts.items()}
+            r = {"projections": timed(lambda: [m(x[m.in_features]) for m in linears]),
+                 "gemm": timed(lambda: [torch.nn.functional.linear(x[i], weights[(i, o)]) for i, o in shapes])}
+            for c in contexts:
+                r[f"forward{c}"] = engine_chunk(c)
+                r[f"attention{c}"] = timed(lambda c=c: [prefill_attention(q, k, k, k_cache, v_cache, attns[c],
+                                                                          mc.head_dim**-0.5)
+                                                        for _ in range(mc.num_layers)])
+            rounds.append(r)
+    rounds = rounds[1:]
+
+    def med(key: str, per: str | None = None) -> float:
+        """Median over rounds of r[key], or of r[key] / r[per] (a ratio within each round)."""
+        return statistics.median(r[key] / (r[per] if per else 1.0) for r in rounds)
+
     flops = 2 * chunk * sum(i * o for i, o in shapes)
-    return {"forward_s": med["forward"], "projections_s": med["projections"], "attention_s": med["attention"],
-            "rest_s": max(0.0, med["forward"] - med["projections"] - med["attention"]),
-            "projections_gflops": flops / med["projections"] / 1e9, "torch_gemm_gflops": flops / med["gemm"] / 1e9}
+    proj, first = med("projections"), f"forward{contexts[0]}"
+    out = {}
+    for c in contexts:
+        fwd, attn = med(f"forward{c}"), med(f"attention{c}")
+        out[c] = {"forward_s": fwd, "projections_s": proj, "attention_s": attn, "rest_s": max(0.0, fwd - proj - attn),
+                  "attention_share": med(f"attention{c}", f"forward{c}"), "over_first": med(f"forward{c}", first),
+                  "projections_gflops": flops / proj / 1e9, "torch_gemm_gflops": flops / med("gemm") / 1e9}
+    return out
 
 
 def main() -> None:
@@ -188,15 +206,15 @@ def main() -> None:
     splits = {}
     if not args.no_split:
         engine.reconfigure(**POLICIES["fixed"])
-        splits = {ctx: chunk_split(engine, args.chunk, ctx) for ctx in (0, 2 * args.chunk)}
+        splits = chunk_split(engine, args.chunk, (0, 2 * args.chunk))
     for ctx, s in splits.items():
         print(f"prefill chunk of {args.chunk} tokens after {ctx:5d} cached: forward {1e3 * s['forward_s']:6.1f} ms = "
               f"projections {1e3 * s['projections_s']:6.1f} + attention {1e3 * s['attention_s']:5.1f} "
-              f"({100 * s['attention_s'] / s['forward_s']:4.1f}%) + rest {1e3 * s['rest_s']:5.1f}; projections at "
-              f"{s['projections_gflops']:.0f} GFLOP/s, torch GEMM {s['torch_gemm_gflops']:.0f} GFLOP/s")
+              f"({100 * s['attention_share']:4.1f}% of the forward, median of rounds) + rest {1e3 * s['rest_s']:5.1f}; "
+              f"projections at {s['projections_gflops']:.0f} GFLOP/s, torch GEMM {s['torch_gemm_gflops']:.0f} GFLOP/s")
     if splits:
-        later = splits[2 * args.chunk]["forward_s"] / splits[0]["forward_s"]
-        print(f"chunk over {2 * args.chunk} cached tokens / first chunk: {later:.2f}x")
+        print(f"chunk over {2 * args.chunk} cached tokens / first chunk: {splits[2 * args.chunk]['over_first']:.2f}x "
+              f"(median of rounds)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"workload": vars(args), "results": results, "chunk_split": splits}, f, indent=2)

@@ -82,6 +82,7 @@ struct TileState {
   alignas(64) float qs[R][256];
   alignas(64) float o[R][256];
   alignas(64) float p[R][64];
+  alignas(64) float l_lanes[R][16];  // the AVX-512 path's softmax sums, per lane until the end
   int64_t pos[R];
   float m[R], l[R];
   int64_t lo, hi;  // keys this tile may see: [lo, hi) in context positions
@@ -97,6 +98,7 @@ void init_tile(TileState<R>& t, int64_t rows, const float* q, int64_t row_begin,
     const float* qr = q + (token * num_heads + h) * head_dim;
     for (int64_t d = 0; d < head_dim; ++d) t.qs[r][d] = qr[d] * scale;
     std::fill(t.o[r], t.o[r] + head_dim, 0.f);
+    std::fill(t.l_lanes[r], t.l_lanes[r] + 16, 0.f);
     t.m[r] = -std::numeric_limits<float>::infinity();
     t.l[r] = 0.f;
   }
@@ -122,7 +124,7 @@ void attend_tile(const float* q, int64_t row_begin, int64_t row_end, int64_t gro
   const int64_t R = row_end - row_begin;
   TileState<kRows> t;
   init_tile(t, R, q, row_begin, group, kv_head, num_heads, head_dim, start_pos, first_key, window, scale);
-  auto& [qs, o, p_unused, pos, m, l, lo, hi] = t;
+  auto& [qs, o, p_unused, l_lanes_unused, pos, m, l, lo, hi] = t;
   const int64_t block_lo = (lo - first_key) / kKeys, block_hi = (hi - first_key + kKeys - 1) / kKeys;
   for (int64_t b = block_lo; b < block_hi; ++b) {
     const float* panel = k_panels + b * head_dim * kKeys;
@@ -232,17 +234,26 @@ MINIVLLM_AVX512 void tile_step_avx512(TileState<R>& t, const float* panel, const
   alignas(64) float m_new[16], alpha[16];
   __mmask16 visible[R][kSub];
   bool any = false;
+  // Most steps lie wholly below the diagonal (and inside any window): every row sees all 64
+  // keys, and the masks are skipped.
+  const bool is_all_visible = nsub == kSub && key0 + kSub * kKeys <= t.pos[0] + 1 &&
+                              (window <= 0 || key0 >= t.pos[R - 1] - window + 1);
   for (int r = 0; r < R; ++r) {
-    // Visible: key0 + j <= pos and (no window or key0 + j > pos - window).
-    const __m512 vis_hi = _mm512_set1_ps(static_cast<float>(t.pos[r] + 1 - key0));
-    const __m512 vis_lo = _mm512_set1_ps(static_cast<float>(window > 0 ? t.pos[r] - window + 1 - key0 : -1));
     __m512 row_max = neg_inf;
-    for (int c = 0; c < kSub; ++c) {
-      const __m512 j = _mm512_add_ps(lane, _mm512_set1_ps(static_cast<float>(c * kKeys)));
-      visible[r][c] = c < nsub ? _mm512_cmp_ps_mask(j, vis_hi, _CMP_LT_OQ) & _mm512_cmp_ps_mask(j, vis_lo, _CMP_GE_OQ)
-                               : 0;
-      s[r][c] = _mm512_mask_mov_ps(neg_inf, visible[r][c], s[r][c]);
-      row_max = _mm512_max_ps(row_max, s[r][c]);
+    if (is_all_visible) {
+      row_max = _mm512_max_ps(_mm512_max_ps(s[r][0], s[r][1]), _mm512_max_ps(s[r][2], s[r][3]));
+    } else {
+      // Visible: key0 + j <= pos and (no window or key0 + j > pos - window).
+      const __m512 vis_hi = _mm512_set1_ps(static_cast<float>(t.pos[r] + 1 - key0));
+      const __m512 vis_lo = _mm512_set1_ps(static_cast<float>(window > 0 ? t.pos[r] - window + 1 - key0 : -1));
+      for (int c = 0; c < kSub; ++c) {
+        const __m512 j = _mm512_add_ps(lane, _mm512_set1_ps(static_cast<float>(c * kKeys)));
+        visible[r][c] = c < nsub ? _mm512_cmp_ps_mask(j, vis_hi, _CMP_LT_OQ) &
+                                       _mm512_cmp_ps_mask(j, vis_lo, _CMP_GE_OQ)
+                                 : 0;
+        s[r][c] = _mm512_mask_mov_ps(neg_inf, visible[r][c], s[r][c]);
+        row_max = _mm512_max_ps(row_max, s[r][c]);
+      }
     }
     m_new[r] = std::max(t.m[r], _mm512_reduce_max_ps(row_max));  // -inf: nothing seen yet
   }
@@ -264,11 +275,13 @@ MINIVLLM_AVX512 void tile_step_avx512(TileState<R>& t, const float* panel, const
     const __m512 mv = _mm512_set1_ps(m_new[r]);
     __m512 sum = _mm512_setzero_ps();
     for (int c = 0; c < kSub; ++c) {
-      const __m512 pc = _mm512_maskz_mov_ps(visible[r][c], exp512(_mm512_sub_ps(s[r][c], mv)));
+      __m512 pc = exp512(_mm512_sub_ps(s[r][c], mv));
+      if (!is_all_visible) pc = _mm512_maskz_mov_ps(visible[r][c], pc);
       _mm512_store_ps(t.p[r] + c * kKeys, pc);
       sum = _mm512_add_ps(sum, pc);
     }
-    t.l[r] = t.l[r] * alpha[r] + _mm512_reduce_add_ps(sum);
+    // The sum stays in lanes (reduced once, at the tile's end): no horizontal add per step.
+    _mm512_store_ps(t.l_lanes[r], _mm512_fmadd_ps(_mm512_set1_ps(alpha[r]), _mm512_load_ps(t.l_lanes[r]), sum));
     t.m[r] = m_new[r];
     if (alpha[r] != 1.f) {
       const __m512 a = _mm512_set1_ps(alpha[r]);
@@ -313,7 +326,10 @@ MINIVLLM_AVX512 void attend_tiles_avx512(const float* q, int64_t row_begin, int6
                        window);
     }
   }
-  for (int64_t i = 0; i < num_tiles; ++i) finish_tile(tiles[i], R, row_begin + i * R, group, kv_head, num_heads, head_dim, out);
+  for (int64_t i = 0; i < num_tiles; ++i) {
+    for (int r = 0; r < R; ++r) tiles[i].l[r] = _mm512_reduce_add_ps(_mm512_load_ps(tiles[i].l_lanes[r]));
+    finish_tile(tiles[i], R, row_begin + i * R, group, kv_head, num_heads, head_dim, out);
+  }
 }
 
 // gather_block for a full block of 16 keys of a float32 cache (head_dim a multiple of 16): the
