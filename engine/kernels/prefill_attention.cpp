@@ -28,7 +28,7 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 
-#include "simd_exp.h"  // exp512: e^x lane-wise, the polynomial of exp_nonpositive below
+#include "simd_exp.h"  // exp2_512: 2^x lane-wise
 #endif
 
 namespace minivllm {
@@ -261,9 +261,9 @@ MINIVLLM_AVX512 void tile_step_avx512(TileState<R>& t, const float* panel, const
   {
     __m512 m_old = _mm512_set1_ps(0.f);
     for (int r = 0; r < R; ++r) m_old = _mm512_mask_mov_ps(m_old, static_cast<__mmask16>(1u << r), _mm512_set1_ps(t.m[r]));
-    // exp(m_old - m_new): 0 on a row's first keys (m_old = -inf clamps), 1 when the max holds.
+    // 2^(m_old - m_new): 0 on a row's first keys (m_old = -inf clamps), 1 when the max holds.
     const __m512 diff = _mm512_sub_ps(m_old, _mm512_load_ps(m_new));
-    _mm512_store_ps(alpha, exp512(_mm512_mask_mov_ps(diff, _mm512_cmp_ps_mask(diff, diff, _CMP_UNORD_Q),
+    _mm512_store_ps(alpha, exp2_512(_mm512_mask_mov_ps(diff, _mm512_cmp_ps_mask(diff, diff, _CMP_UNORD_Q),
                                                      _mm512_set1_ps(0.f))));
   }
   for (int r = 0; r < R; ++r) {
@@ -275,7 +275,7 @@ MINIVLLM_AVX512 void tile_step_avx512(TileState<R>& t, const float* panel, const
     const __m512 mv = _mm512_set1_ps(m_new[r]);
     __m512 sum = _mm512_setzero_ps();
     for (int c = 0; c < kSub; ++c) {
-      __m512 pc = exp512(_mm512_sub_ps(s[r][c], mv));
+      __m512 pc = exp2_512(_mm512_sub_ps(s[r][c], mv));
       if (!is_all_visible) pc = _mm512_maskz_mov_ps(visible[r][c], pc);
       _mm512_store_ps(t.p[r] + c * kKeys, pc);
       sum = _mm512_add_ps(sum, pc);
@@ -308,8 +308,10 @@ MINIVLLM_AVX512 void attend_tiles_avx512(const float* q, int64_t row_begin, int6
   TileState<R> tiles[kMaxTiles];
   int64_t lo = std::numeric_limits<int64_t>::max(), hi = 0;
   for (int64_t i = 0; i < num_tiles; ++i) {
+    // Scores in log2 units (queries scaled by log2 e too), so the softmax's exponentials are
+    // powers of 2: exp2_512, four operations fewer than e^x. m and the sums follow; o / l is the same.
     init_tile(tiles[i], R, q, row_begin + i * R, group, kv_head, num_heads, head_dim, start_pos, first_key, window,
-              scale);
+              scale * 1.44269504088896341f);
     lo = std::min(lo, tiles[i].lo);
     hi = std::max(hi, tiles[i].hi);
   }
