@@ -30,7 +30,7 @@ def cpu_tag() -> str:
 
 _SOURCES = ("bindings.cpp", "paged_attention.cpp", "prefill_attention.cpp", "packed_gemm.cpp", "decode_layer.cpp",
             "token_bitmask.cpp")
-_STALE_LOCK_S = 300  # a build takes well under a minute; an older lock is from a killed process
+_STALE_LOCK_S = 300  # a build takes up to 2 minutes on a busy 2-core machine; an older lock is from a killed process
 
 
 def _remove_stale_lock(lock: Path) -> None:
@@ -47,14 +47,20 @@ def _remove_stale_lock(lock: Path) -> None:
 @functools.cache
 def load_cpu_kernels() -> ModuleType | None:
     try:
+        import torch
         from torch.utils import cpp_extension
 
         from engine.model_loader import cache_dir
 
-        build_dir = cache_dir() / "torch_extensions" / cpu_tag()
+        here = Path(__file__).parent
+        # One build per CPU kind and per install (where the sources are, which torch): builds of
+        # one directory from two installs (a checkout and a wheel in a venv) rewrite each other's
+        # ninja commands and rebuild in turn (about 2 minutes each here), and every server
+        # started meanwhile waits on the build lock.
+        install = hashlib.sha256(f"{here.resolve()}|{torch.__version__}".encode()).hexdigest()[:8]
+        build_dir = cache_dir() / "torch_extensions" / f"{cpu_tag()}-{install}"
         build_dir.mkdir(parents=True, exist_ok=True)
         _remove_stale_lock(build_dir / "lock")
-        here = Path(__file__).parent
         return cpp_extension.load(
             name="minivllm_cpu_kernels", sources=[str(here / name) for name in _SOURCES], build_directory=str(build_dir),
             extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
