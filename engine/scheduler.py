@@ -173,7 +173,11 @@ class Scheduler:
         if not (cfg.enable_time_budget and cfg.enable_chunked_prefill and out.decode_seqs):
             return float("inf")
         model = self.cost_model
-        decode_time = model.decode_pace(len(out.decode_seqs), sum(s.num_tokens for s in out.decode_seqs))
+        num_decode_tokens = sum(s.num_tokens for s in out.decode_seqs)
+        # This step's decodes in the fit's own terms (the first chunk's cost adds the set-up),
+        # and the streams' pace that the target is a multiple of (StepCostModel.decode_pace).
+        decode_time = model.predict(len(out.decode_seqs), num_decode_tokens)
+        pace = model.decode_pace(len(out.decode_seqs), num_decode_tokens)
         # Auto: a multiple of the streams' own pace (this batch decoding alone), so a step with
         # prefill is at most step_time_ratio slower than the gaps these clients get without it.
         # The pace is predicted for this batch, not averaged over past decode-only steps: under
@@ -184,7 +188,7 @@ class Scheduler:
         # queue's TTFT grows with every step it waits, and the bigger batch it becomes decodes
         # more tokens per second. One waiting request (a long prompt arriving) gets no relief.
         backlog = 1.0 + max(0, len(self.waiting) - 1) / max(1, len(self.running))
-        target = cfg.max_step_ms / 1e3 if cfg.max_step_ms is not None else cfg.step_time_ratio * decode_time * backlog
+        target = cfg.max_step_ms / 1e3 if cfg.max_step_ms is not None else cfg.step_time_ratio * pace * backlog
         out.budget_source, out.step_time_target = "time", target
         # Aim below the target by the model's usual error, so most steps really land under it;
         # waiting requests keep a share of the step even when decodes alone fill the target.

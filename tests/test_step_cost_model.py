@@ -177,6 +177,12 @@ def test_a_run_whose_every_step_has_prefill_still_reads_the_streams_true_pace() 
     ctx = sum(s.num_tokens for s in out.decode_seqs)
     pace = true_forward(24, ctx, 0, 0.0) + OVERHEAD + TRUE[5]
     assert out.step_time_target == pytest.approx(2.0 * pace, rel=0.1)
+    # The set-up is paid once: the chunk fills the aim, not the aim less the set-up again.
+    aim = out.step_time_target / max(1.0, model.error_quantile)
+    chunk = out.prefill_num_tokens[0]
+    assert out.predicted_step_time <= aim < out.predicted_step_time + 2 * TRUE[3]
+    assert true_forward(24, ctx, chunk, attention_pairs(chunk, 0)) + OVERHEAD == pytest.approx(
+        out.predicted_step_time, rel=0.1)
 
 
 def test_a_burst_raises_the_auto_target_a_single_arrival_does_not() -> None:
