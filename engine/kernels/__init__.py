@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
 import platform
 import time
 from pathlib import Path
@@ -28,6 +29,9 @@ def cpu_tag() -> str:
     return hashlib.sha256(info.encode()).hexdigest()[:12]
 
 
+# The kernels' SIMD paths by name, as their `isa` argument takes them (cpu_kernels.h's kIsa*).
+ISAS = {"scalar": 0, "avx2": 1, "avx512": 2, "amx": 3}
+
 _SOURCES = ("bindings.cpp", "paged_attention.cpp", "prefill_attention.cpp", "packed_gemm.cpp", "decode_layer.cpp",
             "token_bitmask.cpp")
 _STALE_LOCK_S = 300  # a build takes up to 2 minutes on a busy 2-core machine; an older lock is from a killed process
@@ -44,6 +48,31 @@ def _remove_stale_lock(lock: Path) -> None:
         pass
 
 
+def build_sources(root: Path, kernel_dir: Path, torch_dir: Path, torch_version: str) -> tuple[Path, Path]:
+    """The build directory (under root) for the kernel sources in kernel_dir and this torch on this CPU kind, and the
+    copy of the sources in it that the build reads.
+
+    A build is named by what it builds, not by where it is installed: a checkout and a wheel in
+    a venv with the same sources share one build. Both compile the copy, so their ninja commands
+    are the same. Otherwise one build directory fed from two source paths rewrites its ninja
+    commands on every load and rebuilds in turn (about 2 minutes each on 2 cores); servers
+    started meanwhile wait on the build lock. Sources that differ get their own directory."""
+    files = sorted(p for p in kernel_dir.iterdir() if p.suffix in (".cpp", ".h"))
+    digest = hashlib.sha256(f"{torch_dir.resolve()}|{torch_version}".encode())
+    for path in files:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    build_dir = root / f"{cpu_tag()}-{digest.hexdigest()[:12]}"
+    source_dir = build_dir / "src"
+    source_dir.mkdir(parents=True, exist_ok=True)
+    for path in files:
+        copy = source_dir / path.name
+        if not copy.exists():  # written once: a newer mtime would make ninja rebuild
+            partial = copy.with_name(f"{copy.name}.{os.getpid()}.tmp")
+            partial.write_bytes(path.read_bytes())
+            os.replace(partial, copy)
+    return build_dir, source_dir
+
+
 @functools.cache
 def load_cpu_kernels() -> ModuleType | None:
     try:
@@ -52,18 +81,13 @@ def load_cpu_kernels() -> ModuleType | None:
 
         from engine.model_loader import cache_dir
 
-        here = Path(__file__).parent
-        # One build per CPU kind and per install (where the sources are, which torch): builds of
-        # one directory from two installs (a checkout and a wheel in a venv) rewrite each other's
-        # ninja commands and rebuild in turn (about 2 minutes each here), and every server
-        # started meanwhile waits on the build lock.
-        install = hashlib.sha256(f"{here.resolve()}|{torch.__version__}".encode()).hexdigest()[:8]
-        build_dir = cache_dir() / "torch_extensions" / f"{cpu_tag()}-{install}"
-        build_dir.mkdir(parents=True, exist_ok=True)
+        build_dir, source_dir = build_sources(cache_dir() / "torch_extensions", Path(__file__).parent,
+                                              Path(torch.__file__).parent, torch.__version__)
         _remove_stale_lock(build_dir / "lock")
         return cpp_extension.load(
-            name="minivllm_cpu_kernels", sources=[str(here / name) for name in _SOURCES], build_directory=str(build_dir),
-            extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+            name="minivllm_cpu_kernels", sources=[str(source_dir / name) for name in _SOURCES],
+            build_directory=str(build_dir), extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # noqa: BLE001 - any build failure means: use the torch path
         logger.warning("C++ CPU kernels unavailable (%s); using the pure-torch attention path", exc)
         return None
