@@ -12,12 +12,12 @@ import time
 
 import torch
 
-from engine.kernels import load_cpu_kernels
+from engine.kernels import ISAS, load_cpu_kernels
 from engine.models.packed_weight import PackedWeight
 
 logger = logging.getLogger(__name__)
 _SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (K, N) of SmolLM2-135M's projections
-_ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512", 3: "amx"}
+_ISA_NAMES = {level: name for name, level in ISAS.items()}
 
 
 def best_time(fn, reps: int) -> float:
@@ -45,7 +45,7 @@ def main() -> None:
     weights = [torch.randn(n, k, generator=gen) * 0.05 for k, n in _SHAPES]
     panels = [PackedWeight.pack(w, None, dtype) for w in weights]
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w.to(dtype)) for w in weights]
-    isas = [i for i in (2, 3) if i <= kernels.best_isa()] or [kernels.best_isa()]
+    isas = [i for i in (ISAS["avx512"], ISAS["amx"]) if i <= kernels.best_isa()] or [kernels.best_isa()]
     flops_per_row = 2 * sum(w.numel() for w in weights)
     for m in (int(r) for r in args.rows.split(",")):
         xs = [torch.randn(m, k, generator=gen) for k, _ in _SHAPES]

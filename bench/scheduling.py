@@ -93,8 +93,9 @@ def chunk_split(engine: LLMEngine, chunk: int, contexts: tuple[int, ...], repeat
     Every part of every context is measured once per round, `repeats` rounds, and each figure is
     the median over rounds. The machine's speed drifts (by 1.5x within minutes here), so the
     shares and the later/first ratio are taken within each round, from parts timed seconds
-    apart, and their medians printed: medians of parts timed separately swung a 10 % share
-    between 8.8 and 10.9 % and the ratio between 1.18x and 1.49x in four runs of one build."""
+    apart, and their medians printed: medians of parts timed separately put the first chunk's
+    attention share at 8.8-10.9 % and the ratio at 0.96-1.49x over six runs of two kernel builds
+    whose speeds differ by 3-5 %."""
     from engine.attention import AttentionMetadata, PrefillSeqMeta, prefill_attention
 
     runner = engine.runner

@@ -19,7 +19,7 @@ import torch
 
 from engine.attention import AttentionMetadata, PrefillSeqMeta
 from engine.config import EngineConfig, usable_cpus
-from engine.kernels import load_cpu_kernels
+from engine.kernels import ISAS, load_cpu_kernels
 from engine.model_loader import iter_weights
 from engine.models import model_class
 from engine.models.layers import can_pack_linear
@@ -48,8 +48,6 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-_ISAS = {"scalar": 0, "avx2": 1, "avx512": 2, "amx": 3}
-
 
 def pick_isa(kernels: ModuleType | None, wanted: str) -> int:
     """The SIMD path of the C++ kernels: the best this CPU runs, or a lower one named by
@@ -60,11 +58,11 @@ def pick_isa(kernels: ModuleType | None, wanted: str) -> int:
     best = kernels.best_isa()
     if wanted == "auto":
         return best
-    if wanted not in _ISAS:
+    if wanted not in ISAS:
         raise ValueError(f"MINIVLLM_KERNEL_ISA must be auto, scalar, avx2, avx512 or amx, got {wanted!r}")
-    if _ISAS[wanted] > best:
+    if ISAS[wanted] > best:
         raise ValueError(f"MINIVLLM_KERNEL_ISA={wanted}: this CPU does not run it")
-    return _ISAS[wanted]
+    return ISAS[wanted]
 
 
 class ModelRunner:
@@ -102,8 +100,8 @@ class ModelRunner:
             # oneDNN's bf16 GEMM up to 128 rows and reach 0.7-0.86x of it at 512, where the fused
             # layer's fewer ops even it out). Unmeasured past 64 on AVX2; bf16 on the vector units
             # loses to oneDNN past a few rows.
-            every_step = (quantized or (self.dtype == torch.float32 and self.isa >= _ISAS["avx512"])
-                          or self.isa == _ISAS["amx"])
+            every_step = (quantized or (self.dtype == torch.float32 and self.isa >= ISAS["avx512"])
+                          or self.isa == ISAS["amx"])
             max_fused = sys.maxsize if every_step else 64 if self.dtype == torch.float32 else 8
         panel_dtype = torch.int8 if quantized else self.dtype if self.cpu_kernels is not None and max_fused > 0 else None
         # oneDNN's copy of the weights only where some step runs the torch path.
@@ -118,7 +116,7 @@ class ModelRunner:
         # AVX-512 tiles (1.3x at a chunk over 1000 cached tokens, 2.6x at a first chunk, README);
         # its portable loop is slower than flash, so AVX2 machines keep flash.
         fits = mc.num_heads // mc.num_kv_heads <= 8 and mc.head_dim <= 256
-        self.prefill_kernels = self.cpu_kernels if self.isa >= _ISAS["avx512"] and fits else None
+        self.prefill_kernels = self.cpu_kernels if self.isa >= ISAS["avx512"] and fits else None
         self.num_kv_blocks = config.num_kv_blocks or self._blocks_for(config.kv_cache_gib)
         # One pool for all layers: [layers, k/v, slots, kv_heads, head_dim].
         self.kv_cache = torch.zeros(mc.num_layers, 2, self.num_kv_blocks * self.block_size, mc.num_kv_heads,

@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.kernels import load_cpu_kernels
+from engine.kernels import ISAS, load_cpu_kernels
 from engine.model_runner import pick_isa
 from engine.models.llama import DecoderLayer
 from engine.models.model_config import ModelConfig
 from engine.models.packed_weight import PackedWeight
 
-ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512", 3: "amx"}
-AMX = 3
+ISA_NAMES = {level: name for name, level in ISAS.items()}
+AMX = ISAS["amx"]
 
 
 @pytest.fixture(scope="module")
