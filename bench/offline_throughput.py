@@ -11,6 +11,9 @@ vLLM in each float mode, all on the same token-id prompts, printed side by side.
 `--serving-workload` runs instead the very requests `minivllm bench --workload random` sends
 for the same --num-prompts (its --num-requests), --input-len, --output-len, --range-ratio and
 --seed (prompts and per-request output lengths): the offline figure a serving run is held to.
+With `--concurrency N` (and `--time-budget`, the server's default schedule) they run as the
+serving client sends them, a closed loop of N in flight, so the served / offline ratio is the
+service's own cost (gRPC, asyncio, a client on the same cores) and not a different schedule.
 """
 from __future__ import annotations
 
@@ -40,18 +43,29 @@ def make_prompts(num: int, min_len: int, max_len: int, vocab: int, seed: int) ->
     return [[rng.randrange(100, vocab) for _ in range(rng.randint(min_len, max_len))] for _ in range(num)]
 
 
-def run_minivllm(llm: LLM, prompts: list[list[int]], output_len: int | list[int]) -> tuple[float, list[StepStats]]:
+def run_minivllm(llm: LLM, prompts: list[list[int]], output_len: int | list[int],
+                 concurrency: int | None = None) -> tuple[float, list[StepStats]]:
     """The same loop as LLM.generate, keeping every step's stats (output_len: one for all
-    prompts, or one per prompt)."""
+    prompts, or one per prompt). With `concurrency`, a closed loop as a serving client runs it:
+    at most that many requests in the engine, the next one added as soon as one finishes."""
     output_lens = output_len if isinstance(output_len, list) else [output_len] * len(prompts)
     llm.generate([prompts[0][:8]], SamplingParams(max_tokens=2))  # warm-up
     engine = llm.engine
+    pending = list(zip(prompts, output_lens, strict=True))[::-1]  # popped from the end, in order
+    num_in_flight = concurrency or len(pending)
     start = time.perf_counter()
-    for prompt, n in zip(prompts, output_lens, strict=True):
-        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+
+    def add(count: int) -> None:
+        for _ in range(min(count, len(pending))):
+            prompt, n = pending.pop()
+            engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+
+    add(num_in_flight)
     steps = []
     while engine.has_unfinished_requests():
-        steps.append(engine.step()[1])
+        outputs, stats = engine.step()
+        steps.append(stats)
+        add(sum(out.is_finished for out in outputs))
     return time.perf_counter() - start, steps
 
 
@@ -173,6 +187,9 @@ def main() -> None:
                              "--output-len, --range-ratio, --seed) instead of --min/--max-input prompts")
     parser.add_argument("--time-budget", action="store_true",
                         help="size prefill chunks by step time as the server does (LLM's default is the token budget)")
+    parser.add_argument("--concurrency", type=int, default=None,
+                        help="with --serving-workload: a closed loop of this many requests in flight, as "
+                             "`minivllm bench --concurrency` keeps them (default: all submitted at once)")
     parser.add_argument("--input-len", type=int, default=128, help="with --serving-workload")
     parser.add_argument("--range-ratio", type=float, default=0.0, help="with --serving-workload")
     parser.add_argument("--single-stream", action="store_true",
@@ -187,6 +204,8 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.serving_workload and (args.compare or args.single_stream):
         parser.error("--serving-workload: not with --compare or --single-stream")
+    if args.concurrency is not None and (not args.serving_workload or args.concurrency < 1):
+        parser.error("--concurrency: a positive count, with --serving-workload")
     if args.single_stream:
         args.num_prompts, args.min_input, args.hf_batch_size = 1, args.max_input, 1
     if args.compare:
@@ -205,7 +224,7 @@ def main() -> None:
         prompts = make_prompts(args.num_prompts, args.min_input, args.max_input, llm.engine.vocab_size, args.seed)
         output_lens = [args.output_len] * args.num_prompts
     num_out = sum(output_lens)
-    ours, steps = run_minivllm(llm, prompts, output_lens)
+    ours, steps = run_minivllm(llm, prompts, output_lens, args.concurrency)
     overhead = decode_overhead(steps, min(32, args.num_prompts))
     result = {"workload": vars(args), "threads": torch.get_num_threads(), "dtype": str(llm.engine.model_info().dtype),
               "minivllm_s": ours, "minivllm_output_tok_s": num_out / ours, "decode_step_split": overhead}

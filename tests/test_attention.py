@@ -179,7 +179,8 @@ def test_cpp_prefill_kernel_matches_dense(dim: int, window: int | None, dtype: t
         for (cached, n), table in zip(chunks, tables, strict=True):
             metas.append(PrefillSeqMeta(start, n, cached + n, None, block_table=table))
             start += n
-        q = torch.randn(start, heads, dim, generator=gen).to(dtype)
+        # A slice of a fused QKV output, as the model hands it over: strided rows, read in place.
+        q = torch.randn(start, heads + 2 * kv_heads, dim, generator=gen).to(dtype)[:, :heads]
         for isa in range(kernels.best_isa() + 1):
             attn = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.int64), num_prefill_tokens=start,
                                      prefill=metas, block_size=bs, prefill_kernels=kernels, kernel_isa=isa)
@@ -194,3 +195,10 @@ def test_cpp_prefill_kernel_matches_dense(dim: int, window: int | None, dtype: t
                 tol = 1e-5 if dtype == torch.float32 else 2e-2
                 torch.testing.assert_close(out[rows].double(), expected, atol=tol, rtol=tol,
                                            msg=lambda m, isa=isa, n=n: f"isa {isa}, chunk of {n}: {m}")
+                # The same chunk alone in its step (the kernel's own output, no packing) agrees.
+                alone = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.int64), num_prefill_tokens=n,
+                                          prefill=[PrefillSeqMeta(0, n, cached + n, None, block_table=table)],
+                                          block_size=bs, prefill_kernels=kernels, kernel_isa=isa)
+                out_alone = prefill_attention(q[rows], q[rows, :kv_heads], q[rows, :kv_heads], k_cache, v_cache,
+                                              alone, dim**-0.5, window)
+                torch.testing.assert_close(out_alone, out[rows], atol=0, rtol=0)

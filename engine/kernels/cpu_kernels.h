@@ -38,7 +38,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
                                      double scale, int64_t window, int64_t isa);
 torch::Tensor paged_prefill_attention(torch::Tensor q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                                       const torch::Tensor& block_table, int64_t start_pos, int64_t block_size,
-                                      double scale, int64_t window, int64_t isa);
+                                      double scale, int64_t window, int64_t isa,
+                                      const std::optional<torch::Tensor>& out_rows);
 void apply_token_bitmask_(torch::Tensor logits, const torch::Tensor& bitmask, const torch::Tensor& rows);
 torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& w, const std::optional<torch::Tensor>& scale,
                             const std::optional<torch::Tensor>& bias, int64_t n, int64_t isa);

@@ -22,6 +22,8 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -36,6 +38,12 @@ namespace {
 
 constexpr int64_t kKeys = 16;  // keys per block: one 16-float vector of scores per query row
 constexpr int64_t kRows = 8;   // query rows per tile
+
+// Strides (in floats) of q's and out's [tokens, heads, D] rows: q may be a slice of the fused
+// QKV output and out a slice of a larger output, read and written in place (no copy of either).
+struct RowStrides {
+  int64_t q_token, q_head, out_token, out_head;
+};
 
 // e^x for x <= 0 (a score minus the running maximum) in plain arithmetic the compiler can
 // vectorize: 2^(x log2 e) split into an integer power (built in the exponent bits) and a
@@ -91,11 +99,12 @@ struct TileState {
 // Rows [row_begin, row_begin + rows) (rows <= R) of the (token, group head) rows of one KV head.
 template <int R>
 void init_tile(TileState<R>& t, int64_t rows, const float* q, int64_t row_begin, int64_t group, int64_t kv_head,
-               int64_t num_heads, int64_t head_dim, int64_t start_pos, int64_t first_key, int64_t window, float scale) {
+               const RowStrides& strides, int64_t head_dim, int64_t start_pos, int64_t first_key, int64_t window,
+               float scale) {
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t row = row_begin + r, token = row / group, h = kv_head * group + row % group;
     t.pos[r] = start_pos + token;
-    const float* qr = q + (token * num_heads + h) * head_dim;
+    const float* qr = q + token * strides.q_token + h * strides.q_head;
     for (int64_t d = 0; d < head_dim; ++d) t.qs[r][d] = qr[d] * scale;
     std::fill(t.o[r], t.o[r] + head_dim, 0.f);
     std::fill(t.l_lanes[r], t.l_lanes[r] + 16, 0.f);
@@ -108,10 +117,10 @@ void init_tile(TileState<R>& t, int64_t rows, const float* q, int64_t row_begin,
 
 template <int R>
 void finish_tile(const TileState<R>& t, int64_t rows, int64_t row_begin, int64_t group, int64_t kv_head,
-                 int64_t num_heads, int64_t head_dim, float* out) {
+                 const RowStrides& strides, int64_t head_dim, float* out) {
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t row = row_begin + r, token = row / group, h = kv_head * group + row % group;
-    float* dst = out + (token * num_heads + h) * head_dim;
+    float* dst = out + token * strides.out_token + h * strides.out_head;
     const float inv = 1.f / t.l[r];
     for (int64_t d = 0; d < head_dim; ++d) dst[d] = t.o[r][d] * inv;
   }
@@ -119,11 +128,11 @@ void finish_tile(const TileState<R>& t, int64_t rows, int64_t row_begin, int64_t
 
 // One tile by the portable loop: rows [row_begin, row_end) of one KV head.
 void attend_tile(const float* q, int64_t row_begin, int64_t row_end, int64_t group, int64_t kv_head,
-                 int64_t num_heads, int64_t head_dim, int64_t start_pos, int64_t first_key, int64_t window,
+                 const RowStrides& strides, int64_t head_dim, int64_t start_pos, int64_t first_key, int64_t window,
                  float scale, const float* k_panels, const float* v_rows, float* out) {
   const int64_t R = row_end - row_begin;
   TileState<kRows> t;
-  init_tile(t, R, q, row_begin, group, kv_head, num_heads, head_dim, start_pos, first_key, window, scale);
+  init_tile(t, R, q, row_begin, group, kv_head, strides, head_dim, start_pos, first_key, window, scale);
   auto& [qs, o, p_unused, l_lanes_unused, pos, m, l, lo, hi] = t;
   const int64_t block_lo = (lo - first_key) / kKeys, block_hi = (hi - first_key + kKeys - 1) / kKeys;
   for (int64_t b = block_lo; b < block_hi; ++b) {
@@ -171,7 +180,7 @@ void attend_tile(const float* q, int64_t row_begin, int64_t row_end, int64_t gro
       }
     }
   }
-  finish_tile(t, R, row_begin, group, kv_head, num_heads, head_dim, out);
+  finish_tile(t, R, row_begin, group, kv_head, strides, head_dim, out);
 }
 
 #if defined(__x86_64__)
@@ -300,9 +309,9 @@ MINIVLLM_AVX512 void tile_step_avx512(TileState<R>& t, const float* panel, const
 // whole context from L2 for only R rows of work.
 template <int R>
 MINIVLLM_AVX512 void attend_tiles_avx512(const float* q, int64_t row_begin, int64_t num_tiles, int64_t group,
-                                         int64_t kv_head, int64_t num_heads, int64_t head_dim, int64_t start_pos,
-                                         int64_t first_key, int64_t window, float scale, const float* k_panels,
-                                         const float* v_rows, float* out) {
+                                         int64_t kv_head, const RowStrides& strides, int64_t head_dim,
+                                         int64_t start_pos, int64_t first_key, int64_t window, float scale,
+                                         const float* k_panels, const float* v_rows, float* out) {
   constexpr int64_t kMaxTiles = 8;
   TORCH_CHECK(num_tiles <= kMaxTiles, "prefill attention: too many tiles");
   TileState<R> tiles[kMaxTiles];
@@ -310,7 +319,7 @@ MINIVLLM_AVX512 void attend_tiles_avx512(const float* q, int64_t row_begin, int6
   for (int64_t i = 0; i < num_tiles; ++i) {
     // Scores in log2 units (queries scaled by log2 e too), so the softmax's exponentials are
     // powers of 2: exp2_512, four operations fewer than e^x. m and the sums follow; o / l is the same.
-    init_tile(tiles[i], R, q, row_begin + i * R, group, kv_head, num_heads, head_dim, start_pos, first_key, window,
+    init_tile(tiles[i], R, q, row_begin + i * R, group, kv_head, strides, head_dim, start_pos, first_key, window,
               scale * 1.44269504088896341f);
     lo = std::min(lo, tiles[i].lo);
     hi = std::max(hi, tiles[i].hi);
@@ -330,7 +339,7 @@ MINIVLLM_AVX512 void attend_tiles_avx512(const float* q, int64_t row_begin, int6
   }
   for (int64_t i = 0; i < num_tiles; ++i) {
     for (int r = 0; r < R; ++r) tiles[i].l[r] = _mm512_reduce_add_ps(_mm512_load_ps(tiles[i].l_lanes[r]));
-    finish_tile(tiles[i], R, row_begin + i * R, group, kv_head, num_heads, head_dim, out);
+    finish_tile(tiles[i], R, row_begin + i * R, group, kv_head, strides, head_dim, out);
   }
 }
 
@@ -379,12 +388,13 @@ MINIVLLM_AVX512 void gather_block_avx512(const float* k_cache, const float* v_ca
 // Full tiles of `rows` rows with AVX-512 intrinsics; false when there are none for that many
 // rows (then the portable loop runs).
 bool run_tiles_avx512(int64_t rows, const float* q, int64_t row_begin, int64_t num_tiles, int64_t group,
-                      int64_t kv_head, int64_t num_heads, int64_t head_dim, int64_t start_pos, int64_t first_key,
-                      int64_t window, float scale, const float* k_panels, const float* v_rows, float* out) {
+                      int64_t kv_head, const RowStrides& strides, int64_t head_dim, int64_t start_pos,
+                      int64_t first_key, int64_t window, float scale, const float* k_panels, const float* v_rows,
+                      float* out) {
   if (head_dim % 16 != 0) return false;
 #define MINIVLLM_TILE(R)                                                                                         \
   case R:                                                                                                        \
-    attend_tiles_avx512<R>(q, row_begin, num_tiles, group, kv_head, num_heads, head_dim, start_pos, first_key,   \
+    attend_tiles_avx512<R>(q, row_begin, num_tiles, group, kv_head, strides, head_dim, start_pos, first_key,     \
                            window, scale, k_panels, v_rows, out);                                                \
     return true;
   switch (rows) {
@@ -397,8 +407,9 @@ bool run_tiles_avx512(int64_t rows, const float* q, int64_t row_begin, int64_t n
 #endif  // __x86_64__
 
 template <typename cache_t>
-void chunk_kernel(const float* q, int64_t num_tokens, int64_t num_heads, const cache_t* k_cache,
-                  const cache_t* v_cache, int64_t num_kv_heads, int64_t head_dim, const int64_t* table,
+void chunk_kernel(const float* q, int64_t num_tokens, int64_t num_heads, const RowStrides& strides,
+                  const cache_t* k_cache, const cache_t* v_cache, int64_t num_kv_heads, int64_t head_dim,
+                  const int64_t* table,
                   int64_t block_size, int64_t start_pos, float scale, int64_t window, int64_t isa, float* out) {
   const int64_t group = num_heads / num_kv_heads, slot_stride = num_kv_heads * head_dim;
   const int64_t num_ctx = start_pos + num_tokens;  // keys [0, num_ctx), the chunk's own included
@@ -406,13 +417,15 @@ void chunk_kernel(const float* q, int64_t num_tokens, int64_t num_heads, const c
   const int64_t first_key = window > 0 ? std::max<int64_t>(0, start_pos - window + 1) : 0;
   const int64_t num_keys = num_ctx - first_key;
   const int64_t num_blocks = (num_keys + kKeys - 1) / kKeys;
-  std::vector<float> k_panels(num_kv_heads * num_blocks * head_dim * kKeys), v_rows(num_kv_heads * num_keys * head_dim);
+  // Not zeroed: every element is written below (a partial block's panel is padded with zeros).
+  const std::unique_ptr<float[]> k_panels(new float[num_kv_heads * num_blocks * head_dim * kKeys]);
+  const std::unique_ptr<float[]> v_rows(new float[num_kv_heads * num_keys * head_dim]);
   at::parallel_for(0, num_kv_heads * num_blocks, 8, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task / num_blocks, b = task % num_blocks;
       const int64_t count = std::min(kKeys, num_keys - b * kKeys);
-      float* panel = k_panels.data() + (h * num_blocks + b) * head_dim * kKeys;
-      float* rows = v_rows.data() + (h * num_keys + b * kKeys) * head_dim;
+      float* panel = k_panels.get() + (h * num_blocks + b) * head_dim * kKeys;
+      float* rows = v_rows.get() + (h * num_keys + b * kKeys) * head_dim;
 #if defined(__x86_64__)
       if constexpr (std::is_same_v<cache_t, float>) {
         if (isa >= kIsaAvx512 && count == kKeys && head_dim % 16 == 0) {
@@ -446,15 +459,15 @@ void chunk_kernel(const float* q, int64_t num_tokens, int64_t num_heads, const c
       const int64_t row_begin = is_partial ? num_full * rows_per_tile : index * kTilesPerTask * rows_per_tile;
       const int64_t rows = is_partial ? partial_rows : rows_per_tile;
       const int64_t num_tiles = is_partial ? 1 : std::min(kTilesPerTask, num_full - index * kTilesPerTask);
-      const float* kp = k_panels.data() + h * num_blocks * head_dim * kKeys;
-      const float* vr = v_rows.data() + h * num_keys * head_dim;
+      const float* kp = k_panels.get() + h * num_blocks * head_dim * kKeys;
+      const float* vr = v_rows.get() + h * num_keys * head_dim;
 #if defined(__x86_64__)
-      if (isa >= kIsaAvx512 && run_tiles_avx512(rows, q, row_begin, num_tiles, group, h, num_heads, head_dim,
+      if (isa >= kIsaAvx512 && run_tiles_avx512(rows, q, row_begin, num_tiles, group, h, strides, head_dim,
                                                 start_pos, first_key, window, scale, kp, vr, out))
         continue;
 #endif
       for (int64_t i = 0; i < num_tiles; ++i)
-        attend_tile(q, row_begin + i * rows, row_begin + (i + 1) * rows, group, h, num_heads, head_dim, start_pos,
+        attend_tile(q, row_begin + i * rows, row_begin + (i + 1) * rows, group, h, strides, head_dim, start_pos,
                     first_key, window, scale, kp, vr, out);
     }
   });
@@ -462,12 +475,13 @@ void chunk_kernel(const float* q, int64_t num_tokens, int64_t num_heads, const c
 
 }  // namespace
 
-torch::Tensor paged_prefill_attention(torch::Tensor q,                   // [n, H, D] float32
+torch::Tensor paged_prefill_attention(torch::Tensor q,                   // [n, H, D] float32, D contiguous
                                       const torch::Tensor& k_cache,      // [slots, KVH, D]
                                       const torch::Tensor& v_cache,      // [slots, KVH, D]
                                       const torch::Tensor& block_table,  // [max_blocks] int64
                                       int64_t start_pos,                 // cached tokens before the chunk
-                                      int64_t block_size, double scale, int64_t window, int64_t isa) {
+                                      int64_t block_size, double scale, int64_t window, int64_t isa,
+                                      const std::optional<torch::Tensor>& out_rows) {  // [n, H, D] float32, or a new one
   TORCH_CHECK(isa <= best_isa(), "paged_prefill_attention: this CPU lacks the requested instruction set");
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32, "paged_prefill_attention: q must be float32 [n, H, D]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type(),
@@ -479,16 +493,19 @@ torch::Tensor paged_prefill_attention(torch::Tensor q,                   // [n, 
   TORCH_CHECK(k_cache.size(2) == head_dim && num_heads % num_kv_heads == 0 && head_dim <= 256 &&
               num_heads / num_kv_heads <= kRows, "paged_prefill_attention: head shapes (D <= 256, group <= 8)");
   TORCH_CHECK(block_table.size(0) * block_size >= start_pos + num_tokens, "paged_prefill_attention: block table too short");
-  q = q.contiguous();
-  auto out = torch::empty_like(q);
+  if (q.stride(2) != 1) q = q.contiguous();
+  torch::Tensor out = out_rows ? *out_rows : torch::empty(q.sizes(), q.options());
+  TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == torch::kFloat32 && out.stride(2) == 1,
+              "paged_prefill_attention: out must be float32 [n, H, D], D contiguous");
+  const RowStrides strides{q.stride(0), q.stride(1), out.stride(0), out.stride(1)};
   const int64_t* table = block_table.data_ptr<int64_t>();
   const float s = static_cast<float>(scale);
   if (k_cache.scalar_type() == torch::kFloat32) {
-    chunk_kernel(q.data_ptr<float>(), num_tokens, num_heads, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+    chunk_kernel(q.data_ptr<float>(), num_tokens, num_heads, strides, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
                  num_kv_heads, head_dim, table, block_size, start_pos, s, window, isa, out.data_ptr<float>());
   } else {
     TORCH_CHECK(k_cache.scalar_type() == torch::kBFloat16, "paged_prefill_attention: float32 or bfloat16 cache");
-    chunk_kernel(q.data_ptr<float>(), num_tokens, num_heads, k_cache.data_ptr<at::BFloat16>(),
+    chunk_kernel(q.data_ptr<float>(), num_tokens, num_heads, strides, k_cache.data_ptr<at::BFloat16>(),
                  v_cache.data_ptr<at::BFloat16>(), num_kv_heads, head_dim, table, block_size, start_pos, s, window, isa,
                  out.data_ptr<float>());
   }
