@@ -93,17 +93,13 @@ def _kernel_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     scale: float, window: int | None) -> torch.Tensor:
     # q: [T, H, D] -> [T, H, D]. The kernel reads q's rows where they are (a strided slice of the
     # fused QKV output) and writes each chunk's rows into the step's output: no copy of either.
-    kernels = attn.prefill_kernels
     q32 = q.float()
-    if len(attn.prefill) == 1 and attn.prefill[0].query_len == q.shape[0]:
-        meta = attn.prefill[0]
-        return kernels.paged_prefill_attention(q32, k_cache, v_cache, meta.block_table, meta.num_cached_tokens,
-                                               attn.block_size, scale, window or 0, attn.kernel_isa).to(q.dtype)
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     for meta in attn.prefill:
         rows = slice(meta.query_start, meta.query_start + meta.query_len)
-        kernels.paged_prefill_attention(q32[rows], k_cache, v_cache, meta.block_table, meta.num_cached_tokens,
-                                        attn.block_size, scale, window or 0, attn.kernel_isa, out=out[rows])
+        attn.prefill_kernels.paged_prefill_attention(q32[rows], k_cache, v_cache, meta.block_table,
+                                                     meta.num_cached_tokens, attn.block_size, scale, window or 0,
+                                                     attn.kernel_isa, out[rows])
     return out.to(q.dtype)
 
 

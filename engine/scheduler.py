@@ -173,11 +173,10 @@ class Scheduler:
         if not (cfg.enable_time_budget and cfg.enable_chunked_prefill and out.decode_seqs):
             return float("inf")
         model = self.cost_model
-        num_decode_tokens = sum(s.num_tokens for s in out.decode_seqs)
         # This step's decodes in the fit's own terms (the first chunk's cost adds the set-up),
         # and the streams' pace that the target is a multiple of (StepCostModel.decode_pace).
-        decode_time = model.predict(len(out.decode_seqs), num_decode_tokens)
-        pace = model.decode_pace(len(out.decode_seqs), num_decode_tokens)
+        decode_time = model.predict(len(out.decode_seqs), sum(s.num_tokens for s in out.decode_seqs))
+        pace = model.decode_pace(decode_time)
         # Auto: a multiple of the streams' own pace (this batch decoding alone), so a step with
         # prefill is at most step_time_ratio slower than the gaps these clients get without it.
         # The pace is predicted for this batch, not averaged over past decode-only steps: under

@@ -73,17 +73,16 @@ class StepCostModel:
         # while the sum stays right, and clipping it would bias every prediction upwards.
         return self.overhead + max(0.0, float(self.weights @ x))
 
-    def decode_pace(self, num_decode_seqs: int, num_decode_context_tokens: int) -> float:
-        """Predicted time of a decode-only step of these sequences (seconds, host overhead
-        included), as far as the steps seen so far can tell. Until one of them was decode-only,
+    def decode_pace(self, decode_time: float) -> float:
+        """The time of a decode-only step whose sequences `predict` puts at decode_time (seconds),
+        as far as the steps seen so far can tell. Until one of them was decode-only,
         w0 (the weights' read) and w5 (the prefill set-up) were one constant to the fit, split by
         their priors (evenly): the pace of a step that also sets up prefill is then what is known,
         and w0 alone is about half the truth. Seen in a served closed loop of 32 streams, whose
         requests arrive one after another from the start: w0 and w5 came out equal, a target
         built on w0 fell to 16-19 ms against 55 ms steps, and chunks were held to one block for
         dozens of steps."""
-        pace = self.predict(num_decode_seqs, num_decode_context_tokens)
-        return pace if self.num_decode_only_observations else pace + self.costs[5]
+        return decode_time if self.num_decode_only_observations else decode_time + self.costs[5]
 
     def chunk_cost(self, num_new_tokens: int, num_context_tokens: int, is_first: bool = False) -> float:
         """What adding one prefill chunk to a step that already runs a forward adds to it

@@ -195,7 +195,7 @@ def test_cpp_prefill_kernel_matches_dense(dim: int, window: int | None, dtype: t
                 tol = 1e-5 if dtype == torch.float32 else 2e-2
                 torch.testing.assert_close(out[rows].double(), expected, atol=tol, rtol=tol,
                                            msg=lambda m, isa=isa, n=n: f"isa {isa}, chunk of {n}: {m}")
-                # The same chunk alone in its step (the kernel's own output, no packing) agrees.
+                # The same chunk alone in its step (its rows at 0 of their own output) agrees.
                 alone = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.int64), num_prefill_tokens=n,
                                           prefill=[PrefillSeqMeta(0, n, cached + n, None, block_table=table)],
                                           block_size=bs, prefill_kernels=kernels, kernel_isa=isa)

@@ -14,9 +14,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &minivllm::paged_decode_attention,
         "Paged decode attention (CPU, fp32 or bf16, optional sliding window)", no_gil);
   m.def("paged_prefill_attention", &minivllm::paged_prefill_attention,
-        "Causal attention of one prefill chunk over its paged cache, chunk K/V already written (CPU)",
-        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"), py::arg("start_pos"),
-        py::arg("block_size"), py::arg("scale"), py::arg("window"), py::arg("isa"), py::arg("out") = py::none(),
+        "Causal attention of one prefill chunk over its paged cache, chunk K/V already written, into out (CPU)",
         no_gil);
   m.def("best_isa", &minivllm::best_isa,
         "The best SIMD path this CPU runs: 0 scalar, 1 AVX2, 2 AVX-512, 3 AVX-512 + AMX");

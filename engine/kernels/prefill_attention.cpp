@@ -23,7 +23,6 @@
 #include <cstring>
 #include <limits>
 #include <memory>
-#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -409,8 +408,8 @@ bool run_tiles_avx512(int64_t rows, const float* q, int64_t row_begin, int64_t n
 template <typename cache_t>
 void chunk_kernel(const float* q, int64_t num_tokens, int64_t num_heads, const RowStrides& strides,
                   const cache_t* k_cache, const cache_t* v_cache, int64_t num_kv_heads, int64_t head_dim,
-                  const int64_t* table,
-                  int64_t block_size, int64_t start_pos, float scale, int64_t window, int64_t isa, float* out) {
+                  const int64_t* table, int64_t block_size, int64_t start_pos, float scale, int64_t window,
+                  int64_t isa, float* out) {
   const int64_t group = num_heads / num_kv_heads, slot_stride = num_kv_heads * head_dim;
   const int64_t num_ctx = start_pos + num_tokens;  // keys [0, num_ctx), the chunk's own included
   // With a window, no query sees keys before its first token's window.
@@ -475,13 +474,13 @@ void chunk_kernel(const float* q, int64_t num_tokens, int64_t num_heads, const R
 
 }  // namespace
 
-torch::Tensor paged_prefill_attention(torch::Tensor q,                   // [n, H, D] float32, D contiguous
-                                      const torch::Tensor& k_cache,      // [slots, KVH, D]
-                                      const torch::Tensor& v_cache,      // [slots, KVH, D]
-                                      const torch::Tensor& block_table,  // [max_blocks] int64
-                                      int64_t start_pos,                 // cached tokens before the chunk
-                                      int64_t block_size, double scale, int64_t window, int64_t isa,
-                                      const std::optional<torch::Tensor>& out_rows) {  // [n, H, D] float32, or a new one
+void paged_prefill_attention(torch::Tensor q,                            // [n, H, D] float32, D contiguous
+                             const torch::Tensor& k_cache,      // [slots, KVH, D]
+                             const torch::Tensor& v_cache,      // [slots, KVH, D]
+                             const torch::Tensor& block_table,  // [max_blocks] int64
+                             int64_t start_pos,                 // cached tokens before the chunk
+                             int64_t block_size, double scale, int64_t window, int64_t isa,
+                             torch::Tensor out) {               // [n, H, D] float32, D contiguous: written
   TORCH_CHECK(isa <= best_isa(), "paged_prefill_attention: this CPU lacks the requested instruction set");
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32, "paged_prefill_attention: q must be float32 [n, H, D]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type(),
@@ -494,7 +493,6 @@ torch::Tensor paged_prefill_attention(torch::Tensor q,                   // [n, 
               num_heads / num_kv_heads <= kRows, "paged_prefill_attention: head shapes (D <= 256, group <= 8)");
   TORCH_CHECK(block_table.size(0) * block_size >= start_pos + num_tokens, "paged_prefill_attention: block table too short");
   if (q.stride(2) != 1) q = q.contiguous();
-  torch::Tensor out = out_rows ? *out_rows : torch::empty(q.sizes(), q.options());
   TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == torch::kFloat32 && out.stride(2) == 1,
               "paged_prefill_attention: out must be float32 [n, H, D], D contiguous");
   const RowStrides strides{q.stride(0), q.stride(1), out.stride(0), out.stride(1)};
@@ -509,7 +507,6 @@ torch::Tensor paged_prefill_attention(torch::Tensor q,                   // [n, 
                  v_cache.data_ptr<at::BFloat16>(), num_kv_heads, head_dim, table, block_size, start_pos, s, window, isa,
                  out.data_ptr<float>());
   }
-  return out;
 }
 
 }  // namespace minivllm

@@ -9,6 +9,14 @@
 
 namespace minivllm {
 
+// c[0] r^(N-1) + c[1] r^(N-2) + ... + c[N-1] by Horner's rule, one multiply-add a coefficient.
+template <int N>
+__attribute__((target("avx512f,fma"))) inline __m512 horner512(__m512 r, const float (&c)[N]) {
+  __m512 p = _mm512_set1_ps(c[0]);
+  for (int i = 1; i < N; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c[i]));
+  return p;
+}
+
 // 2^(x log2 e) split into an integer power (by scalef) and a degree-6 polynomial on
 // [-ln2/2, ln2/2] (Cephes' expf coefficients, about 1 ulp); x is clamped below at -87.
 __attribute__((target("avx512f,fma"))) inline __m512 exp512(__m512 x) {
@@ -17,13 +25,10 @@ __attribute__((target("avx512f,fma"))) inline __m512 exp512(__m512 x) {
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
   r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  static constexpr float kCoefficients[] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                                            4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+  const __m512 p = _mm512_fmadd_ps(_mm512_mul_ps(horner512(r, kCoefficients), r), r,
+                                   _mm512_add_ps(r, _mm512_set1_ps(1.0f)));  // 1 + r + r^2 p(r)
   return _mm512_scalef_ps(p, n);
 }
 
@@ -35,14 +40,9 @@ __attribute__((target("avx512f,fma"))) inline __m512 exp2_512(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 r = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.5403530393e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3333558146e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.6181291076e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.5504108665e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.4022650696e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.9314718056e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
+  static constexpr float kCoefficients[] = {1.5403530393e-4f, 1.3333558146e-3f, 9.6181291076e-3f, 5.5504108665e-2f,
+                                            2.4022650696e-1f, 6.9314718056e-1f, 1.0f};  // (ln 2)^k / k!
+  return _mm512_scalef_ps(horner512(r, kCoefficients), n);
 }
 
 }  // namespace minivllm
