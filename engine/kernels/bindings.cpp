@@ -7,21 +7,37 @@
 
 namespace py = pybind11;
 
+namespace {
+
+// Not py::call_guard<gil_scoped_release>: its released region also covers the destruction of
+// what pybind11 moved into the call (tensors taken by value, the tuples a PackedLinear is built
+// into). A tensor Python also holds gives up its PyObject reference when its C++ count falls
+// back to one, and that takes the GIL: one more GIL handoff per such argument, inside the
+// kernel's call, a wait whenever the serving loop holds the GIL. Releasing inside the call
+// instead lets the arguments die after the GIL is back.
+template <typename R, typename... Args>
+auto without_gil(R (*kernel)(Args...)) {
+  return [kernel](Args... args) -> R {
+    py::gil_scoped_release no_gil;
+    return kernel(args...);  // copies, not moves: the last reference stays with this frame
+  };
+}
+
+}  // namespace
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  const auto no_gil = py::call_guard<py::gil_scoped_release>();
-  m.def("apply_token_bitmask_", &minivllm::apply_token_bitmask_,
-        "Mask logits in place by llguidance token bitmasks (CPU, fp32)", no_gil);
-  m.def("paged_decode_attention", &minivllm::paged_decode_attention,
-        "Paged decode attention (CPU, fp32 or bf16, optional sliding window)", no_gil);
-  m.def("paged_prefill_attention", &minivllm::paged_prefill_attention,
-        "Causal attention of one prefill chunk over its paged cache, chunk K/V already written, into out (CPU)",
-        no_gil);
+  m.def("apply_token_bitmask_", without_gil(&minivllm::apply_token_bitmask_),
+        "Mask logits in place by llguidance token bitmasks (CPU, fp32)");
+  m.def("paged_decode_attention", without_gil(&minivllm::paged_decode_attention),
+        "Paged decode attention (CPU, fp32 or bf16, optional sliding window)");
+  m.def("paged_prefill_attention", without_gil(&minivllm::paged_prefill_attention),
+        "Causal attention of one prefill chunk over its paged cache, chunk K/V already written, into out (CPU)");
   m.def("best_isa", &minivllm::best_isa,
         "The best SIMD path this CPU runs: 0 scalar, 1 AVX2, 2 AVX-512, 3 AVX-512 + AMX");
-  m.def("packed_linear", &minivllm::packed_linear, "x [M, K] times panel-packed weights -> [M, n] float32", no_gil);
-  m.def("decode_layer", &minivllm::decode_layer, "One decoder layer of a decode step, in place on x (CPU)", no_gil);
-  m.def("layer_attention_inputs", &minivllm::layer_attention_inputs,
-        "A fused layer up to attention: norm, QKV, RoPE, KV write -> [M, q | k | v] float32 (CPU)", no_gil);
-  m.def("layer_attention_outputs", &minivllm::layer_attention_outputs,
-        "A fused layer from attention on: o_proj + residual, norm, MLP + residual, in place on x (CPU)", no_gil);
+  m.def("packed_linear", without_gil(&minivllm::packed_linear), "x [M, K] times panel-packed weights -> [M, n] float32");
+  m.def("decode_layer", without_gil(&minivllm::decode_layer), "One decoder layer of a decode step, in place on x (CPU)");
+  m.def("layer_attention_inputs", without_gil(&minivllm::layer_attention_inputs),
+        "A fused layer up to attention: norm, QKV, RoPE, KV write -> [M, q | k | v] float32 (CPU)");
+  m.def("layer_attention_outputs", without_gil(&minivllm::layer_attention_outputs),
+        "A fused layer from attention on: o_proj + residual, norm, MLP + residual, in place on x (CPU)");
 }
