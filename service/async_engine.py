@@ -1,6 +1,11 @@
 """The engine thread ("the heartbeat") and its asyncio front door.
 
-One thread owns the LLMEngine. Commands (add, abort, stop) reach it through a queue it blocks on
+One thread owns the LLMEngine, and builds it too: libgomp gives every thread that starts a
+parallel region its own team, and once the process holds more OpenMP threads than cores it
+throttles the teams' spin-waits, so each of the step's thousands of parallel regions wakes its
+workers through the kernel. A model loaded on one thread and run on another ran its steps 10-15 %
+slower than the same loop on the thread that loaded it (`bench.offline_throughput`'s closed loop,
+run both ways). Commands (add, abort, stop) reach it through a queue it blocks on
 when idle, so an idle server burns no CPU; each step's outputs go back to the asyncio loop
 in one call_soon_threadsafe, where they fan out to per-request queues. Step stats go to
 listeners on the engine thread (metrics, tracing), never the other way round.
@@ -89,9 +94,11 @@ class FaultInjector:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, stats_listeners: list[StatsListener] | None = None,
+    def __init__(self, engine_factory: Callable[[], LLMEngine], stats_listeners: list[StatsListener] | None = None,
                  on_death: Callable[[], None] | None = None, max_tokenizing: int = 64) -> None:
-        self.engine = engine
+        """engine_factory builds the engine on the engine thread (see the module's docstring)."""
+        self._engine_factory = engine_factory
+        self.engine: LLMEngine  # set on the engine thread, before start() returns
         self.stats_listeners = list(stats_listeners or [])
         self.on_death = on_death
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -99,7 +106,7 @@ class AsyncEngine:
         self._client_ids: set[str] = set()  # ids of live requests, as their clients named them
         self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread: threading.Thread | None = None
         self._idle = threading.Event()
         self._idle.set()
         self._is_dead = False
@@ -112,9 +119,13 @@ class AsyncEngine:
 
     # ---- asyncio side --------------------------------------------------------------
 
-    def start(self) -> None:
+    async def start(self) -> None:
+        """Start the engine thread and wait while it builds the engine (the factory's errors raise here)."""
         self._loop = asyncio.get_running_loop()
+        built: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._build_and_run, args=(built,), name="engine", daemon=True)
         self._thread.start()
+        await asyncio.wrap_future(built)
 
     @property
     def num_active_streams(self) -> int:
@@ -230,7 +241,7 @@ class AsyncEngine:
 
     def stop(self, timeout: float = 10.0) -> None:
         self._inbox.put(_STOP)
-        if self._thread.is_alive():
+        if self._thread is not None and self._thread.is_alive():
             self._thread.join(timeout)
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
@@ -241,6 +252,16 @@ class AsyncEngine:
                 stream.put_nowait(out)
 
     # ---- engine thread -------------------------------------------------------------
+
+    def _build_and_run(self, built: concurrent.futures.Future[None]) -> None:
+        try:
+            self.engine = self._engine_factory()
+        except BaseException as exc:  # noqa: BLE001 - handed to start(), which raises it
+            self._is_dead = True
+            built.set_exception(exc)
+            return
+        built.set_result(None)
+        self._run()
 
     def _run(self) -> None:
         engine = self.engine

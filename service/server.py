@@ -107,12 +107,13 @@ class InferenceServer:
             await self.http.start()
             logger.info("HTTP (OpenAI-compatible) listening on %s:%d", self.config.http_host, self.http.port)
         factory = engine_factory or (lambda: LLMEngine(self.config.engine))
-        engine = await asyncio.get_running_loop().run_in_executor(None, factory)
-        self.async_engine = AsyncEngine(engine, self.stats_listeners, on_death=self._on_engine_death)
-        self.async_engine.start()
-        self.state.engine = self.async_engine
+        # The engine thread loads the model (off the loop) and then runs it: see AsyncEngine.
+        async_engine = AsyncEngine(factory, self.stats_listeners, on_death=self._on_engine_death)
+        await async_engine.start()
+        self.async_engine = self.state.engine = async_engine
         await self._set_serving(True)
-        logger.info("model %s loaded; serving on %s:%d", engine.model_name, self.config.host, self.port)
+        logger.info("model %s loaded; serving on %s:%d", self.async_engine.engine.model_name, self.config.host,
+                    self.port)
 
     async def drain_and_stop(self) -> None:
         """Graceful shutdown: NOT_SERVING, refuse new calls, let running streams finish."""

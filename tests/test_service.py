@@ -14,6 +14,7 @@ from engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from service.client import InferenceClient, build_request
 from service.pb import inference_pb2 as pb
 from service.pb import inference_pb2_grpc as pb_grpc
+from service.server import InferenceServer, ServerConfig
 from tests.server_harness import ServerProcess, ServerThread, poll
 
 SERVICE = "minivllm.v1.Inference"
@@ -200,6 +201,43 @@ def test_health_not_serving_while_loading(tiny_model_dir: Path) -> None:
     finally:
         release.set()
         srv.stop()
+
+
+def test_engine_is_built_on_the_thread_that_steps_it(tiny_model_dir: Path) -> None:
+    # One OpenMP team in the process: a model loaded on one thread and stepped on another makes
+    # two, and libgomp then throttles their spin-waits (the steps ran 10-15 % slower).
+    config = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64)
+    built_on, stepped_on = [], set()
+
+    def factory() -> LLMEngine:
+        built_on.append(threading.get_ident())
+        return LLMEngine(config)
+
+    srv = ServerThread(config, stats_listeners=[lambda stats: stepped_on.add(threading.get_ident())],
+                       engine_factory=factory)
+    try:
+        with InferenceClient(srv.target, timeout=60) as c:
+            assert c.complete("hello", max_tokens=3, ignore_eos=True)[2] == "length"
+        assert stepped_on == set(built_on) and srv.loop is not None
+        assert srv.server.async_engine._thread.ident == built_on[0] != srv._thread.ident
+    finally:
+        srv.stop()
+
+
+def test_engine_factory_error_fails_start(tiny_model_dir: Path) -> None:
+    def broken() -> LLMEngine:
+        raise ValueError("model: no such checkpoint")
+
+    async def main() -> None:
+        server = InferenceServer(ServerConfig(host="127.0.0.1", port=0, engine=EngineConfig(model=str(tiny_model_dir))))
+        try:
+            with pytest.raises(ValueError, match="no such checkpoint"):
+                await server.start(broken)
+            assert server.async_engine is None and server.state.engine is None
+        finally:
+            await server.server.stop(None)
+
+    asyncio.run(main())
 
 
 def test_reflection_lists_the_service(server: ServerThread) -> None:
