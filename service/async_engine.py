@@ -5,14 +5,16 @@ parallel region its own team, and once the process holds more OpenMP threads tha
 throttles the teams' spin-waits, so each of the step's thousands of parallel regions wakes its
 workers through the kernel. A model loaded on one thread and run on another ran its steps 10-15 %
 slower than the same loop on the thread that loaded it (`bench.offline_throughput`'s closed loop,
-run both ways). Commands (add, abort, stop) reach it through a queue it blocks on
-when idle, so an idle server burns no CPU; each step's outputs go back to the asyncio loop
+run both ways; served, beside the client and the loop, the difference was within the noise).
+
+Commands (add, abort, stop) reach the engine thread through a queue it blocks on when idle, so
+an idle server burns no CPU; each step's outputs go back to the asyncio loop
 in one call_soon_threadsafe, where they fan out to per-request queues. Step stats go to
 listeners on the engine thread (metrics, tracing), never the other way round.
 
-Only the step runs on the engine thread: prompts are tokenized (and chat templates applied) on
-a worker thread with the input processor's own tokenizer, after the cheap admission checks, so
-a multi-megabyte prompt never stalls other streams. Requests are routed by an engine id that is
+Only the build and the steps run on the engine thread: prompts are tokenized (and chat
+templates applied) on a worker thread with the input processor's own tokenizer, after the cheap
+admission checks, so a multi-megabyte prompt never stalls other streams. Requests are routed by an engine id that is
 unique for the server's life, never by the client's id: a cancelled request's last output can
 never reach a new request that reuses its id. If the engine thread dies, every pending and
 future call fails at once and `on_death` tells the server.
