@@ -2,8 +2,8 @@
 
 One thread owns the LLMEngine, and builds it too: libgomp gives every thread that starts a
 parallel region its own team, and once the process holds more OpenMP threads than cores it
-throttles the teams' spin-waits, so each of the step's thousands of parallel regions wakes its
-workers through the kernel. A model loaded on one thread and run on another ran its steps 10-15 %
+throttles the teams' spin-waits, so every parallel region of a step wakes its workers through
+a futex. A model loaded on one thread and run on another ran its steps 10-15 %
 slower than the same loop on the thread that loaded it (`bench.offline_throughput`'s closed loop,
 run both ways; served, beside the client and the loop, the difference was within the noise).
 
@@ -14,9 +14,9 @@ listeners on the engine thread (metrics, tracing), never the other way round.
 
 Only the build and the steps run on the engine thread: prompts are tokenized (and chat
 templates applied) on a worker thread with the input processor's own tokenizer, after the cheap
-admission checks, so a multi-megabyte prompt never stalls other streams. Requests are routed by an engine id that is
-unique for the server's life, never by the client's id: a cancelled request's last output can
-never reach a new request that reuses its id. If the engine thread dies, every pending and
+admission checks, so a multi-megabyte prompt never stalls other streams. Requests are routed by
+an engine id that is unique for the server's life, never by the client's id: a cancelled
+request's last output can never reach a new request that reuses its id. If the engine thread dies, every pending and
 future call fails at once and `on_death` tells the server.
 """
 from __future__ import annotations

@@ -52,6 +52,11 @@ class ServerThread:
         await self.server.wait_stopped()
 
     @property
+    def loop_thread_id(self) -> int | None:
+        """The thread running the server's event loop."""
+        return self._thread.ident
+
+    @property
     def target(self) -> str:
         return f"127.0.0.1:{self.server.port}"
 
@@ -117,6 +122,11 @@ class ServerProcess:
             match = re.search(r"gRPC listening on [^ ]+:(\d+)", line)
             if match:
                 return int(match.group(1))
+
+    @property
+    def loop_thread_id(self) -> int | None:
+        """The thread running the server's event loop."""
+        return self._thread.ident
 
     @property
     def target(self) -> str:
