@@ -1,7 +1,7 @@
 """The panel GEMM against oneDNN's packed GEMM on the default model's four layer shapes
 (QKV, O, gate/up, down), per row count, in GFLOP/s (best of 3), side by side in one run:
 
-    python -m bench.packed_gemm                     # bfloat16: AVX-512 panels, AMX tiles, oneDNN
+    python -m bench.packed_gemm                     # bfloat16: AVX-512 panels, vdpbf16ps, AMX tiles, oneDNN
     python -m bench.packed_gemm --dtype float32
 """
 from __future__ import annotations
@@ -45,7 +45,7 @@ def main() -> None:
     weights = [torch.randn(n, k, generator=gen) * 0.05 for k, n in _SHAPES]
     panels = [PackedWeight.pack(w, None, dtype) for w in weights]
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w.to(dtype)) for w in weights]
-    isas = [i for i in (ISAS["avx512"], ISAS["amx"]) if i <= kernels.best_isa()] or [kernels.best_isa()]
+    isas = [i for i in (ISAS["avx512"], ISAS["avx512_bf16"], ISAS["amx"]) if i <= kernels.best_isa()] or [kernels.best_isa()]
     flops_per_row = 2 * sum(w.numel() for w in weights)
     for m in (int(r) for r in args.rows.split(",")):
         xs = [torch.randn(m, k, generator=gen) for k, _ in _SHAPES]

@@ -51,15 +51,16 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 def pick_isa(kernels: ModuleType | None, wanted: str) -> int:
     """The SIMD path of the C++ kernels: the best this CPU runs, or a lower one named by
-    MINIVLLM_KERNEL_ISA (scalar | avx2 | avx512 | amx) to test or compare it. amx is AVX-512
-    plus the AMX tiles, which run bfloat16 panels' products (bf16 activations there)."""
+    MINIVLLM_KERNEL_ISA (scalar | avx2 | avx512 | avx512_bf16 | amx) to test or compare it.
+    avx512_bf16 and amx are AVX-512 whose bfloat16 panels' products run on vdpbf16ps or on the
+    AMX tiles (bf16 activations there)."""
     if kernels is None:
         return 0
     best = kernels.best_isa()
     if wanted == "auto":
         return best
     if wanted not in ISAS:
-        raise ValueError(f"MINIVLLM_KERNEL_ISA must be auto, scalar, avx2, avx512 or amx, got {wanted!r}")
+        raise ValueError(f"MINIVLLM_KERNEL_ISA must be auto, {', '.join(ISAS)}, got {wanted!r}")
     if ISAS[wanted] > best:
         raise ValueError(f"MINIVLLM_KERNEL_ISA={wanted}: this CPU does not run it")
     return ISAS[wanted]
@@ -98,10 +99,11 @@ class ModelRunner:
             # tokens, 22 decodes + a 72-token chunk under the time budget, cost 156 ms through
             # torch's ~150 ops a layer against 109-126 ms fused); in bf16 on AMX (the tiles beat
             # oneDNN's bf16 GEMM up to 128 rows and reach 0.7-0.86x of it at 512, where the fused
-            # layer's fewer ops even it out). Unmeasured past 64 on AVX2; bf16 on the vector units
-            # loses to oneDNN past a few rows.
+            # layer's fewer ops even it out) and with vdpbf16ps (on a 2-core Zen 4, 1.07x oneDNN's
+            # bf16 GEMM at 32 rows, 0.94x at 512: `python -m bench.packed_gemm`). Unmeasured past
+            # 64 on AVX2; bf16 on the FMA units loses to oneDNN past a few rows.
             every_step = (quantized or (self.dtype == torch.float32 and self.isa >= ISAS["avx512"])
-                          or self.isa == ISAS["amx"])
+                          or self.isa >= ISAS["avx512_bf16"])
             max_fused = sys.maxsize if every_step else 64 if self.dtype == torch.float32 else 8
         panel_dtype = torch.int8 if quantized else self.dtype if self.cpu_kernels is not None and max_fused > 0 else None
         # oneDNN's copy of the weights only where some step runs the torch path.

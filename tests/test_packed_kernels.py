@@ -18,7 +18,7 @@ from engine.models.model_config import ModelConfig
 from engine.models.packed_weight import PackedWeight
 
 ISA_NAMES = {level: name for name, level in ISAS.items()}
-AMX = ISAS["amx"]
+BF16_PRODUCTS = ISAS["avx512_bf16"]  # from here up, bf16 products: vdpbf16ps, then the AMX tiles
 
 
 @pytest.fixture(scope="module")
@@ -47,11 +47,12 @@ def test_packed_linear_matches_the_matrix_it_packs(kernels, dtype: torch.dtype, 
     weight, bias, x = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen), torch.randn(m, k, generator=gen)
     packed = PackedWeight.pack(weight, bias, dtype)
     reference = x.double() @ packed.dequantize().double().T + bias.double()
-    # AMX multiplies bf16 weights by x rounded to bf16 (as torch's bf16 path does), sums in fp32.
+    # vdpbf16ps and AMX multiply bf16 weights by x rounded to bf16 (as torch's bf16 path does),
+    # summed in fp32.
     rounded = x.bfloat16().double() @ packed.dequantize().double().T + bias.double()
     for isa in _isas(kernels):
         out = kernels.packed_linear(x, *packed.as_args(), isa)
-        expected = rounded if isa == AMX and dtype == torch.bfloat16 else reference
+        expected = rounded if isa >= BF16_PRODUCTS and dtype == torch.bfloat16 else reference
         assert out.shape == (m, n)
         err = (out.double() - expected).abs().max().item()
         assert err < 1e-3 * k**0.5, f"{ISA_NAMES[isa]}: max error {err}"
@@ -185,7 +186,7 @@ def test_fused_layer_with_prefill_rows_matches_the_torch_layer(kernels, window: 
 
 def test_fused_tokens_defaults_to_the_measured_crossover(tiny_model_dir) -> None:
     """Unset: every step with int8 weights (their only copy), in float32 with AVX-512 and in
-    bfloat16 on AMX, and then without oneDNN's second copy of the weights; 64 tokens in float32
+    bfloat16 with vdpbf16ps or AMX, and then without oneDNN's second copy of the weights; 64 tokens in float32
     on AVX2 and 8 in bfloat16 on the vector units (past that, oneDNN's GEMM wins); 0 turns the
     path off."""
     from engine import LLM
@@ -198,7 +199,7 @@ def test_fused_tokens_defaults_to_the_measured_crossover(tiny_model_dir) -> None
 
     isa = runner().isa
     assert fused() == (sys.maxsize if isa >= 2 else 64)
-    assert fused(dtype="bfloat16") == (sys.maxsize if isa == 3 else 8)
+    assert fused(dtype="bfloat16") == (sys.maxsize if isa >= BF16_PRODUCTS else 8)
     if isa >= 2:  # every step fused: the projections keep no oneDNN copy
         assert all(m.packed_weight is None for m in runner().model.modules() if hasattr(m, "packed_weight"))
     assert runner(max_fused_tokens=64).model.layers[0].qkv_proj.packed_weight is not None

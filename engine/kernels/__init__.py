@@ -30,7 +30,7 @@ def cpu_tag() -> str:
 
 
 # The kernels' SIMD paths by name, as their `isa` argument takes them (cpu_kernels.h's kIsa*).
-ISAS = {"scalar": 0, "avx2": 1, "avx512": 2, "amx": 3}
+ISAS = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512_bf16": 3, "amx": 4}
 
 _SOURCES = ("bindings.cpp", "paged_attention.cpp", "prefill_attention.cpp", "packed_gemm.cpp", "decode_layer.cpp",
             "token_bitmask.cpp")

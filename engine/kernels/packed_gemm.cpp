@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <type_traits>
 
@@ -40,6 +41,7 @@
 // AMX intrinsics need GCC 11 or clang; an older compiler builds everything else.
 #if defined(__x86_64__) && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 11))
 #define MINIVLLM_HAS_AMX 1
+#define MINIVLLM_HAS_AVX512_BF16 1  // vdpbf16ps (GCC 10+), built with the AMX code
 #endif
 
 namespace minivllm {
@@ -334,8 +336,15 @@ MINIVLLM_AMX void tile_amx(const uint16_t* xb, int64_t ldxb, const at::BFloat16*
   if constexpr (R == 2 && P == 2) _tile_stored(3, c1 + 16 * ldc, cstride);
 }
 
+MINIVLLM_AMX void release_tiles() { _tile_release(); }
+#endif  // MINIVLLM_HAS_AMX
+
+#if defined(MINIVLLM_HAS_AVX512_BF16)
+#define MINIVLLM_AVX512_ROUND __attribute__((target("avx512f,avx512bw")))
+#define MINIVLLM_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512bf16,fma")))
+
 // xb[m, :Kp] = x[m, :K] rounded to nearest-even bfloat16 (torch's rounding), zero past K.
-MINIVLLM_AMX void round_rows_bf16(const float* x, int64_t M, int64_t ldx, int64_t K, uint16_t* xb, int64_t Kp) {
+MINIVLLM_AVX512_ROUND void round_rows_bf16(const float* x, int64_t M, int64_t ldx, int64_t K, uint16_t* xb, int64_t Kp) {
   const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7FFF);
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t k = 0; k < Kp; k += 16) {
@@ -349,8 +358,69 @@ MINIVLLM_AMX void round_rows_bf16(const float* x, int64_t M, int64_t ldx, int64_
   }
 }
 
-MINIVLLM_AMX void release_tiles() { _tile_release(); }
-#endif  // MINIVLLM_HAS_AMX
+// acc[MT rows, P panels x 16] = xb[MT, :Kp] . P bfloat16 panels by vdpbf16ps: one instruction
+// multiplies a broadcast pair of x (k, k + 1) into a 64-byte panel row (16 outputs x that pair)
+// and adds both products into 16 float32 sums, 32 multiply-adds where an FMA does 16. U
+// independent accumulators per output (k pairs round-robin) keep the few-row tiles from
+// waiting on the instruction's latency. acc_out: panel 0's MT rows, then panel 1's.
+template <int MT, int P, int U>
+MINIVLLM_AVX512_BF16 void tile_dpbf16(const uint16_t* xb, int64_t ldxb, const at::BFloat16* w0,
+                                      const at::BFloat16* w1, int64_t Kp, float* acc_out) {
+  __m512 acc[MT][P][U];
+  for (int m = 0; m < MT; ++m)
+    for (int p = 0; p < P; ++p)
+      for (int u = 0; u < U; ++u) acc[m][p][u] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < Kp; k += 2 * U) {  // Kp: a multiple of 32, so of 2U
+    for (int u = 0; u < U; ++u) {
+      const int64_t kk = k + 2 * u;
+      prefetch_pair(w0, kk);
+      if constexpr (P == 2) prefetch_pair(w1, kk);
+      const __m512bh b0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w0 + kk * kPanel));
+      __m512bh b1 = b0;
+      if constexpr (P == 2) b1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w1 + kk * kPanel));
+      for (int m = 0; m < MT; ++m) {
+        int32_t pair;
+        std::memcpy(&pair, xb + m * ldxb + kk, sizeof(pair));
+        const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+        acc[m][0][u] = _mm512_dpbf16_ps(acc[m][0][u], a, b0);
+        if constexpr (P == 2) acc[m][1][u] = _mm512_dpbf16_ps(acc[m][1][u], a, b1);
+      }
+    }
+  }
+  for (int p = 0; p < P; ++p)
+    for (int m = 0; m < MT; ++m) {
+      __m512 sum = acc[m][p][0];
+      for (int u = 1; u < U; ++u) sum = _mm512_add_ps(sum, acc[m][p][u]);
+      _mm512_storeu_ps(acc_out + (p * MT + m) * kPanel, sum);
+    }
+}
+
+// A tile of `rows` (<= 8) rows by one or two panels. Below 4 rows (memory bound) the two panels
+// go one after the other, in memory order for the prefetcher, with more accumulators per output.
+void run_tile_dpbf16(int64_t rows, bool pair, const uint16_t* xb, int64_t ldxb, const at::BFloat16* w0,
+                     const at::BFloat16* w1, int64_t Kp, float* acc) {
+  if (rows < 4) {
+    for (int p = 0; p < (pair ? 2 : 1); ++p) {
+      const at::BFloat16* w = p == 0 ? w0 : w1;
+      float* a = acc + p * rows * kPanel;
+      switch (rows) {
+        case 1: tile_dpbf16<1, 1, 8>(xb, ldxb, w, w, Kp, a); break;
+        case 2: tile_dpbf16<2, 1, 4>(xb, ldxb, w, w, Kp, a); break;
+        default: tile_dpbf16<3, 1, 4>(xb, ldxb, w, w, Kp, a); break;
+      }
+    }
+    return;
+  }
+#define MINIVLLM_DP(MT)                                                                     \
+  case MT:                                                                                  \
+    return pair ? tile_dpbf16<MT, 2, 1>(xb, ldxb, w0, w1, Kp, acc) : tile_dpbf16<MT, 1, 2>(xb, ldxb, w0, w1, Kp, acc);
+  switch (rows) {
+    MINIVLLM_DP(4) MINIVLLM_DP(5) MINIVLLM_DP(6) MINIVLLM_DP(7)
+    default: MINIVLLM_DP(8)
+  }
+#undef MINIVLLM_DP
+}
+#endif  // MINIVLLM_HAS_AVX512_BF16
 
 int64_t max_tile_rows(int64_t isa) { return isa >= kIsaAvx512 ? 8 : 4; }
 
@@ -488,6 +558,37 @@ void gemm_vector(const float* x, int64_t M, int64_t ldx, const T* w, int64_t pan
   });
 }
 
+#if defined(MINIVLLM_HAS_AVX512_BF16)
+// The product by vdpbf16ps, for bfloat16 panels on AVX-512 CPUs with BF16 but no AMX (AMD Zen 4
+// and later, Intel Cooper Lake): x rounded to bfloat16 once (as the AMX path rounds it, so a
+// row's result does not depend on the batch), products summed in float32.
+void gemm_dpbf16(const float* x, int64_t M, int64_t ldx, const at::BFloat16* w, int64_t Kp, int64_t K,
+                 const float* bias, int64_t N, float* out, int64_t ldo, bool accumulate) {
+  const std::unique_ptr<uint16_t[]> xb(new uint16_t[M * Kp]);  // [M, Kp], pads included: not zeroed first
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    round_rows_bf16(x + begin * ldx, end - begin, ldx, K, xb.get() + begin * Kp, Kp);
+  });
+  const int64_t panel_size = Kp * kPanel;
+  parallel_tasks(M, (N + kPanel - 1) / kPanel, kRowBlock, [&](int64_t m_block, int64_t m_end, int64_t begin,
+                                                              int64_t end) {
+    alignas(64) float acc[2 * 8 * kPanel];
+    for (int64_t p = begin; p < end;) {
+      const at::BFloat16* panel = w + p * panel_size;
+      const int64_t n0 = p * kPanel, width = std::min(kPanel, N - n0);
+      const bool pair = p + 1 < end;
+      const int64_t width1 = pair ? std::min(kPanel, N - n0 - kPanel) : 0;
+      for (int64_t m0 = m_block; m0 < m_end; m0 += 8) {
+        const int64_t rows = std::min<int64_t>(8, m_end - m0);
+        run_tile_dpbf16(rows, pair, xb.get() + m0 * Kp, Kp, panel, panel + panel_size, Kp, acc);
+        store_tile(acc, rows, m0, n0, width, nullptr, bias, out, ldo, accumulate);
+        if (pair) store_tile(acc + rows * kPanel, rows, m0, n0 + kPanel, width1, nullptr, bias, out, ldo, accumulate);
+      }
+      p += pair ? 2 : 1;
+    }
+  });
+}
+#endif
+
 #if defined(MINIVLLM_HAS_AMX)
 // The product on the AMX tiles, for bfloat16 panels (Kp = their padded K). Full panels without
 // a bias go straight between the tiles and `out`; a partial panel or a bias goes through acc.
@@ -557,6 +658,15 @@ bool can_use_amx_bf16() {
   return false;
 #endif
 }
+
+// vdpbf16ps, and a compiler that emits it.
+bool can_use_avx512_bf16() {
+#if defined(MINIVLLM_HAS_AVX512_BF16)
+  return __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
 }  // namespace
 
 int64_t best_isa() {
@@ -565,7 +675,9 @@ int64_t best_isa() {
 #if defined(__x86_64__)
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw"))
-      return can_use_amx_bf16() ? kIsaAmx : kIsaAvx512;
+      return can_use_amx_bf16()                    ? kIsaAmx
+             : can_use_avx512_bf16()               ? kIsaAvx512Bf16
+                                                   : kIsaAvx512;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kIsaAvx2;
 #endif
     return kIsaScalar;
@@ -590,6 +702,10 @@ void packed_gemm(const float* x, int64_t M, int64_t K, int64_t ldx, const torch:
 #if defined(MINIVLLM_HAS_AMX)
       if (isa == kIsaAmx && scale == nullptr)
         return gemm_amx(x, M, ldx, w.data_ptr<at::BFloat16>(), Kp, K, bias, N, out, ldo, accumulate);
+#endif
+#if defined(MINIVLLM_HAS_AVX512_BF16)
+      if (isa == kIsaAvx512Bf16 && scale == nullptr)
+        return gemm_dpbf16(x, M, ldx, w.data_ptr<at::BFloat16>(), Kp, K, bias, N, out, ldo, accumulate);
 #endif
       return gemm_vector(x, M, ldx, w.data_ptr<at::BFloat16>(), panel_size, K, scale, bias, N, out, ldo, isa,
                          accumulate);
