@@ -104,12 +104,15 @@ def weight_bytes_per_token(llm: LLM) -> int:
     return total
 
 
-def read_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
-    """This machine's memory read bandwidth as torch sees it: a sum over 1 GiB, best of 5 (B/s)."""
-    x = torch.ones(num_bytes // 4, dtype=torch.float32)
+def read_bandwidths(num_bytes: int = 1 << 30, repeats: int = 5) -> list[float]:
+    """This machine's memory read bandwidth as torch sees it: `repeats` sums over 1 GiB of random
+    floats (B/s each). Callers sample it before and after the run they compare with and take
+    the median: on a shared VM the bandwidth swings (30-36 GB/s most of a minute, 57-62 GB/s
+    for seconds on a 2-core Zen 4), and the best of a few sums caught those bursts, which the
+    hundred-odd steps of a decode do not see."""
+    x = torch.empty(num_bytes // 4, dtype=torch.float32).normal_()
     x.sum()
-    best = min(timed(x.sum) for _ in range(repeats))
-    return num_bytes / best
+    return [num_bytes / timed(x.sum) for _ in range(repeats)]
 
 
 def decode_split_batch1(llm: LLM, steps: list[StepStats], context: int) -> dict[str, float]:
@@ -224,6 +227,7 @@ def main() -> None:
         prompts = make_prompts(args.num_prompts, args.min_input, args.max_input, llm.engine.vocab_size, args.seed)
         output_lens = [args.output_len] * args.num_prompts
     num_out = sum(output_lens)
+    bandwidths = read_bandwidths() if args.single_stream else []
     ours, steps = run_minivllm(llm, prompts, output_lens, args.concurrency)
     overhead = decode_overhead(steps, min(32, args.num_prompts))
     result = {"workload": vars(args), "threads": torch.get_num_threads(), "dtype": str(llm.engine.model_info().dtype),
@@ -237,15 +241,18 @@ def main() -> None:
               f"{overhead['sample_ms']:.2f} + process {overhead['process_ms']:.2f}; "
               f"engine overhead {overhead['overhead_pct']:.1f}%")
     if args.single_stream:
-        weights, bandwidth = weight_bytes_per_token(llm), read_bandwidth()
+        bandwidths += read_bandwidths()
+        weights, bandwidth = weight_bytes_per_token(llm), statistics.median(bandwidths)
         decode_steps = [s for s in steps if s.num_prefill_tokens == 0]
         achieved = 1.0 / statistics.median(s.total_time for s in decode_steps)
         bound = bandwidth / weights
         split = decode_split_batch1(llm, steps, args.max_input + args.output_len // 2)
         result |= {"weight_bytes_per_token": weights, "read_bandwidth_gb_s": bandwidth / 1e9,
+                   "read_bandwidth_samples_gb_s": [b / 1e9 for b in bandwidths],
                    "bound_tok_s": bound, "achieved_decode_tok_s": achieved, "decode_split_batch1": split}
         print(f"memory bound : {weights / 1e6:.0f} MB of weights per token at {bandwidth / 1e9:.1f} GB/s read "
-              f"(torch sum over 1 GiB) -> at most {bound:.1f} tok/s; decode steps achieve {achieved:.1f} tok/s "
+              f"(median of {len(bandwidths)} torch sums over 1 GiB before and after the run, "
+              f"{min(bandwidths) / 1e9:.1f}-{max(bandwidths) / 1e9:.1f}) -> at most {bound:.1f} tok/s; decode steps achieve {achieved:.1f} tok/s "
               f"({100 * achieved / bound:.0f}% of the bound)")
         print(f"per token    : forward {split['forward_ms']:.1f} ms = projections {split['projections_ms']:.1f} "
               f"(LM head included) + attention {split['attention_ms']:.2f} + rest {split['rest_ms']:.1f} "
