@@ -143,6 +143,46 @@ def test_decode_layer_in_one_call_matches_the_torch_layer(kernels, weight_dtype:
         assert not torch.equal(k_cache[slots], torch.zeros_like(k_cache[slots]))
 
 
+def test_decode_layers_runs_every_layer_as_decode_layer_does(kernels) -> None:
+    """The whole model's decode step in one call: the same floats as one decode_layer call per
+    layer, each layer with its own weights, window and caches."""
+    bs, num_blocks = 4, 24
+    lens = torch.tensor([1, 9, 14])
+    tables = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(6))[:12].view(3, 4)
+    positions = lens - 1
+    slots = tables[torch.arange(3), positions // bs] * bs + positions % bs
+    isa = kernels.best_isa()
+    layers = []
+    for i, window in enumerate((None, 5, None)):
+        torch.manual_seed(10 + i)
+        layers.append(_layer_case(torch.float32, window, kernels, isa)[1])
+    cfg = _layer_case(torch.float32, None, kernels, isa)[0]
+    gen = torch.Generator().manual_seed(7)
+    caches = [(torch.randn(num_blocks * bs, cfg.num_kv_heads, cfg.head_dim, generator=gen),
+               torch.randn(num_blocks * bs, cfg.num_kv_heads, cfg.head_dim, generator=gen)) for _ in layers]
+    x = torch.randn(3, cfg.hidden_size, generator=gen)
+    freqs = positions.float().unsqueeze(1) * torch.linspace(1, 0.01, cfg.head_dim // 2).unsqueeze(0)
+    cos, sin = torch.cat((freqs, freqs), dim=-1).cos(), torch.cat((freqs, freqs), dim=-1).sin()
+    weights = [kernels.DecodeLayerWeights(*layer.norm_weights, *(p.panels.as_args() for p in (
+        layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)), layer.sliding_window or 0)
+        for layer in layers]
+    expected, out = x.clone(), x.clone()
+    ref_caches = [(k.clone(), v.clone()) for k, v in caches]
+    for layer, (k, v) in zip(layers, ref_caches, strict=True):
+        kernels.decode_layer(expected, cos, sin, *layer.norm_weights, *(p.panels.as_args() for p in (
+            layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)), k, v, slots, tables, lens,
+            cfg.num_heads, bs, cfg.rms_norm_eps, cfg.head_dim**-0.5, layer.sliding_window or 0, isa)
+    kernels.decode_layers(out, cos, sin, weights, [k for k, _ in caches], [v for _, v in caches], slots, tables, lens,
+                          cfg.num_heads, bs, cfg.rms_norm_eps, cfg.head_dim**-0.5, isa)
+    assert not torch.equal(expected, x)
+    assert torch.equal(out, expected)
+    for (k, v), (k_ref, v_ref) in zip(caches, ref_caches, strict=True):
+        assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+    with pytest.raises(RuntimeError, match="one K and one V cache per layer"):
+        kernels.decode_layers(out, cos, sin, weights, [caches[0][0]], [caches[0][1]], slots, tables, lens,
+                              cfg.num_heads, bs, cfg.rms_norm_eps, cfg.head_dim**-0.5, isa)
+
+
 @pytest.mark.parametrize("window", [None, 5], ids=["full", "window5"])
 def test_fused_layer_with_prefill_rows_matches_the_torch_layer(kernels, window: int | None) -> None:
     """A mixed step in the two-call form: a 5-token chunk after 6 cached tokens (flash attention

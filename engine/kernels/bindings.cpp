@@ -33,9 +33,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prefill_attention", without_gil(&minivllm::paged_prefill_attention),
         "Causal attention of one prefill chunk over its paged cache, chunk K/V already written, into out (CPU)");
   m.def("best_isa", &minivllm::best_isa,
-        "The best SIMD path this CPU runs: 0 scalar, 1 AVX2, 2 AVX-512, 3 AVX-512 + AMX");
+        "The best SIMD path this CPU runs: 0 scalar, 1 AVX2, 2 AVX-512, 3 AVX-512 + BF16, 4 AVX-512 + AMX");
   m.def("packed_linear", without_gil(&minivllm::packed_linear), "x [M, K] times panel-packed weights -> [M, n] float32");
   m.def("decode_layer", without_gil(&minivllm::decode_layer), "One decoder layer of a decode step, in place on x (CPU)");
+  py::class_<minivllm::DecodeLayerWeights, std::shared_ptr<minivllm::DecodeLayerWeights>>(m, "DecodeLayerWeights")
+      .def(py::init([](torch::Tensor input_norm, torch::Tensor post_norm, minivllm::PackedLinear qkv,
+                       minivllm::PackedLinear o_proj, minivllm::PackedLinear gate_up, minivllm::PackedLinear down,
+                       int64_t window) {
+             return std::make_shared<minivllm::DecodeLayerWeights>(minivllm::DecodeLayerWeights{
+                 std::move(input_norm), std::move(post_norm), std::move(qkv), std::move(o_proj), std::move(gate_up),
+                 std::move(down), window});
+           }),
+           "One layer's norms and packed projections for decode_layers (made once)");
+  m.def("decode_layers", without_gil(&minivllm::decode_layers),
+        "Every decoder layer of a decode step, in place on x: decode_layer per layer, in one call (CPU)");
   m.def("layer_attention_inputs", without_gil(&minivllm::layer_attention_inputs),
         "A fused layer up to attention: norm, QKV, RoPE, KV write -> [M, q | k | v] float32 (CPU)");
   m.def("layer_attention_outputs", without_gil(&minivllm::layer_attention_outputs),

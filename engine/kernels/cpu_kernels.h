@@ -4,6 +4,7 @@
 
 #include <torch/extension.h>
 
+#include <memory>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -50,6 +51,21 @@ void decode_layer(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor
                   const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
                   const torch::Tensor& context_lens, int64_t num_heads, int64_t block_size, double eps, double scale,
                   int64_t window, int64_t isa);
+// One layer's weights for decode_layers, made once when the weights are packed (the caches and
+// the step's tensors come with each call).
+struct DecodeLayerWeights {
+  torch::Tensor input_norm, post_norm;  // [hidden] float32
+  PackedLinear qkv, o_proj, gate_up, down;
+  int64_t window;  // sliding window, 0 for none
+};
+// decode_layer over every layer of the model in one call: a decode-only step then crosses from
+// Python once, not once a layer.
+void decode_layers(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
+                   const std::vector<std::shared_ptr<DecodeLayerWeights>>& layers,
+                   const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
+                   const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
+                   const torch::Tensor& context_lens, int64_t num_heads, int64_t block_size, double eps, double scale,
+                   int64_t isa);
 // The same layer in two halves around an attention computed elsewhere (steps with prefill rows:
 // engine/attention.py's `attention`, whose chunks attend through the C++ prefill kernel or flash).
 torch::Tensor layer_attention_inputs(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
