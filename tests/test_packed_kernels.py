@@ -103,7 +103,7 @@ def _layer_case(weight_dtype: torch.dtype, window: int | None, kernels, isa: int
     return cfg, layer
 
 
-@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.int8], ids=["fp32", "int8"])
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16, torch.int8], ids=["fp32", "bf16", "int8"])
 @pytest.mark.parametrize("window", [None, 5], ids=["full", "window5"])
 def test_decode_layer_in_one_call_matches_the_torch_layer(kernels, weight_dtype: torch.dtype,
                                                           window: int | None) -> None:
@@ -138,8 +138,14 @@ def test_decode_layer_in_one_call_matches_the_torch_layer(kernels, weight_dtype:
             out = x.clone()
             layer.forward_fused(out, cos, sin, attn, k_cache, v_cache, kernels, isa)
         torch.set_num_threads(num_threads)
-        assert torch.allclose(out, expected, atol=1e-4), f"{ISA_NAMES[isa]}, {threads} threads: {(out - expected).abs().max()}"
-        assert torch.allclose(k_cache, k_ref, atol=1e-5) and torch.allclose(v_cache, v_ref, atol=1e-5)
+        # bf16 products (vdpbf16ps, AMX) round the activations to bf16: 0.44 % of the largest
+        # output here; a lost residual would be off by the size of x (up to about 3), a wrong
+        # row by the outputs' own size.
+        is_rounded = weight_dtype == torch.bfloat16 and isa >= BF16_PRODUCTS
+        atol = 1e-2 * expected.abs().max().item() if is_rounded else 1e-4
+        assert torch.allclose(out, expected, atol=atol), f"{ISA_NAMES[isa]}, {threads} threads: {(out - expected).abs().max()} of {expected.abs().max()}"
+        cache_atol = 1e-2 * max(k_ref.abs().max().item(), v_ref.abs().max().item()) if is_rounded else 1e-5
+        assert torch.allclose(k_cache, k_ref, atol=cache_atol) and torch.allclose(v_cache, v_ref, atol=cache_atol)
         assert not torch.equal(k_cache[slots], torch.zeros_like(k_cache[slots]))
 
 
