@@ -124,11 +124,6 @@ class ServerProcess:
                 return int(match.group(1))
 
     @property
-    def loop_thread_id(self) -> int | None:
-        """The thread running the server's event loop."""
-        return self._thread.ident
-
-    @property
     def target(self) -> str:
         return f"127.0.0.1:{self.port}"
 

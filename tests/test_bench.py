@@ -82,11 +82,12 @@ def test_short_benchmark_run_writes_json_and_plots(tiny_model_dir: Path, tmp_pat
     assert result["total_output_tokens"] == 6 * 8 and result["total_input_tokens"] == 6 * 44
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
         stats = result[key]
-        assert set(stats) == {"mean", "median", "p90", "p99"} and stats["p99"] >= stats["median"] >= 0 < stats["mean"]
+        assert set(stats) == {"mean", "median", "p90", "p99"}
+        assert stats["p99"] >= stats["median"] and stats["mean"] > 0, (key, stats)
         # The tiny model's steps take well under a millisecond, so a stream's tokens often arrive
         # several to a message (its backlog, merged), and those share one arrival time: most
         # inter-token gaps are then 0 and the ITL median may be too.
-        assert key == "itl_ms" or stats["median"] > 0, (key, stats)
+        assert stats["median"] >= 0 if key == "itl_ms" else stats["median"] > 0, (key, stats)
     assert result["goodput"] == pytest.approx(result["request_throughput"])
     for name in ("latency_cdf.png", "throughput.png", "ttft_vs_prompt_len.png"):
         data = (tmp_path / name).read_bytes()

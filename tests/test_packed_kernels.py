@@ -169,24 +169,22 @@ def test_decode_layers_runs_every_layer_as_decode_layer_does(kernels) -> None:
     x = torch.randn(3, cfg.hidden_size, generator=gen)
     freqs = positions.float().unsqueeze(1) * torch.linspace(1, 0.01, cfg.head_dim // 2).unsqueeze(0)
     cos, sin = torch.cat((freqs, freqs), dim=-1).cos(), torch.cat((freqs, freqs), dim=-1).sin()
-    weights = [kernels.DecodeLayerWeights(*layer.norm_weights, *(p.panels.as_args() for p in (
-        layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)), layer.sliding_window or 0)
-        for layer in layers]
+    attn = AttentionMetadata(slot_mapping=slots, block_size=bs, block_tables=tables, context_lens=lens,
+                             decode_kernels=kernels)
+    weights = [layer.fused_weights(kernels) for layer in layers]
     expected, out = x.clone(), x.clone()
     ref_caches = [(k.clone(), v.clone()) for k, v in caches]
-    for layer, (k, v) in zip(layers, ref_caches, strict=True):
-        kernels.decode_layer(expected, cos, sin, *layer.norm_weights, *(p.panels.as_args() for p in (
-            layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)), k, v, slots, tables, lens,
-            cfg.num_heads, bs, cfg.rms_norm_eps, cfg.head_dim**-0.5, layer.sliding_window or 0, isa)
-    kernels.decode_layers(out, cos, sin, weights, [k for k, _ in caches], [v for _, v in caches], slots, tables, lens,
-                          cfg.num_heads, bs, cfg.rms_norm_eps, cfg.head_dim**-0.5, isa)
+    for layer, (k, v) in zip(layers, ref_caches, strict=True):  # one call per layer, as mixed steps run
+        layer.forward_fused(expected, cos, sin, attn, k, v, kernels, isa)
+    kernels.decode_layers(out, cos, sin, weights, caches, slots, tables, lens, cfg.num_heads, bs, cfg.rms_norm_eps,
+                          cfg.head_dim**-0.5, isa)
     assert not torch.equal(expected, x)
     assert torch.equal(out, expected)
     for (k, v), (k_ref, v_ref) in zip(caches, ref_caches, strict=True):
         assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
-    with pytest.raises(RuntimeError, match="one K and one V cache per layer"):
-        kernels.decode_layers(out, cos, sin, weights, [caches[0][0]], [caches[0][1]], slots, tables, lens,
-                              cfg.num_heads, bs, cfg.rms_norm_eps, cfg.head_dim**-0.5, isa)
+    with pytest.raises(RuntimeError, match="one \\(K, V\\) cache pair per layer"):
+        kernels.decode_layers(out, cos, sin, weights, caches[:1], slots, tables, lens, cfg.num_heads, bs,
+                              cfg.rms_norm_eps, cfg.head_dim**-0.5, isa)
 
 
 @pytest.mark.parametrize("window", [None, 5], ids=["full", "window5"])
@@ -232,9 +230,9 @@ def test_fused_layer_with_prefill_rows_matches_the_torch_layer(kernels, window: 
 
 def test_fused_tokens_defaults_to_the_measured_crossover(tiny_model_dir) -> None:
     """Unset: every step with int8 weights (their only copy), in float32 with AVX-512 and in
-    bfloat16 with vdpbf16ps or AMX, and then without oneDNN's second copy of the weights; 64 tokens in float32
-    on AVX2 and 8 in bfloat16 on the vector units (past that, oneDNN's GEMM wins); 0 turns the
-    path off."""
+    bfloat16 with vdpbf16ps or AMX, and then without oneDNN's second copy of the weights; 64
+    tokens in float32 on AVX2 and 8 in bfloat16 on the FMA units (past that, oneDNN's GEMM wins);
+    0 turns the path off."""
     from engine import LLM
 
     def runner(**options):

@@ -37,13 +37,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_linear", without_gil(&minivllm::packed_linear), "x [M, K] times panel-packed weights -> [M, n] float32");
   m.def("decode_layer", without_gil(&minivllm::decode_layer), "One decoder layer of a decode step, in place on x (CPU)");
   py::class_<minivllm::DecodeLayerWeights, std::shared_ptr<minivllm::DecodeLayerWeights>>(m, "DecodeLayerWeights")
-      .def(py::init([](torch::Tensor input_norm, torch::Tensor post_norm, minivllm::PackedLinear qkv,
-                       minivllm::PackedLinear o_proj, minivllm::PackedLinear gate_up, minivllm::PackedLinear down,
-                       int64_t window) {
-             return std::make_shared<minivllm::DecodeLayerWeights>(minivllm::DecodeLayerWeights{
-                 std::move(input_norm), std::move(post_norm), std::move(qkv), std::move(o_proj), std::move(gate_up),
-                 std::move(down), window});
-           }),
+      .def(py::init<torch::Tensor, torch::Tensor, minivllm::PackedLinear, minivllm::PackedLinear,
+                    minivllm::PackedLinear, minivllm::PackedLinear, int64_t>(),  // the struct's fields, in order
            "One layer's norms and packed projections for decode_layers (made once)");
   m.def("decode_layers", without_gil(&minivllm::decode_layers),
         "Every decoder layer of a decode step, in place on x: decode_layer per layer, in one call (CPU)");

@@ -62,7 +62,7 @@ struct DecodeLayerWeights {
 // Python once, not once a layer.
 void decode_layers(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
                    const std::vector<std::shared_ptr<DecodeLayerWeights>>& layers,
-                   const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
+                   const std::vector<std::tuple<torch::Tensor, torch::Tensor>>& kv_caches,
                    const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
                    const torch::Tensor& context_lens, int64_t num_heads, int64_t block_size, double eps, double scale,
                    int64_t isa);

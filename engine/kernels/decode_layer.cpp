@@ -236,15 +236,15 @@ void decode_layer(torch::Tensor x,                    // [M, hidden] float32, up
 
 void decode_layers(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
                    const std::vector<std::shared_ptr<DecodeLayerWeights>>& layers,
-                   const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
+                   const std::vector<std::tuple<torch::Tensor, torch::Tensor>>& kv_caches,
                    const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
                    const torch::Tensor& context_lens, int64_t num_heads, int64_t block_size, double eps, double scale,
                    int64_t isa) {
-  TORCH_CHECK(k_caches.size() == layers.size() && v_caches.size() == layers.size(),
-              "decode_layers: one K and one V cache per layer");
+  TORCH_CHECK(kv_caches.size() == layers.size(), "decode_layers: one (K, V) cache pair per layer");
   for (size_t i = 0; i < layers.size(); ++i) {
     const DecodeLayerWeights& l = *layers[i];
-    decode_layer(x, cos, sin, l.input_norm, l.post_norm, l.qkv, l.o_proj, l.gate_up, l.down, k_caches[i], v_caches[i],
+    const auto& [k_cache, v_cache] = kv_caches[i];
+    decode_layer(x, cos, sin, l.input_norm, l.post_norm, l.qkv, l.o_proj, l.gate_up, l.down, k_cache, v_cache,
                  slot_mapping, block_tables, context_lens, num_heads, block_size, eps, scale, l.window, isa);
   }
 }

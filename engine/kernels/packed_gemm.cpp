@@ -524,67 +524,66 @@ void parallel_tasks(int64_t M, int64_t num_panels, int64_t row_block, const Body
   });
 }
 
-// The product on the vector units: x stays float32.
-template <typename T>
-void gemm_vector(const float* x, int64_t M, int64_t ldx, const T* w, int64_t panel_size, int64_t K, const float* scale,
-                 const float* bias, int64_t N, float* out, int64_t ldo, int64_t isa, bool accumulate) {
-  const int64_t tile_rows = max_tile_rows(isa);
+// The panels' product tile by tile, for the vector paths: tasks of a few panels (two a tile
+// where it can) against row tiles of up to tile_rows rows. tile(rows, m0, p, pair, acc) fills
+// acc with rows x 16 outputs of panel p, then, when pair, those of panel p + 1 after them.
+template <typename Tile>
+void gemm_tiles(int64_t M, int64_t N, int64_t tile_rows, const float* scale, const float* bias, float* out,
+                int64_t ldo, bool accumulate, const Tile& tile) {
   parallel_tasks(M, (N + kPanel - 1) / kPanel, kRowBlock, [&](int64_t m_block, int64_t m_end, int64_t begin,
                                                               int64_t end) {
     alignas(64) float acc[2 * 8 * kPanel];
     for (int64_t p = begin; p < end;) {
-      const T* panel = w + p * panel_size;
       const int64_t n0 = p * kPanel, width = std::min(kPanel, N - n0);
-      // Two panels a tile where the tile is compute bound (several rows); one otherwise.
       const bool pair = p + 1 < end;
       const int64_t width1 = pair ? std::min(kPanel, N - n0 - kPanel) : 0;
       for (int64_t m0 = m_block; m0 < m_end; m0 += tile_rows) {
         const int64_t rows = std::min(tile_rows, m_end - m0);
-        if (pair && run_tile2(isa, rows, x + m0 * ldx, ldx, panel, panel + panel_size, K, acc)) {
-          store_tile(acc, rows, m0, n0, width, scale, bias, out, ldo, accumulate);
-          store_tile(acc + rows * kPanel, rows, m0, n0 + kPanel, width1, scale, bias, out, ldo, accumulate);
-          continue;
-        }
-        // One panel at a time (too few rows for the pair): in memory order, for the prefetcher.
-        run_tile(isa, rows, x + m0 * ldx, ldx, panel, K, acc);
+        tile(rows, m0, p, pair, acc);
         store_tile(acc, rows, m0, n0, width, scale, bias, out, ldo, accumulate);
-        if (pair) {
-          run_tile(isa, rows, x + m0 * ldx, ldx, panel + panel_size, K, acc);
-          store_tile(acc, rows, m0, n0 + kPanel, width1, scale, bias, out, ldo, accumulate);
-        }
+        if (pair) store_tile(acc + rows * kPanel, rows, m0, n0 + kPanel, width1, scale, bias, out, ldo, accumulate);
       }
       p += pair ? 2 : 1;
     }
   });
 }
 
+// The product on the vector units: x stays float32.
+template <typename T>
+void gemm_vector(const float* x, int64_t M, int64_t ldx, const T* w, int64_t panel_size, int64_t K, const float* scale,
+                 const float* bias, int64_t N, float* out, int64_t ldo, int64_t isa, bool accumulate) {
+  gemm_tiles(M, N, max_tile_rows(isa), scale, bias, out, ldo, accumulate,
+             [&](int64_t rows, int64_t m0, int64_t p, bool pair, float* acc) {
+               const T* panel = w + p * panel_size;
+               // Two panels a tile where the tile is compute bound (several rows); else one at a
+               // time, in memory order for the prefetcher.
+               if (pair && run_tile2(isa, rows, x + m0 * ldx, ldx, panel, panel + panel_size, K, acc)) return;
+               run_tile(isa, rows, x + m0 * ldx, ldx, panel, K, acc);
+               if (pair) run_tile(isa, rows, x + m0 * ldx, ldx, panel + panel_size, K, acc + rows * kPanel);
+             });
+}
+
 #if defined(MINIVLLM_HAS_AVX512_BF16)
+// x [M, K] rounded to bfloat16 rows of Kp (the bf16-product paths' left operand), zero past K.
+std::unique_ptr<uint16_t[]> rounded_rows(const float* x, int64_t M, int64_t ldx, int64_t K, int64_t Kp) {
+  std::unique_ptr<uint16_t[]> xb(new uint16_t[M * Kp]);  // every element written below: not zeroed first
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    round_rows_bf16(x + begin * ldx, end - begin, ldx, K, xb.get() + begin * Kp, Kp);
+  });
+  return xb;
+}
+
 // The product by vdpbf16ps, for bfloat16 panels on AVX-512 CPUs with BF16 but no AMX (AMD Zen 4
 // and later, Intel Cooper Lake): x rounded to bfloat16 once (as the AMX path rounds it, so a
 // row's result does not depend on the batch), products summed in float32.
 void gemm_dpbf16(const float* x, int64_t M, int64_t ldx, const at::BFloat16* w, int64_t Kp, int64_t K,
                  const float* bias, int64_t N, float* out, int64_t ldo, bool accumulate) {
-  const std::unique_ptr<uint16_t[]> xb(new uint16_t[M * Kp]);  // [M, Kp], pads included: not zeroed first
-  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-    round_rows_bf16(x + begin * ldx, end - begin, ldx, K, xb.get() + begin * Kp, Kp);
-  });
+  const auto xb = rounded_rows(x, M, ldx, K, Kp);
   const int64_t panel_size = Kp * kPanel;
-  parallel_tasks(M, (N + kPanel - 1) / kPanel, kRowBlock, [&](int64_t m_block, int64_t m_end, int64_t begin,
-                                                              int64_t end) {
-    alignas(64) float acc[2 * 8 * kPanel];
-    for (int64_t p = begin; p < end;) {
-      const at::BFloat16* panel = w + p * panel_size;
-      const int64_t n0 = p * kPanel, width = std::min(kPanel, N - n0);
-      const bool pair = p + 1 < end;
-      const int64_t width1 = pair ? std::min(kPanel, N - n0 - kPanel) : 0;
-      for (int64_t m0 = m_block; m0 < m_end; m0 += 8) {
-        const int64_t rows = std::min<int64_t>(8, m_end - m0);
-        run_tile_dpbf16(rows, pair, xb.get() + m0 * Kp, Kp, panel, panel + panel_size, Kp, acc);
-        store_tile(acc, rows, m0, n0, width, nullptr, bias, out, ldo, accumulate);
-        if (pair) store_tile(acc + rows * kPanel, rows, m0, n0 + kPanel, width1, nullptr, bias, out, ldo, accumulate);
-      }
-      p += pair ? 2 : 1;
-    }
+  gemm_tiles(M, N, 8, nullptr, bias, out, ldo, accumulate, [&](int64_t rows, int64_t m0, int64_t p, bool pair,
+                                                               float* acc) {
+    const at::BFloat16* panel = w + p * panel_size;
+    run_tile_dpbf16(rows, pair, xb.get() + m0 * Kp, Kp, panel, panel + panel_size, Kp, acc);
   });
 }
 #endif
@@ -594,11 +593,7 @@ void gemm_dpbf16(const float* x, int64_t M, int64_t ldx, const at::BFloat16* w, 
 // a bias go straight between the tiles and `out`; a partial panel or a bias goes through acc.
 void gemm_amx(const float* x, int64_t M, int64_t ldx, const at::BFloat16* w, int64_t Kp, int64_t K,
               const float* bias, int64_t N, float* out, int64_t ldo, bool accumulate) {
-  // [M, Kp], every element written below (pads included), so not zeroed first.
-  const std::unique_ptr<uint16_t[]> xb(new uint16_t[M * Kp]);
-  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-    round_rows_bf16(x + begin * ldx, end - begin, ldx, K, xb.get() + begin * Kp, Kp);
-  });
+  const auto xb = rounded_rows(x, M, ldx, K, Kp);  // [M, Kp]
   const int64_t panel_size = Kp * kPanel;
   // Per task a pair of panels at a time (the pair's weights, 2 x Kp x 32 bytes, stay in L1/L2)
   // against every 32-row block of up to kAmxRowBlock rows of x.

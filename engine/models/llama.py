@@ -45,6 +45,11 @@ class DecoderLayer(nn.Module):
         self.eps = cfg.rms_norm_eps
         self.norm_weights: tuple[torch.Tensor, torch.Tensor] | None = None  # float32 copies for the C++ layer
 
+    def fused_weights(self, kernels: ModuleType) -> Any:
+        """This layer as kernels.decode_layers takes it (norm_weights and the panels set first)."""
+        return kernels.DecodeLayerWeights(*self.norm_weights, *(p.panels.as_args() for p in (
+            self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)), self.sliding_window or 0)
+
     def forward_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata,
                       k_cache: torch.Tensor, v_cache: torch.Tensor, kernels: ModuleType, isa: int) -> None:
         """The layer in C++ over the panel-packed weights, for steps of a few tokens.
@@ -113,8 +118,7 @@ class LlamaForCausalLM(nn.Module):
             p.requires_grad_(False)
         self.fused_kernels: ModuleType | None = None  # set when every layer has panels (pack_weights)
         self.fused_isa = 0
-        self.decode_weights: list[Any] = []  # kernels.DecodeLayerWeights per layer, with the panels
-        self._cache_lists: tuple[list[Any], list[torch.Tensor], list[torch.Tensor]] | None = None  # _per_layer_caches
+        self.decode_weights: list[Any] = []  # DecoderLayer.fused_weights per layer, with the panels
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [T] -> cos, sin: [T, 1, head_dim], computed once per forward for all layers
@@ -143,22 +147,14 @@ class LlamaForCausalLM(nn.Module):
         if attn.num_prefill_tokens == 0:
             # A decode-only step: every layer in one C++ call (a Python call per layer cost about
             # 3 % of a batch-1 bf16 step on a 2-core Zen 4, and one GIL handoff each).
-            k_caches, v_caches = self._per_layer_caches(kv_caches)
             first = self.layers[0]  # the layers share heads, eps and scale
-            self.fused_kernels.decode_layers(x, cos, sin, self.decode_weights, k_caches, v_caches, attn.slot_mapping,
+            self.fused_kernels.decode_layers(x, cos, sin, self.decode_weights, kv_caches, attn.slot_mapping,
                                              attn.block_tables, attn.context_lens, first.num_heads, attn.block_size,
                                              first.eps, first.scale, self.fused_isa)
             return self.norm(x).to(dtype)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             layer.forward_fused(x, cos, sin, attn, k_cache, v_cache, self.fused_kernels, self.fused_isa)
         return self.norm(x).to(dtype)
-
-    def _per_layer_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
-                          ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The K and the V caches as two lists, made once for the runner's (unchanging) list."""
-        if self._cache_lists is None or self._cache_lists[0] is not kv_caches:
-            self._cache_lists = (kv_caches, [k for k, _ in kv_caches], [v for _, v in kv_caches])
-        return self._cache_lists[1], self._cache_lists[2]
 
     def pack_weights(self, onednn: bool, panel_dtype: torch.dtype | None, kernels: ModuleType | None, isa: int,
                      max_panel_rows: int) -> None:
@@ -182,10 +178,7 @@ class LlamaForCausalLM(nn.Module):
             for layer in self.layers:
                 layer.norm_weights = (layer.input_layernorm.weight.float().contiguous(),
                                       layer.post_attention_layernorm.weight.float().contiguous())
-            self.decode_weights = [
-                kernels.DecodeLayerWeights(*layer.norm_weights, *(p.panels.as_args() for p in (
-                    layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)), layer.sliding_window or 0)
-                for layer in self.layers]
+            self.decode_weights = [layer.fused_weights(kernels) for layer in self.layers]
             self.fused_kernels, self.fused_isa = kernels, isa
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
