@@ -82,10 +82,11 @@ void tile_scalar(const float* x, int64_t rows, int64_t ldx, const T* w, int64_t 
 #define MINIVLLM_AVX2 __attribute__((target("avx2,fma")))
 
 // How far ahead (bytes of a panel) the vector paths request weights: 4 KB for float32 and 8 KB
-// for the narrower bfloat16 and int8 panels, into L2 (prefetcht1), not L1. On a Zen 4 that
-// read the batch-1 products 5-16 % faster than 4 KB into L1 (and 4-12 % at 8 and 32 rows),
-// A/B of two builds in one process over the whole model's weights; 1-2 KB was slower, and
-// 16-32 KB no better.
+// for the narrower bfloat16 and int8 panels, into L2 (prefetcht1), not L1. On a Zen 4, against
+// 4 KB into L1 (A/B of two builds in one process over the whole model's weights), the one-row
+// products read 7-14 % faster in float32 and bfloat16 and 1-4 % in int8, and 4-13 % at 8 and
+// 32 rows; 1 KB was slower, 16-32 KB no better. (The one-row vdpbf16ps tile requests nothing:
+// see tile_dpbf16.)
 template <typename T>
 constexpr int64_t prefetch_ahead() {
   return sizeof(T) == 4 ? 4096 : 8192;
