@@ -47,6 +47,8 @@ class EngineConfig:
                                               "panels (CPU); 0: off; unset: every step with int8 weights, in "
                                               "float32 on AVX-512 and in bfloat16 on AMX CPUs (then no oneDNN "
                                               "copy of the weights is kept), else 64 in float32 and 8 in bfloat16")
+    enable_huge_pages: bool = _opt(True, "put the weight panels and the KV cache on 2 MiB pages (CPU, Linux "
+                                         "transparent huge pages in madvise or always mode)")
 
     # Paged KV cache.
     block_size: int = _opt(16, "tokens per KV cache block")

@@ -51,7 +51,11 @@ class LLMEngine:
         # A sequence must fit the pool even with the admission watermark held back, or it
         # could wait forever.
         usable_blocks = self.block_manager.num_blocks - self.block_manager.num_watermark_blocks
-        model_len = config.max_model_len or self.runner.model_config.max_position_embeddings
+        max_positions = self.runner.model_config.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > max_positions:
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {max_positions} "
+                             "positions (max_position_embeddings)")
+        model_len = config.max_model_len or max_positions
         self.max_model_len = min(model_len, usable_blocks * config.block_size)
         self.vocab_size = self.runner.model_config.vocab_size
         self.eos_token_ids = load_eos_token_ids(self.model_dir, hf_config, self.tokenizer)

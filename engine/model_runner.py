@@ -19,6 +19,7 @@ import torch
 
 from engine.attention import AttentionMetadata, PrefillSeqMeta
 from engine.config import EngineConfig, usable_cpus
+from engine.huge_pages import huge_page_tensor
 from engine.kernels import ISAS, load_cpu_kernels
 from engine.model_loader import iter_weights
 from engine.models import model_class
@@ -111,7 +112,8 @@ class ModelRunner:
         onednn = (is_cpu and not every_step_fused and os.environ.get("MINIVLLM_DISABLE_PACKED_LINEAR") != "1"
                   and can_pack_linear(self.dtype))
         if onednn or panel_dtype is not None:
-            self.model.pack_weights(onednn, panel_dtype, self.cpu_kernels, self.isa, max_fused)
+            self.model.pack_weights(onednn, panel_dtype, self.cpu_kernels, self.isa, max_fused,
+                                    huge_pages=config.enable_huge_pages)
         self.max_fused_tokens = max_fused if self.model.fused_kernels is not None else 0
         mc = self.model_config
         # The C++ prefill attention where it was measured ahead of torch's flash kernel: its
@@ -120,9 +122,13 @@ class ModelRunner:
         fits = mc.num_heads // mc.num_kv_heads <= 8 and mc.head_dim <= 256
         self.prefill_kernels = self.cpu_kernels if self.isa >= ISAS["avx512"] and fits else None
         self.num_kv_blocks = config.num_kv_blocks or self._blocks_for(config.kv_cache_gib)
-        # One pool for all layers: [layers, k/v, slots, kv_heads, head_dim].
-        self.kv_cache = torch.zeros(mc.num_layers, 2, self.num_kv_blocks * self.block_size, mc.num_kv_heads,
-                                    mc.head_dim, dtype=self.dtype, device=self.device)
+        # One pool for all layers: [layers, k/v, slots, kv_heads, head_dim]. Decode attention
+        # reads a sequence's blocks scattered over it: on 2 MiB pages, without a TLB miss each.
+        shape = (mc.num_layers, 2, self.num_kv_blocks * self.block_size, mc.num_kv_heads, mc.head_dim)
+        if is_cpu and config.enable_huge_pages:
+            self.kv_cache = huge_page_tensor(shape, self.dtype)
+        else:
+            self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(mc.num_layers)]
         logger.info("model on %s (%s), KV cache %d blocks x %d tokens (%.2f GiB)", self.device, self.dtype,
                     self.num_kv_blocks, self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**30)
@@ -168,13 +174,15 @@ class ModelRunner:
         if decode is not None:
             decode.fill(attn, self)
         attn.is_fused = len(input_ids) <= self.max_fused_tokens
-        rows = [prefill.last_indices[i] for i in sched.prefill_sample_rows] if prefill else []
-        rows += range(num_prefill_tokens, num_prefill_tokens + len(sched.decode_seqs))
-        rows_t = self._to_device(np.asarray(rows, dtype=np.int64))
+        rows_t = None  # a decode-only step samples every row, in order: no gather
+        if prefill is not None:
+            rows = [prefill.last_indices[i] for i in sched.prefill_sample_rows]
+            rows += range(num_prefill_tokens, num_prefill_tokens + len(sched.decode_seqs))
+            rows_t = self._to_device(np.asarray(rows, dtype=np.int64))
         self.last_prepare_time = time.perf_counter() - t0
         hidden = self.model(input_ids, positions, attn, self.kv_caches)  # [T, hidden]
         self.last_prompt_logprobs = self._prompt_logprobs(sched, prefill, hidden) if prefill else []
-        return self.model.compute_logits(hidden[rows_t])
+        return self.model.compute_logits(hidden if rows_t is None else hidden[rows_t])
 
     def _prompt_logprobs(self, sched: SchedulerOutput, prefill: _PrefillInputs, hidden: torch.Tensor
                          ) -> list[tuple[Sequence, int, list[dict[int, float]]]]:

@@ -207,6 +207,25 @@ def test_queue_full_backpressure(tiny_model_dir) -> None:
     assert len(outputs) == 3 and all(o[-1].is_finished for o in outputs.values())
 
 
+def test_max_model_len_beyond_the_models_positions_is_refused(tiny_model_dir) -> None:
+    with pytest.raises(ValueError, match="max_model_len 1000000 exceeds"):
+        LLM(str(tiny_model_dir), num_kv_blocks=64, max_model_len=1_000_000)
+
+
+def test_rope_stays_float32_when_the_model_runs_in_bfloat16(tiny_model_dir) -> None:
+    """The angles come from float32 frequencies: rounded to bfloat16 (as model.to would round a
+    buffer) they are off by up to 0.4 %, radians at a few hundred positions."""
+    model = LLM(str(tiny_model_dir), num_kv_blocks=64, dtype="bfloat16").engine.runner.model
+    positions = torch.tensor([0, 7, 300, model.config.max_position_embeddings - 1])
+    cos, sin = model.rope(positions)
+    freqs = positions.double().unsqueeze(1) * model.config.inv_freq.double().unsqueeze(0)
+    angles = torch.cat((freqs, freqs), dim=-1)  # [4, head_dim]
+    assert cos.dtype == sin.dtype == torch.float32
+    tol = 1e-6 * model.config.max_position_embeddings  # float32 rounding of position x frequency
+    assert torch.allclose(cos.double(), angles.cos() * model.config.rope_scale, atol=tol)
+    assert torch.allclose(sin.double(), angles.sin() * model.config.rope_scale, atol=tol)
+
+
 def test_context_length_caps_generation(tiny_model_dir) -> None:
     llm = LLM(str(tiny_model_dir), num_kv_blocks=64, max_model_len=40)
     out = llm.generate([list(range(1, 31))], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))[0]

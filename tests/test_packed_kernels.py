@@ -13,6 +13,7 @@ import torch
 from engine.attention import AttentionMetadata
 from engine.kernels import ISAS, load_cpu_kernels
 from engine.model_runner import pick_isa
+from engine.models.layers import RMSNorm
 from engine.models.llama import DecoderLayer
 from engine.models.model_config import ModelConfig
 from engine.models.packed_weight import PackedWeight
@@ -176,15 +177,27 @@ def test_decode_layers_runs_every_layer_as_decode_layer_does(kernels) -> None:
     ref_caches = [(k.clone(), v.clone()) for k, v in caches]
     for layer, (k, v) in zip(layers, ref_caches, strict=True):  # one call per layer, as mixed steps run
         layer.forward_fused(expected, cos, sin, attn, k, v, kernels, isa)
+    normed_caches = [(k.clone(), v.clone()) for k, v in caches]
     kernels.decode_layers(out, cos, sin, weights, caches, slots, tables, lens, cfg.num_heads, bs, cfg.rms_norm_eps,
-                          cfg.head_dim**-0.5, isa)
+                          cfg.head_dim**-0.5, None, isa)
     assert not torch.equal(expected, x)
     assert torch.equal(out, expected)
     for (k, v), (k_ref, v_ref) in zip(caches, ref_caches, strict=True):
         assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+    # With the model's final norm: the layers' output normed as RMSNorm does, in place.
+    final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+    final_norm.weight.copy_(torch.rand(cfg.hidden_size, generator=gen) + 0.5)
+    normed = x.clone()
+    kernels.decode_layers(normed, cos, sin, weights, normed_caches, slots, tables, lens, cfg.num_heads, bs,
+                          cfg.rms_norm_eps, cfg.head_dim**-0.5, final_norm.weight.detach(), isa)
+    assert torch.allclose(normed, final_norm(expected), atol=1e-5), (normed - final_norm(expected)).abs().max()
+    assert not torch.allclose(normed, expected, atol=1e-2)
     with pytest.raises(RuntimeError, match="one \\(K, V\\) cache pair per layer"):
         kernels.decode_layers(out, cos, sin, weights, caches[:1], slots, tables, lens, cfg.num_heads, bs,
-                              cfg.rms_norm_eps, cfg.head_dim**-0.5, isa)
+                              cfg.rms_norm_eps, cfg.head_dim**-0.5, None, isa)
+    with pytest.raises(RuntimeError, match="final_norm must be"):
+        kernels.decode_layers(out, cos, sin, weights, caches, slots, tables, lens, cfg.num_heads, bs,
+                              cfg.rms_norm_eps, cfg.head_dim**-0.5, torch.ones(3), isa)
 
 
 @pytest.mark.parametrize("window", [None, 5], ids=["full", "window5"])

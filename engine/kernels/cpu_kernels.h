@@ -59,13 +59,14 @@ struct DecodeLayerWeights {
   int64_t window;  // sliding window, 0 for none
 };
 // decode_layer over every layer of the model in one call: a decode-only step then crosses from
-// Python once, not once a layer.
+// Python once, not once a layer. final_norm ([hidden] float32, optional): the model's last
+// RMSNorm, applied to x in place after the layers (eight torch ops fewer a step).
 void decode_layers(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
                    const std::vector<std::shared_ptr<DecodeLayerWeights>>& layers,
                    const std::vector<std::tuple<torch::Tensor, torch::Tensor>>& kv_caches,
                    const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
                    const torch::Tensor& context_lens, int64_t num_heads, int64_t block_size, double eps, double scale,
-                   int64_t isa);
+                   const std::optional<torch::Tensor>& final_norm, int64_t isa);
 // The same layer in two halves around an attention computed elsewhere (steps with prefill rows:
 // engine/attention.py's `attention`, whose chunks attend through the C++ prefill kernel or flash).
 torch::Tensor layer_attention_inputs(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,

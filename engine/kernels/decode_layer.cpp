@@ -239,13 +239,19 @@ void decode_layers(torch::Tensor x, const torch::Tensor& cos, const torch::Tenso
                    const std::vector<std::tuple<torch::Tensor, torch::Tensor>>& kv_caches,
                    const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
                    const torch::Tensor& context_lens, int64_t num_heads, int64_t block_size, double eps, double scale,
-                   int64_t isa) {
+                   const std::optional<torch::Tensor>& final_norm, int64_t isa) {
   TORCH_CHECK(kv_caches.size() == layers.size(), "decode_layers: one (K, V) cache pair per layer");
   for (size_t i = 0; i < layers.size(); ++i) {
     const DecodeLayerWeights& l = *layers[i];
     const auto& [k_cache, v_cache] = kv_caches[i];
     decode_layer(x, cos, sin, l.input_norm, l.post_norm, l.qkv, l.o_proj, l.gate_up, l.down, k_cache, v_cache,
                  slot_mapping, block_tables, context_lens, num_heads, block_size, eps, scale, l.window, isa);
+  }
+  if (final_norm.has_value()) {  // in place: each row's sum of squares is taken before it is written
+    TORCH_CHECK(final_norm->scalar_type() == torch::kFloat && final_norm->numel() == x.size(1),
+                "decode_layers: final_norm must be [hidden] float32");
+    float* xp = x.data_ptr<float>();
+    rms_norm(xp, x.size(0), x.size(1), final_norm->data_ptr<float>(), static_cast<float>(eps), xp);
   }
 }
 

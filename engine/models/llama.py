@@ -20,6 +20,7 @@ from torch import nn
 from engine.attention import AttentionMetadata, attention, write_kv
 from engine.models.layers import Linear, RMSNorm, rotate_half
 from engine.models.model_config import ModelConfig
+from engine.models.packed_weight import place_on_huge_pages
 
 # Checkpoint projection -> (our fused projection, its shard index).
 _STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -113,19 +114,33 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.register_buffer("inv_freq", cfg.inv_freq.clone(), persistent=False)
+        # cos / sin of every position, made on first use on the device the forward runs on: a
+        # plain attribute, not a buffer, so model.to(bfloat16) leaves it (and the frequencies it
+        # is made from) in float32.
+        self.rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None
         for p in self.parameters():
             p.requires_grad_(False)
         self.fused_kernels: ModuleType | None = None  # set when every layer has panels (pack_weights)
         self.fused_isa = 0
         self.decode_weights: list[Any] = []  # DecoderLayer.fused_weights per layer, with the panels
+        self.final_norm_weight: torch.Tensor | None = None  # [hidden] float32 for decode_layers
 
-    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [T] -> cos, sin: [T, 1, head_dim], computed once per forward for all layers
-        freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        scale = self.config.rope_scale
-        return (emb.cos() * scale).to(dtype).unsqueeze(1), (emb.sin() * scale).to(dtype).unsqueeze(1)
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T] -> cos, sin: [T, head_dim] float32, rows of tables made once.
+
+        Why tables: computing them per step took about 15 small ops, which after a batch-1
+        decode's weight stream (caches cold) cost ~0.3 ms of a 9 ms bf16 step. Why float32:
+        frequencies rounded to bfloat16 (as a buffer would be by model.to) are off by up to
+        0.4 %, which turns a few hundred positions into angles wrong by radians."""
+        if self.rope_tables is None or self.rope_tables[0].device != positions.device:
+            cfg = self.config
+            steps = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
+            freqs = steps.unsqueeze(1) * cfg.inv_freq.float().unsqueeze(0)  # [max_positions, head_dim / 2]
+            emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
+            self.rope_tables = ((emb.cos() * cfg.rope_scale).to(positions.device),
+                                (emb.sin() * cfg.rope_scale).to(positions.device))
+        cos_table, sin_table = self.rope_tables
+        return cos_table[positions], sin_table[positions]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -133,7 +148,7 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         if attn.is_fused:
             return self._forward_fused(x, positions, attn, kv_caches)
-        cos, sin = self.rope(positions, x.dtype)
+        cos, sin = (t.to(x.dtype).unsqueeze(1) for t in self.rope(positions))  # [T, 1, head_dim]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, attn, k_cache, v_cache)
         return self.norm(x)
@@ -143,25 +158,28 @@ class LlamaForCausalLM(nn.Module):
         # x: [T, hidden] -> hidden: [T, hidden]; the residual stream stays float32 across layers
         dtype = x.dtype
         x = x.float().contiguous()
-        cos, sin = (t.squeeze(1).contiguous() for t in self.rope(positions, torch.float32))  # [T, head_dim]
+        cos, sin = self.rope(positions)  # [T, head_dim]
         if attn.num_prefill_tokens == 0:
             # A decode-only step: every layer in one C++ call (a Python call per layer cost about
             # 3 % of a batch-1 bf16 step on a 2-core Zen 4, and one GIL handoff each).
-            first = self.layers[0]  # the layers share heads, eps and scale
+            # The final norm runs there too, and its float32 output goes to the LM head's panels
+            # as every fused layer's activations go to theirs (the kernels round them for bf16).
+            first = self.layers[0]  # the layers share heads, eps and scale (and the final norm's eps)
             self.fused_kernels.decode_layers(x, cos, sin, self.decode_weights, kv_caches, attn.slot_mapping,
                                              attn.block_tables, attn.context_lens, first.num_heads, attn.block_size,
-                                             first.eps, first.scale, self.fused_isa)
-            return self.norm(x).to(dtype)
+                                             first.eps, first.scale, self.final_norm_weight, self.fused_isa)
+            return x
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             layer.forward_fused(x, cos, sin, attn, k_cache, v_cache, self.fused_kernels, self.fused_isa)
         return self.norm(x).to(dtype)
 
     def pack_weights(self, onednn: bool, panel_dtype: torch.dtype | None, kernels: ModuleType | None, isa: int,
-                     max_panel_rows: int) -> None:
+                     max_panel_rows: int, huge_pages: bool = False) -> None:
         """Pack every projection once, after loading (CPU): for oneDNN (prefill, large batches)
         and/or as panels of `panel_dtype` for the C++ small-batch kernels (steps of up to
         `max_panel_rows` tokens; every step when they are the only copy, as in int8). With
-        panels, such steps run each layer as C++ calls (`forward_fused`); panels need `kernels`."""
+        panels, such steps run each layer as C++ calls (`forward_fused`); panels need `kernels`.
+        `huge_pages`: the panels share one region on 2 MiB pages."""
         if panel_dtype is not None and kernels is None:
             raise ValueError("panel-packed weights need the C++ CPU kernels")
         for module in self.modules():
@@ -175,10 +193,13 @@ class LlamaForCausalLM(nn.Module):
             elif panel_dtype is not None and not tied:
                 module.drop_weight()
         if panel_dtype is not None:
+            if huge_pages:  # before decode_weights takes the panels' addresses
+                place_on_huge_pages([m.panels for m in self.modules() if isinstance(m, Linear) and m.panels is not None])
             for layer in self.layers:
                 layer.norm_weights = (layer.input_layernorm.weight.float().contiguous(),
                                       layer.post_attention_layernorm.weight.float().contiguous())
             self.decode_weights = [layer.fused_weights(kernels) for layer in self.layers]
+            self.final_norm_weight = self.norm.weight.float().contiguous()
             self.fused_kernels, self.fused_isa = kernels, isa
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -9,13 +9,17 @@ exactly; int8 is weight-only quantization, symmetric with one float32 scale per 
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 
+from engine.huge_pages import huge_page_tensor
+
 PANEL = 16
 PAIR_CHUNK = 32  # bfloat16 panels pad K to a multiple of this (one AMX tile's k)
+PAGE_BYTES = 4096  # each weight starts on a page of its own in the shared region
 
 
 @dataclass(slots=True)
@@ -73,3 +77,18 @@ class PackedWeight:
     def linear(self, x: torch.Tensor, kernels: ModuleType, isa: int) -> torch.Tensor:
         """x [M, K] -> [M, N] float32."""
         return kernels.packed_linear(x, *self.as_args(), isa)
+
+
+def place_on_huge_pages(weights: Sequence[PackedWeight]) -> torch.Tensor:
+    """Move every weight's panels into one region on 2 MiB pages (engine/huge_pages.py says why)
+    and return it: [bytes] uint8, which each weight's `data` now views."""
+    sizes = [w.data.numel() * w.data.element_size() for w in weights]
+    starts = [0]
+    for size in sizes:
+        starts.append(starts[-1] + -(-size // PAGE_BYTES) * PAGE_BYTES)
+    region = huge_page_tensor((starts[-1],), torch.uint8)
+    for weight, start, size in zip(weights, starts, sizes, strict=False):
+        view = region[start:start + size].view(weight.data.dtype).view(weight.data.shape)
+        view.copy_(weight.data)
+        weight.data = view
+    return region

@@ -1,0 +1,50 @@
+"""CPU tensors on 2 MiB pages, for the memory the decode step streams: weight panels and KV cache.
+
+Why: a batch-1 decode step reads every weight once, 269 MB in bfloat16, as ~150 tensors of
+0.1-2 MB each. On 4 KiB pages that is 65,000 pages a token: a TLB miss every 4 KiB, and the
+hardware prefetchers stop at each page's end. Transparent huge pages only back a region once
+it is 2 MiB aligned and advised (`madvise` mode, the common default), which a tensor under
+2 MiB never is. So the panels are copied into one advised region (`PackedWeight.place`). On a
+2-core Zen 4, two engines in one process (one with, one without), batch-1 decode ran 1.13-1.23x
+faster in bfloat16, 1.10x in int8 and 1.05-1.08x in float32 (README).
+
+Where THP is off (`never`) or the OS is not Linux, the advice is a no-op and these are plain
+zero-filled tensors.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import mmap
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+HUGE_PAGE_BYTES = 2 << 20
+
+
+def huge_page_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero-filled CPU tensor starting on a 2 MiB boundary in its own anonymous mapping,
+    advised MADV_HUGEPAGE. Pages are faulted in (zeroed by the kernel) on first touch."""
+    num_bytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    # Private: a shared anonymous mapping is shmem, which follows shmem_enabled, not THP.
+    mapping = mmap.mmap(-1, num_bytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            mapping.madvise(mmap.MADV_HUGEPAGE)
+        except OSError as exc:  # a kernel built without THP: plain pages
+            logger.debug("MADV_HUGEPAGE refused (%s)", exc)
+    raw = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps `mapping` alive while any view lives
+    offset = -raw.data_ptr() % HUGE_PAGE_BYTES
+    return raw[offset:offset + num_bytes].view(dtype).view(shape)
+
+
+def transparent_huge_pages_mode(sysfs: Path = Path("/sys/kernel/mm/transparent_hugepage/enabled")) -> str:
+    """'always', 'madvise' or 'never' (the bracketed choice), or 'unavailable' off Linux."""
+    try:
+        text = sysfs.read_text()
+    except OSError:
+        return "unavailable"
+    return text[text.find("[") + 1:text.find("]")] if "[" in text else "unavailable"
