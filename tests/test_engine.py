@@ -214,7 +214,7 @@ def test_max_model_len_beyond_the_models_positions_is_refused(tiny_model_dir) ->
 
 def test_rope_stays_float32_when_the_model_runs_in_bfloat16(tiny_model_dir) -> None:
     """The angles come from float32 frequencies: rounded to bfloat16 (as model.to would round a
-    buffer) they are off by up to 0.4 %, radians at a few hundred positions."""
+    buffer) they are up to 0.4 % off, and the angles drift by radians at a thousand positions."""
     model = LLM(str(tiny_model_dir), num_kv_blocks=64, dtype="bfloat16").engine.runner.model
     positions = torch.tensor([0, 7, 300, model.config.max_position_embeddings - 1])
     cos, sin = model.rope(positions)

@@ -130,8 +130,10 @@ class LlamaForCausalLM(nn.Module):
 
         Why tables: computing them per step took about 15 small ops, which after a batch-1
         decode's weight stream (caches cold) cost ~0.3 ms of a 9 ms bf16 step. Why float32:
-        frequencies rounded to bfloat16 (as a buffer would be by model.to) are off by up to
-        0.4 %, which turns a few hundred positions into angles wrong by radians."""
+        frequencies rounded to bfloat16 (as a buffer is by model.to) are up to 0.4 % off, so
+        the angles drift from the checkpoint's, by radians at a thousand positions in absolute
+        terms. (RoPE's scores see relative angles, and SmolLM2-135M's perplexity on the
+        repository's 971-token text did not move: 18.255 before, 18.256 after.)"""
         if self.rope_tables is None or self.rope_tables[0].device != positions.device:
             cfg = self.config
             steps = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
