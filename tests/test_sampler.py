@@ -18,6 +18,22 @@ def test_greedy_rows_take_argmax_in_mixed_batch() -> None:
     assert out.token_ids == [1, 0]
 
 
+def test_greedy_takes_the_first_of_tied_maxima_and_a_nan_as_torch_does() -> None:
+    """The CPU argmax runs through numpy: its ties and NaN rule are torch's."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 1000, generator=gen)
+    logits[1, [10, 700]] = 50.0  # a tie: the first
+    logits[2, [30, 600]] = float("nan")  # a NaN wins, the first one
+    logits[3] = -float("inf")  # every token masked
+    logits[4, 999] = 60.0  # the last column
+    expected = logits.argmax(dim=-1).tolist()
+    assert expected[1:] == [10, 30, 0, 999]
+    greedy = [SamplingParams(temperature=0)] * 5
+    assert Sampler(torch.device("cpu"))(logits.clone(), _seqs(*greedy)).token_ids == expected
+    assert Sampler(torch.device("cpu"))(logits[:, ::2].clone(), _seqs(*greedy)).token_ids == \
+        logits[:, ::2].argmax(dim=-1).tolist()
+
+
 def test_top_k_one_and_tiny_top_p_are_greedy() -> None:
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(16, 50, generator=gen)
