@@ -126,7 +126,10 @@ class ModelRunner:
         # reads a sequence's blocks scattered over it: on 2 MiB pages, without a TLB miss each.
         shape = (mc.num_layers, 2, self.num_kv_blocks * self.block_size, mc.num_kv_heads, mc.head_dim)
         if is_cpu and config.enable_huge_pages:
-            self.kv_cache = huge_page_tensor(shape, self.dtype)
+            # Faulted in now, not by the steps that first write each block: a fault there (a 2 MiB
+            # page zeroed, perhaps compacted for) made prefill steps look slow to the step cost
+            # model, which then cut chunks small (515 steps for a served workload that takes 395).
+            self.kv_cache = huge_page_tensor(shape, self.dtype).zero_()
         else:
             self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(mc.num_layers)]

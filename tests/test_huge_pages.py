@@ -87,6 +87,9 @@ def test_engine_tokens_do_not_depend_on_huge_pages(tiny_model_dir: Path, dtype: 
         panels = runner.model.layers[0].qkv_proj.panels
         if huge:  # the KV pool and the panels start in regions of their own
             assert is_aligned and panels.data.data_ptr() % 4096 == 0
+            # The pool is faulted in at start-up, not by the first steps that write its blocks.
+            resident_kib = int(_mapping_fields(runner.kv_cache.data_ptr())["Rss"].split()[0])
+            assert resident_kib * 1024 >= runner.kv_cache.numel() * runner.kv_cache.element_size()
             lm_head = runner.model.lm_head.panels.data.data_ptr()
             assert abs(lm_head - panels.data.data_ptr()) < 1 << 30  # one region, not scattered tensors
         outputs[huge] = [list(o.token_ids) for o in llm.generate(prompts, params)]
