@@ -1,12 +1,12 @@
 """CPU tensors on 2 MiB pages, for the memory the decode step streams: weight panels and KV cache.
 
-Why: a batch-1 decode step reads every weight once, 269 MB in bfloat16, as ~150 tensors of
-0.1-2 MB each. On 4 KiB pages that is 65,000 pages a token: a TLB miss every 4 KiB, and the
-hardware prefetchers stop at each page's end. Transparent huge pages only back a region once
-it is 2 MiB aligned and advised (`madvise` mode, the common default), which a tensor under
-2 MiB never is. So the panels are copied into one advised region (`PackedWeight.place`). On a
-2-core Zen 4, two engines in one process (one with, one without), batch-1 decode ran 1.13-1.23x
-faster in bfloat16, 1.10x in int8 and 1.05-1.08x in float32 (README).
+Why: a batch-1 decode step reads every weight once, 269 MB in bfloat16, as 121 panel tensors
+(0.7-3.5 MB a layer's). On 4 KiB pages that is 65,000 pages a token: a TLB miss every 4 KiB,
+and the hardware prefetchers stop at each page's end. In THP's `madvise` mode (the common
+default) only advised memory gets 2 MiB pages, and a tensor under 2 MiB could not fill one.
+So the panels are copied into one advised region (`place_on_huge_pages`). On a 2-core Zen 4,
+two engines in one process (one with, one without), batch-1 decode ran 1.12-1.23x faster in
+bfloat16, 1.08-1.10x in int8 and 1.05-1.08x in float32 (README).
 
 Where THP is off (`never`) or the OS is not Linux, the advice is a no-op and these are plain
 zero-filled tensors.
