@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import math
 import mmap
-from pathlib import Path
 
 import torch
 
@@ -40,11 +39,3 @@ def huge_page_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor
     offset = -raw.data_ptr() % HUGE_PAGE_BYTES
     return raw[offset:offset + num_bytes].view(dtype).view(shape)
 
-
-def transparent_huge_pages_mode(sysfs: Path = Path("/sys/kernel/mm/transparent_hugepage/enabled")) -> str:
-    """'always', 'madvise' or 'never' (the bracketed choice), or 'unavailable' off Linux."""
-    try:
-        text = sysfs.read_text()
-    except OSError:
-        return "unavailable"
-    return text[text.find("[") + 1:text.find("]")] if "[" in text else "unavailable"

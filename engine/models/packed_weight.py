@@ -87,7 +87,7 @@ def place_on_huge_pages(weights: Sequence[PackedWeight]) -> torch.Tensor:
     for size in sizes:
         starts.append(starts[-1] + -(-size // PAGE_BYTES) * PAGE_BYTES)
     region = huge_page_tensor((starts[-1],), torch.uint8)
-    for weight, start, size in zip(weights, starts, sizes, strict=False):
+    for weight, start, size in zip(weights, starts[:-1], sizes, strict=True):
         view = region[start:start + size].view(weight.data.dtype).view(weight.data.shape)
         view.copy_(weight.data)
         weight.data = view
