@@ -203,7 +203,7 @@ class LLMEngine:
 
     def _run(self, sched: SchedulerOutput, stats: StepStats) -> list[RequestOutput]:
         t0 = time.monotonic()
-        logits = self.runner.execute(sched)
+        logits, greedy_ids = self.runner.execute(sched, self.sampler.is_plain_greedy(sched.sampling_seqs))
         copies = []
         for row, seq in enumerate(sched.sampling_seqs):
             if seq.needs_fork:  # its prompt is in the cache now: the other samples share it
@@ -213,9 +213,10 @@ class LLMEngine:
             self.runner.copy_blocks(copies)
         if sched.forked_seqs:
             logits = torch.cat([logits, logits[torch.tensor(sched.fork_rows, device=logits.device)]])
+            greedy_ids = None  # the forked rows are not among them
         t1 = time.monotonic()
         sampling_seqs = sched.sampling_seqs
-        sampled = self.sampler(logits, sampling_seqs) if sampling_seqs else None
+        sampled = self.sampler(logits, sampling_seqs, greedy_ids) if sampling_seqs else None
         t2 = time.monotonic()
         for seq, first_position, entries in self.runner.last_prompt_logprobs:
             self.output_processor.add_prompt_logprobs(seq, first_position, entries)

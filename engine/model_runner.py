@@ -155,13 +155,17 @@ class ModelRunner:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> torch.Tensor:
+    def execute(self, sched: SchedulerOutput, with_argmax: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One forward over every token the step scheduled: the prefill chunks, packed without
         padding, then one token per decoding sequence. The projections and MLPs see all rows
         at once (the weights are read once per step, which on a CPU is most of a small step);
         only attention splits by path. Returns logits of the sampling rows, in
-        `sched.sampling_seqs` order: [num_sampling, vocab]."""
+        `sched.sampling_seqs` order: [num_sampling, vocab], and, when with_argmax and the step
+        ran as one fused call, each row's first argmax [num_sampling] int64 (else None)."""
         t0 = time.perf_counter()
+        self.last_prompt_logprobs = []
+        if not sched.prefill_seqs and len(sched.decode_seqs) <= self.max_fused_tokens:
+            return self._execute_fused_decode(sched.decode_seqs, with_argmax, t0)
         prefill = self._prepare_prefill(sched.prefill_seqs, sched.prefill_num_tokens)
         decode = self._prepare_decode(sched.decode_seqs)
         num_prefill_tokens = prefill.num_tokens if prefill else 0
@@ -184,8 +188,21 @@ class ModelRunner:
             rows_t = self._to_device(np.asarray(rows, dtype=np.int64))
         self.last_prepare_time = time.perf_counter() - t0
         hidden = self.model(input_ids, positions, attn, self.kv_caches)  # [T, hidden]
-        self.last_prompt_logprobs = self._prompt_logprobs(sched, prefill, hidden) if prefill else []
-        return self.model.compute_logits(hidden if rows_t is None else hidden[rows_t])
+        if prefill is not None:
+            self.last_prompt_logprobs = self._prompt_logprobs(sched, prefill, hidden)
+        return self.model.compute_logits(hidden if rows_t is None else hidden[rows_t]), None
+
+    def _execute_fused_decode(self, seqs: list[Sequence], with_argmax: bool, t0: float
+                              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A decode-only step on the fused kernels (CPU only, so the arrays need no copy to a
+        device): one C++ call from token ids to logits [B, vocab] float32 (and their argmax)."""
+        decode = self._prepare_decode(seqs)
+        token_ids, positions, slot_mapping, block_tables, context_lens = (
+            torch.from_numpy(a) for a in (decode.token_ids, decode.positions, decode.slot_mapping,
+                                          decode.block_tables, decode.context_lens))
+        self.last_prepare_time = time.perf_counter() - t0
+        return self.model.decode_logits(token_ids, positions, slot_mapping, block_tables, context_lens,
+                                        self.block_size, self.kv_caches, with_argmax)
 
     def _prompt_logprobs(self, sched: SchedulerOutput, prefill: _PrefillInputs, hidden: torch.Tensor
                          ) -> list[tuple[Sequence, int, list[dict[int, float]]]]:

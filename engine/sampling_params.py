@@ -43,6 +43,9 @@ class SamplingParams:
     # The sampler's per-row values, built once per request (the sampler stacks them per step):
     # (temperature or 1 when greedy, top_p, min_p, repetition, frequency, presence penalty, is_greedy)
     row: tuple[float, ...] = field(init=False, repr=False, compare=False)
+    # Greedy with nothing that edits logits or reads them (a grammar, penalties, biases,
+    # logprobs; min_tokens is per step): the sampler can take the forward's own argmax.
+    is_plain_greedy: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -95,6 +98,8 @@ class SamplingParams:
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= _MAX_LOGPROBS:
             raise ValueError(f"prompt_logprobs must be in [0, {_MAX_LOGPROBS}], got {self.prompt_logprobs}")
         self.stop_token_set = frozenset(self.stop_token_ids)
+        self.is_plain_greedy = (self.is_greedy and self.logprobs is None and not self.logit_bias
+                                and not self.has_penalties and self.structured_output is None)
         self.row = (self.temperature if self.temperature > 0 else 1.0, self.top_p, self.min_p, self.repetition_penalty,
                     self.frequency_penalty, self.presence_penalty, float(self.is_greedy))
 

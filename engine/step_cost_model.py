@@ -26,13 +26,18 @@ with a wide variance, and a handful of steps replace it with measurements.
 """
 from __future__ import annotations
 
-import numpy as np
+import math
+import operator
 
 _PRIOR = [0.0, 1e-3, 1e-3, 1e-3, 1e-2, 0.0, 1e-3]
 _PRIOR_VARIANCE = [1.0, 1e-2, 1e-2, 1e-2, 1.0, 1.0, 1e-2]
 _MAX_VARIANCE_GROWTH = 100.0  # a feature unseen for long regains at most this much uncertainty
 ERROR_QUANTILE = 0.97
 _QUANTILE_STEP = 0.01  # how far one step moves the error quantile estimate
+
+
+def _dot(a: list[float], b: list[float]) -> float:
+    return sum(map(operator.mul, a, b))
 
 
 def attention_pairs(num_new_tokens: int, num_context_tokens: int) -> float:
@@ -42,9 +47,12 @@ def attention_pairs(num_new_tokens: int, num_context_tokens: int) -> float:
 
 class StepCostModel:
     def __init__(self, decay: float = 0.98) -> None:
-        self.weights = np.asarray(_PRIOR, dtype=np.float64)
-        self.covariance = np.diag(np.asarray(_PRIOR_VARIANCE, dtype=np.float64))
-        self._max_variance = np.asarray(_PRIOR_VARIANCE) * _MAX_VARIANCE_GROWTH
+        # Plain floats, not numpy: a 7-feature fit is a few hundred multiplications, and each
+        # numpy call found the caches cold after a batch-1 step's weight stream (observe took
+        # 135-160 us of a 10 ms bf16 step through numpy).
+        self.weights = list(_PRIOR)
+        self.covariance = [[v if i == j else 0.0 for j in range(len(_PRIOR))] for i, v in enumerate(_PRIOR_VARIANCE)]
+        self._max_variance = [v * _MAX_VARIANCE_GROWTH for v in _PRIOR_VARIANCE]
         self.decay = decay
         self.overhead = 0.0
         self.error_quantile = 1.0  # online ERROR_QUANTILE of measured / predicted step time
@@ -53,16 +61,16 @@ class StepCostModel:
 
     @staticmethod
     def features(num_decode_seqs: int, num_decode_context_tokens: int, num_prefill_tokens: int,
-                 num_prefill_pairs: float, num_prefill_cached_tokens: int = 0) -> np.ndarray:
+                 num_prefill_pairs: float, num_prefill_cached_tokens: int = 0) -> list[float]:
         is_forward = 1.0 if num_decode_seqs or num_prefill_tokens else 0.0
         has_prefill = 1.0 if num_prefill_tokens else 0.0
-        return np.array([is_forward, num_decode_seqs, num_decode_context_tokens / 1e3, num_prefill_tokens,
-                         num_prefill_pairs / 1e6, has_prefill, num_prefill_cached_tokens / 1e3])
+        return [is_forward, float(num_decode_seqs), num_decode_context_tokens / 1e3, float(num_prefill_tokens),
+                num_prefill_pairs / 1e6, has_prefill, num_prefill_cached_tokens / 1e3]
 
     @property
-    def costs(self) -> np.ndarray:
+    def costs(self) -> list[float]:
         # A negative fitted cost is noise: more work never makes a step faster.
-        return np.maximum(self.weights, 0.0)
+        return [max(w, 0.0) for w in self.weights]
 
     def predict(self, num_decode_seqs: int, num_decode_context_tokens: int, num_prefill_tokens: int = 0,
                 num_prefill_pairs: float = 0.0, num_prefill_cached_tokens: int = 0) -> float:
@@ -71,7 +79,7 @@ class StepCostModel:
                           num_prefill_cached_tokens)
         # The raw fit, not the clipped costs: with correlated features one weight may go negative
         # while the sum stays right, and clipping it would bias every prediction upwards.
-        return self.overhead + max(0.0, float(self.weights @ x))
+        return self.overhead + max(0.0, _dot(self.weights, x))
 
     def decode_pace(self, decode_time: float) -> float:
         """The time of a decode-only step whose sequences `predict` puts at decode_time (seconds),
@@ -112,18 +120,23 @@ class StepCostModel:
         x = self.features(num_decode_seqs, num_decode_context_tokens, num_prefill_tokens, num_prefill_pairs,
                           num_prefill_cached_tokens)
         if self.num_observations >= 10:  # once the fit means something
-            predicted = self.overhead + max(0.0, float(self.weights @ x))
+            predicted = self.overhead + max(0.0, _dot(self.weights, x))
             if predicted > 0:
                 # Stochastic quantile tracking: up by q when above, down by 1 - q when below.
                 above = (forward_time + overhead_time) / predicted > self.error_quantile
                 self.error_quantile += _QUANTILE_STEP * (ERROR_QUANTILE if above else ERROR_QUANTILE - 1)
-        p_x = self.covariance @ x
-        gain = p_x / (self.decay + x @ p_x)
-        self.weights = self.weights + gain * (forward_time - x @ self.weights)
-        cov = (self.covariance - np.outer(gain, p_x)) / self.decay
+        p_x = [_dot(row, x) for row in self.covariance]  # P x
+        denominator = self.decay + _dot(x, p_x)
+        gain = [p / denominator for p in p_x]
+        error = forward_time - _dot(x, self.weights)
+        self.weights = [w + g * error for w, g in zip(self.weights, gain, strict=True)]
+        decay = self.decay
+        cov = [[(c - g * p) / decay for c, p in zip(row, p_x, strict=True)]
+               for row, g in zip(self.covariance, gain, strict=True)]  # (P - gain (P x)^T) / decay
         # Forgetting inflates the variance of features a workload never varies (windup); cap it.
-        scale = np.sqrt(np.minimum(1.0, self._max_variance / np.maximum(np.diag(cov), 1e-30)))
-        self.covariance = cov * np.outer(scale, scale)
+        scale = [math.sqrt(min(1.0, m / max(cov[i][i], 1e-30))) for i, m in enumerate(self._max_variance)]
+        self.covariance = [[c * si * sj for c, sj in zip(row, scale, strict=True)]
+                           for row, si in zip(cov, scale, strict=True)]
         self.overhead = self._smooth(self.overhead, overhead_time, self.num_observations == 0)
         self.num_observations += 1
         self.num_decode_only_observations += bool(num_decode_seqs and not num_prefill_tokens)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import statistics
 from pathlib import Path
 
 import pytest
@@ -145,3 +146,22 @@ def test_offline_closed_loop_keeps_concurrency_requests_in_flight(tiny_llm) -> N
     assert sum(s.num_generated_tokens for s in steps) == sum(output_lens)
     _, all_at_once = run_minivllm(tiny_llm, prompts, output_lens)
     assert max(s.num_running + s.num_waiting for s in all_at_once) > 3
+
+
+def test_single_stream_rounds_hold_each_round_to_the_bandwidth_sampled_around_it(tiny_llm) -> None:
+    """--single-stream: each round's decode figure beside the median of the two sums just
+    before it and the two just after it (the next round's "before")."""
+    from bench.offline_throughput import run_single_stream_rounds
+
+    seconds, steps, rounds = run_single_stream_rounds(tiny_llm, [[100] * 5], [6], 3, buffer_bytes=1 << 20)
+    assert len(rounds) == 3 and seconds > 0
+    assert sum(s.num_generated_tokens for s in steps) == 3 * 6  # every round's tokens
+    for before, this in zip(rounds[:-1], rounds[1:], strict=True):
+        assert this["read_bandwidth_samples_gb_s"][:2] == before["read_bandwidth_samples_gb_s"][2:]
+    per_round = len(steps) // 3
+    for i, r in enumerate(rounds):
+        samples = sorted(r["read_bandwidth_samples_gb_s"])
+        assert len(samples) == 4 and samples[0] > 0
+        assert r["read_bandwidth_gb_s"] == pytest.approx((samples[1] + samples[2]) / 2)
+        decode = [s.total_time for s in steps[i * per_round : (i + 1) * per_round] if s.num_prefill_tokens == 0]
+        assert len(decode) == 5 and r["achieved_decode_tok_s"] == pytest.approx(1 / statistics.median(decode))

@@ -150,10 +150,12 @@ def test_decode_layer_in_one_call_matches_the_torch_layer(kernels, weight_dtype:
         assert not torch.equal(k_cache[slots], torch.zeros_like(k_cache[slots]))
 
 
-def test_decode_layers_runs_every_layer_as_decode_layer_does(kernels) -> None:
-    """The whole model's decode step in one call: the same floats as one decode_layer call per
-    layer, each layer with its own weights, window and caches."""
-    bs, num_blocks = 4, 24
+@pytest.mark.parametrize("embedding_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_decode_step_is_the_embedding_every_layer_the_norm_and_the_head(kernels, embedding_dtype) -> None:
+    """The model's decode step in one call: the embedding's and RoPE tables' rows of the tokens,
+    the same floats as one decode_layer call per layer (each layer with its own weights, window
+    and caches), the final RMSNorm, the LM head's panels, and torch.argmax's choice per row."""
+    bs, num_blocks, vocab, max_positions = 4, 24, 64, 20
     lens = torch.tensor([1, 9, 14])
     tables = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(6))[:12].view(3, 4)
     positions = lens - 1
@@ -167,37 +169,60 @@ def test_decode_layers_runs_every_layer_as_decode_layer_does(kernels) -> None:
     gen = torch.Generator().manual_seed(7)
     caches = [(torch.randn(num_blocks * bs, cfg.num_kv_heads, cfg.head_dim, generator=gen),
                torch.randn(num_blocks * bs, cfg.num_kv_heads, cfg.head_dim, generator=gen)) for _ in layers]
-    x = torch.randn(3, cfg.hidden_size, generator=gen)
-    freqs = positions.float().unsqueeze(1) * torch.linspace(1, 0.01, cfg.head_dim // 2).unsqueeze(0)
-    cos, sin = torch.cat((freqs, freqs), dim=-1).cos(), torch.cat((freqs, freqs), dim=-1).sin()
+    embedding = torch.randn(vocab, cfg.hidden_size, generator=gen).to(embedding_dtype)
+    token_ids = torch.tensor([5, 63, 0])
+    freqs = torch.arange(max_positions).float().unsqueeze(1) * torch.linspace(1, 0.01, cfg.head_dim // 2)
+    cos_table, sin_table = torch.cat((freqs, freqs), dim=-1).cos(), torch.cat((freqs, freqs), dim=-1).sin()
     attn = AttentionMetadata(slot_mapping=slots, block_size=bs, block_tables=tables, context_lens=lens,
                              decode_kernels=kernels)
-    weights = [layer.fused_weights(kernels) for layer in layers]
-    expected, out = x.clone(), x.clone()
-    ref_caches = [(k.clone(), v.clone()) for k, v in caches]
-    for layer, (k, v) in zip(layers, ref_caches, strict=True):  # one call per layer, as mixed steps run
-        layer.forward_fused(expected, cos, sin, attn, k, v, kernels, isa)
-    normed_caches = [(k.clone(), v.clone()) for k, v in caches]
-    kernels.decode_layers(out, cos, sin, weights, caches, slots, tables, lens, cfg.num_heads, bs, cfg.rms_norm_eps,
-                          cfg.head_dim**-0.5, None, isa)
-    assert not torch.equal(expected, x)
-    assert torch.equal(out, expected)
-    for (k, v), (k_ref, v_ref) in zip(caches, ref_caches, strict=True):
-        assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
-    # With the model's final norm: the layers' output normed as RMSNorm does, in place.
     final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
     final_norm.weight.copy_(torch.rand(cfg.hidden_size, generator=gen) + 0.5)
-    normed = x.clone()
-    kernels.decode_layers(normed, cos, sin, weights, normed_caches, slots, tables, lens, cfg.num_heads, bs,
-                          cfg.rms_norm_eps, cfg.head_dim**-0.5, final_norm.weight.detach(), isa)
-    assert torch.allclose(normed, final_norm(expected), atol=1e-5), (normed - final_norm(expected)).abs().max()
-    assert not torch.allclose(normed, expected, atol=1e-2)
+    weights = [layer.fused_weights(kernels) for layer in layers]
+    hidden = embedding[token_ids].float()
+    ref_caches = [(k.clone(), v.clone()) for k, v in caches]
+    for layer, (k, v) in zip(layers, ref_caches, strict=True):  # one call per layer, as mixed steps run
+        layer.forward_fused(hidden, cos_table[positions], sin_table[positions], attn, k, v, kernels, isa)
+    normed = final_norm(hidden)
+
+    def step(head_weight: torch.Tensor, with_argmax: bool = True, **changes):
+        args = dict(token_ids=token_ids, positions=positions, embedding=embedding, cos=cos_table, sin=sin_table,
+                    layers=weights, caches=[(k.clone(), v.clone()) for k, v in caches], final_norm=final_norm.weight)
+        args |= changes
+        head = PackedWeight.pack(head_weight, None, torch.float32)
+        logits, ids = kernels.decode_step(args["token_ids"], args["positions"], args["embedding"], args["cos"],
+                                          args["sin"], args["layers"], args["caches"], slots, tables, lens,
+                                          cfg.num_heads, bs, cfg.rms_norm_eps, cfg.head_dim**-0.5,
+                                          args["final_norm"], head.as_args(), with_argmax, isa)
+        return logits, ids, head, args["caches"]
+
+    head_weight = torch.randn(vocab, cfg.hidden_size, generator=gen)
+    logits, ids, head, stepped = step(head_weight)
+    assert torch.allclose(logits, kernels.packed_linear(normed, *head.as_args(), isa), atol=1e-5)
+    assert torch.equal(ids, logits.argmax(dim=-1))
+    for (k, v), (k_ref, v_ref) in zip(stepped, ref_caches, strict=True):
+        assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+    assert step(head_weight, with_argmax=False)[1] is None
+    # Ties go to the first maximum (two equal rows of the head, 3 and 7, far ahead of the rest),
+    # then the last column wins alone; a NaN wins over any number, the first NaN (5, not 9).
+    direction = normed / normed.norm(dim=1, keepdim=True)
+    ties = head_weight.clone()
+    ties[3] = ties[7] = 100 * direction[0]
+    ties[63] = 100 * direction[2]
+    logits, ids, _, _ = step(ties)
+    assert logits[0, 3] == logits[0, 7] == logits[0].max() and logits[2, 63] == logits[2].max()
+    assert ids[0] == 3 and ids[2] == 63 and torch.equal(ids, logits.argmax(dim=-1))
+    nans = head_weight.clone()
+    nans[[5, 9]] = float("nan")
+    logits, ids, _, _ = step(nans)
+    assert ids.tolist() == [5, 5, 5] and torch.equal(ids, logits.argmax(dim=-1))
     with pytest.raises(RuntimeError, match="one \\(K, V\\) cache pair per layer"):
-        kernels.decode_layers(out, cos, sin, weights, caches[:1], slots, tables, lens, cfg.num_heads, bs,
-                              cfg.rms_norm_eps, cfg.head_dim**-0.5, None, isa)
+        step(head_weight, caches=caches[:1])
+    with pytest.raises(RuntimeError, match="embedding index 64 out of \\[0, 64\\)"):
+        step(head_weight, token_ids=torch.tensor([5, 64, 0]))
+    with pytest.raises(RuntimeError, match="RoPE table index 20 out of"):
+        step(head_weight, positions=torch.tensor([0, 20, 13]))
     with pytest.raises(RuntimeError, match="final_norm must be"):
-        kernels.decode_layers(out, cos, sin, weights, caches, slots, tables, lens, cfg.num_heads, bs,
-                              cfg.rms_norm_eps, cfg.head_dim**-0.5, torch.ones(3), isa)
+        step(head_weight, final_norm=torch.ones(3))
 
 
 @pytest.mark.parametrize("window", [None, 5], ids=["full", "window5"])

@@ -34,6 +34,25 @@ def test_greedy_takes_the_first_of_tied_maxima_and_a_nan_as_torch_does() -> None
         logits[:, ::2].argmax(dim=-1).tolist()
 
 
+def test_the_forwards_argmax_is_taken_only_where_nothing_edits_or_reads_the_logits() -> None:
+    plain = SamplingParams(temperature=0)
+    assert Sampler.is_plain_greedy(_seqs(plain, plain))
+    for params in (SamplingParams(temperature=0.7), SamplingParams(temperature=0, logprobs=0),
+                   SamplingParams(temperature=0, logit_bias={3: 5.0}), SamplingParams(temperature=0, presence_penalty=1),
+                   SamplingParams(temperature=0, repetition_penalty=1.2)):
+        assert not Sampler.is_plain_greedy(_seqs(plain, params)), params
+    waiting = SamplingParams(temperature=0, min_tokens=2)  # its stop tokens are masked for two tokens
+    assert not Sampler.is_plain_greedy([fake_seq("a", 3, num_output=1, params=waiting)])
+    assert Sampler.is_plain_greedy([fake_seq("a", 3, num_output=2, params=waiting)])
+    constrained = fake_seq("b", 3, params=plain)
+    constrained.matcher = object()
+    assert not Sampler.is_plain_greedy([constrained])
+    # Given the forward's argmax, the sampler answers with it and leaves the logits alone.
+    logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 0.0]])
+    out = Sampler(torch.device("cpu"))(logits, _seqs(plain, plain), torch.tensor([1, 0]))
+    assert out.token_ids == [1, 0] and out.logprobs == [None, None]
+
+
 def test_top_k_one_and_tiny_top_p_are_greedy() -> None:
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(16, 50, generator=gen)

@@ -39,9 +39,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<minivllm::DecodeLayerWeights, std::shared_ptr<minivllm::DecodeLayerWeights>>(m, "DecodeLayerWeights")
       .def(py::init<torch::Tensor, torch::Tensor, minivllm::PackedLinear, minivllm::PackedLinear,
                     minivllm::PackedLinear, minivllm::PackedLinear, int64_t>(),  // the struct's fields, in order
-           "One layer's norms and packed projections for decode_layers (made once)");
-  m.def("decode_layers", without_gil(&minivllm::decode_layers),
-        "Every decoder layer of a decode step, in place on x: decode_layer per layer, in one call (CPU)");
+           "One layer's norms and packed projections for decode_step (made once)");
+  m.def("decode_step", without_gil(&minivllm::decode_step),
+        "A decode-only step in one call: token ids and positions -> logits [M, vocab] float32 (CPU)");
   m.def("layer_attention_inputs", without_gil(&minivllm::layer_attention_inputs),
         "A fused layer up to attention: norm, QKV, RoPE, KV write -> [M, q | k | v] float32 (CPU)");
   m.def("layer_attention_outputs", without_gil(&minivllm::layer_attention_outputs),

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <limits>
 #include <memory>
 #include <numeric>
 #include <vector>
@@ -234,25 +235,103 @@ void decode_layer(torch::Tensor x,                    // [M, hidden] float32, up
                     eps, isa);
 }
 
-void decode_layers(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
+namespace {
+
+// Every layer of the model on x, in place: decode_layer per layer.
+void decode_layers(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                    const std::vector<std::shared_ptr<DecodeLayerWeights>>& layers,
                    const std::vector<std::tuple<torch::Tensor, torch::Tensor>>& kv_caches,
                    const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
                    const torch::Tensor& context_lens, int64_t num_heads, int64_t block_size, double eps, double scale,
-                   const std::optional<torch::Tensor>& final_norm, int64_t isa) {
-  TORCH_CHECK(kv_caches.size() == layers.size(), "decode_layers: one (K, V) cache pair per layer");
+                   int64_t isa) {
+  TORCH_CHECK(kv_caches.size() == layers.size(), "decode_step: one (K, V) cache pair per layer");
   for (size_t i = 0; i < layers.size(); ++i) {
     const DecodeLayerWeights& l = *layers[i];
     const auto& [k_cache, v_cache] = kv_caches[i];
     decode_layer(x, cos, sin, l.input_norm, l.post_norm, l.qkv, l.o_proj, l.gate_up, l.down, k_cache, v_cache,
                  slot_mapping, block_tables, context_lens, num_heads, block_size, eps, scale, l.window, isa);
   }
-  if (final_norm.has_value()) {  // in place: each row's sum of squares is taken before it is written
-    TORCH_CHECK(final_norm->scalar_type() == torch::kFloat && final_norm->numel() == x.size(1),
-                "decode_layers: final_norm must be [hidden] float32");
-    float* xp = x.data_ptr<float>();
-    rms_norm(xp, x.size(0), x.size(1), final_norm->data_ptr<float>(), static_cast<float>(eps), xp);
+}
+
+// out[m] = float(table[index[m]]), rows of `width`: the embedding's and RoPE tables' rows of the
+// step's tokens (index values checked against the table's rows).
+template <typename T>
+void gather_rows(const torch::Tensor& table, const int64_t* index, int64_t M, float* out, const char* what) {
+  const int64_t rows = table.size(0), width = table.size(1);
+  const T* data = table.data_ptr<T>();
+  for (int64_t m = 0; m < M; ++m) {
+    TORCH_CHECK(index[m] >= 0 && index[m] < rows, "decode_step: ", what, " index ", index[m], " out of [0, ", rows,
+                ")");
+    const T* row = data + index[m] * width;
+    for (int64_t i = 0; i < width; ++i) out[m * width + i] = static_cast<float>(row[i]);
   }
+}
+
+torch::Tensor gathered_rows(const torch::Tensor& table, const torch::Tensor& index, const char* what) {
+  TORCH_CHECK(table.dim() == 2 && table.is_contiguous(), "decode_step: ", what, " must be a contiguous 2-D table");
+  TORCH_CHECK(index.scalar_type() == torch::kInt64 && index.dim() == 1 && index.is_contiguous(),
+              "decode_step: int64 [M] indices into ", what);
+  auto out = torch::empty({index.size(0), table.size(1)}, table.options().dtype(torch::kFloat32));
+  const int64_t* idx = index.data_ptr<int64_t>();
+  float* o = out.data_ptr<float>();
+  switch (table.scalar_type()) {
+    case torch::kFloat32: gather_rows<float>(table, idx, index.size(0), o, what); break;
+    case torch::kBFloat16: gather_rows<at::BFloat16>(table, idx, index.size(0), o, what); break;
+    case torch::kHalf: gather_rows<at::Half>(table, idx, index.size(0), o, what); break;
+    default: TORCH_CHECK(false, "decode_step: ", what, " must be float32, bfloat16 or float16");
+  }
+  return out;
+}
+
+// The index of row[0:n]'s first maximum, a NaN counting as one (the first NaN wins), as
+// torch.argmax: the maximum in one vectorised pass, then its first index.
+int64_t first_argmax(const float* row, int64_t n) {
+  float best = -std::numeric_limits<float>::infinity();
+  bool has_nan = false;
+#pragma omp simd reduction(max : best) reduction(| : has_nan)
+  for (int64_t i = 0; i < n; ++i) {
+    best = std::max(best, row[i]);
+    has_nan |= row[i] != row[i];
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    if (has_nan ? row[i] != row[i] : row[i] == best) return i;
+  }
+  return 0;  // n == 0
+}
+
+}  // namespace
+
+std::tuple<torch::Tensor, std::optional<torch::Tensor>> decode_step(const torch::Tensor& token_ids, const torch::Tensor& positions,
+                          const torch::Tensor& embedding, const torch::Tensor& rope_cos,
+                          const torch::Tensor& rope_sin,
+                          const std::vector<std::shared_ptr<DecodeLayerWeights>>& layers,
+                          const std::vector<std::tuple<torch::Tensor, torch::Tensor>>& kv_caches,
+                          const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
+                          const torch::Tensor& context_lens, int64_t num_heads, int64_t block_size, double eps,
+                          double scale, const torch::Tensor& final_norm, const PackedLinear& lm_head, bool with_argmax, int64_t isa) {
+  TORCH_CHECK(positions.size(0) == token_ids.size(0), "decode_step: one position per token");
+  TORCH_CHECK(rope_cos.scalar_type() == torch::kFloat32 && rope_sin.scalar_type() == torch::kFloat32 &&
+              rope_cos.sizes() == rope_sin.sizes(), "decode_step: float32 RoPE tables of one shape");
+  auto x = gathered_rows(embedding, token_ids, "embedding");  // [M, hidden] float32
+  const auto cos = gathered_rows(rope_cos, positions, "RoPE table"), sin = gathered_rows(rope_sin, positions, "RoPE table");
+  decode_layers(x, cos, sin, layers, kv_caches, slot_mapping, block_tables, context_lens, num_heads, block_size, eps,
+                scale, isa);
+  TORCH_CHECK(final_norm.scalar_type() == torch::kFloat && final_norm.numel() == x.size(1),
+              "decode_step: final_norm must be [hidden] float32");
+  float* xp = x.data_ptr<float>();
+  // In place: each row's sum of squares is taken before the row is written.
+  rms_norm(xp, x.size(0), x.size(1), final_norm.data_ptr<float>(), static_cast<float>(eps), xp);
+  const LinearView head = view(lm_head);
+  auto logits = torch::empty({x.size(0), head.n}, x.options());  // [M, vocab] float32
+  gemm(head, xp, x.size(0), x.size(1), logits.data_ptr<float>(), isa, false);
+  if (!with_argmax) return {logits, std::nullopt};
+  auto ids = torch::empty({x.size(0)}, x.options().dtype(torch::kInt64));  // [M]
+  const float* lp = logits.data_ptr<float>();
+  int64_t* ip = ids.data_ptr<int64_t>();
+  at::parallel_for(0, x.size(0), 4, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) ip[m] = first_argmax(lp + m * head.n, head.n);
+  });
+  return {logits, ids};
 }
 
 torch::Tensor layer_attention_inputs(const torch::Tensor& x,             // [M, hidden] float32

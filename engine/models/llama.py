@@ -123,7 +123,7 @@ class LlamaForCausalLM(nn.Module):
         self.fused_kernels: ModuleType | None = None  # set when every layer has panels (pack_weights)
         self.fused_isa = 0
         self.decode_weights: list[Any] = []  # DecoderLayer.fused_weights per layer, with the panels
-        self.final_norm_weight: torch.Tensor | None = None  # [hidden] float32 for decode_layers
+        self.final_norm_weight: torch.Tensor | None = None  # [hidden] float32 for decode_step
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [T] -> cos, sin: [T, head_dim] float32, rows of tables made once.
@@ -134,15 +134,19 @@ class LlamaForCausalLM(nn.Module):
         the angles drift from the checkpoint's, by radians at a thousand positions in absolute
         terms. (RoPE's scores see relative angles, and SmolLM2-135M's perplexity on the
         repository's 971-token text did not move: 18.255 before, 18.256 after.)"""
-        if self.rope_tables is None or self.rope_tables[0].device != positions.device:
+        cos_table, sin_table = self.rope_tables_on(positions.device)
+        return cos_table[positions], sin_table[positions]
+
+    def rope_tables_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of every position: [max_positions, head_dim] float32 each, made on first use."""
+        if self.rope_tables is None or self.rope_tables[0].device != device:
             cfg = self.config
             steps = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
             freqs = steps.unsqueeze(1) * cfg.inv_freq.float().unsqueeze(0)  # [max_positions, head_dim / 2]
             emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
-            self.rope_tables = ((emb.cos() * cfg.rope_scale).to(positions.device),
-                                (emb.sin() * cfg.rope_scale).to(positions.device))
-        cos_table, sin_table = self.rope_tables
-        return cos_table[positions], sin_table[positions]
+            self.rope_tables = ((emb.cos() * cfg.rope_scale).to(device),
+                                (emb.sin() * cfg.rope_scale).to(device))
+        return self.rope_tables
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -161,19 +165,29 @@ class LlamaForCausalLM(nn.Module):
         dtype = x.dtype
         x = x.float().contiguous()
         cos, sin = self.rope(positions)  # [T, head_dim]
-        if attn.num_prefill_tokens == 0:
-            # A decode-only step: every layer in one C++ call (a Python call per layer cost about
-            # 3 % of a batch-1 bf16 step on a 2-core Zen 4, and one GIL handoff each).
-            # The final norm runs there too, and its float32 output goes to the LM head's panels
-            # as every fused layer's activations go to theirs (the kernels round them for bf16).
-            first = self.layers[0]  # the layers share heads, eps and scale (and the final norm's eps)
-            self.fused_kernels.decode_layers(x, cos, sin, self.decode_weights, kv_caches, attn.slot_mapping,
-                                             attn.block_tables, attn.context_lens, first.num_heads, attn.block_size,
-                                             first.eps, first.scale, self.final_norm_weight, self.fused_isa)
-            return x
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             layer.forward_fused(x, cos, sin, attn, k_cache, v_cache, self.fused_kernels, self.fused_isa)
         return self.norm(x).to(dtype)
+
+    def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                      block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
+                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]], with_argmax: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A decode-only step with the fused kernels (pack_weights with panels), from token ids
+        to logits in one C++ call: input_ids, positions, slot_mapping, context_lens: [B] int64,
+        block_tables: [B, max_blocks] int64 -> logits [B, vocab] float32 and, with_argmax,
+        each row's first argmax [B] int64 (torch.argmax's rule), else None.
+
+        One call, not the embedding, RoPE rows, layers and LM head as four (with their casts):
+        after a batch-1 step's weight stream every torch op finds the caches cold, and those
+        took about 0.25 ms of a 10 ms bf16 step on a 2-core Zen 4."""
+        cos_table, sin_table = self.rope_tables_on(positions.device)
+        first = self.layers[0]  # the layers share heads, eps and scale (and the final norm's eps)
+        return self.fused_kernels.decode_step(input_ids, positions, self.embed_tokens.weight, cos_table, sin_table,
+                                              self.decode_weights, kv_caches, slot_mapping, block_tables,
+                                              context_lens, first.num_heads, block_size, first.eps, first.scale,
+                                              self.final_norm_weight, self.lm_head.panels.as_args(), with_argmax,
+                                              self.fused_isa)
 
     def pack_weights(self, onednn: bool, panel_dtype: torch.dtype | None, kernels: ModuleType | None, isa: int,
                      max_panel_rows: int, huge_pages: bool = False) -> None:
