@@ -133,6 +133,8 @@ class ModelRunner:
         else:
             self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(mc.num_layers)]
+        if self.max_fused_tokens:
+            self.model.bind_decode(self.kv_caches, self.block_size)
         logger.info("model on %s (%s), KV cache %d blocks x %d tokens (%.2f GiB)", self.device, self.dtype,
                     self.num_kv_blocks, self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**30)
 
@@ -194,15 +196,13 @@ class ModelRunner:
 
     def _execute_fused_decode(self, seqs: list[Sequence], with_argmax: bool, t0: float
                               ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A decode-only step on the fused kernels (CPU only, so the arrays need no copy to a
-        device): one C++ call from token ids to logits [B, vocab] float32 (and their argmax)."""
-        decode = self._prepare_decode(seqs)
-        token_ids, positions, slot_mapping, block_tables, context_lens = (
-            torch.from_numpy(a) for a in (decode.token_ids, decode.positions, decode.slot_mapping,
-                                          decode.block_tables, decode.context_lens))
+        """A decode-only step on the fused kernels (CPU only): one C++ call from the sequences'
+        own lists to logits [B, vocab] float32 (and their argmax)."""
+        token_ids = [s.last_token_id for s in seqs]
+        block_tables = [s.block_table for s in seqs]
+        context_lens = [s.num_tokens for s in seqs]
         self.last_prepare_time = time.perf_counter() - t0
-        return self.model.decode_logits(token_ids, positions, slot_mapping, block_tables, context_lens,
-                                        self.block_size, self.kv_caches, with_argmax)
+        return self.model.decode_logits(token_ids, block_tables, context_lens, with_argmax)
 
     def _prompt_logprobs(self, sched: SchedulerOutput, prefill: _PrefillInputs, hidden: torch.Tensor
                          ) -> list[tuple[Sequence, int, list[dict[int, float]]]]:

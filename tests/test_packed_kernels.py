@@ -151,8 +151,8 @@ def test_decode_layer_in_one_call_matches_the_torch_layer(kernels, weight_dtype:
 
 
 @pytest.mark.parametrize("embedding_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_decode_step_is_the_embedding_every_layer_the_norm_and_the_head(kernels, embedding_dtype) -> None:
-    """The model's decode step in one call: the embedding's and RoPE tables' rows of the tokens,
+def test_decode_model_step_is_the_embedding_every_layer_the_norm_and_the_head(kernels, embedding_dtype) -> None:
+    """The model's decode step in one call (DecodeModel.step): the embedding's and RoPE tables' rows of the tokens,
     the same floats as one decode_layer call per layer (each layer with its own weights, window
     and caches), the final RMSNorm, the LM head's panels, and torch.argmax's choice per row."""
     bs, num_blocks, vocab, max_positions = 4, 24, 64, 20
@@ -185,14 +185,17 @@ def test_decode_step_is_the_embedding_every_layer_the_norm_and_the_head(kernels,
     normed = final_norm(hidden)
 
     def step(head_weight: torch.Tensor, with_argmax: bool = True, **changes):
-        args = dict(token_ids=token_ids, positions=positions, embedding=embedding, cos=cos_table, sin=sin_table,
-                    layers=weights, caches=[(k.clone(), v.clone()) for k, v in caches], final_norm=final_norm.weight)
+        # As the sequences hold them: block tables as long as each context needs (padded inside).
+        args = dict(token_ids=token_ids.tolist(), tables=[t[: (n - 1) // bs + 1] for t, n in zip(
+                    tables.tolist(), lens.tolist(), strict=True)], lens=lens.tolist(), embedding=embedding,
+                    cos=cos_table, sin=sin_table, caches=[(k.clone(), v.clone()) for k, v in caches],
+                    final_norm=final_norm.weight)
         args |= changes
         head = PackedWeight.pack(head_weight, None, torch.float32)
-        logits, ids = kernels.decode_step(args["token_ids"], args["positions"], args["embedding"], args["cos"],
-                                          args["sin"], args["layers"], args["caches"], slots, tables, lens,
-                                          cfg.num_heads, bs, cfg.rms_norm_eps, cfg.head_dim**-0.5,
-                                          args["final_norm"], head.as_args(), with_argmax, isa)
+        decoder = kernels.DecodeModel(args["embedding"], args["cos"], args["sin"], weights, args["caches"],
+                                      args["final_norm"], head.as_args(), cfg.num_heads, bs, cfg.rms_norm_eps,
+                                      cfg.head_dim**-0.5, isa)
+        logits, ids = decoder.step(args["token_ids"], args["tables"], args["lens"], with_argmax)
         return logits, ids, head, args["caches"]
 
     head_weight = torch.randn(vocab, cfg.hidden_size, generator=gen)
@@ -218,9 +221,13 @@ def test_decode_step_is_the_embedding_every_layer_the_norm_and_the_head(kernels,
     with pytest.raises(RuntimeError, match="one \\(K, V\\) cache pair per layer"):
         step(head_weight, caches=caches[:1])
     with pytest.raises(RuntimeError, match="embedding index 64 out of \\[0, 64\\)"):
-        step(head_weight, token_ids=torch.tensor([5, 64, 0]))
-    with pytest.raises(RuntimeError, match="RoPE table index 20 out of"):
-        step(head_weight, positions=torch.tensor([0, 20, 13]))
+        step(head_weight, token_ids=[5, 64, 0])
+    with pytest.raises(RuntimeError, match="RoPE table index 13 out of \\[0, 10\\)"):
+        step(head_weight, cos=cos_table[:10], sin=sin_table[:10])
+    with pytest.raises(RuntimeError, match="context length 17 outside its block table"):
+        step(head_weight, lens=[1, 9, 17])
+    with pytest.raises(RuntimeError, match="one block table and one context length per token"):
+        step(head_weight, lens=[1, 9])
     with pytest.raises(RuntimeError, match="final_norm must be"):
         step(head_weight, final_norm=torch.ones(3))
 

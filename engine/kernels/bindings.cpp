@@ -39,9 +39,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<minivllm::DecodeLayerWeights, std::shared_ptr<minivllm::DecodeLayerWeights>>(m, "DecodeLayerWeights")
       .def(py::init<torch::Tensor, torch::Tensor, minivllm::PackedLinear, minivllm::PackedLinear,
                     minivllm::PackedLinear, minivllm::PackedLinear, int64_t>(),  // the struct's fields, in order
-           "One layer's norms and packed projections for decode_step (made once)");
-  m.def("decode_step", without_gil(&minivllm::decode_step),
-        "A decode-only step in one call: token ids and positions -> logits [M, vocab] float32 (CPU)");
+           "One layer's norms and packed projections for DecodeModel (made once)");
+  py::class_<minivllm::DecodeModel, std::shared_ptr<minivllm::DecodeModel>>(m, "DecodeModel")
+      .def(py::init<torch::Tensor, torch::Tensor, torch::Tensor,
+                    std::vector<std::shared_ptr<minivllm::DecodeLayerWeights>>,
+                    std::vector<std::tuple<torch::Tensor, torch::Tensor>>, torch::Tensor, minivllm::PackedLinear,
+                    int64_t, int64_t, double, double, int64_t>(),  // the struct's fields, in order
+           "A model's decode-only steps: what they share, bound once (CPU)")
+      .def("step",
+           [](const minivllm::DecodeModel& model, const std::vector<int64_t>& token_ids,
+              const std::vector<std::vector<int64_t>>& block_tables, const std::vector<int64_t>& context_lens,
+              bool with_argmax) {
+             py::gil_scoped_release no_gil;
+             return model.step(token_ids, block_tables, context_lens, with_argmax);
+           },
+           "One decode-only step: last tokens, block tables, context lengths -> (logits, argmax or None)");
   m.def("layer_attention_inputs", without_gil(&minivllm::layer_attention_inputs),
         "A fused layer up to attention: norm, QKV, RoPE, KV write -> [M, q | k | v] float32 (CPU)");
   m.def("layer_attention_outputs", without_gil(&minivllm::layer_attention_outputs),

@@ -51,30 +51,43 @@ void decode_layer(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor
                   const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
                   const torch::Tensor& context_lens, int64_t num_heads, int64_t block_size, double eps, double scale,
                   int64_t window, int64_t isa);
-// One layer's weights for decode_step, made once when the weights are packed (the caches and
+// One layer's weights for DecodeModel, made once when the weights are packed (the caches and
 // the step's tensors come with each call).
 struct DecodeLayerWeights {
   torch::Tensor input_norm, post_norm;  // [hidden] float32
   PackedLinear qkv, o_proj, gate_up, down;
   int64_t window;  // sliding window, 0 for none
 };
-// A decode-only step from token ids to logits in one call (the CPU counterpart of a CUDA graph):
-// the embedding's rows (float32, bfloat16 or float16) and the RoPE tables' rows of the
-// positions, decode_layer for every layer, the model's final RMSNorm, the LM head's panels.
-// token_ids, positions: [M] int64; rope_cos, rope_sin: [max_positions, D] float32;
-// final_norm: [hidden] float32 -> logits [M, vocab] float32 and, with_argmax, each row's first
-// maximum [M] int64 (torch.argmax's rule; a greedy step's tokens). One crossing from Python a step,
-// not one a layer, and none of the ~10 torch ops around it, whose every call after the
-// weights' stream (caches cold) cost 20-90 us.
-std::tuple<torch::Tensor, std::optional<torch::Tensor>> decode_step(const torch::Tensor& token_ids, const torch::Tensor& positions,
-                          const torch::Tensor& embedding, const torch::Tensor& rope_cos,
-                          const torch::Tensor& rope_sin,
-                          const std::vector<std::shared_ptr<DecodeLayerWeights>>& layers,
-                          const std::vector<std::tuple<torch::Tensor, torch::Tensor>>& kv_caches,
-                          const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
-                          const torch::Tensor& context_lens, int64_t num_heads, int64_t block_size, double eps,
-                          double scale, const torch::Tensor& final_norm, const PackedLinear& lm_head, bool with_argmax,
-    int64_t isa);
+// A model's decode-only steps from token ids to logits, one call each (the CPU counterpart of a
+// CUDA graph): the embedding's rows (float32, bfloat16 or float16) and the RoPE tables' rows of
+// the positions, decode_layer for every layer, the final RMSNorm, the LM head's panels. What
+// every step shares is bound once: converting the 30 layers' weights and cache pairs from
+// Python per step cost more than the rest of the call's set-up.
+struct DecodeModel {
+  torch::Tensor embedding;           // [vocab, hidden]
+  torch::Tensor rope_cos, rope_sin;  // [max_positions, D] float32
+  std::vector<std::shared_ptr<DecodeLayerWeights>> layers;
+  std::vector<std::tuple<torch::Tensor, torch::Tensor>> kv_caches;  // per layer, [slots, KVH, D] each
+  torch::Tensor final_norm;          // [hidden] float32
+  PackedLinear lm_head;
+  int64_t num_heads, block_size;
+  double eps, scale;
+  int64_t isa;
+
+  DecodeModel(torch::Tensor embedding, torch::Tensor rope_cos, torch::Tensor rope_sin,
+              std::vector<std::shared_ptr<DecodeLayerWeights>> layers,
+              std::vector<std::tuple<torch::Tensor, torch::Tensor>> kv_caches, torch::Tensor final_norm,
+              PackedLinear lm_head, int64_t num_heads, int64_t block_size, double eps, double scale, int64_t isa);
+
+  // token_ids, context_lens: one per sequence; block_tables: each sequence's blocks (Python
+  // lists, as the sequences hold them: each token is at its context's last position) ->
+  // logits [M, vocab] float32 and, with_argmax, each row's first maximum [M] int64
+  // (torch.argmax's rule: a greedy step's tokens).
+  std::tuple<torch::Tensor, std::optional<torch::Tensor>> step(const std::vector<int64_t>& token_ids,
+                                                               const std::vector<std::vector<int64_t>>& block_tables,
+                                                               const std::vector<int64_t>& context_lens,
+                                                               bool with_argmax) const;
+};
 // The same layer in two halves around an attention computed elsewhere (steps with prefill rows:
 // engine/attention.py's `attention`, whose chunks attend through the C++ prefill kernel or flash).
 torch::Tensor layer_attention_inputs(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,

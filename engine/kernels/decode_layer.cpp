@@ -244,7 +244,6 @@ void decode_layers(torch::Tensor& x, const torch::Tensor& cos, const torch::Tens
                    const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
                    const torch::Tensor& context_lens, int64_t num_heads, int64_t block_size, double eps, double scale,
                    int64_t isa) {
-  TORCH_CHECK(kv_caches.size() == layers.size(), "decode_step: one (K, V) cache pair per layer");
   for (size_t i = 0; i < layers.size(); ++i) {
     const DecodeLayerWeights& l = *layers[i];
     const auto& [k_cache, v_cache] = kv_caches[i];
@@ -260,25 +259,22 @@ void gather_rows(const torch::Tensor& table, const int64_t* index, int64_t M, fl
   const int64_t rows = table.size(0), width = table.size(1);
   const T* data = table.data_ptr<T>();
   for (int64_t m = 0; m < M; ++m) {
-    TORCH_CHECK(index[m] >= 0 && index[m] < rows, "decode_step: ", what, " index ", index[m], " out of [0, ", rows,
+    TORCH_CHECK(index[m] >= 0 && index[m] < rows, "DecodeModel.step: ", what, " index ", index[m], " out of [0, ", rows,
                 ")");
     const T* row = data + index[m] * width;
     for (int64_t i = 0; i < width; ++i) out[m * width + i] = static_cast<float>(row[i]);
   }
 }
 
-torch::Tensor gathered_rows(const torch::Tensor& table, const torch::Tensor& index, const char* what) {
-  TORCH_CHECK(table.dim() == 2 && table.is_contiguous(), "decode_step: ", what, " must be a contiguous 2-D table");
-  TORCH_CHECK(index.scalar_type() == torch::kInt64 && index.dim() == 1 && index.is_contiguous(),
-              "decode_step: int64 [M] indices into ", what);
-  auto out = torch::empty({index.size(0), table.size(1)}, table.options().dtype(torch::kFloat32));
-  const int64_t* idx = index.data_ptr<int64_t>();
+torch::Tensor gathered_rows(const torch::Tensor& table, const int64_t* index, int64_t M, const char* what) {
+  TORCH_CHECK(table.dim() == 2 && table.is_contiguous(), "DecodeModel.step: ", what, " must be a contiguous 2-D table");
+  auto out = torch::empty({M, table.size(1)}, table.options().dtype(torch::kFloat32));
   float* o = out.data_ptr<float>();
   switch (table.scalar_type()) {
-    case torch::kFloat32: gather_rows<float>(table, idx, index.size(0), o, what); break;
-    case torch::kBFloat16: gather_rows<at::BFloat16>(table, idx, index.size(0), o, what); break;
-    case torch::kHalf: gather_rows<at::Half>(table, idx, index.size(0), o, what); break;
-    default: TORCH_CHECK(false, "decode_step: ", what, " must be float32, bfloat16 or float16");
+    case torch::kFloat32: gather_rows<float>(table, index, M, o, what); break;
+    case torch::kBFloat16: gather_rows<at::BFloat16>(table, index, M, o, what); break;
+    case torch::kHalf: gather_rows<at::Half>(table, index, M, o, what); break;
+    default: TORCH_CHECK(false, "DecodeModel.step: ", what, " must be float32, bfloat16 or float16");
   }
   return out;
 }
@@ -301,23 +297,50 @@ int64_t first_argmax(const float* row, int64_t n) {
 
 }  // namespace
 
-std::tuple<torch::Tensor, std::optional<torch::Tensor>> decode_step(const torch::Tensor& token_ids, const torch::Tensor& positions,
-                          const torch::Tensor& embedding, const torch::Tensor& rope_cos,
-                          const torch::Tensor& rope_sin,
-                          const std::vector<std::shared_ptr<DecodeLayerWeights>>& layers,
-                          const std::vector<std::tuple<torch::Tensor, torch::Tensor>>& kv_caches,
-                          const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
-                          const torch::Tensor& context_lens, int64_t num_heads, int64_t block_size, double eps,
-                          double scale, const torch::Tensor& final_norm, const PackedLinear& lm_head, bool with_argmax, int64_t isa) {
-  TORCH_CHECK(positions.size(0) == token_ids.size(0), "decode_step: one position per token");
-  TORCH_CHECK(rope_cos.scalar_type() == torch::kFloat32 && rope_sin.scalar_type() == torch::kFloat32 &&
-              rope_cos.sizes() == rope_sin.sizes(), "decode_step: float32 RoPE tables of one shape");
-  auto x = gathered_rows(embedding, token_ids, "embedding");  // [M, hidden] float32
-  const auto cos = gathered_rows(rope_cos, positions, "RoPE table"), sin = gathered_rows(rope_sin, positions, "RoPE table");
-  decode_layers(x, cos, sin, layers, kv_caches, slot_mapping, block_tables, context_lens, num_heads, block_size, eps,
-                scale, isa);
-  TORCH_CHECK(final_norm.scalar_type() == torch::kFloat && final_norm.numel() == x.size(1),
-              "decode_step: final_norm must be [hidden] float32");
+DecodeModel::DecodeModel(torch::Tensor embedding, torch::Tensor rope_cos, torch::Tensor rope_sin,
+                         std::vector<std::shared_ptr<DecodeLayerWeights>> layers,
+                         std::vector<std::tuple<torch::Tensor, torch::Tensor>> kv_caches, torch::Tensor final_norm,
+                         PackedLinear lm_head, int64_t num_heads, int64_t block_size, double eps, double scale,
+                         int64_t isa)
+    : embedding(std::move(embedding)), rope_cos(std::move(rope_cos)), rope_sin(std::move(rope_sin)),
+      layers(std::move(layers)), kv_caches(std::move(kv_caches)), final_norm(std::move(final_norm)),
+      lm_head(std::move(lm_head)), num_heads(num_heads), block_size(block_size), eps(eps), scale(scale), isa(isa) {
+  TORCH_CHECK(this->kv_caches.size() == this->layers.size(), "DecodeModel: one (K, V) cache pair per layer");
+  TORCH_CHECK(this->rope_cos.scalar_type() == torch::kFloat32 && this->rope_sin.scalar_type() == torch::kFloat32 &&
+              this->rope_cos.sizes() == this->rope_sin.sizes(), "DecodeModel: float32 RoPE tables of one shape");
+  TORCH_CHECK(this->final_norm.scalar_type() == torch::kFloat && this->final_norm.dim() == 1 &&
+              this->embedding.dim() == 2 && this->final_norm.numel() == this->embedding.size(1),
+              "DecodeModel: final_norm must be [hidden] float32");
+}
+
+std::tuple<torch::Tensor, std::optional<torch::Tensor>> DecodeModel::step(
+    const std::vector<int64_t>& token_ids, const std::vector<std::vector<int64_t>>& block_tables,
+    const std::vector<int64_t>& context_lens, bool with_argmax) const {
+  const int64_t M = static_cast<int64_t>(token_ids.size());
+  TORCH_CHECK(M > 0 && block_tables.size() == token_ids.size() && context_lens.size() == token_ids.size(),
+              "DecodeModel.step: one block table and one context length per token");
+  // The step's attention inputs, from the sequences' own lists: each token sits at its context's
+  // last position; padding of shorter tables reads block 0, past the row's length.
+  size_t max_blocks = 1;
+  for (const auto& table : block_tables) max_blocks = std::max(max_blocks, table.size());
+  const auto int64 = torch::TensorOptions().dtype(torch::kInt64);
+  auto tables = torch::zeros({M, static_cast<int64_t>(max_blocks)}, int64);
+  auto lens = torch::empty({M}, int64), positions = torch::empty({M}, int64), slots = torch::empty({M}, int64);
+  int64_t* tp = tables.data_ptr<int64_t>();
+  for (int64_t m = 0; m < M; ++m) {
+    const auto& table = block_tables[m];
+    const int64_t pos = context_lens[m] - 1;
+    TORCH_CHECK(pos >= 0 && pos / block_size < static_cast<int64_t>(table.size()),
+                "DecodeModel.step: context length ", context_lens[m], " outside its block table");
+    std::copy(table.begin(), table.end(), tp + m * max_blocks);
+    lens.data_ptr<int64_t>()[m] = context_lens[m];
+    positions.data_ptr<int64_t>()[m] = pos;
+    slots.data_ptr<int64_t>()[m] = table[pos / block_size] * block_size + pos % block_size;
+  }
+  auto x = gathered_rows(embedding, token_ids.data(), M, "embedding");  // [M, hidden] float32
+  const int64_t* pp = positions.data_ptr<int64_t>();
+  const auto cos = gathered_rows(rope_cos, pp, M, "RoPE table"), sin = gathered_rows(rope_sin, pp, M, "RoPE table");
+  decode_layers(x, cos, sin, layers, kv_caches, slots, tables, lens, num_heads, block_size, eps, scale, isa);
   float* xp = x.data_ptr<float>();
   // In place: each row's sum of squares is taken before the row is written.
   rms_norm(xp, x.size(0), x.size(1), final_norm.data_ptr<float>(), static_cast<float>(eps), xp);

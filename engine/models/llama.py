@@ -123,7 +123,8 @@ class LlamaForCausalLM(nn.Module):
         self.fused_kernels: ModuleType | None = None  # set when every layer has panels (pack_weights)
         self.fused_isa = 0
         self.decode_weights: list[Any] = []  # DecoderLayer.fused_weights per layer, with the panels
-        self.final_norm_weight: torch.Tensor | None = None  # [hidden] float32 for decode_step
+        self.final_norm_weight: torch.Tensor | None = None  # [hidden] float32 for the decoder
+        self.decoder: Any = None  # kernels.DecodeModel, once bind_decode has the caches
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [T] -> cos, sin: [T, head_dim] float32, rows of tables made once.
@@ -169,25 +170,27 @@ class LlamaForCausalLM(nn.Module):
             layer.forward_fused(x, cos, sin, attn, k_cache, v_cache, self.fused_kernels, self.fused_isa)
         return self.norm(x).to(dtype)
 
-    def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                      block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
-                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]], with_argmax: bool = False
-                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A decode-only step with the fused kernels (pack_weights with panels), from token ids
-        to logits in one C++ call: input_ids, positions, slot_mapping, context_lens: [B] int64,
-        block_tables: [B, max_blocks] int64 -> logits [B, vocab] float32 and, with_argmax,
-        each row's first argmax [B] int64 (torch.argmax's rule), else None.
-
-        One call, not the embedding, RoPE rows, layers and LM head as four (with their casts):
-        after a batch-1 step's weight stream every torch op finds the caches cold, and those
-        took about 0.25 ms of a 10 ms bf16 step on a 2-core Zen 4."""
-        cos_table, sin_table = self.rope_tables_on(positions.device)
+    def bind_decode(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int) -> None:
+        """Bind what every decode-only step shares for `decode_logits` (after pack_weights with
+        panels): the weights, the RoPE tables, the caches. Converting the 30 layers' weights and
+        cache pairs from Python per call cost more than the rest of the call's set-up."""
+        cos_table, sin_table = self.rope_tables_on(self.final_norm_weight.device)
         first = self.layers[0]  # the layers share heads, eps and scale (and the final norm's eps)
-        return self.fused_kernels.decode_step(input_ids, positions, self.embed_tokens.weight, cos_table, sin_table,
-                                              self.decode_weights, kv_caches, slot_mapping, block_tables,
-                                              context_lens, first.num_heads, block_size, first.eps, first.scale,
-                                              self.final_norm_weight, self.lm_head.panels.as_args(), with_argmax,
-                                              self.fused_isa)
+        self.decoder = self.fused_kernels.DecodeModel(
+            self.embed_tokens.weight, cos_table, sin_table, self.decode_weights, kv_caches, self.final_norm_weight,
+            self.lm_head.panels.as_args(), first.num_heads, block_size, first.eps, first.scale, self.fused_isa)
+
+    def decode_logits(self, token_ids: list[int], block_tables: list[list[int]], context_lens: list[int],
+                      with_argmax: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A decode-only step with the fused kernels (after bind_decode), from token ids to
+        logits in one C++ call: per sequence its last token, its block table and its context
+        length (the token's position + 1), as the sequences hold them -> logits [B, vocab]
+        float32 and, with_argmax, each row's first argmax [B] int64 (torch.argmax's rule), else None.
+
+        One call, not the input tensors, embedding, RoPE rows, layers and LM head as a dozen
+        torch and numpy ops: after a batch-1 step's weight stream every such op finds the caches
+        cold, and they took about 0.4 ms of a 10 ms bf16 step on a 2-core Zen 4."""
+        return self.decoder.step(token_ids, block_tables, context_lens, with_argmax)
 
     def pack_weights(self, onednn: bool, panel_dtype: torch.dtype | None, kernels: ModuleType | None, isa: int,
                      max_panel_rows: int, huge_pages: bool = False) -> None:
