@@ -155,7 +155,7 @@ def test_decode_model_step_is_the_embedding_every_layer_the_norm_and_the_head(ke
     """The model's decode step in one call (DecodeModel.step): the embedding's and RoPE tables' rows of the tokens,
     the same floats as one decode_layer call per layer (each layer with its own weights, window
     and caches), the final RMSNorm, the LM head's panels, and torch.argmax's choice per row."""
-    bs, num_blocks, vocab, max_positions = 4, 24, 64, 20
+    bs, num_blocks, vocab, max_positions = 4, 24, 70, 20  # vocab: past the argmax's 32-wide steps
     lens = torch.tensor([1, 9, 14])
     tables = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(6))[:12].view(3, 4)
     positions = lens - 1
@@ -170,7 +170,7 @@ def test_decode_model_step_is_the_embedding_every_layer_the_norm_and_the_head(ke
     caches = [(torch.randn(num_blocks * bs, cfg.num_kv_heads, cfg.head_dim, generator=gen),
                torch.randn(num_blocks * bs, cfg.num_kv_heads, cfg.head_dim, generator=gen)) for _ in layers]
     embedding = torch.randn(vocab, cfg.hidden_size, generator=gen).to(embedding_dtype)
-    token_ids = torch.tensor([5, 63, 0])
+    token_ids = torch.tensor([5, 69, 0])
     freqs = torch.arange(max_positions).float().unsqueeze(1) * torch.linspace(1, 0.01, cfg.head_dim // 2)
     cos_table, sin_table = torch.cat((freqs, freqs), dim=-1).cos(), torch.cat((freqs, freqs), dim=-1).sin()
     attn = AttentionMetadata(slot_mapping=slots, block_size=bs, block_tables=tables, context_lens=lens,
@@ -184,7 +184,7 @@ def test_decode_model_step_is_the_embedding_every_layer_the_norm_and_the_head(ke
         layer.forward_fused(hidden, cos_table[positions], sin_table[positions], attn, k, v, kernels, isa)
     normed = final_norm(hidden)
 
-    def step(head_weight: torch.Tensor, with_argmax: bool = True, **changes):
+    def step(head_weight: torch.Tensor, with_argmax: bool = True, step_isa: int = isa, **changes):
         # As the sequences hold them: block tables as long as each context needs (padded inside).
         args = dict(token_ids=token_ids.tolist(), tables=[t[: (n - 1) // bs + 1] for t, n in zip(
                     tables.tolist(), lens.tolist(), strict=True)], lens=lens.tolist(), embedding=embedding,
@@ -194,7 +194,7 @@ def test_decode_model_step_is_the_embedding_every_layer_the_norm_and_the_head(ke
         head = PackedWeight.pack(head_weight, None, torch.float32)
         decoder = kernels.DecodeModel(args["embedding"], args["cos"], args["sin"], weights, args["caches"],
                                       args["final_norm"], head.as_args(), cfg.num_heads, bs, cfg.rms_norm_eps,
-                                      cfg.head_dim**-0.5, isa)
+                                      cfg.head_dim**-0.5, step_isa)
         logits, ids = decoder.step(args["token_ids"], args["tables"], args["lens"], with_argmax)
         return logits, ids, head, args["caches"]
 
@@ -210,18 +210,19 @@ def test_decode_model_step_is_the_embedding_every_layer_the_norm_and_the_head(ke
     direction = normed / normed.norm(dim=1, keepdim=True)
     ties = head_weight.clone()
     ties[3] = ties[7] = 100 * direction[0]
-    ties[63] = 100 * direction[2]
-    logits, ids, _, _ = step(ties)
-    assert logits[0, 3] == logits[0, 7] == logits[0].max() and logits[2, 63] == logits[2].max()
-    assert ids[0] == 3 and ids[2] == 63 and torch.equal(ids, logits.argmax(dim=-1))
+    ties[68] = 100 * direction[2]
     nans = head_weight.clone()
     nans[[5, 9]] = float("nan")
-    logits, ids, _, _ = step(nans)
-    assert ids.tolist() == [5, 5, 5] and torch.equal(ids, logits.argmax(dim=-1))
+    for step_isa in sorted({0, isa}):  # the argmax's scalar loop and its AVX-512 one where the CPU has it
+        logits, ids, _, _ = step(ties, step_isa=step_isa)
+        assert logits[0, 3] == logits[0, 7] == logits[0].max() and logits[2, 68] == logits[2].max()
+        assert ids[0] == 3 and ids[2] == 68 and torch.equal(ids, logits.argmax(dim=-1)), ISA_NAMES[step_isa]
+        logits, ids, _, _ = step(nans, step_isa=step_isa)
+        assert ids.tolist() == [5, 5, 5] and torch.equal(ids, logits.argmax(dim=-1)), ISA_NAMES[step_isa]
     with pytest.raises(RuntimeError, match="one \\(K, V\\) cache pair per layer"):
         step(head_weight, caches=caches[:1])
-    with pytest.raises(RuntimeError, match="embedding index 64 out of \\[0, 64\\)"):
-        step(head_weight, token_ids=[5, 64, 0])
+    with pytest.raises(RuntimeError, match="embedding index 70 out of \\[0, 70\\)"):
+        step(head_weight, token_ids=[5, 70, 0])
     with pytest.raises(RuntimeError, match="RoPE table index 13 out of \\[0, 10\\)"):
         step(head_weight, cos=cos_table[:10], sin=sin_table[:10])
     with pytest.raises(RuntimeError, match="context length 17 outside its block table"):

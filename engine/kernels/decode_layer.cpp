@@ -280,19 +280,56 @@ torch::Tensor gathered_rows(const torch::Tensor& table, const int64_t* index, in
 }
 
 // The index of row[0:n]'s first maximum, a NaN counting as one (the first NaN wins), as
-// torch.argmax: the maximum in one vectorised pass, then its first index.
-int64_t first_argmax(const float* row, int64_t n) {
-  float best = -std::numeric_limits<float>::infinity();
-  bool has_nan = false;
-#pragma omp simd reduction(max : best) reduction(| : has_nan)
+// torch.argmax. One pass, scalar: the first NaN ends it.
+int64_t first_argmax_scalar(const float* row, int64_t n) {
+  int64_t best = 0;
   for (int64_t i = 0; i < n; ++i) {
-    best = std::max(best, row[i]);
-    has_nan |= row[i] != row[i];
+    if (row[i] != row[i]) return i;
+    if (row[i] > row[best]) best = i;
   }
-  for (int64_t i = 0; i < n; ++i) {
+  return best;
+}
+
+#if defined(__x86_64__)
+// The same on AVX-512: the maximum and any NaN over 32 lanes a step, then the first lane equal
+// to it (or the first NaN). 6.9 us a [1, 49152] row against numpy's 6.8 and the scalar loop's
+// 50-80 (this one did not vectorise as written: `#pragma omp simd` with a max reduction left it
+// scalar); 163 us at [64, 49152] (two threads) against numpy's 337.
+__attribute__((target("avx512f"))) int64_t first_argmax_avx512(const float* row, int64_t n) {
+  __m512 best0 = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), best1 = best0;
+  __mmask16 nan0 = 0, nan1 = 0;
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const __m512 a = _mm512_loadu_ps(row + i), b = _mm512_loadu_ps(row + i + 16);
+    best0 = _mm512_max_ps(best0, a);
+    best1 = _mm512_max_ps(best1, b);
+    nan0 |= _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
+    nan1 |= _mm512_cmp_ps_mask(b, b, _CMP_UNORD_Q);
+  }
+  float best = _mm512_reduce_max_ps(_mm512_max_ps(best0, best1));
+  bool has_nan = (nan0 | nan1) != 0;
+  for (int64_t j = i; j < n; ++j) {
+    has_nan |= row[j] != row[j];
+    best = row[j] > best ? row[j] : best;
+  }
+  const __m512 target = _mm512_set1_ps(best);
+  for (i = 0; i + 16 <= n; i += 16) {
+    const __m512 a = _mm512_loadu_ps(row + i);
+    const __mmask16 hit = has_nan ? _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) : _mm512_cmp_ps_mask(a, target, _CMP_EQ_OQ);
+    if (hit) return i + __builtin_ctz(hit);
+  }
+  for (; i < n; ++i) {
     if (has_nan ? row[i] != row[i] : row[i] == best) return i;
   }
-  return 0;  // n == 0
+  return 0;  // every value -inf: the first
+}
+#endif
+
+int64_t first_argmax(const float* row, int64_t n, int64_t isa) {
+#if defined(__x86_64__)
+  if (isa >= kIsaAvx512) return first_argmax_avx512(row, n);
+#endif
+  return first_argmax_scalar(row, n);
 }
 
 }  // namespace
@@ -352,7 +389,7 @@ std::tuple<torch::Tensor, std::optional<torch::Tensor>> DecodeModel::step(
   const float* lp = logits.data_ptr<float>();
   int64_t* ip = ids.data_ptr<int64_t>();
   at::parallel_for(0, x.size(0), 4, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) ip[m] = first_argmax(lp + m * head.n, head.n);
+    for (int64_t m = begin; m < end; ++m) ip[m] = first_argmax(lp + m * head.n, head.n, isa);
   });
   return {logits, ids};
 }
