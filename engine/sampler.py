@@ -45,8 +45,6 @@ class Sampler:
         self.kernels = kernels
         self.grammar_mask: GrammarMask | None = None  # made on the first constrained step
 
-    # Inference mode: the model's logits are an inference tensor, and here they may be edited in
-    # place (stop masks, biases, grammar masks) instead of copied once per edit.
     @staticmethod
     def is_plain_greedy(seqs: list[Sequence]) -> bool:
         """Whether every row's token is its logits' argmax, untouched: then the forward's own
@@ -54,6 +52,8 @@ class Sampler:
         return all(s.params.is_plain_greedy and s.num_output_tokens >= s.params.min_tokens and s.matcher is None
                    for s in seqs)
 
+    # Inference mode: the model's logits are an inference tensor, and here they may be edited in
+    # place (stop masks, biases, grammar masks) instead of copied once per edit.
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence], greedy_ids: torch.Tensor | None = None
                  ) -> SamplerOutput:
