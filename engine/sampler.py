@@ -49,8 +49,8 @@ class Sampler:
     def is_plain_greedy(seqs: list[Sequence]) -> bool:
         """Whether every row's token is its logits' argmax, untouched: then the forward's own
         argmax (greedy_ids) is the step's tokens."""
-        return all(s.params.is_plain_greedy and s.num_output_tokens >= s.params.min_tokens and s.matcher is None
-                   for s in seqs)
+        # A grammar's matcher exists only where params.structured_output does: the params say it.
+        return all(s.params.is_plain_greedy and s.num_output_tokens >= s.params.min_tokens for s in seqs)
 
     # Inference mode: the model's logits are an inference tensor, and here they may be edited in
     # place (stop masks, biases, grammar masks) instead of copied once per edit.

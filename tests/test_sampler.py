@@ -5,6 +5,7 @@ import torch
 
 from engine import SamplingParams
 from engine.sampler import Sampler
+from engine.structured_output import StructuredOutput
 from tests.helpers import fake_seq
 
 
@@ -44,13 +45,14 @@ def test_the_forwards_argmax_is_taken_only_where_nothing_edits_or_reads_the_logi
     waiting = SamplingParams(temperature=0, min_tokens=2)  # its stop tokens are masked for two tokens
     assert not Sampler.is_plain_greedy([fake_seq("a", 3, num_output=1, params=waiting)])
     assert Sampler.is_plain_greedy([fake_seq("a", 3, num_output=2, params=waiting)])
-    constrained = fake_seq("b", 3, params=plain)
-    constrained.matcher = object()
-    assert not Sampler.is_plain_greedy([constrained])
-    # Given the forward's argmax, the sampler answers with it and leaves the logits alone.
+    constrained = SamplingParams(temperature=0, structured_output=StructuredOutput("regex", "[ab]+"))
+    assert not Sampler.is_plain_greedy(_seqs(plain, constrained))
+    # Given the forward's argmax, the sampler answers with it (ids these logits would not give)
+    # and does not touch the logits.
     logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 0.0]])
-    out = Sampler(torch.device("cpu"))(logits, _seqs(plain, plain), torch.tensor([1, 0]))
-    assert out.token_ids == [1, 0] and out.logprobs == [None, None]
+    out = Sampler(torch.device("cpu"))(logits, _seqs(plain, plain), torch.tensor([2, 1]))
+    assert out.token_ids == [2, 1] and out.logprobs == [None, None]
+    assert torch.equal(logits, torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 0.0]]))
 
 
 def test_top_k_one_and_tiny_top_p_are_greedy() -> None:

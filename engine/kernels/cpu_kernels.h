@@ -61,8 +61,8 @@ struct DecodeLayerWeights {
 // A model's decode-only steps from token ids to logits, one call each (the CPU counterpart of a
 // CUDA graph): the embedding's rows (float32, bfloat16 or float16) and the RoPE tables' rows of
 // the positions, decode_layer for every layer, the final RMSNorm, the LM head's panels. What
-// every step shares is bound once: converting the 30 layers' weights and cache pairs from
-// Python per step cost more than the rest of the call's set-up.
+// every step shares is bound once, not converted from Python per step (that, with the
+// sequences' lists as inputs, took a batch-1 bf16 step's host part from 0.59 to 0.40 ms).
 struct DecodeModel {
   torch::Tensor embedding;           // [vocab, hidden]
   torch::Tensor rope_cos, rope_sin;  // [max_positions, D] float32

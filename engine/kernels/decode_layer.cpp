@@ -363,19 +363,19 @@ std::tuple<torch::Tensor, std::optional<torch::Tensor>> DecodeModel::step(
   const auto int64 = torch::TensorOptions().dtype(torch::kInt64);
   auto tables = torch::zeros({M, static_cast<int64_t>(max_blocks)}, int64);
   auto lens = torch::empty({M}, int64), positions = torch::empty({M}, int64), slots = torch::empty({M}, int64);
-  int64_t* tp = tables.data_ptr<int64_t>();
+  int64_t *tp = tables.data_ptr<int64_t>(), *len_p = lens.data_ptr<int64_t>(), *pp = positions.data_ptr<int64_t>(),
+          *sp = slots.data_ptr<int64_t>();
   for (int64_t m = 0; m < M; ++m) {
     const auto& table = block_tables[m];
     const int64_t pos = context_lens[m] - 1;
     TORCH_CHECK(pos >= 0 && pos / block_size < static_cast<int64_t>(table.size()),
                 "DecodeModel.step: context length ", context_lens[m], " outside its block table");
     std::copy(table.begin(), table.end(), tp + m * max_blocks);
-    lens.data_ptr<int64_t>()[m] = context_lens[m];
-    positions.data_ptr<int64_t>()[m] = pos;
-    slots.data_ptr<int64_t>()[m] = table[pos / block_size] * block_size + pos % block_size;
+    len_p[m] = context_lens[m];
+    pp[m] = pos;
+    sp[m] = table[pos / block_size] * block_size + pos % block_size;
   }
   auto x = gathered_rows(embedding, token_ids.data(), M, "embedding");  // [M, hidden] float32
-  const int64_t* pp = positions.data_ptr<int64_t>();
   const auto cos = gathered_rows(rope_cos, pp, M, "RoPE table"), sin = gathered_rows(rope_sin, pp, M, "RoPE table");
   decode_layers(x, cos, sin, layers, kv_caches, slots, tables, lens, num_heads, block_size, eps, scale, isa);
   float* xp = x.data_ptr<float>();
