@@ -27,6 +27,7 @@ class InputProcessor:
         self.max_model_len = max_model_len
         self.config = config
         self.grammar = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
+        self.max_token_chars = max_token_chars(tokenizer)
 
     @property
     def has_chat_template(self) -> bool:
@@ -81,6 +82,19 @@ class InputProcessor:
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
+    def _check_fits_before_tokenizing(self, num_chars: int, params: SamplingParams) -> None:
+        """Refuse a text that cannot fit the context whatever its tokens: each token covers at most
+        max_token_chars characters, so it makes at least num_chars / max_token_chars tokens.
+        Tokenizing 900k characters takes 0.4-0.7 s of a core that the engine's step threads need
+        (a running stream's worst gap went from 19 to 100-200 ms on 2 cores) only to refuse them."""
+        if self.max_token_chars is None or params.truncate_prompt_tokens is not None:
+            return
+        min_tokens = -(-num_chars // self.max_token_chars)
+        if min_tokens >= self.max_model_len:
+            raise PromptTooLongError(f"prompt: {num_chars} characters make at least {min_tokens} tokens (none is "
+                                     f"longer than {self.max_token_chars} characters), which do not fit the context "
+                                     f"of {self.max_model_len} tokens (at least one must be generated)")
+
     def process(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         """The prompt's token ids, checked against the limits, the vocabulary and the context length."""
         self.check_params(params)
@@ -89,6 +103,7 @@ class InputProcessor:
                 raise ValueError("prompt: must not be empty")
             if len(prompt) > self.config.max_prompt_chars:
                 raise LimitExceededError(f"prompt: {len(prompt)} characters, at most {self.config.max_prompt_chars}")
+            self._check_fits_before_tokenizing(len(prompt), params)
             token_ids = self.tokenize(prompt)
         else:
             token_ids = [int(t) for t in prompt]
@@ -108,6 +123,21 @@ class InputProcessor:
             raise LimitExceededError(f"max_tokens: the prompt's {len(token_ids)} tokens + max_tokens "
                                      f"{params.max_tokens} exceed the context of {self.max_model_len} tokens")
         return token_ids
+
+
+def max_token_chars(tokenizer: Any) -> int | None:
+    """The most characters of input text one token can cover, or None where that is not known.
+
+    A token's vocabulary string is at least as long as the text it stands for (byte-level
+    tokens spell each byte as one character, SentencePiece its space as one, a byte-fallback
+    token one character as six). That bounds the input only when no normalizer may delete input
+    characters before the model splits them (NFKD accent stripping, control-character removal),
+    so a tokenizer with a normalizer, or without a fast backend, gets None."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or backend.normalizer is not None:
+        return None
+    vocab = tokenizer.get_vocab()
+    return max(map(len, vocab), default=0) or None
 
 
 def load_eos_token_ids(model_dir: Path, hf_config: Any, tokenizer: Any) -> frozenset[int]:

@@ -197,6 +197,44 @@ def test_bad_requests_are_rejected(tiny_llm: LLM) -> None:
     assert not engine.has_unfinished_requests()
 
 
+def test_a_text_longer_than_any_tokenization_could_fit_is_refused_untokenized(
+        tiny_llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No token covers more characters than its vocabulary string has, so a text longer than
+    max_token_chars x (max_model_len - 1) characters makes at least max_model_len tokens and cannot
+    fit: refused without tokenizing. One character less is tokenized (and judged by its tokens),
+    and so is any text under truncate_prompt_tokens."""
+    from tokenizers import Tokenizer, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    from engine.input_processor import max_token_chars
+
+    engine = tiny_llm.engine
+    inputs = engine.input_processor
+    vocab = inputs.tokenizer.get_vocab()
+    assert inputs.max_token_chars == max(len(t) for t in vocab) > 1
+    text = "The quick brown fox, naïve café 2048 times; " * 40
+    assert len(inputs.tokenize(text)) * inputs.max_token_chars >= len(text)  # the bound holds on real text
+    tokenized: list[str] = []
+    tokenize = inputs.tokenize
+    monkeypatch.setattr(inputs, "tokenize", lambda prompt: tokenized.append(prompt) or tokenize(prompt))
+    limit = inputs.max_token_chars * (engine.max_model_len - 1) + 1  # the fewest characters refused untokenized
+    with pytest.raises(PromptTooLongError, match=f"prompt: {limit} characters make at least {engine.max_model_len} "
+                                                 "tokens"):
+        engine.add_request("a" * limit)
+    assert tokenized == []
+    with pytest.raises(PromptTooLongError, match="tokens do not fit the context"):  # its tokens judge it
+        engine.add_request("a" * (limit - 1))
+    assert len(tokenized) == 1
+    engine.add_request("a" * limit, SamplingParams(max_tokens=1, truncate_prompt_tokens=8))
+    assert len(tokenized) == 2
+    while engine.has_unfinished_requests():  # the truncated prompt runs (8 tokens in, 1 out)
+        engine.step()
+    # A normalizer may delete characters (accents here): no bound, every text is tokenized.
+    stripping = Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    stripping.normalizer = normalizers.Sequence([normalizers.NFKD(), normalizers.StripAccents()])
+    assert max_token_chars(PreTrainedTokenizerFast(tokenizer_object=stripping)) is None
+
+
 def test_queue_full_backpressure(tiny_model_dir) -> None:
     engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64, max_num_waiting=3))
     for _ in range(3):

@@ -54,7 +54,9 @@ BAD_INPUTS = [
     ("max_tokens past the context", build_request([7] * 4000, max_tokens=200), TOO_BIG, "max_tokens"),
     ("prompt over the context", build_request([7] * 5000), TOO_BIG, "prompt"),
     ("2 MB prompt", build_request("x" * 2_000_000), TOO_BIG, "prompt"),
-    ("900k-char prompt (tokenized, then too long)", build_request("hello world " * 75_000), TOO_BIG, "prompt"),
+    ("900k-char prompt (more characters than the context's tokens could cover)",
+     build_request("hello world " * 75_000), TOO_BIG, "prompt"),
+    ("48k-char prompt (tokenized, then too long)", build_request("hello world " * 4_000), TOO_BIG, "prompt"),
     ("2 MB chat message", build_request([{"role": "user", "content": "y" * 2_000_000}]), TOO_BIG, "messages"),
     ("5 MB message", build_request("z" * 5_000_000), TOO_BIG, ""),
     ("5,000 stop strings of 300 chars", build_request("hi", stop=["s" * 300] * 5000), TOO_BIG, "stop"),
@@ -88,8 +90,9 @@ def real_server():
 @pytest.mark.real_model
 def test_bad_inputs_get_their_status_while_a_stream_keeps_its_pace(real_server: ServerThread) -> None:
     """Each bad or abusive request is refused with its code, naming the field, and the server stays
-    SERVING; meanwhile an ordinary stream's largest gap stays within 5x its median gap (a 900k-char
-    prompt is tokenized, off the engine thread, before it is found too long)."""
+    SERVING; meanwhile an ordinary stream's largest gap stays within 5x its median gap (a 48k-char
+    prompt is tokenized, off the engine thread, before it is found too long; a 900k-char one is
+    refused untokenized: no 81-character token could fit it into the context)."""
     assert len(BAD_INPUTS) >= 30
     server = real_server
 

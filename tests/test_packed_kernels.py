@@ -154,12 +154,15 @@ def test_decode_layer_in_one_call_matches_the_torch_layer(kernels, weight_dtype:
 def test_decode_model_step_is_the_embedding_every_layer_the_norm_and_the_head(kernels, embedding_dtype) -> None:
     """The model's decode step in one call (DecodeModel.step): the embedding's and RoPE tables' rows of the tokens,
     the same floats as one decode_layer call per layer (each layer with its own weights, window
-    and caches), the final RMSNorm, the LM head's panels, and torch.argmax's choice per row."""
-    bs, num_blocks, vocab, max_positions = 4, 24, 70, 20  # vocab: past the argmax's 32-wide steps
-    lens = torch.tensor([1, 9, 14])
-    tables = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(6))[:12].view(3, 4)
+    and caches), the final RMSNorm, the LM head's panels, and torch.argmax's choice per row; on a
+    team of 1, 2 or 3 threads (3 on this 2-core machine: members preempted at the barriers),
+    whose attention tasks are whole rows (8 rows, 1 or 2 threads) or one KV head of a row (3)."""
+    bs, num_blocks, vocab, max_positions = 4, 40, 70, 20  # vocab: past the argmax's 32-wide steps
+    lens = torch.tensor([1, 9, 14, 3, 7, 12, 5, 10])
+    batch = len(lens)
+    tables = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(6))[: batch * 4].view(batch, 4)
     positions = lens - 1
-    slots = tables[torch.arange(3), positions // bs] * bs + positions % bs
+    slots = tables[torch.arange(batch), positions // bs] * bs + positions % bs
     isa = kernels.best_isa()
     layers = []
     for i, window in enumerate((None, 5, None)):
@@ -170,7 +173,7 @@ def test_decode_model_step_is_the_embedding_every_layer_the_norm_and_the_head(ke
     caches = [(torch.randn(num_blocks * bs, cfg.num_kv_heads, cfg.head_dim, generator=gen),
                torch.randn(num_blocks * bs, cfg.num_kv_heads, cfg.head_dim, generator=gen)) for _ in layers]
     embedding = torch.randn(vocab, cfg.hidden_size, generator=gen).to(embedding_dtype)
-    token_ids = torch.tensor([5, 69, 0])
+    token_ids = torch.tensor([5, 69, 0, 12, 33, 47, 8, 21])
     freqs = torch.arange(max_positions).float().unsqueeze(1) * torch.linspace(1, 0.01, cfg.head_dim // 2)
     cos_table, sin_table = torch.cat((freqs, freqs), dim=-1).cos(), torch.cat((freqs, freqs), dim=-1).sin()
     attn = AttentionMetadata(slot_mapping=slots, block_size=bs, block_tables=tables, context_lens=lens,
@@ -178,13 +181,22 @@ def test_decode_model_step_is_the_embedding_every_layer_the_norm_and_the_head(ke
     final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
     final_norm.weight.copy_(torch.rand(cfg.hidden_size, generator=gen) + 0.5)
     weights = [layer.fused_weights(kernels) for layer in layers]
-    hidden = embedding[token_ids].float()
-    ref_caches = [(k.clone(), v.clone()) for k, v in caches]
-    for layer, (k, v) in zip(layers, ref_caches, strict=True):  # one call per layer, as mixed steps run
-        layer.forward_fused(hidden, cos_table[positions], sin_table[positions], attn, k, v, kernels, isa)
-    normed = final_norm(hidden)
 
-    def step(head_weight: torch.Tensor, with_argmax: bool = True, step_isa: int = isa, **changes):
+    def reference(threads: int) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        # One call per layer, as mixed steps run, on as many threads: a product's task split, and so
+        # which panels share a tile, follows the thread count, and with it the last bits of a row.
+        hidden = embedding[token_ids].float()
+        ref_caches = [(k.clone(), v.clone()) for k, v in caches]
+        num_threads = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            for layer, (k, v) in zip(layers, ref_caches, strict=True):
+                layer.forward_fused(hidden, cos_table[positions], sin_table[positions], attn, k, v, kernels, isa)
+        finally:
+            torch.set_num_threads(num_threads)
+        return final_norm(hidden), ref_caches
+
+    def step(head_weight: torch.Tensor, with_argmax: bool = True, step_isa: int = isa, threads: int = 2, **changes):
         # As the sequences hold them: block tables as long as each context needs (padded inside).
         args = dict(token_ids=token_ids.tolist(), tables=[t[: (n - 1) // bs + 1] for t, n in zip(
                     tables.tolist(), lens.tolist(), strict=True)], lens=lens.tolist(), embedding=embedding,
@@ -195,15 +207,24 @@ def test_decode_model_step_is_the_embedding_every_layer_the_norm_and_the_head(ke
         decoder = kernels.DecodeModel(args["embedding"], args["cos"], args["sin"], weights, args["caches"],
                                       args["final_norm"], head.as_args(), cfg.num_heads, bs, cfg.rms_norm_eps,
                                       cfg.head_dim**-0.5, step_isa)
-        logits, ids = decoder.step(args["token_ids"], args["tables"], args["lens"], with_argmax)
+        num_threads = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            logits, ids = decoder.step(args["token_ids"], args["tables"], args["lens"], with_argmax)
+        finally:
+            torch.set_num_threads(num_threads)
         return logits, ids, head, args["caches"]
 
     head_weight = torch.randn(vocab, cfg.hidden_size, generator=gen)
-    logits, ids, head, stepped = step(head_weight)
-    assert torch.allclose(logits, kernels.packed_linear(normed, *head.as_args(), isa), atol=1e-5)
-    assert torch.equal(ids, logits.argmax(dim=-1))
-    for (k, v), (k_ref, v_ref) in zip(stepped, ref_caches, strict=True):
-        assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+    for threads in (1, 3, 2):
+        normed, ref_caches = reference(threads)
+        logits, ids, head, stepped = step(head_weight, threads=threads)
+        assert torch.allclose(logits, kernels.packed_linear(normed, *head.as_args(), isa), atol=1e-5), threads
+        assert torch.equal(ids, logits.argmax(dim=-1)), threads
+        # Each layer's new K and V rows: bit-equal to the per-layer calls' (every row-wise part
+        # splits at the vector width, so each float takes the same path on any team).
+        assert [[torch.equal(a, b) for a, b in zip(kv, kv_ref, strict=True)] for kv, kv_ref in zip(
+            stepped, ref_caches, strict=True)] == [[True, True]] * len(layers), threads
     assert step(head_weight, with_argmax=False)[1] is None
     # Ties go to the first maximum (two equal rows of the head, 3 and 7, far ahead of the rest),
     # then the last column wins alone; a NaN wins over any number, the first NaN (5, not 9).
@@ -218,15 +239,18 @@ def test_decode_model_step_is_the_embedding_every_layer_the_norm_and_the_head(ke
         assert logits[0, 3] == logits[0, 7] == logits[0].max() and logits[2, 68] == logits[2].max()
         assert ids[0] == 3 and ids[2] == 68 and torch.equal(ids, logits.argmax(dim=-1)), ISA_NAMES[step_isa]
         logits, ids, _, _ = step(nans, step_isa=step_isa)
-        assert ids.tolist() == [5, 5, 5] and torch.equal(ids, logits.argmax(dim=-1)), ISA_NAMES[step_isa]
+        assert ids.tolist() == [5] * batch and torch.equal(ids, logits.argmax(dim=-1)), ISA_NAMES[step_isa]
     with pytest.raises(RuntimeError, match="one \\(K, V\\) cache pair per layer"):
         step(head_weight, caches=caches[:1])
     with pytest.raises(RuntimeError, match="embedding index 70 out of \\[0, 70\\)"):
-        step(head_weight, token_ids=[5, 70, 0])
+        step(head_weight, token_ids=[5, 70] + token_ids.tolist()[2:])
     with pytest.raises(RuntimeError, match="RoPE table index 13 out of \\[0, 10\\)"):
         step(head_weight, cos=cos_table[:10], sin=sin_table[:10])
     with pytest.raises(RuntimeError, match="context length 17 outside its block table"):
-        step(head_weight, lens=[1, 9, 17])
+        step(head_weight, lens=[1, 9, 17] + lens.tolist()[3:])
+    with pytest.raises(RuntimeError, match="block 40 outside the cache"):
+        step(head_weight, tables=[[40]] + [t[: (n - 1) // bs + 1] for t, n in zip(
+             tables.tolist()[1:], lens.tolist()[1:], strict=True)])
     with pytest.raises(RuntimeError, match="one block table and one context length per token"):
         step(head_weight, lens=[1, 9])
     with pytest.raises(RuntimeError, match="final_norm must be"):

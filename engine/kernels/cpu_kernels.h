@@ -4,6 +4,7 @@
 
 #include <torch/extension.h>
 
+#include <atomic>
 #include <memory>
 #include <optional>
 #include <tuple>
@@ -19,14 +20,33 @@ enum Isa : int64_t { kIsaScalar = 0, kIsaAvx2 = 1, kIsaAvx512 = 2, kIsaAvx512Bf1
 
 int64_t best_isa();
 
+// This thread's share of a team: threads that run a whole step in one parallel region and meet
+// at barriers between its parts (DecodeModel), instead of a fork and a join around each part.
+// It holds ranks [rank_begin, rank_end) of num_ranks (one each, unless the runtime gave fewer
+// threads than asked). A part's tasks go first one to each rank, then to whichever thread asks
+// next: next_task, the part's own counter, zero before the part, counts those past the first.
+struct TeamShare {
+  int64_t rank_begin, rank_end, num_ranks;
+  std::atomic<int64_t>* next_task;
+
+  template <typename F>
+  void for_each_task(int64_t num_tasks, const F& f) const {
+    for (int64_t r = rank_begin; r < rank_end && r < num_tasks; ++r) f(r);
+    for (int64_t t = num_ranks + next_task->fetch_add(1); t < num_tasks; t = num_ranks + next_task->fetch_add(1)) f(t);
+  }
+};
+
 // out[m, n] = sum_k x[m, k] * W[n, k] * scale[n] + bias[n], for m < M, n < N.
 // W is packed in panels of 16 output channels: [ceil(N / 16), K, 16] of float32 or int8 (int8
 // needs scale, per output channel), or [ceil(N / 16), Kp / 2, 32] of bfloat16 pairs of k (Kp: K
 // rounded up to 32). x: [M, K] float32 rows ldx apart; out rows ldo apart; accumulate adds into
-// out instead (a residual). Panels run in parallel.
+// out instead (a residual). Panels run in parallel: on threads forked for the call, or, given a
+// team, on the team's threads (whose owner has checked w with check_packed_weight: a team's
+// member must not throw).
 void packed_gemm(const float* x, int64_t M, int64_t K, int64_t ldx, const torch::Tensor& w, const float* scale,
-                 const float* bias, int64_t N, float* out, int64_t ldo, int64_t isa, bool accumulate);
-
+                 const float* bias, int64_t N, float* out, int64_t ldo, int64_t isa, bool accumulate,
+                 const TeamShare* team = nullptr);
+void check_packed_weight(const torch::Tensor& w, int64_t K, int64_t N, const float* scale, int64_t isa);
 // One sequence's decode attention from the paged cache, for the query heads of KV heads
 // [kv_begin, kv_end): q [H, D] float32 -> those heads' rows of out [H, D] float32.
 void attend_decode_row(const float* q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
@@ -59,10 +79,11 @@ struct DecodeLayerWeights {
   int64_t window;  // sliding window, 0 for none
 };
 // A model's decode-only steps from token ids to logits, one call each (the CPU counterpart of a
-// CUDA graph): the embedding's rows (float32, bfloat16 or float16) and the RoPE tables' rows of
-// the positions, decode_layer for every layer, the final RMSNorm, the LM head's panels. What
-// every step shares is bound once, not converted from Python per step (that, with the
-// sequences' lists as inputs, took a batch-1 bf16 step's host part from 0.59 to 0.40 ms).
+// CUDA graph; decode_model.cpp): the embedding's rows (float32, bfloat16 or float16) and the RoPE
+// tables' rows of the positions, every layer as decode_layer computes it, the final RMSNorm, the
+// LM head's panels, all in one parallel region whose threads meet at barriers between the parts.
+// What every step shares is bound and checked once, not converted from Python per step (that,
+// with the sequences' lists as inputs, took a batch-1 bf16 step's host part from 0.59 to 0.40 ms).
 struct DecodeModel {
   torch::Tensor embedding;           // [vocab, hidden]
   torch::Tensor rope_cos, rope_sin;  // [max_positions, D] float32
@@ -73,6 +94,8 @@ struct DecodeModel {
   int64_t num_heads, block_size;
   double eps, scale;
   int64_t isa;
+  // Derived from the above by the constructor.
+  int64_t hidden, head_dim, num_kv_heads, qkv_width, intermediate;
 
   DecodeModel(torch::Tensor embedding, torch::Tensor rope_cos, torch::Tensor rope_sin,
               std::vector<std::shared_ptr<DecodeLayerWeights>> layers,

@@ -7,13 +7,13 @@
 // thousand floats between the packed matrix products, which read the weights once.
 // Activations and the residual stream stay float32; the KV cache keeps its own dtype.
 #include "cpu_kernels.h"
+#include "layer_parts.h"
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <limits>
 #include <memory>
 #include <numeric>
 #include <vector>
@@ -43,39 +43,14 @@ __attribute__((target("avx512f,fma"))) int64_t silu_mul_avx512(const float* g, c
 }
 #endif
 
+}  // namespace
+
 void silu_mul(const float* g, const float* u, float* a, int64_t n, int64_t isa) {
   int64_t i = 0;
 #if defined(__x86_64__)
   if (isa >= kIsaAvx512) i = silu_mul_avx512(g, u, a, n);
 #endif
   for (; i < n; ++i) a[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
-}
-
-// Rows per task of the row-wise parts (norms, RoPE, SiLU): a decode step's few rows stay on
-// the calling thread; a prefill chunk's hundreds are shared, not left to one core while the
-// other spins at the next product's barrier.
-constexpr int64_t kRowGrain = 16;
-
-// A scratch array every element of which is written before it is read: no zeroing (a memset of
-// a prefill chunk's MLP activations cost 6 % of its step).
-std::unique_ptr<float[]> scratch_floats(int64_t n) { return std::unique_ptr<float[]>(new float[n]); }
-
-struct LinearView {
-  const torch::Tensor& w;
-  const float* scale;
-  const float* bias;
-  int64_t n;
-};
-
-LinearView view(const PackedLinear& linear) {
-  const auto& [w, scale, bias, n] = linear;
-  TORCH_CHECK(!scale || scale->scalar_type() == torch::kFloat32, "decode_layer: float32 scales");
-  TORCH_CHECK(!bias || bias->scalar_type() == torch::kFloat32, "decode_layer: float32 bias");
-  return {w, scale ? scale->data_ptr<float>() : nullptr, bias ? bias->data_ptr<float>() : nullptr, n};
-}
-
-void gemm(const LinearView& l, const float* x, int64_t M, int64_t K, float* out, int64_t isa, bool accumulate) {
-  packed_gemm(x, M, K, K, l.w, l.scale, l.bias, l.n, out, l.n, isa, accumulate);
 }
 
 // out[m] = x[m] * rsqrt(mean(x[m]^2) + eps) * weight, as transformers' LlamaRMSNorm in float32.
@@ -105,6 +80,16 @@ void rope(float* heads, int64_t num_heads, int64_t head_dim, const float* cos, c
       x[i + half] = b * cos[i + half] + a * sin[i + half];
     }
   }
+}
+
+namespace {
+
+// A scratch array every element of which is written before it is read: no zeroing (a memset of
+// a prefill chunk's MLP activations cost 6 % of its step).
+std::unique_ptr<float[]> scratch_floats(int64_t n) { return std::unique_ptr<float[]>(new float[n]); }
+
+void gemm(const LinearView& l, const float* x, int64_t M, int64_t K, float* out, int64_t isa, bool accumulate) {
+  packed_gemm(x, M, K, K, l.w, l.scale, l.bias, l.n, out, l.n, isa, accumulate);
 }
 
 template <typename cache_t>
@@ -233,165 +218,6 @@ void decode_layer(torch::Tensor x,                    // [M, hidden] float32, up
   });
   attention_outputs(s.M, s.hidden, s.q_size, xp, attn_out.get(), post_norm, view(o_proj), view(gate_up), view(down),
                     eps, isa);
-}
-
-namespace {
-
-// Every layer of the model on x, in place: decode_layer per layer.
-void decode_layers(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
-                   const std::vector<std::shared_ptr<DecodeLayerWeights>>& layers,
-                   const std::vector<std::tuple<torch::Tensor, torch::Tensor>>& kv_caches,
-                   const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
-                   const torch::Tensor& context_lens, int64_t num_heads, int64_t block_size, double eps, double scale,
-                   int64_t isa) {
-  for (size_t i = 0; i < layers.size(); ++i) {
-    const DecodeLayerWeights& l = *layers[i];
-    const auto& [k_cache, v_cache] = kv_caches[i];
-    decode_layer(x, cos, sin, l.input_norm, l.post_norm, l.qkv, l.o_proj, l.gate_up, l.down, k_cache, v_cache,
-                 slot_mapping, block_tables, context_lens, num_heads, block_size, eps, scale, l.window, isa);
-  }
-}
-
-// out[m] = float(table[index[m]]), rows of `width`: the embedding's and RoPE tables' rows of the
-// step's tokens (index values checked against the table's rows).
-template <typename T>
-void gather_rows(const torch::Tensor& table, const int64_t* index, int64_t M, float* out, const char* what) {
-  const int64_t rows = table.size(0), width = table.size(1);
-  const T* data = table.data_ptr<T>();
-  for (int64_t m = 0; m < M; ++m) {
-    TORCH_CHECK(index[m] >= 0 && index[m] < rows, "DecodeModel.step: ", what, " index ", index[m], " out of [0, ", rows,
-                ")");
-    const T* row = data + index[m] * width;
-    for (int64_t i = 0; i < width; ++i) out[m * width + i] = static_cast<float>(row[i]);
-  }
-}
-
-torch::Tensor gathered_rows(const torch::Tensor& table, const int64_t* index, int64_t M, const char* what) {
-  TORCH_CHECK(table.dim() == 2 && table.is_contiguous(), "DecodeModel.step: ", what, " must be a contiguous 2-D table");
-  auto out = torch::empty({M, table.size(1)}, table.options().dtype(torch::kFloat32));
-  float* o = out.data_ptr<float>();
-  switch (table.scalar_type()) {
-    case torch::kFloat32: gather_rows<float>(table, index, M, o, what); break;
-    case torch::kBFloat16: gather_rows<at::BFloat16>(table, index, M, o, what); break;
-    case torch::kHalf: gather_rows<at::Half>(table, index, M, o, what); break;
-    default: TORCH_CHECK(false, "DecodeModel.step: ", what, " must be float32, bfloat16 or float16");
-  }
-  return out;
-}
-
-// The index of row[0:n]'s first maximum, a NaN counting as one (the first NaN wins), as
-// torch.argmax. One pass, scalar: the first NaN ends it.
-int64_t first_argmax_scalar(const float* row, int64_t n) {
-  int64_t best = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    if (row[i] != row[i]) return i;
-    if (row[i] > row[best]) best = i;
-  }
-  return best;
-}
-
-#if defined(__x86_64__)
-// The same on AVX-512: the maximum and any NaN over 32 lanes a step, then the first lane equal
-// to it (or the first NaN). 6.9 us a [1, 49152] row (numpy: 6.8; this file's first version, two
-// `#pragma omp simd` passes the compiler left scalar: 52-78); 163 us at [64, 49152] on two
-// threads (numpy: 337).
-__attribute__((target("avx512f"))) int64_t first_argmax_avx512(const float* row, int64_t n) {
-  __m512 best0 = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), best1 = best0;
-  __mmask16 nan0 = 0, nan1 = 0;
-  int64_t i = 0;
-  for (; i + 32 <= n; i += 32) {
-    const __m512 a = _mm512_loadu_ps(row + i), b = _mm512_loadu_ps(row + i + 16);
-    best0 = _mm512_max_ps(best0, a);
-    best1 = _mm512_max_ps(best1, b);
-    nan0 |= _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
-    nan1 |= _mm512_cmp_ps_mask(b, b, _CMP_UNORD_Q);
-  }
-  float best = _mm512_reduce_max_ps(_mm512_max_ps(best0, best1));
-  bool has_nan = (nan0 | nan1) != 0;
-  for (int64_t j = i; j < n; ++j) {
-    has_nan |= row[j] != row[j];
-    best = row[j] > best ? row[j] : best;
-  }
-  const __m512 target = _mm512_set1_ps(best);
-  for (i = 0; i + 16 <= n; i += 16) {
-    const __m512 a = _mm512_loadu_ps(row + i);
-    const __mmask16 hit = has_nan ? _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) : _mm512_cmp_ps_mask(a, target, _CMP_EQ_OQ);
-    if (hit) return i + __builtin_ctz(hit);
-  }
-  for (; i < n; ++i) {
-    if (has_nan ? row[i] != row[i] : row[i] == best) return i;
-  }
-  return 0;  // every value -inf: the first
-}
-#endif
-
-int64_t first_argmax(const float* row, int64_t n, int64_t isa) {
-#if defined(__x86_64__)
-  if (isa >= kIsaAvx512) return first_argmax_avx512(row, n);
-#endif
-  return first_argmax_scalar(row, n);
-}
-
-}  // namespace
-
-DecodeModel::DecodeModel(torch::Tensor embedding, torch::Tensor rope_cos, torch::Tensor rope_sin,
-                         std::vector<std::shared_ptr<DecodeLayerWeights>> layers,
-                         std::vector<std::tuple<torch::Tensor, torch::Tensor>> kv_caches, torch::Tensor final_norm,
-                         PackedLinear lm_head, int64_t num_heads, int64_t block_size, double eps, double scale,
-                         int64_t isa)
-    : embedding(std::move(embedding)), rope_cos(std::move(rope_cos)), rope_sin(std::move(rope_sin)),
-      layers(std::move(layers)), kv_caches(std::move(kv_caches)), final_norm(std::move(final_norm)),
-      lm_head(std::move(lm_head)), num_heads(num_heads), block_size(block_size), eps(eps), scale(scale), isa(isa) {
-  TORCH_CHECK(this->kv_caches.size() == this->layers.size(), "DecodeModel: one (K, V) cache pair per layer");
-  TORCH_CHECK(this->rope_cos.scalar_type() == torch::kFloat32 && this->rope_sin.scalar_type() == torch::kFloat32 &&
-              this->rope_cos.sizes() == this->rope_sin.sizes(), "DecodeModel: float32 RoPE tables of one shape");
-  TORCH_CHECK(this->final_norm.scalar_type() == torch::kFloat && this->final_norm.dim() == 1 &&
-              this->embedding.dim() == 2 && this->final_norm.numel() == this->embedding.size(1),
-              "DecodeModel: final_norm must be [hidden] float32");
-}
-
-std::tuple<torch::Tensor, std::optional<torch::Tensor>> DecodeModel::step(
-    const std::vector<int64_t>& token_ids, const std::vector<std::vector<int64_t>>& block_tables,
-    const std::vector<int64_t>& context_lens, bool with_argmax) const {
-  const int64_t M = static_cast<int64_t>(token_ids.size());
-  TORCH_CHECK(M > 0 && block_tables.size() == token_ids.size() && context_lens.size() == token_ids.size(),
-              "DecodeModel.step: one block table and one context length per token");
-  // The step's attention inputs, from the sequences' own lists: each token sits at its context's
-  // last position; padding of shorter tables reads block 0, past the row's length.
-  size_t max_blocks = 1;
-  for (const auto& table : block_tables) max_blocks = std::max(max_blocks, table.size());
-  const auto int64 = torch::TensorOptions().dtype(torch::kInt64);
-  auto tables = torch::zeros({M, static_cast<int64_t>(max_blocks)}, int64);
-  auto lens = torch::empty({M}, int64), positions = torch::empty({M}, int64), slots = torch::empty({M}, int64);
-  int64_t *tp = tables.data_ptr<int64_t>(), *len_p = lens.data_ptr<int64_t>(), *pp = positions.data_ptr<int64_t>(),
-          *sp = slots.data_ptr<int64_t>();
-  for (int64_t m = 0; m < M; ++m) {
-    const auto& table = block_tables[m];
-    const int64_t pos = context_lens[m] - 1;
-    TORCH_CHECK(pos >= 0 && pos / block_size < static_cast<int64_t>(table.size()),
-                "DecodeModel.step: context length ", context_lens[m], " outside its block table");
-    std::copy(table.begin(), table.end(), tp + m * max_blocks);
-    len_p[m] = context_lens[m];
-    pp[m] = pos;
-    sp[m] = table[pos / block_size] * block_size + pos % block_size;
-  }
-  auto x = gathered_rows(embedding, token_ids.data(), M, "embedding");  // [M, hidden] float32
-  const auto cos = gathered_rows(rope_cos, pp, M, "RoPE table"), sin = gathered_rows(rope_sin, pp, M, "RoPE table");
-  decode_layers(x, cos, sin, layers, kv_caches, slots, tables, lens, num_heads, block_size, eps, scale, isa);
-  float* xp = x.data_ptr<float>();
-  // In place: each row's sum of squares is taken before the row is written.
-  rms_norm(xp, x.size(0), x.size(1), final_norm.data_ptr<float>(), static_cast<float>(eps), xp);
-  const LinearView head = view(lm_head);
-  auto logits = torch::empty({x.size(0), head.n}, x.options());  // [M, vocab] float32
-  gemm(head, xp, x.size(0), x.size(1), logits.data_ptr<float>(), isa, false);
-  if (!with_argmax) return {logits, std::nullopt};
-  auto ids = torch::empty({x.size(0)}, x.options().dtype(torch::kInt64));  // [M]
-  const float* lp = logits.data_ptr<float>();
-  int64_t* ip = ids.data_ptr<int64_t>();
-  at::parallel_for(0, x.size(0), 4, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) ip[m] = first_argmax(lp + m * head.n, head.n, isa);
-  });
-  return {logits, ids};
 }
 
 torch::Tensor layer_attention_inputs(const torch::Tensor& x,             // [M, hidden] float32

@@ -524,20 +524,23 @@ inline void store_tile(const float* acc, int64_t rows, int64_t m0, int64_t n0, i
 // Runs body(m_begin, m_end, panel_begin, panel_end) over tasks of a few panels each (for one
 // block of rows), taken from a shared counter rather than split evenly up front: a thread the OS
 // preempts (a serving process's event loop, a client on the same cores) then delays its own
-// tasks only, not the whole product.
+// tasks only, not the whole product. With a team (a parallel region already running, as
+// DecodeModel's step), this thread takes its share of the tasks without a fork or a join.
 template <typename Body>
-void parallel_tasks(int64_t M, int64_t num_panels, int64_t row_block, const Body& body) {
-  const int64_t num_threads = std::max<int64_t>(1, at::get_num_threads());
+void parallel_tasks(int64_t M, int64_t num_panels, int64_t row_block, const TeamShare* team, const Body& body) {
+  const int64_t num_threads = team != nullptr ? team->num_ranks : std::max<int64_t>(1, at::get_num_threads());
   const int64_t chunk = std::max<int64_t>(1, (num_panels + kTasksPerThread * num_threads - 1) /
                                                  (kTasksPerThread * num_threads));
   const int64_t num_chunks = (num_panels + chunk - 1) / chunk;
   const int64_t num_tasks = num_chunks * ((M + row_block - 1) / row_block);
+  const auto run = [&](int64_t task) {
+    const int64_t m_block = (task / num_chunks) * row_block, begin = (task % num_chunks) * chunk;
+    body(m_block, std::min(M, m_block + row_block), begin, std::min(num_panels, begin + chunk));
+  };
+  if (team != nullptr) return team->for_each_task(num_tasks, run);
   std::atomic<int64_t> next_task{0};
   at::parallel_for(0, std::min(num_threads, num_tasks), 1, [&](int64_t, int64_t) {
-    for (int64_t task = next_task++; task < num_tasks; task = next_task++) {
-      const int64_t m_block = (task / num_chunks) * row_block, begin = (task % num_chunks) * chunk;
-      body(m_block, std::min(M, m_block + row_block), begin, std::min(num_panels, begin + chunk));
-    }
+    for (int64_t task = next_task++; task < num_tasks; task = next_task++) run(task);
   });
 }
 
@@ -546,8 +549,8 @@ void parallel_tasks(int64_t M, int64_t num_panels, int64_t row_block, const Body
 // acc with rows x 16 outputs of panel p, then, when pair, those of panel p + 1 after them.
 template <typename Tile>
 void gemm_tiles(int64_t M, int64_t N, int64_t tile_rows, const float* scale, const float* bias, float* out,
-                int64_t ldo, bool accumulate, const Tile& tile) {
-  parallel_tasks(M, (N + kPanel - 1) / kPanel, kRowBlock, [&](int64_t m_block, int64_t m_end, int64_t begin,
+                int64_t ldo, bool accumulate, const TeamShare* team, const Tile& tile) {
+  parallel_tasks(M, (N + kPanel - 1) / kPanel, kRowBlock, team, [&](int64_t m_block, int64_t m_end, int64_t begin,
                                                               int64_t end) {
     alignas(64) float acc[2 * 8 * kPanel];
     for (int64_t p = begin; p < end;) {
@@ -568,8 +571,9 @@ void gemm_tiles(int64_t M, int64_t N, int64_t tile_rows, const float* scale, con
 // The product on the vector units: x stays float32.
 template <typename T>
 void gemm_vector(const float* x, int64_t M, int64_t ldx, const T* w, int64_t panel_size, int64_t K, const float* scale,
-                 const float* bias, int64_t N, float* out, int64_t ldo, int64_t isa, bool accumulate) {
-  gemm_tiles(M, N, max_tile_rows(isa), scale, bias, out, ldo, accumulate,
+                 const float* bias, int64_t N, float* out, int64_t ldo, int64_t isa, bool accumulate,
+                 const TeamShare* team) {
+  gemm_tiles(M, N, max_tile_rows(isa), scale, bias, out, ldo, accumulate, team,
              [&](int64_t rows, int64_t m0, int64_t p, bool pair, float* acc) {
                const T* panel = w + p * panel_size;
                // Two panels a tile where the tile is compute bound (several rows); else one at a
@@ -594,10 +598,10 @@ std::unique_ptr<uint16_t[]> rounded_rows(const float* x, int64_t M, int64_t ldx,
 // and later, Intel Cooper Lake): x rounded to bfloat16 once (as the AMX path rounds it, so a
 // row's result does not depend on the batch), products summed in float32.
 void gemm_dpbf16(const float* x, int64_t M, int64_t ldx, const at::BFloat16* w, int64_t Kp, int64_t K,
-                 const float* bias, int64_t N, float* out, int64_t ldo, bool accumulate) {
+                 const float* bias, int64_t N, float* out, int64_t ldo, bool accumulate, const TeamShare* team) {
   const auto xb = rounded_rows(x, M, ldx, K, Kp);
   const int64_t panel_size = Kp * kPanel;
-  gemm_tiles(M, N, 8, nullptr, bias, out, ldo, accumulate, [&](int64_t rows, int64_t m0, int64_t p, bool pair,
+  gemm_tiles(M, N, 8, nullptr, bias, out, ldo, accumulate, team, [&](int64_t rows, int64_t m0, int64_t p, bool pair,
                                                                float* acc) {
     const at::BFloat16* panel = w + p * panel_size;
     run_tile_dpbf16(rows, pair, xb.get() + m0 * Kp, Kp, panel, panel + panel_size, Kp, acc);
@@ -609,12 +613,12 @@ void gemm_dpbf16(const float* x, int64_t M, int64_t ldx, const at::BFloat16* w, 
 // The product on the AMX tiles, for bfloat16 panels (Kp = their padded K). Full panels without
 // a bias go straight between the tiles and `out`; a partial panel or a bias goes through acc.
 void gemm_amx(const float* x, int64_t M, int64_t ldx, const at::BFloat16* w, int64_t Kp, int64_t K,
-              const float* bias, int64_t N, float* out, int64_t ldo, bool accumulate) {
+              const float* bias, int64_t N, float* out, int64_t ldo, bool accumulate, const TeamShare* team) {
   const auto xb = rounded_rows(x, M, ldx, K, Kp);  // [M, Kp]
   const int64_t panel_size = Kp * kPanel;
   // Per task a pair of panels at a time (the pair's weights, 2 x Kp x 32 bytes, stay in L1/L2)
   // against every 32-row block of up to kAmxRowBlock rows of x.
-  parallel_tasks(M, (N + kPanel - 1) / kPanel, kAmxRowBlock, [&](int64_t m_block, int64_t m_end, int64_t begin,
+  parallel_tasks(M, (N + kPanel - 1) / kPanel, kAmxRowBlock, team, [&](int64_t m_block, int64_t m_end, int64_t begin,
                                                                  int64_t end) {
     alignas(64) float acc[4 * 16 * kPanel];  // [panel][32 rows][16]
     int64_t configured0 = -1, configured1 = -1;
@@ -697,37 +701,56 @@ int64_t best_isa() {
   return best;
 }
 
-void packed_gemm(const float* x, int64_t M, int64_t K, int64_t ldx, const torch::Tensor& w, const float* scale,
-                 const float* bias, int64_t N, float* out, int64_t ldo, int64_t isa, bool accumulate) {
+void check_packed_weight(const torch::Tensor& w, int64_t K, int64_t N, const float* scale, int64_t isa) {
   TORCH_CHECK(isa <= best_isa(), "packed_gemm: this CPU lacks the requested instruction set");
   TORCH_CHECK(w.dim() == 3 && w.size(0) * kPanel >= N && w.is_contiguous(),
               "packed_gemm: weight must be [ceil(N/16), K, 16] (bfloat16: [ceil(N/16), Kp/2, 32])");
-  const int64_t panel_size = w.size(1) * w.size(2);
   switch (w.scalar_type()) {
     case torch::kFloat32:
       TORCH_CHECK(w.size(1) == K && w.size(2) == kPanel, "packed_gemm: float32 weight must be [N/16, K, 16]");
-      return gemm_vector(x, M, ldx, w.data_ptr<float>(), panel_size, K, scale, bias, N, out, ldo, isa, accumulate);
+      return;
     case torch::kBFloat16: {
       const int64_t Kp = 2 * w.size(1);
       TORCH_CHECK(w.size(2) == 2 * kPanel && Kp >= K && Kp < K + kPairChunk && Kp % kPairChunk == 0,
                   "packed_gemm: bfloat16 weight must be [N/16, Kp/2, 32], Kp = K rounded up to 32");
-#if defined(MINIVLLM_HAS_AMX)
-      if (isa == kIsaAmx && scale == nullptr)
-        return gemm_amx(x, M, ldx, w.data_ptr<at::BFloat16>(), Kp, K, bias, N, out, ldo, accumulate);
-#endif
-#if defined(MINIVLLM_HAS_AVX512_BF16)
-      if (isa == kIsaAvx512Bf16 && scale == nullptr)
-        return gemm_dpbf16(x, M, ldx, w.data_ptr<at::BFloat16>(), Kp, K, bias, N, out, ldo, accumulate);
-#endif
-      return gemm_vector(x, M, ldx, w.data_ptr<at::BFloat16>(), panel_size, K, scale, bias, N, out, ldo, isa,
-                         accumulate);
+      return;
     }
     case torch::kInt8:
       TORCH_CHECK(scale != nullptr, "packed_gemm: int8 weights need per-channel scales");
       TORCH_CHECK(w.size(1) == K && w.size(2) == kPanel, "packed_gemm: int8 weight must be [N/16, K, 16]");
-      return gemm_vector(x, M, ldx, w.data_ptr<int8_t>(), panel_size, K, scale, bias, N, out, ldo, isa, accumulate);
+      return;
     default:
       TORCH_CHECK(false, "packed_gemm: weights must be float32, bfloat16 or int8");
+  }
+}
+
+void packed_gemm(const float* x, int64_t M, int64_t K, int64_t ldx, const torch::Tensor& w, const float* scale,
+                 const float* bias, int64_t N, float* out, int64_t ldo, int64_t isa, bool accumulate,
+                 const TeamShare* team) {
+  // A team's members must not throw (the others would wait at its next barrier for ever): its
+  // owner checks the weights once, when it binds them.
+  if (team == nullptr) check_packed_weight(w, K, N, scale, isa);
+  const int64_t panel_size = w.size(1) * w.size(2);
+  switch (w.scalar_type()) {
+    case torch::kFloat32:
+      return gemm_vector(x, M, ldx, w.data_ptr<float>(), panel_size, K, scale, bias, N, out, ldo, isa, accumulate,
+                         team);
+    case torch::kBFloat16: {
+      const int64_t Kp = 2 * w.size(1);
+#if defined(MINIVLLM_HAS_AMX)
+      if (isa == kIsaAmx && scale == nullptr)
+        return gemm_amx(x, M, ldx, w.data_ptr<at::BFloat16>(), Kp, K, bias, N, out, ldo, accumulate, team);
+#endif
+#if defined(MINIVLLM_HAS_AVX512_BF16)
+      if (isa == kIsaAvx512Bf16 && scale == nullptr)
+        return gemm_dpbf16(x, M, ldx, w.data_ptr<at::BFloat16>(), Kp, K, bias, N, out, ldo, accumulate, team);
+#endif
+      return gemm_vector(x, M, ldx, w.data_ptr<at::BFloat16>(), panel_size, K, scale, bias, N, out, ldo, isa,
+                         accumulate, team);
+    }
+    default:  // int8 (check_packed_weight allows no other)
+      return gemm_vector(x, M, ldx, w.data_ptr<int8_t>(), panel_size, K, scale, bias, N, out, ldo, isa, accumulate,
+                         team);
   }
 }
 

@@ -1,0 +1,377 @@
+// A model's decode-only step from token ids to logits in one call and one parallel region (the
+// CPU counterpart of a CUDA graph).
+//
+// The step is a chain of about 150 dependent parts (5 a layer: the QKV projection, attention,
+// the output projection, the gate/up projection, the down projection; the LM head). Forking and
+// joining the threads around each part cost about 1.7 us a part on two cores, and each join
+// leaves the memory idle while the next part's threads wake. Here the threads are forked once
+// per step: each runs every part, takes its share of the part's tasks, and meets the others at a
+// spin barrier (0.17 us) before a part that reads what the others wrote. The row-wise parts
+// between (the norms, the bfloat16 rounding of a product's input) are cheap at a decode step's
+// few rows, so each thread computes its own copy rather than wait at one more barrier.
+#include "cpu_kernels.h"
+#include "layer_parts.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <limits>
+#include <memory>
+#include <numeric>
+#include <thread>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace minivllm {
+namespace {
+
+// Threads meet here between a step's dependent parts. They spin: a part takes microseconds, a
+// futex sleep and wake-up would cost more than that. After a while they yield, so that a member
+// the OS preempted (the server's event loop shares the cores) gets its core back.
+class SpinBarrier {
+ public:
+  explicit SpinBarrier(int64_t num_ranks) : num_ranks_(num_ranks) {}
+
+  // weight: the ranks the calling thread holds (TeamShare).
+  void arrive_and_wait(int64_t weight) {
+    const int64_t generation = generation_.load(std::memory_order_acquire);
+    if (arrived_.fetch_add(weight, std::memory_order_acq_rel) + weight == num_ranks_) {
+      arrived_.store(0, std::memory_order_relaxed);
+      generation_.store(generation + 1, std::memory_order_release);
+      return;
+    }
+    for (int64_t spins = 0; generation_.load(std::memory_order_acquire) == generation; ++spins) {
+      if (spins < kSpinsBeforeYield) {
+#if defined(__x86_64__)
+        _mm_pause();
+#endif
+      } else {
+        std::this_thread::yield();
+      }
+    }
+  }
+
+ private:
+  static constexpr int64_t kSpinsBeforeYield = 1 << 14;  // tens of microseconds
+  alignas(64) std::atomic<int64_t> arrived_{0};
+  alignas(64) std::atomic<int64_t> generation_{0};
+  const int64_t num_ranks_;
+};
+
+// A part's task counter, a cache line of its own.
+struct alignas(64) PartCounter {
+  std::atomic<int64_t> next{0};
+};
+
+constexpr int64_t kPartsPerLayer = 5;  // the counted parts: QKV, attention, o, gate/up, down
+
+// [begin, end) of n for ranks [rank_begin, rank_end) of num_ranks: an even split of a row-wise
+// part's elements, in whole units of `unit` (the vector width: the same elements take the
+// vector path and the same tail the scalar one as in an unsplit row, so the floats match).
+inline std::pair<int64_t, int64_t> rank_range(int64_t n, const TeamShare& share, int64_t unit = 1) {
+  const int64_t units = (n + unit - 1) / unit;
+  return {std::min(n, unit * (units * share.rank_begin / share.num_ranks)),
+          std::min(n, unit * (units * share.rank_end / share.num_ranks))};
+}
+
+template <typename cache_t>
+void write_heads(cache_t* cache, int64_t slot, int64_t kv_size, int64_t offset, const float* src, int64_t count) {
+  cache_t* dst = cache + slot * kv_size + offset;
+  for (int64_t i = 0; i < count; ++i) dst[i] = static_cast<cache_t>(src[i]);
+}
+
+
+// out[m] = float(table[index[m]]), rows of `width`: the embedding's and RoPE tables' rows of the
+// step's tokens (index values checked against the table's rows).
+template <typename T>
+void gather_rows(const torch::Tensor& table, const int64_t* index, int64_t M, float* out, const char* what) {
+  const int64_t rows = table.size(0), width = table.size(1);
+  const T* data = table.data_ptr<T>();
+  for (int64_t m = 0; m < M; ++m) {
+    TORCH_CHECK(index[m] >= 0 && index[m] < rows, "DecodeModel.step: ", what, " index ", index[m], " out of [0, ", rows,
+                ")");
+    const T* row = data + index[m] * width;
+    for (int64_t i = 0; i < width; ++i) out[m * width + i] = static_cast<float>(row[i]);
+  }
+}
+
+torch::Tensor gathered_rows(const torch::Tensor& table, const int64_t* index, int64_t M, const char* what) {
+  TORCH_CHECK(table.dim() == 2 && table.is_contiguous(), "DecodeModel.step: ", what, " must be a contiguous 2-D table");
+  auto out = torch::empty({M, table.size(1)}, table.options().dtype(torch::kFloat32));
+  float* o = out.data_ptr<float>();
+  switch (table.scalar_type()) {
+    case torch::kFloat32: gather_rows<float>(table, index, M, o, what); break;
+    case torch::kBFloat16: gather_rows<at::BFloat16>(table, index, M, o, what); break;
+    case torch::kHalf: gather_rows<at::Half>(table, index, M, o, what); break;
+    default: TORCH_CHECK(false, "DecodeModel.step: ", what, " must be float32, bfloat16 or float16");
+  }
+  return out;
+}
+
+// The index of row[0:n]'s first maximum, a NaN counting as one (the first NaN wins), as
+// torch.argmax. One pass, scalar: the first NaN ends it.
+int64_t first_argmax_scalar(const float* row, int64_t n) {
+  int64_t best = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (row[i] != row[i]) return i;
+    if (row[i] > row[best]) best = i;
+  }
+  return best;
+}
+
+#if defined(__x86_64__)
+// The same on AVX-512: the maximum and any NaN over 32 lanes a step, then the first lane equal
+// to it (or the first NaN). 6.9 us a [1, 49152] row (numpy: 6.8; this file's first version, two
+// `#pragma omp simd` passes the compiler left scalar: 52-78); 163 us at [64, 49152] on two
+// threads (numpy: 337).
+__attribute__((target("avx512f"))) int64_t first_argmax_avx512(const float* row, int64_t n) {
+  __m512 best0 = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), best1 = best0;
+  __mmask16 nan0 = 0, nan1 = 0;
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const __m512 a = _mm512_loadu_ps(row + i), b = _mm512_loadu_ps(row + i + 16);
+    best0 = _mm512_max_ps(best0, a);
+    best1 = _mm512_max_ps(best1, b);
+    nan0 |= _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
+    nan1 |= _mm512_cmp_ps_mask(b, b, _CMP_UNORD_Q);
+  }
+  float best = _mm512_reduce_max_ps(_mm512_max_ps(best0, best1));
+  bool has_nan = (nan0 | nan1) != 0;
+  for (int64_t j = i; j < n; ++j) {
+    has_nan |= row[j] != row[j];
+    best = row[j] > best ? row[j] : best;
+  }
+  const __m512 target = _mm512_set1_ps(best);
+  for (i = 0; i + 16 <= n; i += 16) {
+    const __m512 a = _mm512_loadu_ps(row + i);
+    const __mmask16 hit = has_nan ? _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) : _mm512_cmp_ps_mask(a, target, _CMP_EQ_OQ);
+    if (hit) return i + __builtin_ctz(hit);
+  }
+  for (; i < n; ++i) {
+    if (has_nan ? row[i] != row[i] : row[i] == best) return i;
+  }
+  return 0;  // every value -inf: the first
+}
+#endif
+
+int64_t first_argmax(const float* row, int64_t n, int64_t isa) {
+#if defined(__x86_64__)
+  if (isa >= kIsaAvx512) return first_argmax_avx512(row, n);
+#endif
+  return first_argmax_scalar(row, n);
+}
+
+// What a step's team shares: its inputs, the activations its members write and read, a counter
+// for each counted part, and the barrier.
+struct TeamStep {
+  const DecodeModel& model;
+  int64_t M, num_ranks;
+  float* x;        // [M, hidden]: the residual stream
+  float* qkv;      // [M, q | k | v]
+  float* attn;     // [M, q_size]
+  float* gate_up;  // [M, 2 * intermediate]
+  float* act;      // [M, intermediate]
+  float* logits;   // [M, vocab]
+  int64_t* ids;    // [M], or nullptr: no argmax
+  float* norms;    // [num_ranks, M, hidden]: each member's own normed rows
+  const float *cos, *sin;                // [M, D] each
+  const int64_t *tables, *lens, *slots;  // [M, max_blocks], [M], [M]
+  int64_t max_blocks;
+  // Attention's tasks: rows, longest context first (each thread takes the next from a counter,
+  // so the threads finish together), each cut into tasks_per_row tasks of heads_per_task KV heads.
+  const int64_t* rows_by_len;
+  int64_t heads_per_task, tasks_per_row;
+  PartCounter* counters;  // [layers * kPartsPerLayer + 1]
+  SpinBarrier barrier;
+};
+
+// One sequence's RoPE of the query heads of KV heads [kv_begin, kv_end) and of those K heads,
+// their K and V rows written at the token's slot, and their attention.
+template <typename cache_t>
+void attend_task(const TeamStep& s, int64_t m, int64_t kv_begin, int64_t kv_end, int64_t layer,
+                 std::vector<float>& scratch) {
+  const DecodeModel& model = s.model;
+  const auto& [k_cache, v_cache] = model.kv_caches[layer];
+  const int64_t D = model.head_dim, q_size = model.num_heads * D, kv_size = model.num_kv_heads * D;
+  const int64_t group = model.num_heads / model.num_kv_heads;
+  float* row = s.qkv + m * model.qkv_width;  // q | k | v
+  const float* cos = s.cos + m * D;
+  const float* sin = s.sin + m * D;
+  rope(row + kv_begin * group * D, (kv_end - kv_begin) * group, D, cos, sin);
+  rope(row + q_size + kv_begin * D, kv_end - kv_begin, D, cos, sin);
+  const int64_t offset = kv_begin * D, count = (kv_end - kv_begin) * D;
+  write_heads(k_cache.data_ptr<cache_t>(), s.slots[m], kv_size, offset, row + q_size + offset, count);
+  write_heads(v_cache.data_ptr<cache_t>(), s.slots[m], kv_size, offset, row + q_size + kv_size + offset, count);
+  attend_decode_row(row, k_cache, v_cache, s.tables + m * s.max_blocks, s.lens[m], model.block_size,
+                    static_cast<float>(model.scale), model.layers[layer]->window, model.num_heads, s.attn + m * q_size,
+                    scratch, kv_begin, kv_end, model.isa);
+}
+
+// One member's run of the whole step: ranks [rank_begin, rank_end) of the team. Nothing here
+// throws (the constructor checked what could): the others would wait at a barrier for ever.
+void run_member(TeamStep& s, int64_t rank_begin, int64_t rank_end) {
+  const DecodeModel& model = s.model;
+  const int64_t M = s.M, hidden = model.hidden, isa = model.isa, weight = rank_end - rank_begin;
+  const int64_t q_size = model.num_heads * model.head_dim, intermediate = model.intermediate;
+  const auto eps = static_cast<float>(model.eps);
+  const bool fp32_cache = std::get<0>(model.kv_caches.front()).scalar_type() == torch::kFloat32;
+  float* h = s.norms + rank_begin * M * hidden;  // [M, hidden], this member's own
+  std::vector<float> scratch;
+  const auto share = [&](int64_t part) { return TeamShare{rank_begin, rank_end, s.num_ranks, &s.counters[part].next}; };
+  const auto gemm = [&](const PackedLinear& linear, const float* x, int64_t K, float* out, bool accumulate,
+                        const TeamShare& team) {
+    const LinearView l = view(linear);
+    packed_gemm(x, M, K, K, l.w, l.scale, l.bias, l.n, out, l.n, isa, accumulate, &team);
+  };
+  const int64_t num_layers = static_cast<int64_t>(model.layers.size());
+  for (int64_t layer = 0; layer < num_layers; ++layer) {
+    const DecodeLayerWeights& w = *model.layers[layer];
+    const int64_t part = layer * kPartsPerLayer;
+    rms_norm(s.x, M, hidden, w.input_norm.data_ptr<float>(), eps, h);
+    gemm(w.qkv, h, hidden, s.qkv, false, share(part));
+    s.barrier.arrive_and_wait(weight);
+    share(part + 1).for_each_task(M * s.tasks_per_row, [&](int64_t task) {
+      const int64_t m = s.rows_by_len[task / s.tasks_per_row], kv_begin = (task % s.tasks_per_row) * s.heads_per_task;
+      fp32_cache ? attend_task<float>(s, m, kv_begin, kv_begin + s.heads_per_task, layer, scratch)
+                 : attend_task<at::BFloat16>(s, m, kv_begin, kv_begin + s.heads_per_task, layer, scratch);
+    });
+    s.barrier.arrive_and_wait(weight);
+    gemm(w.o_proj, s.attn, q_size, s.x, true, share(part + 2));
+    s.barrier.arrive_and_wait(weight);
+    rms_norm(s.x, M, hidden, w.post_norm.data_ptr<float>(), eps, h);
+    gemm(w.gate_up, h, hidden, s.gate_up, false, share(part + 3));
+    s.barrier.arrive_and_wait(weight);
+    const auto [c0, c1] = rank_range(intermediate, share(part + 3), 16);
+    for (int64_t m = 0; m < M; ++m) {
+      const float* g = s.gate_up + m * 2 * intermediate;
+      silu_mul(g + c0, g + intermediate + c0, s.act + m * intermediate + c0, c1 - c0, isa);
+    }
+    s.barrier.arrive_and_wait(weight);
+    gemm(w.down, s.act, intermediate, s.x, true, share(part + 4));
+    s.barrier.arrive_and_wait(weight);
+  }
+  rms_norm(s.x, M, hidden, model.final_norm.data_ptr<float>(), eps, h);
+  const int64_t head_part = static_cast<int64_t>(model.layers.size()) * kPartsPerLayer;
+  gemm(model.lm_head, h, hidden, s.logits, false, share(head_part));
+  if (s.ids == nullptr) return;
+  s.barrier.arrive_and_wait(weight);
+  const int64_t vocab = std::get<3>(model.lm_head);
+  const auto [m0, m1] = rank_range(M, share(head_part));
+  for (int64_t m = m0; m < m1; ++m) s.ids[m] = first_argmax(s.logits + m * vocab, vocab, isa);
+}
+
+std::unique_ptr<float[]> scratch_floats(int64_t n) { return std::unique_ptr<float[]>(new float[n]); }
+
+}  // namespace
+
+DecodeModel::DecodeModel(torch::Tensor embedding, torch::Tensor rope_cos, torch::Tensor rope_sin,
+                         std::vector<std::shared_ptr<DecodeLayerWeights>> layers,
+                         std::vector<std::tuple<torch::Tensor, torch::Tensor>> kv_caches, torch::Tensor final_norm,
+                         PackedLinear lm_head, int64_t num_heads, int64_t block_size, double eps, double scale,
+                         int64_t isa)
+    : embedding(std::move(embedding)), rope_cos(std::move(rope_cos)), rope_sin(std::move(rope_sin)),
+      layers(std::move(layers)), kv_caches(std::move(kv_caches)), final_norm(std::move(final_norm)),
+      lm_head(std::move(lm_head)), num_heads(num_heads), block_size(block_size), eps(eps), scale(scale), isa(isa) {
+  // Everything a step's team could trip over is checked here: a member must not throw.
+  TORCH_CHECK(isa <= best_isa(), "DecodeModel: this CPU lacks the requested instruction set");
+  TORCH_CHECK(!this->layers.empty() && this->kv_caches.size() == this->layers.size(),
+              "DecodeModel: one (K, V) cache pair per layer, at least one layer");
+  TORCH_CHECK(this->rope_cos.scalar_type() == torch::kFloat32 && this->rope_sin.scalar_type() == torch::kFloat32 &&
+              this->rope_cos.dim() == 2 && this->rope_cos.sizes() == this->rope_sin.sizes(),
+              "DecodeModel: float32 RoPE tables of one shape");
+  TORCH_CHECK(this->final_norm.scalar_type() == torch::kFloat && this->final_norm.dim() == 1 &&
+              this->embedding.dim() == 2 && this->final_norm.numel() == this->embedding.size(1) &&
+              this->final_norm.is_contiguous(), "DecodeModel: final_norm must be [hidden] float32");
+  TORCH_CHECK(num_heads > 0 && block_size > 0, "DecodeModel: num_heads and block_size must be positive");
+  hidden = this->embedding.size(1);
+  head_dim = this->rope_cos.size(1);
+  const auto& k0 = std::get<0>(this->kv_caches.front());
+  TORCH_CHECK(k0.dim() == 3 && k0.size(2) == head_dim && k0.size(1) > 0 && num_heads % k0.size(1) == 0,
+              "DecodeModel: caches must be [slots, KV heads, head_dim], the KV heads dividing num_heads");
+  num_kv_heads = k0.size(1);
+  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  qkv_width = q_size + 2 * kv_size;
+  intermediate = std::get<3>(this->layers.front()->gate_up) / 2;
+  for (size_t i = 0; i < this->layers.size(); ++i) {
+    const DecodeLayerWeights& l = *this->layers[i];
+    const auto& [k, v] = this->kv_caches[i];
+    TORCH_CHECK(k.sizes() == k0.sizes() && v.sizes() == k0.sizes() && k.scalar_type() == k0.scalar_type() &&
+                v.scalar_type() == k0.scalar_type() && k.is_contiguous() && v.is_contiguous(),
+                "DecodeModel: every layer's K and V caches contiguous, of one shape and dtype");
+    TORCH_CHECK(k.scalar_type() == torch::kFloat32 || k.scalar_type() == torch::kBFloat16,
+                "DecodeModel: float32 or bfloat16 caches");
+    for (const auto* norm : {&l.input_norm, &l.post_norm})
+      TORCH_CHECK(norm->scalar_type() == torch::kFloat32 && norm->numel() == hidden && norm->is_contiguous(),
+                  "DecodeModel: layer ", i, "'s norms must be [hidden] float32");
+    TORCH_CHECK(std::get<3>(l.qkv) == qkv_width && std::get<3>(l.o_proj) == hidden &&
+                std::get<3>(l.gate_up) == 2 * intermediate && std::get<3>(l.down) == hidden,
+                "DecodeModel: layer ", i, "'s projection widths");
+    const std::pair<const PackedLinear*, int64_t> inputs[] = {
+        {&l.qkv, hidden}, {&l.o_proj, q_size}, {&l.gate_up, hidden}, {&l.down, intermediate}};
+    for (const auto& [linear, K] : inputs) {
+      const LinearView lv = view(*linear);
+      check_packed_weight(lv.w, K, lv.n, lv.scale, isa);
+    }
+  }
+  const LinearView head = view(this->lm_head);
+  check_packed_weight(head.w, hidden, head.n, head.scale, isa);
+}
+
+std::tuple<torch::Tensor, std::optional<torch::Tensor>> DecodeModel::step(
+    const std::vector<int64_t>& token_ids, const std::vector<std::vector<int64_t>>& block_tables,
+    const std::vector<int64_t>& context_lens, bool with_argmax) const {
+  const int64_t M = static_cast<int64_t>(token_ids.size());
+  TORCH_CHECK(M > 0 && block_tables.size() == token_ids.size() && context_lens.size() == token_ids.size(),
+              "DecodeModel.step: one block table and one context length per token");
+  // The step's attention inputs, from the sequences' own lists: each token sits at its context's
+  // last position; padding of shorter tables reads block 0, past the row's length.
+  size_t max_blocks = 1;
+  for (const auto& table : block_tables) max_blocks = std::max(max_blocks, table.size());
+  const int64_t num_slots = std::get<0>(kv_caches.front()).size(0);
+  std::vector<int64_t> tables(M * max_blocks, 0), positions(M), slots(M);
+  for (int64_t m = 0; m < M; ++m) {
+    const auto& table = block_tables[m];
+    const int64_t pos = context_lens[m] - 1;
+    TORCH_CHECK(pos >= 0 && pos / block_size < static_cast<int64_t>(table.size()),
+                "DecodeModel.step: context length ", context_lens[m], " outside its block table");
+    for (const int64_t block : table)
+      TORCH_CHECK(block >= 0 && (block + 1) * block_size <= num_slots, "DecodeModel.step: block ", block,
+                  " outside the cache");
+    std::copy(table.begin(), table.end(), tables.begin() + m * max_blocks);
+    positions[m] = pos;
+    slots[m] = table[pos / block_size] * block_size + pos % block_size;
+  }
+  auto x = gathered_rows(embedding, token_ids.data(), M, "embedding");  // [M, hidden] float32
+  const auto cos = gathered_rows(rope_cos, positions.data(), M, "RoPE table");
+  const auto sin = gathered_rows(rope_sin, positions.data(), M, "RoPE table");
+  const int64_t vocab = std::get<3>(lm_head);
+  auto logits = torch::empty({M, vocab}, x.options());  // [M, vocab] float32
+  auto ids = with_argmax ? std::optional<torch::Tensor>(torch::empty({M}, x.options().dtype(torch::kInt64)))
+                         : std::nullopt;  // [M]
+  const int64_t num_ranks = std::max<int64_t>(1, at::get_num_threads());
+  const auto qkv = scratch_floats(M * qkv_width), attn = scratch_floats(M * num_heads * head_dim);
+  const auto gate_up = scratch_floats(M * 2 * intermediate), act = scratch_floats(M * intermediate);
+  const auto norms = scratch_floats(num_ranks * M * hidden);
+  // One attention task per sequence, whose K and V rows (all KV heads) then stream once; at a
+  // batch too small to keep every core busy, one per (sequence, KV head), each reading a third
+  // of a row (with SmolLM2's 3 KV heads), so the cores share even a single sequence.
+  const int64_t heads_per_task = M >= 4 * num_ranks ? num_kv_heads : 1;
+  std::vector<int64_t> rows_by_len(M);
+  std::iota(rows_by_len.begin(), rows_by_len.end(), 0);
+  std::stable_sort(rows_by_len.begin(), rows_by_len.end(),
+                   [&](int64_t a, int64_t b) { return context_lens[a] > context_lens[b]; });
+  const std::unique_ptr<PartCounter[]> counters(new PartCounter[layers.size() * kPartsPerLayer + 1]);
+  TeamStep s{*this, M, num_ranks, x.data_ptr<float>(), qkv.get(), attn.get(), gate_up.get(), act.get(),
+             logits.data_ptr<float>(), ids ? ids->data_ptr<int64_t>() : nullptr, norms.get(), cos.data_ptr<float>(),
+             sin.data_ptr<float>(), tables.data(), context_lens.data(), slots.data(),
+             static_cast<int64_t>(max_blocks), rows_by_len.data(), heads_per_task, num_kv_heads / heads_per_task,
+             counters.get(), SpinBarrier(num_ranks)};
+  at::parallel_for(0, num_ranks, 1, [&](int64_t begin, int64_t end) { run_member(s, begin, end); });
+  return {logits, ids};
+}
+
+}  // namespace minivllm
