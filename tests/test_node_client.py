@@ -24,7 +24,9 @@ def test_node_client_streams_generate(tiny_model_dir: Path, tiny_llm: LLM, secur
             pytest.fail("node and tests/node/node_modules are required in CI (make test installs them)")
         pytest.skip("node or tests/node/node_modules missing: run `make test`")
     prompt = "Hello world! Once upon a time"
-    out = tiny_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    # 200 tokens: a stream's pending deltas go out as one message, and the tiny model makes 12
+    # tokens faster than the event loop sends the first (one message, where several are expected).
+    out = tiny_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))[0]
     options, extra_env = {}, {}
     if secure:
         pki = request.getfixturevalue("pki")
