@@ -41,13 +41,15 @@ def _idle(server: ServerThread) -> bool:
 
 def test_stream_matches_offline_generate(server: ServerThread, client: InferenceClient, tiny_llm: LLM) -> None:
     prompt = "Hello world! Once upon a time"
-    chunks = list(client.generate(prompt, max_tokens=30, temperature=0, ignore_eos=True))
+    # 200 tokens: a stream's pending deltas leave as one message, so a few fast tiny-model steps
+    # could all fit in the first.
+    chunks = list(client.generate(prompt, max_tokens=200, temperature=0, ignore_eos=True))
     assert len(chunks) > 1  # really streamed
-    offline = tiny_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0]
+    offline = tiny_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))[0]
     assert "".join(c.text for c in chunks) == offline.text
     assert [t for c in chunks for t in c.token_ids] == offline.token_ids
     last = chunks[-1]
-    assert last.finish_reason == "length" and last.usage.completion_tokens == 30
+    assert last.finish_reason == "length" and last.usage.completion_tokens == 200
     assert last.usage.prompt_tokens == len(offline.prompt_token_ids)
     assert all(not c.finish_reason for c in chunks[:-1])
 
