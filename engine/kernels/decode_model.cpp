@@ -305,8 +305,6 @@ void run_member(TeamStep& s, int64_t rank_begin, int64_t rank_end) {
   for (int64_t m = m0; m < m1; ++m) s.ids[m] = first_argmax(s.logits + m * vocab, vocab, isa);
 }
 
-std::unique_ptr<float[]> scratch_floats(int64_t n) { return std::unique_ptr<float[]>(new float[n]); }
-
 }  // namespace
 
 DecodeModel::DecodeModel(torch::Tensor embedding, torch::Tensor rope_cos, torch::Tensor rope_sin,
