@@ -20,19 +20,18 @@ enum Isa : int64_t { kIsaScalar = 0, kIsaAvx2 = 1, kIsaAvx512 = 2, kIsaAvx512Bf1
 
 int64_t best_isa();
 
-// This thread's share of a team: threads that run a whole step in one parallel region and meet
-// at barriers between its parts (DecodeModel), instead of a fork and a join around each part.
-// It holds ranks [rank_begin, rank_end) of num_ranks (one each, unless the runtime gave fewer
-// threads than asked). A part's tasks go first one to each rank, then to whichever thread asks
-// next: next_task, the part's own counter, zero before the part, counts those past the first.
+// A part's tasks among the threads running it: threads forked for the part alone, or a team
+// that runs a whole step in one parallel region and meets at barriers between its parts
+// (DecodeModel), instead of a fork and a join around each part. num_ranks, the threads, sizes
+// the part's tasks; each task goes to whichever thread asks next, from next_task, the part's own
+// counter (zero before the part), so a preempted thread holds back only the task it has.
 struct TeamShare {
-  int64_t rank_begin, rank_end, num_ranks;
+  int64_t num_ranks;
   std::atomic<int64_t>* next_task;
 
   template <typename F>
   void for_each_task(int64_t num_tasks, const F& f) const {
-    for (int64_t r = rank_begin; r < rank_end && r < num_tasks; ++r) f(r);
-    for (int64_t t = num_ranks + next_task->fetch_add(1); t < num_tasks; t = num_ranks + next_task->fetch_add(1)) f(t);
+    for (int64_t t = next_task->fetch_add(1); t < num_tasks; t = next_task->fetch_add(1)) f(t);
   }
 };
 

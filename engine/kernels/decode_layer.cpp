@@ -88,12 +88,6 @@ void gemm(const LinearView& l, const float* x, int64_t M, int64_t K, float* out,
   packed_gemm(x, M, K, K, l.w, l.scale, l.bias, l.n, out, l.n, isa, accumulate);
 }
 
-template <typename cache_t>
-void write_row(torch::Tensor& cache, int64_t slot, const float* src, int64_t width) {
-  cache_t* dst = cache.data_ptr<cache_t>() + slot * width;
-  for (int64_t i = 0; i < width; ++i) dst[i] = static_cast<cache_t>(src[i]);
-}
-
 // The shapes the layer's parts share.
 struct LayerShapes {
   int64_t M, hidden, num_heads, num_kv_heads, head_dim, q_size, kv_size;
@@ -134,11 +128,11 @@ void attention_inputs(const LayerShapes& s, const float* xp, const torch::Tensor
       float* row = qkv_out + m * lqkv.n;  // q | k | v
       rope(row, s.num_heads + s.num_kv_heads, s.head_dim, cos_p + m * s.head_dim, sin_p + m * s.head_dim);
       if (fp32_cache) {
-        write_row<float>(k_cache, slots[m], row + s.q_size, s.kv_size);
-        write_row<float>(v_cache, slots[m], row + s.q_size + s.kv_size, s.kv_size);
+        write_cache(k_cache.data_ptr<float>(), slots[m], s.kv_size, 0, row + s.q_size, s.kv_size);
+        write_cache(v_cache.data_ptr<float>(), slots[m], s.kv_size, 0, row + s.q_size + s.kv_size, s.kv_size);
       } else {
-        write_row<at::BFloat16>(k_cache, slots[m], row + s.q_size, s.kv_size);
-        write_row<at::BFloat16>(v_cache, slots[m], row + s.q_size + s.kv_size, s.kv_size);
+        write_cache(k_cache.data_ptr<at::BFloat16>(), slots[m], s.kv_size, 0, row + s.q_size, s.kv_size);
+        write_cache(v_cache.data_ptr<at::BFloat16>(), slots[m], s.kv_size, 0, row + s.q_size + s.kv_size, s.kv_size);
       }
     }
   });
@@ -190,27 +184,18 @@ void decode_layer(torch::Tensor x,                    // [M, hidden] float32, up
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   const int64_t max_blocks = block_tables.size(1);
-  // One task per sequence, whose K and V rows (all KV heads) then stream once; at a batch too
-  // small to keep every core busy, one per (sequence, KV head), each reading a third of a row
-  // (with SmolLM2's 3 KV heads), so the cores share even a single sequence.
   const int64_t num_threads = std::max<int64_t>(1, at::get_num_threads());
-  const int64_t heads_per_task = s.M >= 4 * num_threads ? s.num_kv_heads : 1;
-  const int64_t tasks_per_row = s.num_kv_heads / heads_per_task, num_tasks = s.M * tasks_per_row;
-  // Sequences' contexts differ in length: the longest first, each thread taking the next from a
-  // shared counter, so the threads finish together (an even split of rows left one thread
-  // spinning for a fifth of a batch-32 step).
-  std::vector<int64_t> rows_by_len(s.M);
-  std::iota(rows_by_len.begin(), rows_by_len.end(), 0);
-  std::stable_sort(rows_by_len.begin(), rows_by_len.end(), [&](int64_t a, int64_t b) { return lens[a] > lens[b]; });
+  const DecodeAttentionTasks tasks(lens, s.M, s.num_kv_heads, num_threads);
   std::atomic<int64_t> next_task{0};
-  at::parallel_for(0, std::min(num_threads, num_tasks), 1, [&](int64_t, int64_t) {
+  const TeamShare forked{num_threads, &next_task};
+  at::parallel_for(0, std::min(num_threads, tasks.size()), 1, [&](int64_t, int64_t) {
     std::vector<float> scratch;
-    for (int64_t task = next_task++; task < num_tasks; task = next_task++) {
-      const int64_t m = rows_by_len[task / tasks_per_row], kv_begin = (task % tasks_per_row) * heads_per_task;
+    forked.for_each_task(tasks.size(), [&](int64_t task) {
+      const auto [m, kv_begin] = tasks[task];
       attend_decode_row(qkv_out.get() + m * lqkv.n, k_cache, v_cache, tables + m * max_blocks, lens[m], block_size,
                         static_cast<float>(scale), window, num_heads, attn_out.get() + m * s.q_size, scratch,
-                        kv_begin, kv_begin + heads_per_task, isa);
-    }
+                        kv_begin, kv_begin + tasks.heads_per_task(), isa);
+    });
   });
   attention_outputs(s.M, s.hidden, s.q_size, xp, attn_out.get(), post_norm, view(o_proj), view(gate_up), view(down),
                     eps, isa);

@@ -22,7 +22,6 @@
 #include <cstdint>
 #include <limits>
 #include <memory>
-#include <numeric>
 #include <thread>
 #include <vector>
 
@@ -51,7 +50,7 @@ class SpinBarrier {
   SpinBarrier(int64_t num_ranks, int64_t usable_cpus)
       : num_ranks_(num_ranks), max_spins_(num_ranks > usable_cpus ? kShortSpins : kSpins) {}
 
-  // weight: the ranks the calling thread holds (TeamShare).
+  // weight: the ranks the calling thread holds (run_member's [rank_begin, rank_end)).
   void arrive_and_wait(int64_t weight) {
     const int32_t generation = generation_.load();
     if (arrived_.fetch_add(weight) + weight == num_ranks_) {
@@ -113,16 +112,10 @@ constexpr int64_t kPartsPerLayer = 5;  // the counted parts: QKV, attention, o, 
 // [begin, end) of n for ranks [rank_begin, rank_end) of num_ranks: an even split of a row-wise
 // part's elements, in whole units of `unit` (the vector width: the same elements take the
 // vector path and the same tail the scalar one as in an unsplit row, so the floats match).
-inline std::pair<int64_t, int64_t> rank_range(int64_t n, const TeamShare& share, int64_t unit = 1) {
+inline std::pair<int64_t, int64_t> rank_range(int64_t n, int64_t rank_begin, int64_t rank_end, int64_t num_ranks,
+                                              int64_t unit = 1) {
   const int64_t units = (n + unit - 1) / unit;
-  return {std::min(n, unit * (units * share.rank_begin / share.num_ranks)),
-          std::min(n, unit * (units * share.rank_end / share.num_ranks))};
-}
-
-template <typename cache_t>
-void write_heads(cache_t* cache, int64_t slot, int64_t kv_size, int64_t offset, const float* src, int64_t count) {
-  cache_t* dst = cache + slot * kv_size + offset;
-  for (int64_t i = 0; i < count; ++i) dst[i] = static_cast<cache_t>(src[i]);
+  return {std::min(n, unit * (units * rank_begin / num_ranks)), std::min(n, unit * (units * rank_end / num_ranks))};
 }
 
 
@@ -222,10 +215,7 @@ struct TeamStep {
   const float *cos, *sin;                // [M, D] each
   const int64_t *tables, *lens, *slots;  // [M, max_blocks], [M], [M]
   int64_t max_blocks;
-  // Attention's tasks: rows, longest context first (each thread takes the next from a counter,
-  // so the threads finish together), each cut into tasks_per_row tasks of heads_per_task KV heads.
-  const int64_t* rows_by_len;
-  int64_t heads_per_task, tasks_per_row;
+  const DecodeAttentionTasks& attention_tasks;
   PartCounter* counters;  // [layers * kPartsPerLayer + 1]
   SpinBarrier barrier;
 };
@@ -245,8 +235,8 @@ void attend_task(const TeamStep& s, int64_t m, int64_t kv_begin, int64_t kv_end,
   rope(row + kv_begin * group * D, (kv_end - kv_begin) * group, D, cos, sin);
   rope(row + q_size + kv_begin * D, kv_end - kv_begin, D, cos, sin);
   const int64_t offset = kv_begin * D, count = (kv_end - kv_begin) * D;
-  write_heads(k_cache.data_ptr<cache_t>(), s.slots[m], kv_size, offset, row + q_size + offset, count);
-  write_heads(v_cache.data_ptr<cache_t>(), s.slots[m], kv_size, offset, row + q_size + kv_size + offset, count);
+  write_cache(k_cache.data_ptr<cache_t>(), s.slots[m], kv_size, offset, row + q_size + offset, count);
+  write_cache(v_cache.data_ptr<cache_t>(), s.slots[m], kv_size, offset, row + q_size + kv_size + offset, count);
   attend_decode_row(row, k_cache, v_cache, s.tables + m * s.max_blocks, s.lens[m], model.block_size,
                     static_cast<float>(model.scale), model.layers[layer]->window, model.num_heads, s.attn + m * q_size,
                     scratch, kv_begin, kv_end, model.isa);
@@ -262,7 +252,7 @@ void run_member(TeamStep& s, int64_t rank_begin, int64_t rank_end) {
   const bool fp32_cache = std::get<0>(model.kv_caches.front()).scalar_type() == torch::kFloat32;
   float* h = s.norms + rank_begin * M * hidden;  // [M, hidden], this member's own
   std::vector<float> scratch;
-  const auto share = [&](int64_t part) { return TeamShare{rank_begin, rank_end, s.num_ranks, &s.counters[part].next}; };
+  const auto share = [&](int64_t part) { return TeamShare{s.num_ranks, &s.counters[part].next}; };
   const auto gemm = [&](const PackedLinear& linear, const float* x, int64_t K, float* out, bool accumulate,
                         const TeamShare& team) {
     const LinearView l = view(linear);
@@ -275,10 +265,11 @@ void run_member(TeamStep& s, int64_t rank_begin, int64_t rank_end) {
     rms_norm(s.x, M, hidden, w.input_norm.data_ptr<float>(), eps, h);
     gemm(w.qkv, h, hidden, s.qkv, false, share(part));
     s.barrier.arrive_and_wait(weight);
-    share(part + 1).for_each_task(M * s.tasks_per_row, [&](int64_t task) {
-      const int64_t m = s.rows_by_len[task / s.tasks_per_row], kv_begin = (task % s.tasks_per_row) * s.heads_per_task;
-      fp32_cache ? attend_task<float>(s, m, kv_begin, kv_begin + s.heads_per_task, layer, scratch)
-                 : attend_task<at::BFloat16>(s, m, kv_begin, kv_begin + s.heads_per_task, layer, scratch);
+    share(part + 1).for_each_task(s.attention_tasks.size(), [&](int64_t task) {
+      const auto [m, kv_begin] = s.attention_tasks[task];
+      const int64_t kv_end = kv_begin + s.attention_tasks.heads_per_task();
+      fp32_cache ? attend_task<float>(s, m, kv_begin, kv_end, layer, scratch)
+                 : attend_task<at::BFloat16>(s, m, kv_begin, kv_end, layer, scratch);
     });
     s.barrier.arrive_and_wait(weight);
     gemm(w.o_proj, s.attn, q_size, s.x, true, share(part + 2));
@@ -286,7 +277,7 @@ void run_member(TeamStep& s, int64_t rank_begin, int64_t rank_end) {
     rms_norm(s.x, M, hidden, w.post_norm.data_ptr<float>(), eps, h);
     gemm(w.gate_up, h, hidden, s.gate_up, false, share(part + 3));
     s.barrier.arrive_and_wait(weight);
-    const auto [c0, c1] = rank_range(intermediate, share(part + 3), 16);
+    const auto [c0, c1] = rank_range(intermediate, rank_begin, rank_end, s.num_ranks, 16);
     for (int64_t m = 0; m < M; ++m) {
       const float* g = s.gate_up + m * 2 * intermediate;
       silu_mul(g + c0, g + intermediate + c0, s.act + m * intermediate + c0, c1 - c0, isa);
@@ -301,7 +292,7 @@ void run_member(TeamStep& s, int64_t rank_begin, int64_t rank_end) {
   if (s.ids == nullptr) return;
   s.barrier.arrive_and_wait(weight);
   const int64_t vocab = std::get<3>(model.lm_head);
-  const auto [m0, m1] = rank_range(M, share(head_part));
+  const auto [m0, m1] = rank_range(M, rank_begin, rank_end, s.num_ranks);
   for (int64_t m = m0; m < m1; ++m) s.ids[m] = first_argmax(s.logits + m * vocab, vocab, isa);
 }
 
@@ -395,20 +386,12 @@ std::tuple<torch::Tensor, std::optional<torch::Tensor>> DecodeModel::step(
   const auto qkv = scratch_floats(M * qkv_width), attn = scratch_floats(M * num_heads * head_dim);
   const auto gate_up = scratch_floats(M * 2 * intermediate), act = scratch_floats(M * intermediate);
   const auto norms = scratch_floats(num_ranks * M * hidden);
-  // One attention task per sequence, whose K and V rows (all KV heads) then stream once; at a
-  // batch too small to keep every core busy, one per (sequence, KV head), each reading a third
-  // of a row (with SmolLM2's 3 KV heads), so the cores share even a single sequence.
-  const int64_t heads_per_task = M >= 4 * num_ranks ? num_kv_heads : 1;
-  std::vector<int64_t> rows_by_len(M);
-  std::iota(rows_by_len.begin(), rows_by_len.end(), 0);
-  std::stable_sort(rows_by_len.begin(), rows_by_len.end(),
-                   [&](int64_t a, int64_t b) { return context_lens[a] > context_lens[b]; });
+  const DecodeAttentionTasks attention_tasks(context_lens.data(), M, num_kv_heads, num_ranks);
   const std::unique_ptr<PartCounter[]> counters(new PartCounter[layers.size() * kPartsPerLayer + 1]);
   TeamStep s{*this, M, num_ranks, x.data_ptr<float>(), qkv.get(), attn.get(), gate_up.get(), act.get(),
              logits.data_ptr<float>(), ids ? ids->data_ptr<int64_t>() : nullptr, norms.get(), cos.data_ptr<float>(),
              sin.data_ptr<float>(), tables.data(), context_lens.data(), slots.data(),
-             static_cast<int64_t>(max_blocks), rows_by_len.data(), heads_per_task, num_kv_heads / heads_per_task,
-             counters.get(), SpinBarrier(num_ranks, usable_cpus())};
+             static_cast<int64_t>(max_blocks), attention_tasks, counters.get(), SpinBarrier(num_ranks, usable_cpus())};
   at::parallel_for(0, num_ranks, 1, [&](int64_t begin, int64_t end) { run_member(s, begin, end); });
   return {logits, ids};
 }

@@ -4,7 +4,11 @@
 
 #include "cpu_kernels.h"
 
+#include <algorithm>
 #include <memory>
+#include <numeric>
+#include <utility>
+#include <vector>
 
 namespace minivllm {
 
@@ -24,6 +28,42 @@ void rope(float* heads, int64_t num_heads, int64_t head_dim, const float* cos, c
 // A scratch array every element of which is written before it is read: no zeroing (a memset of
 // a prefill chunk's MLP activations cost 6 % of its step).
 inline std::unique_ptr<float[]> scratch_floats(int64_t n) { return std::unique_ptr<float[]>(new float[n]); }
+
+// src[0:count] into elements [offset, offset + count) of a cache row at `slot` (rows of
+// kv_size elements), in the cache's dtype.
+template <typename cache_t>
+void write_cache(cache_t* cache, int64_t slot, int64_t kv_size, int64_t offset, const float* src, int64_t count) {
+  cache_t* dst = cache + slot * kv_size + offset;
+  for (int64_t i = 0; i < count; ++i) dst[i] = static_cast<cache_t>(src[i]);
+}
+
+// A decode step's attention tasks. One per sequence, whose K and V rows (all KV heads) then
+// stream once; at a batch too small to keep every thread busy, one per (sequence, KV head),
+// each reading a third of a row (with SmolLM2's 3 KV heads), so the threads share even a single
+// sequence. Sequences' contexts differ in length: the longest first, each thread taking the
+// next task from a shared counter, so the threads finish together (an even split of rows left
+// one thread spinning for a fifth of a batch-32 step).
+class DecodeAttentionTasks {
+ public:
+  DecodeAttentionTasks(const int64_t* context_lens, int64_t M, int64_t num_kv_heads, int64_t num_threads)
+      : rows_by_len_(M), heads_per_task_(M >= 4 * num_threads ? num_kv_heads : 1),
+        tasks_per_row_(num_kv_heads / heads_per_task_) {
+    std::iota(rows_by_len_.begin(), rows_by_len_.end(), 0);
+    std::stable_sort(rows_by_len_.begin(), rows_by_len_.end(),
+                     [&](int64_t a, int64_t b) { return context_lens[a] > context_lens[b]; });
+  }
+
+  int64_t size() const { return static_cast<int64_t>(rows_by_len_.size()) * tasks_per_row_; }
+  int64_t heads_per_task() const { return heads_per_task_; }
+  // Task -> (its sequence's row, its first KV head); it covers heads_per_task() KV heads.
+  std::pair<int64_t, int64_t> operator[](int64_t task) const {
+    return {rows_by_len_[task / tasks_per_row_], (task % tasks_per_row_) * heads_per_task_};
+  }
+
+ private:
+  std::vector<int64_t> rows_by_len_;
+  int64_t heads_per_task_, tasks_per_row_;
+};
 
 // A packed projection's parts as the kernels take them.
 struct LinearView {

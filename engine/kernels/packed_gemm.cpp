@@ -539,9 +539,9 @@ void parallel_tasks(int64_t M, int64_t num_panels, int64_t row_block, const Team
   };
   if (team != nullptr) return team->for_each_task(num_tasks, run);
   std::atomic<int64_t> next_task{0};
-  at::parallel_for(0, std::min(num_threads, num_tasks), 1, [&](int64_t, int64_t) {
-    for (int64_t task = next_task++; task < num_tasks; task = next_task++) run(task);
-  });
+  const TeamShare forked{num_threads, &next_task};  // the threads forked here, for this product alone
+  at::parallel_for(0, std::min(num_threads, num_tasks), 1,
+                   [&](int64_t, int64_t) { forked.for_each_task(num_tasks, run); });
 }
 
 // The panels' product tile by tile, for the vector paths: tasks of a few panels (two a tile
