@@ -155,8 +155,9 @@ def test_decode_model_step_is_the_embedding_every_layer_the_norm_and_the_head(ke
     """The model's decode step in one call (DecodeModel.step): the embedding's and RoPE tables' rows of the tokens,
     the same floats as one decode_layer call per layer (each layer with its own weights, window
     and caches), the final RMSNorm, the LM head's panels, and torch.argmax's choice per row; on a
-    team of 1, 2 or 3 threads (3 on this 2-core machine: members preempted at the barriers),
-    whose attention tasks are whole rows (8 rows, 1 or 2 threads) or one KV head of a row (3)."""
+    team of 1, 2, 3 or 4 threads (3 and 4 on a 2-core machine: members preempted mid-step, late
+    ones finding parts done without them; 4 five times over), whose attention tasks are whole
+    rows (8 rows, 1 or 2 threads) or one KV head of a row (3, 4)."""
     bs, num_blocks, vocab, max_positions = 4, 40, 70, 20  # vocab: past the argmax's 32-wide steps
     lens = torch.tensor([1, 9, 14, 3, 7, 12, 5, 10])
     batch = len(lens)
@@ -216,7 +217,7 @@ def test_decode_model_step_is_the_embedding_every_layer_the_norm_and_the_head(ke
         return logits, ids, head, args["caches"]
 
     head_weight = torch.randn(vocab, cfg.hidden_size, generator=gen)
-    for threads in (1, 3, 2):
+    for threads in (1, 3, 4, 4, 4, 4, 4, 2):
         normed, ref_caches = reference(threads)
         logits, ids, head, stepped = step(head_weight, threads=threads)
         assert torch.allclose(logits, kernels.packed_linear(normed, *head.as_args(), isa), atol=1e-5), threads

@@ -20,18 +20,47 @@ enum Isa : int64_t { kIsaScalar = 0, kIsaAvx2 = 1, kIsaAvx512 = 2, kIsaAvx512Bf1
 
 int64_t best_isa();
 
-// A part's tasks among the threads running it: threads forked for the part alone, or a team
-// that runs a whole step in one parallel region and meets at barriers between its parts
-// (DecodeModel), instead of a fork and a join around each part. num_ranks, the threads, sizes
-// the part's tasks; each task goes to whichever thread asks next, from next_task, the part's own
-// counter (zero before the part), so a preempted thread holds back only the task it has.
+// How far a team (DecodeModel's step: one parallel region for a whole chain of parts, each
+// reading what the one before wrote) has got: parts complete in order, so one number, the parts
+// done, says it. A member waits for the part before its next one, not for the other members:
+// a member the OS preempts (the server's event loop, a client, more threads than cores) holds
+// the others back only while it holds an unfinished task; the rest of the step goes on without
+// it. Defined in decode_model.cpp.
+class TeamProgress {
+ public:
+  explicit TeamProgress(int64_t max_spins) : max_spins_(max_spins) {}
+  // Marks part `part` done (its last task finished), waking any member asleep on it.
+  void complete(int64_t part);
+  // Waits until every part before `part` is done; false when `part` itself is done as well
+  // (a late member skips it: nothing of it is left to take).
+  bool wait_for(int64_t part);
+
+ private:
+  alignas(64) std::atomic<int32_t> parts_done_{0};  // a futex word: 32 bits
+  alignas(64) std::atomic<int32_t> sleepers_{0};
+  const int64_t max_spins_;
+};
+
+// A part's tasks among the threads running it: threads forked for the part alone, or a team's
+// members (DecodeModel). num_ranks, the threads, sizes the part's tasks; each task goes to
+// whichever thread asks next, from next_task, the part's own counter (zero before the part), so
+// a preempted thread holds back only the task it has. In a team, the member that finishes the
+// part's last task (counted in num_done) marks the part done in progress.
 struct TeamShare {
   int64_t num_ranks;
   std::atomic<int64_t>* next_task;
+  std::atomic<int64_t>* num_done = nullptr;  // a team's part: its finished tasks
+  TeamProgress* progress = nullptr;
+  int64_t part = 0;
 
   template <typename F>
   void for_each_task(int64_t num_tasks, const F& f) const {
-    for (int64_t t = next_task->fetch_add(1); t < num_tasks; t = next_task->fetch_add(1)) f(t);
+    int64_t t = next_task->fetch_add(1);
+    if (progress != nullptr && num_tasks == 0 && t == 0) progress->complete(part);  // once, by the first asker
+    for (; t < num_tasks; t = next_task->fetch_add(1)) {
+      f(t);
+      if (progress != nullptr && num_done->fetch_add(1) + 1 == num_tasks) progress->complete(part);
+    }
   }
 };
 
@@ -80,7 +109,7 @@ struct DecodeLayerWeights {
 // A model's decode-only steps from token ids to logits, one call each (the CPU counterpart of a
 // CUDA graph; decode_model.cpp): the embedding's rows (float32, bfloat16 or float16) and the RoPE
 // tables' rows of the positions, every layer as decode_layer computes it, the final RMSNorm, the
-// LM head's panels, all in one parallel region whose threads meet at barriers between the parts.
+// LM head's panels, all in one parallel region whose threads take each part's tasks in turn.
 // What every step shares is bound and checked once, not converted from Python per step (that,
 // with the sequences' lists as inputs, took a batch-1 bf16 step's host part from 0.59 to 0.40 ms).
 struct DecodeModel {

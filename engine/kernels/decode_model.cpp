@@ -1,16 +1,20 @@
 // A model's decode-only step from token ids to logits in one call and one parallel region (the
 // CPU counterpart of a CUDA graph).
 //
-// The step is a chain of about 150 dependent parts (a layer's QKV projection, attention, output
-// projection, gate/up projection, SiLU, down projection; the LM head). Forking and joining the
-// threads around each part cost about 1.7 us a part on two cores, and each join leaves the
-// memory idle while the next part's threads wake. Here the threads are forked once per step:
-// each runs every part, takes its share of the part's tasks, and meets the others at a barrier
-// (a spin of 0.17 us when all are running) before a part that reads what the others wrote. The
-// row-wise parts between (the norms, the bfloat16 rounding of a product's input) are cheap at a
-// decode step's few rows, so each thread computes its own copy rather than wait at one more
-// barrier. Against a fork and join per part, two kernel builds in one process, batch 1: bf16
-// 1.03-1.08x, int8 1.09x, fp32 1.01x; batch 8 bf16 1.06x; batch 32 within noise.
+// The step is a chain of about 180 dependent parts (a layer's QKV projection, attention, output
+// projection, gate/up projection, SiLU, down projection; the LM head, the argmax). Forking and
+// joining the threads around each part cost about 1.7 us a part on two cores, and each join
+// leaves the memory idle while the next part's threads wake. Here the threads are forked once
+// per step: each runs every part, waiting only for the part before to be done (a spin of well
+// under a microsecond when all are running), and takes tasks of it until none are left. No
+// member waits for another to arrive, as at a barrier: one the OS preempts (the server's event
+// loop wants a core) holds the others back only while it holds an unfinished task. With a
+// barrier between parts, a batch-1 step on two cores took 40-80 ms instead of 17 while the
+// service handled a burst of bad requests. The row-wise parts between (the norms, the bfloat16
+// rounding of a product's input) are cheap at a decode step's few rows, so each member computes
+// its own copy rather than wait for one more part. Against a fork and join per part, two kernel
+// builds in one process, batch 1 (barrier version): bf16 1.03-1.08x, int8 1.09x, fp32 1.01x;
+// batch 8 bf16 1.06x; batch 32 within noise.
 #include "cpu_kernels.h"
 #include "layer_parts.h"
 
@@ -38,55 +42,21 @@
 namespace minivllm {
 namespace {
 
-// Threads meet here between a step's dependent parts. They spin first: a part takes
-// microseconds, and a sleep and wake-up would cost more than that. Then they sleep on a futex,
-// so that a member the OS preempted (the server's event loop, another process, more threads
-// than cores) gets a core back instead of watching the others spin: with only a yield after the
-// spin, three threads on two cores ran the batch-1 step at 12 tokens/s against 85 forked per
-// part. With more ranks than usable CPUs some member is always waiting for a core, so the
-// spin is cut short.
-class SpinBarrier {
- public:
-  SpinBarrier(int64_t num_ranks, int64_t usable_cpus)
-      : num_ranks_(num_ranks), max_spins_(num_ranks > usable_cpus ? kShortSpins : kSpins) {}
+// A member waiting for a part spins first: a task takes microseconds, and a sleep and wake-up
+// would cost more than that. Then it sleeps on a futex, so that a member the OS preempted gets
+// a core back instead of watching the others spin: with only a yield after the spin, three
+// threads on two cores ran the batch-1 step at 12 tokens/s against 85 forked per part. With
+// more ranks than usable CPUs some member is always waiting for a core, so the spin is cut short.
+constexpr int64_t kSpins = 1 << 14;  // a few hundred microseconds
+constexpr int64_t kShortSpins = 1 << 7;
 
-  // weight: the ranks the calling thread holds (run_member's [rank_begin, rank_end)).
-  void arrive_and_wait(int64_t weight) {
-    const int32_t generation = generation_.load();
-    if (arrived_.fetch_add(weight) + weight == num_ranks_) {
-      arrived_.store(0, std::memory_order_relaxed);
-      generation_.store(generation + 1);  // seq_cst, then sleepers_: a sleeper either sees it or is woken
-      if (sleepers_.load() > 0) futex(FUTEX_WAKE_PRIVATE, INT32_MAX);
-      return;
-    }
-    for (int64_t spins = 0; spins < max_spins_; ++spins) {
-      if (generation_.load(std::memory_order_acquire) != generation) return;
-#if defined(__x86_64__)
-      _mm_pause();
-#endif
-    }
-    sleepers_.fetch_add(1);
-    while (generation_.load() == generation) futex(FUTEX_WAIT_PRIVATE, generation);  // returns at once if it moved
-    sleepers_.fetch_sub(1);
-  }
-
- private:
-  static constexpr int64_t kSpins = 1 << 14;  // a few hundred microseconds
-  static constexpr int64_t kShortSpins = 1 << 7;
-
-  void futex(int op, int32_t value) {
+void futex(std::atomic<int32_t>& word, int op, int32_t value) {
 #if defined(__linux__)
-    syscall(SYS_futex, reinterpret_cast<int32_t*>(&generation_), op, value, nullptr, nullptr, 0);
+  syscall(SYS_futex, reinterpret_cast<int32_t*>(&word), op, value, nullptr, nullptr, 0);
 #else
-    std::this_thread::yield();
+  std::this_thread::yield();
 #endif
-  }
-
-  alignas(64) std::atomic<int64_t> arrived_{0};
-  alignas(64) std::atomic<int32_t> generation_{0};  // a futex word: 32 bits
-  std::atomic<int64_t> sleepers_{0};
-  const int64_t num_ranks_, max_spins_;
-};
+}
 
 // The CPUs this process may run on (its affinity mask), once.
 int64_t usable_cpus() {
@@ -102,22 +72,21 @@ int64_t usable_cpus() {
 #endif
 }
 
-// A part's task counter, a cache line of its own.
+// A part's task counters, a cache line of their own.
 struct alignas(64) PartCounter {
-  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> next{0}, done{0};
 };
 
-constexpr int64_t kPartsPerLayer = 5;  // the counted parts: QKV, attention, o, gate/up, down
+// The parts of a layer, in order; then the LM head's and the argmax's.
+enum LayerPart : int64_t { kQkv, kAttention, kOutput, kGateUp, kSilu, kDown, kPartsPerLayer };
 
-// [begin, end) of n for ranks [rank_begin, rank_end) of num_ranks: an even split of a row-wise
-// part's elements, in whole units of `unit` (the vector width: the same elements take the
-// vector path and the same tail the scalar one as in an unsplit row, so the floats match).
-inline std::pair<int64_t, int64_t> rank_range(int64_t n, int64_t rank_begin, int64_t rank_end, int64_t num_ranks,
-                                              int64_t unit = 1) {
+// [begin, end) of n for task `task` of num_tasks: an even split of a row-wise part's elements,
+// in whole units of `unit` (the vector width: the same elements take the vector path and the
+// same tail the scalar one as in an unsplit row, so the floats match).
+inline std::pair<int64_t, int64_t> task_range(int64_t n, int64_t task, int64_t num_tasks, int64_t unit = 1) {
   const int64_t units = (n + unit - 1) / unit;
-  return {std::min(n, unit * (units * rank_begin / num_ranks)), std::min(n, unit * (units * rank_end / num_ranks))};
+  return {std::min(n, unit * (units * task / num_tasks)), std::min(n, unit * (units * (task + 1) / num_tasks))};
 }
-
 
 // out[m] = float(table[index[m]]), rows of `width`: the embedding's and RoPE tables' rows of the
 // step's tokens (index values checked against the table's rows).
@@ -200,7 +169,7 @@ int64_t first_argmax(const float* row, int64_t n, int64_t isa) {
 }
 
 // What a step's team shares: its inputs, the activations its members write and read, a counter
-// for each counted part, and the barrier.
+// for each part, and how far the step has got.
 struct TeamStep {
   const DecodeModel& model;
   int64_t M, num_ranks;
@@ -216,8 +185,8 @@ struct TeamStep {
   const int64_t *tables, *lens, *slots;  // [M, max_blocks], [M], [M]
   int64_t max_blocks;
   const DecodeAttentionTasks& attention_tasks;
-  PartCounter* counters;  // [layers * kPartsPerLayer + 1]
-  SpinBarrier barrier;
+  PartCounter* counters;  // [layers * kPartsPerLayer + 2]
+  TeamProgress progress;
 };
 
 // One sequence's RoPE of the query heads of KV heads [kv_begin, kv_end) and of those K heads,
@@ -242,61 +211,96 @@ void attend_task(const TeamStep& s, int64_t m, int64_t kv_begin, int64_t kv_end,
                     scratch, kv_begin, kv_end, model.isa);
 }
 
-// One member's run of the whole step: ranks [rank_begin, rank_end) of the team. Nothing here
-// throws (the constructor checked what could): the others would wait at a barrier for ever.
-void run_member(TeamStep& s, int64_t rank_begin, int64_t rank_end) {
+// One member's run of the whole step, as ranks [rank_begin, rank_end) of the team (its own
+// norm rows). Before each part it waits for the part before, then takes tasks until none are
+// left; a part already done (this member was preempted meanwhile) it skips. A member's own
+// copy of a part's input (the norms; packed_gemm's bfloat16 rounding) may be read while a later
+// part overwrites the source, but is then never used: taking a task of the part proves the
+// part was not done, so no later part had started. Nothing here throws (the constructor checked
+// what could): the others would wait for ever for a task it held.
+void run_member(TeamStep& s, int64_t rank_begin) {
   const DecodeModel& model = s.model;
-  const int64_t M = s.M, hidden = model.hidden, isa = model.isa, weight = rank_end - rank_begin;
+  const int64_t M = s.M, hidden = model.hidden, isa = model.isa;
   const int64_t q_size = model.num_heads * model.head_dim, intermediate = model.intermediate;
   const auto eps = static_cast<float>(model.eps);
   const bool fp32_cache = std::get<0>(model.kv_caches.front()).scalar_type() == torch::kFloat32;
   float* h = s.norms + rank_begin * M * hidden;  // [M, hidden], this member's own
   std::vector<float> scratch;
-  const auto share = [&](int64_t part) { return TeamShare{s.num_ranks, &s.counters[part].next}; };
+  const auto share = [&](int64_t part) {
+    return TeamShare{s.num_ranks, &s.counters[part].next, &s.counters[part].done, &s.progress, part};
+  };
   const auto gemm = [&](const PackedLinear& linear, const float* x, int64_t K, float* out, bool accumulate,
-                        const TeamShare& team) {
+                        int64_t part) {
     const LinearView l = view(linear);
+    const TeamShare team = share(part);
     packed_gemm(x, M, K, K, l.w, l.scale, l.bias, l.n, out, l.n, isa, accumulate, &team);
   };
+  // SiLU in tasks of whole vector widths, so every float takes the per-layer kernel's path.
+  const int64_t silu_tasks = std::min<int64_t>((intermediate + 15) / 16, 4 * s.num_ranks);
   const int64_t num_layers = static_cast<int64_t>(model.layers.size());
   for (int64_t layer = 0; layer < num_layers; ++layer) {
     const DecodeLayerWeights& w = *model.layers[layer];
     const int64_t part = layer * kPartsPerLayer;
-    rms_norm(s.x, M, hidden, w.input_norm.data_ptr<float>(), eps, h);
-    gemm(w.qkv, h, hidden, s.qkv, false, share(part));
-    s.barrier.arrive_and_wait(weight);
-    share(part + 1).for_each_task(s.attention_tasks.size(), [&](int64_t task) {
-      const auto [m, kv_begin] = s.attention_tasks[task];
-      const int64_t kv_end = kv_begin + s.attention_tasks.heads_per_task();
-      fp32_cache ? attend_task<float>(s, m, kv_begin, kv_end, layer, scratch)
-                 : attend_task<at::BFloat16>(s, m, kv_begin, kv_end, layer, scratch);
-    });
-    s.barrier.arrive_and_wait(weight);
-    gemm(w.o_proj, s.attn, q_size, s.x, true, share(part + 2));
-    s.barrier.arrive_and_wait(weight);
-    rms_norm(s.x, M, hidden, w.post_norm.data_ptr<float>(), eps, h);
-    gemm(w.gate_up, h, hidden, s.gate_up, false, share(part + 3));
-    s.barrier.arrive_and_wait(weight);
-    const auto [c0, c1] = rank_range(intermediate, rank_begin, rank_end, s.num_ranks, 16);
-    for (int64_t m = 0; m < M; ++m) {
-      const float* g = s.gate_up + m * 2 * intermediate;
-      silu_mul(g + c0, g + intermediate + c0, s.act + m * intermediate + c0, c1 - c0, isa);
+    if (s.progress.wait_for(part + kQkv)) {
+      rms_norm(s.x, M, hidden, w.input_norm.data_ptr<float>(), eps, h);
+      gemm(w.qkv, h, hidden, s.qkv, false, part + kQkv);
     }
-    s.barrier.arrive_and_wait(weight);
-    gemm(w.down, s.act, intermediate, s.x, true, share(part + 4));
-    s.barrier.arrive_and_wait(weight);
+    if (s.progress.wait_for(part + kAttention)) {
+      share(part + kAttention).for_each_task(s.attention_tasks.size(), [&](int64_t task) {
+        const auto [m, kv_begin] = s.attention_tasks[task];
+        const int64_t kv_end = kv_begin + s.attention_tasks.heads_per_task();
+        fp32_cache ? attend_task<float>(s, m, kv_begin, kv_end, layer, scratch)
+                   : attend_task<at::BFloat16>(s, m, kv_begin, kv_end, layer, scratch);
+      });
+    }
+    if (s.progress.wait_for(part + kOutput)) gemm(w.o_proj, s.attn, q_size, s.x, true, part + kOutput);
+    if (s.progress.wait_for(part + kGateUp)) {
+      rms_norm(s.x, M, hidden, w.post_norm.data_ptr<float>(), eps, h);
+      gemm(w.gate_up, h, hidden, s.gate_up, false, part + kGateUp);
+    }
+    if (s.progress.wait_for(part + kSilu)) {
+      share(part + kSilu).for_each_task(silu_tasks, [&](int64_t task) {
+        const auto [c0, c1] = task_range(intermediate, task, silu_tasks, 16);
+        for (int64_t m = 0; m < M; ++m) {
+          const float* g = s.gate_up + m * 2 * intermediate;
+          silu_mul(g + c0, g + intermediate + c0, s.act + m * intermediate + c0, c1 - c0, isa);
+        }
+      });
+    }
+    if (s.progress.wait_for(part + kDown)) gemm(w.down, s.act, intermediate, s.x, true, part + kDown);
   }
-  rms_norm(s.x, M, hidden, model.final_norm.data_ptr<float>(), eps, h);
-  const int64_t head_part = static_cast<int64_t>(model.layers.size()) * kPartsPerLayer;
-  gemm(model.lm_head, h, hidden, s.logits, false, share(head_part));
-  if (s.ids == nullptr) return;
-  s.barrier.arrive_and_wait(weight);
+  const int64_t head_part = num_layers * kPartsPerLayer;
+  if (s.progress.wait_for(head_part)) {
+    rms_norm(s.x, M, hidden, model.final_norm.data_ptr<float>(), eps, h);
+    gemm(model.lm_head, h, hidden, s.logits, false, head_part);
+  }
+  if (s.ids == nullptr || !s.progress.wait_for(head_part + 1)) return;
   const int64_t vocab = std::get<3>(model.lm_head);
-  const auto [m0, m1] = rank_range(M, rank_begin, rank_end, s.num_ranks);
-  for (int64_t m = m0; m < m1; ++m) s.ids[m] = first_argmax(s.logits + m * vocab, vocab, isa);
+  share(head_part + 1).for_each_task(M, [&](int64_t m) { s.ids[m] = first_argmax(s.logits + m * vocab, vocab, isa); });
 }
 
 }  // namespace
+
+void TeamProgress::complete(int64_t part) {
+  parts_done_.store(static_cast<int32_t>(part + 1));  // seq_cst, then sleepers_: a sleeper sees it or is woken
+  if (sleepers_.load() > 0) futex(parts_done_, FUTEX_WAKE_PRIVATE, INT32_MAX);
+}
+
+bool TeamProgress::wait_for(int64_t part) {
+  int32_t done = parts_done_.load(std::memory_order_acquire);
+  for (int64_t spins = 0; done < part && spins < max_spins_; ++spins) {
+#if defined(__x86_64__)
+    _mm_pause();
+#endif
+    done = parts_done_.load(std::memory_order_acquire);
+  }
+  if (done < part) {
+    sleepers_.fetch_add(1);
+    while ((done = parts_done_.load()) < part) futex(parts_done_, FUTEX_WAIT_PRIVATE, done);  // returns if it moved
+    sleepers_.fetch_sub(1);
+  }
+  return done == part;
+}
 
 DecodeModel::DecodeModel(torch::Tensor embedding, torch::Tensor rope_cos, torch::Tensor rope_sin,
                          std::vector<std::shared_ptr<DecodeLayerWeights>> layers,
@@ -387,12 +391,13 @@ std::tuple<torch::Tensor, std::optional<torch::Tensor>> DecodeModel::step(
   const auto gate_up = scratch_floats(M * 2 * intermediate), act = scratch_floats(M * intermediate);
   const auto norms = scratch_floats(num_ranks * M * hidden);
   const DecodeAttentionTasks attention_tasks(context_lens.data(), M, num_kv_heads, num_ranks);
-  const std::unique_ptr<PartCounter[]> counters(new PartCounter[layers.size() * kPartsPerLayer + 1]);
+  const std::unique_ptr<PartCounter[]> counters(new PartCounter[layers.size() * kPartsPerLayer + 2]);
   TeamStep s{*this, M, num_ranks, x.data_ptr<float>(), qkv.get(), attn.get(), gate_up.get(), act.get(),
              logits.data_ptr<float>(), ids ? ids->data_ptr<int64_t>() : nullptr, norms.get(), cos.data_ptr<float>(),
              sin.data_ptr<float>(), tables.data(), context_lens.data(), slots.data(),
-             static_cast<int64_t>(max_blocks), attention_tasks, counters.get(), SpinBarrier(num_ranks, usable_cpus())};
-  at::parallel_for(0, num_ranks, 1, [&](int64_t begin, int64_t end) { run_member(s, begin, end); });
+             static_cast<int64_t>(max_blocks), attention_tasks, counters.get(),
+             TeamProgress(num_ranks > usable_cpus() ? kShortSpins : kSpins)};
+  at::parallel_for(0, num_ranks, 1, [&](int64_t begin, int64_t) { run_member(s, begin); });
   return {logits, ids};
 }
 

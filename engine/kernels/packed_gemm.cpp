@@ -727,7 +727,7 @@ void check_packed_weight(const torch::Tensor& w, int64_t K, int64_t N, const flo
 void packed_gemm(const float* x, int64_t M, int64_t K, int64_t ldx, const torch::Tensor& w, const float* scale,
                  const float* bias, int64_t N, float* out, int64_t ldo, int64_t isa, bool accumulate,
                  const TeamShare* team) {
-  // A team's members must not throw (the others would wait at its next barrier for ever): its
+  // A team's members must not throw (the others would wait for ever for the part it left): its
   // owner checks the weights once, when it binds them.
   if (team == nullptr) check_packed_weight(w, K, N, scale, isa);
   const int64_t panel_size = w.size(1) * w.size(2);
