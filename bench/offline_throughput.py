@@ -14,6 +14,11 @@ for the same --num-prompts (its --num-requests), --input-len, --output-len, --ra
 With `--concurrency N` (and `--time-budget`, the server's default schedule) they run as the
 serving client sends them, a closed loop of N in flight, so the served / offline ratio is the
 service's own cost (gRPC, asyncio, a client on the same cores) and not a different schedule.
+
+`--single-stream --busy-processes N` runs the batch-1 rounds again while N other processes
+each keep a core busy (a server's event loop, a client, a neighbour on a shared machine), and
+prints the decode speed under that load beside the speed alone: how gracefully the engine's
+threads give way when a core is taken from them.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ import os
 import random
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -145,6 +151,23 @@ def run_single_stream_rounds(llm: LLM, prompts: list[list[int]], output_lens: li
     return seconds, steps, rounds
 
 
+def busy_decode_tok_s(llm: LLM, prompts: list[list[int]], output_lens: list[int], num_rounds: int,
+                      num_busy: int) -> list[float]:
+    """Each round's decode tok/s (median step) while num_busy processes spin, a core each."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(num_busy)]
+    try:
+        time.sleep(0.2)  # let them start
+        speeds = []
+        for _ in range(num_rounds):
+            _, steps = run_minivllm(llm, prompts, output_lens)
+            speeds.append(1.0 / statistics.median(s.total_time for s in steps if s.num_prefill_tokens == 0))
+        return speeds
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+
+
 def decode_split_batch1(llm: LLM, steps: list[StepStats], context: int) -> dict[str, float]:
     """Per-token split of a batch-1 decode step: projections (every Linear, LM head included,
     on one row), attention (every layer's decode attention at `context`), the rest (norms, RoPE,
@@ -229,6 +252,9 @@ def main() -> None:
                         help="batch 1 instead: one prompt of --max-input tokens, greedy, --output-len tokens")
     parser.add_argument("--rounds", type=int, default=5,
                         help="with --single-stream: runs of the prompt, each held to the bandwidth sampled around it")
+    parser.add_argument("--busy-processes", type=int, default=0,
+                        help="with --single-stream: run the rounds again beside this many processes that each keep a "
+                             "core busy, and print the speed under that load")
     parser.add_argument("--compare", default=None,
                         help="comma-separated minivllm weight modes to run side by side: float32, bfloat16, int8")
     parser.add_argument("--llama-cpp-python", default=None,
@@ -239,6 +265,8 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.serving_workload and (args.compare or args.single_stream):
         parser.error("--serving-workload: not with --compare or --single-stream")
+    if args.busy_processes < 0 or (args.busy_processes and not args.single_stream):
+        parser.error("--busy-processes: a count of 0 or more, with --single-stream")
     if args.concurrency is not None and (not args.serving_workload or args.concurrency < 1):
         parser.error("--concurrency: a positive count, with --serving-workload")
     if args.single_stream:
@@ -298,6 +326,12 @@ def main() -> None:
         print(f"per token    : forward {split['forward_ms']:.1f} ms = projections {split['projections_ms']:.1f} "
               f"(LM head included) + attention {split['attention_ms']:.2f} + rest {split['rest_ms']:.1f} "
               f"(norms, RoPE, adds, casts, cache writes, op dispatch)")
+    if args.single_stream and args.busy_processes:
+        busy = busy_decode_tok_s(llm, prompts, output_lens, args.rounds, args.busy_processes)
+        result |= {"busy_processes": args.busy_processes, "busy_decode_tok_s": busy}
+        print(f"busy cores   : beside {args.busy_processes} busy process(es), decode steps achieve "
+              f"{statistics.median(busy):.1f} tok/s (rounds {min(busy):.1f}-{max(busy):.1f}), "
+              f"{statistics.median(busy) / achieved:.2f} of the {achieved:.1f} alone")
     if not args.skip_transformers:
         del llm
         hf = run_transformers(resolve_dir(args.model), prompts, args.output_len,
