@@ -66,7 +66,9 @@ class InputProcessor:
         if not -cfg.max_priority <= priority <= cfg.max_priority:
             raise ValueError(f"priority: {priority} is outside [{-cfg.max_priority}, {cfg.max_priority}]")
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, str]], params: SamplingParams | None = None) -> list[int]:
+        """The chat's token ids by the model's template. Given the request's params, a chat whose
+        text cannot fit the context is refused before it is tokenized (as a prompt is)."""
         if not messages:
             raise ValueError("messages: must not be empty")
         for i, m in enumerate(messages):
@@ -80,9 +82,11 @@ class InputProcessor:
         if not self.has_chat_template:
             raise ValueError("messages: this model has no chat template; send a prompt instead")
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        if params is not None:
+            self._check_fits_before_tokenizing(len(text), params, "messages")
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def _check_fits_before_tokenizing(self, num_chars: int, params: SamplingParams) -> None:
+    def _check_fits_before_tokenizing(self, num_chars: int, params: SamplingParams, field: str = "prompt") -> None:
         """Refuse a text that cannot fit the context whatever its tokens: each token covers at most
         max_token_chars characters, so it makes at least num_chars / max_token_chars tokens.
         Tokenizing 900k characters takes 0.4-0.7 s of a core that the engine's step threads need
@@ -91,7 +95,7 @@ class InputProcessor:
             return
         min_tokens = -(-num_chars // self.max_token_chars)
         if min_tokens >= self.max_model_len:
-            raise PromptTooLongError(f"prompt: {num_chars} characters make at least {min_tokens} tokens (none is "
+            raise PromptTooLongError(f"{field}: {num_chars} characters make at least {min_tokens} tokens (none is "
                                      f"longer than {self.max_token_chars} characters), which do not fit the context "
                                      f"of {self.max_model_len} tokens (at least one must be generated)")
 

@@ -113,8 +113,8 @@ class LLMEngine:
     def tokenize(self, prompt: str) -> list[int]:
         return self.input_processor.tokenize(prompt)
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        return self.input_processor.apply_chat_template(messages)
+    def apply_chat_template(self, messages: list[dict[str, str]], params: SamplingParams | None = None) -> list[int]:
+        return self.input_processor.apply_chat_template(messages, params)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0, arrival_time: float | None = None) -> str:

@@ -185,7 +185,8 @@ class AsyncEngine:
         inputs = self.engine.input_processor
 
         def work() -> list[int]:
-            return inputs.process(inputs.apply_chat_template(messages) if messages is not None else prompt, params)
+            return inputs.process(inputs.apply_chat_template(messages, params) if messages is not None else prompt,
+                                  params)
 
         self._num_tokenizing += 1
         try:

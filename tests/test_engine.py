@@ -229,6 +229,17 @@ def test_a_text_longer_than_any_tokenization_could_fit_is_refused_untokenized(
     assert len(tokenized) == 2
     while engine.has_unfinished_requests():  # the truncated prompt runs (8 tokens in, 1 out)
         engine.step()
+    # A chat is judged by its rendered text, given the request's params; the tokenize route's
+    # call (no params) still tokenizes it.
+    assert inputs.has_chat_template
+    encoded: list[str] = []
+    encode = inputs.tokenizer.encode
+    monkeypatch.setattr(inputs.tokenizer, "encode", lambda text, **kw: encoded.append(text) or encode(text, **kw))
+    chat = [{"role": "user", "content": "a" * limit}]
+    with pytest.raises(PromptTooLongError, match="messages: [0-9]+ characters make at least"):
+        engine.apply_chat_template(chat, SamplingParams())
+    assert encoded == []
+    assert len(engine.apply_chat_template(chat)) > engine.max_model_len and len(encoded) == 1
     # A normalizer may delete characters (accents here): no bound, every text is tokenized.
     stripping = Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
     stripping.normalizer = normalizers.Sequence([normalizers.NFKD(), normalizers.StripAccents()])

@@ -57,6 +57,8 @@ BAD_INPUTS = [
     ("900k-char prompt (more characters than the context's tokens could cover)",
      build_request("hello world " * 75_000), TOO_BIG, "prompt"),
     ("48k-char prompt (tokenized, then too long)", build_request("hello world " * 4_000), TOO_BIG, "prompt"),
+    ("900k-char chat message (refused untokenized, as the prompt)",
+     build_request([{"role": "user", "content": "hello world " * 75_000}]), TOO_BIG, "messages"),
     ("2 MB chat message", build_request([{"role": "user", "content": "y" * 2_000_000}]), TOO_BIG, "messages"),
     ("5 MB message", build_request("z" * 5_000_000), TOO_BIG, ""),
     ("5,000 stop strings of 300 chars", build_request("hi", stop=["s" * 300] * 5000), TOO_BIG, "stop"),
