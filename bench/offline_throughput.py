@@ -15,6 +15,11 @@ With `--concurrency N` (and `--time-budget`, the server's default schedule) they
 serving client sends them, a closed loop of N in flight, so the served / offline ratio is the
 service's own cost (gRPC, asyncio, a client on the same cores) and not a different schedule.
 
+`--single-stream --paired-seconds S` then alternates, for S seconds, a sum over 256 MiB and 8
+batch-1 decode steps (each pair within about 70 ms), and prints the decode's weight-read rate
+against the sums' by band of the sums' rate: the machine's bandwidth swings within a second, so
+only a pair this close says what the decode reaches at a given bandwidth.
+
 `--single-stream --busy-processes N` runs the batch-1 rounds again while N other processes
 each keep a core busy (a server's event loop, a client, a neighbour on a shared machine), and
 prints the decode speed under that load beside the speed alone: how gracefully the engine's
@@ -151,6 +156,54 @@ def run_single_stream_rounds(llm: LLM, prompts: list[list[int]], output_lens: li
     return seconds, steps, rounds
 
 
+PAIRED_BANDS = ((0.0, 40.0), (40.0, 50.0), (50.0, float("inf")))  # GB/s of the sums
+
+
+def paired_read_rates(llm: LLM, prompt: list[int], output_len: int, weight_bytes: int, seconds: float,
+                      buffer_bytes: int = 1 << 28) -> list[dict]:
+    """Alternate a sum over 256 MiB and 8 batch-1 decode steps (then a sum again) for `seconds`,
+    the context kept within the prompt plus output_len tokens, as in the rounds;
+    per band of the two sums' mean rate, the decode's median weight-read rate (weight_bytes per
+    step) and its ratio to the sums. Pairs whose two sums differ by 10 % or more are left out:
+    the bandwidth moved within the pair."""
+    buffer = bandwidth_buffer(buffer_bytes)
+    engine = llm.engine
+
+    def bandwidth() -> float:
+        return buffer.numel() * buffer.element_size() / timed(buffer.sum)
+
+    def start() -> None:
+        for request_id in list(engine.scheduler.requests):
+            engine.abort_request(request_id)
+        while engine.has_unfinished_requests():
+            engine.step()
+        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=output_len + 16, ignore_eos=True))
+        engine.step()  # the prefill
+
+    start()
+    pairs = []  # (sums' mean GB/s, decode's GB/s)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if next(iter(engine.scheduler.requests.values())).num_tokens + 8 > len(prompt) + output_len:
+            start()
+        before = bandwidth()
+        steps = [engine.step()[1].total_time for _ in range(8)]
+        after = bandwidth()
+        if abs(before - after) < 0.1 * max(before, after):
+            pairs.append(((before + after) / 2e9, weight_bytes / statistics.median(steps) / 1e9))
+    bands = []
+    for low, high in PAIRED_BANDS:
+        chosen = [p for p in pairs if low <= p[0] < high]
+        if not chosen:
+            continue
+        ratios = sorted(d / b for b, d in chosen)
+        bands.append({"band": f"{low:.0f}-{high:.0f}", "pairs": len(chosen),
+                      "sum_gb_s": statistics.median(b for b, _ in chosen),
+                      "decode_gb_s": statistics.median(d for _, d in chosen), "ratio": statistics.median(ratios),
+                      "ratio_p10": ratios[len(ratios) // 10], "ratio_p90": ratios[len(ratios) * 9 // 10]})
+    return bands
+
+
 def busy_decode_tok_s(llm: LLM, prompts: list[list[int]], output_lens: list[int], num_rounds: int,
                       num_busy: int) -> list[float]:
     """Each round's decode tok/s (median step) while num_busy processes spin, a core each."""
@@ -252,6 +305,9 @@ def main() -> None:
                         help="batch 1 instead: one prompt of --max-input tokens, greedy, --output-len tokens")
     parser.add_argument("--rounds", type=int, default=5,
                         help="with --single-stream: runs of the prompt, each held to the bandwidth sampled around it")
+    parser.add_argument("--paired-seconds", type=float, default=0.0,
+                        help="with --single-stream: alternate sums and decode steps this long, and print the decode's "
+                             "read rate against the sums' by bandwidth band")
     parser.add_argument("--busy-processes", type=int, default=0,
                         help="with --single-stream: run the rounds again beside this many processes that each keep a "
                              "core busy, and print the speed under that load")
@@ -265,6 +321,8 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.serving_workload and (args.compare or args.single_stream):
         parser.error("--serving-workload: not with --compare or --single-stream")
+    if args.paired_seconds < 0 or (args.paired_seconds and not args.single_stream):
+        parser.error("--paired-seconds: seconds, 0 or more, with --single-stream")
     if args.busy_processes < 0 or (args.busy_processes and not args.single_stream):
         parser.error("--busy-processes: a count of 0 or more, with --single-stream")
     if args.concurrency is not None and (not args.serving_workload or args.concurrency < 1):
@@ -326,6 +384,13 @@ def main() -> None:
         print(f"per token    : forward {split['forward_ms']:.1f} ms = projections {split['projections_ms']:.1f} "
               f"(LM head included) + attention {split['attention_ms']:.2f} + rest {split['rest_ms']:.1f} "
               f"(norms, RoPE, adds, casts, cache writes, op dispatch)")
+    if args.single_stream and args.paired_seconds:
+        bands = paired_read_rates(llm, prompts[0], args.output_len, weights, args.paired_seconds)
+        result["paired_bands"] = bands
+        for band in bands:
+            print(f"paired       : sums {band['band']} GB/s: {band['pairs']} pairs, sums {band['sum_gb_s']:.1f} GB/s, "
+                  f"decode reads {band['decode_gb_s']:.1f} GB/s = {100 * band['ratio']:.0f}% "
+                  f"(p10 {100 * band['ratio_p10']:.0f}%, p90 {100 * band['ratio_p90']:.0f}%)")
     if args.single_stream and args.busy_processes:
         busy = busy_decode_tok_s(llm, prompts, output_lens, args.rounds, args.busy_processes)
         result |= {"busy_processes": args.busy_processes, "busy_decode_tok_s": busy}

@@ -148,6 +148,43 @@ def test_offline_closed_loop_keeps_concurrency_requests_in_flight(tiny_llm) -> N
     assert max(s.num_running + s.num_waiting for s in all_at_once) > 3
 
 
+def test_paired_read_rates_band_the_decode_by_the_sums_around_it(tiny_llm, monkeypatch) -> None:
+    """--paired-seconds: pairs of sums around 8 decode steps, banded by the sums' rate; the
+    context stays within the prompt plus output_len; a pair whose sums differ by 10 % is dropped."""
+    import bench.offline_throughput as offline
+
+    contexts: list[int] = []
+    step = tiny_llm.engine.step
+
+    def counting_step():
+        outputs, stats = step()
+        contexts.extend(seq.num_tokens for seq in tiny_llm.engine.scheduler.requests.values())
+        return outputs, stats
+
+    monkeypatch.setattr(tiny_llm.engine, "step", counting_step)
+    bands = offline.paired_read_rates(tiny_llm, [100] * 5, 20, 10**6, 0.5, buffer_bytes=1 << 20)
+    assert bands and sum(b["pairs"] for b in bands) > 0
+    assert {b["band"] for b in bands} <= {f"{lo:.0f}-{hi:.0f}" for lo, hi in offline.PAIRED_BANDS}
+    for band in bands:
+        assert 0 < band["ratio_p10"] <= band["ratio"] <= band["ratio_p90"]
+    assert max(contexts) <= 5 + 20 and min(contexts) <= 6  # restarted from the prompt
+    monkeypatch.undo()
+    rates = iter([10e9, 20e9] * 1000)  # every pair's sums differ by half: none kept
+    monkeypatch.setattr(offline, "timed", lambda fn: (1 << 20) / next(rates))
+    assert offline.paired_read_rates(tiny_llm, [100] * 5, 20, 10**6, 0.2, buffer_bytes=1 << 20) == []
+
+
+def test_busy_processes_spin_only_while_the_rounds_run(tiny_llm, monkeypatch) -> None:
+    import bench.offline_throughput as offline
+
+    started = []
+    popen = offline.subprocess.Popen
+    monkeypatch.setattr(offline.subprocess, "Popen", lambda *a, **k: started.append(popen(*a, **k)) or started[-1])
+    speeds = offline.busy_decode_tok_s(tiny_llm, [[100] * 5], [6], 2, 2)
+    assert len(speeds) == 2 and min(speeds) > 0
+    assert len(started) == 2 and all(p.poll() is not None for p in started)  # killed and reaped
+
+
 def test_single_stream_rounds_hold_each_round_to_the_bandwidth_sampled_around_it(tiny_llm) -> None:
     """--single-stream: each round's decode figure beside the median of the two sums just
     before it and the two just after it (the next round's "before")."""
