@@ -132,6 +132,12 @@ def bandwidth_buffer(num_bytes: int = 1 << 30) -> torch.Tensor:
     return x
 
 
+def decode_tok_s(steps: list[StepStats]) -> float | None:
+    """A batch-1 run's decode speed: one over its median decode-only step; None without one."""
+    decode = [s.total_time for s in steps if s.num_prefill_tokens == 0]
+    return 1.0 / statistics.median(decode) if decode else None
+
+
 def run_single_stream_rounds(llm: LLM, prompts: list[list[int]], output_lens: list[int], num_rounds: int,
                              buffer_bytes: int = 1 << 30) -> tuple[float, list[StepStats], list[dict]]:
     """The batch-1 run `num_rounds` times, with two sums over 1 GiB (buffer_bytes) before each round and after
@@ -146,11 +152,10 @@ def run_single_stream_rounds(llm: LLM, prompts: list[list[int]], output_lens: li
     for _ in range(num_rounds):
         elapsed, round_steps = run_minivllm(llm, prompts, output_lens)
         samples.append(read_bandwidths(buffer, 2))
-        decode = [s.total_time for s in round_steps if s.num_prefill_tokens == 0]
         around = samples[-2] + samples[-1]
         rounds.append({"read_bandwidth_samples_gb_s": [b / 1e9 for b in around],
                        "read_bandwidth_gb_s": statistics.median(around) / 1e9,
-                       "achieved_decode_tok_s": 1.0 / statistics.median(decode)})
+                       "achieved_decode_tok_s": decode_tok_s(round_steps)})
         seconds += elapsed
         steps += round_steps
     return seconds, steps, rounds
@@ -213,7 +218,7 @@ def busy_decode_tok_s(llm: LLM, prompts: list[list[int]], output_lens: list[int]
         speeds = []
         for _ in range(num_rounds):
             _, steps = run_minivllm(llm, prompts, output_lens)
-            speeds.append(1.0 / statistics.median(s.total_time for s in steps if s.num_prefill_tokens == 0))
+            speeds.append(decode_tok_s(steps))
         return speeds
     finally:
         for spinner in spinners:
@@ -459,9 +464,8 @@ def compare(args: argparse.Namespace) -> None:
         if prompts is None:
             prompts = make_prompts(args.num_prompts, args.min_input, args.max_input, llm.engine.vocab_size, args.seed)
         seconds, steps = run_minivllm(llm, prompts, args.output_len)
-        decode = [s.total_time for s in steps if s.num_prefill_tokens == 0]
         figures = {"output_tok_s": args.num_prompts * args.output_len / seconds,
-                   "decode_tok_s": 1 / statistics.median(decode) if args.num_prompts == 1 and decode else None,
+                   "decode_tok_s": decode_tok_s(steps) if args.num_prompts == 1 else None,
                    "weight_bytes_per_token": weight_bytes_per_token(llm)}
         result["systems"][f"minivllm {mode}"] = figures
         rows.append((f"minivllm {mode}", figures))

@@ -155,9 +155,10 @@ def test_decode_model_step_is_the_embedding_every_layer_the_norm_and_the_head(ke
     """The model's decode step in one call (DecodeModel.step): the embedding's and RoPE tables' rows of the tokens,
     the same floats as one decode_layer call per layer (each layer with its own weights, window
     and caches), the final RMSNorm, the LM head's panels, and torch.argmax's choice per row; on a
-    team of 1, 2, 3 or 4 threads (3 and 4 on a 2-core machine: members preempted mid-step, late
-    ones finding parts done without them; 4 five times over), whose attention tasks are whole
-    rows (8 rows, 1 or 2 threads) or one KV head of a row (3, 4)."""
+    team of 1, 2, 3 or 4 threads (3 and 4 on a 2-core machine, where members are likely
+    preempted mid-step and may find parts done without them: 4 five times over; nothing here
+    forces or observes that, and a narrow ordering race can pass), whose attention tasks are
+    whole rows (8 rows, 1 or 2 threads) or one KV head of a row (3, 4)."""
     bs, num_blocks, vocab, max_positions = 4, 40, 70, 20  # vocab: past the argmax's 32-wide steps
     lens = torch.tensor([1, 9, 14, 3, 7, 12, 5, 10])
     batch = len(lens)

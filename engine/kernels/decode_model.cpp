@@ -9,7 +9,7 @@
 // under a microsecond when all are running), and takes tasks of it until none are left. No
 // member waits for another to arrive, as at a barrier: one the OS preempts (the server's event
 // loop wants a core) holds the others back only while it holds an unfinished task. With a
-// barrier between parts, a batch-1 step on two cores took 40-80 ms instead of 17 while the
+// barrier between parts, a batch-1 step on two cores took 26-81 ms instead of 17 while the
 // service handled a burst of bad requests. The row-wise parts between (the norms, the bfloat16
 // rounding of a product's input) are cheap at a decode step's few rows, so each member computes
 // its own copy rather than wait for one more part. Against a fork and join per part, two kernel
@@ -83,7 +83,7 @@ enum LayerPart : int64_t { kQkv, kAttention, kOutput, kGateUp, kSilu, kDown, kPa
 // [begin, end) of n for task `task` of num_tasks: an even split of a row-wise part's elements,
 // in whole units of `unit` (the vector width: the same elements take the vector path and the
 // same tail the scalar one as in an unsplit row, so the floats match).
-inline std::pair<int64_t, int64_t> task_range(int64_t n, int64_t task, int64_t num_tasks, int64_t unit = 1) {
+inline std::pair<int64_t, int64_t> task_range(int64_t n, int64_t task, int64_t num_tasks, int64_t unit) {
   const int64_t units = (n + unit - 1) / unit;
   return {std::min(n, unit * (units * task / num_tasks)), std::min(n, unit * (units * (task + 1) / num_tasks))};
 }
