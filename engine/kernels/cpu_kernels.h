@@ -41,25 +41,58 @@ class TeamProgress {
   const int64_t max_spins_;
 };
 
+// One rank's home range of a part's tasks: its own from the front, in order, and the others'
+// from the back once its own are gone. The two counts share one word, so a task is taken once.
+struct alignas(64) HomeRange {
+  std::atomic<uint64_t> taken{0};  // from the front (low 32 bits), from the back (high 32)
+};
+
 // A part's tasks among the threads running it: threads forked for the part alone, or a team's
-// members (DecodeModel). num_ranks, the threads, sizes the part's tasks; each task goes to
-// whichever thread asks next, from next_task, the part's own counter (zero before the part), so
-// a preempted thread holds back only the task it has. In a team, the member that finishes the
-// part's last task (counted in num_done) marks the part done in progress.
+// members (DecodeModel). num_ranks, the threads, sizes the part's tasks. Without home ranges
+// each task goes to whichever thread asks next, from next_task, the part's own counter (zero
+// before the part). With them (a team), rank r's home is the r-th of num_ranks even slices of
+// the tasks: a member walks its own slice in order, so its weights stream as one run of memory
+// (the hardware prefetcher follows one stream a part instead of restarting at each task), then
+// takes the others' last tasks. Either way a preempted thread holds back only the task it has.
+// In a team, the member that finishes the part's last task (counted in num_done) marks the
+// part done in progress.
 struct TeamShare {
   int64_t num_ranks;
   std::atomic<int64_t>* next_task;
   std::atomic<int64_t>* num_done = nullptr;  // a team's part: its finished tasks
   TeamProgress* progress = nullptr;
   int64_t part = 0;
+  HomeRange* homes = nullptr;  // [num_ranks], or none: every task from next_task
+  int64_t rank = 0;            // the asking member's home
 
   template <typename F>
   void for_each_task(int64_t num_tasks, const F& f) const {
-    int64_t t = next_task->fetch_add(1);
-    if (progress != nullptr && num_tasks == 0 && t == 0) progress->complete(part);  // once, by the first asker
-    for (; t < num_tasks; t = next_task->fetch_add(1)) {
+    const auto run = [&](int64_t t) {
       f(t);
       if (progress != nullptr && num_done->fetch_add(1) + 1 == num_tasks) progress->complete(part);
+    };
+    if (homes != nullptr && num_tasks > 0) {
+      for (int64_t t; (t = take(rank, num_tasks, false)) >= 0;) run(t);
+      for (int64_t i = 1; i < num_ranks; ++i)
+        for (int64_t t; (t = take((rank + i) % num_ranks, num_tasks, true)) >= 0;) run(t);
+      return;
+    }
+    int64_t t = next_task->fetch_add(1);
+    if (progress != nullptr && num_tasks == 0 && t == 0) progress->complete(part);  // once, by the first asker
+    for (; t < num_tasks; t = next_task->fetch_add(1)) run(t);
+  }
+
+ private:
+  // The next task of rank r's home, from its front or its back; -1 when none is left.
+  int64_t take(int64_t r, int64_t num_tasks, bool from_back) const {
+    const int64_t begin = r * num_tasks / num_ranks, end = (r + 1) * num_tasks / num_ranks;
+    std::atomic<uint64_t>& taken = homes[r].taken;
+    uint64_t word = taken.load();
+    for (;;) {
+      const auto front = static_cast<int64_t>(word & 0xFFFFFFFFu), back = static_cast<int64_t>(word >> 32);
+      if (begin + front + back >= end) return -1;
+      if (taken.compare_exchange_weak(word, word + (from_back ? uint64_t{1} << 32 : uint64_t{1})))
+        return from_back ? end - 1 - back : begin + front;
     }
   }
 };

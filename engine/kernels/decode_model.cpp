@@ -186,6 +186,7 @@ struct TeamStep {
   int64_t max_blocks;
   const DecodeAttentionTasks& attention_tasks;
   PartCounter* counters;  // [layers * kPartsPerLayer + 2]
+  HomeRange* homes;       // [layers * kPartsPerLayer + 2, num_ranks]
   TeamProgress progress;
 };
 
@@ -227,7 +228,8 @@ void run_member(TeamStep& s, int64_t rank_begin) {
   float* h = s.norms + rank_begin * M * hidden;  // [M, hidden], this member's own
   std::vector<float> scratch;
   const auto share = [&](int64_t part) {
-    return TeamShare{s.num_ranks, &s.counters[part].next, &s.counters[part].done, &s.progress, part};
+    return TeamShare{s.num_ranks, &s.counters[part].next, &s.counters[part].done, &s.progress, part,
+                     s.homes + part * s.num_ranks, rank_begin};
   };
   const auto gemm = [&](const PackedLinear& linear, const float* x, int64_t K, float* out, bool accumulate,
                         int64_t part) {
@@ -391,11 +393,13 @@ std::tuple<torch::Tensor, std::optional<torch::Tensor>> DecodeModel::step(
   const auto gate_up = scratch_floats(M * 2 * intermediate), act = scratch_floats(M * intermediate);
   const auto norms = scratch_floats(num_ranks * M * hidden);
   const DecodeAttentionTasks attention_tasks(context_lens.data(), M, num_kv_heads, num_ranks);
-  const std::unique_ptr<PartCounter[]> counters(new PartCounter[layers.size() * kPartsPerLayer + 2]);
+  const auto num_parts = static_cast<int64_t>(layers.size()) * kPartsPerLayer + 2;
+  const std::unique_ptr<PartCounter[]> counters(new PartCounter[num_parts]);
+  const std::unique_ptr<HomeRange[]> homes(new HomeRange[num_parts * num_ranks]);
   TeamStep s{*this, M, num_ranks, x.data_ptr<float>(), qkv.get(), attn.get(), gate_up.get(), act.get(),
              logits.data_ptr<float>(), ids ? ids->data_ptr<int64_t>() : nullptr, norms.get(), cos.data_ptr<float>(),
              sin.data_ptr<float>(), tables.data(), context_lens.data(), slots.data(),
-             static_cast<int64_t>(max_blocks), attention_tasks, counters.get(),
+             static_cast<int64_t>(max_blocks), attention_tasks, counters.get(), homes.get(),
              TeamProgress(num_ranks > usable_cpus() ? kShortSpins : kSpins)};
   at::parallel_for(0, num_ranks, 1, [&](int64_t begin, int64_t) { run_member(s, begin); });
   return {logits, ids};
