@@ -226,14 +226,31 @@ def busy_decode_tok_s(llm: LLM, prompts: list[list[int]], output_lens: list[int]
             spinner.wait()
 
 
+PROJECTION_PARTS = ("qkv", "o_proj", "gate_up", "down", "lm_head")
+
+
 def decode_split_batch1(llm: LLM, steps: list[StepStats], context: int) -> dict[str, float]:
-    """Per-token split of a batch-1 decode step: projections (every Linear, LM head included,
-    on one row), attention (every layer's decode attention at `context`), the rest (norms, RoPE,
-    adds, casts, cache writes, per-op dispatch), from the measured forward time."""
+    """Per-token split of a batch-1 decode step: projections (LM head included), attention, the
+    rest (norms, SiLU, argmax, the step's inputs, host), against the measured forward time.
+
+    With the fused decode step the parts are its own, timed inside the steps just run (a part
+    from the one before's completion to its own, so waits count where they fall); call
+    `take_decode_part_seconds` before the run. Without it, the projections and attention are
+    timed one by one afterwards (every Linear on one row; every layer's decode attention at
+    `context`)."""
     engine = llm.engine
     runner, model = engine.runner, engine.runner.model
     forwards = [s.forward_time for s in steps if s.num_prefill_tokens == 0 and s.num_decode_seqs == 1]
     forward = statistics.median(forwards)
+    parts = model.take_decode_part_seconds() if hasattr(model, "take_decode_part_seconds") else None
+    if parts is not None and parts["steps"] > 0:
+        per_step = {name: 1e3 * seconds / parts["steps"] for name, seconds in parts.items() if name != "steps"}
+        projections = sum(per_step[name] for name in PROJECTION_PARTS)
+        attn = per_step["attention"]
+        forward = statistics.mean(forwards)  # the parts are means too: a median could undercut their sum
+        return {"source": "fused step's parts", "forward_ms": 1e3 * forward, "projections_ms": projections,
+                "attention_ms": attn, "rest_ms": max(0.0, 1e3 * forward - projections - attn),
+                "parts_ms": per_step, "steps": parts["steps"]}
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     inputs = {m.in_features: torch.randn(1, m.in_features, dtype=runner.dtype) for m in linears}
     mc = runner.model_config
@@ -258,8 +275,8 @@ def decode_split_batch1(llm: LLM, steps: list[StepStats], context: int) -> dict[
     with torch.inference_mode():
         projections = statistics.median(timed(lambda: [m(inputs[m.in_features]) for m in linears]) for _ in range(20))
         attn = statistics.median(timed(attention) for _ in range(20))
-    return {"forward_ms": 1e3 * forward, "projections_ms": 1e3 * projections, "attention_ms": 1e3 * attn,
-            "rest_ms": 1e3 * max(0.0, forward - projections - attn)}
+    return {"source": "timed one by one", "forward_ms": 1e3 * forward, "projections_ms": 1e3 * projections,
+            "attention_ms": 1e3 * attn, "rest_ms": 1e3 * max(0.0, forward - projections - attn)}
 
 
 def run_transformers(model_dir: str, prompts: list[list[int]], output_len: int, batch_size: int) -> float:
@@ -351,6 +368,8 @@ def main() -> None:
         output_lens = [args.output_len] * args.num_prompts
     num_out = sum(output_lens)
     if args.single_stream:
+        if hasattr(llm.engine.runner.model, "take_decode_part_seconds"):
+            llm.engine.runner.model.take_decode_part_seconds()  # the split counts the rounds' steps only
         ours, steps, rounds = run_single_stream_rounds(llm, prompts, output_lens, args.rounds)
         num_out *= args.rounds
     else:
@@ -388,7 +407,10 @@ def main() -> None:
               f"{achieved:.1f} tok/s against at most {bandwidth * 1e9 / weights:.1f}")
         print(f"per token    : forward {split['forward_ms']:.1f} ms = projections {split['projections_ms']:.1f} "
               f"(LM head included) + attention {split['attention_ms']:.2f} + rest {split['rest_ms']:.1f} "
-              f"(norms, RoPE, adds, casts, cache writes, op dispatch)")
+              f"(norms, SiLU, argmax, the step's inputs, host; {split['source']})")
+        if "parts_ms" in split:
+            print("step parts   : " + ", ".join(f"{name} {ms:.2f}" for name, ms in split["parts_ms"].items())
+                  + f" ms (mean of {split['steps']} fused steps)")
     if args.single_stream and args.paired_seconds:
         bands = paired_read_rates(llm, prompts[0], args.output_len, weights, args.paired_seconds)
         result["paired_bands"] = bands

@@ -185,6 +185,24 @@ def test_busy_processes_spin_only_while_the_rounds_run(tiny_llm, monkeypatch) ->
     assert len(started) == 2 and all(p.poll() is not None for p in started)  # killed and reaped
 
 
+def test_batch1_split_comes_from_the_fused_steps_own_parts(tiny_llm) -> None:
+    """The per-token split of --single-stream: with the fused decode step, its own parts' times
+    over the rounds' steps (zeroed before them), not products timed one by one afterwards."""
+    from bench.offline_throughput import decode_split_batch1, run_single_stream_rounds
+
+    model = tiny_llm.engine.runner.model
+    assert model.decoder is not None  # the tiny model's float32 steps take the fused path here
+    model.take_decode_part_seconds()
+    _, steps, _ = run_single_stream_rounds(tiny_llm, [[100] * 5], [6], 2, buffer_bytes=1 << 20)
+    split = decode_split_batch1(tiny_llm, steps, 8)
+    assert split["source"] == "fused step's parts"
+    # Each round's decode steps, and its warm-up's one (run_minivllm's two-token generate).
+    assert split["steps"] == sum(1 for s in steps if s.num_prefill_tokens == 0) + 2 == 12
+    assert split["projections_ms"] > 0 and split["attention_ms"] > 0
+    assert split["projections_ms"] + split["attention_ms"] < sum(split["parts_ms"].values())
+    assert model.take_decode_part_seconds()["steps"] == 0  # the split read them
+
+
 def test_single_stream_rounds_hold_each_round_to_the_bandwidth_sampled_around_it(tiny_llm) -> None:
     """--single-stream: each round's decode figure beside the median of the two sums just
     before it and the two just after it (the next round's "before")."""

@@ -5,6 +5,7 @@ in one call against the torch layer it replaces."""
 from __future__ import annotations
 
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -198,6 +199,8 @@ def test_decode_model_step_is_the_embedding_every_layer_the_norm_and_the_head(ke
             torch.set_num_threads(num_threads)
         return final_norm(hidden), ref_caches
 
+    made_decoders = []
+
     def step(head_weight: torch.Tensor, with_argmax: bool = True, step_isa: int = isa, threads: int = 2, **changes):
         # As the sequences hold them: block tables as long as each context needs (padded inside).
         args = dict(token_ids=token_ids.tolist(), tables=[t[: (n - 1) // bs + 1] for t, n in zip(
@@ -206,9 +209,9 @@ def test_decode_model_step_is_the_embedding_every_layer_the_norm_and_the_head(ke
                     final_norm=final_norm.weight)
         args |= changes
         head = PackedWeight.pack(head_weight, None, torch.float32)
-        decoder = kernels.DecodeModel(args["embedding"], args["cos"], args["sin"], weights, args["caches"],
+        decoder = made_decoders.append(kernels.DecodeModel(args["embedding"], args["cos"], args["sin"], weights, args["caches"],
                                       args["final_norm"], head.as_args(), cfg.num_heads, bs, cfg.rms_norm_eps,
-                                      cfg.head_dim**-0.5, step_isa)
+                                      cfg.head_dim**-0.5, step_isa)) or made_decoders[-1]
         num_threads = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
@@ -228,6 +231,21 @@ def test_decode_model_step_is_the_embedding_every_layer_the_norm_and_the_head(ke
         assert [[torch.equal(a, b) for a, b in zip(kv, kv_ref, strict=True)] for kv, kv_ref in zip(
             stepped, ref_caches, strict=True)] == [[True, True]] * len(layers), threads
     assert step(head_weight, with_argmax=False)[1] is None
+    # The step's own split (the benchmark's per-token split): each kind of part's wall time, the
+    # steps counted, the kinds adding up to no more than the calls took; reading zeroes them.
+    decoder = made_decoders[-1]
+    assert decoder.take_part_seconds()["argmax"] == 0.0  # its one step ran no argmax
+    step_args = (token_ids.tolist(), [t[: (n - 1) // bs + 1] for t, n in zip(tables.tolist(), lens.tolist(),
+                                                                             strict=True)], lens.tolist())
+    start = time.perf_counter()
+    for with_argmax in (True, True, False):
+        decoder.step(*step_args, with_argmax)
+    wall = time.perf_counter() - start
+    parts = decoder.take_part_seconds()
+    assert parts.pop("steps") == 3
+    assert list(parts) == ["qkv", "attention", "o_proj", "gate_up", "silu", "down", "lm_head", "argmax", "outside"]
+    assert min(parts.values()) > 0 and 0.3 * wall < sum(parts.values()) <= wall
+    assert decoder.take_part_seconds() == dict.fromkeys(["steps", *parts], 0)
     # Ties go to the first maximum (two equal rows of the head, 3 and 7, far ahead of the rest),
     # then the last column wins alone; a NaN wins over any number, the first NaN (5, not 9).
     direction = normed / normed.norm(dim=1, keepdim=True)

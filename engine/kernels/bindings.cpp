@@ -53,7 +53,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              py::gil_scoped_release no_gil;
              return model.step(token_ids, block_tables, context_lens, with_argmax);
            },
-           "One decode-only step: last tokens, block tables, context lengths -> (logits, argmax or None)");
+           "One decode-only step: last tokens, block tables, context lengths -> (logits, argmax or None)")
+      .def(
+          "take_part_seconds",
+          [](const minivllm::DecodeModel& model) {
+            const auto [steps, seconds] = model.take_part_seconds();
+            static constexpr const char* kNames[] = {"qkv",  "attention", "o_proj", "gate_up", "silu",
+                                                     "down", "lm_head",   "argmax", "outside"};
+            static_assert(std::size(kNames) == minivllm::DecodeModel::kPartKinds);
+            py::dict out;
+            out["steps"] = steps;
+            for (size_t i = 0; i < std::size(kNames); ++i) out[kNames[i]] = seconds[i];
+            return out;
+          },
+          "The steps' wall seconds by kind of part since the last call, and 'steps'; zeroes them");
   m.def("layer_attention_inputs", without_gil(&minivllm::layer_attention_inputs),
         "A fused layer up to attention: norm, QKV, RoPE, KV write -> [M, q | k | v] float32 (CPU)");
   m.def("layer_attention_outputs", without_gil(&minivllm::layer_attention_outputs),

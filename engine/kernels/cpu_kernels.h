@@ -4,6 +4,7 @@
 
 #include <torch/extension.h>
 
+#include <array>
 #include <atomic>
 #include <memory>
 #include <optional>
@@ -28,7 +29,8 @@ int64_t best_isa();
 // it. Defined in decode_model.cpp.
 class TeamProgress {
  public:
-  explicit TeamProgress(int64_t max_spins) : max_spins_(max_spins) {}
+  // stamps, when given: each part's completion time (steady clock, ns), for the step's split.
+  explicit TeamProgress(int64_t max_spins, int64_t* stamps = nullptr) : max_spins_(max_spins), stamps_(stamps) {}
   // Marks part `part` done (its last task finished), waking any member asleep on it.
   void complete(int64_t part);
   // Waits until every part before `part` is done; false when `part` itself is done as well
@@ -39,6 +41,7 @@ class TeamProgress {
   alignas(64) std::atomic<int32_t> parts_done_{0};  // a futex word: 32 bits
   alignas(64) std::atomic<int32_t> sleepers_{0};
   const int64_t max_spins_;
+  int64_t* const stamps_;
 };
 
 // One rank's home range of a part's tasks: its own from the front, in order, and the others'
@@ -171,6 +174,17 @@ struct DecodeModel {
                                                                const std::vector<std::vector<int64_t>>& block_tables,
                                                                const std::vector<int64_t>& context_lens,
                                                                bool with_argmax) const;
+
+  // The steps' wall time by kind of part, summed since the last call, and how many steps: a
+  // layer's six (kQkv .. kDown's order), the LM head, the argmax, and outside the team (the
+  // inputs' checks and gathers). A part's time runs from the part before's completion to its
+  // own, so the kinds add up to the step, waits included. Reading zeroes the sums.
+  static constexpr int64_t kPartKinds = 9;
+  std::pair<int64_t, std::array<double, kPartKinds>> take_part_seconds() const;
+
+ private:
+  mutable std::array<double, kPartKinds> part_seconds_{};  // steps run on one thread at a time
+  mutable int64_t num_timed_steps_ = 0;
 };
 // The same layer in two halves around an attention computed elsewhere (steps with prefill rows:
 // engine/attention.py's `attention`, whose chunks attend through the C++ prefill kernel or flash).

@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <climits>
 #include <cstdint>
 #include <limits>
@@ -283,7 +284,13 @@ void run_member(TeamStep& s, int64_t rank_begin) {
 
 }  // namespace
 
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
 void TeamProgress::complete(int64_t part) {
+  if (stamps_ != nullptr) stamps_[part] = now_ns();
   parts_done_.store(static_cast<int32_t>(part + 1));  // seq_cst, then sleepers_: a sleeper sees it or is woken
   if (sleepers_.load() > 0) futex(parts_done_, FUTEX_WAKE_PRIVATE, INT32_MAX);
 }
@@ -360,6 +367,7 @@ DecodeModel::DecodeModel(torch::Tensor embedding, torch::Tensor rope_cos, torch:
 std::tuple<torch::Tensor, std::optional<torch::Tensor>> DecodeModel::step(
     const std::vector<int64_t>& token_ids, const std::vector<std::vector<int64_t>>& block_tables,
     const std::vector<int64_t>& context_lens, bool with_argmax) const {
+  const int64_t step_start = now_ns();
   const int64_t M = static_cast<int64_t>(token_ids.size());
   TORCH_CHECK(M > 0 && block_tables.size() == token_ids.size() && context_lens.size() == token_ids.size(),
               "DecodeModel.step: one block table and one context length per token");
@@ -396,13 +404,31 @@ std::tuple<torch::Tensor, std::optional<torch::Tensor>> DecodeModel::step(
   const auto num_parts = static_cast<int64_t>(layers.size()) * kPartsPerLayer + 2;
   const std::unique_ptr<PartCounter[]> counters(new PartCounter[num_parts]);
   const std::unique_ptr<HomeRange[]> homes(new HomeRange[num_parts * num_ranks]);
+  std::vector<int64_t> stamps(num_parts, 0);
   TeamStep s{*this, M, num_ranks, x.data_ptr<float>(), qkv.get(), attn.get(), gate_up.get(), act.get(),
              logits.data_ptr<float>(), ids ? ids->data_ptr<int64_t>() : nullptr, norms.get(), cos.data_ptr<float>(),
              sin.data_ptr<float>(), tables.data(), context_lens.data(), slots.data(),
              static_cast<int64_t>(max_blocks), attention_tasks, counters.get(), homes.get(),
-             TeamProgress(num_ranks > usable_cpus() ? kShortSpins : kSpins)};
+             TeamProgress(num_ranks > usable_cpus() ? kShortSpins : kSpins, stamps.data())};
+  const int64_t team_start = now_ns();
   at::parallel_for(0, num_ranks, 1, [&](int64_t begin, int64_t) { run_member(s, begin); });
+  const int64_t num_layer_parts = num_parts - 2, last = ids ? num_parts : num_parts - 1;  // no argmax part run
+  int64_t before = team_start;
+  for (int64_t part = 0; part < last; ++part) {
+    const int64_t kind = part < num_layer_parts ? part % kPartsPerLayer : kPartsPerLayer + part - num_layer_parts;
+    part_seconds_[kind] += 1e-9 * static_cast<double>(stamps[part] - before);
+    before = stamps[part];
+  }
+  part_seconds_[kPartKinds - 1] += 1e-9 * static_cast<double>(team_start - step_start + now_ns() - before);
+  ++num_timed_steps_;
   return {logits, ids};
+}
+
+std::pair<int64_t, std::array<double, DecodeModel::kPartKinds>> DecodeModel::take_part_seconds() const {
+  const auto taken = std::make_pair(num_timed_steps_, part_seconds_);
+  part_seconds_.fill(0.0);
+  num_timed_steps_ = 0;
+  return taken;
 }
 
 }  // namespace minivllm

@@ -193,6 +193,12 @@ class LlamaForCausalLM(nn.Module):
         cold, and they took about 0.4 ms of a 10 ms bf16 step on a 2-core Zen 4."""
         return self.decoder.step(token_ids, block_tables, context_lens, with_argmax)
 
+    def take_decode_part_seconds(self) -> dict[str, float] | None:
+        """The fused decode steps' wall seconds by kind of part (qkv, attention, o_proj, gate_up,
+        silu, down, lm_head, argmax, outside) and their count ('steps'), summed since the last
+        call, which this zeroes; None without the fused decode step."""
+        return None if self.decoder is None else dict(self.decoder.take_part_seconds())
+
     def pack_weights(self, onednn: bool, panel_dtype: torch.dtype | None, kernels: ModuleType | None, isa: int,
                      max_panel_rows: int, huge_pages: bool = False) -> None:
         """Pack every projection once, after loading (CPU): for oneDNN (prefill, large batches)
