@@ -228,14 +228,17 @@ void run_member(TeamStep& s, int64_t rank_begin) {
   const bool fp32_cache = std::get<0>(model.kv_caches.front()).scalar_type() == torch::kFloat32;
   float* h = s.norms + rank_begin * M * hidden;  // [M, hidden], this member's own
   std::vector<float> scratch;
-  const auto share = [&](int64_t part) {
+  // Products walk home ranges (each member's weights one run of memory); the other parts take
+  // tasks from the shared counter: attention's come longest first, so whoever is free takes the
+  // next longest and the team ends on the shortest.
+  const auto share = [&](int64_t part, bool home_ranges = false) {
     return TeamShare{s.num_ranks, &s.counters[part].next, &s.counters[part].done, &s.progress, part,
-                     s.homes + part * s.num_ranks, rank_begin};
+                     home_ranges ? s.homes + part * s.num_ranks : nullptr, rank_begin};
   };
   const auto gemm = [&](const PackedLinear& linear, const float* x, int64_t K, float* out, bool accumulate,
                         int64_t part) {
     const LinearView l = view(linear);
-    const TeamShare team = share(part);
+    const TeamShare team = share(part, true);
     packed_gemm(x, M, K, K, l.w, l.scale, l.bias, l.n, out, l.n, isa, accumulate, &team);
   };
   // SiLU in tasks of whole vector widths, so every float takes the per-layer kernel's path.
