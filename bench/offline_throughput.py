@@ -37,6 +37,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -229,7 +230,7 @@ def busy_decode_tok_s(llm: LLM, prompts: list[list[int]], output_lens: list[int]
 PROJECTION_PARTS = ("qkv", "o_proj", "gate_up", "down", "lm_head")
 
 
-def decode_split_batch1(llm: LLM, steps: list[StepStats], context: int) -> dict[str, float]:
+def decode_split_batch1(llm: LLM, steps: list[StepStats], context: int) -> dict[str, Any]:
     """Per-token split of a batch-1 decode step: projections (LM head included), attention, the
     rest (norms, SiLU, argmax, the step's inputs, host), against the measured forward time.
 
@@ -242,7 +243,7 @@ def decode_split_batch1(llm: LLM, steps: list[StepStats], context: int) -> dict[
     runner, model = engine.runner, engine.runner.model
     forwards = [s.forward_time for s in steps if s.num_prefill_tokens == 0 and s.num_decode_seqs == 1]
     forward = statistics.median(forwards)
-    parts = model.take_decode_part_seconds() if hasattr(model, "take_decode_part_seconds") else None
+    parts = model.take_decode_part_seconds()
     if parts is not None and parts["steps"] > 0:
         per_step = {name: 1e3 * seconds / parts["steps"] for name, seconds in parts.items() if name != "steps"}
         projections = sum(per_step[name] for name in PROJECTION_PARTS)
@@ -368,8 +369,7 @@ def main() -> None:
         output_lens = [args.output_len] * args.num_prompts
     num_out = sum(output_lens)
     if args.single_stream:
-        if hasattr(llm.engine.runner.model, "take_decode_part_seconds"):
-            llm.engine.runner.model.take_decode_part_seconds()  # the split counts the rounds' steps only
+        llm.engine.runner.model.take_decode_part_seconds()  # the split counts the rounds' steps only
         ours, steps, rounds = run_single_stream_rounds(llm, prompts, output_lens, args.rounds)
         num_out *= args.rounds
     else:

@@ -151,6 +151,23 @@ def test_decode_layer_in_one_call_matches_the_torch_layer(kernels, weight_dtype:
         assert not torch.equal(k_cache[slots], torch.zeros_like(k_cache[slots]))
 
 
+def test_a_team_member_takes_its_home_range_in_order_then_the_others_from_the_back(kernels) -> None:
+    """DecodeModel's products: rank r's home is the r-th of num_ranks even slices of a part's
+    tasks; a member walks its own in order (one run of weights), then takes each other rank's
+    from the back, so a preempted member's tasks still run, each once (a task run twice would
+    add its product into the residual twice)."""
+    assert kernels.team_task_order(10, 3, 0) == [0, 1, 2, 5, 4, 3, 9, 8, 7, 6]
+    assert kernels.team_task_order(10, 3, 1) == [3, 4, 5, 9, 8, 7, 6, 2, 1, 0]
+    assert kernels.team_task_order(2, 3, 2) == [1, 0]  # rank 0's home is empty
+    assert kernels.team_task_order(0, 2, 1) == []
+    for num_tasks in (1, 7, 64, 97):
+        for num_ranks in (1, 2, 3, 5):
+            for rank in range(num_ranks):
+                assert sorted(kernels.team_task_order(num_tasks, num_ranks, rank)) == list(range(num_tasks))
+    with pytest.raises(RuntimeError, match="team_task_order: 0 <= rank < num_ranks"):
+        kernels.team_task_order(4, 2, 2)
+
+
 @pytest.mark.parametrize("embedding_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_decode_model_step_is_the_embedding_every_layer_the_norm_and_the_head(kernels, embedding_dtype) -> None:
     """The model's decode step in one call (DecodeModel.step): the embedding's and RoPE tables' rows of the tokens,
@@ -209,9 +226,10 @@ def test_decode_model_step_is_the_embedding_every_layer_the_norm_and_the_head(ke
                     final_norm=final_norm.weight)
         args |= changes
         head = PackedWeight.pack(head_weight, None, torch.float32)
-        decoder = made_decoders.append(kernels.DecodeModel(args["embedding"], args["cos"], args["sin"], weights, args["caches"],
+        decoder = kernels.DecodeModel(args["embedding"], args["cos"], args["sin"], weights, args["caches"],
                                       args["final_norm"], head.as_args(), cfg.num_heads, bs, cfg.rms_norm_eps,
-                                      cfg.head_dim**-0.5, step_isa)) or made_decoders[-1]
+                                      cfg.head_dim**-0.5, step_isa)
+        made_decoders.append(decoder)
         num_threads = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:

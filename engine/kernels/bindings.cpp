@@ -67,6 +67,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             return out;
           },
           "The steps' wall seconds by kind of part since the last call, and 'steps'; zeroes them");
+  m.def("team_task_order", &minivllm::team_task_order,
+        "The order one member of a team alone takes a part's tasks: its home range, then the others' from the back");
   m.def("layer_attention_inputs", without_gil(&minivllm::layer_attention_inputs),
         "A fused layer up to attention: norm, QKV, RoPE, KV write -> [M, q | k | v] float32 (CPU)");
   m.def("layer_attention_outputs", without_gil(&minivllm::layer_attention_outputs),

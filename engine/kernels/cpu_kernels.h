@@ -100,6 +100,11 @@ struct TeamShare {
   }
 };
 
+// The tasks of a part, in the order one member of a team of num_ranks takes them when it runs
+// alone: its home range from the front, then each other rank's from the back (tests check the
+// home ranges' split and stealing with it).
+std::vector<int64_t> team_task_order(int64_t num_tasks, int64_t num_ranks, int64_t rank);
+
 // out[m, n] = sum_k x[m, k] * W[n, k] * scale[n] + bias[n], for m < M, n < N.
 // W is packed in panels of 16 output channels: [ceil(N / 16), K, 16] of float32 or int8 (int8
 // needs scale, per output channel), or [ceil(N / 16), Kp / 2, 32] of bfloat16 pairs of k (Kp: K

@@ -285,12 +285,12 @@ void run_member(TeamStep& s, int64_t rank_begin) {
   share(head_part + 1).for_each_task(M, [&](int64_t m) { s.ids[m] = first_argmax(s.logits + m * vocab, vocab, isa); });
 }
 
-}  // namespace
-
 int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
       .count();
 }
+
+}  // namespace
 
 void TeamProgress::complete(int64_t part) {
   if (stamps_ != nullptr) stamps_[part] = now_ns();
@@ -425,6 +425,18 @@ std::tuple<torch::Tensor, std::optional<torch::Tensor>> DecodeModel::step(
   part_seconds_[kPartKinds - 1] += 1e-9 * static_cast<double>(team_start - step_start + now_ns() - before);
   ++num_timed_steps_;
   return {logits, ids};
+}
+
+std::vector<int64_t> team_task_order(int64_t num_tasks, int64_t num_ranks, int64_t rank) {
+  TORCH_CHECK(num_ranks > 0 && rank >= 0 && rank < num_ranks && num_tasks >= 0 && num_tasks < (int64_t{1} << 31),
+              "team_task_order: 0 <= rank < num_ranks, 0 <= num_tasks < 2^31");
+  std::atomic<int64_t> next{0}, done{0};
+  const std::unique_ptr<HomeRange[]> homes(new HomeRange[num_ranks]);
+  TeamProgress progress(0);
+  const TeamShare share{num_ranks, &next, &done, &progress, 0, homes.get(), rank};
+  std::vector<int64_t> order;
+  share.for_each_task(num_tasks, [&](int64_t task) { order.push_back(task); });
+  return order;
 }
 
 std::pair<int64_t, std::array<double, DecodeModel::kPartKinds>> DecodeModel::take_part_seconds() const {
