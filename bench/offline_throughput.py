@@ -18,7 +18,9 @@ service's own cost (gRPC, asyncio, a client on the same cores) and not a differe
 `--single-stream --paired-seconds S` then alternates, for S seconds, a sum over 256 MiB and 8
 batch-1 decode steps (each pair within about 70 ms), and prints the decode's weight-read rate
 against the sums' by band of the sums' rate: the machine's bandwidth swings within a second, so
-only a pair this close says what the decode reaches at a given bandwidth.
+only a pair this close says what the decode reaches at a given bandwidth. Each pair also reads
+the step's own weights plainly in the step's order and parts (no arithmetic): what that memory
+pattern itself reaches against the sums, and the decode against it.
 
 `--single-stream --busy-processes N` runs the batch-1 rounds again while N other processes
 each keep a core busy (a server's event loop, a client, a neighbour on a shared machine), and
@@ -165,15 +167,35 @@ def run_single_stream_rounds(llm: LLM, prompts: list[list[int]], output_lens: li
 PAIRED_BANDS = ((0.0, 40.0), (40.0, 50.0), (50.0, float("inf")))  # GB/s of the sums
 
 
+def step_weights(llm: LLM) -> list[torch.Tensor]:
+    """The packed weights a fused batch-1 decode step reads, in its order (each layer's QKV,
+    output, gate/up and down projections, then the LM head); [] when the model runs without the
+    C++ kernels' one-call step."""
+    model = llm.engine.runner.model
+    if model.fused_kernels is None:
+        return []
+    projections = [p for layer in model.layers for p in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj,
+                                                         layer.down_proj)]
+    return [p.panels.data for p in [*projections, model.lm_head]]
+
+
 def paired_read_rates(llm: LLM, prompt: list[int], output_len: int, weight_bytes: int, seconds: float,
                       buffer_bytes: int = 1 << 28) -> list[dict]:
     """Alternate a sum over 256 MiB and 8 batch-1 decode steps (then a sum again) for `seconds`,
     the context kept within the prompt plus output_len tokens, as in the rounds;
     per band of the two sums' mean rate, the decode's median weight-read rate (weight_bytes per
     step) and its ratio to the sums. Pairs whose two sums differ by 10 % or more are left out:
-    the bandwidth moved within the pair."""
+    the bandwidth moved within the pair.
+
+    With the C++ kernels each pair also reads the step's own weights plainly, in its order and
+    split, the threads waiting at each weight's end as the step's do at each part's
+    (`stream_weights`): per band its rate, its ratio to the sums (the most the step's memory
+    pattern allows against the sums' bound) and the decode's ratio to it."""
     buffer = bandwidth_buffer(buffer_bytes)
     engine = llm.engine
+    weights = step_weights(llm)
+    kernels = llm.engine.runner.model.fused_kernels
+    stream_bytes = sum(w.numel() * w.element_size() for w in weights)
 
     def bandwidth() -> float:
         return buffer.numel() * buffer.element_size() / timed(buffer.sum)
@@ -187,26 +209,33 @@ def paired_read_rates(llm: LLM, prompt: list[int], output_len: int, weight_bytes
         engine.step()  # the prefill
 
     start()
-    pairs = []  # (sums' mean GB/s, decode's GB/s)
+    pairs = []  # (sums' mean GB/s, decode's GB/s, the plain read's GB/s or None)
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         if next(iter(engine.scheduler.requests.values())).num_tokens + 8 > len(prompt) + output_len:
             start()
         before = bandwidth()
         steps = [engine.step()[1].total_time for _ in range(8)]
+        streams = [kernels.stream_weights(weights, True)[0] for _ in range(2)] if weights else []
         after = bandwidth()
         if abs(before - after) < 0.1 * max(before, after):
-            pairs.append(((before + after) / 2e9, weight_bytes / statistics.median(steps) / 1e9))
+            stream = stream_bytes / statistics.median(streams) / 1e9 if streams else None
+            pairs.append(((before + after) / 2e9, weight_bytes / statistics.median(steps) / 1e9, stream))
     bands = []
     for low, high in PAIRED_BANDS:
         chosen = [p for p in pairs if low <= p[0] < high]
         if not chosen:
             continue
-        ratios = sorted(d / b for b, d in chosen)
-        bands.append({"band": f"{low:.0f}-{high:.0f}", "pairs": len(chosen),
-                      "sum_gb_s": statistics.median(b for b, _ in chosen),
-                      "decode_gb_s": statistics.median(d for _, d in chosen), "ratio": statistics.median(ratios),
-                      "ratio_p10": ratios[len(ratios) // 10], "ratio_p90": ratios[len(ratios) * 9 // 10]})
+        ratios = sorted(d / b for b, d, _ in chosen)
+        band = {"band": f"{low:.0f}-{high:.0f}", "pairs": len(chosen),
+                "sum_gb_s": statistics.median(b for b, _, _ in chosen),
+                "decode_gb_s": statistics.median(d for _, d, _ in chosen), "ratio": statistics.median(ratios),
+                "ratio_p10": ratios[len(ratios) // 10], "ratio_p90": ratios[len(ratios) * 9 // 10]}
+        if weights:
+            band |= {"stream_gb_s": statistics.median(r for _, _, r in chosen),
+                     "stream_ratio": statistics.median(r / b for b, _, r in chosen),
+                     "decode_over_stream": statistics.median(d / r for _, d, r in chosen)}
+        bands.append(band)
     return bands
 
 
@@ -418,6 +447,10 @@ def main() -> None:
             print(f"paired       : sums {band['band']} GB/s: {band['pairs']} pairs, sums {band['sum_gb_s']:.1f} GB/s, "
                   f"decode reads {band['decode_gb_s']:.1f} GB/s = {100 * band['ratio']:.0f}% "
                   f"(p10 {100 * band['ratio_p10']:.0f}%, p90 {100 * band['ratio_p90']:.0f}%)")
+            if "stream_gb_s" in band:
+                print(f"               the step's weights read plainly in its parts: {band['stream_gb_s']:.1f} GB/s = "
+                      f"{100 * band['stream_ratio']:.0f}% of the sums; the decode reads "
+                      f"{100 * band['decode_over_stream']:.0f}% of that")
     if args.single_stream and args.busy_processes:
         busy = busy_decode_tok_s(llm, prompts, output_lens, args.rounds, args.busy_processes)
         result |= {"busy_processes": args.busy_processes, "busy_decode_tok_s": busy}

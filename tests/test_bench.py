@@ -167,6 +167,14 @@ def test_paired_read_rates_band_the_decode_by_the_sums_around_it(tiny_llm, monke
     assert {b["band"] for b in bands} <= {f"{lo:.0f}-{hi:.0f}" for lo, hi in offline.PAIRED_BANDS}
     for band in bands:
         assert 0 < band["ratio_p10"] <= band["ratio"] <= band["ratio_p90"]
+        # The plain read of the step's own weights, in its parts: a rate, and the ratios it implies.
+        assert band["stream_gb_s"] > 0
+        assert band["stream_ratio"] == pytest.approx(band["stream_gb_s"] / band["sum_gb_s"], rel=0.5)
+        assert band["decode_over_stream"] == pytest.approx(band["decode_gb_s"] / band["stream_gb_s"], rel=0.5)
+    weights = offline.step_weights(tiny_llm)
+    model = tiny_llm.engine.runner.model
+    assert len(weights) == 4 * len(model.layers) + 1
+    assert weights[0] is model.layers[0].qkv_proj.panels.data and weights[-1] is model.lm_head.panels.data
     assert max(contexts) <= 5 + 20 and min(contexts) <= 6  # restarted from the prompt
     monkeypatch.undo()
     rates = iter([10e9, 20e9] * 1000)  # every pair's sums differ by half: none kept

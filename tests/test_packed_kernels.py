@@ -8,6 +8,7 @@ import sys
 import time
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -166,6 +167,38 @@ def test_a_team_member_takes_its_home_range_in_order_then_the_others_from_the_ba
                 assert sorted(kernels.team_task_order(num_tasks, num_ranks, rank)) == list(range(num_tasks))
     with pytest.raises(RuntimeError, match="team_task_order: 0 <= rank < num_ranks"):
         kernels.team_task_order(4, 2, 2)
+
+
+def _xor_of_words(t: torch.Tensor) -> int:
+    raw = t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    raw += bytes(-len(raw) % 8)  # the last partial word, zero-padded
+    return int(np.bitwise_xor.reduce(np.frombuffer(raw, dtype=np.int64), initial=0))
+
+
+def test_stream_weights_reads_every_byte_once_on_any_number_of_threads(kernels) -> None:
+    """bench.offline_throughput's plain read of a step's weights: each weight split among the
+    threads in whole cache lines; the XOR of every 8-byte word says each byte was read once (a
+    run read twice cancels out, a skipped one is missing), for sizes below a thread's line, not
+    a multiple of 8, and spanning many lines."""
+    gen = torch.Generator().manual_seed(4)
+    weights = [torch.randint(-128, 128, (n,), generator=gen, dtype=torch.int8) for n in (3, 64, 1000, 4099)]
+    weights += [torch.randn(300, 16, generator=gen), torch.randn(7, 32, generator=gen).to(torch.bfloat16)]
+    expected = 0
+    for w in weights:
+        expected ^= _xor_of_words(w)
+    assert expected != 0
+    num_threads = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            for wait in (True, False):
+                seconds, checksum = kernels.stream_weights(weights, wait)
+                assert checksum == expected and seconds > 0, (threads, wait)
+    finally:
+        torch.set_num_threads(num_threads)
+    assert kernels.stream_weights(weights[1:], True)[1] == expected ^ _xor_of_words(weights[0])
+    with pytest.raises(RuntimeError, match="contiguous"):
+        kernels.stream_weights([torch.randn(8, 8).t()], True)
 
 
 @pytest.mark.parametrize("embedding_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -71,6 +71,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "The order one member of a team alone takes a part's tasks: its home range, then the others' from the back");
   m.def("layer_attention_inputs", without_gil(&minivllm::layer_attention_inputs),
         "A fused layer up to attention: norm, QKV, RoPE, KV write -> [M, q | k | v] float32 (CPU)");
+  m.def("stream_weights", without_gil(&minivllm::stream_weights),
+        "Read weights once in order, split among the threads (waiting at each weight's end) -> (seconds, XOR checksum)");
   m.def("layer_attention_outputs", without_gil(&minivllm::layer_attention_outputs),
         "A fused layer from attention on: o_proj + residual, norm, MLP + residual, in place on x (CPU)");
 }
