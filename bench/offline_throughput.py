@@ -174,8 +174,7 @@ def step_weights(llm: LLM) -> list[torch.Tensor]:
     model = llm.engine.runner.model
     if model.fused_kernels is None:
         return []
-    projections = [p for layer in model.layers for p in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj,
-                                                         layer.down_proj)]
+    projections = [p for layer in model.layers for p in layer.projections]
     return [p.panels.data for p in [*projections, model.lm_head]]
 
 
@@ -194,7 +193,7 @@ def paired_read_rates(llm: LLM, prompt: list[int], output_len: int, weight_bytes
     buffer = bandwidth_buffer(buffer_bytes)
     engine = llm.engine
     weights = step_weights(llm)
-    kernels = llm.engine.runner.model.fused_kernels
+    kernels = engine.runner.model.fused_kernels
     stream_bytes = sum(w.numel() * w.element_size() for w in weights)
 
     def bandwidth() -> float:

@@ -99,7 +99,7 @@ def _layer_case(weight_dtype: torch.dtype, window: int | None, kernels, isa: int
         p.data.normal_(0, 0.3)
     layer.input_layernorm.weight.data.uniform_(0.5, 1.5)
     layer.post_attention_layernorm.weight.data.uniform_(0.5, 1.5)
-    for proj in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
+    for proj in layer.projections:
         proj.pack_panels(weight_dtype, kernels, isa, max_panel_rows=8)
         proj.weight.data.copy_(proj.panels.dequantize())  # the torch path runs the same (quantized) weights
     layer.norm_weights = (layer.input_layernorm.weight.float(), layer.post_attention_layernorm.weight.float())
@@ -130,7 +130,7 @@ def test_decode_layer_in_one_call_matches_the_torch_layer(kernels, weight_dtype:
         attn = AttentionMetadata(slot_mapping=slots, block_size=bs, block_tables=tables, context_lens=lens,
                                  decode_kernels=kernels)
         k_ref, v_ref = k_cache.clone(), v_cache.clone()
-        projections = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+        projections = layer.projections
         panels = [proj.panels for proj in projections]
         with torch.inference_mode():
             for proj in projections:
@@ -355,7 +355,7 @@ def test_fused_layer_with_prefill_rows_matches_the_torch_layer(kernels, window: 
         attn = AttentionMetadata(slot_mapping=slots, num_prefill_tokens=8, prefill=metas, block_size=bs,
                                  block_tables=tables[2:], context_lens=decode_lens, decode_kernels=kernels)
         k_ref, v_ref = k_cache.clone(), v_cache.clone()
-        projections = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+        projections = layer.projections
         panels = [proj.panels for proj in projections]
         with torch.inference_mode():
             for proj in projections:

@@ -46,10 +46,15 @@ class DecoderLayer(nn.Module):
         self.eps = cfg.rms_norm_eps
         self.norm_weights: tuple[torch.Tensor, torch.Tensor] | None = None  # float32 copies for the C++ layer
 
+    @property
+    def projections(self) -> tuple[Linear, Linear, Linear, Linear]:
+        """QKV, output, gate/up and down: the order the C++ layer takes them and a decode step reads them."""
+        return self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj
+
     def fused_weights(self, kernels: ModuleType) -> Any:
         """This layer as kernels.decode_layers takes it (norm_weights and the panels set first)."""
-        return kernels.DecodeLayerWeights(*self.norm_weights, *(p.panels.as_args() for p in (
-            self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)), self.sliding_window or 0)
+        return kernels.DecodeLayerWeights(*self.norm_weights, *(p.panels.as_args() for p in self.projections),
+                                          self.sliding_window or 0)
 
     def forward_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata,
                       k_cache: torch.Tensor, v_cache: torch.Tensor, kernels: ModuleType, isa: int) -> None:
@@ -61,8 +66,7 @@ class DecoderLayer(nn.Module):
         would walk the context once per query). The small chunks a time-budgeted step carries
         beside running streams then cost their GEMM rows, not the ~150 dispatched ops per layer
         of the torch path, which alone take about as long as a whole decode step."""
-        qkv, o, gate_up, down = (p.panels.as_args() for p in (self.qkv_proj, self.o_proj, self.gate_up_proj,
-                                                               self.down_proj))
+        qkv, o, gate_up, down = (p.panels.as_args() for p in self.projections)
         window = self.sliding_window or 0
         num_prefill = attn.num_prefill_tokens
         if num_prefill == 0:
