@@ -189,7 +189,9 @@ def paired_read_rates(llm: LLM, prompt: list[int], output_len: int, weight_bytes
     With the C++ kernels each pair also reads the step's own weights plainly, in its order and
     split, the threads waiting at each weight's end as the step's do at each part's
     (`stream_weights`): per band its rate, its ratio to the sums (the most the step's memory
-    pattern allows against the sums' bound) and the decode's ratio to it."""
+    pattern allows against the sums' bound) and the decode's ratio to it; and, on two or more
+    threads, how long a cache line takes to pass between two threads' cores (`core_handoff_ns`,
+    per band its median): it tells whether the band's pairs ran on one chiplet or on two."""
     buffer = bandwidth_buffer(buffer_bytes)
     engine = llm.engine
     weights = step_weights(llm)
@@ -207,33 +209,37 @@ def paired_read_rates(llm: LLM, prompt: list[int], output_len: int, weight_bytes
         engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=output_len + 16, ignore_eos=True))
         engine.step()  # the prefill
 
+    handoffs = weights and torch.get_num_threads() >= 2
     start()
-    pairs = []  # (sums' mean GB/s, decode's GB/s, the plain read's GB/s or None)
+    pairs = []  # (sums' mean GB/s, decode's GB/s, the plain read's GB/s or None, hand-over ns or None)
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         if next(iter(engine.scheduler.requests.values())).num_tokens + 8 > len(prompt) + output_len:
             start()
         before = bandwidth()
         steps = [engine.step()[1].total_time for _ in range(8)]
-        streams = [kernels.stream_weights(weights, True)[0] for _ in range(2)] if weights else []
+        streams = [kernels.stream_weights(weights, True, engine.runner.isa)[0] for _ in range(2)] if weights else []
+        handoff = kernels.core_handoff_ns(200) if handoffs else None
         after = bandwidth()
         if abs(before - after) < 0.1 * max(before, after):
             stream = stream_bytes / statistics.median(streams) / 1e9 if streams else None
-            pairs.append(((before + after) / 2e9, weight_bytes / statistics.median(steps) / 1e9, stream))
+            pairs.append(((before + after) / 2e9, weight_bytes / statistics.median(steps) / 1e9, stream, handoff))
     bands = []
     for low, high in PAIRED_BANDS:
         chosen = [p for p in pairs if low <= p[0] < high]
         if not chosen:
             continue
-        ratios = sorted(d / b for b, d, _ in chosen)
+        ratios = sorted(d / b for b, d, _, _ in chosen)
         band = {"band": f"{low:.0f}-{high:.0f}", "pairs": len(chosen),
-                "sum_gb_s": statistics.median(b for b, _, _ in chosen),
-                "decode_gb_s": statistics.median(d for _, d, _ in chosen), "ratio": statistics.median(ratios),
+                "sum_gb_s": statistics.median(b for b, _, _, _ in chosen),
+                "decode_gb_s": statistics.median(d for _, d, _, _ in chosen), "ratio": statistics.median(ratios),
                 "ratio_p10": ratios[len(ratios) // 10], "ratio_p90": ratios[len(ratios) * 9 // 10]}
         if weights:
-            band |= {"stream_gb_s": statistics.median(r for _, _, r in chosen),
-                     "stream_ratio": statistics.median(r / b for b, _, r in chosen),
-                     "decode_over_stream": statistics.median(d / r for _, d, r in chosen)}
+            band |= {"stream_gb_s": statistics.median(r for _, _, r, _ in chosen),
+                     "stream_ratio": statistics.median(r / b for b, _, r, _ in chosen),
+                     "decode_over_stream": statistics.median(d / r for _, d, r, _ in chosen)}
+        if handoffs:
+            band["handoff_ns"] = statistics.median(h for _, _, _, h in chosen)
         bands.append(band)
     return bands
 
@@ -450,6 +456,9 @@ def main() -> None:
                 print(f"               the step's weights read plainly in its parts: {band['stream_gb_s']:.1f} GB/s = "
                       f"{100 * band['stream_ratio']:.0f}% of the sums; the decode reads "
                       f"{100 * band['decode_over_stream']:.0f}% of that")
+            if "handoff_ns" in band:
+                print(f"               a cache line passes between the two threads' cores in {band['handoff_ns']:.0f} ns "
+                      "(about 35: one chiplet; about 170: two)")
     if args.single_stream and args.busy_processes:
         busy = busy_decode_tok_s(llm, prompts, output_lens, args.rounds, args.busy_processes)
         result |= {"busy_processes": args.busy_processes, "busy_decode_tok_s": busy}

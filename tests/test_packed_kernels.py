@@ -175,30 +175,50 @@ def _xor_of_words(t: torch.Tensor) -> int:
     return int(np.bitwise_xor.reduce(np.frombuffer(raw, dtype=np.int64), initial=0))
 
 
-def test_stream_weights_reads_every_byte_once_on_any_number_of_threads(kernels) -> None:
+def test_stream_weights_reads_every_byte_once_on_any_number_of_threads_and_isa(kernels) -> None:
     """bench.offline_throughput's plain read of a step's weights: each weight split among the
-    threads in whole cache lines; the XOR of every 8-byte word says each byte was read once (a
-    run read twice cancels out, a skipped one is missing), for sizes below a thread's line, not
-    a multiple of 8, and spanning many lines."""
+    threads in whole cache lines, by 8-byte or (from AVX2 up) 32-byte loads; the XOR of every
+    8-byte word says each byte was read once (a run read twice cancels out, a skipped one is
+    missing), for sizes below a thread's line, not a multiple of 8, and spanning many lines."""
     gen = torch.Generator().manual_seed(4)
     weights = [torch.randint(-128, 128, (n,), generator=gen, dtype=torch.int8) for n in (3, 64, 1000, 4099)]
     weights += [torch.randn(300, 16, generator=gen), torch.randn(7, 32, generator=gen).to(torch.bfloat16)]
+    weights.append(torch.randint(-128, 128, (4096 + 200,), generator=gen, dtype=torch.int8)[5:5 + 4096])  # unaligned
     expected = 0
     for w in weights:
         expected ^= _xor_of_words(w)
     assert expected != 0
     num_threads = torch.get_num_threads()
     try:
-        for threads in (1, 2, 3):
-            torch.set_num_threads(threads)
-            for wait in (True, False):
-                seconds, checksum = kernels.stream_weights(weights, wait)
-                assert checksum == expected and seconds > 0, (threads, wait)
+        for isa in _isas(kernels):
+            for threads in (1, 2, 3):
+                torch.set_num_threads(threads)
+                for wait in (True, False):
+                    seconds, checksum = kernels.stream_weights(weights, wait, isa)
+                    assert checksum == expected and seconds > 0, (ISA_NAMES[isa], threads, wait)
     finally:
         torch.set_num_threads(num_threads)
-    assert kernels.stream_weights(weights[1:], True)[1] == expected ^ _xor_of_words(weights[0])
+    assert kernels.stream_weights(weights[1:], True, kernels.best_isa())[1] == expected ^ _xor_of_words(weights[0])
     with pytest.raises(RuntimeError, match="contiguous"):
-        kernels.stream_weights([torch.randn(8, 8).t()], True)
+        kernels.stream_weights([torch.randn(8, 8).t()], True, 0)
+    with pytest.raises(RuntimeError, match="instruction set"):
+        kernels.stream_weights(weights, True, kernels.best_isa() + 1)
+
+
+def test_core_handoff_times_a_cache_line_between_two_threads(kernels) -> None:
+    """The bench's hand-over time: positive and far below a scheduler's time slice on two
+    threads; refused on one thread (it would spin against itself) and for no rounds."""
+    num_threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert 0 < kernels.core_handoff_ns(1000) < 1e5
+        torch.set_num_threads(1)
+        with pytest.raises(RuntimeError, match="two threads"):
+            kernels.core_handoff_ns(10)
+    finally:
+        torch.set_num_threads(num_threads)
+    with pytest.raises(RuntimeError, match="rounds"):
+        kernels.core_handoff_ns(0)
 
 
 @pytest.mark.parametrize("embedding_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
