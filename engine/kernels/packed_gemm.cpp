@@ -549,12 +549,27 @@ void parallel_tasks(int64_t M, int64_t num_panels, int64_t row_block, const Team
                    [&](int64_t, int64_t) { forked.for_each_task(num_tasks, run); });
 }
 
+#if defined(__x86_64__)
+// One row of 16 outputs from acc to o (64-byte aligned) past the caches (a non-temporal store).
+__attribute__((target("avx512f"))) inline void stream_panel_row(float* o, const float* acc) {
+  _mm512_stream_ps(o, _mm512_loadu_ps(acc));
+}
+#endif
+
 // The panels' product tile by tile, for the vector paths: tasks of a few panels (two a tile
 // where it can) against row tiles of up to tile_rows rows. tile(rows, m0, p, pair, acc) fills
 // acc with rows x 16 outputs of panel p, then, when pair, those of panel p + 1 after them.
+//
+// stream_rows (AVX-512, a team's one-row products that overwrite out): each panel's 16 outputs
+// go to memory past the caches. The team's other member reads them next, and on two chiplets
+// a plain store first had to take back the line that member read the step before: that cost
+// the batch-1 bf16 gate/up product 7 % there. Non-temporal stores are weakly ordered, so each
+// task ends with a store fence before the team counts it done.
 template <typename Tile>
 void gemm_tiles(int64_t M, int64_t N, int64_t tile_rows, const float* scale, const float* bias, float* out,
-                int64_t ldo, bool accumulate, const TeamShare* team, const Tile& tile) {
+                int64_t ldo, bool accumulate, const TeamShare* team, bool stream_rows, const Tile& tile) {
+  const bool stream = stream_rows && M == 1 && !accumulate && scale == nullptr && bias == nullptr &&
+                      reinterpret_cast<uintptr_t>(out) % 64 == 0;
   parallel_tasks(M, (N + kPanel - 1) / kPanel, kRowBlock, team, [&](int64_t m_block, int64_t m_end, int64_t begin,
                                                               int64_t end) {
     alignas(64) float acc[2 * 8 * kPanel];
@@ -565,11 +580,21 @@ void gemm_tiles(int64_t M, int64_t N, int64_t tile_rows, const float* scale, con
       for (int64_t m0 = m_block; m0 < m_end; m0 += tile_rows) {
         const int64_t rows = std::min(tile_rows, m_end - m0);
         tile(rows, m0, p, pair, acc);
+#if defined(__x86_64__)
+        if (stream && width == kPanel && (!pair || width1 == kPanel)) {
+          stream_panel_row(out + n0, acc);
+          if (pair) stream_panel_row(out + n0 + kPanel, acc + kPanel);
+          continue;
+        }
+#endif
         store_tile(acc, rows, m0, n0, width, scale, bias, out, ldo, accumulate);
         if (pair) store_tile(acc + rows * kPanel, rows, m0, n0 + kPanel, width1, scale, bias, out, ldo, accumulate);
       }
       p += pair ? 2 : 1;
     }
+#if defined(__x86_64__)
+    if (stream) _mm_sfence();
+#endif
   });
 }
 
@@ -578,7 +603,7 @@ template <typename T>
 void gemm_vector(const float* x, int64_t M, int64_t ldx, const T* w, int64_t panel_size, int64_t K, const float* scale,
                  const float* bias, int64_t N, float* out, int64_t ldo, int64_t isa, bool accumulate,
                  const TeamShare* team) {
-  gemm_tiles(M, N, max_tile_rows(isa), scale, bias, out, ldo, accumulate, team,
+  gemm_tiles(M, N, max_tile_rows(isa), scale, bias, out, ldo, accumulate, team, team != nullptr && isa >= kIsaAvx512,
              [&](int64_t rows, int64_t m0, int64_t p, bool pair, float* acc) {
                const T* panel = w + p * panel_size;
                // Two panels a tile where the tile is compute bound (several rows); else one at a
@@ -606,11 +631,11 @@ void gemm_dpbf16(const float* x, int64_t M, int64_t ldx, const at::BFloat16* w, 
                  const float* bias, int64_t N, float* out, int64_t ldo, bool accumulate, const TeamShare* team) {
   const auto xb = rounded_rows(x, M, ldx, K, Kp);
   const int64_t panel_size = Kp * kPanel;
-  gemm_tiles(M, N, 8, nullptr, bias, out, ldo, accumulate, team, [&](int64_t rows, int64_t m0, int64_t p, bool pair,
-                                                               float* acc) {
+  const auto tile = [&](int64_t rows, int64_t m0, int64_t p, bool pair, float* acc) {
     const at::BFloat16* panel = w + p * panel_size;
     run_tile_dpbf16(rows, pair, xb.get() + m0 * Kp, Kp, panel, panel + panel_size, Kp, acc);
-  });
+  };
+  gemm_tiles(M, N, 8, nullptr, bias, out, ldo, accumulate, team, team != nullptr, tile);
 }
 #endif
 
