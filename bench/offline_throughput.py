@@ -209,7 +209,7 @@ def paired_read_rates(llm: LLM, prompt: list[int], output_len: int, weight_bytes
         engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=output_len + 16, ignore_eos=True))
         engine.step()  # the prefill
 
-    handoffs = weights and torch.get_num_threads() >= 2
+    handoffs = bool(weights) and torch.get_num_threads() >= 2
     start()
     pairs = []  # (sums' mean GB/s, decode's GB/s, the plain read's GB/s or None, hand-over ns or None)
     end = time.monotonic() + seconds

@@ -9,9 +9,17 @@ from pathlib import Path
 import pytest
 
 from engine import LLM
+from engine.kernels import load_cpu_kernels
 from tests.tiny_model import build_tiny_model
 
 logging.getLogger("engine").setLevel(logging.WARNING)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def built_kernels() -> None:
+    """Build the C++ kernels once, up front: a test whose first engine loads in a server thread
+    would otherwise wait out that build (up to a few minutes) against its startup timeout."""
+    load_cpu_kernels()
 
 
 @pytest.fixture(scope="session")

@@ -415,9 +415,9 @@ MINIVLLM_AVX512_BF16 void tile_dpbf16(const uint16_t* xb, int64_t ldxb, const at
 // A tile of `rows` (<= 8) rows by one or two panels. Below 4 rows (memory bound) the two panels
 // go one after the other, in memory order for the prefetcher, with more accumulators per output.
 // One row keeps two: its loop is then one load, one broadcast and one vdpbf16ps per 64 bytes,
-// twice unrolled, and on a Zen 4 the batch-1 bf16 decode read its weights 2 % faster than with
-// eight while the two cores shared one chiplet and 5 % faster while they sat on two (three
-// kernel builds in one process, bench's bands; four accumulators fell between). The float32
+// twice unrolled, and on a Zen 4 the batch-1 bf16 decode read its weights 0.5-2 % faster than
+// with eight while the two cores shared one chiplet and 4-5 % faster while they sat on two
+// (kernel builds in one process, two runs, bench's bands; four accumulators fell between). The float32
 // tile showed no such difference (1.00x), so it keeps eight.
 void run_tile_dpbf16(int64_t rows, bool pair, const uint16_t* xb, int64_t ldxb, const at::BFloat16* w0,
                      const at::BFloat16* w1, int64_t Kp, float* acc) {
@@ -563,7 +563,7 @@ __attribute__((target("avx512f"))) inline void stream_panel_row(float* o, const 
 // stream_rows (AVX-512, a team's one-row products that overwrite out): each panel's 16 outputs
 // go to memory past the caches. The team's other member reads them next, and on two chiplets
 // a plain store first had to take back the line that member read the step before: that cost
-// the batch-1 bf16 gate/up product 7 % there. Non-temporal stores are weakly ordered, so each
+// the batch-1 bf16 gate/up product 7-9 % there. Non-temporal stores are weakly ordered, so each
 // task ends with a store fence before the team counts it done.
 template <typename Tile>
 void gemm_tiles(int64_t M, int64_t N, int64_t tile_rows, const float* scale, const float* bias, float* out,
