@@ -348,6 +348,58 @@ def test_decode_model_step_is_the_embedding_every_layer_the_norm_and_the_head(ke
         step(head_weight, final_norm=torch.ones(3))
 
 
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16, torch.int8], ids=["fp32", "bf16", "int8"])
+def test_decode_model_step_of_few_rows_matches_the_per_layer_kernel(kernels, weight_dtype: torch.dtype) -> None:
+    """A decode step of 1 or 3 rows (one-row tiles, each panel its own; the step requests each
+    member's next weights and each layer's K and V rows ahead): the same floats as one
+    decode_layer call per layer, on every ISA path and team size. Each layer's new K and V rows
+    bit-equal (a wrong float in a layer's output moves the next layer's), the logits those of
+    the final norm and head; contexts of one to four blocks."""
+    bs, num_blocks, vocab, max_positions = 4, 16, 40, 20
+    layers = []
+    for i, window in enumerate((None, 5, None)):
+        torch.manual_seed(20 + i)
+        cfg, layer = _layer_case(weight_dtype, window, kernels, kernels.best_isa())
+        layers.append(layer)
+    gen = torch.Generator().manual_seed(8)
+    embedding = torch.randn(vocab, cfg.hidden_size, generator=gen)
+    freqs = torch.arange(max_positions).float().unsqueeze(1) * torch.linspace(1, 0.01, cfg.head_dim // 2)
+    cos_table, sin_table = torch.cat((freqs, freqs), dim=-1).cos(), torch.cat((freqs, freqs), dim=-1).sin()
+    final_norm = torch.rand(cfg.hidden_size, generator=gen) + 0.5
+    head = PackedWeight.pack(torch.randn(vocab, cfg.hidden_size, generator=gen), None, torch.float32)
+    caches = [(torch.randn(num_blocks * bs, cfg.num_kv_heads, cfg.head_dim, generator=gen),
+               torch.randn(num_blocks * bs, cfg.num_kv_heads, cfg.head_dim, generator=gen)) for _ in layers]
+    weights = [layer.fused_weights(kernels) for layer in layers]
+    num_threads = torch.get_num_threads()
+    for isa, threads, lens in [(isa, t, lens) for isa in _isas(kernels) for t in (2, 1, 3)
+                               for lens in ([11], [3, 16, 1])]:
+        batch = len(lens)
+        tables = torch.randperm(num_blocks, generator=gen)[: batch * 4].view(batch, 4)
+        positions = torch.tensor(lens) - 1
+        slots = tables[torch.arange(batch), positions // bs] * bs + positions % bs
+        token_ids = torch.randint(0, vocab, (batch,), generator=gen)
+        attn = AttentionMetadata(slot_mapping=slots, block_size=bs, block_tables=tables,
+                                 context_lens=torch.tensor(lens), decode_kernels=kernels)
+        torch.set_num_threads(threads)
+        try:
+            hidden = embedding[token_ids].clone()
+            ref_caches = [(k.clone(), v.clone()) for k, v in caches]
+            for layer, (k, v) in zip(layers, ref_caches, strict=True):
+                layer.forward_fused(hidden, cos_table[positions], sin_table[positions], attn, k, v, kernels, isa)
+            stepped = [(k.clone(), v.clone()) for k, v in caches]
+            decoder = kernels.DecodeModel(embedding, cos_table, sin_table, weights, stepped, final_norm,
+                                          head.as_args(), cfg.num_heads, bs, cfg.rms_norm_eps, cfg.head_dim**-0.5, isa)
+            logits, _ = decoder.step(token_ids.tolist(), [t[: (n - 1) // bs + 1] for t, n in zip(
+                tables.tolist(), lens, strict=True)], lens, False)
+        finally:
+            torch.set_num_threads(num_threads)
+        case = (ISA_NAMES[isa], threads, batch)
+        assert [[torch.equal(a, b) for a, b in zip(kv, kv_ref, strict=True)] for kv, kv_ref in zip(
+            stepped, ref_caches, strict=True)] == [[True, True]] * len(layers), case
+        normed = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps) * final_norm
+        assert torch.allclose(logits, kernels.packed_linear(normed, *head.as_args(), isa), atol=1e-4), case
+
+
 @pytest.mark.parametrize("window", [None, 5], ids=["full", "window5"])
 def test_fused_layer_with_prefill_rows_matches_the_torch_layer(kernels, window: int | None) -> None:
     """A mixed step in the two-call form: a 5-token chunk after 6 cached tokens (flash attention

@@ -116,6 +116,11 @@ void packed_gemm(const float* x, int64_t M, int64_t K, int64_t ldx, const torch:
                  const float* bias, int64_t N, float* out, int64_t ldo, int64_t isa, bool accumulate,
                  const TeamShare* team = nullptr);
 void check_packed_weight(const torch::Tensor& w, int64_t K, int64_t N, const float* scale, int64_t isa);
+// Requests into L2 the first max_bytes of the panels a team member of `rank` starts a product on
+// (its home range's first task, for products of up to 64 rows): a member calls it for the next
+// product while the part before finishes, so the product does not start on cold misses while
+// the hardware prefetcher ramps up. A no-op off x86.
+void prefetch_team_home(const torch::Tensor& w, int64_t num_ranks, int64_t rank, int64_t max_bytes);
 // One sequence's decode attention from the paged cache, for the query heads of KV heads
 // [kv_begin, kv_end): q [H, D] float32 -> those heads' rows of out [H, D] float32.
 void attend_decode_row(const float* q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,

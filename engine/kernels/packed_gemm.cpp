@@ -526,6 +526,16 @@ inline void store_tile(const float* acc, int64_t rows, int64_t m0, int64_t n0, i
   }
 }
 
+// The panels of each task of a product (the same split for every row block). Fewer, longer
+// tasks were tried for a team's batch-1 products (each task costs atomic operations on lines the
+// members share, about 170 ns each on two chiplets). Batch-1 bf16, builds in one process: two a
+// member 1.010x on two chiplets, 1.002x on one; one 1.016x / 1.004x; two on top of
+// DecodeModel's prefetch 0.999x / 1.001x. Within noise, and one task a member would leave a
+// preempted member's home unshared, so four it stays.
+int64_t panels_per_task(int64_t num_panels, int64_t num_threads) {
+  return std::max<int64_t>(1, (num_panels + kTasksPerThread * num_threads - 1) / (kTasksPerThread * num_threads));
+}
+
 // Runs body(m_begin, m_end, panel_begin, panel_end) over tasks of a few panels each (for one
 // block of rows), taken from a shared counter rather than split evenly up front: a thread the OS
 // preempts (a serving process's event loop, a client on the same cores) then delays its own
@@ -534,8 +544,7 @@ inline void store_tile(const float* acc, int64_t rows, int64_t m0, int64_t n0, i
 template <typename Body>
 void parallel_tasks(int64_t M, int64_t num_panels, int64_t row_block, const TeamShare* team, const Body& body) {
   const int64_t num_threads = team != nullptr ? team->num_ranks : std::max<int64_t>(1, at::get_num_threads());
-  const int64_t chunk = std::max<int64_t>(1, (num_panels + kTasksPerThread * num_threads - 1) /
-                                                 (kTasksPerThread * num_threads));
+  const int64_t chunk = panels_per_task(num_panels, num_threads);
   const int64_t num_chunks = (num_panels + chunk - 1) / chunk;
   const int64_t num_tasks = num_chunks * ((M + row_block - 1) / row_block);
   const auto run = [&](int64_t task) {
@@ -752,6 +761,18 @@ void check_packed_weight(const torch::Tensor& w, int64_t K, int64_t N, const flo
     default:
       TORCH_CHECK(false, "packed_gemm: weights must be float32, bfloat16 or int8");
   }
+}
+
+void prefetch_team_home(const torch::Tensor& w, int64_t num_ranks, int64_t rank, int64_t max_bytes) {
+#if defined(__x86_64__)
+  const int64_t num_panels = w.size(0), panel_bytes = w.size(1) * w.size(2) * w.element_size();
+  const int64_t chunk = panels_per_task(num_panels, num_ranks);
+  const int64_t num_chunks = (num_panels + chunk - 1) / chunk;
+  const int64_t first = (rank * num_chunks / num_ranks) * chunk;  // TeamShare's home of `rank`: its first task
+  const char* start = static_cast<const char*>(w.data_ptr()) + first * panel_bytes;
+  const int64_t bytes = std::min(max_bytes, (num_panels - first) * panel_bytes);
+  for (int64_t offset = 0; offset < bytes; offset += 64) _mm_prefetch(start + offset, _MM_HINT_T1);
+#endif
 }
 
 void packed_gemm(const float* x, int64_t M, int64_t K, int64_t ldx, const torch::Tensor& w, const float* scale,
