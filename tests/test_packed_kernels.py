@@ -365,7 +365,8 @@ def test_decode_model_step_of_few_rows_matches_the_per_layer_kernel(kernels, wei
     embedding = torch.randn(vocab, cfg.hidden_size, generator=gen)
     freqs = torch.arange(max_positions).float().unsqueeze(1) * torch.linspace(1, 0.01, cfg.head_dim // 2)
     cos_table, sin_table = torch.cat((freqs, freqs), dim=-1).cos(), torch.cat((freqs, freqs), dim=-1).sin()
-    final_norm = torch.rand(cfg.hidden_size, generator=gen) + 0.5
+    final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+    final_norm.weight.copy_(torch.rand(cfg.hidden_size, generator=gen) + 0.5)
     head = PackedWeight.pack(torch.randn(vocab, cfg.hidden_size, generator=gen), None, torch.float32)
     caches = [(torch.randn(num_blocks * bs, cfg.num_kv_heads, cfg.head_dim, generator=gen),
                torch.randn(num_blocks * bs, cfg.num_kv_heads, cfg.head_dim, generator=gen)) for _ in layers]
@@ -387,7 +388,7 @@ def test_decode_model_step_of_few_rows_matches_the_per_layer_kernel(kernels, wei
             for layer, (k, v) in zip(layers, ref_caches, strict=True):
                 layer.forward_fused(hidden, cos_table[positions], sin_table[positions], attn, k, v, kernels, isa)
             stepped = [(k.clone(), v.clone()) for k, v in caches]
-            decoder = kernels.DecodeModel(embedding, cos_table, sin_table, weights, stepped, final_norm,
+            decoder = kernels.DecodeModel(embedding, cos_table, sin_table, weights, stepped, final_norm.weight,
                                           head.as_args(), cfg.num_heads, bs, cfg.rms_norm_eps, cfg.head_dim**-0.5, isa)
             logits, _ = decoder.step(token_ids.tolist(), [t[: (n - 1) // bs + 1] for t, n in zip(
                 tables.tolist(), lens, strict=True)], lens, False)
@@ -396,8 +397,7 @@ def test_decode_model_step_of_few_rows_matches_the_per_layer_kernel(kernels, wei
         case = (ISA_NAMES[isa], threads, batch)
         assert [[torch.equal(a, b) for a, b in zip(kv, kv_ref, strict=True)] for kv, kv_ref in zip(
             stepped, ref_caches, strict=True)] == [[True, True]] * len(layers), case
-        normed = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps) * final_norm
-        assert torch.allclose(logits, kernels.packed_linear(normed, *head.as_args(), isa), atol=1e-4), case
+        assert torch.allclose(logits, kernels.packed_linear(final_norm(hidden), *head.as_args(), isa), atol=1e-4), case
 
 
 @pytest.mark.parametrize("window", [None, 5], ids=["full", "window5"])
