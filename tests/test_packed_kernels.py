@@ -4,6 +4,7 @@ every SIMD path this CPU runs (AVX2 is forced on AVX-512 machines), and one whol
 in one call against the torch layer it replaces."""
 from __future__ import annotations
 
+import itertools
 import sys
 import time
 from types import SimpleNamespace
@@ -167,6 +168,32 @@ def test_a_team_member_takes_its_home_range_in_order_then_the_others_from_the_ba
                 assert sorted(kernels.team_task_order(num_tasks, num_ranks, rank)) == list(range(num_tasks))
     with pytest.raises(RuntimeError, match="team_task_order: 0 <= rank < num_ranks"):
         kernels.team_task_order(4, 2, 2)
+
+
+def test_a_few_row_product_splits_each_home_into_tasks_that_shrink_to_its_back(kernels) -> None:
+    """A team's few-row products: rank r's home is panels [r P / R, (r + 1) P / R), taken from the
+    front by its owner and from the back by the others, so its tasks shrink towards the back
+    (the member that runs out first takes small ones and the part ends with both at work)."""
+    tasks = kernels.tapered_split(192, 2)  # gate/up at hidden 576: 96 panels a home
+    assert tasks[:8] == [(0, 24), (24, 48), (48, 72), (72, 84), (84, 90), (90, 93), (93, 95), (95, 96)]
+    assert tasks[8:] == [(96 + a, 96 + b) for a, b in tasks[:8]]
+    assert kernels.tapered_split(1, 1) == [(0, 1)]
+    assert kernels.tapered_split(1, 2) == [(0, 0), (0, 1)]  # rank 0's home is empty
+    for num_panels in (1, 2, 3, 7, 36, 60, 97, 3072):
+        for num_ranks in (1, 2, 3, 5):
+            tasks = kernels.tapered_split(num_panels, num_ranks)
+            per_home = len(tasks) // num_ranks
+            assert len(tasks) == per_home * num_ranks
+            for rank in range(num_ranks):
+                home = tasks[rank * per_home:(rank + 1) * per_home]
+                begin, end = rank * num_panels // num_ranks, (rank + 1) * num_panels // num_ranks
+                assert home[0][0] == begin and home[-1][1] == end
+                assert all(a[1] == b[0] for a, b in itertools.pairwise(home))  # in order, each panel once
+                sizes = [b - a for a, b in home if b > a]
+                assert sizes == sorted(sizes, reverse=True)
+                assert not sizes or (sizes[-1] == 1 and sizes[0] <= max(1, (end - begin + 3) // 4))
+    with pytest.raises(RuntimeError, match="tapered_split: num_panels >= 0, num_ranks > 0"):
+        kernels.tapered_split(4, 0)
 
 
 def _xor_of_words(t: torch.Tensor) -> int:

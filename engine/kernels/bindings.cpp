@@ -69,6 +69,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "The steps' wall seconds by kind of part since the last call, and 'steps'; zeroes them");
   m.def("team_task_order", &minivllm::team_task_order,
         "The order one member of a team alone takes a part's tasks: its home range, then the others' from the back");
+  m.def("tapered_split", &minivllm::tapered_split,
+        "A team's few-row product's tasks as [begin, end) panels: each rank's home, tasks shrinking to its back");
   m.def("layer_attention_inputs", without_gil(&minivllm::layer_attention_inputs),
         "A fused layer up to attention: norm, QKV, RoPE, KV write -> [M, q | k | v] float32 (CPU)");
   m.def("stream_weights", without_gil(&minivllm::stream_weights),

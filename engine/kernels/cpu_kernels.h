@@ -104,6 +104,10 @@ struct TeamShare {
 // alone: its home range from the front, then each other rank's from the back (tests check the
 // home ranges' split and stealing with it).
 std::vector<int64_t> team_task_order(int64_t num_tasks, int64_t num_ranks, int64_t rank);
+// A team's few-row product of num_panels panels as its tasks' [begin, end) panels, in task order
+// (rank r's home is tasks [r T, (r + 1) T), T the same for every home; a home with fewer tasks
+// ends in empty ones): packed_gemm.cpp's TaperedSplit, for tests.
+std::vector<std::pair<int64_t, int64_t>> tapered_split(int64_t num_panels, int64_t num_ranks);
 
 // out[m, n] = sum_k x[m, k] * W[n, k] * scale[n] + bias[n], for m < M, n < N.
 // W is packed in panels of 16 output channels: [ceil(N / 16), K, 16] of float32 or int8 (int8
@@ -116,8 +120,8 @@ void packed_gemm(const float* x, int64_t M, int64_t K, int64_t ldx, const torch:
                  const float* bias, int64_t N, float* out, int64_t ldo, int64_t isa, bool accumulate,
                  const TeamShare* team = nullptr);
 void check_packed_weight(const torch::Tensor& w, int64_t K, int64_t N, const float* scale, int64_t isa);
-// Requests into L2 the first max_bytes of the panels a team member of `rank` starts a product on
-// (its home range's first task, for products of up to 64 rows): a member calls it for the next
+// Requests into L2 the first max_bytes of the panels a team member of `rank` starts a few-row
+// product on (its home's first task, as tapered_split splits it): a member calls it for the next
 // product while the part before finishes, so the product does not start on cold misses while
 // the hardware prefetcher ramps up. A no-op off x86.
 void prefetch_team_home(const torch::Tensor& w, int64_t num_ranks, int64_t rank, int64_t max_bytes);

@@ -11,8 +11,8 @@
 // loop wants a core) holds the others back only while it holds an unfinished task. With a
 // barrier between parts, a batch-1 step on two cores took 26-81 ms instead of 17 while the
 // service handled a burst of bad requests. The row-wise parts between (the norms, the bfloat16
-// rounding of a product's input) are cheap at a decode step's few rows, so each member computes
-// its own copy rather than wait for one more part. Against a fork and join per part, two kernel
+// rounding of a product's input and, below 4 rows, SiLU) are cheap at a decode step's few rows,
+// so each member computes its own copy rather than wait for one more part. Against a fork and join per part, two kernel
 // builds in one process, batch 1 (barrier version): bf16 1.03-1.08x, int8 1.09x, fp32 1.01x;
 // batch 8 bf16 1.06x; batch 32 within noise.
 #include "cpu_kernels.h"
@@ -52,6 +52,9 @@ constexpr int64_t kSpins = 1 << 14;  // a few hundred microseconds
 constexpr int64_t kShortSpins = 1 << 7;
 // How much of its share of the next product a member requests ahead (prefetch_team_home).
 constexpr int64_t kNextProductBytes = 8192;
+// Steps of fewer rows than this are memory bound (few_rows in run_member): their members request
+// weights and K/V rows ahead and each computes its own SiLU.
+constexpr int64_t kFewRows = 4;
 // How much of a layer's K and V rows a few-row step requests ahead (prefetch_kv_rows): a batch-1
 // context of 2,730 tokens in bfloat16, 1,365 in float32 (SmolLM2-135M's 3 KV heads of 64).
 constexpr int64_t kKvAheadBytes = 2 * 1024 * 1024;
@@ -183,7 +186,7 @@ struct TeamStep {
   float* qkv;      // [M, q | k | v]
   float* attn;     // [M, q_size]
   float* gate_up;  // [M, 2 * intermediate]
-  float* act;      // [M, intermediate]
+  float* act;      // [M, intermediate]; below 4 rows [num_ranks, M, intermediate], each member's own
   float* logits;   // [M, vocab]
   int64_t* ids;    // [M], or nullptr: no argmax
   float* norms;    // [num_ranks, M, hidden]: each member's own normed rows
@@ -221,11 +224,12 @@ void attend_task(const TeamStep& s, int64_t m, int64_t kv_begin, int64_t kv_end,
 // Requests into L2 the K and V rows a few-row step's attention reads in `layer` (all but each
 // sequence's new row, which the step writes): after a step's weights stream through the caches
 // they come from memory, and the attention part, a chain of dependent misses walking the block
-// table, was mostly waiting on them. Asked for as the layer starts, they arrive while the
-// QKV product runs. Batch-1 bf16, builds in one process: attention 0.23 -> 0.16 and 0.17 -> 0.14
-// ms a token (two runs, contexts of 33 tokens). At a 1,500-token context (1.15 MB a layer) the
-// whole request still paid: 1.044x on one chiplet, 1.033x on two, against 1.014x / 1.015x when
-// capped at 256 KB (bf16, one run). Longer contexts are capped at kKvAheadBytes, the rows in the
+// table, was mostly waiting on them. Asked for as a member's tasks of the layer's QKV product
+// end, they arrive while the part ends and attention starts. Batch-1 bf16, builds in one
+// process, asked for as the layer started: attention 0.23 -> 0.16 and 0.17 -> 0.14 ms a token
+// (two runs, contexts of 33 tokens). At a 1,500-token context (1.15 MB a layer) the whole
+// request still paid: 1.044x on one chiplet, 1.033x on two, against 1.014x / 1.015x when capped
+// at 256 KB (bf16, one run). Longer contexts are capped at kKvAheadBytes, the rows in the
 // attention's order, untried beyond.
 void prefetch_kv_rows(const TeamStep& s, int64_t layer) {
 #if defined(__x86_64__)
@@ -279,24 +283,32 @@ void run_member(TeamStep& s, int64_t rank_begin) {
     packed_gemm(x, M, K, K, l.w, l.scale, l.bias, l.n, out, l.n, isa, accumulate, &team);
   };
   // Below 4 rows (memory-bound products, short attention): as a member finishes its tasks of a
-  // product it requests the start of its share of the next one, and each layer's K and V rows as
-  // the layer starts. Batch-1 bf16, builds in one process (4-5 minutes each, Zen 4): 1.018-1.022x
-  // while the two threads sat on two chiplets, 1.006-1.009x on one (two runs; the K and V rows'
-  // part of it 1.010x / 1.003x).
-  const bool prefetch = M < 4;
+  // product it requests the start of its share of the next one, and once its tasks of a layer's
+  // QKV product are done, the layer's K and V rows. Batch-1 bf16, builds in one process (4-5
+  // minutes each, Zen 4): 1.018-1.022x while the two threads sat on two chiplets, 1.006-1.009x on
+  // one (two runs, the K and V rows then requested as the layer started; the rows' part of it
+  // 1.010x / 1.003x). Requested after the product instead, they no longer hold up its start
+  // behind the norm (per-member timings: 2 us of the 3.3 a layer from the part before's end to
+  // the first weight read, two chiplets): 1.004x and 1.005x more there, 1.002x and 1.005x on one.
+  const bool few_rows = M < kFewRows;
   const auto prefetch_next = [&](const PackedLinear& linear) {
-    if (prefetch) prefetch_team_home(std::get<0>(linear), s.num_ranks, rank_begin, kNextProductBytes);
+    if (few_rows) prefetch_team_home(std::get<0>(linear), s.num_ranks, rank_begin, kNextProductBytes);
   };
-  // SiLU in tasks of whole vector widths, so every float takes the per-layer kernel's path.
-  const int64_t silu_tasks = std::min<int64_t>((intermediate + 15) / 16, 4 * s.num_ranks);
+  // SiLU in tasks of whole vector widths, so every float takes the per-layer kernel's path. Below
+  // 4 rows the part has no tasks: each member computes the whole SiLU into its own copy of down's
+  // input, so down's rows never cross between cores and a hand-over a layer goes (the part took
+  // 2.5 us of a layer's 220 on two chiplets, for 0.2 us of work). Batch-1 bf16, builds in one
+  // process: 1.011x on two chiplets, 1.007x on one.
+  const int64_t silu_tasks = few_rows ? 0 : std::min<int64_t>((intermediate + 15) / 16, 4 * s.num_ranks);
+  float* act = few_rows ? s.act + rank_begin * M * intermediate : s.act;  // down's input
   const int64_t num_layers = static_cast<int64_t>(model.layers.size());
   for (int64_t layer = 0; layer < num_layers; ++layer) {
     const DecodeLayerWeights& w = *model.layers[layer];
     const int64_t part = layer * kPartsPerLayer;
     if (s.progress.wait_for(part + kQkv)) {
-      if (prefetch) prefetch_kv_rows(s, layer);
       rms_norm(s.x, M, hidden, w.input_norm.data_ptr<float>(), eps, h);
       gemm(w.qkv, h, hidden, s.qkv, false, part + kQkv);
+      if (few_rows) prefetch_kv_rows(s, layer);
       prefetch_next(w.o_proj);
     }
     if (s.progress.wait_for(part + kAttention)) {
@@ -326,7 +338,12 @@ void run_member(TeamStep& s, int64_t rank_begin) {
       });
     }
     if (s.progress.wait_for(part + kDown)) {
-      gemm(w.down, s.act, intermediate, s.x, true, part + kDown);
+      if (few_rows)
+        for (int64_t m = 0; m < M; ++m) {
+          const float* g = s.gate_up + m * 2 * intermediate;
+          silu_mul(g, g + intermediate, act + m * intermediate, intermediate, isa);
+        }
+      gemm(w.down, act, intermediate, s.x, true, part + kDown);
       prefetch_next(layer + 1 < num_layers ? model.layers[layer + 1]->qkv : model.lm_head);
     }
   }
@@ -456,7 +473,8 @@ std::tuple<torch::Tensor, std::optional<torch::Tensor>> DecodeModel::step(
                          : std::nullopt;  // [M]
   const int64_t num_ranks = std::max<int64_t>(1, at::get_num_threads());
   const auto qkv = scratch_floats(M * qkv_width), attn = scratch_floats(M * num_heads * head_dim);
-  const auto gate_up = scratch_floats(M * 2 * intermediate), act = scratch_floats(M * intermediate);
+  const auto gate_up = scratch_floats(M * 2 * intermediate);
+  const auto act = scratch_floats((M < kFewRows ? num_ranks : 1) * M * intermediate);
   const auto norms = scratch_floats(num_ranks * M * hidden);
   const DecodeAttentionTasks attention_tasks(context_lens.data(), M, num_kv_heads, num_ranks);
   const auto num_parts = static_cast<int64_t>(layers.size()) * kPartsPerLayer + 2;
