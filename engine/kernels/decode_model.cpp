@@ -12,9 +12,9 @@
 // barrier between parts, a batch-1 step on two cores took 26-81 ms instead of 17 while the
 // service handled a burst of bad requests. The row-wise parts between (the norms, the bfloat16
 // rounding of a product's input and, below 4 rows, SiLU) are cheap at a decode step's few rows,
-// so each member computes its own copy rather than wait for one more part. Against a fork and join per part, two kernel
-// builds in one process, batch 1 (barrier version): bf16 1.03-1.08x, int8 1.09x, fp32 1.01x;
-// batch 8 bf16 1.06x; batch 32 within noise.
+// so each member computes its own copy rather than wait for one more part. Against a fork and
+// join per part, two kernel builds in one process, batch 1 (barrier version): bf16 1.03-1.08x,
+// int8 1.09x, fp32 1.01x; batch 8 bf16 1.06x; batch 32 within noise.
 #include "cpu_kernels.h"
 #include "layer_parts.h"
 
