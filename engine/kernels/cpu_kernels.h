@@ -21,6 +21,12 @@ enum Isa : int64_t { kIsaScalar = 0, kIsaAvx2 = 1, kIsaAvx512 = 2, kIsaAvx512Bf1
 
 int64_t best_isa();
 
+// Below this many rows a decode step is memory bound, and one owner says so for every kernel:
+// the product tiles compute each panel alone (no two-panel tiles, whose floats differ), so a
+// team's few-row products may split their panels in any way (TaperedSplit), and DecodeModel's
+// few-row steps request weights and K/V rows ahead and compute SiLU per member.
+constexpr int64_t kFewRows = 4;
+
 // How far a team (DecodeModel's step: one parallel region for a whole chain of parts, each
 // reading what the one before wrote) has got: parts complete in order, so one number, the parts
 // done, says it. A member waits for the part before its next one, not for the other members:

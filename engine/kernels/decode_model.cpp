@@ -52,9 +52,6 @@ constexpr int64_t kSpins = 1 << 14;  // a few hundred microseconds
 constexpr int64_t kShortSpins = 1 << 7;
 // How much of its share of the next product a member requests ahead (prefetch_team_home).
 constexpr int64_t kNextProductBytes = 8192;
-// Steps of fewer rows than this are memory bound (few_rows in run_member): their members request
-// weights and K/V rows ahead and each computes its own SiLU.
-constexpr int64_t kFewRows = 4;
 // How much of a layer's K and V rows a few-row step requests ahead (prefetch_kv_rows): a batch-1
 // context of 2,730 tokens in bfloat16, 1,365 in float32 (SmolLM2-135M's 3 KV heads of 64).
 constexpr int64_t kKvAheadBytes = 2 * 1024 * 1024;
@@ -282,22 +279,24 @@ void run_member(TeamStep& s, int64_t rank_begin) {
     const TeamShare team = share(part, true);
     packed_gemm(x, M, K, K, l.w, l.scale, l.bias, l.n, out, l.n, isa, accumulate, &team);
   };
-  // Below 4 rows (memory-bound products, short attention): as a member finishes its tasks of a
+  // Below kFewRows rows (memory-bound products, short attention): as a member finishes its tasks of a
   // product it requests the start of its share of the next one, and once its tasks of a layer's
   // QKV product are done, the layer's K and V rows. Batch-1 bf16, builds in one process (4-5
   // minutes each, Zen 4): 1.018-1.022x while the two threads sat on two chiplets, 1.006-1.009x on
   // one (two runs, the K and V rows then requested as the layer started; the rows' part of it
   // 1.010x / 1.003x). Requested after the product instead, they no longer hold up its start
-  // behind the norm (per-member timings: 2 us of the 3.3 a layer from the part before's end to
-  // the first weight read, two chiplets): 1.004x and 1.005x more there, 1.002x and 1.005x on one.
+  // (per-member timings, two chiplets: 3.3 us a layer from entering the QKV part to the first
+  // task, against 1.2 before gate/up's tasks, whose norm is the same work): 1.004x and 1.005x
+  // more there, 1.002x and 1.005x on one.
   const bool few_rows = M < kFewRows;
   const auto prefetch_next = [&](const PackedLinear& linear) {
     if (few_rows) prefetch_team_home(std::get<0>(linear), s.num_ranks, rank_begin, kNextProductBytes);
   };
   // SiLU in tasks of whole vector widths, so every float takes the per-layer kernel's path. Below
   // 4 rows the part has no tasks: each member computes the whole SiLU into its own copy of down's
-  // input, so down's rows never cross between cores and a hand-over a layer goes (the part took
-  // 2.5 us of a layer's 220 on two chiplets, for 0.2 us of work). Batch-1 bf16, builds in one
+  // input, so down's rows never cross between cores and a hand-over a layer goes (per-member
+  // timings, two chiplets: the part's tasks took 2.6 us a layer and starting it 1 us more; a
+  // member's whole copy now takes 1.3 us inside down's part). Batch-1 bf16, builds in one
   // process: 1.011x on two chiplets, 1.007x on one.
   const int64_t silu_tasks = few_rows ? 0 : std::min<int64_t>((intermediate + 15) / 16, 4 * s.num_ranks);
   float* act = few_rows ? s.act + rank_begin * M * intermediate : s.act;  // down's input

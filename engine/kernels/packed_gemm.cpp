@@ -412,7 +412,7 @@ MINIVLLM_AVX512_BF16 void tile_dpbf16(const uint16_t* xb, int64_t ldxb, const at
     }
 }
 
-// A tile of `rows` (<= 8) rows by one or two panels. Below 4 rows (memory bound) the two panels
+// A tile of `rows` (<= 8) rows by one or two panels. Below kFewRows rows (memory bound) the two panels
 // go one after the other, in memory order for the prefetcher, with more accumulators per output.
 // One row keeps two: its loop is then one load, one broadcast and one vdpbf16ps per 64 bytes,
 // twice unrolled, and on a Zen 4 the batch-1 bf16 decode read its weights 0.5-2 % faster than
@@ -421,7 +421,7 @@ MINIVLLM_AVX512_BF16 void tile_dpbf16(const uint16_t* xb, int64_t ldxb, const at
 // tile showed no such difference (1.00x), so it keeps eight.
 void run_tile_dpbf16(int64_t rows, bool pair, const uint16_t* xb, int64_t ldxb, const at::BFloat16* w0,
                      const at::BFloat16* w1, int64_t Kp, float* acc) {
-  if (rows < 4) {
+  if (rows < kFewRows) {
     for (int p = 0; p < (pair ? 2 : 1); ++p) {
       const at::BFloat16* w = p == 0 ? w0 : w1;
       float* a = acc + p * rows * kPanel;
@@ -543,27 +543,31 @@ int64_t panels_per_task(int64_t num_panels, int64_t num_threads) {
 // runs out first finds small tasks to take, and the part ends with both at work. With four even
 // tasks a member (the split before), the first to finish waited for the other's last task, on
 // average half a task: on two chiplets (batch-1 bf16, per-member timings of each part) 8 us of
-// gate/up's 70 and 3-4 us of down's 38 a layer, while the members' own tasks read at 94 % of
+// gate/up's 70 and 5 us of down's 38 a layer, while the members' own tasks read at about 93 % of
 // a plain sum's rate. This split: 1.019x on two chiplets, 1.004x on one (batch-1 bf16, builds
-// in one process, 240 s). Only below 4 rows: a task's panels are then each computed alone, so
-// the split does not change a float (paired panels at more rows would).
+// in one process, 240 s). Only below kFewRows rows: a task's panels are then each computed
+// alone, so the split does not change a float (paired panels at more rows would).
 struct TaperedSplit {
   int64_t num_panels, num_ranks, tasks_per_home;
 
   TaperedSplit(int64_t num_panels, int64_t num_ranks)
       : num_panels(num_panels), num_ranks(num_ranks), tasks_per_home(0) {
     for (int64_t r = 0; r < num_ranks; ++r) {
-      const int64_t home = home_begin(r + 1) - home_begin(r);
+      const int64_t home = home_begin(num_panels, num_ranks, r + 1) - home_begin(num_panels, num_ranks, r);
       int64_t tasks = 0;
       for (int64_t begin = 0; begin < home; ++tasks) begin += step(home, begin);
       tasks_per_home = std::max(tasks_per_home, tasks);
     }
   }
   int64_t num_tasks() const { return num_ranks * tasks_per_home; }
-  int64_t home_begin(int64_t rank) const { return rank * num_panels / num_ranks; }
+  // The first panel of rank's home (no split needed: prefetch_team_home asks for it per product).
+  static int64_t home_begin(int64_t num_panels, int64_t num_ranks, int64_t rank) {
+    return rank * num_panels / num_ranks;
+  }
   // [begin, end) of task `task`: rank task / tasks_per_home's home, empty past its last task.
   std::pair<int64_t, int64_t> panels(int64_t task) const {
-    const int64_t rank = task / tasks_per_home, first = home_begin(rank), home = home_begin(rank + 1) - first;
+    const int64_t rank = task / tasks_per_home, first = home_begin(num_panels, num_ranks, rank);
+    const int64_t home = home_begin(num_panels, num_ranks, rank + 1) - first;
     int64_t begin = 0;
     for (int64_t j = 0; j < task % tasks_per_home && begin < home; ++j) begin += step(home, begin);
     return {first + begin, first + (begin < home ? begin + step(home, begin) : home)};
@@ -581,11 +585,11 @@ struct TaperedSplit {
 // preempts (a serving process's event loop, a client on the same cores) then delays its own
 // tasks only, not the whole product. With a team (a parallel region already running, as
 // DecodeModel's step), this thread takes its share of the tasks without a fork or a join;
-// tapered (below 4 rows, where the split cannot change a float), in TaperedSplit's tasks.
+// tapered (below kFewRows rows, where the split cannot change a float), in TaperedSplit's tasks.
 template <typename Body>
 void parallel_tasks(int64_t M, int64_t num_panels, int64_t row_block, const TeamShare* team, bool tapered,
                     const Body& body) {
-  if (team != nullptr && tapered && M < 4) {
+  if (team != nullptr && tapered && M < kFewRows) {
     const TaperedSplit split(num_panels, team->num_ranks);
     return team->for_each_task(split.num_tasks(), [&](int64_t task) {
       const auto [begin, end] = split.panels(task);
@@ -628,9 +632,8 @@ void gemm_tiles(int64_t M, int64_t N, int64_t tile_rows, const float* scale, con
                 int64_t ldo, bool accumulate, const TeamShare* team, bool stream_rows, const Tile& tile) {
   const bool stream = stream_rows && M == 1 && !accumulate && scale == nullptr && bias == nullptr &&
                       reinterpret_cast<uintptr_t>(out) % 64 == 0;
-  const int64_t num_panels = (N + kPanel - 1) / kPanel;
-  parallel_tasks(M, num_panels, kRowBlock, team, true, [&](int64_t m_block, int64_t m_end, int64_t begin,
-                                                              int64_t end) {
+  parallel_tasks(M, (N + kPanel - 1) / kPanel, kRowBlock, team, true, [&](int64_t m_block, int64_t m_end,
+                                                                           int64_t begin, int64_t end) {
     alignas(64) float acc[2 * 8 * kPanel];
     for (int64_t p = begin; p < end;) {
       const int64_t n0 = p * kPanel, width = std::min(kPanel, N - n0);
@@ -826,7 +829,9 @@ std::vector<std::pair<int64_t, int64_t>> tapered_split(int64_t num_panels, int64
 void prefetch_team_home(const torch::Tensor& w, int64_t num_ranks, int64_t rank, int64_t max_bytes) {
 #if defined(__x86_64__)
   const int64_t num_panels = w.size(0), panel_bytes = w.size(1) * w.size(2) * w.element_size();
-  const int64_t first = TaperedSplit(num_panels, num_ranks).home_begin(rank);  // its first task's first panel
+  // Its first task's first panel. The AMX path keeps even tasks (gemm_amx), whose homes can start
+  // a few panels off this: the request then covers part of the right run (speed, not floats).
+  const int64_t first = TaperedSplit::home_begin(num_panels, num_ranks, rank);
   const char* start = static_cast<const char*>(w.data_ptr()) + first * panel_bytes;
   const int64_t bytes = std::min(max_bytes, (num_panels - first) * panel_bytes);
   for (int64_t offset = 0; offset < bytes; offset += 64) _mm_prefetch(start + offset, _MM_HINT_T1);
