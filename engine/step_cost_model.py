@@ -125,18 +125,25 @@ class StepCostModel:
                 # Stochastic quantile tracking: up by q when above, down by 1 - q when below.
                 above = (forward_time + overhead_time) / predicted > self.error_quantile
                 self.error_quantile += _QUANTILE_STEP * (ERROR_QUANTILE if above else ERROR_QUANTILE - 1)
-        p_x = [_dot(row, x) for row in self.covariance]  # P x
-        denominator = self.decay + _dot(x, p_x)
-        gain = [p / denominator for p in p_x]
-        error = forward_time - _dot(x, self.weights)
-        self.weights = [w + g * error for w, g in zip(self.weights, gain, strict=True)]
-        decay = self.decay
-        cov = [[(c - g * p) / decay for c, p in zip(row, p_x, strict=True)]
-               for row, g in zip(self.covariance, gain, strict=True)]  # (P - gain (P x)^T) / decay
-        # Forgetting inflates the variance of features a workload never varies (windup); cap it.
-        scale = [math.sqrt(min(1.0, m / max(cov[i][i], 1e-30))) for i, m in enumerate(self._max_variance)]
-        self.covariance = [[c * si * sj for c, sj in zip(row, scale, strict=True)]
-                           for row, si in zip(cov, scale, strict=True)]
+        # A decode-only step has 3 non-zero features of 7: P x and the dots run over those alone.
+        nonzero = [(j, v) for j, v in enumerate(x) if v]
+        covariance, decay = self.covariance, self.decay
+        p_x = [sum(row[j] * v for j, v in nonzero) for row in covariance]  # P x
+        denominator = decay + sum(v * p_x[j] for j, v in nonzero)
+        step = (forward_time - sum(v * self.weights[j] for j, v in nonzero)) / denominator  # error / denominator
+        self.weights = [w + p * step for w, p in zip(self.weights, p_x, strict=True)]  # w + gain error
+        # P' = (P - (P x)(P x)^T / denominator) / decay, through q = P x / sqrt(denominator) so that
+        # every entry's rounding is the same as its mirror's: an asymmetric part is not corrected by
+        # the update, and forgetting grew it by 1 / decay a step (3e-16 to 1 in 2,400 steps of a
+        # batch-1 workload, after which P lost its positive definiteness and the fit diverged).
+        root = math.sqrt(denominator)
+        q = [p / root for p in p_x]
+        # Forgetting inflates the variance of features a workload never varies (windup): each
+        # entry is scaled by s_i s_j in the same pass, s capping the new diagonal.
+        scale = [math.sqrt(min(1.0, m / max((row[i] - qi * qi) / decay, 1e-30)))
+                 for i, (row, qi, m) in enumerate(zip(covariance, q, self._max_variance, strict=True))]
+        self.covariance = [[(c - qi * qj) * (si * sj) / decay for c, qj, sj in zip(row, q, scale, strict=True)]
+                           for row, qi, si in zip(covariance, q, scale, strict=True)]
         self.overhead = self._smooth(self.overhead, overhead_time, self.num_observations == 0)
         self.num_observations += 1
         self.num_decode_only_observations += bool(num_decode_seqs and not num_prefill_tokens)
