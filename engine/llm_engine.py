@@ -15,7 +15,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
+from engine.detokenizer import IncrementalDetokenizer, ids_decoder
 from engine.errors import QueueFullError, RequestIdInUseError
 from engine.input_processor import InputProcessor, load_eos_token_ids
 from engine.model_loader import model_display_name, resolve_model
@@ -45,6 +45,7 @@ class LLMEngine:
         self.model_name = model_display_name(config.model)
         hf_config = AutoConfig.from_pretrained(str(self.model_dir))
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or str(self.model_dir))
+        self._decode_ids = ids_decoder(self.tokenizer)
         self.runner = ModelRunner(self.model_dir, hf_config, config)
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching, config.watermark)
@@ -137,7 +138,8 @@ class LLMEngine:
         self.scheduler.add(Sequence(
             request_id=request_id, prompt_token_ids=token_ids, params=params,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens,
+                                               self._decode_ids),
             eos_token_ids=self.eos_token_ids, priority=priority, generator=self._generator(params, 0),
             matcher=matcher))
         return request_id
@@ -155,7 +157,8 @@ class LLMEngine:
         child = Sequence(
             request_id=f"{parent.group_id}/{index}", group_id=parent.group_id, index=index,
             prompt_token_ids=parent.prompt_token_ids, params=params, arrival_time=parent.arrival_time,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, parent.prompt_token_ids, params.skip_special_tokens),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, parent.prompt_token_ids, params.skip_special_tokens,
+                                               self._decode_ids),
             eos_token_ids=self.eos_token_ids, priority=parent.priority, generator=self._generator(params, index),
             matcher=parent.matcher.deep_copy() if parent.matcher is not None else None)
         child.num_cached_prompt_tokens = parent.num_cached_prompt_tokens

@@ -156,18 +156,24 @@ class ModelRunner:
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
 
-    @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, with_argmax: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def execute(self, sched: SchedulerOutput, with_argmax: bool = False) -> tuple[torch.Tensor, list[int] | None]:
         """One forward over every token the step scheduled: the prefill chunks, packed without
         padding, then one token per decoding sequence. The projections and MLPs see all rows
         at once (the weights are read once per step, which on a CPU is most of a small step);
         only attention splits by path. Returns logits of the sampling rows, in
         `sched.sampling_seqs` order: [num_sampling, vocab], and, when with_argmax and the step
-        ran as one fused call, each row's first argmax [num_sampling] int64 (else None)."""
+        ran as one fused call, each row's first argmax (a list of num_sampling ints; else None)."""
         t0 = time.perf_counter()
         self.last_prompt_logprobs = []
         if not sched.prefill_seqs and len(sched.decode_seqs) <= self.max_fused_tokens:
+            # One C++ call, outside inference mode: it builds no autograd graph either way, and
+            # entering the mode runs a dozen calls whose code a batch-1 step leaves cold.
             return self._execute_fused_decode(sched.decode_seqs, with_argmax, t0)
+        return self._execute_modules(sched, t0)
+
+    @torch.inference_mode()
+    def _execute_modules(self, sched: SchedulerOutput, t0: float) -> tuple[torch.Tensor, None]:
+        """The step through the model's modules (prefill, or more decode rows than the fused call takes)."""
         prefill = self._prepare_prefill(sched.prefill_seqs, sched.prefill_num_tokens)
         decode = self._prepare_decode(sched.decode_seqs)
         num_prefill_tokens = prefill.num_tokens if prefill else 0
@@ -195,7 +201,7 @@ class ModelRunner:
         return self.model.compute_logits(hidden if rows_t is None else hidden[rows_t]), None
 
     def _execute_fused_decode(self, seqs: list[Sequence], with_argmax: bool, t0: float
-                              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                              ) -> tuple[torch.Tensor, list[int] | None]:
         """A decode-only step on the fused kernels (CPU only): one C++ call from the sequences'
         own lists to logits [B, vocab] float32 (and their argmax)."""
         token_ids = [s.last_token_id for s in seqs]

@@ -52,17 +52,21 @@ class Sampler:
         # A grammar's matcher exists only where params.structured_output does: the params say it.
         return all(s.params.is_plain_greedy and s.num_output_tokens >= s.params.min_tokens for s in seqs)
 
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], greedy_ids: list[int] | None = None
+                 ) -> SamplerOutput:
+        """logits: [N, vocab] fp32, consumed (edited in place). greedy_ids: N ints, each row's
+        first argmax, when the forward made them and `is_plain_greedy(seqs)`: the answer, with
+        no op on the logits and no inference-mode switch (after a batch-1 step's weight stream
+        each op here found the caches cold: the numpy argmax took 87 us in the step against 5 us
+        warm, and entering inference mode alone runs a dozen Python and C++ calls)."""
+        if greedy_ids is not None:
+            return SamplerOutput(greedy_ids, [None] * len(seqs))
+        return self._process(logits, seqs)
+
     # Inference mode: the model's logits are an inference tensor, and here they may be edited in
     # place (stop masks, biases, grammar masks) instead of copied once per edit.
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], greedy_ids: torch.Tensor | None = None
-                 ) -> SamplerOutput:
-        """logits: [N, vocab] fp32, consumed (edited in place). greedy_ids: [N] int64, each row's
-        first argmax, when the forward made them and `is_plain_greedy(seqs)`: the answer, with
-        no op on the logits (after a batch-1 step's weight stream each op here found the caches
-        cold: the numpy argmax took 87 us in the step against 5 us warm)."""
-        if greedy_ids is not None:
-            return SamplerOutput(greedy_ids.tolist(), [None] * len(seqs))
+    def _process(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         params = [s.params for s in seqs]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(p.logprobs is not None for p in params) else None
         self._mask_stops_before_min_tokens(logits, seqs)

@@ -19,11 +19,15 @@ def run_engine(engine: LLMEngine, max_steps: int = 10_000) -> tuple[dict[str, li
     return outputs, steps
 
 
+def _never_decoded(token_ids: list[int], skip_special_tokens: bool = True) -> str:
+    raise AssertionError("a fake sequence's tokens are never decoded")
+
+
 def fake_seq(request_id: str, num_prompt: int, num_output: int = 0, arrival: float = 0.0,
              priority: int = 0, params: SamplingParams | None = None) -> Sequence:
     """A sequence with made-up tokens, for scheduler and block-manager tests."""
     seq = Sequence(request_id=request_id, prompt_token_ids=list(range(1, num_prompt + 1)),
                    params=params or SamplingParams(), arrival_time=arrival,
-                   detokenizer=IncrementalDetokenizer(None, []), priority=priority)
+                   detokenizer=IncrementalDetokenizer(None, [], decode=_never_decoded), priority=priority)
     seq.output_token_ids = [7] * num_output
     return seq

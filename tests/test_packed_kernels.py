@@ -323,7 +323,7 @@ def test_decode_model_step_is_the_embedding_every_layer_the_norm_and_the_head(ke
         normed, ref_caches = reference(threads)
         logits, ids, head, stepped = step(head_weight, threads=threads)
         assert torch.allclose(logits, kernels.packed_linear(normed, *head.as_args(), isa), atol=1e-5), threads
-        assert torch.equal(ids, logits.argmax(dim=-1)), threads
+        assert ids == logits.argmax(dim=-1).tolist(), threads
         # Each layer's new K and V rows: bit-equal to the per-layer calls' (every row-wise part
         # splits at the vector width, so each float takes the same path on any team).
         assert [[torch.equal(a, b) for a, b in zip(kv, kv_ref, strict=True)] for kv, kv_ref in zip(
@@ -355,9 +355,9 @@ def test_decode_model_step_is_the_embedding_every_layer_the_norm_and_the_head(ke
     for step_isa in sorted({0, isa}):  # the argmax's scalar loop and its AVX-512 one where the CPU has it
         logits, ids, _, _ = step(ties, step_isa=step_isa)
         assert logits[0, 3] == logits[0, 7] == logits[0].max() and logits[2, 68] == logits[2].max()
-        assert ids[0] == 3 and ids[2] == 68 and torch.equal(ids, logits.argmax(dim=-1)), ISA_NAMES[step_isa]
+        assert ids[0] == 3 and ids[2] == 68 and ids == logits.argmax(dim=-1).tolist(), ISA_NAMES[step_isa]
         logits, ids, _, _ = step(nans, step_isa=step_isa)
-        assert ids.tolist() == [5] * batch and torch.equal(ids, logits.argmax(dim=-1)), ISA_NAMES[step_isa]
+        assert ids == [5] * batch == logits.argmax(dim=-1).tolist(), ISA_NAMES[step_isa]
     with pytest.raises(RuntimeError, match="one \\(K, V\\) cache pair per layer"):
         step(head_weight, caches=caches[:1])
     with pytest.raises(RuntimeError, match="embedding index 70 out of \\[0, 70\\)"):

@@ -50,7 +50,7 @@ def test_the_forwards_argmax_is_taken_only_where_nothing_edits_or_reads_the_logi
     # Given the forward's argmax, the sampler answers with it (ids these logits would not give)
     # and does not touch the logits.
     logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 0.0]])
-    out = Sampler(torch.device("cpu"))(logits, _seqs(plain, plain), torch.tensor([2, 1]))
+    out = Sampler(torch.device("cpu"))(logits, _seqs(plain, plain), [2, 1])
     assert out.token_ids == [2, 1] and out.logprobs == [None, None]
     assert torch.equal(logits, torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 0.0]]))
 

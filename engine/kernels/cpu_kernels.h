@@ -196,12 +196,12 @@ struct DecodeModel {
 
   // token_ids, context_lens: one per sequence; block_tables: each sequence's blocks (Python
   // lists, as the sequences hold them: each token is at its context's last position) ->
-  // logits [M, vocab] float32 and, with_argmax, each row's first maximum [M] int64
-  // (torch.argmax's rule: a greedy step's tokens).
-  std::tuple<torch::Tensor, std::optional<torch::Tensor>> step(const std::vector<int64_t>& token_ids,
-                                                               const std::vector<std::vector<int64_t>>& block_tables,
-                                                               const std::vector<int64_t>& context_lens,
-                                                               bool with_argmax) const;
+  // logits [M, vocab] float32 and, with_argmax, each row's first maximum (torch.argmax's rule:
+  // a greedy step's tokens) as a list for Python, not a tensor: after a batch-1 step's weight
+  // stream a tensor's tolist() ran cold in the engine's host code.
+  std::tuple<torch::Tensor, std::optional<std::vector<int64_t>>> step(
+      const std::vector<int64_t>& token_ids, const std::vector<std::vector<int64_t>>& block_tables,
+      const std::vector<int64_t>& context_lens, bool with_argmax) const;
 
   // The steps' wall time by kind of part, summed since the last call, and how many steps: a
   // layer's six (kQkv .. kDown's order), the LM head, the argmax, and outside the team (the

@@ -438,7 +438,7 @@ DecodeModel::DecodeModel(torch::Tensor embedding, torch::Tensor rope_cos, torch:
   check_packed_weight(head.w, hidden, head.n, head.scale, isa);
 }
 
-std::tuple<torch::Tensor, std::optional<torch::Tensor>> DecodeModel::step(
+std::tuple<torch::Tensor, std::optional<std::vector<int64_t>>> DecodeModel::step(
     const std::vector<int64_t>& token_ids, const std::vector<std::vector<int64_t>>& block_tables,
     const std::vector<int64_t>& context_lens, bool with_argmax) const {
   const int64_t step_start = now_ns();
@@ -468,8 +468,7 @@ std::tuple<torch::Tensor, std::optional<torch::Tensor>> DecodeModel::step(
   const auto sin = gathered_rows(rope_sin, positions.data(), M, "RoPE table");
   const int64_t vocab = std::get<3>(lm_head);
   auto logits = torch::empty({M, vocab}, x.options());  // [M, vocab] float32
-  auto ids = with_argmax ? std::optional<torch::Tensor>(torch::empty({M}, x.options().dtype(torch::kInt64)))
-                         : std::nullopt;  // [M]
+  auto ids = with_argmax ? std::optional<std::vector<int64_t>>(M) : std::nullopt;  // [M]
   const int64_t num_ranks = std::max<int64_t>(1, at::get_num_threads());
   const auto qkv = scratch_floats(M * qkv_width), attn = scratch_floats(M * num_heads * head_dim);
   const auto gate_up = scratch_floats(M * 2 * intermediate);
@@ -481,7 +480,7 @@ std::tuple<torch::Tensor, std::optional<torch::Tensor>> DecodeModel::step(
   const std::unique_ptr<HomeRange[]> homes(new HomeRange[num_parts * num_ranks]);
   std::vector<int64_t> stamps(num_parts, 0);
   TeamStep s{*this, M, num_ranks, x.data_ptr<float>(), qkv.get(), attn.get(), gate_up.get(), act.get(),
-             logits.data_ptr<float>(), ids ? ids->data_ptr<int64_t>() : nullptr, norms.get(), cos.data_ptr<float>(),
+             logits.data_ptr<float>(), ids ? ids->data() : nullptr, norms.get(), cos.data_ptr<float>(),
              sin.data_ptr<float>(), tables.data(), context_lens.data(), slots.data(),
              static_cast<int64_t>(max_blocks), attention_tasks, counters.get(), homes.get(),
              TeamProgress(num_ranks > usable_cpus() ? kShortSpins : kSpins, stamps.data())};
@@ -496,7 +495,7 @@ std::tuple<torch::Tensor, std::optional<torch::Tensor>> DecodeModel::step(
   }
   part_seconds_[kPartKinds - 1] += 1e-9 * static_cast<double>(team_start - step_start + now_ns() - before);
   ++num_timed_steps_;
-  return {logits, ids};
+  return {logits, std::move(ids)};
 }
 
 std::vector<int64_t> team_task_order(int64_t num_tasks, int64_t num_ranks, int64_t rank) {

@@ -186,11 +186,11 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.panels.as_args(), first.num_heads, block_size, first.eps, first.scale, self.fused_isa)
 
     def decode_logits(self, token_ids: list[int], block_tables: list[list[int]], context_lens: list[int],
-                      with_argmax: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      with_argmax: bool = False) -> tuple[torch.Tensor, list[int] | None]:
         """A decode-only step with the fused kernels (after bind_decode), from token ids to
         logits in one C++ call: per sequence its last token, its block table and its context
         length (the token's position + 1), as the sequences hold them -> logits [B, vocab]
-        float32 and, with_argmax, each row's first argmax [B] int64 (torch.argmax's rule), else None.
+        float32 and, with_argmax, each row's first argmax (torch.argmax's rule) as a list, else None.
 
         One call, not the input tensors, embedding, RoPE rows, layers and LM head as a dozen
         torch and numpy ops: after a batch-1 step's weight stream every such op finds the caches
