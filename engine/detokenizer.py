@@ -26,10 +26,9 @@ def ids_decoder(tokenizer: Any) -> Callable[..., str]:
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True,
-                 decode: Callable[..., str] | None = None) -> None:
-        """decode: `ids_decoder(tokenizer)`, made once by the caller (else made here)."""
-        self._decode_ids = decode if decode is not None else ids_decoder(tokenizer)
+    def __init__(self, decode: Callable[..., str], prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
+        """decode: `ids_decoder(tokenizer)`, made once per tokenizer by the caller."""
+        self._decode_ids = decode
         self._skip_special_tokens = skip_special_tokens
         self._tokens: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0

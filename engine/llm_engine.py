@@ -138,8 +138,7 @@ class LLMEngine:
         self.scheduler.add(Sequence(
             request_id=request_id, prompt_token_ids=token_ids, params=params,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens,
-                                               self._decode_ids),
+            detokenizer=IncrementalDetokenizer(self._decode_ids, token_ids, params.skip_special_tokens),
             eos_token_ids=self.eos_token_ids, priority=priority, generator=self._generator(params, 0),
             matcher=matcher))
         return request_id
@@ -157,8 +156,7 @@ class LLMEngine:
         child = Sequence(
             request_id=f"{parent.group_id}/{index}", group_id=parent.group_id, index=index,
             prompt_token_ids=parent.prompt_token_ids, params=params, arrival_time=parent.arrival_time,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, parent.prompt_token_ids, params.skip_special_tokens,
-                                               self._decode_ids),
+            detokenizer=IncrementalDetokenizer(self._decode_ids, parent.prompt_token_ids, params.skip_special_tokens),
             eos_token_ids=self.eos_token_ids, priority=parent.priority, generator=self._generator(params, index),
             matcher=parent.matcher.deep_copy() if parent.matcher is not None else None)
         child.num_cached_prompt_tokens = parent.num_cached_prompt_tokens

@@ -58,7 +58,8 @@ class Sampler:
         first argmax, when the forward made them and `is_plain_greedy(seqs)`: the answer, with
         no op on the logits and no inference-mode switch (after a batch-1 step's weight stream
         each op here found the caches cold: the numpy argmax took 87 us in the step against 5 us
-        warm, and entering inference mode alone runs a dozen Python and C++ calls)."""
+        warm; this path took 52 us with the switch and a tensor's tolist, 25 without the
+        switch, 7 given a list)."""
         if greedy_ids is not None:
             return SamplerOutput(greedy_ids, [None] * len(seqs))
         return self._process(logits, seqs)

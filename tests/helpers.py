@@ -28,6 +28,6 @@ def fake_seq(request_id: str, num_prompt: int, num_output: int = 0, arrival: flo
     """A sequence with made-up tokens, for scheduler and block-manager tests."""
     seq = Sequence(request_id=request_id, prompt_token_ids=list(range(1, num_prompt + 1)),
                    params=params or SamplingParams(), arrival_time=arrival,
-                   detokenizer=IncrementalDetokenizer(None, [], decode=_never_decoded), priority=priority)
+                   detokenizer=IncrementalDetokenizer(_never_decoded, []), priority=priority)
     seq.output_token_ids = [7] * num_output
     return seq

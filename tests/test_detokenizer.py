@@ -1,14 +1,14 @@
 """Incremental detokenization never emits half a character."""
 from __future__ import annotations
 
-from engine.detokenizer import IncrementalDetokenizer
+from engine.detokenizer import IncrementalDetokenizer, ids_decoder
 
 
 def test_multibyte_characters_are_never_split(tiny_llm) -> None:
     tok = tiny_llm.tokenizer
     text = "naïve 你好世界 🙂 done"
     ids = tok.encode(text)
-    detok = IncrementalDetokenizer(tok, [], skip_special_tokens=True)
+    detok = IncrementalDetokenizer(ids_decoder(tok), [], skip_special_tokens=True)
     deltas = [detok.add_tokens([t]) for t in ids]
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) == text == detok.text
@@ -19,8 +19,6 @@ def test_multibyte_characters_are_never_split(tiny_llm) -> None:
 def test_decoding_skips_the_wrapper_only_where_the_wrapper_adds_nothing(tiny_llm) -> None:
     import copy
     import random
-
-    from engine.detokenizer import ids_decoder
 
     tok = tiny_llm.tokenizer
     assert tok.clean_up_tokenization_spaces is False
