@@ -115,6 +115,17 @@ std::vector<int64_t> team_task_order(int64_t num_tasks, int64_t num_ranks, int64
 // ends in empty ones): packed_gemm.cpp's TaperedSplit, for tests.
 std::vector<std::pair<int64_t, int64_t>> tapered_split(int64_t num_panels, int64_t num_ranks);
 
+// A packed weight's panels as plain values. A step's team reads these rather than the tensor:
+// a tensor's data pointer is a chain of dependent loads (the handle, its impl, the storage)
+// that each batch-1 step's weight stream has evicted from every cache since the step before.
+struct PackedPanels {
+  const void* data = nullptr;
+  at::ScalarType dtype = at::kFloat;
+  int64_t num_panels = 0, rows = 0, width = 0;  // the tensor's [num_panels, rows, width]
+  int64_t panel_bytes = 0;
+  static PackedPanels of(const torch::Tensor& w);  // w as check_packed_weight accepts it
+};
+
 // out[m, n] = sum_k x[m, k] * W[n, k] * scale[n] + bias[n], for m < M, n < N.
 // W is packed in panels of 16 output channels: [ceil(N / 16), K, 16] of float32 or int8 (int8
 // needs scale, per output channel), or [ceil(N / 16), Kp / 2, 32] of bfloat16 pairs of k (Kp: K
@@ -126,17 +137,28 @@ void packed_gemm(const float* x, int64_t M, int64_t K, int64_t ldx, const torch:
                  const float* bias, int64_t N, float* out, int64_t ldo, int64_t isa, bool accumulate,
                  const TeamShare* team = nullptr);
 void check_packed_weight(const torch::Tensor& w, int64_t K, int64_t N, const float* scale, int64_t isa);
+// The same on checked panels (a team's member: it must not throw).
+void packed_gemm(const float* x, int64_t M, int64_t K, int64_t ldx, const PackedPanels& w, const float* scale,
+                 const float* bias, int64_t N, float* out, int64_t ldo, int64_t isa, bool accumulate,
+                 const TeamShare* team);
 // Requests into L2 the first max_bytes of the panels a team member of `rank` starts a few-row
 // product on (its home's first task, as tapered_split splits it): a member calls it for the next
 // product while the part before finishes, so the product does not start on cold misses while
 // the hardware prefetcher ramps up. A no-op off x86.
-void prefetch_team_home(const torch::Tensor& w, int64_t num_ranks, int64_t rank, int64_t max_bytes);
+void prefetch_team_home(const PackedPanels& w, int64_t num_ranks, int64_t rank, int64_t max_bytes);
+// A layer's K and V caches ([slots, KV heads, D], float32 or bfloat16, contiguous) as plain
+// values, for the same reason as PackedPanels.
+struct KvCacheView {
+  void *k = nullptr, *v = nullptr;
+  bool is_fp32 = true;
+  int64_t num_kv_heads = 0, head_dim = 0;
+  static KvCacheView of(const torch::Tensor& k_cache, const torch::Tensor& v_cache);  // checks them
+};
 // One sequence's decode attention from the paged cache, for the query heads of KV heads
 // [kv_begin, kv_end): q [H, D] float32 -> those heads' rows of out [H, D] float32.
-void attend_decode_row(const float* q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                       const int64_t* block_table, int64_t context_len, int64_t block_size, float scale,
-                       int64_t window, int64_t num_heads, float* out, std::vector<float>& scratch,
-                       int64_t kv_begin, int64_t kv_end, int64_t isa);
+void attend_decode_row(const float* q, const KvCacheView& cache, const int64_t* block_table, int64_t context_len,
+                       int64_t block_size, float scale, int64_t window, int64_t num_heads, float* out,
+                       std::vector<float>& scratch, int64_t kv_begin, int64_t kv_end, int64_t isa);
 
 // The Python-facing kernels (bindings.cpp), each documented where it is defined.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -210,7 +232,12 @@ struct DecodeModel {
   static constexpr int64_t kPartKinds = 9;
   std::pair<int64_t, std::array<double, kPartKinds>> take_part_seconds() const;
 
+  // Every pointer and size a step's members read, as plain values in one array (the layers',
+  // then the head's; decode_model.cpp), made by the constructor.
+  struct Plan;
+
  private:
+  std::shared_ptr<const Plan> plan_;
   mutable std::array<double, kPartKinds> part_seconds_{};  // steps run on one thread at a time
   mutable int64_t num_timed_steps_ = 0;
 };

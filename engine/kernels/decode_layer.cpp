@@ -188,11 +188,12 @@ void decode_layer(torch::Tensor x,                    // [M, hidden] float32, up
   const DecodeAttentionTasks tasks(lens, s.M, s.num_kv_heads, num_threads);
   std::atomic<int64_t> next_task{0};
   const TeamShare forked{num_threads, &next_task};
+  const KvCacheView cache = KvCacheView::of(k_cache, v_cache);
   at::parallel_for(0, std::min(num_threads, tasks.size()), 1, [&](int64_t, int64_t) {
     std::vector<float> scratch;
     forked.for_each_task(tasks.size(), [&](int64_t task) {
       const auto [m, kv_begin] = tasks[task];
-      attend_decode_row(qkv_out.get() + m * lqkv.n, k_cache, v_cache, tables + m * max_blocks, lens[m], block_size,
+      attend_decode_row(qkv_out.get() + m * lqkv.n, cache, tables + m * max_blocks, lens[m], block_size,
                         static_cast<float>(scale), window, num_heads, attn_out.get() + m * s.q_size, scratch,
                         kv_begin, kv_begin + tasks.heads_per_task(), isa);
     });

@@ -826,13 +826,17 @@ std::vector<std::pair<int64_t, int64_t>> tapered_split(int64_t num_panels, int64
   return tasks;
 }
 
-void prefetch_team_home(const torch::Tensor& w, int64_t num_ranks, int64_t rank, int64_t max_bytes) {
+PackedPanels PackedPanels::of(const torch::Tensor& w) {
+  return {w.data_ptr(), w.scalar_type(), w.size(0), w.size(1), w.size(2), w.size(1) * w.size(2) * w.element_size()};
+}
+
+void prefetch_team_home(const PackedPanels& w, int64_t num_ranks, int64_t rank, int64_t max_bytes) {
 #if defined(__x86_64__)
-  const int64_t num_panels = w.size(0), panel_bytes = w.size(1) * w.size(2) * w.element_size();
+  const int64_t num_panels = w.num_panels, panel_bytes = w.panel_bytes;
   // Its first task's first panel. The AMX path keeps even tasks (gemm_amx), whose homes can start
   // a few panels off this: the request then covers part of the right run (speed, not floats).
   const int64_t first = TaperedSplit::home_begin(num_panels, num_ranks, rank);
-  const char* start = static_cast<const char*>(w.data_ptr()) + first * panel_bytes;
+  const char* start = static_cast<const char*>(w.data) + first * panel_bytes;
   const int64_t bytes = std::min(max_bytes, (num_panels - first) * panel_bytes);
   for (int64_t offset = 0; offset < bytes; offset += 64) _mm_prefetch(start + offset, _MM_HINT_T1);
 #endif
@@ -844,27 +848,32 @@ void packed_gemm(const float* x, int64_t M, int64_t K, int64_t ldx, const torch:
   // A team's members must not throw (the others would wait for ever for the part it left): its
   // owner checks the weights once, when it binds them.
   if (team == nullptr) check_packed_weight(w, K, N, scale, isa);
-  const int64_t panel_size = w.size(1) * w.size(2);
-  switch (w.scalar_type()) {
+  packed_gemm(x, M, K, ldx, PackedPanels::of(w), scale, bias, N, out, ldo, isa, accumulate, team);
+}
+
+void packed_gemm(const float* x, int64_t M, int64_t K, int64_t ldx, const PackedPanels& w, const float* scale,
+                 const float* bias, int64_t N, float* out, int64_t ldo, int64_t isa, bool accumulate,
+                 const TeamShare* team) {
+  const int64_t panel_size = w.rows * w.width;
+  switch (w.dtype) {
     case torch::kFloat32:
-      return gemm_vector(x, M, ldx, w.data_ptr<float>(), panel_size, K, scale, bias, N, out, ldo, isa, accumulate,
-                         team);
+      return gemm_vector(x, M, ldx, static_cast<const float*>(w.data), panel_size, K, scale, bias, N, out, ldo, isa,
+                         accumulate, team);
     case torch::kBFloat16: {
-      const int64_t Kp = 2 * w.size(1);
+      const auto* data = static_cast<const at::BFloat16*>(w.data);
 #if defined(MINIVLLM_HAS_AMX)
       if (isa == kIsaAmx && scale == nullptr)
-        return gemm_amx(x, M, ldx, w.data_ptr<at::BFloat16>(), Kp, K, bias, N, out, ldo, accumulate, team);
+        return gemm_amx(x, M, ldx, data, 2 * w.rows, K, bias, N, out, ldo, accumulate, team);
 #endif
 #if defined(MINIVLLM_HAS_AVX512_BF16)
       if (isa == kIsaAvx512Bf16 && scale == nullptr)
-        return gemm_dpbf16(x, M, ldx, w.data_ptr<at::BFloat16>(), Kp, K, bias, N, out, ldo, accumulate, team);
+        return gemm_dpbf16(x, M, ldx, data, 2 * w.rows, K, bias, N, out, ldo, accumulate, team);
 #endif
-      return gemm_vector(x, M, ldx, w.data_ptr<at::BFloat16>(), panel_size, K, scale, bias, N, out, ldo, isa,
-                         accumulate, team);
+      return gemm_vector(x, M, ldx, data, panel_size, K, scale, bias, N, out, ldo, isa, accumulate, team);
     }
     default:  // int8 (check_packed_weight allows no other)
-      return gemm_vector(x, M, ldx, w.data_ptr<int8_t>(), panel_size, K, scale, bias, N, out, ldo, isa, accumulate,
-                         team);
+      return gemm_vector(x, M, ldx, static_cast<const int8_t*>(w.data), panel_size, K, scale, bias, N, out, ldo, isa,
+                         accumulate, team);
   }
 }
 

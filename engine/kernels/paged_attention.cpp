@@ -278,18 +278,27 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
 
 }  // namespace
 
-void attend_decode_row(const float* q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                       const int64_t* block_table, int64_t context_len, int64_t block_size, float scale,
-                       int64_t window, int64_t num_heads, float* out, std::vector<float>& scratch,
-                       int64_t kv_begin, int64_t kv_end, int64_t isa) {
-  const int64_t num_kv_heads = k_cache.size(1), head_dim = k_cache.size(2);
-  if (k_cache.scalar_type() == torch::kFloat32) {
-    attend_one(q, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), block_table, context_len, block_size, scale,
-               window, num_heads, num_kv_heads, head_dim, out, scratch, isa, kv_begin, kv_end);
+KvCacheView KvCacheView::of(const torch::Tensor& k_cache, const torch::Tensor& v_cache) {
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
+              v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "attention: K and V caches contiguous [slots, KV heads, D] of one shape and dtype");
+  TORCH_CHECK(k_cache.scalar_type() == torch::kFloat32 || k_cache.scalar_type() == torch::kBFloat16,
+              "attention: float32 or bfloat16 cache only");
+  return {k_cache.data_ptr(), v_cache.data_ptr(), k_cache.scalar_type() == torch::kFloat32, k_cache.size(1),
+          k_cache.size(2)};
+}
+
+void attend_decode_row(const float* q, const KvCacheView& cache, const int64_t* block_table, int64_t context_len,
+                       int64_t block_size, float scale, int64_t window, int64_t num_heads, float* out,
+                       std::vector<float>& scratch, int64_t kv_begin, int64_t kv_end, int64_t isa) {
+  if (cache.is_fp32) {
+    attend_one(q, static_cast<const float*>(cache.k), static_cast<const float*>(cache.v), block_table, context_len,
+               block_size, scale, window, num_heads, cache.num_kv_heads, cache.head_dim, out, scratch, isa, kv_begin,
+               kv_end);
   } else {
-    TORCH_CHECK(k_cache.scalar_type() == torch::kBFloat16, "attention: float32 or bfloat16 cache only");
-    attend_one(q, k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(), block_table, context_len,
-               block_size, scale, window, num_heads, num_kv_heads, head_dim, out, scratch, isa, kv_begin, kv_end);
+    attend_one(q, static_cast<const at::BFloat16*>(cache.k), static_cast<const at::BFloat16*>(cache.v), block_table,
+               context_len, block_size, scale, window, num_heads, cache.num_kv_heads, cache.head_dim, out, scratch,
+               isa, kv_begin, kv_end);
   }
 }
 
