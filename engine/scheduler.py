@@ -27,6 +27,10 @@ from engine.step_cost_model import StepCostModel, attention_pairs
 
 
 class Scheduler:
+    # A burst is a queue measured against a batch of at least this many streams: a request or
+    # two waiting behind one or two streams is not one (their steps would double for it).
+    BURST_MIN_BATCH = 8
+
     def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
         self.config = config
         self.block_manager = block_manager
@@ -34,6 +38,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []  # in admission order: oldest first
         self.cost_model = StepCostModel()
+        self.min_chunk = max(1, block_manager.block_size // 2)  # a time-budgeted step's least prefill
         self._step = 0
 
     @property
@@ -185,8 +190,10 @@ class Scheduler:
         # batch of 14 and 26 % less throughput than without the time budget).
         # A burst (more than one request waiting per running one) is worth slower steps: the
         # queue's TTFT grows with every step it waits, and the bigger batch it becomes decodes
-        # more tokens per second. One waiting request (a long prompt arriving) gets no relief.
-        backlog = 1.0 + max(0, len(self.waiting) - 1) / max(1, len(self.running))
+        # more tokens per second. One waiting request (a long prompt arriving) gets no relief,
+        # and a small batch counts as BURST_MIN_BATCH: a couple of requests queued behind one or
+        # two streams doubled the target and put the top 1 % of gaps past 3x the median step.
+        backlog = 1.0 + max(0, len(self.waiting) - 1) / max(self.BURST_MIN_BATCH, len(self.running))
         target = cfg.max_step_ms / 1e3 if cfg.max_step_ms is not None else cfg.step_time_ratio * pace * backlog
         out.budget_source, out.step_time_target = "time", target
         # Aim below the target by the model's usual error, so most steps really land under it;
@@ -199,9 +206,11 @@ class Scheduler:
             return num_new
         fit = self.cost_model.max_chunk(time_left, seq.num_computed_tokens, num_new, not out.prefill_seqs)
         if not out.prefill_seqs:
-            # Progress guarantee: the first chunk of a step is at least one block, so a long
+            # Progress guarantee: the first chunk of a step is at least half a block, so a long
             # prompt finishes its prefill in bounded time however slow the model thinks it is.
-            fit = max(fit, min(num_new, self.block_manager.block_size))
+            # Not a whole block: over a long context a block of prefill costs about two fp32
+            # decode steps of a small batch, and those steps were the top 1 % of gaps.
+            fit = max(fit, min(num_new, self.min_chunk))
         return fit
 
     @staticmethod
