@@ -38,8 +38,12 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []  # in admission order: oldest first
         self.cost_model = StepCostModel()
-        self.min_chunk = max(1, block_manager.block_size // 2)  # a time-budgeted step's least prefill
         self._step = 0
+
+    @property
+    def min_chunk(self) -> int:
+        """A time-budgeted step's least prefill: half a block (_fit_time says why)."""
+        return max(1, self.block_manager.block_size // 2)
 
     @property
     def num_waiting(self) -> int:

@@ -122,7 +122,6 @@ struct PackedPanels {
   const void* data = nullptr;
   at::ScalarType dtype = at::kFloat;
   int64_t num_panels = 0, rows = 0, width = 0;  // the tensor's [num_panels, rows, width]
-  int64_t panel_bytes = 0;
   static PackedPanels of(const torch::Tensor& w);  // w as check_packed_weight accepts it
 };
 
@@ -153,6 +152,8 @@ struct KvCacheView {
   bool is_fp32 = true;
   int64_t num_kv_heads = 0, head_dim = 0;
   static KvCacheView of(const torch::Tensor& k_cache, const torch::Tensor& v_cache);  // checks them
+  int64_t element_size() const { return is_fp32 ? 4 : 2; }
+  int64_t row_bytes() const { return num_kv_heads * head_dim * element_size(); }  // one slot's K (or V)
 };
 // One sequence's decode attention from the paged cache, for the query heads of KV heads
 // [kv_begin, kv_end): q [H, D] float32 -> those heads' rows of out [H, D] float32.

@@ -238,7 +238,7 @@ struct TeamStep {
 };
 
 // Below kFewRows rows a task first requests into L2 the cached K and V rows it reads (all but
-// the new one, which it writes), all at once. The layer's request after the QKV product
+// the new one, which it writes, up to kKvAheadBytes in all), all at once. The layer's request after the QKV product
 // (prefetch_kv_rows) had not brought them in: run twice, a batch-1 step's attention took 0.06 ms
 // a token more at a 33-token context and 0.14 more at 160, against 0.16 and 0.40 for the first
 // run (bf16; the part's other work 0.05-0.07). With the request, builds in one process, bf16,
@@ -259,10 +259,13 @@ void attend_task(const TeamStep& s, int64_t m, int64_t kv_begin, int64_t kv_end,
   const float* sin = s.sin + m * D;
 #if defined(__x86_64__)
   if (s.M < kFewRows) {  // the K and V rows this task reads, all but the new one (see above)
-    const int64_t element = plan.cache.is_fp32 ? 4 : 2, row_bytes = model.num_kv_heads * D * element;
+    const int64_t element = plan.cache.element_size(), row_bytes = plan.cache.row_bytes();
     const char* k = static_cast<const char*>(plan.cache.k) + kv_begin * D * element;
     const char* v = static_cast<const char*>(plan.cache.v) + kv_begin * D * element;
-    const int64_t bytes = (kv_end - kv_begin) * D * element, cached = s.lens[m] - 1;
+    // Capped as the layer's request is (kKvAheadBytes): rows past what L2 holds would evict
+    // the first ones before the attention reads them.
+    const int64_t bytes = (kv_end - kv_begin) * D * element;
+    const int64_t cached = std::min(s.lens[m] - 1, kKvAheadBytes / 2 / bytes);
     const int64_t* table = s.tables + m * s.max_blocks;
     for (int64_t t = 0; t < cached; ++t) {
       const int64_t slot = table[t / model.block_size] * model.block_size + t % model.block_size;
@@ -297,7 +300,7 @@ void prefetch_kv_rows(const TeamStep& s, int64_t layer) {
 #if defined(__x86_64__)
   const DecodeModel& model = s.model;
   const KvCacheView& cache = s.plan.layers[layer].cache;
-  const int64_t row_bytes = cache.num_kv_heads * cache.head_dim * (cache.is_fp32 ? 4 : 2);
+  const int64_t row_bytes = cache.row_bytes();
   const char* k = static_cast<const char*>(cache.k);
   const char* v = static_cast<const char*>(cache.v);
   int64_t budget = kKvAheadBytes / 2;  // of K's rows, and as much of V's

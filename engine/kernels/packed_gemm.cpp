@@ -827,12 +827,12 @@ std::vector<std::pair<int64_t, int64_t>> tapered_split(int64_t num_panels, int64
 }
 
 PackedPanels PackedPanels::of(const torch::Tensor& w) {
-  return {w.data_ptr(), w.scalar_type(), w.size(0), w.size(1), w.size(2), w.size(1) * w.size(2) * w.element_size()};
+  return {w.data_ptr(), w.scalar_type(), w.size(0), w.size(1), w.size(2)};
 }
 
 void prefetch_team_home(const PackedPanels& w, int64_t num_ranks, int64_t rank, int64_t max_bytes) {
 #if defined(__x86_64__)
-  const int64_t num_panels = w.num_panels, panel_bytes = w.panel_bytes;
+  const int64_t num_panels = w.num_panels, panel_bytes = w.rows * w.width * c10::elementSize(w.dtype);
   // Its first task's first panel. The AMX path keeps even tasks (gemm_amx), whose homes can start
   // a few panels off this: the request then covers part of the right run (speed, not floats).
   const int64_t first = TaperedSplit::home_begin(num_panels, num_ranks, rank);
