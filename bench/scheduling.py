@@ -214,7 +214,7 @@ def main() -> None:
               f"({100 * s['attention_share']:4.1f}% of the forward, median of rounds) + rest {1e3 * s['rest_s']:5.1f}; "
               f"projections at {s['projections_gflops']:.0f} GFLOP/s, torch GEMM {s['torch_gemm_gflops']:.0f} GFLOP/s")
     if splits:
-        print(f"chunk over {2 * args.chunk} cached tokens / first chunk: {splits[2 * args.chunk]['over_first']:.2f}x "
+        print(f"chunk over {2 * args.chunk} cached tokens / first chunk: {splits[2 * args.chunk]['over_first']:.3f}x "
               f"(median of rounds)")
     if args.json:
         with open(args.json, "w") as f:

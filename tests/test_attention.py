@@ -202,3 +202,38 @@ def test_cpp_prefill_kernel_matches_dense(dim: int, window: int | None, dtype: t
                 out_alone = prefill_attention(q[rows], q[rows, :kv_heads], q[rows, :kv_heads], k_cache, v_cache,
                                               alone, dim**-0.5, window)
                 torch.testing.assert_close(out_alone, out[rows], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("window", [None, 150], ids=["full", "window150"])
+def test_cpp_prefill_kernel_rescales_rows_whose_scores_rise(window: int | None) -> None:
+    """Long contexts, where the AVX-512 kernel keeps a row's maximum until a score passes it by
+    more than 2^8: on KV head 0 one key scores about 2^230 times the rest (without a rescale its
+    probability overflows float32), on head 1 the keys' scores rise steadily through the context
+    (probabilities above 1 against a kept maximum), head 2 is plain. A chunk after 300 cached
+    tokens and a whole 340-token prompt, on every SIMD path, against dense float64."""
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        pytest.fail("the C++ kernels must build here (make test installs a compiler)")
+    gen = torch.Generator().manual_seed(11)
+    heads, kv_heads, dim, bs, num_ctx = 9, 3, 64, 16, 340
+    q_all = torch.randn(num_ctx, heads, dim, generator=gen) + 0.5  # positive mean: a key of ones scores high
+    k_cache = torch.randn(num_ctx, kv_heads, dim, generator=gen)
+    v_cache = torch.randn(num_ctx, kv_heads, dim, generator=gen)
+    k_cache[200, 0] = 40.0
+    k_cache[:, 1] += torch.linspace(0.0, 1.5, num_ctx).unsqueeze(1)
+    table = torch.randperm(num_ctx // bs + 1, generator=gen)
+    slots = table[torch.arange(num_ctx) // bs] * bs + torch.arange(num_ctx) % bs
+    k_paged = torch.zeros(table.numel() * bs, kv_heads, dim)
+    v_paged = torch.zeros_like(k_paged)
+    k_paged[slots], v_paged[slots] = k_cache, v_cache
+    for cached in (300, 0):
+        n = num_ctx - cached
+        q = q_all[cached:]
+        expected = _dense_prefill(q.double(), k_cache.double(), v_cache.double(), cached, window)
+        for isa in range(kernels.best_isa() + 1):
+            attn = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.int64), num_prefill_tokens=n,
+                                     prefill=[PrefillSeqMeta(0, n, num_ctx, None, block_table=table)],
+                                     block_size=bs, prefill_kernels=kernels, kernel_isa=isa)
+            out = prefill_attention(q, q[:, :kv_heads], q[:, :kv_heads], k_paged, v_paged, attn, dim**-0.5, window)
+            torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5,
+                                       msg=lambda m, isa=isa, cached=cached: f"isa {isa}, {cached} cached: {m}")
