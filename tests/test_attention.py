@@ -207,10 +207,11 @@ def test_cpp_prefill_kernel_matches_dense(dim: int, window: int | None, dtype: t
 @pytest.mark.parametrize("window", [None, 150], ids=["full", "window150"])
 def test_cpp_prefill_kernel_rescales_rows_whose_scores_rise(window: int | None) -> None:
     """Long contexts, where the AVX-512 kernel keeps a row's maximum until a score passes it by
-    more than 2^8: on KV head 0 one key scores about 2^230 times the rest (without a rescale its
-    probability overflows float32), on head 1 the keys' scores rise steadily through the context
-    (probabilities above 1 against a kept maximum), head 2 is plain. A chunk after 300 cached
-    tokens and a whole 340-token prompt, on every SIMD path, against dense float64."""
+    more than 2^8: on KV head 0 one key scores 2^43 to 2^374 times the rest (past 2^128 its
+    probability overflows float32 without a rescale); on head 1 the keys' scores rise through the
+    context, every 64-key step's best by up to 2^6.4 over the row's maximum (probabilities above
+    1 against a kept maximum); head 2 is plain. A chunk after 300 cached tokens and a whole
+    340-token prompt, on every SIMD path, against dense float64."""
     kernels = load_cpu_kernels()
     if kernels is None:
         pytest.fail("the C++ kernels must build here (make test installs a compiler)")

@@ -231,8 +231,8 @@ def test_a_few_requests_behind_a_small_batch_are_not_a_burst() -> None:
         for i in range(num_waiting):
             sched.add(fake_seq(f"w{i}", 300, arrival=1.0 + i))
         targets[num_waiting] = sched.schedule(now=30.0).step_time_target
-    assert Scheduler.BURST_MIN_BATCH == 8
-    assert targets[3] == pytest.approx(targets[1] * (1 + 2 / 8))
+    assert 2 < Scheduler.BURST_MIN_BATCH
+    assert targets[3] == pytest.approx(targets[1] * (1 + 2 / Scheduler.BURST_MIN_BATCH))
 
 
 def test_a_long_prompt_always_advances_under_a_tight_target() -> None:
@@ -243,10 +243,10 @@ def test_a_long_prompt_always_advances_under_a_tight_target() -> None:
     steps = 0
     while long.num_output_tokens == 0:
         out = sched.schedule(now=2.0)
-        assert out.prefill_num_tokens == [min(8, long.num_uncomputed_tokens)]  # half a block (16) per step
+        assert out.prefill_num_tokens == [min(sched.min_chunk, long.num_uncomputed_tokens)]  # half a block
         sched.update_from_output(out, [1] * len(out.sampling_seqs))
         steps += 1
-    assert steps == 13
+    assert sched.min_chunk == 8 and steps == 13  # 100 tokens, 8 a step
 
 
 def test_learns_what_a_chunk_pays_per_cached_token() -> None:

@@ -239,15 +239,17 @@ MINIVLLM_AVX512 inline void add_values(TileState<R>& t, const float* vb, int64_t
   for (; d < head_dim; d += 16) pv_block<R, 1>(t, vb, num_keys, head_dim, d);
 }
 
-// A step of 64 keys every row sees, for rows that have seen keys before, when no score rises more
-// than kRescaleSlack above its row's maximum (after the first steps, nearly every step): the
-// probabilities are taken against the maximum the row already has and nothing is rescaled, so
-// no maximum across lanes (a chain of shuffles) stands between the scores and the values. False,
-// with the tile unchanged, otherwise. Not inlined: inside tile_step_avx512 the compiler's
-// register allocation made the whole step 7-17 % slower.
+// A step of 64 keys every row sees (most steps: below the diagonal and inside any window).
+// While no score rises more than kRescaleSlack above its row's maximum (after a tile's first
+// step, nearly always), the probabilities are taken against the maximum the row already has and
+// nothing is rescaled: no maximum across lanes (a chain of shuffles) stands between the scores
+// and the values. Otherwise (and on a row's first keys, whose maximum is -inf) the same scores go
+// through rescaling_step_avx512. Not inlined: inside the masked step the compiler's register
+// allocation made the whole step 7-17 % slower.
 template <int R>
-MINIVLLM_AVX512 __attribute__((noinline)) bool tile_step_in_slack_avx512(TileState<R>& t, const float* panel,
-                                                                         const float* vb, int64_t head_dim) {
+MINIVLLM_AVX512 __attribute__((noinline)) void unmasked_step_avx512(TileState<R>& t, const float* panel,
+                                                                    const float* vb, int64_t key0, int64_t head_dim,
+                                                                    int64_t window) {
   __m512 s[R][4];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < 4; ++c) s[r][c] = _mm512_setzero_ps();
@@ -257,7 +259,10 @@ MINIVLLM_AVX512 __attribute__((noinline)) bool tile_step_in_slack_avx512(TileSta
     const __m512 limit = _mm512_set1_ps(t.m[r] + kRescaleSlack);
     for (int c = 0; c < 4; ++c) is_over |= _mm512_cmp_ps_mask(s[r][c], limit, _CMP_GT_OQ);
   }
-  if (is_over) return false;
+  if (is_over) {
+    rescaling_step_avx512(t, s, vb, key0, 4, head_dim, window, true);
+    return;
+  }
   for (int r = 0; r < R; ++r) {
     const __m512 mv = _mm512_set1_ps(t.m[r]);
     __m512 sum = _mm512_setzero_ps();
@@ -269,35 +274,22 @@ MINIVLLM_AVX512 __attribute__((noinline)) bool tile_step_in_slack_avx512(TileSta
     _mm512_store_ps(t.l_lanes[r], _mm512_add_ps(_mm512_load_ps(t.l_lanes[r]), sum));
   }
   add_values(t, vb, 4 * kKeys, head_dim);
-  return true;
 }
 
-// One step of a tile with AVX-512 intrinsics (head_dim a multiple of 16): keys [key0, key0 +
-// 16 nsub), nsub <= 4. The scores of R rows x 64 keys sit in 4R registers (FMA bound; a row's
-// softmax bookkeeping is paid once per 64 keys), the weighted values are an [R, 64] x [64, D]
-// product accumulated in registers, 64 columns of D at a time.
+// The softmax of one step from its scores s (keys [key0, key0 + 16 nsub), nsub <= 4) with every
+// row's maximum brought up to date: mask what each row may not see (unless is_unmasked: every
+// row sees all 64 keys), the rows' new maxima, their rescale factors in one vector exponential,
+// the probabilities and the rescaled outputs; then the weighted values. Rows that see none of
+// these keys keep their state.
 template <int R>
-MINIVLLM_AVX512 void tile_step_avx512(TileState<R>& t, const float* panel, const float* vb, int64_t key0, int nsub,
-                                      int64_t head_dim, int64_t window) {
+MINIVLLM_AVX512 void rescaling_step_avx512(TileState<R>& t, __m512 (&s)[R][4], const float* vb, int64_t key0, int nsub,
+                                           int64_t head_dim, int64_t window, bool is_unmasked) {
   constexpr int kSub = 4;
   const __m512 lane = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  __m512 s[R][kSub];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < kSub; ++c) s[r][c] = _mm512_setzero_ps();
-  switch (nsub) {
-    case 4: scores<R, 4>(t, panel, head_dim, s); break;
-    case 3: scores<R, 3>(t, panel, head_dim, s); break;
-    case 2: scores<R, 2>(t, panel, head_dim, s); break;
-    default: scores<R, 1>(t, panel, head_dim, s); break;
-  }
-  // Mask what each row may not see, then the rows' new maxima, their rescale factors in one
-  // vector exponential, and the probabilities; rows that see none of these keys keep their state.
   alignas(64) float m_new[16], alpha[16];
   __mmask16 visible[R][kSub];
   bool any = false;
-  // Where every row sees all 64 keys, the masks are skipped.
-  const bool is_unmasked = is_all_visible(t, key0, nsub, window);
   for (int r = 0; r < R; ++r) {
     __m512 row_max = neg_inf;
     if (is_unmasked) {
@@ -351,6 +343,26 @@ MINIVLLM_AVX512 void tile_step_avx512(TileState<R>& t, const float* panel, const
   if (any) add_values(t, vb, std::min<int64_t>(nsub * kKeys, t.hi - key0), head_dim);
 }
 
+// One step of a tile with AVX-512 intrinsics (head_dim a multiple of 16) on the diagonal, at a
+// window's edge or at the context's end: keys [key0, key0 + 16 nsub), nsub <= 4. The scores of R
+// rows x 64 keys sit in 4R registers (FMA bound; a row's softmax bookkeeping is paid once per 64
+// keys), the weighted values are an [R, 64] x [64, D] product accumulated in registers, 64
+// columns of D at a time.
+template <int R>
+MINIVLLM_AVX512 void masked_step_avx512(TileState<R>& t, const float* panel, const float* vb, int64_t key0, int nsub,
+                                        int64_t head_dim, int64_t window) {
+  __m512 s[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) s[r][c] = _mm512_setzero_ps();
+  switch (nsub) {
+    case 4: scores<R, 4>(t, panel, head_dim, s); break;
+    case 3: scores<R, 3>(t, panel, head_dim, s); break;
+    case 2: scores<R, 2>(t, panel, head_dim, s); break;
+    default: scores<R, 1>(t, panel, head_dim, s); break;
+  }
+  rescaling_step_avx512(t, s, vb, key0, nsub, head_dim, window, false);
+}
+
 // Tiles [tile_begin, tile_end) of R rows each, together: each 64-key step's K and V (32 KB at
 // D = 64) is loaded into L1 once and serves every tile, where one tile alone would stream the
 // whole context from L2 for only R rows of work.
@@ -382,11 +394,10 @@ MINIVLLM_AVX512 void attend_tiles_avx512(const float* q, int64_t row_begin, int6
       const int tile_nsub = static_cast<int>(std::min<int64_t>(nsub, (t.hi - key0 + kKeys - 1) / kKeys));
       const float* panel = k_panels + b * head_dim * kKeys;
       const float* vb = v_rows + b * kKeys * head_dim;
-      // All rows of a tile see the same keys in such a step, so row 0's maximum tells for all.
-      if (is_all_visible(t, key0, tile_nsub, window) && t.m[0] != -std::numeric_limits<float>::infinity() &&
-          tile_step_in_slack_avx512(t, panel, vb, head_dim))
-        continue;
-      tile_step_avx512(t, panel, vb, key0, tile_nsub, head_dim, window);
+      if (is_all_visible(t, key0, tile_nsub, window))
+        unmasked_step_avx512(t, panel, vb, key0, head_dim, window);
+      else
+        masked_step_avx512(t, panel, vb, key0, tile_nsub, head_dim, window);
     }
   }
   for (int64_t i = 0; i < num_tiles; ++i) {
