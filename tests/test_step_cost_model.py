@@ -217,22 +217,30 @@ def test_a_burst_raises_the_auto_target_a_single_arrival_does_not() -> None:
             sched.add(fake_seq(f"w{i}", 300, arrival=1.0 + i))
         targets[num_waiting] = sched.schedule(now=30.0).step_time_target
     assert targets[1] == pytest.approx(2.0 * 0.050, rel=0.01)
-    assert targets[17] == pytest.approx(targets[1] * (1 + 16 / 8))
+    assert targets[17] == pytest.approx(targets[1] * (1 + (17 - Scheduler.BURST_QUEUE_SLACK) / 8))
 
 
 def test_a_few_requests_behind_a_small_batch_are_not_a_burst() -> None:
-    """Behind two streams, three waiting requests relax the target as they would behind
-    Scheduler.BURST_MIN_BATCH streams (x1.25), not by their count per running stream (x2): that
-    doubled the steps of a lightly loaded server and put its top 1 % of gaps past 3x."""
+    """Behind two streams, up to Scheduler.BURST_QUEUE_SLACK waiting requests leave the target
+    where one does: counted per running stream (x2 for three) they doubled the steps of a lightly
+    loaded server and put its top 1 % of gaps past 3x. A burst ramping up (three streams, 28
+    behind them) still counts each request past the slack per stream: a floor of 8 streams on the
+    batch instead held the ramp's chunks to half and cost served throughput."""
+    slack = Scheduler.BURST_QUEUE_SLACK
     targets = {}
-    for num_waiting in (1, 3):
+    for num_running, num_waiting in ((2, 1), (2, slack), (2, slack + 4), (3, 28)):
         sched = _time_scheduler(step_time_ratio=2.0)
-        _decoding(sched, 2)
+        _decoding(sched, num_running)
         for i in range(num_waiting):
             sched.add(fake_seq(f"w{i}", 300, arrival=1.0 + i))
-        targets[num_waiting] = sched.schedule(now=30.0).step_time_target
-    assert 2 < Scheduler.BURST_MIN_BATCH
-    assert targets[3] == pytest.approx(targets[1] * (1 + 2 / Scheduler.BURST_MIN_BATCH))
+        targets[num_running, num_waiting] = sched.schedule(now=30.0).step_time_target
+    assert slack >= 3
+    assert targets[2, slack] == pytest.approx(targets[2, 1])
+    assert targets[2, slack + 4] == pytest.approx(targets[2, 1] * (1 + 4 / 2))
+    one_behind_three = _time_scheduler(step_time_ratio=2.0)
+    _decoding(one_behind_three, 3)
+    one_behind_three.add(fake_seq("w", 300, arrival=1.0))
+    assert targets[3, 28] == pytest.approx(one_behind_three.schedule(now=30.0).step_time_target * (1 + (28 - slack) / 3))
 
 
 def test_a_long_prompt_always_advances_under_a_tight_target() -> None:
