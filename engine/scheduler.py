@@ -192,13 +192,13 @@ class Scheduler:
         # a steady stream of arrivals there are none, and the last ones (a smaller batch) held
         # the chunks to a pace the batch had outgrown (closed loop of 32 streams: a mean decode
         # batch of 14 and 26 % less throughput than without the time budget).
-        # A burst (more than one request waiting per running one) is worth slower steps: the
+        # A burst (requests waiting past the first BURST_QUEUE_SLACK) is worth slower steps: the
         # queue's TTFT grows with every step it waits, and the bigger batch it becomes decodes
-        # more tokens per second. The first BURST_QUEUE_SLACK waiting requests get no relief: a
-        # couple queued behind one or two streams doubled the target and put the top 1 % of gaps
-        # past 3x the median step. Not a floor on the batch instead (counting a batch as at least
-        # 8 streams): while a served burst ramps up, 3-4 streams with 28 behind them then held
-        # the chunks to half as much, and served throughput fell 2-4 %.
+        # more tokens per second. The first few get no relief: a couple queued behind one or two
+        # streams doubled the target and put the top 1 % of gaps past 3x the median step. Not a
+        # floor on the batch instead (counting a batch as at least 8 streams): while a served
+        # burst ramps up (3-4 streams, 28 behind them) that held the target to about half, and
+        # served throughput fell 2-4 %.
         backlog = 1.0 + max(0, len(self.waiting) - self.BURST_QUEUE_SLACK) / max(1, len(self.running))
         target = cfg.max_step_ms / 1e3 if cfg.max_step_ms is not None else cfg.step_time_ratio * pace * backlog
         out.budget_source, out.step_time_target = "time", target

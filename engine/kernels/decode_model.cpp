@@ -240,10 +240,10 @@ struct TeamStep {
 // Below kFewRows rows a task first requests into L2 the cached K and V rows it reads (all but
 // the new one, which it writes, up to kKvAheadBytes in all), all at once. The layer's request
 // after the QKV product (prefetch_kv_rows) had not brought them in: run twice, a batch-1 step's
-// attention took 0.06 ms a token more at a 33-token context and 0.14 more at 160, against 0.16 and 0.40 for the first
-// run (bf16; the part's other work 0.05-0.07). With the request, builds in one process, bf16,
-// context 160: the attention part 0.41 -> 0.37 ms a token, the step 1.010x on one chiplet and
-// 1.023x on two (75 s; 1.005x / 1.012x at 33). The same request made in a function of its own
+// attention took 0.06 ms a token more at a 33-token context and 0.14 more at 160, against 0.16
+// and 0.40 for the first run (bf16; the part's other work 0.05-0.07). With the request, builds
+// in one process, bf16, context 160: the attention part 0.41 -> 0.37 ms a token, the step 1.010x
+// on one chiplet and 1.023x on two (75 s; 1.005x / 1.012x at 33). The same request made in a function of its own
 // measured no faster than none, twice (not understood; code layout alone moved the part by 0.05).
 // One sequence's RoPE of the query heads of KV heads [kv_begin, kv_end) and of those K heads,
 // their K and V rows written at the token's slot, and their attention.

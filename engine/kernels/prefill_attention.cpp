@@ -239,6 +239,22 @@ MINIVLLM_AVX512 inline void add_values(TileState<R>& t, const float* vb, int64_t
   for (; d < head_dim; d += 16) pv_block<R, 1>(t, vb, num_keys, head_dim, d);
 }
 
+// p[r] = 2^(s[r] - m) for the step's 64 keys (zero where `visible` is clear; null: all visible),
+// returned as a lane-wise sum for the row's running l.
+template <int R>
+MINIVLLM_AVX512 inline __m512 store_probabilities(TileState<R>& t, int r, const __m512 (&sr)[4], float m,
+                                                  const __mmask16* visible) {
+  const __m512 mv = _mm512_set1_ps(m);
+  __m512 sum = _mm512_setzero_ps();
+  for (int c = 0; c < 4; ++c) {
+    __m512 pc = exp2_512(_mm512_sub_ps(sr[c], mv));
+    if (visible != nullptr) pc = _mm512_maskz_mov_ps(visible[c], pc);
+    _mm512_store_ps(t.p[r] + c * kKeys, pc);
+    sum = _mm512_add_ps(sum, pc);
+  }
+  return sum;
+}
+
 // A step of 64 keys every row sees (most steps: below the diagonal and inside any window).
 // While no score rises more than kRescaleSlack above its row's maximum (after a tile's first
 // step, nearly always), the probabilities are taken against the maximum the row already has and
@@ -248,8 +264,7 @@ MINIVLLM_AVX512 inline void add_values(TileState<R>& t, const float* vb, int64_t
 // allocation made the whole step 7-17 % slower.
 template <int R>
 MINIVLLM_AVX512 __attribute__((noinline)) void unmasked_step_avx512(TileState<R>& t, const float* panel,
-                                                                    const float* vb, int64_t key0, int64_t head_dim,
-                                                                    int64_t window) {
+                                                                    const float* vb, int64_t key0, int64_t head_dim) {
   __m512 s[R][4];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < 4; ++c) s[r][c] = _mm512_setzero_ps();
@@ -260,17 +275,11 @@ MINIVLLM_AVX512 __attribute__((noinline)) void unmasked_step_avx512(TileState<R>
     for (int c = 0; c < 4; ++c) is_over |= _mm512_cmp_ps_mask(s[r][c], limit, _CMP_GT_OQ);
   }
   if (is_over) {
-    rescaling_step_avx512(t, s, vb, key0, 4, head_dim, window, true);
+    rescaling_step_avx512(t, s, vb, key0, 4, head_dim, /*window=*/0, true);  // unmasked: no window test
     return;
   }
   for (int r = 0; r < R; ++r) {
-    const __m512 mv = _mm512_set1_ps(t.m[r]);
-    __m512 sum = _mm512_setzero_ps();
-    for (int c = 0; c < 4; ++c) {
-      const __m512 pc = exp2_512(_mm512_sub_ps(s[r][c], mv));
-      _mm512_store_ps(t.p[r] + c * kKeys, pc);
-      sum = _mm512_add_ps(sum, pc);
-    }
+    const __m512 sum = store_probabilities(t, r, s[r], t.m[r], nullptr);
     _mm512_store_ps(t.l_lanes[r], _mm512_add_ps(_mm512_load_ps(t.l_lanes[r]), sum));
   }
   add_values(t, vb, 4 * kKeys, head_dim);
@@ -324,14 +333,7 @@ MINIVLLM_AVX512 void rescaling_step_avx512(TileState<R>& t, __m512 (&s)[R][4], c
       continue;
     }
     any = true;
-    const __m512 mv = _mm512_set1_ps(m_new[r]);
-    __m512 sum = _mm512_setzero_ps();
-    for (int c = 0; c < kSub; ++c) {
-      __m512 pc = exp2_512(_mm512_sub_ps(s[r][c], mv));
-      if (!is_unmasked) pc = _mm512_maskz_mov_ps(visible[r][c], pc);
-      _mm512_store_ps(t.p[r] + c * kKeys, pc);
-      sum = _mm512_add_ps(sum, pc);
-    }
+    const __m512 sum = store_probabilities(t, r, s[r], m_new[r], is_unmasked ? nullptr : visible[r]);
     // The sum stays in lanes (reduced once, at the tile's end): no horizontal add per step.
     _mm512_store_ps(t.l_lanes[r], _mm512_fmadd_ps(_mm512_set1_ps(alpha[r]), _mm512_load_ps(t.l_lanes[r]), sum));
     t.m[r] = m_new[r];
@@ -395,7 +397,7 @@ MINIVLLM_AVX512 void attend_tiles_avx512(const float* q, int64_t row_begin, int6
       const float* panel = k_panels + b * head_dim * kKeys;
       const float* vb = v_rows + b * kKeys * head_dim;
       if (is_all_visible(t, key0, tile_nsub, window))
-        unmasked_step_avx512(t, panel, vb, key0, head_dim, window);
+        unmasked_step_avx512(t, panel, vb, key0, head_dim);
       else
         masked_step_avx512(t, panel, vb, key0, tile_nsub, head_dim, window);
     }
