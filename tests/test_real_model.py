@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, StepStats
 
 pytestmark = pytest.mark.real_model
 
@@ -128,7 +128,8 @@ def test_long_prompt_does_not_stall_running_streams_over_grpc() -> None:
     from service.pb import inference_pb2_grpc as pb_grpc
     from tests.server_harness import ServerThread
 
-    srv = ServerThread(EngineConfig(num_kv_blocks=1024, enable_prefix_caching=False))
+    steps: list[StepStats] = []
+    srv = ServerThread(EngineConfig(num_kv_blocks=1024, enable_prefix_caching=False), stats_listeners=[steps.append])
 
     async def run() -> tuple[list[list[float]], float, float]:
         async with grpc.aio.insecure_channel(srv.target) as channel:
@@ -159,7 +160,23 @@ def test_long_prompt_does_not_stall_running_streams_over_grpc() -> None:
               if b > sent and a < first_token and b > a]
     median = sorted(gaps)[len(gaps) // 2]
     assert during, "the long prefill overlapped no decoding"
-    assert max(during) <= 5 * median, f"worst gap {max(during):.3f} s vs median {median:.3f} s"
+    assert max(during) <= 5 * median, (f"worst gap {max(during):.3f} s vs median {median:.3f} s; steps of the "
+                                       f"long prefill:\n{_describe_steps(steps, sent, first_token)}")
+
+
+def _describe_steps(steps: list[StepStats], begin: float, end: float) -> str:
+    """One line per engine step from 0.2 s before begin to end (monotonic): what it ran, what the cost model
+    predicted and what each part took, so a failing gap shows whether a chunk overshot its target
+    (the scheduler) or a step ran slow for its size (the machine)."""
+    lines = []
+    for s in steps:
+        if begin - 0.2 <= s.start_time <= end:
+            target = f"{1e3 * s.step_time_target:.0f}" if s.step_time_target is not None else "-"
+            predicted = f"{1e3 * s.predicted_step_time:.0f}" if s.predicted_step_time is not None else "-"
+            lines.append(f"  t={s.start_time - begin:+.3f} s prefill {s.num_prefill_tokens} decode {s.num_decode_tokens}"
+                         f" ({s.budget_source}) target {target} predicted {predicted} forward "
+                         f"{1e3 * s.forward_time:.0f} total {1e3 * s.total_time:.0f} ms")
+    return "\n".join(lines)
 
 
 PROFILE_SCHEMA = {
