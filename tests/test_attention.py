@@ -205,13 +205,16 @@ def test_cpp_prefill_kernel_matches_dense(dim: int, window: int | None, dtype: t
 
 
 @pytest.mark.parametrize("window", [None, 150], ids=["full", "window150"])
-def test_cpp_prefill_kernel_rescales_rows_whose_scores_rise(window: int | None) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cpp_prefill_kernel_rescales_rows_whose_scores_rise(window: int | None, dtype: torch.dtype) -> None:
     """Long contexts, where the AVX-512 kernel keeps a row's maximum until a score passes it by
     more than 2^8: on KV head 0 one key scores 2^43 to 2^374 times the rest (past 2^128 its
     probability overflows float32 without a rescale); on head 1 the keys' scores rise through the
     context, every 64-key step's best by up to 2^6.4 over the row's maximum (probabilities above
     1 against a kept maximum); head 2 is plain. A chunk after 300 cached tokens and a whole
-    340-token prompt, on every SIMD path, against dense float64."""
+    340-token prompt, on every SIMD path, against dense float64; a bfloat16 cache (from
+    AVX512-BF16 up: q and p rounded to bfloat16, the products on vdpbf16ps) within bf16's
+    tolerance of dense attention over the same rounded K and V."""
     kernels = load_cpu_kernels()
     if kernels is None:
         pytest.fail("the C++ kernels must build here (make test installs a compiler)")
@@ -227,6 +230,9 @@ def test_cpp_prefill_kernel_rescales_rows_whose_scores_rise(window: int | None) 
     k_paged = torch.zeros(table.numel() * bs, kv_heads, dim)
     v_paged = torch.zeros_like(k_paged)
     k_paged[slots], v_paged[slots] = k_cache, v_cache
+    k_paged, v_paged = k_paged.to(dtype), v_paged.to(dtype)
+    k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
     for cached in (300, 0):
         n = num_ctx - cached
         q = q_all[cached:]
@@ -236,5 +242,5 @@ def test_cpp_prefill_kernel_rescales_rows_whose_scores_rise(window: int | None) 
                                      prefill=[PrefillSeqMeta(0, n, num_ctx, None, block_table=table)],
                                      block_size=bs, prefill_kernels=kernels, kernel_isa=isa)
             out = prefill_attention(q, q[:, :kv_heads], q[:, :kv_heads], k_paged, v_paged, attn, dim**-0.5, window)
-            torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5,
+            torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol,
                                        msg=lambda m, isa=isa, cached=cached: f"isa {isa}, {cached} cached: {m}")

@@ -16,7 +16,8 @@ namespace minivllm {
 // Which SIMD code path a kernel runs. Python picks one per engine (the best the CPU has, or a
 // lower one to test it) and passes it in: no global switch. kIsaAvx512Bf16 is AVX-512 whose
 // bfloat16 weights' products run on vdpbf16ps, kIsaAmx AVX-512 whose run on the AMX tiles (CPUs
-// with AMX have AVX512-BF16 too); every other kernel runs its AVX-512 path on both.
+// with AMX have AVX512-BF16 too); on both, prefill attention over a bfloat16 cache runs on
+// vdpbf16ps; every other kernel runs its AVX-512 path on both.
 enum Isa : int64_t { kIsaScalar = 0, kIsaAvx2 = 1, kIsaAvx512 = 2, kIsaAvx512Bf16 = 3, kIsaAmx = 4 };
 
 int64_t best_isa();
