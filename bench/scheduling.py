@@ -151,15 +151,19 @@ def chunk_split(engine: LLMEngine, chunk: int, contexts: tuple[int, ...], repeat
     out = {}
     for c in contexts:
         fwd, attn = med(f"forward{c}"), med(f"attention{c}")
+        # Two products (q.k and p.v) of 2 FLOPs per dimension for every (query row, key it sees).
+        attn_flops = 4 * mc.head_dim * mc.num_heads * mc.num_layers * (chunk * c + chunk * (chunk + 1) // 2)
         out[c] = {"forward_s": fwd, "projections_s": proj, "attention_s": attn, "rest_s": max(0.0, fwd - proj - attn),
                   "attention_share": med(f"attention{c}", f"forward{c}"), "over_first": med(f"forward{c}", first),
-                  "projections_gflops": flops / proj / 1e9, "torch_gemm_gflops": flops / med("gemm") / 1e9}
+                  "projections_gflops": flops / proj / 1e9, "torch_gemm_gflops": flops / med("gemm") / 1e9,
+                  "attention_gflops": attn_flops / attn / 1e9, "attention_over_projection_flops": attn_flops / flops}
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None)
+    parser.add_argument("--dtype", default="auto", help="the engine's dtype (bfloat16: the fast CPU mode)")
     parser.add_argument("--num-short", type=int, default=48)
     parser.add_argument("--short-output", type=int, default=32)
     parser.add_argument("--num-long", type=int, default=3)
@@ -167,7 +171,8 @@ def main() -> None:
     parser.add_argument("--long-output", type=int, default=16)
     parser.add_argument("--rate", type=float, default=2.0, help="short-chat arrivals per second (Poisson)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig().max_num_batched_tokens)
-    parser.add_argument("--policies", default="time,fixed,unchunked", help=f"comma list of {list(POLICIES)}")
+    parser.add_argument("--policies", default="time,fixed,unchunked",
+                        help=f"comma list of {list(POLICIES)}; empty: only the prefill-chunk split")
     parser.add_argument("--step-time-ratio", type=float, default=None, help="the time policy's step_time_ratio")
     parser.add_argument("--max-step-ms", type=float, default=None, help="the time policy's max_step_ms")
     parser.add_argument("--no-split", action="store_true", help="skip the prefill-chunk split")
@@ -177,20 +182,45 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
-    engine = LLMEngine(EngineConfig(model=args.model, max_num_batched_tokens=args.max_num_batched_tokens,
-                                    enable_prefix_caching=False))
+    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype,
+                                    max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False))
     workload = make_workload(args, engine.vocab_size)
     engine.add_request(workload[0][1][:8], SamplingParams(max_tokens=2))  # warm-up
     while engine.has_unfinished_requests():
         engine.step()
     results = {}
-    for name in args.policies.split(","):
+    for name in [p for p in args.policies.split(",") if p]:
         options = dict(POLICIES[name])
         if name == "time":
             options |= {k: v for k, v in (("step_time_ratio", args.step_time_ratio), ("max_step_ms", args.max_step_ms))
                         if v is not None}
         engine.reconfigure(**options)  # same loaded model (and learned costs), another policy
         results[name] = replay(engine, workload)
+    if results:
+        print_policies(args, results)
+    splits = {}
+    if not args.no_split:
+        engine.reconfigure(**POLICIES["fixed"])
+        splits = chunk_split(engine, args.chunk, (0, 2 * args.chunk))
+    for ctx, s in splits.items():
+        print(f"prefill chunk of {args.chunk} tokens after {ctx:5d} cached: forward {1e3 * s['forward_s']:6.1f} ms = "
+              f"projections {1e3 * s['projections_s']:6.1f} + attention {1e3 * s['attention_s']:5.1f} "
+              f"({100 * s['attention_share']:4.1f}% of the forward, median of rounds) + rest {1e3 * s['rest_s']:5.1f}; "
+              f"projections at {s['projections_gflops']:.0f} GFLOP/s, torch GEMM {s['torch_gemm_gflops']:.0f} GFLOP/s, "
+              f"attention at {s['attention_gflops']:.0f} GFLOP/s ({s['attention_over_projection_flops']:.3f}x the "
+              f"projections' FLOPs)")
+    if splits:
+        first, later = splits[0], splits[2 * args.chunk]
+        # With attention at the projections' FLOP rate, the later chunk costs this much of the first (no rest).
+        at_par = (1 + later["attention_over_projection_flops"]) / (1 + first["attention_over_projection_flops"])
+        print(f"chunk over {2 * args.chunk} cached tokens / first chunk: {later['over_first']:.3f}x "
+              f"(median of rounds; {at_par:.3f}x with attention at the projections' FLOP rate)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"workload": vars(args), "results": results, "chunk_split": splits}, f, indent=2)
+
+
+def print_policies(args: argparse.Namespace, results: dict[str, dict]) -> None:
     print(f"workload: {args.num_short} short chats (16-96 tokens in, {args.short_output} out, {args.rate}/s) + "
           f"{args.num_long} prompts of {args.long_len} tokens; token budget {args.max_num_batched_tokens}/step")
     print(f"{'policy':<10} {'decode step':>11} {'ITL p50':>8} {'ITL p99':>8} {'worst gap':>10} {'long TTFT p50':>14} "
@@ -204,21 +234,6 @@ def main() -> None:
         ratio = results["time"]["long_ttft_s"]["median"] / results["fixed"]["long_ttft_s"]["median"]
         print(f"long-prompt TTFT, time / fixed budget: {ratio:.2f}x   (ITL and gaps are multiples of the same "
               f"policy's median decode-only step)")
-    splits = {}
-    if not args.no_split:
-        engine.reconfigure(**POLICIES["fixed"])
-        splits = chunk_split(engine, args.chunk, (0, 2 * args.chunk))
-    for ctx, s in splits.items():
-        print(f"prefill chunk of {args.chunk} tokens after {ctx:5d} cached: forward {1e3 * s['forward_s']:6.1f} ms = "
-              f"projections {1e3 * s['projections_s']:6.1f} + attention {1e3 * s['attention_s']:5.1f} "
-              f"({100 * s['attention_share']:4.1f}% of the forward, median of rounds) + rest {1e3 * s['rest_s']:5.1f}; "
-              f"projections at {s['projections_gflops']:.0f} GFLOP/s, torch GEMM {s['torch_gemm_gflops']:.0f} GFLOP/s")
-    if splits:
-        print(f"chunk over {2 * args.chunk} cached tokens / first chunk: {splits[2 * args.chunk]['over_first']:.3f}x "
-              f"(median of rounds)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"workload": vars(args), "results": results, "chunk_split": splits}, f, indent=2)
 
 
 if __name__ == "__main__":
