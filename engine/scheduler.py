@@ -198,7 +198,7 @@ class Scheduler:
         # streams doubled the target and put the top 1 % of gaps past 3x the median step. Not a
         # floor on the batch instead (counting a batch as at least 8 streams): while a served
         # burst ramps up (3-4 streams, 28 behind them) that held the target to about half
-        # (served throughput measured 0-4 % lower, near this machine's noise).
+        # (served throughput measured 0.2-3 % lower, within this machine's noise).
         backlog = 1.0 + max(0, len(self.waiting) - self.BURST_QUEUE_SLACK) / max(1, len(self.running))
         target = cfg.max_step_ms / 1e3 if cfg.max_step_ms is not None else cfg.step_time_ratio * pace * backlog
         out.budget_source, out.step_time_target = "time", target

@@ -28,6 +28,11 @@ int64_t best_isa();
 // few-row steps request weights and K/V rows ahead and compute SiLU per member.
 constexpr int64_t kFewRows = 4;
 
+// The cache slot of a sequence's token `pos`: its block from the block table, then the row in it.
+inline int64_t paged_slot(const int64_t* table, int64_t block_size, int64_t pos) {
+  return table[pos / block_size] * block_size + pos % block_size;
+}
+
 // How far a team (DecodeModel's step: one parallel region for a whole chain of parts, each
 // reading what the one before wrote) has got: parts complete in order, so one number, the parts
 // done, says it. A member waits for the part before its next one, not for the other members:

@@ -243,8 +243,9 @@ struct TeamStep {
 // attention took 0.06 ms a token more at a 33-token context and 0.14 more at 160, against 0.16
 // and 0.40 for the first run (bf16; the part's other work 0.05-0.07). With the request, builds
 // in one process, bf16, context 160: the attention part 0.41 -> 0.37 ms a token, the step 1.010x
-// on one chiplet and 1.023x on two (75 s; 1.005x / 1.012x at 33). The same request made in a function of its own
-// measured no faster than none, twice (not understood; code layout alone moved the part by 0.05).
+// on one chiplet and 1.023x on two (75 s; 1.005x / 1.012x at 33). The same request made in a
+// function of its own measured no faster than none, twice (not understood; code layout alone
+// moved the part by 0.05).
 // One sequence's RoPE of the query heads of KV heads [kv_begin, kv_end) and of those K heads,
 // their K and V rows written at the token's slot, and their attention.
 template <typename cache_t>
@@ -549,7 +550,7 @@ std::tuple<torch::Tensor, std::optional<std::vector<int64_t>>> DecodeModel::step
                   " outside the cache");
     std::copy(table.begin(), table.end(), tables.begin() + m * max_blocks);
     positions[m] = pos;
-    slots[m] = table[pos / block_size] * block_size + pos % block_size;
+    slots[m] = paged_slot(table.data(), block_size, pos);
   }
   auto x = gathered_rows(embedding, token_ids.data(), M, "embedding");  // [M, hidden] float32
   const auto cos = gathered_rows(rope_cos, positions.data(), M, "RoPE table");

@@ -169,8 +169,7 @@ bool attend_one_avx512(const float* qb, const cache_t* kp, const cache_t* vp, co
   // Each token's slot offset (into a K or V cache), once for all KV heads of the call.
   std::vector<int64_t> offsets(ctx);
   for (int64_t t = 0; t < ctx; ++t) {
-    const int64_t pos = first + t;
-    offsets[t] = (table[pos / block_size] * block_size + pos % block_size) * slot_stride;
+    offsets[t] = paged_slot(table, block_size, first + t) * slot_stride;
   }
   for (int64_t h = kv_begin; h < kv_end; ++h) {
     const float* q = qb + h * group * head_dim;
@@ -214,7 +213,7 @@ void attend_one(const float* qb, const cache_t* kp, const cache_t* vp, const int
   // Token t's K or V row (all KV heads), as float: fp32 is read in place, other storage types
   // are widened into `row`.
   auto load_row = [&](const cache_t* cache, int64_t t) -> const float* {
-    const int64_t slot = table[t / block_size] * block_size + t % block_size;
+    const int64_t slot = paged_slot(table, block_size, t);
     const cache_t* src = cache + slot * slot_stride;
     if constexpr (std::is_same_v<cache_t, float>) {
       return src;

@@ -99,7 +99,7 @@ void gather_block(const cache_t* k_cache, const cache_t* v_cache, const int64_t*
   if (count < kKeys) std::fill(panel, panel + head_dim * kKeys, 0.f);
   for (int64_t i = 0; i < count; ++i) {
     const int64_t t = first + i;
-    const int64_t slot = table[t / block_size] * block_size + t % block_size;
+    const int64_t slot = paged_slot(table, block_size, t);
     const cache_t* k = k_cache + slot * slot_stride + head_offset;
     const cache_t* v = v_cache + slot * slot_stride + head_offset;
     for (int64_t d = 0; d < head_dim; ++d) panel[d * kKeys + i] = static_cast<float>(k[d]);
@@ -414,8 +414,10 @@ MINIVLLM_AVX512 void rescaling_step_avx512(TileState<R>& t, __m512 (&s)[R][4], c
   }
   for (int r = 0; r < R; ++r) {
     if (m_new[r] == -std::numeric_limits<float>::infinity()) {  // no key visible to this row yet
-      for (int c = 0; c < kSub; ++c) _mm512_store_ps(t.p[r] + c * kKeys, _mm512_setzero_ps());
-      std::fill(t.p_bf16[r], t.p_bf16[r] + 4 * kKeys, uint16_t{0});
+      if constexpr (std::is_same_v<E, float>)
+        std::fill(t.p[r], t.p[r] + kSub * kKeys, 0.f);
+      else
+        std::fill(t.p_bf16[r], t.p_bf16[r] + kSub * kKeys, uint16_t{0});
       continue;
     }
     any = true;
@@ -531,7 +533,7 @@ MINIVLLM_AVX512 void gather_block_avx512(const float* k_cache, const float* v_ca
   const float* k_rows[kKeys];
   for (int64_t i = 0; i < kKeys; ++i) {
     const int64_t t = first + i;
-    const int64_t slot = (table[t / block_size] * block_size + t % block_size) * slot_stride + head_offset;
+    const int64_t slot = paged_slot(table, block_size, t) * slot_stride + head_offset;
     k_rows[i] = k_cache + slot;
     std::memcpy(v_rows + i * head_dim, v_cache + slot, head_dim * sizeof(float));
   }
@@ -544,6 +546,11 @@ MINIVLLM_AVX512 void gather_block_avx512(const float* k_cache, const float* v_ca
 }
 
 #if defined(MINIVLLM_HAS_AVX512_BF16)
+// 16 bfloat16 values, each zero-extended into a 32-bit lane.
+MINIVLLM_AVX512 inline __m512i widen_16(const uint16_t* p) {
+  return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
 // Keys [first, first + count) (count <= 16) of a bfloat16 cache as the pair path's operands:
 // the panel [D / 2, 16] holds each key's dimension pairs (a row's 32-bit words, transposed 16 x 16
 // like a float32 panel), the values [8, D] each pair of keys' two values per dimension. Keys
@@ -561,7 +568,7 @@ MINIVLLM_AVX512 void gather_block_pairs(const at::BFloat16* k_cache, const at::B
       continue;
     }
     const int64_t t = first + i;
-    const int64_t slot = (table[t / block_size] * block_size + t % block_size) * slot_stride + head_offset;
+    const int64_t slot = paged_slot(table, block_size, t) * slot_stride + head_offset;
     k_rows[i] = reinterpret_cast<const uint16_t*>(k_cache + slot);
     v_rows[i] = reinterpret_cast<const uint16_t*>(v_cache + slot);
   }
@@ -575,9 +582,8 @@ MINIVLLM_AVX512 void gather_block_pairs(const at::BFloat16* k_cache, const at::B
     for (int j = 0; j < n; ++j) _mm512_storeu_ps(reinterpret_cast<float*>(panel + (dp + j) * kKeys), r[j]);
   }
   for (int64_t jp = 0; jp < kKeys / 2; ++jp) {
-    for (int64_t d = 0; d < head_dim; d += 16) {
-      const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v_rows[2 * jp] + d)));
-      const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v_rows[2 * jp + 1] + d)));
+    for (int64_t d = 0; d < head_dim; d += 16) {  // key 2 jp in the low half of each element
+      const __m512i lo = widen_16(v_rows[2 * jp] + d), hi = widen_16(v_rows[2 * jp + 1] + d);
       _mm512_storeu_si512(v_pairs + jp * head_dim + d, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
     }
   }
