@@ -92,6 +92,70 @@ MINIVLLM_AVX512 void weighted_values(const float* probs, int64_t ctx_stride, con
       _mm512_storeu_ps(out + g * head_dim + c0 + 16 * c, _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv_sum[g])));
 }
 
+// Scores of tokens [t0, t0 + 16) (fewer at the context's end) for one KV head's G query heads
+// (q: [G, D], unscaled; k and v point at the head's columns) -> scores [G, ctx_stride] at t0.
+// Per token and head a 16-lane partial dot product, then one transpose-add turns 16 of them into
+// 16 scores.
+template <int G, typename cache_t>
+MINIVLLM_AVX512 inline void score_tokens(const float* q, const cache_t* k, const cache_t* v, const int64_t* offsets,
+                                         int64_t ctx, int64_t t0, int64_t head_dim, __m512 vscale, int64_t ctx_stride,
+                                         float* scores) {
+  const int64_t n = std::min<int64_t>(16, ctx - t0), nd = head_dim / 16;
+  __m512 partial[G][16];
+  for (int64_t j = 0; j < 16; ++j) {
+    if (j >= n) {
+      for (int g = 0; g < G; ++g) partial[g][j] = _mm512_setzero_ps();
+      continue;
+    }
+    const cache_t* kt = k + offsets[t0 + j];
+    // The V row too, so the weighted sum after the softmax starts on rows in L2 and this loop
+    // keeps twice the requests in flight (1.05-1.26x the kernel at contexts of 128-1000).
+    if (t0 + j + kPrefetchRows < ctx) {
+      prefetch_row(k + offsets[t0 + j + kPrefetchRows], head_dim);
+      prefetch_row(v + offsets[t0 + j + kPrefetchRows], head_dim);
+    }
+    __m512 acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < nd; ++c) {
+      const __m512 kc = load16(kt + 16 * c);
+      for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * head_dim + 16 * c), kc, acc[g]);
+    }
+    for (int g = 0; g < G; ++g) partial[g][j] = acc[g];
+  }
+  for (int g = 0; g < G; ++g)
+    _mm512_storeu_ps(scores + g * ctx_stride + t0, _mm512_mul_ps(sum_lanes16(partial[g]), vscale));
+}
+
+// One KV head's softmax over its G query heads' scores [G, ctx_stride] (overwritten with the
+// unnormalised probabilities), then the weighted sum of V (v: the head's columns) -> out [G, D],
+// the normalisation folded in.
+template <int G, typename cache_t>
+MINIVLLM_AVX512 void softmax_values(float* scores, int64_t ctx_stride, const cache_t* v, const int64_t* offsets,
+                                    int64_t ctx, int64_t head_dim, float* out) {
+  alignas(64) float inv_sum[G];
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int g = 0; g < G; ++g) {
+    float* sg = scores + g * ctx_stride;
+    __m512 mx = neg_inf;
+    for (int64_t t = 0; t < ctx; t += 16) {
+      const __mmask16 m = static_cast<__mmask16>(ctx - t >= 16 ? 0xFFFF : (1u << (ctx - t)) - 1u);
+      mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(neg_inf, m, sg + t));
+    }
+    const __m512 vmax = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < ctx; t += 16) {
+      const __mmask16 m = static_cast<__mmask16>(ctx - t >= 16 ? 0xFFFF : (1u << (ctx - t)) - 1u);
+      const __m512 e = _mm512_maskz_mov_ps(m, exp512(_mm512_sub_ps(_mm512_loadu_ps(sg + t), vmax)));
+      _mm512_storeu_ps(sg + t, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    inv_sum[g] = 1.f / _mm512_reduce_add_ps(sum);
+  }
+  int64_t c0 = 0;
+  for (; c0 + 64 <= head_dim; c0 += 64) weighted_values<G, 4>(scores, ctx_stride, v, offsets, ctx, c0, inv_sum, head_dim, out);
+  for (; c0 < head_dim; c0 += 16) weighted_values<G, 1>(scores, ctx_stride, v, offsets, ctx, c0, inv_sum, head_dim, out);
+}
+
 // KV heads [0, num_kv) of one sequence, G query heads each (q: [num_kv, G, D], unscaled), over
 // their K and V rows (token t's at k + offsets[t] and v + offsets[t]; head h's columns start
 // h D further) -> out [num_kv, G, D]. scratch: num_kv G round_up(ctx, 16) scores.
@@ -99,72 +163,29 @@ template <int G, typename cache_t>
 MINIVLLM_AVX512 void attend_kv_heads_avx512(const float* q, const cache_t* k, const cache_t* v, const int64_t* offsets,
                                             int64_t ctx, int64_t num_kv, int64_t head_dim, float scale, float* scratch,
                                             float* out) {
-  const int64_t ctx_stride = (ctx + 15) / 16 * 16, nd = head_dim / 16;
+  const int64_t ctx_stride = (ctx + 15) / 16 * 16, head_size = G * head_dim;
   const __m512 vscale = _mm512_set1_ps(scale);
-  // Scores, 16 tokens at a time, every KV head's before the next 16: a token's row holds all
-  // heads side by side, and a pass per head read a third of each row three times over (batch
-  // 32, 30 layers, a 2-core Zen 4: fp32 1.06-1.22x the kernel at contexts of 300-1000, bf16
-  // 1.00-1.05x). Per token and head a 16-lane partial dot product, then one transpose-add turns
-  // 16 of them into 16 scores.
-  for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
-    const int64_t n = std::min<int64_t>(16, ctx - t0);
+  if constexpr (std::is_same_v<cache_t, float>) {
+    // Every KV head's scores for 16 tokens before the next 16: a token's row holds all heads
+    // side by side, and a pass per head read a third of each row three times over (batch 32,
+    // 30 layers, a 2-core Zen 4: the kernel 1.05-1.24x at contexts of 128-1000, outputs equal).
+    // A bfloat16 row is half as long, and there no gain showed: the kernel alone 0.98-1.04x,
+    // the engine's batch-32 step 1.02-1.11x slower in two runs (noise, two runs of one build
+    // suggest, but nothing to gain), so it keeps a pass per head.
+    for (int64_t t0 = 0; t0 < ctx; t0 += 16)
+      for (int64_t h = 0; h < num_kv; ++h)
+        score_tokens<G>(q + h * head_size, k + h * head_dim, v + h * head_dim, offsets, ctx, t0, head_dim, vscale,
+                        ctx_stride, scratch + h * G * ctx_stride);
+    for (int64_t h = 0; h < num_kv; ++h)
+      softmax_values<G>(scratch + h * G * ctx_stride, ctx_stride, v + h * head_dim, offsets, ctx, head_dim,
+                        out + h * head_size);
+  } else {
     for (int64_t h = 0; h < num_kv; ++h) {
-      const float* qh = q + h * G * head_dim;
-      __m512 partial[G][16];
-      for (int64_t j = 0; j < 16; ++j) {
-        if (j >= n) {
-          for (int g = 0; g < G; ++g) partial[g][j] = _mm512_setzero_ps();
-          continue;
-        }
-        const cache_t* kt = k + offsets[t0 + j] + h * head_dim;
-        // The V row too, so the weighted sum after the softmax starts on rows in L2 and this loop
-        // keeps twice the requests in flight (1.05-1.26x the kernel at contexts of 128-1000).
-        if (t0 + j + kPrefetchRows < ctx) {
-          prefetch_row(k + offsets[t0 + j + kPrefetchRows] + h * head_dim, head_dim);
-          prefetch_row(v + offsets[t0 + j + kPrefetchRows] + h * head_dim, head_dim);
-        }
-        __m512 acc[G];
-        for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
-        for (int64_t c = 0; c < nd; ++c) {
-          const __m512 kc = load16(kt + 16 * c);
-          for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(qh + g * head_dim + 16 * c), kc, acc[g]);
-        }
-        for (int g = 0; g < G; ++g) partial[g][j] = acc[g];
-      }
-      float* scores = scratch + h * G * ctx_stride;
-      for (int g = 0; g < G; ++g)
-        _mm512_storeu_ps(scores + g * ctx_stride + t0, _mm512_mul_ps(sum_lanes16(partial[g]), vscale));
+      for (int64_t t0 = 0; t0 < ctx; t0 += 16)
+        score_tokens<G>(q + h * head_size, k + h * head_dim, v + h * head_dim, offsets, ctx, t0, head_dim, vscale,
+                        ctx_stride, scratch);
+      softmax_values<G>(scratch, ctx_stride, v + h * head_dim, offsets, ctx, head_dim, out + h * head_size);
     }
-  }
-  // Softmax per query head; the normalisation is folded into the output.
-  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t h = 0; h < num_kv; ++h) {
-    alignas(64) float inv_sum[G];
-    for (int g = 0; g < G; ++g) {
-      float* sg = scratch + (h * G + g) * ctx_stride;
-      __m512 mx = neg_inf;
-      for (int64_t t = 0; t < ctx; t += 16) {
-        const __mmask16 m = static_cast<__mmask16>(ctx - t >= 16 ? 0xFFFF : (1u << (ctx - t)) - 1u);
-        mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(neg_inf, m, sg + t));
-      }
-      const __m512 vmax = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-      __m512 sum = _mm512_setzero_ps();
-      for (int64_t t = 0; t < ctx; t += 16) {
-        const __mmask16 m = static_cast<__mmask16>(ctx - t >= 16 ? 0xFFFF : (1u << (ctx - t)) - 1u);
-        const __m512 e = _mm512_maskz_mov_ps(m, exp512(_mm512_sub_ps(_mm512_loadu_ps(sg + t), vmax)));
-        _mm512_storeu_ps(sg + t, e);
-        sum = _mm512_add_ps(sum, e);
-      }
-      inv_sum[g] = 1.f / _mm512_reduce_add_ps(sum);
-    }
-    // The weighted sum per KV head: its G x 64 accumulators stay in registers over the whole
-    // context (interleaving the heads' values in spans of tokens ran slower).
-    const float* probs = scratch + h * G * ctx_stride;
-    const cache_t* vh = v + h * head_dim;
-    float* oh = out + h * G * head_dim;
-    int64_t c0 = 0;
-    for (; c0 + 64 <= head_dim; c0 += 64) weighted_values<G, 4>(probs, ctx_stride, vh, offsets, ctx, c0, inv_sum, head_dim, oh);
-    for (; c0 < head_dim; c0 += 16) weighted_values<G, 1>(probs, ctx_stride, vh, offsets, ctx, c0, inv_sum, head_dim, oh);
   }
 }
 
