@@ -269,7 +269,7 @@ void attend_task(const TeamStep& s, int64_t m, int64_t kv_begin, int64_t kv_end,
     const int64_t cached = std::min(s.lens[m] - 1, kKvAheadBytes / 2 / bytes);
     const int64_t* table = s.tables + m * s.max_blocks;
     for (int64_t t = 0; t < cached; ++t) {
-      const int64_t slot = table[t / model.block_size] * model.block_size + t % model.block_size;
+      const int64_t slot = paged_slot(table, model.block_size, t);
       for (int64_t line = 0; line < bytes; line += 64) {
         _mm_prefetch(k + slot * row_bytes + line, _MM_HINT_T1);
         _mm_prefetch(v + slot * row_bytes + line, _MM_HINT_T1);

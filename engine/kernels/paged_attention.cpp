@@ -79,6 +79,8 @@ MINIVLLM_AVX512 void weighted_values(const float* probs, int64_t ctx_stride, con
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_setzero_ps();
   for (int64_t t = 0; t < ctx; ++t) {
+    // Asked for again, though the scores pass asked for every V row (likely gone from L2 by
+    // now at long contexts): without this request the kernel ran 0.97x in fp32 at 300 and 1000.
     if (t + kPrefetchRows < ctx) prefetch_row(v + offsets[t + kPrefetchRows] + c0, NC * 16);
     __m512 vt[NC];
     for (int c = 0; c < NC; ++c) vt[c] = load16(v + offsets[t] + c0 + 16 * c);
@@ -168,10 +170,10 @@ MINIVLLM_AVX512 void attend_kv_heads_avx512(const float* q, const cache_t* k, co
   if constexpr (std::is_same_v<cache_t, float>) {
     // Every KV head's scores for 16 tokens before the next 16: a token's row holds all heads
     // side by side, and a pass per head read a third of each row three times over (batch 32,
-    // 30 layers, a 2-core Zen 4: the kernel 1.05-1.24x at contexts of 128-1000, outputs equal).
-    // A bfloat16 row is half as long, and there no gain showed: the kernel alone 0.98-1.04x,
-    // the engine's batch-32 step 1.02-1.11x slower in two runs (noise, two runs of one build
-    // suggest, but nothing to gain), so it keeps a pass per head.
+    // 30 layers, a 2-core Zen 4: the kernel 1.05-1.26x at contexts of 128-1000, outputs equal).
+    // A bfloat16 row is half as long, and there no gain showed: the kernel alone 0.94-1.11x
+    // (medians near 1.0), the engine's batch-32 step 1.02-1.11x slower in two runs (one build
+    // against itself moved as much), so it keeps a pass per head.
     for (int64_t t0 = 0; t0 < ctx; t0 += 16)
       for (int64_t h = 0; h < num_kv; ++h)
         score_tokens<G>(q + h * head_size, k + h * head_dim, v + h * head_dim, offsets, ctx, t0, head_dim, vscale,
