@@ -64,7 +64,9 @@ def test_cpp_kernel_matches_dense(dim: int, window: int | None) -> None:
         torch.testing.assert_close(out, expected, msg=lambda m, isa=isa: f"isa {isa}: {m}")
 
 
-@pytest.mark.parametrize("dim", [16, 80])
+# Head sizes 64 and 96 read each bfloat16 row 32 values at a time, split into even and odd
+# columns (96: 64 columns, then 32); 16 and 80 widen 16 at a time.
+@pytest.mark.parametrize("dim", [16, 64, 80, 96])
 def test_cpp_kernel_bfloat16_cache(dim: int) -> None:
     kernels = load_cpu_kernels()
     assert kernels is not None
