@@ -48,8 +48,9 @@ inline bool is_split_width(int64_t head_dim) { return head_dim % 32 == 0 && head
 // 32 bfloat16 values (one 64-byte load) as two float32 vectors: the even-indexed values (each
 // 32-bit lane's low half, shifted up) and the odd-indexed ones (its high half, masked). Two
 // single-cycle operations where load16 takes a cross-lane zero-extension and a shift for every
-// 16 values (batch 32, 30 layers, a 2-core Zen 4: the kernel 1.04-1.15x at contexts of 128-2000).
-// Kept inline in score_tokens: as a helper function the kernel ran 0.88-0.92x.
+// 16 values (batch 32, 30 layers, a 2-core Zen 4: two builds of the kernel alone, in one process,
+// 1.04-1.15x at contexts of 128-2000; the engine's build in separate processes 0.95-0.98x the
+// time on average, within their spread).
 MINIVLLM_AVX512 inline void load32_split(const at::BFloat16* p, __m512& even, __m512& odd) {
   const __m512i raw = _mm512_loadu_si512(p);
   even = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
@@ -98,8 +99,23 @@ MINIVLLM_AVX512 inline __m512 sum_lanes16(const __m512 (&v)[16]) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xdd));
 }
 
-// out[g, :] += sum_t p[g, t] v_t[:], columns [c0, c0 + 16 NC) of the G query heads, in registers.
-template <int G, int NC, typename cache_t>
+// The 16 NC values of a row from p as NC float32 vectors: widened 16 at a time (load16), or,
+// with kSplit (a bfloat16 row), 32 at a time (load32_split), vectors 2i and 2i + 1 then holding
+// the even and the odd columns of the i-th 32.
+template <int NC, bool kSplit, typename cache_t>
+MINIVLLM_AVX512 inline void load_row(const cache_t* p, __m512 (&r)[NC]) {
+  if constexpr (kSplit) {
+    static_assert(NC % 2 == 0, "a split row is read 32 values at a time");
+    for (int c = 0; c < NC; c += 2) load32_split(p + 16 * c, r[c], r[c + 1]);
+  } else {
+    for (int c = 0; c < NC; ++c) r[c] = load16(p + 16 * c);
+  }
+}
+
+// out[g, :] += sum_t p[g, t] v_t[:], columns [c0, c0 + 16 NC) of the G query heads, in registers;
+// with kSplit the even and odd columns accumulate apart (load_row) and are interleaved once, at
+// the end.
+template <int G, int NC, bool kSplit, typename cache_t>
 MINIVLLM_AVX512 void weighted_values(const float* probs, int64_t ctx_stride, const cache_t* v, const int64_t* offsets,
                                      int64_t ctx, int64_t c0, const float* inv_sum, int64_t head_dim, float* out) {
   __m512 acc[G][NC];
@@ -110,60 +126,39 @@ MINIVLLM_AVX512 void weighted_values(const float* probs, int64_t ctx_stride, con
     // now at long contexts): without this request the kernel ran 0.97x in fp32 at 300 and 1000.
     if (t + kPrefetchRows < ctx) prefetch_row(v + offsets[t + kPrefetchRows] + c0, NC * 16);
     __m512 vt[NC];
-    for (int c = 0; c < NC; ++c) vt[c] = load16(v + offsets[t] + c0 + 16 * c);
+    load_row<NC, kSplit>(v + offsets[t] + c0, vt);
     for (int g = 0; g < G; ++g) {
       const __m512 pg = _mm512_set1_ps(probs[g * ctx_stride + t]);
       for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_fmadd_ps(pg, vt[c], acc[g][c]);
     }
   }
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < NC; ++c)
-      _mm512_storeu_ps(out + g * head_dim + c0 + 16 * c, _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv_sum[g])));
-}
-
-// weighted_values over a bfloat16 cache whose rows are split (is_split_width), 32 NP columns
-// from c0: the even and odd columns accumulate apart and are interleaved once, at the end.
-template <int G, int NP>
-MINIVLLM_AVX512 void weighted_values_split(const float* probs, int64_t ctx_stride, const at::BFloat16* v,
-                                           const int64_t* offsets, int64_t ctx, int64_t c0, const float* inv_sum,
-                                           int64_t head_dim, float* out) {
-  __m512 even[G][NP], odd[G][NP];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < NP; ++c) even[g][c] = odd[g][c] = _mm512_setzero_ps();
-  for (int64_t t = 0; t < ctx; ++t) {
-    if (t + kPrefetchRows < ctx) prefetch_row(v + offsets[t + kPrefetchRows] + c0, NP * 32);  // as weighted_values
-    __m512 ve[NP], vo[NP];
-    for (int c = 0; c < NP; ++c) load32_split(v + offsets[t] + c0 + 32 * c, ve[c], vo[c]);
-    for (int g = 0; g < G; ++g) {
-      const __m512 pg = _mm512_set1_ps(probs[g * ctx_stride + t]);
-      for (int c = 0; c < NP; ++c) {
-        even[g][c] = _mm512_fmadd_ps(pg, ve[c], even[g][c]);
-        odd[g][c] = _mm512_fmadd_ps(pg, vo[c], odd[g][c]);
-      }
-    }
-  }
-  // Columns 2i and 2i + 1 from lane i of even and of odd: the first 16 columns, then the next.
-  const __m512i low = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-  const __m512i high = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
   for (int g = 0; g < G; ++g) {
     const __m512 inv = _mm512_set1_ps(inv_sum[g]);
-    for (int c = 0; c < NP; ++c) {
-      float* dst = out + g * head_dim + c0 + 32 * c;
-      _mm512_storeu_ps(dst, _mm512_mul_ps(_mm512_permutex2var_ps(even[g][c], low, odd[g][c]), inv));
-      _mm512_storeu_ps(dst + 16, _mm512_mul_ps(_mm512_permutex2var_ps(even[g][c], high, odd[g][c]), inv));
+    float* dst = out + g * head_dim + c0;
+    if constexpr (kSplit) {
+      // Columns 2i and 2i + 1 from lane i of the even and the odd sums: 16 columns, then 16 more.
+      const __m512i low = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+      const __m512i high = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+      for (int c = 0; c < NC; c += 2) {
+        _mm512_storeu_ps(dst + 16 * c, _mm512_mul_ps(_mm512_permutex2var_ps(acc[g][c], low, acc[g][c + 1]), inv));
+        _mm512_storeu_ps(dst + 16 * c + 16, _mm512_mul_ps(_mm512_permutex2var_ps(acc[g][c], high, acc[g][c + 1]), inv));
+      }
+    } else {
+      for (int c = 0; c < NC; ++c) _mm512_storeu_ps(dst + 16 * c, _mm512_mul_ps(acc[g][c], inv));
     }
   }
 }
 
 // Scores of tokens [t0, t0 + 16) (fewer at the context's end) for one KV head's G query heads
-// (q: [G, D], unscaled, in split order on a split bfloat16 cache; k and v point at the head's
+// (q: [G, D], unscaled, in split_columns' order with kSplit; k and v point at the head's
 // columns) -> scores [G, ctx_stride] at t0.
 // Per token and head a 16-lane partial dot product, then one transpose-add turns 16 of them into
 // 16 scores.
-template <int G, typename cache_t>
+template <int G, bool kSplit, typename cache_t>
 MINIVLLM_AVX512 inline void score_tokens(const float* q, const cache_t* k, const cache_t* v, const int64_t* offsets,
                                          int64_t ctx, int64_t t0, int64_t head_dim, __m512 vscale, int64_t ctx_stride,
                                          float* scores) {
+  constexpr int kStep = kSplit ? 2 : 1;  // vectors a load_row
   const int64_t n = std::min<int64_t>(16, ctx - t0), nd = head_dim / 16;
   __m512 partial[G][16];
   for (int64_t j = 0; j < 16; ++j) {
@@ -180,23 +175,12 @@ MINIVLLM_AVX512 inline void score_tokens(const float* q, const cache_t* k, const
     }
     __m512 acc[G];
     for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
-    if constexpr (std::is_same_v<cache_t, at::BFloat16>) {
-      if (is_split_width(head_dim)) {  // q in split order (split_columns)
-        for (int64_t c = 0; c < nd; c += 2) {
-          __m512 ke, ko;
-          load32_split(kt + 16 * c, ke, ko);
-          for (int g = 0; g < G; ++g) {
-            acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * head_dim + 16 * c), ke, acc[g]);
-            acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * head_dim + 16 * c + 16), ko, acc[g]);
-          }
-        }
-        for (int g = 0; g < G; ++g) partial[g][j] = acc[g];
-        continue;
-      }
-    }
-    for (int64_t c = 0; c < nd; ++c) {
-      const __m512 kc = load16(kt + 16 * c);
-      for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * head_dim + 16 * c), kc, acc[g]);
+    for (int64_t c = 0; c < nd; c += kStep) {
+      __m512 kc[kStep];
+      load_row<kStep, kSplit>(kt + 16 * c, kc);
+      for (int g = 0; g < G; ++g)
+        for (int i = 0; i < kStep; ++i)
+          acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * head_dim + 16 * (c + i)), kc[i], acc[g]);
     }
     for (int g = 0; g < G; ++g) partial[g][j] = acc[g];
   }
@@ -207,7 +191,7 @@ MINIVLLM_AVX512 inline void score_tokens(const float* q, const cache_t* k, const
 // One KV head's softmax over its G query heads' scores [G, ctx_stride] (overwritten with the
 // unnormalised probabilities), then the weighted sum of V (v: the head's columns) -> out [G, D],
 // the normalisation folded in.
-template <int G, typename cache_t>
+template <int G, bool kSplit, typename cache_t>
 MINIVLLM_AVX512 void softmax_values(float* scores, int64_t ctx_stride, const cache_t* v, const int64_t* offsets,
                                     int64_t ctx, int64_t head_dim, float* out) {
   alignas(64) float inv_sum[G];
@@ -229,17 +213,33 @@ MINIVLLM_AVX512 void softmax_values(float* scores, int64_t ctx_stride, const cac
     }
     inv_sum[g] = 1.f / _mm512_reduce_add_ps(sum);
   }
+  // 64 columns at a time, then the rest by 16 (by 32 when split: head_dim is a multiple of 32).
+  constexpr int kTail = kSplit ? 2 : 1;
   int64_t c0 = 0;
-  if constexpr (std::is_same_v<cache_t, at::BFloat16>) {
-    if (is_split_width(head_dim)) {
-      for (; c0 + 64 <= head_dim; c0 += 64)
-        weighted_values_split<G, 2>(scores, ctx_stride, v, offsets, ctx, c0, inv_sum, head_dim, out);
-      if (c0 < head_dim) weighted_values_split<G, 1>(scores, ctx_stride, v, offsets, ctx, c0, inv_sum, head_dim, out);
-      return;
+  for (; c0 + 64 <= head_dim; c0 += 64)
+    weighted_values<G, 4, kSplit>(scores, ctx_stride, v, offsets, ctx, c0, inv_sum, head_dim, out);
+  for (; c0 < head_dim; c0 += 16 * kTail)
+    weighted_values<G, kTail, kSplit>(scores, ctx_stride, v, offsets, ctx, c0, inv_sum, head_dim, out);
+}
+
+// KV heads [0, num_kv), one pass each over their rows (scratch: G round_up(ctx, 16) scores),
+// with q put in split order first when kSplit.
+template <int G, bool kSplit, typename cache_t>
+MINIVLLM_AVX512 void attend_heads_apart(const float* q, const cache_t* k, const cache_t* v, const int64_t* offsets,
+                                        int64_t ctx, int64_t num_kv, int64_t head_dim, __m512 vscale,
+                                        int64_t ctx_stride, float* scratch, float* out) {
+  alignas(64) float q_split[kSplit ? 8 * 256 : 1];  // G <= 8, D <= 256 where split (is_split_width)
+  for (int64_t h = 0; h < num_kv; ++h) {
+    const float* qh = q + h * G * head_dim;
+    if constexpr (kSplit) {
+      split_columns(qh, G, head_dim, q_split);
+      qh = q_split;
     }
+    for (int64_t t0 = 0; t0 < ctx; t0 += 16)
+      score_tokens<G, kSplit>(qh, k + h * head_dim, v + h * head_dim, offsets, ctx, t0, head_dim, vscale, ctx_stride,
+                              scratch);
+    softmax_values<G, kSplit>(scratch, ctx_stride, v + h * head_dim, offsets, ctx, head_dim, out + h * G * head_dim);
   }
-  for (; c0 + 64 <= head_dim; c0 += 64) weighted_values<G, 4>(scores, ctx_stride, v, offsets, ctx, c0, inv_sum, head_dim, out);
-  for (; c0 < head_dim; c0 += 16) weighted_values<G, 1>(scores, ctx_stride, v, offsets, ctx, c0, inv_sum, head_dim, out);
 }
 
 // KV heads [0, num_kv) of one sequence, G query heads each (q: [num_kv, G, D], unscaled), over
@@ -260,24 +260,15 @@ MINIVLLM_AVX512 void attend_kv_heads_avx512(const float* q, const cache_t* k, co
     // against itself moved as much), so it keeps a pass per head.
     for (int64_t t0 = 0; t0 < ctx; t0 += 16)
       for (int64_t h = 0; h < num_kv; ++h)
-        score_tokens<G>(q + h * head_size, k + h * head_dim, v + h * head_dim, offsets, ctx, t0, head_dim, vscale,
-                        ctx_stride, scratch + h * G * ctx_stride);
+        score_tokens<G, false>(q + h * head_size, k + h * head_dim, v + h * head_dim, offsets, ctx, t0, head_dim,
+                               vscale, ctx_stride, scratch + h * G * ctx_stride);
     for (int64_t h = 0; h < num_kv; ++h)
-      softmax_values<G>(scratch + h * G * ctx_stride, ctx_stride, v + h * head_dim, offsets, ctx, head_dim,
-                        out + h * head_size);
+      softmax_values<G, false>(scratch + h * G * ctx_stride, ctx_stride, v + h * head_dim, offsets, ctx, head_dim,
+                               out + h * head_size);
+  } else if (is_split_width(head_dim)) {
+    attend_heads_apart<G, true>(q, k, v, offsets, ctx, num_kv, head_dim, vscale, ctx_stride, scratch, out);
   } else {
-    alignas(64) float q_split[8 * 256];  // G <= 8, D <= 256 where split
-    for (int64_t h = 0; h < num_kv; ++h) {
-      const float* qh = q + h * head_size;
-      if (is_split_width(head_dim)) {
-        split_columns(qh, G, head_dim, q_split);
-        qh = q_split;
-      }
-      for (int64_t t0 = 0; t0 < ctx; t0 += 16)
-        score_tokens<G>(qh, k + h * head_dim, v + h * head_dim, offsets, ctx, t0, head_dim, vscale,
-                        ctx_stride, scratch);
-      softmax_values<G>(scratch, ctx_stride, v + h * head_dim, offsets, ctx, head_dim, out + h * head_size);
-    }
+    attend_heads_apart<G, false>(q, k, v, offsets, ctx, num_kv, head_dim, vscale, ctx_stride, scratch, out);
   }
 }
 
