@@ -27,6 +27,7 @@ from service.openai_protocol import (
     CompletionRequest,
     UnsupportedFieldError,
     error_body,
+    field_path,
     now,
     param_of,
 )
@@ -121,8 +122,11 @@ class OpenAIFrontDoor:
         @app.exception_handler(RequestValidationError)
         async def invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
             first = exc.errors()[0] if exc.errors() else {}
-            loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-            param = ".".join(loc) or None
+            if first.get("type") == "json_invalid":  # its loc is a character offset, not a field
+                error = first.get("ctx", {}).get("error", "")
+                return JSONResponse(error_body(f"the body is not valid JSON ({error} at character "
+                                               f"{first['loc'][-1]})"), status_code=400)
+            param = field_path(first.get("loc", ()))
             message = f"{param}: {first.get('msg', 'invalid body')}" if param else first.get("msg", "invalid body")
             return JSONResponse(error_body(message, param=param), status_code=400)
 

@@ -29,6 +29,33 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str = ""
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+    def structured(self) -> StructuredOutput | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutput("json_object")
+        if self.type == "json_schema":
+            if self.json_schema is None or self.json_schema.json_schema is None:
+                raise UnsupportedFieldError("response_format.json_schema", "needs a schema")
+            return StructuredOutput("json_schema", json.dumps(self.json_schema.json_schema))
+        raise UnsupportedFieldError("response_format", f"type {self.type!r} is not one of text, json_object, "
+                                                       "json_schema")
+
+
 class _SamplingRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -63,9 +90,13 @@ class _SamplingRequest(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # OpenAI's chat field; vLLM's completions take it too.
+    response_format: ResponseFormat | None = None
 
     def _structured(self) -> StructuredOutput | None:
         specs: list[tuple[str, Any]] = []
+        if self.response_format is not None and self.response_format.type != "text":
+            specs.append(("response_format", self.response_format))
         for key, value in (self.structured_outputs or {}).items():
             if value is not None and value is not False:
                 specs.append((f"structured_outputs.{key}", value))
@@ -78,6 +109,8 @@ class _SamplingRequest(BaseModel):
             raise UnsupportedFieldError(specs[1][0], f"only one structured-output constraint at a time, also got "
                                                      f"{specs[0][0]}")
         name, value = specs[0]
+        if isinstance(value, ResponseFormat):
+            return value.structured()
         kind = name.rsplit(".", 1)[-1].removeprefix("guided_")
         try:
             if kind == "json":
@@ -94,8 +127,7 @@ class _SamplingRequest(BaseModel):
             raise UnsupportedFieldError(name, str(exc)) from None
         raise UnsupportedFieldError(name, "unknown structured-output kind")
 
-    def _common(self, max_tokens: int | None, logprobs: int | None,
-                structured: StructuredOutput | None = None) -> SamplingParams:
+    def _common(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         kwargs: dict[str, Any] = {
             "n": self.n,
             "max_tokens": max_tokens, "presence_penalty": self.presence_penalty,
@@ -114,7 +146,7 @@ class _SamplingRequest(BaseModel):
             except ValueError:
                 raise UnsupportedFieldError("logit_bias", "keys must be token ids") from None
         kwargs["include_stop_str_in_output"] = self.include_stop_str_in_output
-        kwargs["structured_output"] = structured or self._structured()
+        kwargs["structured_output"] = self._structured()
         return SamplingParams(**kwargs)
 
     @property
@@ -165,39 +197,11 @@ class ChatMessageIn(BaseModel):
     content: str | list[ContentPart] | None = None
 
 
-class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
-
-    name: str = ""
-    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None
-
-
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    type: str
-    json_schema: JsonSchemaFormat | None = None
-
-    def structured(self) -> StructuredOutput | None:
-        if self.type == "text":
-            return None
-        if self.type == "json_object":
-            return StructuredOutput("json_object")
-        if self.type == "json_schema":
-            if self.json_schema is None or self.json_schema.json_schema is None:
-                raise UnsupportedFieldError("response_format.json_schema", "needs a schema")
-            return StructuredOutput("json_schema", json.dumps(self.json_schema.json_schema))
-        raise UnsupportedFieldError("response_format", f"type {self.type!r} is not one of text, json_object, "
-                                                       "json_schema")
-
-
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessageIn] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    response_format: ResponseFormat | None = None
     tools: list[Any] | None = None
 
     def chat_messages(self) -> list[dict[str, str]]:
@@ -219,17 +223,27 @@ class ChatCompletionRequest(_SamplingRequest):
     def sampling_params(self) -> SamplingParams:
         if self.tools:
             raise UnsupportedFieldError("tools", "tool calling is not supported")
-        structured = self.response_format.structured() if self.response_format is not None else None
         if self.top_logprobs and not self.logprobs:
             raise UnsupportedFieldError("top_logprobs", "needs logprobs: true")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._common(self.max_completion_tokens or self.max_tokens, logprobs, structured)
+        return self._common(self.max_completion_tokens or self.max_tokens, logprobs)
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict[str, Any]:
     """OpenAI's error shape."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def field_path(loc: tuple | list) -> str | None:
+    """A pydantic error's location as the field's name, as our own errors write it:
+    ("body", "messages", 0, "role") -> "messages[0].role"."""
+    path = ""
+    for part in loc:
+        if part == "body" and not path:
+            continue
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path or None
 
 
 def param_of(message: str) -> str | None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import socket
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -54,7 +56,6 @@ def _grpc_greedy(server: ServerThread, prompt: object, max_tokens: int) -> tuple
 def test_models_and_health(server: ServerThread, client: openai.OpenAI) -> None:
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
-    import urllib.request
 
     with urllib.request.urlopen(server.http_url + "/health", timeout=10) as resp:
         assert resp.status == 200 and json.load(resp) == {"status": "ok"}
@@ -148,6 +149,22 @@ def test_bad_requests_are_400_in_openai_shape(client: openai.OpenAI, body: dict,
     error = info.value.body
     assert info.value.status_code == 400 and error["type"] == "invalid_request_error"
     assert error["param"] == param or param in error["message"], error
+
+
+def test_malformed_bodies_name_the_field_or_the_json_error(server: ServerThread) -> None:
+    def post(body: bytes) -> tuple[int, dict]:
+        request = urllib.request.Request(f"{server.http_url}/v1/chat/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=30) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    status, body = post(b'{"messages": [')
+    assert status == 400 and body["error"]["param"] is None and "not valid JSON" in body["error"]["message"], body
+    status, body = post(json.dumps({"messages": [{"role": 5, "content": "x"}], "max_tokens": 2}).encode())
+    assert status == 400 and body["error"]["param"] == "messages[0].role", body
 
 
 def test_wrong_model_is_404_and_missing_field_400(server: ServerThread, client: openai.OpenAI) -> None:
@@ -272,6 +289,16 @@ def test_structured_output_logit_bias_and_prompt_logprobs(server: ServerThread, 
         model=MODEL, messages=[{"role": "user", "content": "answer"}], max_tokens=400, temperature=0.9, seed=4,
         response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
     assert json.loads(out.choices[0].message.content)["c"] in ("yes", "no"), out.choices[0].message.content
+    # vLLM's completions take response_format too; ignoring it would return free text.
+    text = client.completions.create(
+        model=MODEL, prompt="answer", max_tokens=400, temperature=0.9, seed=4,
+        extra_body={"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}}
+    ).choices[0].text
+    assert json.loads(text)["c"] in ("yes", "no"), text
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2,
+                                  extra_body={"response_format": {"type": "json_object"}, "guided_regex": "a+"})
+    assert info.value.body["param"] == "guided_regex" and "response_format" in info.value.body["message"]
     regex = r"[0-9]{3}-[a-z]{2,5}"
     for extra in ({"structured_outputs": {"regex": regex}}, {"guided_regex": regex}):
         text = client.completions.create(model=MODEL, prompt="code:", max_tokens=30, temperature=1.0,
