@@ -95,8 +95,10 @@ class _SamplingRequest(BaseModel):
 
     def _structured(self) -> StructuredOutput | None:
         specs: list[tuple[str, Any]] = []
-        if self.response_format is not None and self.response_format.type != "text":
-            specs.append(("response_format", self.response_format))
+        # Validated first, so a bad type is named even beside another constraint.
+        response_format = self.response_format.structured() if self.response_format is not None else None
+        if response_format is not None:
+            specs.append(("response_format", response_format))
         for key, value in (self.structured_outputs or {}).items():
             if value is not None and value is not False:
                 specs.append((f"structured_outputs.{key}", value))
@@ -109,8 +111,8 @@ class _SamplingRequest(BaseModel):
             raise UnsupportedFieldError(specs[1][0], f"only one structured-output constraint at a time, also got "
                                                      f"{specs[0][0]}")
         name, value = specs[0]
-        if isinstance(value, ResponseFormat):
-            return value.structured()
+        if isinstance(value, StructuredOutput):
+            return value
         kind = name.rsplit(".", 1)[-1].removeprefix("guided_")
         try:
             if kind == "json":

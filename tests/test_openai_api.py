@@ -299,6 +299,10 @@ def test_structured_output_logit_bias_and_prompt_logprobs(server: ServerThread, 
         client.completions.create(model=MODEL, prompt="x", max_tokens=2,
                                   extra_body={"response_format": {"type": "json_object"}, "guided_regex": "a+"})
     assert info.value.body["param"] == "guided_regex" and "response_format" in info.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2,
+                                  extra_body={"response_format": {"type": "xml"}, "guided_regex": "a+"})
+    assert info.value.body["param"] == "response_format", info.value.body
     regex = r"[0-9]{3}-[a-z]{2,5}"
     for extra in ({"structured_outputs": {"regex": regex}}, {"guided_regex": regex}):
         text = client.completions.create(model=MODEL, prompt="code:", max_tokens=30, temperature=1.0,
