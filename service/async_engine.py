@@ -203,6 +203,22 @@ class AsyncEngine:
             (lambda: inputs.tokenize(prompt))
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, work)
 
+    async def detokenize(self, token_ids: list[int]) -> str:
+        """The text of token ids (special tokens kept), on the tokenizer thread."""
+        vocab_size = self.engine.model_info().vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"tokens: {bad} is outside the vocabulary [0, {vocab_size})")
+        tokenizer = self.engine.input_processor.tokenizer
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool,
+                                                                lambda: tokenizer.decode(token_ids))
+
+    async def vocabulary_strings(self, token_ids: list[int]) -> list[str]:
+        """Each token's string in the vocabulary (byte-level spellings such as "Ġworld" kept)."""
+        tokenizer = self.engine.input_processor.tokenizer
+        return await asyncio.get_running_loop().run_in_executor(
+            self._tokenizer_pool, lambda: [str(t) for t in tokenizer.convert_ids_to_tokens(token_ids)])
+
     async def token_texts(self, token_ids: list[int]) -> list[str]:
         """The text of each token on its own (for logprobs), decoded on the tokenizer thread
         and remembered (the vocabulary bounds the cache)."""

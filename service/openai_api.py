@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP front door: the FastAPI app (routes, auth, errors, call metrics).
 
 Routes: POST /v1/completions, POST /v1/chat/completions (streamed as server-sent events or
-whole), GET /v1/models, GET /health. Both front doors share the engine, the serving state (a
+whole), GET /v1/models, GET /health, and vLLM's POST /tokenize and POST /detokenize. Both front doors share the engine, the serving state (a
 drain or a dead engine refuses new calls on both), the bearer tokens, the request observer
 (traces) and the call metrics (`protocol="http"`). A client that disconnects aborts its
 request, which frees its KV blocks at once.
@@ -25,6 +25,8 @@ from service.openai_call import AbortingStreamingResponse, OpenAICall
 from service.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     UnsupportedFieldError,
     error_body,
     field_path,
@@ -37,7 +39,7 @@ from service.serving_state import EngineUnavailableError, ServingState
 logger = logging.getLogger(__name__)
 
 ApiCallListener = Callable[[str, str, str, float], None]  # (protocol, method, code, seconds)
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health")
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/tokenize", "/detokenize")
 
 
 class ApiError(Exception):
@@ -155,7 +157,36 @@ class OpenAIFrontDoor:
         async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
             return await self._serve(body, request, "chat", "/v1/chat/completions")
 
+        @app.post("/tokenize", dependencies=[auth])
+        async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+            self._check_model(body.model)
+            engine = self._loaded()
+            try:
+                messages = body.chat()
+                ids = await engine.tokenize(prompt=body.prompt if messages is None else None, messages=messages)
+            except ValueError as exc:  # LimitExceededError included
+                raise _admission_error(exc) from exc
+            out: dict[str, Any] = {"count": len(ids), "max_model_len": engine.engine.model_info().max_model_len,
+                                   "tokens": ids}
+            if body.return_token_strs:
+                out["token_strs"] = await engine.vocabulary_strings(ids)
+            return out
+
+        @app.post("/detokenize", dependencies=[auth])
+        async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
+            self._check_model(body.model)
+            engine = self._loaded()
+            try:
+                return {"prompt": await engine.detokenize(body.tokens)}
+            except ValueError as exc:
+                raise _admission_error(exc) from exc
+
         return app
+
+    def _check_model(self, model: str | None) -> None:
+        if model not in (None, "", self.model_name):
+            raise ApiError(404, f"model: {model!r} is not served here (this server serves {self.model_name!r})",
+                           param="model", code="model_not_found")
 
     async def _check_token(self, request: Request) -> None:
         if not self.auth_tokens:
@@ -185,9 +216,7 @@ class OpenAIFrontDoor:
         handle = self.observer.start(request_id, request_id, CallInfo("http", route, operation, dict(request.headers),
                                                                       body.n), params)
         try:
-            if body.model not in (None, "", self.model_name):
-                raise ApiError(404, f"model: {body.model!r} is not served here (this server serves "
-                                    f"{self.model_name!r})", param="model", code="model_not_found")
+            self._check_model(body.model)
             if params_error is not None:
                 raise params_error
             engine = self.state.ready_engine()

@@ -199,6 +199,49 @@ class ChatMessageIn(BaseModel):
     content: str | list[ContentPart] | None = None
 
 
+def chat_messages(messages: list[ChatMessageIn]) -> list[dict[str, str]]:
+    """Messages as the chat template takes them: text parts joined, other parts refused."""
+    out = []
+    for i, m in enumerate(messages):
+        if isinstance(m.content, list):
+            parts = []
+            for j, part in enumerate(m.content):
+                if part.type != "text" or part.text is None:
+                    raise UnsupportedFieldError(f"messages[{i}].content[{j}]",
+                                                f"only text parts are supported, got {part.type!r}")
+                parts.append(part.text)
+            content = "".join(parts)
+        else:
+            content = m.content or ""
+        out.append({"role": m.role, "content": content})
+    return out
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's POST /tokenize: a prompt or a chat, tokenized exactly as generation would."""
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessageIn] | None = None
+    return_token_strs: bool = False
+
+    def chat(self) -> list[dict[str, str]] | None:
+        if (self.prompt is None) == (self.messages is None):
+            raise UnsupportedFieldError("prompt", "give exactly one of prompt or messages")
+        if self.messages is not None and not self.messages:
+            raise UnsupportedFieldError("messages", "must not be empty")
+        return chat_messages(self.messages) if self.messages is not None else None
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's POST /detokenize: token ids back to text."""
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int]
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessageIn] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -207,20 +250,7 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[Any] | None = None
 
     def chat_messages(self) -> list[dict[str, str]]:
-        out = []
-        for i, m in enumerate(self.messages):
-            if isinstance(m.content, list):
-                parts = []
-                for j, part in enumerate(m.content):
-                    if part.type != "text" or part.text is None:
-                        raise UnsupportedFieldError(f"messages[{i}].content[{j}]",
-                                                    f"only text parts are supported, got {part.type!r}")
-                    parts.append(part.text)
-                content = "".join(parts)
-            else:
-                content = m.content or ""
-            out.append({"role": m.role, "content": content})
-        return out
+        return chat_messages(self.messages)
 
     def sampling_params(self) -> SamplingParams:
         if self.tools:

@@ -151,20 +151,47 @@ def test_bad_requests_are_400_in_openai_shape(client: openai.OpenAI, body: dict,
     assert error["param"] == param or param in error["message"], error
 
 
-def test_malformed_bodies_name_the_field_or_the_json_error(server: ServerThread) -> None:
-    def post(body: bytes) -> tuple[int, dict]:
-        request = urllib.request.Request(f"{server.http_url}/v1/chat/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=30) as resp:
-                return resp.status, json.loads(resp.read())
-        except urllib.error.HTTPError as exc:
-            return exc.code, json.loads(exc.read())
+def _post(server: ServerThread, path: str, body: bytes | dict) -> tuple[int, dict]:
+    """POST a raw or JSON body; the status and the decoded reply, errors included."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(f"{server.http_url}{path}", data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
 
-    status, body = post(b'{"messages": [')
+
+def test_malformed_bodies_name_the_field_or_the_json_error(server: ServerThread) -> None:
+    status, body = _post(server, "/v1/chat/completions", b'{"messages": [')
     assert status == 400 and body["error"]["param"] is None and "not valid JSON" in body["error"]["message"], body
-    status, body = post(json.dumps({"messages": [{"role": 5, "content": "x"}], "max_tokens": 2}).encode())
+    status, body = _post(server, "/v1/chat/completions", {"messages": [{"role": 5, "content": "x"}], "max_tokens": 2})
     assert status == 400 and body["error"]["param"] == "messages[0].role", body
+
+
+def test_tokenize_and_detokenize_as_vllm(server: ServerThread, client: openai.OpenAI) -> None:
+    text = "The quick brown fox jumps over the lazy dog"
+    status, tokens = _post(server, "/tokenize", {"model": MODEL, "prompt": text, "return_token_strs": True})
+    assert status == 200, tokens
+    used = client.completions.create(model=MODEL, prompt=text, max_tokens=1).usage.prompt_tokens
+    assert tokens["count"] == len(tokens["tokens"]) == len(tokens["token_strs"]) == used
+    assert tokens["max_model_len"] == server.engine.model_info().max_model_len
+    tokenizer = server.engine.input_processor.tokenizer
+    assert tokens["tokens"] == tokenizer.encode(text, add_special_tokens=False) or \
+        tokens["tokens"] == tokenizer.encode(text)
+    assert tokens["token_strs"] == tokenizer.convert_ids_to_tokens(tokens["tokens"])
+    assert _post(server, "/detokenize", {"tokens": tokens["tokens"]}) == (200, {"prompt": text})
+    chat = [{"role": "user", "content": "hi there"}]
+    status, chat_tokens = _post(server, "/tokenize", {"messages": chat})
+    used = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=1).usage.prompt_tokens
+    assert status == 200 and chat_tokens["count"] == used, chat_tokens
+    for path, body, code, param in (("/tokenize", {"prompt": "x", "messages": chat}, 400, "prompt"),
+                                    ("/tokenize", {}, 400, "prompt"),
+                                    ("/tokenize", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
+                                    ("/detokenize", {"tokens": [10**9]}, 400, "tokens"),
+                                    ("/detokenize", {"tokens": "abc"}, 400, "tokens")):
+        status, error = _post(server, path, body)
+        assert status == code and error["error"]["param"] == param, (path, body, error)
 
 
 def test_wrong_model_is_404_and_missing_field_400(server: ServerThread, client: openai.OpenAI) -> None:
