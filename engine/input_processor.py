@@ -33,8 +33,8 @@ class InputProcessor:
     def has_chat_template(self) -> bool:
         return self.tokenizer.chat_template is not None
 
-    def tokenize(self, prompt: str) -> list[int]:
-        return self.tokenizer.encode(prompt, add_special_tokens=True)
+    def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
 
     def check_params(self, params: SamplingParams) -> None:
         """Request-size limits of the sampling parameters (cheap; before any tokenizing)."""

@@ -194,13 +194,15 @@ class AsyncEngine:
         finally:
             self._num_tokenizing -= 1
 
-    async def tokenize(self, prompt: str | None = None, messages: list[dict[str, str]] | None = None) -> list[int]:
-        """Token ids of a prompt or a chat, as generate would see them (on the tokenizer thread)."""
+    async def tokenize(self, prompt: str | None = None, messages: list[dict[str, str]] | None = None,
+                       add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a prompt or a chat, as generate would see them (on the tokenizer thread);
+        add_special_tokens=False: a prompt's text alone (no BOS where the tokenizer adds one)."""
         inputs = self.engine.input_processor
         if prompt is not None and len(prompt) > self.engine.config.max_prompt_chars:
             raise LimitExceededError(f"prompt: {len(prompt)} characters, at most {self.engine.config.max_prompt_chars}")
         work = (lambda: inputs.apply_chat_template(messages)) if messages is not None else \
-            (lambda: inputs.tokenize(prompt))
+            (lambda: inputs.tokenize(prompt, add_special_tokens))
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, work)
 
     async def detokenize(self, token_ids: list[int]) -> str:
@@ -212,6 +214,15 @@ class AsyncEngine:
         tokenizer = self.engine.input_processor.tokenizer
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool,
                                                                 lambda: tokenizer.decode(token_ids))
+
+    def tokenizer_info(self) -> dict[str, Any]:
+        """The tokenizer's special tokens and chat template (what a client needs to tokenize alike)."""
+        tokenizer = self.engine.input_processor.tokenizer
+        info: dict[str, Any] = {name: getattr(tokenizer, name, None)
+                                for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
+        return info | {"chat_template": getattr(tokenizer, "chat_template", None),
+                       "model_max_length": self.engine.model_info().max_model_len,
+                       "tokenizer_class": type(tokenizer).__name__}
 
     async def vocabulary_strings(self, token_ids: list[int]) -> list[str]:
         """Each token's string in the vocabulary (byte-level spellings such as "Ġworld" kept)."""

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP front door: the FastAPI app (routes, auth, errors, call metrics).
 
 Routes: POST /v1/completions, POST /v1/chat/completions (streamed as server-sent events or
-whole), GET /v1/models, GET /health, and vLLM's POST /tokenize and POST /detokenize. Both front doors share the engine, the serving state (a
+whole), GET /v1/models, GET /health, and vLLM's POST /tokenize, POST /detokenize and GET
+/tokenizer_info (lm-evaluation-harness's remote tokenizer uses the three). Both front doors share the engine, the serving state (a
 drain or a dead engine refuses new calls on both), the bearer tokens, the request observer
 (traces) and the call metrics (`protocol="http"`). A client that disconnects aborts its
 request, which frees its KV blocks at once.
@@ -39,7 +40,8 @@ from service.serving_state import EngineUnavailableError, ServingState
 logger = logging.getLogger(__name__)
 
 ApiCallListener = Callable[[str, str, str, float], None]  # (protocol, method, code, seconds)
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/tokenize", "/detokenize")
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/tokenize", "/detokenize",
+          "/tokenizer_info")
 
 
 class ApiError(Exception):
@@ -163,7 +165,8 @@ class OpenAIFrontDoor:
             engine = self._loaded()
             try:
                 messages = body.chat()
-                ids = await engine.tokenize(prompt=body.prompt if messages is None else None, messages=messages)
+                ids = await engine.tokenize(prompt=body.prompt if messages is None else None, messages=messages,
+                                            add_special_tokens=body.add_special_tokens)
             except ValueError as exc:  # LimitExceededError included
                 raise _admission_error(exc) from exc
             out: dict[str, Any] = {"count": len(ids), "max_model_len": engine.engine.model_info().max_model_len,
@@ -171,6 +174,10 @@ class OpenAIFrontDoor:
             if body.return_token_strs:
                 out["token_strs"] = await engine.vocabulary_strings(ids)
             return out
+
+        @app.get("/tokenizer_info", dependencies=[auth])
+        async def tokenizer_info() -> dict[str, Any]:
+            return self._loaded().tokenizer_info()
 
         @app.post("/detokenize", dependencies=[auth])
         async def detokenize(body: DetokenizeRequest) -> dict[str, str]:

@@ -19,6 +19,7 @@ from service.openai_protocol import (
     ChatCompletionRequest,
     ChoiceLogprobs,
     CompletionRequest,
+    EchoedPrompt,
     error_body,
     finish_reason,
     now,
@@ -42,6 +43,11 @@ class OpenAICall:
         self.created = now()
         self.text_offsets = [0] * params.n
         self.finals: dict[int, RequestOutput] = {}
+        # echo (completions): every choice starts with the prompt, and with logprobs its tokens'.
+        self.is_echo = not self.is_chat and body.echo
+        self.echo: EchoedPrompt | None = None
+        # The prompt_logprobs field only when asked for (echo may ask the engine for more).
+        self.num_prompt_logprobs = body.prompt_logprobs
 
     @contextlib.contextmanager
     def _observed(self) -> Iterator[list[Any]]:
@@ -74,20 +80,38 @@ class OpenAICall:
         return entry
 
     async def _prompt_logprobs(self, out: RequestOutput) -> list[Any] | None:
-        """vLLM's layout: per prompt token, None for the first, else token id -> {logprob, rank, decoded_token}."""
-        if not out.prompt_logprobs:
+        """vLLM's layout: per prompt token, None for the first, else token id -> {logprob, rank,
+        decoded_token}: the top prompt_logprobs and the prompt's own token."""
+        if not out.prompt_logprobs or self.num_prompt_logprobs is None:
             return None
         ids = sorted({t for entry in out.prompt_logprobs if entry for t in entry})
         texts = dict(zip(ids, await self.engine.token_texts(ids), strict=True))
         result: list[Any] = []
-        for entry in out.prompt_logprobs:
+        for position, entry in enumerate(out.prompt_logprobs):
             if entry is None:
                 result.append(None)
                 continue
             ranked = sorted(entry.items(), key=lambda kv: kv[1], reverse=True)
+            actual = out.prompt_token_ids[position]
             result.append({str(t): {"logprob": v, "rank": r + 1, "decoded_token": texts[t]}
-                           for r, (t, v) in enumerate(ranked)})
+                           for r, (t, v) in enumerate(ranked) if r < self.num_prompt_logprobs or t == actual})
         return result
+
+    async def _echo(self, out: RequestOutput, is_last: bool = False) -> EchoedPrompt | None:
+        """The prompt every choice starts with, once the output that carries what it needs has come
+        (its token ids; with logprobs, its prompt logprobs: one sample's first output has them;
+        is_last: the request ended without them, echo the text alone)."""
+        if self.echo is None and (self.params.logprobs is None or out.prompt_logprobs or is_last):
+            prompt = self.body.prompt_input()
+            text = prompt if isinstance(prompt, str) and self.params.truncate_prompt_tokens is None else \
+                await self.engine.detokenize(out.prompt_token_ids)
+            logprobs = None
+            if self.params.logprobs is not None and out.prompt_logprobs:
+                ids = list(out.prompt_token_ids) + [t for entry in out.prompt_logprobs if entry for t in entry]
+                texts = dict(zip(ids, await self.engine.token_texts(ids), strict=True))
+                logprobs = ChoiceLogprobs.prompt(out.prompt_token_ids, out.prompt_logprobs, self.top_n, texts)
+            self.echo = EchoedPrompt(text, logprobs)
+        return self.echo
 
     def _chunk(self, choice: dict[str, Any], usage: dict[str, Any] | None = None) -> str:
         kind = "chat.completion.chunk" if self.is_chat else "text_completion"
@@ -105,32 +129,56 @@ class OpenAICall:
                     for index in range(self.params.n):
                         yield self._chunk({"index": index, "delta": {"role": "assistant", "content": ""},
                                            "logprobs": None, "finish_reason": None})
-                async for out in self.stream:
-                    if out.finish_reason == "error":
-                        final[0] = out
-                        yield f"data: {json.dumps(error_body(out.error or 'engine error', 'server_error'))}\n\n"
+                held: list[RequestOutput] = []  # echo: outputs that came before the prompt's logprobs
+                async for arrived in self.stream:
+                    if arrived.finish_reason == "error":
+                        final[0] = arrived
+                        yield f"data: {json.dumps(error_body(arrived.error or 'engine error', 'server_error'))}\n\n"
                         return
-                    if out.is_finished:
-                        final[0] = out
-                        self.finals[out.index] = out
-                    logprobs = await self._logprobs(out)
-                    prompt_logprobs = await self._prompt_logprobs(out)
-                    if out.new_text or logprobs or prompt_logprobs or out.is_finished:
-                        if self.is_chat:
-                            delta = {"content": out.new_text} if out.new_text else {}
-                            choice = {"index": out.index, "delta": delta, "logprobs": logprobs,
-                                      "finish_reason": finish_reason(out)}
-                        else:
-                            choice = {"index": out.index, "text": out.new_text, "logprobs": logprobs,
-                                      "finish_reason": finish_reason(out)}
-                        if prompt_logprobs is not None:
-                            choice["prompt_logprobs"] = prompt_logprobs
-                        yield self._chunk(choice)
+                    if arrived.is_finished:
+                        final[0] = arrived
+                        self.finals[arrived.index] = arrived
+                    if self.is_echo and self.echo is None:
+                        held.append(arrived)
+                        if await self._echo(arrived) is None:
+                            continue
+                        self.text_offsets = [len(self.echo.text)] * self.params.n  # generated text follows it
+                        for index in range(self.params.n):
+                            yield self._chunk({"index": index, "text": self.echo.text, "logprobs": self.echo.logprobs,
+                                               "finish_reason": None})
+                    for out in (held if held else [arrived]):
+                        async for event in self._stream_output(out):
+                            yield event
+                    held = []
+                if held:  # the prompt's logprobs never came (the request ended first)
+                    echo = await self._echo(held[-1], is_last=True)
+                    for index in range(self.params.n):
+                        yield self._chunk({"index": index, "text": echo.text, "logprobs": echo.logprobs,
+                                           "finish_reason": None})
+                    self.text_offsets = [len(echo.text)] * self.params.n
+                for out in held:
+                    async for event in self._stream_output(out):
+                        yield event
                 if self.body.include_usage and self.finals:
                     yield self._chunk({}, usage_body(list(self.finals.values())))
                 yield "data: [DONE]\n\n"
             finally:
                 await self.stream.aclose()  # aborts an unfinished request: frees its KV blocks now
+
+    async def _stream_output(self, out: RequestOutput) -> AsyncIterator[str]:
+        logprobs = await self._logprobs(out)
+        prompt_logprobs = await self._prompt_logprobs(out)
+        if out.new_text or logprobs or prompt_logprobs or out.is_finished:
+            if self.is_chat:
+                delta = {"content": out.new_text} if out.new_text else {}
+                choice = {"index": out.index, "delta": delta, "logprobs": logprobs,
+                          "finish_reason": finish_reason(out)}
+            else:
+                choice = {"index": out.index, "text": out.new_text, "logprobs": logprobs,
+                          "finish_reason": finish_reason(out)}
+            if prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs
+            yield self._chunk(choice)
 
     async def whole(self, request: Request) -> JSONResponse:
         """Collects the whole answer; a client that disconnects first aborts the request."""
@@ -152,6 +200,7 @@ class OpenAICall:
         with self._observed() as final:
             texts: list[list[str]] = [[] for _ in range(n)]
             prompt_logprobs: list[Any] | None = None
+            last: RequestOutput | None = None
             chat_logprobs: list[list[dict[str, Any]]] = [[] for _ in range(n)]
             completion_logprobs: list[dict[str, list[Any]]] = [{} for _ in range(n)]
             try:
@@ -161,6 +210,9 @@ class OpenAICall:
                         return JSONResponse(error_body(out.error or "engine error", "server_error"), status_code=500)
                     texts[out.index].append(out.new_text)
                     prompt_logprobs = prompt_logprobs or await self._prompt_logprobs(out)
+                    if self.is_echo:
+                        last = out
+                        await self._echo(out)
                     logprobs = await self._logprobs(out)
                     if logprobs is not None and self.is_chat:
                         chat_logprobs[out.index].extend(logprobs["content"])
@@ -172,11 +224,16 @@ class OpenAICall:
                         self.finals[out.index] = out
             finally:
                 await self.stream.aclose()
+            echo = await self._echo(last, is_last=True) if self.is_echo and last is not None else None
             choices = []
             for index in range(n):
                 logprobs_body: Any = None
                 if self.params.logprobs is not None:
                     logprobs_body = {"content": chat_logprobs[index]} if self.is_chat else completion_logprobs[index]
+                if echo is not None:
+                    texts[index].insert(0, echo.text)
+                    if logprobs_body is not None:
+                        logprobs_body = _after_echo(echo, logprobs_body)
                 reason = finish_reason(self.finals[index]) if index in self.finals else None
                 if self.is_chat:
                     choice = {"index": index, "message": {"role": "assistant", "content": "".join(texts[index])},
@@ -190,6 +247,17 @@ class OpenAICall:
             kind = "chat.completion" if self.is_chat else "text_completion"
             return JSONResponse({"id": self.request_id, "object": kind, "created": self.created,
                                  "model": self.model_name, "choices": choices, "usage": usage_body(list(self.finals.values()))})
+
+
+def _after_echo(echo: EchoedPrompt, generated: dict[str, list[Any]]) -> dict[str, list[Any]]:
+    """A choice's completions-layout logprobs with the echoed prompt's first; the generated tokens'
+    offsets (counted from the generated text's start) move past the prompt's text."""
+    prompt = echo.logprobs or {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    shift = len(echo.text)
+    return {"tokens": prompt["tokens"] + generated.get("tokens", []),
+            "token_logprobs": prompt["token_logprobs"] + generated.get("token_logprobs", []),
+            "top_logprobs": prompt["top_logprobs"] + generated.get("top_logprobs", []),
+            "text_offset": prompt["text_offset"] + [o + shift for o in generated.get("text_offset", [])]}
 
 
 class AbortingStreamingResponse(StreamingResponse):

@@ -3,13 +3,14 @@
 Request fields follow the OpenAI API (plus vLLM's usual extras: top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, stop_token_ids, skip_special_tokens). Unknown fields
 are ignored, as OpenAI-compatible servers do, so SDK additions do not break clients; known fields
-that minivllm cannot honour yet (echo, suffix, tools, ...) are refused with a 400 naming
+that minivllm cannot honour yet (suffix, tools, ...) are refused with a 400 naming
 the field rather than silently ignored.
 """
 from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -175,14 +176,16 @@ class CompletionRequest(_SamplingRequest):
         return prompt
 
     def sampling_params(self, default_max_tokens: int = 16) -> SamplingParams:
-        if self.echo:
-            raise UnsupportedFieldError("echo", "is not supported")
         if self.suffix:
             raise UnsupportedFieldError("suffix", "is not supported")
         if self.best_of not in (None, 1):
             raise UnsupportedFieldError("best_of", "only 1 is supported")
         # OpenAI's completions default to 16 tokens.
-        return self._common(self.max_tokens or default_max_tokens, self.logprobs)
+        params = self._common(self.max_tokens or default_max_tokens, self.logprobs)
+        if self.echo and self.logprobs is not None:
+            # The echoed prompt's tokens carry logprobs too (lm-evaluation-harness scores a text so).
+            params.prompt_logprobs = max(params.prompt_logprobs or 0, self.logprobs)
+        return params
 
 
 class ContentPart(BaseModel):
@@ -224,6 +227,7 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessageIn] | None = None
+    add_special_tokens: bool = True  # a prompt's BOS and the like, where the tokenizer adds them
     return_token_strs: bool = False
 
     def chat(self) -> list[dict[str, str]] | None:
@@ -319,6 +323,22 @@ class ChoiceLogprobs:
         return {"content": content}
 
     @staticmethod
+    def prompt(token_ids: list[int], entries: list[dict[int, float] | None], top_n: int,
+               text: dict[int, str]) -> dict[str, list[Any]]:
+        """The completions layout for prompt tokens: entries[i] scores token_ids[i] (None for the first)."""
+        tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+        offset = 0
+        for token_id, entry in zip(token_ids, entries, strict=True):
+            tokens.append(text[token_id])
+            token_logprobs.append(entry[token_id] if entry is not None else None)
+            top = sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[:top_n] if entry is not None else None
+            top_logprobs.append({text[t]: v for t, v in top} if top is not None else None)
+            offsets.append(offset)
+            offset += len(text[token_id])
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+                "text_offset": offsets}
+
+    @staticmethod
     def completion(out: RequestOutput, top_n: int, text: dict[int, str], offset: int) -> dict[str, Any]:
         tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
         for token_id, entry in zip(out.new_token_ids, out.new_logprobs or [], strict=False):
@@ -330,6 +350,15 @@ class ChoiceLogprobs:
             offset += len(text[token_id])
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
                 "text_offset": offsets}
+
+
+@dataclass(frozen=True, slots=True)
+class EchoedPrompt:
+    """The prompt an echoing completion starts with, and with logprobs its tokens' (the completions
+    layout: a None where the first token has no logprob)."""
+
+    text: str
+    logprobs: dict[str, list[Any]] | None = None
 
 
 def now() -> int:

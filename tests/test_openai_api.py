@@ -185,6 +185,11 @@ def test_tokenize_and_detokenize_as_vllm(server: ServerThread, client: openai.Op
     status, chat_tokens = _post(server, "/tokenize", {"messages": chat})
     used = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=1).usage.prompt_tokens
     assert status == 200 and chat_tokens["count"] == used, chat_tokens
+    with urllib.request.urlopen(f"{server.http_url}/tokenizer_info", timeout=30) as resp:
+        info = json.loads(resp.read())
+    assert info["eos_token"] == tokenizer.eos_token and info["chat_template"] == tokenizer.chat_template, info
+    status, plain = _post(server, "/tokenize", {"prompt": text, "add_special_tokens": False})
+    assert status == 200 and plain["tokens"] == tokenizer.encode(text, add_special_tokens=False), plain
     for path, body, code, param in (("/tokenize", {"prompt": "x", "messages": chat}, 400, "prompt"),
                                     ("/tokenize", {}, 400, "prompt"),
                                     ("/tokenize", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
@@ -192,6 +197,46 @@ def test_tokenize_and_detokenize_as_vllm(server: ServerThread, client: openai.Op
                                     ("/detokenize", {"tokens": "abc"}, 400, "tokens")):
         status, error = _post(server, path, body)
         assert status == code and error["error"]["param"] == param, (path, body, error)
+
+
+def test_echo_scores_a_prompt_as_lm_eval_harness_reads_it(server: ServerThread, client: openai.OpenAI) -> None:
+    """lm-evaluation-harness's local-completions scores a text with echo, logprobs 1 and max_tokens 1,
+    then reads token_logprobs[context:-1] and checks each against max(top_logprobs)."""
+    text = "the quick brown fox jumps"
+    prompt_ids = _post(server, "/tokenize", {"prompt": text})[1]["tokens"]
+    scored = client.completions.create(model=MODEL, prompt=text, max_tokens=1, temperature=0, logprobs=1, echo=True)
+    choice = scored.choices[0]
+    lp = choice.logprobs
+    n = len(prompt_ids)
+    assert choice.text.startswith(text), choice.text
+    assert scored.usage.prompt_tokens == n and len(lp.token_logprobs) == len(lp.tokens) == n + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and "".join(lp.tokens[:n]) == text
+    assert lp.text_offset[n] == len(text) and lp.text_offset == sorted(lp.text_offset)
+    # The same scores as the engine's prompt_logprobs (vLLM's layout, keyed by token id).
+    reference = client.completions.create(model=MODEL, prompt=text, max_tokens=1, temperature=0,
+                                          extra_body={"prompt_logprobs": 1})
+    ref = reference.model_extra.get("prompt_logprobs") or reference.choices[0].model_extra["prompt_logprobs"]
+    for i in range(1, n):
+        assert lp.token_logprobs[i] == pytest.approx(ref[i][str(prompt_ids[i])]["logprob"], abs=1e-5)
+        best = max(v["logprob"] for v in ref[i].values())
+        assert max(lp.top_logprobs[i].values()) == pytest.approx(best, abs=1e-5)
+    assert "prompt_logprobs" not in (choice.model_extra or {})  # not asked for
+    # Streamed: the prompt comes first, then the same tokens.
+    chunks = list(client.completions.create(model=MODEL, prompt=text, max_tokens=3, temperature=0, logprobs=1,
+                                            echo=True, stream=True))
+    whole = client.completions.create(model=MODEL, prompt=text, max_tokens=3, temperature=0, logprobs=1, echo=True)
+    assert chunks[0].choices[0].text == text
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    streamed = [v for c in chunks if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+    assert streamed == whole.choices[0].logprobs.token_logprobs
+    assert [o for c in chunks if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset] == \
+        whole.choices[0].logprobs.text_offset
+    # Every sample starts with the prompt; token ids are echoed as their text.
+    several = client.completions.create(model=MODEL, prompt=text, max_tokens=2, temperature=1.0, n=2, echo=True)
+    assert [c.text.startswith(text) for c in several.choices] == [True, True]
+    by_ids = client.completions.create(model=MODEL, prompt=prompt_ids, max_tokens=2, temperature=0, echo=True)
+    assert by_ids.choices[0].text == whole.choices[0].text[:len(by_ids.choices[0].text)]
+    assert by_ids.choices[0].text.startswith(text)
 
 
 def test_wrong_model_is_404_and_missing_field_400(server: ServerThread, client: openai.OpenAI) -> None:
