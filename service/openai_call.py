@@ -76,7 +76,10 @@ class OpenAICall:
         if self.is_chat:
             return ChoiceLogprobs.chat(out, self.top_n, texts)
         entry = ChoiceLogprobs.completion(out, self.top_n, texts, self.text_offsets[out.index])
-        self.text_offsets[out.index] += len(out.new_text)
+        # Offsets run over the tokens' own texts, so they do not depend on how a slow reader's
+        # outputs were merged (a token that ends inside a character adds to new_text later).
+        if entry["tokens"]:
+            self.text_offsets[out.index] = entry["text_offset"][-1] + len(entry["tokens"][-1])
         return entry
 
     async def _prompt_logprobs(self, out: RequestOutput) -> list[Any] | None:
