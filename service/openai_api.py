@@ -2,10 +2,10 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (streamed as server-sent events or
 whole), GET /v1/models, GET /health, and vLLM's POST /tokenize, POST /detokenize and GET
-/tokenizer_info (lm-evaluation-harness's remote tokenizer uses the three). Both front doors share the engine, the serving state (a
-drain or a dead engine refuses new calls on both), the bearer tokens, the request observer
-(traces) and the call metrics (`protocol="http"`). A client that disconnects aborts its
-request, which frees its KV blocks at once.
+/tokenizer_info (lm-evaluation-harness's remote tokenizer uses the three). Both front doors
+share the engine, the serving state (a drain or a dead engine refuses new calls on both), the
+bearer tokens, the request observer (traces) and the call metrics (`protocol="http"`). A client
+that disconnects aborts its request, which frees its KV blocks at once.
 """
 from __future__ import annotations
 

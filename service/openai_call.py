@@ -145,20 +145,16 @@ class OpenAICall:
                         held.append(arrived)
                         if await self._echo(arrived) is None:
                             continue
-                        self.text_offsets = [len(self.echo.text)] * self.params.n  # generated text follows it
-                        for index in range(self.params.n):
-                            yield self._chunk({"index": index, "text": self.echo.text, "logprobs": self.echo.logprobs,
-                                               "finish_reason": None})
+                        for event in self._echo_chunks():
+                            yield event
                     for out in (held if held else [arrived]):
                         async for event in self._stream_output(out):
                             yield event
                     held = []
-                if held:  # the prompt's logprobs never came (the request ended first)
-                    echo = await self._echo(held[-1], is_last=True)
-                    for index in range(self.params.n):
-                        yield self._chunk({"index": index, "text": echo.text, "logprobs": echo.logprobs,
-                                           "finish_reason": None})
-                    self.text_offsets = [len(echo.text)] * self.params.n
+                if held:  # the prompt's logprobs never came (the request ended first): its text alone
+                    await self._echo(held[-1], is_last=True)
+                    for event in self._echo_chunks():
+                        yield event
                 for out in held:
                     async for event in self._stream_output(out):
                         yield event
@@ -167,6 +163,13 @@ class OpenAICall:
                 yield "data: [DONE]\n\n"
             finally:
                 await self.stream.aclose()  # aborts an unfinished request: frees its KV blocks now
+
+    def _echo_chunks(self) -> Iterator[str]:
+        """Each choice's first chunk: the echoed prompt, which the generated text's offsets follow."""
+        echo = self.echo
+        self.text_offsets = [len(echo.text)] * self.params.n
+        for index in range(self.params.n):
+            yield self._chunk({"index": index, "text": echo.text, "logprobs": echo.logprobs, "finish_reason": None})
 
     async def _stream_output(self, out: RequestOutput) -> AsyncIterator[str]:
         logprobs = await self._logprobs(out)
