@@ -41,6 +41,7 @@ from engine import (
     SamplingParams,
     StepStats,
 )
+from service.output_stream import OutputStream
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +144,7 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, params: SamplingParams, prompt: str | list[int] | None = None,
                        messages: list[dict[str, str]] | None = None, priority: int = 0,
-                       engine_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       engine_id: str | None = None) -> OutputStream:
         """Admit a request, then return its output stream (outputs carry engine_id).
 
         request_id is the client's; engine_id (from new_engine_id, made here when not given)
@@ -178,7 +179,8 @@ class AsyncEngine:
         except BaseException:
             self._client_ids.discard(request_id)
             raise
-        return self._iterate(engine_id, request_id, stream, params.n)
+        return OutputStream(self._iterate(engine_id, request_id, stream, params.n),
+                            lambda: self._end(engine_id, request_id, is_finished=False))
 
     async def _tokenize(self, prompt: str | list[int] | None, messages: list[dict[str, str]] | None,
                         params: SamplingParams) -> list[int]:
@@ -256,10 +258,14 @@ class AsyncEngine:
                 finished = num_finished >= num_samples or out.finish_reason == "error"
                 yield out
         finally:
-            self._streams.pop(engine_id, None)
-            self._client_ids.discard(request_id)
-            if not finished:
-                self.abort(engine_id)  # client went away: free its KV blocks now
+            self._end(engine_id, request_id, finished)
+
+    def _end(self, engine_id: str, request_id: str, is_finished: bool) -> None:
+        """A stream's end: its id free again, and the request aborted unless it finished."""
+        self._streams.pop(engine_id, None)
+        self._client_ids.discard(request_id)
+        if not is_finished:
+            self.abort(engine_id)  # client went away: free its KV blocks now
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))

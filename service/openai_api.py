@@ -20,7 +20,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from engine import LimitExceededError, QueueFullError, RequestIdInUseError
+from engine import LimitExceededError, QueueFullError, RequestIdInUseError, SamplingParams
 from service.async_engine import AsyncEngine, EngineDeadError
 from service.openai_call import AbortingStreamingResponse, OpenAICall
 from service.openai_protocol import (
@@ -34,6 +34,8 @@ from service.openai_protocol import (
     now,
     param_of,
 )
+from service.output_merge import MergedOutputs
+from service.output_stream import OutputStream
 from service.request_observer import CallInfo, RequestObserver
 from service.serving_state import EngineUnavailableError, ServingState
 
@@ -211,6 +213,24 @@ class OpenAIFrontDoor:
 
     # ---- generation ---------------------------------------------------------------------
 
+    @staticmethod
+    async def _generate_all(engine: AsyncEngine, request_id: str, params: SamplingParams,
+                            prompts: list[str | list[int]]) -> OutputStream | MergedOutputs:
+        """One engine request per prompt, their outputs as one stream (choices numbered across
+        them). A prompt refused at admission ends the ones admitted before it."""
+        if len(prompts) == 1:
+            return await engine.generate(request_id, params, prompt=prompts[0], engine_id=request_id)
+        streams: list[OutputStream] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                streams.append(await engine.generate(f"{request_id}-{i}", params, prompt=prompt,
+                                                     engine_id=f"{request_id}-{i}"))
+        except BaseException:
+            for stream in streams:
+                await stream.aclose()
+            raise
+        return MergedOutputs(streams, params.n)
+
     async def _serve(self, body: CompletionRequest | ChatCompletionRequest, request: Request, operation: str,
                      route: str) -> Any:
         is_chat = isinstance(body, ChatCompletionRequest)
@@ -230,7 +250,7 @@ class OpenAIFrontDoor:
             if is_chat:
                 stream = await engine.generate(request_id, params, messages=body.chat_messages(), engine_id=request_id)
             else:
-                stream = await engine.generate(request_id, params, prompt=body.prompt_input(), engine_id=request_id)
+                stream = await self._generate_all(engine, request_id, params, body.prompt_inputs())
         except ApiError as exc:
             self.observer.finish(handle, None, str(exc.status), exc.message, {"http.response.status_code": exc.status})
             raise

@@ -41,11 +41,14 @@ class OpenAICall:
         self.is_chat = isinstance(body, ChatCompletionRequest)
         self.top_n = (body.top_logprobs or 0) if self.is_chat else (body.logprobs or 0)
         self.created = now()
-        self.text_offsets = [0] * params.n
+        # Completions take a batch of prompts: choice i * n + j is sample j of prompt i.
+        self.prompts = [] if self.is_chat else body.prompt_inputs()
+        self.num_choices = params.n * max(1, len(self.prompts))
+        self.text_offsets = [0] * self.num_choices
         self.finals: dict[int, RequestOutput] = {}
-        # echo (completions): every choice starts with the prompt, and with logprobs its tokens'.
+        # echo (completions): every choice starts with its prompt, and with logprobs its tokens'.
         self.is_echo = not self.is_chat and body.echo
-        self.echo: EchoedPrompt | None = None
+        self.echoes: dict[int, EchoedPrompt] = {}  # by prompt
         # The prompt_logprobs field only when asked for (echo may ask the engine for more).
         self.num_prompt_logprobs = body.prompt_logprobs
 
@@ -100,12 +103,16 @@ class OpenAICall:
                            for r, (t, v) in enumerate(ranked) if r < self.num_prompt_logprobs or t == actual})
         return result
 
+    def _prompt_of(self, out: RequestOutput) -> int:
+        return out.index // self.params.n
+
     async def _echo(self, out: RequestOutput, is_last: bool = False) -> EchoedPrompt | None:
-        """The prompt every choice starts with, once the output that carries what it needs has come
+        """The prompt out's choices start with, once the output that carries what it needs has come
         (its token ids; with logprobs, its prompt logprobs: one sample's first output has them;
         is_last: the request ended without them, echo the text alone)."""
-        if self.echo is None and (self.params.logprobs is None or out.prompt_logprobs or is_last):
-            prompt = self.body.prompt_input()
+        key = self._prompt_of(out)
+        if key not in self.echoes and (self.params.logprobs is None or out.prompt_logprobs or is_last):
+            prompt = self.prompts[key]
             text = prompt if isinstance(prompt, str) and self.params.truncate_prompt_tokens is None else \
                 await self.engine.detokenize(out.prompt_token_ids)
             logprobs = None
@@ -113,8 +120,8 @@ class OpenAICall:
                 ids = list(out.prompt_token_ids) + [t for entry in out.prompt_logprobs if entry for t in entry]
                 texts = dict(zip(ids, await self.engine.token_texts(ids), strict=True))
                 logprobs = ChoiceLogprobs.prompt(out.prompt_token_ids, out.prompt_logprobs, self.top_n, texts)
-            self.echo = EchoedPrompt(text, logprobs)
-        return self.echo
+            self.echoes[key] = EchoedPrompt(text, logprobs)
+        return self.echoes.get(key)
 
     def _chunk(self, choice: dict[str, Any], usage: dict[str, Any] | None = None) -> str:
         kind = "chat.completion.chunk" if self.is_chat else "text_completion"
@@ -129,10 +136,10 @@ class OpenAICall:
         with self._observed() as final:
             try:
                 if self.is_chat:
-                    for index in range(self.params.n):
+                    for index in range(self.num_choices):
                         yield self._chunk({"index": index, "delta": {"role": "assistant", "content": ""},
                                            "logprobs": None, "finish_reason": None})
-                held: list[RequestOutput] = []  # echo: outputs that came before the prompt's logprobs
+                held: dict[int, list[RequestOutput]] = {}  # echo, by prompt: outputs before its logprobs
                 async for arrived in self.stream:
                     if arrived.finish_reason == "error":
                         final[0] = arrived
@@ -141,34 +148,37 @@ class OpenAICall:
                     if arrived.is_finished:
                         final[0] = arrived
                         self.finals[arrived.index] = arrived
-                    if self.is_echo and self.echo is None:
-                        held.append(arrived)
+                    key = self._prompt_of(arrived)
+                    outs = [arrived]
+                    if self.is_echo and key not in self.echoes:
+                        held.setdefault(key, []).append(arrived)
                         if await self._echo(arrived) is None:
                             continue
-                        for event in self._echo_chunks():
+                        for event in self._echo_chunks(key):
                             yield event
-                    for out in (held if held else [arrived]):
+                        outs = held.pop(key)
+                    for out in outs:
                         async for event in self._stream_output(out):
                             yield event
-                    held = []
-                if held:  # the prompt's logprobs never came (the request ended first): its text alone
-                    await self._echo(held[-1], is_last=True)
-                    for event in self._echo_chunks():
+                for key, outs in held.items():  # the prompt's logprobs never came (its request ended first)
+                    await self._echo(outs[-1], is_last=True)
+                    for event in self._echo_chunks(key):
                         yield event
-                for out in held:
-                    async for event in self._stream_output(out):
-                        yield event
+                    for out in outs:
+                        async for event in self._stream_output(out):
+                            yield event
                 if self.body.include_usage and self.finals:
                     yield self._chunk({}, usage_body(list(self.finals.values())))
                 yield "data: [DONE]\n\n"
             finally:
                 await self.stream.aclose()  # aborts an unfinished request: frees its KV blocks now
 
-    def _echo_chunks(self) -> Iterator[str]:
-        """Each choice's first chunk: the echoed prompt, which the generated text's offsets follow."""
-        echo = self.echo
-        self.text_offsets = [len(echo.text)] * self.params.n
-        for index in range(self.params.n):
+    def _echo_chunks(self, key: int) -> Iterator[str]:
+        """The first chunk of each choice of prompt key: the echoed prompt, which the generated
+        text's offsets follow."""
+        echo = self.echoes[key]
+        for index in range(key * self.params.n, (key + 1) * self.params.n):
+            self.text_offsets[index] = len(echo.text)
             yield self._chunk({"index": index, "text": echo.text, "logprobs": echo.logprobs, "finish_reason": None})
 
     async def _stream_output(self, out: RequestOutput) -> AsyncIterator[str]:
@@ -202,11 +212,11 @@ class OpenAICall:
             disconnect.cancel()
 
     async def _collect(self) -> JSONResponse:
-        n = self.params.n
+        n = self.num_choices
         with self._observed() as final:
             texts: list[list[str]] = [[] for _ in range(n)]
-            prompt_logprobs: list[Any] | None = None
-            last: RequestOutput | None = None
+            prompt_logprobs: dict[int, list[Any]] = {}  # by prompt, on its first choice
+            lasts: dict[int, RequestOutput] = {}  # echo: by prompt, its latest output
             chat_logprobs: list[list[dict[str, Any]]] = [[] for _ in range(n)]
             completion_logprobs: list[dict[str, list[Any]]] = [{} for _ in range(n)]
             try:
@@ -215,9 +225,11 @@ class OpenAICall:
                         final[0] = out
                         return JSONResponse(error_body(out.error or "engine error", "server_error"), status_code=500)
                     texts[out.index].append(out.new_text)
-                    prompt_logprobs = prompt_logprobs or await self._prompt_logprobs(out)
+                    key = self._prompt_of(out)
+                    if key not in prompt_logprobs and (entries := await self._prompt_logprobs(out)) is not None:
+                        prompt_logprobs[key] = entries
                     if self.is_echo:
-                        last = out
+                        lasts[key] = out
                         await self._echo(out)
                     logprobs = await self._logprobs(out)
                     if logprobs is not None and self.is_chat:
@@ -230,13 +242,15 @@ class OpenAICall:
                         self.finals[out.index] = out
             finally:
                 await self.stream.aclose()
-            echo = await self._echo(last, is_last=True) if self.is_echo and last is not None else None
+            for out in lasts.values():  # a prompt whose logprobs never came (its request ended first)
+                await self._echo(out, is_last=True)
             choices = []
             for index in range(n):
                 logprobs_body: Any = None
                 if self.params.logprobs is not None:
                     logprobs_body = {"content": chat_logprobs[index]} if self.is_chat else completion_logprobs[index]
-                if echo is not None:
+                key, sample = divmod(index, self.params.n)
+                if (echo := self.echoes.get(key)) is not None:
                     texts[index].insert(0, echo.text)
                     if logprobs_body is not None:
                         logprobs_body = _after_echo(echo, logprobs_body)
@@ -247,8 +261,8 @@ class OpenAICall:
                 else:
                     choice = {"index": index, "text": "".join(texts[index]), "logprobs": logprobs_body,
                               "finish_reason": reason}
-                if index == 0 and prompt_logprobs is not None:
-                    choice["prompt_logprobs"] = prompt_logprobs
+                if sample == 0 and key in prompt_logprobs:
+                    choice["prompt_logprobs"] = prompt_logprobs[key]
                 choices.append(choice)
             kind = "chat.completion" if self.is_chat else "text_completion"
             return JSONResponse({"id": self.request_id, "object": kind, "created": self.created,

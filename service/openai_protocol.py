@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from engine import RequestOutput, SamplingParams, StructuredOutput
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "stop"}
+MAX_PROMPTS = 128  # a completions batch's prompts: one call fans out to at most this many requests
 
 
 class UnsupportedFieldError(ValueError):
@@ -164,16 +165,17 @@ class CompletionRequest(_SamplingRequest):
     suffix: str | None = None
     best_of: int | None = None
 
-    def prompt_input(self) -> str | list[int]:
+    def prompt_inputs(self) -> list[str | list[int]]:
+        """The prompts: one text or token-id list, or a batch of either (each its own engine
+        request; choice i * n + j is sample j of prompt i, as OpenAI and vLLM number them)."""
         prompt = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise UnsupportedFieldError("prompt", f"a batch of {len(prompt)} prompts is not supported; "
-                                                      "send one request per prompt")
-            prompt = prompt[0]
-        if not prompt:
-            raise UnsupportedFieldError("prompt", "must not be empty")
-        return prompt
+        prompts = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+        if len(prompts) > MAX_PROMPTS:
+            raise UnsupportedFieldError("prompt", f"a batch of {len(prompts)} prompts, at most {MAX_PROMPTS}")
+        if not prompts or not all(prompts):
+            where = "" if not prompts or len(prompts) == 1 else f"[{next(i for i, p in enumerate(prompts) if not p)}]"
+            raise UnsupportedFieldError(f"prompt{where}", "must not be empty")
+        return prompts
 
     def sampling_params(self, default_max_tokens: int = 16) -> SamplingParams:
         if self.suffix:
@@ -271,12 +273,18 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+def _is_type_tag(part: str) -> bool:
+    """A union member pydantic names in an error's location ("str", "list[int]", "ContentPart"),
+    not a field: our fields are snake_case names."""
+    return "[" in part or part in ("str", "int", "float", "bool", "none") or part[:1].isupper()
+
+
 def field_path(loc: tuple | list) -> str | None:
     """A pydantic error's location as the field's name, as our own errors write it:
     ("body", "messages", 0, "role") -> "messages[0].role"."""
     path = ""
     for part in loc:
-        if part == "body" and not path:
+        if part == "body" and not path or isinstance(part, str) and _is_type_tag(part):
             continue
         path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
     return path or None
@@ -289,11 +297,13 @@ def param_of(message: str) -> str | None:
 
 
 def usage_body(outs: list[RequestOutput]) -> dict[str, Any]:
-    """Usage of a request from its samples' final outputs: the prompt once, every sample's tokens."""
+    """Usage of a call from its samples' final outputs: each prompt once (its samples share a
+    request id), every sample's tokens."""
+    prompts = {o.request_id: o for o in outs}.values()
+    prompt = sum(o.num_prompt_tokens for o in prompts)
     completion = sum(o.num_output_tokens for o in outs)
-    return {"prompt_tokens": outs[0].num_prompt_tokens, "completion_tokens": completion,
-            "total_tokens": outs[0].num_prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": outs[0].num_cached_tokens}}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in prompts)}}
 
 
 def finish_reason(out: RequestOutput) -> str | None:

@@ -2,6 +2,7 @@
 the SDK hides what is checked: disconnects, error bodies)."""
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import urllib.error
@@ -16,7 +17,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 
 from bench.serving import main as bench_main
-from engine import EngineConfig
+from engine import EngineConfig, SamplingParams
 from service.client import InferenceClient
 from service.http_server import HttpServer
 from service.metrics import ServiceMetrics
@@ -139,7 +140,9 @@ def test_logprobs_have_token_text(server: ServerThread, client: openai.OpenAI) -
     ({"n": 500}, "n"),
     ({"top_p": 0}, "top_p"),
     ({"stop": [""]}, "stop"),
-    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": ["a", ""]}, "prompt[1]"),
+    ({"prompt": ["a"] * 129}, "prompt"),
     ({"prompt": [10**9]}, "prompt_token_ids"),
 ])
 def test_bad_requests_are_400_in_openai_shape(client: openai.OpenAI, body: dict, param: str) -> None:
@@ -167,6 +170,8 @@ def test_malformed_bodies_name_the_field_or_the_json_error(server: ServerThread)
     assert status == 400 and body["error"]["param"] is None and "not valid JSON" in body["error"]["message"], body
     status, body = _post(server, "/v1/chat/completions", {"messages": [{"role": 5, "content": "x"}], "max_tokens": 2})
     assert status == 400 and body["error"]["param"] == "messages[0].role", body
+    status, body = _post(server, "/v1/completions", {"prompt": ["text", [1, 2]], "max_tokens": 2})
+    assert status == 400 and body["error"]["param"] == "prompt", body  # not "prompt.str", pydantic's union member
 
 
 def test_tokenize_and_detokenize_as_vllm(server: ServerThread, client: openai.OpenAI) -> None:
@@ -237,6 +242,56 @@ def test_echo_scores_a_prompt_as_lm_eval_harness_reads_it(server: ServerThread, 
     by_ids = client.completions.create(model=MODEL, prompt=prompt_ids, max_tokens=2, temperature=0, echo=True)
     assert by_ids.choices[0].text == whole.choices[0].text[:len(by_ids.choices[0].text)]
     assert by_ids.choices[0].text.startswith(text)
+
+
+def test_a_batch_of_prompts_is_one_request_each(server: ServerThread, client: openai.OpenAI) -> None:
+    """OpenAI's and vLLM's numbering: choice i * n + j is sample j of prompt i; usage counts every
+    prompt once; streamed and whole agree; a refused prompt ends the ones admitted before it."""
+    prompts = ["the quick brown fox", "jumps over the lazy dog"]
+    alone = [client.completions.create(model=MODEL, prompt=p, max_tokens=4, temperature=0,
+                                       extra_body={"ignore_eos": True}) for p in prompts]
+    both = client.completions.create(model=MODEL, prompt=prompts, max_tokens=4, temperature=0, n=2,
+                                     extra_body={"ignore_eos": True})
+    assert [c.index for c in both.choices] == [0, 1, 2, 3]
+    assert [c.text for c in both.choices] == [alone[0].choices[0].text] * 2 + [alone[1].choices[0].text] * 2
+    assert both.usage.prompt_tokens == alone[0].usage.prompt_tokens + alone[1].usage.prompt_tokens
+    assert both.usage.completion_tokens == 16
+    chunks = list(client.completions.create(model=MODEL, prompt=prompts, max_tokens=4, temperature=0, n=2,
+                                            stream=True, extra_body={"ignore_eos": True}))
+    streamed = ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in range(4)]
+    assert streamed == [c.text for c in both.choices]
+    echoed = client.completions.create(model=MODEL, prompt=["a b c", "x y"], max_tokens=2, temperature=0, echo=True,
+                                       logprobs=1)
+    assert echoed.choices[0].text.startswith("a b c") and echoed.choices[1].text.startswith("x y")
+    for choice, prompt in zip(echoed.choices, ["a b c", "x y"], strict=True):
+        num_prompt = len(_post(server, "/tokenize", {"prompt": prompt})[1]["tokens"])
+        lp = choice.logprobs
+        assert lp.token_logprobs[0] is None and "".join(lp.tokens[:num_prompt]) == prompt
+        assert len(lp.tokens) == num_prompt + 2 and lp.text_offset[num_prompt] == len(prompt)
+    def num_aborted() -> float:
+        return server.metrics.registry.get_sample_value(
+            "minivllm_requests_finished_total", {"model_name": MODEL, "finish_reason": "abort"}) or 0
+
+    aborted_before = num_aborted()
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=[[5, 6, 7], [10**9]], max_tokens=1000,
+                                  extra_body={"ignore_eos": True})
+    assert info.value.body["param"] == "prompt_token_ids"
+    assert poll(lambda: not server.engine.has_unfinished_requests(), 30)
+    assert poll(lambda: num_aborted() == aborted_before + 1, 10), "the admitted prompt was not aborted"
+
+
+def test_a_stream_closed_unread_ends_its_request(server: ServerThread) -> None:
+    """Closing an async generator that never started runs none of its code: the request kept
+    running and its id stayed in use. The engine's stream ends it either way."""
+    async def admit_and_drop() -> None:
+        stream = await server.server.async_engine.generate("unread", SamplingParams(max_tokens=1000, ignore_eos=True),
+                                                           prompt=[5, 6, 7])
+        await stream.aclose()
+
+    for _ in range(2):  # the second admission would find the id still in use
+        asyncio.run_coroutine_threadsafe(admit_and_drop(), server.loop).result(30)
+        assert poll(lambda: not server.engine.has_unfinished_requests(), 30), "the unread request kept running"
 
 
 def test_wrong_model_is_404_and_missing_field_400(server: ServerThread, client: openai.OpenAI) -> None:
