@@ -1,6 +1,6 @@
 """One admitted OpenAI-API call: the engine's output stream rendered as server-sent events or as
-one JSON body, one choice per sample; a client that goes away aborts the request (its KV blocks
-are freed at once)."""
+one JSON body, one choice per sample (of each prompt); a client that goes away aborts the
+request (its KV blocks are freed at once)."""
 from __future__ import annotations
 
 import asyncio
@@ -29,8 +29,9 @@ from service.request_observer import RequestObserver
 
 
 class OpenAICall:
-    """One admitted request: its engine stream rendered as SSE chunks or as one JSON body, with
-    one choice per sample (n > 1: `index` tells them apart; usage counts the prompt once)."""
+    """One admitted call (one engine request, or one per prompt of a completions batch): its
+    outputs rendered as SSE chunks or as one JSON body, one choice per sample of each prompt
+    (`index` tells them apart; usage counts each prompt once)."""
 
     def __init__(self, model_name: str, observer: RequestObserver, engine: AsyncEngine,
                  stream: AsyncIterator[RequestOutput], body: CompletionRequest | ChatCompletionRequest,
