@@ -5,6 +5,7 @@ prompt must not stall a step).
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,12 @@ class InputProcessor:
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
 
+    def check_in_vocabulary(self, token_ids: Iterable[int], field: str) -> None:
+        """ValueError naming field and the first id outside [0, vocab_size)."""
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"{field}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+
     def check_params(self, params: SamplingParams) -> None:
         """Request-size limits of the sampling parameters (cheap; before any tokenizing)."""
         cfg = self.config
@@ -47,14 +54,11 @@ class InputProcessor:
         if len(params.stop_token_ids) > cfg.max_stop_token_ids:
             raise LimitExceededError(f"stop_token_ids: {len(params.stop_token_ids)} ids, "
                                      f"at most {cfg.max_stop_token_ids}")
-        if any(not 0 <= t < self.vocab_size for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids: must be in [0, {self.vocab_size})")
+        self.check_in_vocabulary(params.stop_token_ids, "stop_token_ids")
         if params.logit_bias is not None:
             if len(params.logit_bias) > cfg.max_logit_bias:
                 raise LimitExceededError(f"logit_bias: {len(params.logit_bias)} entries, at most {cfg.max_logit_bias}")
-            bad = next((t for t in params.logit_bias if t >= self.vocab_size), None)
-            if bad is not None:
-                raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+            self.check_in_vocabulary(params.logit_bias, "logit_bias")
         if params.max_tokens is not None and params.max_tokens >= self.max_model_len:
             raise LimitExceededError(f"max_tokens: {params.max_tokens} does not fit the context of "
                                      f"{self.max_model_len} tokens")
@@ -113,9 +117,7 @@ class InputProcessor:
             token_ids = [int(t) for t in prompt]
             if not token_ids:
                 raise ValueError("prompt_token_ids: must not be empty")
-            bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
-            if bad is not None:
-                raise ValueError(f"prompt_token_ids: {bad} is outside the vocabulary [0, {self.vocab_size})")
+            self.check_in_vocabulary(token_ids, "prompt_token_ids")
         if params.truncate_prompt_tokens is not None:
             token_ids = token_ids[-params.truncate_prompt_tokens:]
         if params.structured_output is not None:

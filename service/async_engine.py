@@ -209,10 +209,7 @@ class AsyncEngine:
 
     async def detokenize(self, token_ids: list[int]) -> str:
         """The text of token ids (special tokens kept), on the tokenizer thread."""
-        vocab_size = self.engine.model_info().vocab_size
-        bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"tokens: {bad} is outside the vocabulary [0, {vocab_size})")
+        self.engine.input_processor.check_in_vocabulary(token_ids, "tokens")
         tokenizer = self.engine.input_processor.tokenizer
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool,
                                                                 lambda: tokenizer.decode(token_ids))

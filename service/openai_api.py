@@ -167,7 +167,7 @@ class OpenAIFrontDoor:
             engine = self._loaded()
             try:
                 messages = body.chat()
-                ids = await engine.tokenize(prompt=body.prompt if messages is None else None, messages=messages,
+                ids = await engine.tokenize(prompt=body.prompt, messages=messages,
                                             add_special_tokens=body.add_special_tokens)
             except ValueError as exc:  # LimitExceededError included
                 raise _admission_error(exc) from exc

@@ -23,6 +23,7 @@ from service.openai_protocol import (
     error_body,
     finish_reason,
     now,
+    ranked,
     usage_body,
 )
 from service.request_observer import RequestObserver
@@ -79,7 +80,8 @@ class OpenAICall:
         texts = dict(zip(ids, await self.engine.token_texts(ids), strict=True))
         if self.is_chat:
             return ChoiceLogprobs.chat(out, self.top_n, texts)
-        entry = ChoiceLogprobs.completion(out, self.top_n, texts, self.text_offsets[out.index])
+        entry = ChoiceLogprobs.completion(out.new_token_ids, out.new_logprobs, self.top_n, texts,
+                                          self.text_offsets[out.index])
         # Offsets run over the tokens' own texts, so they do not depend on how a slow reader's
         # outputs were merged (a token that ends inside a character adds to new_text later).
         if entry["tokens"]:
@@ -98,10 +100,9 @@ class OpenAICall:
             if entry is None:
                 result.append(None)
                 continue
-            ranked = sorted(entry.items(), key=lambda kv: kv[1], reverse=True)
             actual = out.prompt_token_ids[position]
             result.append({str(t): {"logprob": v, "rank": r + 1, "decoded_token": texts[t]}
-                           for r, (t, v) in enumerate(ranked) if r < self.num_prompt_logprobs or t == actual})
+                           for r, (t, v) in enumerate(ranked(entry)) if r < self.num_prompt_logprobs or t == actual})
         return result
 
     def _prompt_of(self, out: RequestOutput) -> int:
@@ -120,7 +121,7 @@ class OpenAICall:
             if self.params.logprobs is not None and out.prompt_logprobs:
                 ids = list(out.prompt_token_ids) + [t for entry in out.prompt_logprobs if entry for t in entry]
                 texts = dict(zip(ids, await self.engine.token_texts(ids), strict=True))
-                logprobs = ChoiceLogprobs.prompt(out.prompt_token_ids, out.prompt_logprobs, self.top_n, texts)
+                logprobs = ChoiceLogprobs.completion(out.prompt_token_ids, out.prompt_logprobs, self.top_n, texts)
             self.echoes[key] = EchoedPrompt(text, logprobs)
         return self.echoes.get(key)
 

@@ -172,9 +172,9 @@ class CompletionRequest(_SamplingRequest):
         prompts = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
         if len(prompts) > MAX_PROMPTS:
             raise UnsupportedFieldError("prompt", f"a batch of {len(prompts)} prompts, at most {MAX_PROMPTS}")
-        if not prompts or not all(prompts):
-            where = "" if not prompts or len(prompts) == 1 else f"[{next(i for i, p in enumerate(prompts) if not p)}]"
-            raise UnsupportedFieldError(f"prompt{where}", "must not be empty")
+        empty = [i for i, p in enumerate(prompts) if not p]  # [] wraps to [[]]: prompts is never empty
+        if empty:
+            raise UnsupportedFieldError(f"prompt[{empty[0]}]" if len(prompts) > 1 else "prompt", "must not be empty")
         return prompts
 
     def sampling_params(self, default_max_tokens: int = 16) -> SamplingParams:
@@ -310,6 +310,11 @@ def finish_reason(out: RequestOutput) -> str | None:
     return FINISH_REASONS.get(out.finish_reason) if out.finish_reason else None
 
 
+def ranked(entry: dict[int, float], top_n: int | None = None) -> list[tuple[int, float]]:
+    """(token id, logprob) pairs of one position's entry, most likely first (the top_n of them)."""
+    return sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[:top_n]
+
+
 class ChoiceLogprobs:
     """Logprob entries for one chunk, in the chat or the completions layout."""
 
@@ -319,43 +324,29 @@ class ChoiceLogprobs:
         ids: list[int] = []
         for token_id, entry in zip(out.new_token_ids, out.new_logprobs or [], strict=False):
             ids.append(token_id)
-            ids.extend(sorted(entry, key=entry.__getitem__, reverse=True)[:top_n])
+            ids.extend(t for t, _ in ranked(entry, top_n))
         return ids
 
     @staticmethod
     def chat(out: RequestOutput, top_n: int, text: dict[int, str]) -> dict[str, Any]:
         content = []
         for token_id, entry in zip(out.new_token_ids, out.new_logprobs or [], strict=False):
-            top = sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[:top_n]
             content.append({
                 "token": text[token_id], "logprob": entry[token_id], "bytes": list(text[token_id].encode()),
-                "top_logprobs": [{"token": text[t], "logprob": v, "bytes": list(text[t].encode())} for t, v in top]})
+                "top_logprobs": [{"token": text[t], "logprob": v, "bytes": list(text[t].encode())}
+                                 for t, v in ranked(entry, top_n)]})
         return {"content": content}
 
     @staticmethod
-    def prompt(token_ids: list[int], entries: list[dict[int, float] | None], top_n: int,
-               text: dict[int, str]) -> dict[str, list[Any]]:
-        """The completions layout for prompt tokens: entries[i] scores token_ids[i] (None for the first)."""
+    def completion(token_ids: list[int], entries: list[dict[int, float] | None], top_n: int, text: dict[int, str],
+                   offset: int = 0) -> dict[str, list[Any]]:
+        """The completions layout: entries[i] scores token_ids[i] (None where a prompt's first token
+        has no logprob); offsets run over the tokens' own texts from offset."""
         tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
-        offset = 0
-        for token_id, entry in zip(token_ids, entries, strict=True):
+        for token_id, entry in zip(token_ids, entries, strict=False):
             tokens.append(text[token_id])
             token_logprobs.append(entry[token_id] if entry is not None else None)
-            top = sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[:top_n] if entry is not None else None
-            top_logprobs.append({text[t]: v for t, v in top} if top is not None else None)
-            offsets.append(offset)
-            offset += len(text[token_id])
-        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
-                "text_offset": offsets}
-
-    @staticmethod
-    def completion(out: RequestOutput, top_n: int, text: dict[int, str], offset: int) -> dict[str, Any]:
-        tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
-        for token_id, entry in zip(out.new_token_ids, out.new_logprobs or [], strict=False):
-            tokens.append(text[token_id])
-            token_logprobs.append(entry[token_id])
-            top = sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[:top_n]
-            top_logprobs.append({text[t]: v for t, v in top})
+            top_logprobs.append({text[t]: v for t, v in ranked(entry, top_n)} if entry is not None else None)
             offsets.append(offset)
             offset += len(text[token_id])
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
