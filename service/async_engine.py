@@ -28,7 +28,7 @@ import logging
 import os
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +41,6 @@ from engine import (
     SamplingParams,
     StepStats,
 )
-from service.output_stream import OutputStream
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +143,7 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, params: SamplingParams, prompt: str | list[int] | None = None,
                        messages: list[dict[str, str]] | None = None, priority: int = 0,
-                       engine_id: str | None = None) -> OutputStream:
+                       engine_id: str | None = None) -> AsyncGenerator[RequestOutput, None]:
         """Admit a request, then return its output stream (outputs carry engine_id).
 
         request_id is the client's; engine_id (from new_engine_id, made here when not given)
@@ -179,8 +178,9 @@ class AsyncEngine:
         except BaseException:
             self._client_ids.discard(request_id)
             raise
-        return OutputStream(self._iterate(engine_id, request_id, stream, params.n),
-                            lambda: self._end(engine_id, request_id, is_finished=False))
+        outputs = self._iterate(engine_id, request_id, stream, params.n)
+        await anext(outputs)  # started: its aclose() now runs its cleanup, even if never read
+        return outputs
 
     async def _tokenize(self, prompt: str | list[int] | None, messages: list[dict[str, str]] | None,
                         params: SamplingParams) -> list[int]:
@@ -241,11 +241,15 @@ class AsyncEngine:
         return [self._token_texts[t] for t in token_ids]
 
     async def _iterate(self, engine_id: str, request_id: str, stream: asyncio.Queue[RequestOutput],
-                       num_samples: int = 1) -> AsyncIterator[RequestOutput]:
+                       num_samples: int = 1) -> AsyncGenerator[RequestOutput, None]:
         """The request's outputs until every sample has finished."""
         finished = False
         num_finished = 0
         try:
+            # generate() takes this first item: closing a generator that never started runs none
+            # of its code, so a request admitted and dropped unread (a batch whose next prompt was
+            # refused, a client gone before its response began) kept running with its id in use.
+            yield None  # type: ignore[misc]
             while not finished:
                 out = await stream.get()
                 # One message for a backlog (samples of an n > 1 request interleave: not merged).
@@ -255,14 +259,10 @@ class AsyncEngine:
                 finished = num_finished >= num_samples or out.finish_reason == "error"
                 yield out
         finally:
-            self._end(engine_id, request_id, finished)
-
-    def _end(self, engine_id: str, request_id: str, is_finished: bool) -> None:
-        """A stream's end: its id free again, and the request aborted unless it finished."""
-        self._streams.pop(engine_id, None)
-        self._client_ids.discard(request_id)
-        if not is_finished:
-            self.abort(engine_id)  # client went away: free its KV blocks now
+            self._streams.pop(engine_id, None)
+            self._client_ids.discard(request_id)
+            if not finished:
+                self.abort(engine_id)  # client went away: free its KV blocks now
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))

@@ -13,14 +13,14 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from engine import LimitExceededError, QueueFullError, RequestIdInUseError, SamplingParams
+from engine import LimitExceededError, QueueFullError, RequestIdInUseError, RequestOutput, SamplingParams
 from service.async_engine import AsyncEngine, EngineDeadError
 from service.openai_call import AbortingStreamingResponse, OpenAICall
 from service.openai_protocol import (
@@ -35,7 +35,6 @@ from service.openai_protocol import (
     param_of,
 )
 from service.output_merge import MergedOutputs
-from service.output_stream import OutputStream
 from service.request_observer import CallInfo, RequestObserver
 from service.serving_state import EngineUnavailableError, ServingState
 
@@ -215,12 +214,12 @@ class OpenAIFrontDoor:
 
     @staticmethod
     async def _generate_all(engine: AsyncEngine, request_id: str, params: SamplingParams,
-                            prompts: list[str | list[int]]) -> OutputStream | MergedOutputs:
+                            prompts: list[str | list[int]]) -> AsyncGenerator[RequestOutput, None] | MergedOutputs:
         """One engine request per prompt, their outputs as one stream (choices numbered across
         them). A prompt refused at admission ends the ones admitted before it."""
         if len(prompts) == 1:
             return await engine.generate(request_id, params, prompt=prompts[0], engine_id=request_id)
-        streams: list[OutputStream] = []
+        streams: list[AsyncGenerator[RequestOutput, None]] = []
         try:
             for i, prompt in enumerate(prompts):
                 streams.append(await engine.generate(f"{request_id}-{i}", params, prompt=prompt,

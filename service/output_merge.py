@@ -5,16 +5,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+from collections.abc import AsyncGenerator
 
 from engine import RequestOutput
-from service.output_stream import OutputStream
 
 
 class MergedOutputs:
     """Outputs of every stream as they come, sample j of stream i renumbered i * num_samples + j.
     aclose() (or an error in one stream) closes them all, read or not, which ends what is unfinished."""
 
-    def __init__(self, streams: list[OutputStream], num_samples: int) -> None:
+    def __init__(self, streams: list[AsyncGenerator[RequestOutput, None]], num_samples: int) -> None:
         self._streams = streams
         self._num_samples = num_samples
         self._queue: asyncio.Queue[RequestOutput | Exception | None] = asyncio.Queue()
@@ -24,7 +24,7 @@ class MergedOutputs:
     def __aiter__(self) -> MergedOutputs:
         return self
 
-    async def _pump(self, i: int, stream: OutputStream) -> None:
+    async def _pump(self, i: int, stream: AsyncGenerator[RequestOutput, None]) -> None:
         try:
             async for out in stream:
                 await self._queue.put(dataclasses.replace(out, index=i * self._num_samples + out.index))
