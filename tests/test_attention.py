@@ -162,20 +162,24 @@ def test_bfloat16_chunk_after_a_cached_context_matches_dense() -> None:
 @pytest.mark.parametrize("dim", [64, 16, 24], ids=["D64", "D16", "D24-portable"])
 @pytest.mark.parametrize("window", [None, 21], ids=["full", "window21"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_cpp_prefill_kernel_matches_dense(dim: int, window: int | None, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("bs", [4, 16], ids=["bs4", "bs16"])
+def test_cpp_prefill_kernel_matches_dense(dim: int, window: int | None, dtype: torch.dtype, bs: int) -> None:
     """The C++ prefill kernel through prefill_attention, on every SIMD path the CPU has: a whole
     prompt, a chunk after a cached context (scattered blocks), and a one-token chunk, packed in one
     step; 9 query heads on 3 KV heads (tiles of 2 tokens) and 4 on 4 (tiles of 8), so full and
-    partial tiles and several tiles per task all run; D = 24 takes the portable loop everywhere."""
+    partial tiles and several tiles per task all run; D = 24 takes the portable loop everywhere.
+    Blocks of 16 tokens let the AVX-512 tiles read a float32 cache's values in place (where the
+    first visible key starts a 16-key block: not after the window's start at 50 cached); blocks
+    of 4 take the chunk's copy of them."""
     kernels = load_cpu_kernels()
     if kernels is None:
         pytest.fail("the C++ kernels must build here (make test installs a compiler)")
     for heads, kv_heads in [(9, 3), (4, 4)]:
         gen = torch.Generator().manual_seed(dim + heads)
-        bs, num_blocks = 4, 64
+        num_blocks = 64
         k_cache = torch.randn(num_blocks * bs, kv_heads, dim, generator=gen).to(dtype)
         v_cache = torch.randn(num_blocks * bs, kv_heads, dim, generator=gen).to(dtype)
-        tables = torch.randperm(num_blocks, generator=gen)[:60].view(3, 20)
+        tables = torch.randperm(num_blocks, generator=gen)[: 3 * (80 // bs)].view(3, 80 // bs)  # 80 tokens each
         chunks = [(0, 37), (50, 29), (11, 1)]  # (cached tokens, new tokens) per sequence
         metas, start = [], 0
         for (cached, n), table in zip(chunks, tables, strict=True):

@@ -4,7 +4,9 @@
 // no log-sum-exp merge, and a first chunk skips the keys above the diagonal.
 //
 // Per KV head, the context's keys are first laid out as panels [blocks of 16 keys, D, 16] and
-// its values as rows [L, D] in float32 (bf16 caches are widened once here, not per query). A
+// its values as rows [L, D] in float32 (bf16 caches are widened once here, not per query); a
+// float32 cache whose blocks hold whole 16-key blocks keeps its values where they are, read in
+// place through the block table (the copy cost 5-10 % of the attention). A
 // task then takes up to 8 neighbouring tiles of up to 8 query rows (the `group` query heads of
 // a few tokens, GQA) and walks the keys they may see, 64 a step: scores as a small matrix
 // product (one broadcast multiply-add into 16 keys per row and dimension), an exponential
@@ -70,6 +72,15 @@ struct RowStrides {
   int64_t q_token, q_head, out_token, out_head;
 };
 
+// Where a step's values are: row i of its 16-key block b at blocks[b] + i * stride (a pair path's
+// block has 8 rows, each a pair of keys). Rows of the chunk's own copy, or (a float32 cache whose
+// blocks hold whole 16-key blocks) the cache's rows in place, with no copy per chunk.
+template <typename E>
+struct ValueRows {
+  const E* const* blocks;
+  int64_t stride;
+};
+
 // e^x for x <= 0 (a score minus the running maximum) in plain arithmetic the compiler can
 // vectorize: 2^(x log2 e) split into an integer power (built in the exponent bits) and a
 // degree-6 polynomial on [-ln2/2, ln2/2] (Cephes' expf coefficients, about 1 ulp).
@@ -103,6 +114,7 @@ void gather_block(const cache_t* k_cache, const cache_t* v_cache, const int64_t*
     const cache_t* k = k_cache + slot * slot_stride + head_offset;
     const cache_t* v = v_cache + slot * slot_stride + head_offset;
     for (int64_t d = 0; d < head_dim; ++d) panel[d * kKeys + i] = static_cast<float>(k[d]);
+    if (v_rows == nullptr) continue;  // values read in place
     float* vr = v_rows + i * head_dim;
     for (int64_t d = 0; d < head_dim; ++d) vr[d] = static_cast<float>(v[d]);
   }
@@ -234,31 +246,41 @@ void attend_tile(const float* q, int64_t row_begin, int64_t row_end, int64_t gro
 // [num_keys, D], or (pairs) [num_keys / 2, D] pairs of keys, whose p are bfloat16 pairs too:
 // one vdpbf16ps adds two keys' products, 32 multiply-adds where an FMA does 16.
 template <int R, int NV, typename E>
-MINIVLLM_AVX512 inline void pv_block(TileState<R>& t, const E* vb, int64_t num_keys, int64_t head_dim, int64_t d) {
+MINIVLLM_AVX512 inline void pv_block(TileState<R>& t, const ValueRows<E>& vr, int64_t num_keys, int64_t d) {
   __m512 acc[R][NV];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_load_ps(t.o[r] + d + 16 * c);
   if constexpr (std::is_same_v<E, float>) {
-    for (int64_t j = 0; j < num_keys; ++j) {
-      __m512 v[NV];
-      for (int c = 0; c < NV; ++c) v[c] = _mm512_loadu_ps(vb + j * head_dim + d + 16 * c);
-      for (int r = 0; r < R; ++r) {
-        const __m512 pj = _mm512_set1_ps(t.p[r][j]);
-        for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_fmadd_ps(pj, v[c], acc[r][c]);
+    for (int64_t j0 = 0; j0 < num_keys; j0 += kKeys) {
+      const float* rows = vr.blocks[j0 / kKeys] + d;
+      const int64_t n = std::min(kKeys, num_keys - j0);
+      for (int64_t i = 0; i < n; ++i) {
+        __m512 v[NV];
+        for (int c = 0; c < NV; ++c) v[c] = _mm512_loadu_ps(rows + i * vr.stride + 16 * c);
+        for (int r = 0; r < R; ++r) {
+          const __m512 pj = _mm512_set1_ps(t.p[r][j0 + i]);
+          for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_fmadd_ps(pj, v[c], acc[r][c]);
+        }
       }
     }
   } else {
 #if defined(MINIVLLM_HAS_AVX512_BF16)
     // An odd last key pairs with a p of 0 (past every row's last visible key, or a block's padding).
-    for (int64_t jp = 0; jp < (num_keys + 1) / 2; ++jp) {
-      __m512bh v[NV];
-      for (int c = 0; c < NV; ++c)
-        v[c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(vb + jp * head_dim + d + 16 * c));
-      for (int r = 0; r < R; ++r) {
-        int32_t pair;
-        std::memcpy(&pair, t.p_bf16[r] + 2 * jp, sizeof(pair));
-        const __m512bh pj = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
-        for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pj, v[c]);
+    constexpr int64_t kPairs = kKeys / 2;
+    const int64_t num_pairs = (num_keys + 1) / 2;
+    for (int64_t jp0 = 0; jp0 < num_pairs; jp0 += kPairs) {
+      const Bf16Pair* rows = vr.blocks[jp0 / kPairs] + d;
+      const int64_t n = std::min(kPairs, num_pairs - jp0);
+      for (int64_t i = 0; i < n; ++i) {
+        __m512bh v[NV];
+        for (int c = 0; c < NV; ++c)
+          v[c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(rows + i * vr.stride + 16 * c));
+        for (int r = 0; r < R; ++r) {
+          int32_t pair;
+          std::memcpy(&pair, t.p_bf16[r] + 2 * (jp0 + i), sizeof(pair));
+          const __m512bh pj = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+          for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pj, v[c]);
+        }
       }
     }
 #endif
@@ -306,13 +328,14 @@ inline bool is_all_visible(const TileState<R>& t, int64_t key0, int nsub, int64_
 
 // o[:, :] += p . v for the step's num_keys keys, 64 columns of D at a time.
 template <int R, typename E>
-MINIVLLM_AVX512 inline void add_values(TileState<R>& t, const E* vb, int64_t num_keys, int64_t head_dim) {
+MINIVLLM_AVX512 inline void add_values(TileState<R>& t, const ValueRows<E>& vr, int64_t num_keys, int64_t head_dim) {
   int64_t d = 0;
-  for (; d + 64 <= head_dim; d += 64) pv_block<R, 4>(t, vb, num_keys, head_dim, d);
-  for (; d < head_dim; d += 16) pv_block<R, 1>(t, vb, num_keys, head_dim, d);
+  for (; d + 64 <= head_dim; d += 64) pv_block<R, 4>(t, vr, num_keys, d);
+  for (; d < head_dim; d += 16) pv_block<R, 1>(t, vr, num_keys, d);
 }
 
-// p[r] = 2^(s[r] - m) for the step's 64 keys (zero where `visible` is clear; null: all visible),
+// p[r] = 2^(s[r] - m) for the step's 64 keys (zero where `visible` is clear; null: all visible;
+// a masked key's score is -inf, whose NaN from exp2_finite_512 the mask clears),
 // returned as a lane-wise sum for the row's running l (of the float32 p: the pair path rounds
 // only the copy it multiplies into v, as FlashAttention does its bf16 P).
 template <int R, typename E>
@@ -322,7 +345,7 @@ MINIVLLM_AVX512 inline __m512 store_probabilities(TileState<R>& t, int r, const 
   __m512 sum = _mm512_setzero_ps();
   __m512 pc[4];
   for (int c = 0; c < 4; ++c) {
-    pc[c] = exp2_512(_mm512_sub_ps(sr[c], mv));
+    pc[c] = exp2_finite_512(_mm512_sub_ps(sr[c], mv));
     if (visible != nullptr) pc[c] = _mm512_maskz_mov_ps(visible[c], pc[c]);
     if constexpr (std::is_same_v<E, float>) _mm512_store_ps(t.p[r] + c * kKeys, pc[c]);
     sum = _mm512_add_ps(sum, pc[c]);
@@ -337,8 +360,8 @@ MINIVLLM_AVX512 inline __m512 store_probabilities(TileState<R>& t, int r, const 
 }
 
 template <int R, typename E>
-MINIVLLM_AVX512 void rescaling_step_avx512(TileState<R>& t, __m512 (&s)[R][4], const E* vb, int64_t key0, int nsub,
-                                           int64_t head_dim, int64_t window, bool is_unmasked);
+MINIVLLM_AVX512 void rescaling_step_avx512(TileState<R>& t, __m512 (&s)[R][4], const ValueRows<E>& vr, int64_t key0,
+                                           int nsub, int64_t head_dim, int64_t window, bool is_unmasked);
 
 // A step of 64 keys every row sees (most steps: below the diagonal and inside any window).
 // While no score rises more than kRescaleSlack above its row's maximum (after a tile's first
@@ -348,8 +371,9 @@ MINIVLLM_AVX512 void rescaling_step_avx512(TileState<R>& t, __m512 (&s)[R][4], c
 // through rescaling_step_avx512. Not inlined: inside the masked step the compiler's register
 // allocation made the whole step 7-17 % slower.
 template <int R, typename E>
-MINIVLLM_AVX512 __attribute__((noinline)) void unmasked_step_avx512(TileState<R>& t, const E* panel, const E* vb,
-                                                                    int64_t key0, int64_t head_dim) {
+MINIVLLM_AVX512 __attribute__((noinline)) void unmasked_step_avx512(TileState<R>& t, const E* panel,
+                                                                    const ValueRows<E>& vr, int64_t key0,
+                                                                    int64_t head_dim) {
   __m512 s[R][4];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < 4; ++c) s[r][c] = _mm512_setzero_ps();
@@ -360,14 +384,14 @@ MINIVLLM_AVX512 __attribute__((noinline)) void unmasked_step_avx512(TileState<R>
     for (int c = 0; c < 4; ++c) is_over |= _mm512_cmp_ps_mask(s[r][c], limit, _CMP_GT_OQ);
   }
   if (is_over) {
-    rescaling_step_avx512(t, s, vb, key0, 4, head_dim, /*window=*/0, true);  // unmasked: no window test
+    rescaling_step_avx512(t, s, vr, key0, 4, head_dim, /*window=*/0, true);  // unmasked: no window test
     return;
   }
   for (int r = 0; r < R; ++r) {
     const __m512 sum = store_probabilities<R, E>(t, r, s[r], t.m[r], nullptr);
     _mm512_store_ps(t.l_lanes[r], _mm512_add_ps(_mm512_load_ps(t.l_lanes[r]), sum));
   }
-  add_values(t, vb, 4 * kKeys, head_dim);
+  add_values(t, vr, 4 * kKeys, head_dim);
 }
 
 // The softmax of one step from its scores s (keys [key0, key0 + 16 nsub), nsub <= 4) with every
@@ -376,8 +400,8 @@ MINIVLLM_AVX512 __attribute__((noinline)) void unmasked_step_avx512(TileState<R>
 // the probabilities and the rescaled outputs; then the weighted values. Rows that see none of
 // these keys keep their state.
 template <int R, typename E>
-MINIVLLM_AVX512 void rescaling_step_avx512(TileState<R>& t, __m512 (&s)[R][4], const E* vb, int64_t key0, int nsub,
-                                           int64_t head_dim, int64_t window, bool is_unmasked) {
+MINIVLLM_AVX512 void rescaling_step_avx512(TileState<R>& t, __m512 (&s)[R][4], const ValueRows<E>& vr, int64_t key0,
+                                           int nsub, int64_t head_dim, int64_t window, bool is_unmasked) {
   constexpr int kSub = 4;
   const __m512 lane = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
@@ -430,7 +454,7 @@ MINIVLLM_AVX512 void rescaling_step_avx512(TileState<R>& t, __m512 (&s)[R][4], c
       for (int64_t d = 0; d < head_dim; d += 16) _mm512_store_ps(t.o[r] + d, _mm512_mul_ps(a, _mm512_load_ps(t.o[r] + d)));
     }
   }
-  if (any) add_values(t, vb, std::min<int64_t>(nsub * kKeys, t.hi - key0), head_dim);
+  if (any) add_values(t, vr, std::min<int64_t>(nsub * kKeys, t.hi - key0), head_dim);
 }
 
 // One step of a tile with AVX-512 intrinsics (head_dim a multiple of 16) on the diagonal, at a
@@ -439,8 +463,8 @@ MINIVLLM_AVX512 void rescaling_step_avx512(TileState<R>& t, __m512 (&s)[R][4], c
 // keys), the weighted values are an [R, 64] x [64, D] product accumulated in registers, 64
 // columns of D at a time.
 template <int R, typename E>
-MINIVLLM_AVX512 void masked_step_avx512(TileState<R>& t, const E* panel, const E* vb, int64_t key0, int nsub,
-                                        int64_t head_dim, int64_t window) {
+MINIVLLM_AVX512 void masked_step_avx512(TileState<R>& t, const E* panel, const ValueRows<E>& vr, int64_t key0,
+                                        int nsub, int64_t head_dim, int64_t window) {
   __m512 s[R][4];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < 4; ++c) s[r][c] = _mm512_setzero_ps();
@@ -450,7 +474,7 @@ MINIVLLM_AVX512 void masked_step_avx512(TileState<R>& t, const E* panel, const E
     case 2: scores<R, 2>(t, panel, head_dim, s); break;
     default: scores<R, 1>(t, panel, head_dim, s); break;
   }
-  rescaling_step_avx512(t, s, vb, key0, nsub, head_dim, window, false);
+  rescaling_step_avx512(t, s, vr, key0, nsub, head_dim, window, false);
 }
 
 // Tiles [tile_begin, tile_end) of R rows each, together: each 64-key step's K and V (32 KB at
@@ -461,7 +485,7 @@ template <int R, typename E>
 MINIVLLM_AVX512 void attend_tiles_avx512(const float* q, int64_t row_begin, int64_t num_tiles, int64_t group,
                                          int64_t kv_head, const RowStrides& strides, int64_t head_dim,
                                          int64_t start_pos, int64_t first_key, int64_t window, float scale,
-                                         const E* k_panels, const E* v_rows, float* out) {
+                                         const E* k_panels, const ValueRows<E>& values, float* out) {
   constexpr int64_t kMaxTiles = 8;
   TORCH_CHECK(num_tiles <= kMaxTiles, "prefill attention: too many tiles");
   TileState<R> tiles[kMaxTiles];
@@ -485,11 +509,11 @@ MINIVLLM_AVX512 void attend_tiles_avx512(const float* q, int64_t row_begin, int6
       // Only the panels up to the tile's last visible key (on the diagonal of a causal chunk).
       const int tile_nsub = static_cast<int>(std::min<int64_t>(nsub, (t.hi - key0 + kKeys - 1) / kKeys));
       const E* panel = k_panels + b * block_elements;
-      const E* vb = v_rows + b * block_elements;
+      const ValueRows<E> vr{values.blocks + b, values.stride};
       if (is_all_visible(t, key0, tile_nsub, window))
-        unmasked_step_avx512(t, panel, vb, key0, head_dim);
+        unmasked_step_avx512(t, panel, vr, key0, head_dim);
       else
-        masked_step_avx512(t, panel, vb, key0, tile_nsub, head_dim, window);
+        masked_step_avx512(t, panel, vr, key0, tile_nsub, head_dim, window);
     }
   }
   for (int64_t i = 0; i < num_tiles; ++i) {
@@ -535,7 +559,7 @@ MINIVLLM_AVX512 void gather_block_avx512(const float* k_cache, const float* v_ca
     const int64_t t = first + i;
     const int64_t slot = paged_slot(table, block_size, t) * slot_stride + head_offset;
     k_rows[i] = k_cache + slot;
-    std::memcpy(v_rows + i * head_dim, v_cache + slot, head_dim * sizeof(float));
+    if (v_rows != nullptr) std::memcpy(v_rows + i * head_dim, v_cache + slot, head_dim * sizeof(float));
   }
   for (int64_t d = 0; d < head_dim; d += 16) {
     __m512 r[16];
@@ -595,13 +619,13 @@ MINIVLLM_AVX512 void gather_block_pairs(const at::BFloat16* k_cache, const at::B
 template <typename E>
 bool run_tiles_avx512(int64_t rows, const float* q, int64_t row_begin, int64_t num_tiles, int64_t group,
                       int64_t kv_head, const RowStrides& strides, int64_t head_dim, int64_t start_pos,
-                      int64_t first_key, int64_t window, float scale, const E* k_panels, const E* v_rows,
-                      float* out) {
+                      int64_t first_key, int64_t window, float scale, const E* k_panels,
+                      const ValueRows<E>& values, float* out) {
   if (head_dim % 16 != 0) return false;
 #define MINIVLLM_TILE(R)                                                                                         \
   case R:                                                                                                        \
     attend_tiles_avx512<R, E>(q, row_begin, num_tiles, group, kv_head, strides, head_dim, start_pos, first_key,  \
-                              window, scale, k_panels, v_rows, out);                                             \
+                              window, scale, k_panels, values, out);                                             \
     return true;
   switch (rows) {
     MINIVLLM_TILE(1) MINIVLLM_TILE(2) MINIVLLM_TILE(3) MINIVLLM_TILE(4) MINIVLLM_TILE(5) MINIVLLM_TILE(6)
@@ -629,14 +653,27 @@ void attend_chunk(const float* q, int64_t num_tokens, int64_t num_heads, const R
   // every element a tile reads is written below (a partial block's panel is padded with zeros).
   const int64_t block_elements = head_dim * kKeys / kPerElement<E>;
   const int64_t head_elements = num_blocks * block_elements;
+  // The AVX-512 tiles read a float32 cache's values in place when each 16-key block lies in one
+  // cache block: the copy of every value row per chunk was 4-5 % of a chunk's attention.
+  bool is_values_in_place = false;
+  if constexpr (std::is_same_v<E, float> && std::is_same_v<cache_t, float>)
+    is_values_in_place = isa >= kIsaAvx512 && head_dim % 16 == 0 && block_size % kKeys == 0 && first_key % kKeys == 0;
   const std::unique_ptr<E[]> k_panels(new E[num_kv_heads * head_elements]);
-  const std::unique_ptr<E[]> v_rows(new E[num_kv_heads * head_elements]);
+  const std::unique_ptr<E[]> v_rows(is_values_in_place ? nullptr : new E[num_kv_heads * head_elements]);
+  // [KVH, num_blocks]: where each block's value rows start (ValueRows).
+  const std::unique_ptr<const E*[]> v_blocks(new const E*[num_kv_heads * num_blocks]);
   at::parallel_for(0, num_kv_heads * num_blocks, 8, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task / num_blocks, b = task % num_blocks;
       const int64_t count = std::min(kKeys, num_keys - b * kKeys);
       E* panel = k_panels.get() + h * head_elements + b * block_elements;
-      E* rows = v_rows.get() + h * head_elements + b * block_elements;
+      E* rows = is_values_in_place ? nullptr : v_rows.get() + h * head_elements + b * block_elements;
+      if constexpr (std::is_same_v<E, float> && std::is_same_v<cache_t, float>) {
+        const int64_t slot = paged_slot(table, block_size, first_key + b * kKeys);
+        v_blocks[task] = is_values_in_place ? v_cache + slot * slot_stride + h * head_dim : rows;
+      } else {
+        v_blocks[task] = rows;
+      }
       if constexpr (std::is_same_v<E, float>) {
 #if defined(__x86_64__)
         if constexpr (std::is_same_v<cache_t, float>) {
@@ -678,12 +715,13 @@ void attend_chunk(const float* q, int64_t num_tokens, int64_t num_heads, const R
       const int64_t rows = is_partial ? partial_rows : rows_per_tile;
       const int64_t num_tiles = is_partial ? 1 : std::min(kTilesPerTask, num_full - index * kTilesPerTask);
       const E* kp = k_panels.get() + h * head_elements;
-      const E* vr = v_rows.get() + h * head_elements;
 #if defined(__x86_64__)
+      const ValueRows<E> values{v_blocks.get() + h * num_blocks, is_values_in_place ? slot_stride : head_dim};
       if (isa >= kIsaAvx512 && run_tiles_avx512(rows, q, row_begin, num_tiles, group, h, strides, head_dim,
-                                                start_pos, first_key, window, scale, kp, vr, out))
+                                                start_pos, first_key, window, scale, kp, values, out))
         continue;
 #endif
+      const E* vr = v_rows.get() + h * head_elements;  // not in place: the portable loop runs only where the tiles do not
       if constexpr (std::is_same_v<E, float>) {
         for (int64_t i = 0; i < num_tiles; ++i)
           attend_tile(q, row_begin + i * rows, row_begin + (i + 1) * rows, group, h, strides, head_dim, start_pos,

@@ -45,4 +45,16 @@ __attribute__((target("avx512f,fma"))) inline __m512 exp2_512(__m512 x) {
   return _mm512_scalef_ps(horner512(r, kCoefficients), n);
 }
 
+// 2^x over 16 finite floats: exp2_512 without its clamp (-inf gives NaN, and x below -126 leaves
+// the scaling to scalef, which still gives 0 or a subnormal), and a degree-5 minimax polynomial
+// for 2^r on [-0.5, 0.5] (relative error 2.3e-7 evaluated in float32, as the degree-6 Taylor's
+// 2.4e-7): two operations fewer for the prefill attention's probabilities, about 1 % of its time.
+__attribute__((target("avx512f,fma"))) inline __m512 exp2_finite_512(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_sub_ps(x, n);
+  static constexpr float kCoefficients[] = {1.3276470126584172e-3f, 9.675540961325169e-3f, 5.550713464617729e-2f,
+                                            2.4022120237350464e-1f, 6.931469440460205e-1f, 1.0000001192092896f};
+  return _mm512_scalef_ps(horner512(r, kCoefficients), n);
+}
+
 }  // namespace minivllm
