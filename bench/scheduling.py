@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from bench.latency_stats import summarize, timed
+from bench.latency_stats import percentile, summarize, timed
 from engine import EngineConfig, LLMEngine, SamplingParams
 
 logger = logging.getLogger("bench.scheduling")
@@ -146,6 +146,11 @@ def chunk_split(engine: LLMEngine, chunk: int, contexts: tuple[int, ...], repeat
         """Median over rounds of r[key], or of r[key] / r[per] (a ratio within each round)."""
         return statistics.median(r[key] / (r[per] if per else 1.0) for r in rounds)
 
+    def quartiles(key: str, per: str) -> tuple[float, float]:
+        """25th and 75th percentiles over rounds of r[key] / r[per]: how far the machine's hour moves a ratio."""
+        ratios = [r[key] / r[per] for r in rounds]
+        return percentile(ratios, 25), percentile(ratios, 75)
+
     flops = 2 * chunk * sum(i * o for i, o in shapes)
     proj, first = med("projections"), f"forward{contexts[0]}"
     out = {}
@@ -154,7 +159,9 @@ def chunk_split(engine: LLMEngine, chunk: int, contexts: tuple[int, ...], repeat
         # Two products (q.k and p.v) of 2 FLOPs per dimension for every (query row, key it sees).
         attn_flops = 4 * mc.head_dim * mc.num_heads * mc.num_layers * (chunk * c + chunk * (chunk + 1) // 2)
         out[c] = {"forward_s": fwd, "projections_s": proj, "attention_s": attn, "rest_s": max(0.0, fwd - proj - attn),
-                  "attention_share": med(f"attention{c}", f"forward{c}"), "over_first": med(f"forward{c}", first),
+                  "attention_share": med(f"attention{c}", f"forward{c}"),
+                  "attention_share_quartiles": quartiles(f"attention{c}", f"forward{c}"),
+                  "over_first": med(f"forward{c}", first), "over_first_quartiles": quartiles(f"forward{c}", first),
                   "projections_gflops": flops / proj / 1e9, "torch_gemm_gflops": flops / med("gemm") / 1e9,
                   "attention_gflops": attn_flops / attn / 1e9, "attention_over_projection_flops": attn_flops / flops}
     return out
@@ -205,7 +212,9 @@ def main() -> None:
     for ctx, s in splits.items():
         print(f"prefill chunk of {args.chunk} tokens after {ctx:5d} cached: forward {1e3 * s['forward_s']:6.1f} ms = "
               f"projections {1e3 * s['projections_s']:6.1f} + attention {1e3 * s['attention_s']:5.1f} "
-              f"({100 * s['attention_share']:4.1f}% of the forward, median of rounds) + rest {1e3 * s['rest_s']:5.1f}; "
+              f"({100 * s['attention_share']:4.1f}% of the forward, median of rounds, quartiles "
+              f"{100 * s['attention_share_quartiles'][0]:.1f}-{100 * s['attention_share_quartiles'][1]:.1f}%) + rest "
+              f"{1e3 * s['rest_s']:5.1f}; "
               f"projections at {s['projections_gflops']:.0f} GFLOP/s, torch GEMM {s['torch_gemm_gflops']:.0f} GFLOP/s, "
               f"attention at {s['attention_gflops']:.0f} GFLOP/s ({s['attention_over_projection_flops']:.3f}x the "
               f"projections' FLOPs)")
@@ -213,8 +222,10 @@ def main() -> None:
         first, later = splits[0], splits[2 * args.chunk]
         # With attention at the projections' FLOP rate, the later chunk costs this much of the first (no rest).
         at_par = (1 + later["attention_over_projection_flops"]) / (1 + first["attention_over_projection_flops"])
+        low, high = later["over_first_quartiles"]
         print(f"chunk over {2 * args.chunk} cached tokens / first chunk: {later['over_first']:.3f}x "
-              f"(median of rounds; {at_par:.3f}x with attention at the projections' FLOP rate)")
+              f"(median of rounds, quartiles {low:.3f}-{high:.3f}; {at_par:.3f}x with attention at the projections' "
+              f"FLOP rate)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"workload": vars(args), "results": results, "chunk_split": splits}, f, indent=2)
