@@ -243,8 +243,8 @@ void attend_tile(const float* q, int64_t row_begin, int64_t row_end, int64_t gro
 
 // o[:, d : d + 16 NV] += p[:, :num_keys] . v[:num_keys, d : d + 16 NV], the accumulators in
 // registers (NV a constant, so the compiler keeps all R x NV of them there). v: float32 rows
-// [num_keys, D], or (pairs) [num_keys / 2, D] pairs of keys, whose p are bfloat16 pairs too:
-// one vdpbf16ps adds two keys' products, 32 multiply-adds where an FMA does 16.
+// (ValueRows: 16 a block), or (pairs) rows of pairs of keys (8 a block), whose p are bfloat16
+// pairs too: one vdpbf16ps adds two keys' products, 32 multiply-adds where an FMA does 16.
 template <int R, int NV, typename E>
 MINIVLLM_AVX512 inline void pv_block(TileState<R>& t, const ValueRows<E>& vr, int64_t num_keys, int64_t d) {
   __m512 acc[R][NV];
