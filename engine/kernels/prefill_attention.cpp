@@ -266,21 +266,17 @@ MINIVLLM_AVX512 inline void pv_block(TileState<R>& t, const ValueRows<E>& vr, in
   } else {
 #if defined(MINIVLLM_HAS_AVX512_BF16)
     // An odd last key pairs with a p of 0 (past every row's last visible key, or a block's padding).
-    constexpr int64_t kPairs = kKeys / 2;
-    const int64_t num_pairs = (num_keys + 1) / 2;
-    for (int64_t jp0 = 0; jp0 < num_pairs; jp0 += kPairs) {
-      const Bf16Pair* rows = vr.blocks[jp0 / kPairs] + d;
-      const int64_t n = std::min(kPairs, num_pairs - jp0);
-      for (int64_t i = 0; i < n; ++i) {
-        __m512bh v[NV];
-        for (int c = 0; c < NV; ++c)
-          v[c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(rows + i * vr.stride + 16 * c));
-        for (int r = 0; r < R; ++r) {
-          int32_t pair;
-          std::memcpy(&pair, t.p_bf16[r] + 2 * (jp0 + i), sizeof(pair));
-          const __m512bh pj = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
-          for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pj, v[c]);
-        }
+    // The pairs are always the chunk's copy, whose blocks follow one another: one run of rows.
+    const Bf16Pair* rows = vr.blocks[0] + d;
+    for (int64_t jp = 0; jp < (num_keys + 1) / 2; ++jp) {
+      __m512bh v[NV];
+      for (int c = 0; c < NV; ++c)
+        v[c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(rows + jp * vr.stride + 16 * c));
+      for (int r = 0; r < R; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, t.p_bf16[r] + 2 * jp, sizeof(pair));
+        const __m512bh pj = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+        for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pj, v[c]);
       }
     }
 #endif
