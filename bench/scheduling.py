@@ -142,13 +142,16 @@ def chunk_split(engine: LLMEngine, chunk: int, contexts: tuple[int, ...], repeat
             rounds.append(r)
     rounds = rounds[1:]
 
+    def per_round(key: str, per: str | None = None) -> list[float]:
+        """r[key] of every round, or r[key] / r[per] (a ratio within each round)."""
+        return [r[key] / (r[per] if per else 1.0) for r in rounds]
+
     def med(key: str, per: str | None = None) -> float:
-        """Median over rounds of r[key], or of r[key] / r[per] (a ratio within each round)."""
-        return statistics.median(r[key] / (r[per] if per else 1.0) for r in rounds)
+        return statistics.median(per_round(key, per))
 
     def quartiles(key: str, per: str) -> tuple[float, float]:
         """25th and 75th percentiles over rounds of r[key] / r[per]: how far the machine's hour moves a ratio."""
-        ratios = [r[key] / r[per] for r in rounds]
+        ratios = per_round(key, per)
         return percentile(ratios, 25), percentile(ratios, 75)
 
     flops = 2 * chunk * sum(i * o for i, o in shapes)

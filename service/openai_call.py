@@ -151,24 +151,18 @@ class OpenAICall:
                         final[0] = arrived
                         self.finals[arrived.index] = arrived
                     key = self._prompt_of(arrived)
-                    outs = [arrived]
                     if self.is_echo and key not in self.echoes:
                         held.setdefault(key, []).append(arrived)
-                        if await self._echo(arrived) is None:
-                            continue
-                        for event in self._echo_chunks(key):
-                            yield event
-                        outs = held.pop(key)
-                    for out in outs:
-                        async for event in self._stream_output(out):
-                            yield event
+                        if await self._echo(arrived) is not None:
+                            for event in await self._release(key, held.pop(key)):
+                                yield event
+                        continue
+                    if (event := await self._output_event(arrived)) is not None:
+                        yield event
                 for key, outs in held.items():  # the prompt's logprobs never came (its request ended first)
                     await self._echo(outs[-1], is_last=True)
-                    for event in self._echo_chunks(key):
+                    for event in await self._release(key, outs):
                         yield event
-                    for out in outs:
-                        async for event in self._stream_output(out):
-                            yield event
                 if self.body.include_usage and self.finals:
                     yield self._chunk({}, usage_body(list(self.finals.values())))
                 yield "data: [DONE]\n\n"
@@ -183,7 +177,16 @@ class OpenAICall:
             self.text_offsets[index] = len(echo.text)
             yield self._chunk({"index": index, "text": echo.text, "logprobs": echo.logprobs, "finish_reason": None})
 
-    async def _stream_output(self, out: RequestOutput) -> AsyncIterator[str]:
+    async def _release(self, key: int, outs: list[RequestOutput]) -> list[str]:
+        """Prompt key's echo chunks, then the events of its outputs held until the echo was known."""
+        events = list(self._echo_chunks(key))
+        for out in outs:
+            if (event := await self._output_event(out)) is not None:
+                events.append(event)
+        return events
+
+    async def _output_event(self, out: RequestOutput) -> str | None:
+        """The chunk of one output (None when it carries nothing to send)."""
         logprobs = await self._logprobs(out)
         prompt_logprobs = await self._prompt_logprobs(out)
         if out.new_text or logprobs or prompt_logprobs or out.is_finished:
@@ -196,7 +199,8 @@ class OpenAICall:
                           "finish_reason": finish_reason(out)}
             if prompt_logprobs is not None:
                 choice["prompt_logprobs"] = prompt_logprobs
-            yield self._chunk(choice)
+            return self._chunk(choice)
+        return None
 
     async def whole(self, request: Request) -> JSONResponse:
         """Collects the whole answer; a client that disconnects first aborts the request."""
