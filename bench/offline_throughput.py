@@ -480,7 +480,8 @@ def main() -> None:
 
 # weight mode -> engine options (bench.perplexity uses the same table)
 WEIGHT_MODES = {"float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"},
-                "int8": {"dtype": "float32", "quantization": "int8"}}
+                "int8": {"dtype": "float32", "quantization": "int8"},
+                "float32-kv-bfloat16": {"dtype": "float32", "kv_cache_dtype": "bfloat16"}}
 
 
 def run_llama_cpp(python: str, gguf: Path, prompts: list[list[int]], output_len: int) -> dict[str, float]:

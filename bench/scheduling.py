@@ -174,6 +174,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None)
     parser.add_argument("--dtype", default="auto", help="the engine's dtype (bfloat16: the fast CPU mode)")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="the KV cache's dtype (auto: the engine's)")
     parser.add_argument("--num-short", type=int, default=48)
     parser.add_argument("--short-output", type=int, default=32)
     parser.add_argument("--num-long", type=int, default=3)
@@ -192,7 +193,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
-    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype,
+    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
                                     max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False))
     workload = make_workload(args, engine.vocab_size)
     engine.add_request(workload[0][1][:8], SamplingParams(max_tokens=2))  # warm-up

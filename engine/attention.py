@@ -57,9 +57,9 @@ class AttentionMetadata:
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    # k, v: [num_tokens, num_kv_heads, head_dim]
-    k_cache.index_copy_(0, slot_mapping, k)
-    v_cache.index_copy_(0, slot_mapping, v)
+    # k, v: [num_tokens, num_kv_heads, head_dim], rounded to the cache's dtype where it differs
+    k_cache.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -190,8 +190,9 @@ def gathered_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
     # GQA without repeating K/V: the `group` query heads of one KV head share a matmul.
-    k = k_cache[slots].permute(0, 2, 3, 1)  # [B, KVH, D, L]
-    v = v_cache[slots].transpose(1, 2)  # [B, KVH, L, D]
+    # In q's dtype: a bfloat16 cache beside float32 weights is widened, its products exact.
+    k = k_cache[slots].to(q.dtype).permute(0, 2, 3, 1)  # [B, KVH, D, L]
+    v = v_cache[slots].to(q.dtype).transpose(1, 2)  # [B, KVH, L, D]
     q = q.view(batch, num_kv_heads, group, head_dim)
     scores = torch.matmul(q, k) * scale + mask  # [B, KVH, G, L]
     probs = torch.softmax(scores, dim=-1)

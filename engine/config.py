@@ -40,6 +40,10 @@ class EngineConfig:
     seed: int = _opt(0, "seed of the engine's random generator (per-request seeds override it)")
     num_threads: int | None = _opt(None, "torch threads; unset: the CPUs this process may use "
                                          "(affinity and cgroup quota)")
+    kv_cache_dtype: str = _opt("auto", "auto (the model's dtype) | float32 | bfloat16: a bfloat16 cache beside "
+                                       "float32 weights holds twice the tokens and, on AVX512-BF16 CPUs, runs "
+                                       "prefill attention on vdpbf16ps (greedy output may then differ from "
+                                       "transformers' float32)")
     quantization: str = _opt("none", "weight quantization: none | int8 (weight-only, one scale per output "
                                      "channel; CPU; activations and KV cache keep dtype)")
     max_fused_tokens: int | None = _opt(None, "steps of at most this many tokens (decode sequences + prefill "
@@ -118,6 +122,8 @@ class EngineConfig:
             raise ValueError(f"quantization must be none or int8, got {self.quantization!r}")
         if self.max_fused_tokens is not None and self.max_fused_tokens < 0:
             raise ValueError(f"max_fused_tokens must be >= 0, got {self.max_fused_tokens}")
+        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"kv_cache_dtype must be auto, float32 or bfloat16, got {self.kv_cache_dtype!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
 

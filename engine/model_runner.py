@@ -71,6 +71,7 @@ class ModelRunner:
     def __init__(self, model_dir: Path, hf_config: object, config: EngineConfig) -> None:
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, self.device)
+        self.cache_dtype = self.dtype if config.kv_cache_dtype == "auto" else getattr(torch, config.kv_cache_dtype)
         if self.device.type == "cpu":
             torch.set_num_threads(config.num_threads or usable_cpus())
         cls = model_class(hf_config.model_type)
@@ -129,14 +130,15 @@ class ModelRunner:
             # Faulted in now, not by the steps that first write each block: a fault there (a 2 MiB
             # page zeroed, perhaps compacted for) made prefill steps look slow to the step cost
             # model, which then cut chunks small (515 steps for a served workload that takes 395).
-            self.kv_cache = huge_page_tensor(shape, self.dtype).zero_()
+            self.kv_cache = huge_page_tensor(shape, self.cache_dtype).zero_()
         else:
-            self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.kv_cache = torch.zeros(shape, dtype=self.cache_dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(mc.num_layers)]
         if self.max_fused_tokens:
             self.model.bind_decode(self.kv_caches, self.block_size)
-        logger.info("model on %s (%s), KV cache %d blocks x %d tokens (%.2f GiB)", self.device, self.dtype,
-                    self.num_kv_blocks, self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**30)
+        logger.info("model on %s (%s), KV cache %d blocks x %d tokens (%s, %.2f GiB)", self.device, self.dtype,
+                    self.num_kv_blocks, self.block_size, self.cache_dtype,
+                    self.kv_cache.numel() * self.kv_cache.element_size() / 2**30)
 
     @torch.inference_mode()
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -150,7 +152,7 @@ class ModelRunner:
     def _blocks_for(self, gib: float) -> int:
         mc = self.model_config
         bytes_per_block = (2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim
-                           * torch.finfo(self.dtype).bits // 8)
+                           * torch.finfo(self.cache_dtype).bits // 8)
         return max(1, int(gib * 2**30) // bytes_per_block)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
