@@ -96,7 +96,8 @@ class LLMEngine:
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_num_waiting=cfg.max_num_waiting, block_size=cfg.block_size,
             num_kv_blocks=self.block_manager.num_blocks, device=str(self.runner.device), dtype=str(self.runner.dtype),
-            eos_token_ids=tuple(sorted(self.eos_token_ids)), has_chat_template=self.input_processor.has_chat_template)
+            eos_token_ids=tuple(sorted(self.eos_token_ids)), has_chat_template=self.input_processor.has_chat_template,
+            kv_cache_dtype=str(self.runner.cache_dtype))
 
     def reconfigure(self, **changes: Any) -> None:
         """Change scheduling options of an idle engine without reloading the model (benchmarks)."""

@@ -174,3 +174,4 @@ class ModelInfo:
     dtype: str
     eos_token_ids: tuple[int, ...]
     has_chat_template: bool
+    kv_cache_dtype: str

@@ -363,6 +363,7 @@ def test_a_bfloat16_kv_cache_beside_float32_weights(tiny_model_dir, monkeypatch:
     for dtype in ("float32", "bfloat16"):
         llm = LLM(str(tiny_model_dir), kv_cache_dtype=dtype, **options)
         runs[dtype] = (llm.engine.runner, llm.generate([prompt], params)[0])
+        assert llm.engine.model_info().kv_cache_dtype == f"torch.{dtype}"  # GetModelInfo's
     (fp32, exact), (bf16, rounded) = runs["float32"], runs["bfloat16"]
     assert fp32.kv_cache.dtype == torch.float32 and bf16.kv_cache.dtype == torch.bfloat16
     assert bf16.dtype == torch.float32  # the weights and activations stay float32

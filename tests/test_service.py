@@ -68,6 +68,7 @@ def test_model_info_and_tokenize(client: InferenceClient, tiny_llm: LLM) -> None
     info = client.model_info()
     assert info.vocab_size == tiny_llm.engine.vocab_size and info.max_model_len == 4096
     assert info.max_num_waiting == 64 and info.has_chat_template
+    assert info.dtype == info.kv_cache_dtype == "torch.float32"  # the pool follows the model unless set
     assert client.tokenize("Hello world") == tiny_llm.tokenizer.encode("Hello world")
 
 
