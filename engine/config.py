@@ -45,7 +45,7 @@ class EngineConfig:
                                        "prefill attention on vdpbf16ps (greedy output may then differ from "
                                        "transformers' float32)")
     quantization: str = _opt("none", "weight quantization: none | int8 (weight-only, one scale per output "
-                                     "channel; CPU; activations and KV cache keep dtype)")
+                                     "channel; CPU; activations keep dtype, the KV cache kv_cache_dtype)")
     max_fused_tokens: int | None = _opt(None, "steps of at most this many tokens (decode sequences + prefill "
                                               "tokens) run each layer in C++ over weights packed in 16-channel "
                                               "panels (CPU); 0: off; unset: every step with int8 weights, in "
