@@ -371,7 +371,9 @@ def test_drain_refuses_new_http_calls_and_finishes_running(tiny_model_dir: Path)
     srv = ServerThread(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=256), http_port=0,
                        served_model_name=MODEL)
     with openai.OpenAI(base_url=srv.http_url + "/v1", api_key="x", max_retries=0, timeout=60) as c:
-        stream = c.completions.create(model=MODEL, prompt="drain", max_tokens=40, temperature=0, stream=True,
+        # Long enough to be running when the drain starts: a slow reader's first event can already
+        # hold every token the tiny model made meanwhile (outputs merge), and with 40 it once held all.
+        stream = c.completions.create(model=MODEL, prompt="drain", max_tokens=300, temperature=0, stream=True,
                                       extra_body={"ignore_eos": True})
         first = next(iter(stream))
         srv.server.state.is_draining = True  # what drain_and_stop sets first
@@ -379,8 +381,9 @@ def test_drain_refuses_new_http_calls_and_finishes_running(tiny_model_dir: Path)
             c.completions.create(model=MODEL, prompt="late", max_tokens=2)
         assert info.value.status_code == 503
         rest = list(stream)
+    srv.server.state.is_draining = False  # else drain_and_stop returns at once and stop() waits 30 s for the thread
     srv.stop()
-    assert first.choices[0].text is not None and [ch.choices[0].finish_reason for ch in rest][-1] == "length"
+    assert first.choices[0].text is not None and [first, *rest][-1].choices[0].finish_reason == "length"
 
 
 def test_bench_openai_backend_against_our_server(server: ServerThread, tmp_path: Path) -> None:
