@@ -369,7 +369,8 @@ def main() -> None:
                         help="with --single-stream: run the rounds again beside this many processes that each keep a "
                              "core busy, and print the speed under that load")
     parser.add_argument("--compare", default=None,
-                        help="comma-separated minivllm weight modes to run side by side: float32, bfloat16, int8")
+                        help="comma-separated minivllm modes to run side by side: float32, bfloat16, int8, "
+                             "float32-kv-bfloat16")
     parser.add_argument("--llama-cpp-python", default=None,
                         help="with --compare: the Python of a venv with llama-cpp-python (or MINIVLLM_LLAMA_CPP_PYTHON)")
     parser.add_argument("--vllm-python", default=None,
@@ -478,7 +479,7 @@ def main() -> None:
             json.dump(result, f, indent=2)
 
 
-# weight mode -> engine options (bench.perplexity uses the same table)
+# mode (weights, and the KV cache where it differs) -> engine options (bench.perplexity uses the same table)
 WEIGHT_MODES = {"float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"},
                 "int8": {"dtype": "float32", "quantization": "int8"},
                 "float32-kv-bfloat16": {"dtype": "float32", "kv_cache_dtype": "bfloat16"}}
@@ -544,8 +545,9 @@ def compare(args: argparse.Namespace) -> None:
     vllm = args.vllm_python or os.environ.get("MINIVLLM_VLLM_PYTHON")
     if vllm:
         for mode in args.compare.split(","):
-            if mode == "int8":
-                continue  # vLLM's CPU build has no weight-only int8 for this model
+            if set(WEIGHT_MODES[mode]) != {"dtype"}:
+                continue  # the peer runs plain dtypes: vLLM's CPU build has no weight-only int8 for this model,
+                # and a mode's own KV cache dtype would not be the same comparison
             peer = run_vllm(vllm, resolve_dir(args.model), prompts, args.output_len, WEIGHT_MODES[mode]["dtype"],
                             args.max_num_seqs)
             figures = {"output_tok_s": peer["output_tokens"] / peer["seconds"]}
@@ -557,7 +559,7 @@ def compare(args: argparse.Namespace) -> None:
         decode = f", decode steps {figures['decode_tok_s']:6.1f} tok/s" if figures.get("decode_tok_s") else ""
         weights = figures.get("weight_bytes_per_token")
         weights = f", {weights / 1e6:4.0f} MB weights/token" if weights else ""
-        print(f"{name:24s}: {figures['output_tok_s']:7.1f} output tok/s{decode}{weights}")
+        print(f"{name:30s}: {figures['output_tok_s']:7.1f} output tok/s{decode}{weights}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
 

@@ -76,6 +76,11 @@ class ServerThread:
             time.sleep(0.02)
         return predicate()
 
+    def join(self, timeout: float) -> bool:
+        """Wait for a server that stops on its own (a drain the test ran); True once it has."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
     def stop(self) -> None:
         if self.loop is not None and self.server is not None:
             asyncio.run_coroutine_threadsafe(self.server.drain_and_stop(), self.loop).result(30)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -17,7 +18,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 
 from bench.serving import main as bench_main
-from engine import EngineConfig, SamplingParams
+from engine import EngineConfig, LLMEngine, SamplingParams
 from service.client import InferenceClient
 from service.http_server import HttpServer
 from service.metrics import ServiceMetrics
@@ -368,21 +369,31 @@ def test_auth_and_body_limit(tiny_model_dir: Path) -> None:
 
 
 def test_drain_refuses_new_http_calls_and_finishes_running(tiny_model_dir: Path) -> None:
-    srv = ServerThread(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=256), http_port=0,
-                       served_model_name=MODEL)
+    """The server's own drain (what SIGTERM runs) starts while a stream runs: a new call gets 503,
+    the running stream still ends with its finish reason, and then the server stops."""
+    config = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=256)
+
+    def slow_engine() -> LLMEngine:
+        """Steps of at least 10 ms: the tiny model makes 300 tokens in about 50 ms, so the answer
+        would be whole (its outputs merged into the first event) before the drain began."""
+        engine = LLMEngine(config)
+        step = engine.step
+        engine.step = lambda: (time.sleep(0.01), step())[1]
+        return engine
+
+    srv = ServerThread(config, http_port=0, served_model_name=MODEL, engine_factory=slow_engine)
     with openai.OpenAI(base_url=srv.http_url + "/v1", api_key="x", max_retries=0, timeout=60) as c:
-        # Long enough to be running when the drain starts: a slow reader's first event can already
-        # hold every token the tiny model made meanwhile (outputs merge), and with 40 it once held all.
-        stream = c.completions.create(model=MODEL, prompt="drain", max_tokens=300, temperature=0, stream=True,
+        stream = c.completions.create(model=MODEL, prompt="drain", max_tokens=100, temperature=0, stream=True,
                                       extra_body={"ignore_eos": True})
         first = next(iter(stream))
-        srv.server.state.is_draining = True  # what drain_and_stop sets first
+        drain = asyncio.run_coroutine_threadsafe(srv.server.drain_and_stop(), srv.loop)
+        assert poll(lambda: srv.server.state.is_draining, 10)
         with pytest.raises(openai.APIStatusError) as info:
             c.completions.create(model=MODEL, prompt="late", max_tokens=2)
         assert info.value.status_code == 503
         rest = list(stream)
-    srv.server.state.is_draining = False  # else drain_and_stop returns at once and stop() waits 30 s for the thread
-    srv.stop()
+    drain.result(30)
+    assert srv.join(30)  # the drain stopped the server: no stop() here, its loop has ended
     assert first.choices[0].text is not None and [first, *rest][-1].choices[0].finish_reason == "length"
 
 
