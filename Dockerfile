@@ -28,7 +28,7 @@ RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml
 
 # The default model, fetched and converted once, in a layer that only the loader's code invalidates
 # (model_loader.py needs nothing from the rest of the package).
-COPY engine/model_loader.py /tmp/loader/model_loader.py
+COPY engine/execution/model_loader.py /tmp/loader/model_loader.py
 RUN python -c "import sys; sys.path.insert(0, '/tmp/loader'); import model_loader; model_loader.resolve_model(None)" \
  && mkdir -p /cache/torch_extensions \
  && chown -R minivllm:minivllm /cache \

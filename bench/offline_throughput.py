@@ -46,8 +46,8 @@ import torch
 from bench.latency_stats import timed
 from bench.workloads import random_tokens
 from engine import LLM, SamplingParams, StepStats
-from engine.huge_pages import huge_page_tensor
-from engine.models.layers import Linear
+from engine.execution.huge_pages import huge_page_tensor
+from engine.execution.models.layers import Linear
 
 logger = logging.getLogger("bench.offline")
 
@@ -517,7 +517,7 @@ def _peer_result(stdout: str) -> dict[str, float]:
 
 def compare(args: argparse.Namespace) -> None:
     """Each minivllm weight mode, then llama.cpp, on the same prompts, in one run."""
-    from engine.model_loader import fetch_default_gguf
+    from engine.execution.model_loader import fetch_default_gguf
 
     rows, result = [], {"workload": vars(args), "threads": torch.get_num_threads(), "systems": {}}
     prompts = None

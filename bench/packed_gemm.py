@@ -12,8 +12,8 @@ import time
 
 import torch
 
-from engine.kernels import ISAS, load_cpu_kernels
-from engine.models.packed_weight import PackedWeight
+from engine.execution.kernels import ISAS, load_cpu_kernels
+from engine.execution.models.packed_weight import PackedWeight
 
 logger = logging.getLogger(__name__)
 _SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (K, N) of SmolLM2-135M's projections

@@ -96,7 +96,7 @@ def chunk_split(engine: LLMEngine, chunk: int, contexts: tuple[int, ...], repeat
     apart, and their medians printed: medians of parts timed separately put the first chunk's
     attention share at 8.8-10.9 % and the ratio at 0.96-1.49x over six runs of two kernel builds
     whose speeds differ by 3-5 %."""
-    from engine.attention import AttentionMetadata, PrefillSeqMeta, prefill_attention
+    from engine.execution.attention import AttentionMetadata, PrefillSeqMeta, prefill_attention
 
     runner = engine.runner
     model, mc = runner.model, runner.model_config

@@ -16,7 +16,7 @@ import statistics
 import time
 
 from engine import LLM, SamplingParams, StructuredOutput
-from engine.structured_output import GrammarMask
+from engine.processing.structured_output import GrammarMask
 
 logger = logging.getLogger("bench.structured_output")
 

@@ -5,12 +5,12 @@ the plain values that cross to the service. Other layers import only these names
 """
 from engine.config import EngineConfig
 from engine.errors import LimitExceededError, PromptTooLongError, QueueFullError, RequestIdInUseError
+from engine.execution.model_loader import model_display_name, resolve_model
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
-from engine.model_loader import model_display_name, resolve_model
 from engine.outputs import ModelInfo, RequestMetrics, RequestOutput, StepStats
-from engine.sampling_params import SamplingParams
-from engine.structured_output import StructuredOutput
+from engine.processing.sampling_params import SamplingParams
+from engine.processing.structured_output import StructuredOutput
 
 __all__ = [
     "LLM", "EngineConfig", "LLMEngine", "LimitExceededError", "ModelInfo", "PromptTooLongError", "QueueFullError",

@@ -7,7 +7,7 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.processing.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 

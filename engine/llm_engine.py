@@ -13,20 +13,20 @@ from typing import Any
 
 import torch
 
-from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer, ids_decoder
+from engine.core.block_manager import BlockManager
+from engine.core.scheduler import Scheduler
+from engine.core.scheduler_output import SchedulerOutput
+from engine.core.sequence import Sequence
 from engine.errors import QueueFullError, RequestIdInUseError
-from engine.input_processor import InputProcessor, load_eos_token_ids
-from engine.model_loader import model_display_name, resolve_model
-from engine.model_runner import ModelRunner
-from engine.output_processor import OutputProcessor
+from engine.execution.model_loader import model_display_name, resolve_model
+from engine.execution.model_runner import ModelRunner
+from engine.execution.sampler import Sampler
 from engine.outputs import ModelInfo, RequestOutput, StepStats
-from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.scheduler_output import SchedulerOutput
-from engine.sequence import Sequence
+from engine.processing.detokenizer import IncrementalDetokenizer, ids_decoder
+from engine.processing.input_processor import InputProcessor, load_eos_token_ids
+from engine.processing.output_processor import OutputProcessor
+from engine.processing.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from engine import LLM
-from engine.kernels import load_cpu_kernels
+from engine.execution.kernels import load_cpu_kernels
 from tests.tiny_model import build_tiny_model
 
 logging.getLogger("engine").setLevel(logging.WARNING)

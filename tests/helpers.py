@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from engine import LLMEngine, RequestOutput, SamplingParams
-from engine.detokenizer import IncrementalDetokenizer
-from engine.sequence import Sequence
+from engine.core.sequence import Sequence
+from engine.processing.detokenizer import IncrementalDetokenizer
 
 
 def run_engine(engine: LLMEngine, max_steps: int = 10_000) -> tuple[dict[str, list[RequestOutput]], int]:

@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import (
+from engine.execution.attention import (
     AttentionMetadata,
     PrefillSeqMeta,
     decode_attention,
     gathered_decode_attention,
     prefill_attention,
 )
-from engine.kernels import load_cpu_kernels
+from engine.execution.kernels import load_cpu_kernels
 
 
 def _case(seed: int = 0, dim: int = 16):
@@ -123,7 +123,7 @@ def test_prefill_attention_matches_dense(num_cached: int, consecutive: bool, win
 def test_runner_reads_the_cache_in_place_only_for_consecutive_slots(tiny_llm, monkeypatch) -> None:
     """Block tables like [6, 5, 7, 9] span as many slots as a consecutive run but are not one
     (the torch prefill path; the C++ kernel gets the block table instead, and nothing else)."""
-    from engine.sequence import Sequence
+    from engine.core.sequence import Sequence
     from tests.helpers import fake_seq
 
     runner = tiny_llm.engine.runner

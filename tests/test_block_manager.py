@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine import LLM, SamplingParams
-from engine.block_manager import BlockManager
+from engine.core.block_manager import BlockManager
 from tests.helpers import fake_seq
 
 

@@ -1,7 +1,7 @@
 """Incremental detokenization never emits half a character."""
 from __future__ import annotations
 
-from engine.detokenizer import IncrementalDetokenizer, ids_decoder
+from engine.processing.detokenizer import IncrementalDetokenizer, ids_decoder
 
 
 def test_multibyte_characters_are_never_split(tiny_llm) -> None:

@@ -208,7 +208,7 @@ def test_a_text_longer_than_any_tokenization_could_fit_is_refused_untokenized(
     from tokenizers import Tokenizer, models, normalizers
     from transformers import PreTrainedTokenizerFast
 
-    from engine.input_processor import max_token_chars
+    from engine.processing.input_processor import max_token_chars
 
     engine = tiny_llm.engine
     inputs = engine.input_processor
@@ -347,7 +347,7 @@ def test_a_bfloat16_kv_cache_beside_float32_weights(tiny_model_dir, monkeypatch:
     logprobs near the float32 cache's through chunked prefill over a cached context and decode:
     on the best kernels (the bf16 pair path on AVX512-BF16), torch's path (no fused layers), the
     widened AVX-512 path, AVX2 and no C++ kernels at all."""
-    from engine.kernels import ISAS, load_cpu_kernels
+    from engine.execution.kernels import ISAS, load_cpu_kernels
 
     kernels = load_cpu_kernels()
     if isa == "none":  # no C++ kernels: torch's attention over the gathered cache

@@ -233,7 +233,7 @@ def test_a_prefix_hash_collision_never_serves_foreign_kv(tiny_model_dir: Path, m
     prompts = [list(range(10, 60)), list(range(200, 250)), list(range(10, 40)) + list(range(300, 320))]
     reference = LLM(str(tiny_model_dir), num_kv_blocks=256, block_size=4, enable_prefix_caching=False)
     expected = [o.token_ids for o in reference.generate(prompts, params)]
-    import engine.block_manager as block_manager
+    import engine.core.block_manager as block_manager
 
     monkeypatch.setattr(block_manager, "hash_block", lambda parent, tokens: 42)  # every block collides
     cached = LLM(str(tiny_model_dir), num_kv_blocks=256, block_size=4, enable_prefix_caching=True)

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.huge_pages import HUGE_PAGE_BYTES, huge_page_tensor
-from engine.models.packed_weight import PackedWeight, place_on_huge_pages
+from engine.execution.huge_pages import HUGE_PAGE_BYTES, huge_page_tensor
+from engine.execution.models.packed_weight import PackedWeight, place_on_huge_pages
 
 
 def _thp_mode() -> str:

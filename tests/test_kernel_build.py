@@ -5,9 +5,9 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from engine.kernels import build_sources
+from engine.execution.kernels import build_sources
 
-KERNELS = Path(__file__).resolve().parent.parent / "engine" / "kernels"
+KERNELS = Path(__file__).resolve().parent.parent / "engine" / "execution" / "kernels"
 
 
 def _install(where: Path) -> Path:

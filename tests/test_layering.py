@@ -55,7 +55,7 @@ def test_service_and_bench_do_not_import_the_cli() -> None:
 
 
 def test_only_the_scheduler_moves_sequence_progress() -> None:
-    """status and num_computed_tokens are written in engine/scheduler.py and nowhere else."""
+    """status and num_computed_tokens are written in engine/core/scheduler.py and nowhere else."""
     writers = set()
     for path in (ROOT / "engine").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):

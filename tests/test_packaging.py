@@ -53,7 +53,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_wheel_carries_generated_grpc_code_and_kernel_source(wheel: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
     for name in ("service/pb/inference_pb2.py", "service/pb/inference_pb2_grpc.py", "service/pb/inference_pb2.pyi",
-                 "engine/kernels/paged_attention.cpp", "minivllm/cli.py"):
+                 "engine/execution/kernels/paged_attention.cpp", "minivllm/cli.py"):
         assert name in names, f"{name} missing from {wheel.name}"
     assert not any(n.startswith("tests/") for n in names)
 
@@ -78,7 +78,7 @@ def test_wheel_in_a_fresh_read_only_venv_serves_grpc_and_openai(wheel: Path, tin
     try:
         outside = tmp_path / "elsewhere"  # not the source tree: imports must come from the wheel
         outside.mkdir()
-        where = subprocess.check_output([python, "-c", "import service.pb.inference_pb2 as m, engine.kernels as k; "
+        where = subprocess.check_output([python, "-c", "import service.pb.inference_pb2 as m, engine.execution.kernels as k; "
                                          "print(m.__file__); print(k.__file__)"], cwd=outside, text=True)
         assert all(line.startswith(str(site)) for line in where.split()), where
         _no_torch_after("import service.client", python=str(python), cwd=outside)

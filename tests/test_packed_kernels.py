@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata
-from engine.kernels import ISAS, load_cpu_kernels
-from engine.model_runner import pick_isa
-from engine.models.layers import RMSNorm
-from engine.models.llama import DecoderLayer
-from engine.models.model_config import ModelConfig
-from engine.models.packed_weight import PackedWeight
+from engine.execution.attention import AttentionMetadata
+from engine.execution.kernels import ISAS, load_cpu_kernels
+from engine.execution.model_runner import pick_isa
+from engine.execution.models.layers import RMSNorm
+from engine.execution.models.llama import DecoderLayer
+from engine.execution.models.model_config import ModelConfig
+from engine.execution.models.packed_weight import PackedWeight
 
 ISA_NAMES = {level: name for name, level in ISAS.items()}
 BF16_PRODUCTS = ISAS["avx512_bf16"]  # from here up, bf16 products: vdpbf16ps, then the AMX tiles
@@ -431,7 +431,7 @@ def test_decode_model_step_of_few_rows_matches_the_per_layer_kernel(kernels, wei
 def test_fused_layer_with_prefill_rows_matches_the_torch_layer(kernels, window: int | None) -> None:
     """A mixed step in the two-call form: a 5-token chunk after 6 cached tokens (flash attention
     over cache and chunk), a whole 3-token prompt, then 2 decode rows (the paged C++ kernel)."""
-    from engine.attention import PrefillSeqMeta
+    from engine.execution.attention import PrefillSeqMeta
 
     bs, num_blocks = 4, 24
     tables = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(4))[:16].view(4, 4)

@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 
 from engine import SamplingParams
-from engine.sampler import Sampler
-from engine.structured_output import StructuredOutput
+from engine.execution.sampler import Sampler
+from engine.processing.structured_output import StructuredOutput
 from tests.helpers import fake_seq
 
 

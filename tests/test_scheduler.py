@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 from engine import EngineConfig
-from engine.block_manager import BlockManager
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SequenceStatus
+from engine.core.block_manager import BlockManager
+from engine.core.scheduler import Scheduler
+from engine.core.sequence import Sequence, SequenceStatus
 from tests.helpers import fake_seq
 
 

@@ -6,9 +6,9 @@ import random
 import pytest
 
 from engine import EngineConfig
-from engine.block_manager import BlockManager
-from engine.scheduler import Scheduler
-from engine.step_cost_model import StepCostModel, attention_pairs
+from engine.core.block_manager import BlockManager
+from engine.core.scheduler import Scheduler
+from engine.core.step_cost_model import StepCostModel, attention_pairs
 from tests.helpers import fake_seq
 
 # A made-up machine: 25 ms to stream the weights, 0.3 ms per decode, 1.5 ms per prefill token,

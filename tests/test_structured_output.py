@@ -155,8 +155,8 @@ def test_grpc_fields_token_texts_and_invalid_spec(tiny_model_dir: Path) -> None:
 
 @pytest.mark.parametrize("vocab", [1000, 1024, 1037])  # not a multiple of 32, a multiple, and past the mask
 def test_bitmask_kernel_and_torch_path_agree(vocab: int) -> None:
-    from engine.kernels import load_cpu_kernels
-    from engine.structured_output import GrammarMask
+    from engine.execution.kernels import load_cpu_kernels
+    from engine.processing.structured_output import GrammarMask
 
     kernels = load_cpu_kernels()
     if kernels is None:

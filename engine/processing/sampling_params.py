@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from engine.structured_output import StructuredOutput
+from engine.processing.structured_output import StructuredOutput
 
 _MAX_LOGPROBS = 20
 _MAX_LOGIT_BIAS = 100.0

@@ -18,12 +18,12 @@ class moves a sequence's status and num_computed_tokens (vLLM's split, nano-vllm
 """
 from __future__ import annotations
 
-from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.core.block_manager import BlockManager
+from engine.core.scheduler_output import SchedulerOutput
+from engine.core.sequence import FinishReason, Sequence, SequenceStatus
+from engine.core.step_cost_model import StepCostModel, attention_pairs
 from engine.errors import RequestIdInUseError
-from engine.scheduler_output import SchedulerOutput
-from engine.sequence import FinishReason, Sequence, SequenceStatus
-from engine.step_cost_model import StepCostModel, attention_pairs
 
 
 class Scheduler:

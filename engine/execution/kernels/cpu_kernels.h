@@ -249,7 +249,7 @@ struct DecodeModel {
   mutable int64_t num_timed_steps_ = 0;
 };
 // The same layer in two halves around an attention computed elsewhere (steps with prefill rows:
-// engine/attention.py's `attention`, whose chunks attend through the C++ prefill kernel or flash).
+// engine/execution/attention.py's `attention`, whose chunks attend through the C++ prefill kernel or flash).
 torch::Tensor layer_attention_inputs(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                                      const torch::Tensor& input_norm, const PackedLinear& qkv, torch::Tensor k_cache,
                                      torch::Tensor v_cache, const torch::Tensor& slot_mapping, int64_t num_heads,

@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.sampling_params import SamplingParams
+from engine.processing.detokenizer import IncrementalDetokenizer
+from engine.processing.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

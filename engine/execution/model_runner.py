@@ -17,15 +17,15 @@ from types import ModuleType
 import numpy as np
 import torch
 
-from engine.attention import AttentionMetadata, PrefillSeqMeta
 from engine.config import EngineConfig, usable_cpus
-from engine.huge_pages import huge_page_tensor
-from engine.kernels import ISAS, load_cpu_kernels
-from engine.model_loader import iter_weights
-from engine.models import model_class
-from engine.models.layers import can_pack_linear
-from engine.scheduler_output import SchedulerOutput
-from engine.sequence import Sequence
+from engine.core.scheduler_output import SchedulerOutput
+from engine.core.sequence import Sequence
+from engine.execution.attention import AttentionMetadata, PrefillSeqMeta
+from engine.execution.huge_pages import huge_page_tensor
+from engine.execution.kernels import ISAS, load_cpu_kernels
+from engine.execution.model_loader import iter_weights
+from engine.execution.models import model_class
+from engine.execution.models.layers import can_pack_linear
 
 logger = logging.getLogger(__name__)
 

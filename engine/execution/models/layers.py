@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.packed_weight import PackedWeight
+from engine.execution.models.packed_weight import PackedWeight
 
 logger = logging.getLogger(__name__)
 

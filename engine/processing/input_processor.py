@@ -11,8 +11,8 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.errors import LimitExceededError, PromptTooLongError
-from engine.sampling_params import SamplingParams
-from engine.structured_output import GrammarCompiler
+from engine.processing.sampling_params import SamplingParams
+from engine.processing.structured_output import GrammarCompiler
 
 VALID_ROLES = ("system", "user", "assistant", "tool")
 

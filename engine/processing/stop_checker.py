@@ -1,7 +1,7 @@
 """When a sequence stops, and how much of its text may be shown yet."""
 from __future__ import annotations
 
-from engine.sequence import FinishReason, Sequence
+from engine.core.sequence import FinishReason, Sequence
 
 
 def check_token_stop(seq: Sequence, token_id: int, max_model_len: int) -> tuple[FinishReason | None, int | None]:

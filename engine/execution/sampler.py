@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sequence import Sequence
-from engine.structured_output import GrammarMask
+from engine.core.sequence import Sequence
+from engine.processing.structured_output import GrammarMask
 
 
 @dataclass(slots=True)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from engine.sequence import Sequence
+from engine.core.sequence import Sequence
 
 
 def hash_block(parent_hash: int, token_ids: list[int]) -> int:

@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, attention, write_kv
-from engine.models.layers import Linear, RMSNorm, rotate_half
-from engine.models.model_config import ModelConfig
-from engine.models.packed_weight import place_on_huge_pages
+from engine.execution.attention import AttentionMetadata, attention, write_kv
+from engine.execution.models.layers import Linear, RMSNorm, rotate_half
+from engine.execution.models.model_config import ModelConfig
+from engine.execution.models.packed_weight import place_on_huge_pages
 
 # Checkpoint projection -> (our fused projection, its shard index).
 _STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import logging
 
+from engine.core.scheduler import Scheduler
+from engine.core.sequence import FinishReason, Sequence
 from engine.outputs import RequestMetrics, RequestOutput, StepStats
-from engine.scheduler import Scheduler
-from engine.sequence import FinishReason, Sequence
-from engine.stop_checker import check_token_stop, find_stop_string, num_held_chars
+from engine.processing.stop_checker import check_token_stop, find_stop_string, num_held_chars
 
 logger = logging.getLogger(__name__)
 

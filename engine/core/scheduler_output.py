@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.sequence import Sequence
+from engine.core.sequence import Sequence
 
 
 @dataclass(slots=True)

@@ -4,12 +4,12 @@ Cache layout per layer: k_cache, v_cache: [num_slots, num_kv_heads, head_dim] wh
 slot = block_id * block_size + offset. New K/V are written at slot_mapping first; then
 - prefill: per sequence, causal attention of its chunk over its whole context. On an AVX-512
   CPU a C++ flash-style kernel reads every key straight from the paged cache through the block
-  table (engine/kernels/prefill_attention.cpp). Otherwise a sequence with nothing cached
+  table (engine/execution/kernels/prefill_attention.cpp). Otherwise a sequence with nothing cached
   attends over the fresh K/V directly; one with a cached prefix (prefix hit, later chunk,
   recompute) attends to the cache and to itself separately, merged by log-sum-exp (no mask);
   the cache is read in place when its slots are consecutive.
 - decode: one query per sequence. On the CPU (fp32 or bf16) a C++ kernel walks each block
-  table directly (engine/kernels); otherwise all contexts are gathered at once through a
+  table directly (engine/execution/kernels); otherwise all contexts are gathered at once through a
   [B, L] slot index shared by every layer, padded positions masked out.
 A layer with a sliding window W lets a query at position i see keys j with i - W < j <= i
 (transformers' definition), in both paths.

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import importlib
 
-from engine.models.llama import LlamaForCausalLM
+from engine.execution.models.llama import LlamaForCausalLM
 
 _MODELS: dict[str, tuple[str, str]] = {
-    "llama": ("engine.models.llama", "LlamaForCausalLM"),
-    "mistral": ("engine.models.mistral", "MistralForCausalLM"),
-    "qwen2": ("engine.models.qwen2", "Qwen2ForCausalLM"),
+    "llama": ("engine.execution.models.llama", "LlamaForCausalLM"),
+    "mistral": ("engine.execution.models.mistral", "MistralForCausalLM"),
+    "qwen2": ("engine.execution.models.qwen2", "Qwen2ForCausalLM"),
 }
 
 SUPPORTED_MODEL_TYPES = tuple(_MODELS)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.models.llama import LlamaForCausalLM
-from engine.models.model_config import ModelConfig
+from engine.execution.models.llama import LlamaForCausalLM
+from engine.execution.models.model_config import ModelConfig
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

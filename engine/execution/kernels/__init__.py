@@ -79,7 +79,7 @@ def load_cpu_kernels() -> ModuleType | None:
         import torch
         from torch.utils import cpp_extension
 
-        from engine.model_loader import cache_dir
+        from engine.execution.model_loader import cache_dir
 
         build_dir, source_dir = build_sources(cache_dir() / "torch_extensions", Path(__file__).parent,
                                               Path(torch.__file__).parent, torch.__version__)

@@ -1,7 +1,7 @@
 """A projection's weight packed for the C++ small-batch kernels: panels of 16 output channels.
 
 Layout [ceil(N / 16), K, 16]: each panel is one contiguous stream and each k gives 16 weights
-that one broadcast of x[m, k] multiplies (engine/kernels/packed_gemm.cpp says why). bfloat16
+that one broadcast of x[m, k] multiplies (engine/execution/kernels/packed_gemm.cpp says why). bfloat16
 interleaves pairs of k, [ceil(N / 16), Kp / 2, 16 * 2] with K zero-padded to Kp (a multiple of
 32): AMX's tile product reads that as it is. float32 and bfloat16 keep the model's values
 exactly; int8 is weight-only quantization, symmetric with one float32 scale per output channel
@@ -15,7 +15,7 @@ from types import ModuleType
 
 import torch
 
-from engine.huge_pages import huge_page_tensor
+from engine.execution.huge_pages import huge_page_tensor
 
 PANEL = 16
 PAIR_CHUNK = 32  # bfloat16 panels pad K to a multiple of this (one AMX tile's k)
@@ -80,7 +80,7 @@ class PackedWeight:
 
 
 def place_on_huge_pages(weights: Sequence[PackedWeight]) -> torch.Tensor:
-    """Move every weight's panels into one region on 2 MiB pages (engine/huge_pages.py says why)
+    """Move every weight's panels into one region on 2 MiB pages (engine/execution/huge_pages.py says why)
     and return it: [bytes] uint8, which each weight's `data` now views."""
     sizes = [w.data.numel() * w.data.element_size() for w in weights]
     starts = [0]
