@@ -6,6 +6,7 @@ the plain values that cross to the service. Other layers import only these names
 from engine.config import EngineConfig
 from engine.errors import LimitExceededError, PromptTooLongError, QueueFullError, RequestIdInUseError
 from engine.execution.model_loader import model_display_name, resolve_model
+from engine.inputs import EngineRequest
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.outputs import ModelInfo, RequestMetrics, RequestOutput, StepStats
@@ -13,7 +14,7 @@ from engine.processing.sampling_params import SamplingParams
 from engine.processing.structured_output import StructuredOutput
 
 __all__ = [
-    "LLM", "EngineConfig", "LLMEngine", "LimitExceededError", "ModelInfo", "PromptTooLongError", "QueueFullError",
+    "LLM", "EngineConfig", "EngineRequest", "LLMEngine", "LimitExceededError", "ModelInfo", "PromptTooLongError", "QueueFullError",
     "RequestIdInUseError", "RequestMetrics", "RequestOutput", "SamplingParams", "StepStats", "StructuredOutput",
     "model_display_name",
     "resolve_model",

@@ -1,4 +1,10 @@
-"""Engine configuration: one validated dataclass, every knob with a CPU-friendly default."""
+"""Engine configuration: one validated dataclass, every knob with a CPU-friendly default.
+
+This is the only module under engine/ that reads MINIVLLM_* environment variables: the CLI maps
+MINIVLLM_<FIELD> onto every field, and a few older names stay here as aliases of fields
+(MINIVLLM_DISABLE_CPP_KERNELS, MINIVLLM_KERNEL_ISA, MINIVLLM_DISABLE_PACKED_LINEAR,
+MINIVLLM_CACHE), so code below the config never looks at the environment.
+"""
 from __future__ import annotations
 
 import os
@@ -10,6 +16,16 @@ from typing import Any
 def _opt(default: Any, help: str) -> Any:
     """A config field whose help text the CLI shows (one source for flags, env vars and docs)."""
     return field(default=default, metadata={"help": help})
+
+
+def _env_flag_off(name: str) -> bool:
+    """False when the legacy switch MINIVLLM_<name>=1 turns a default-on feature off."""
+    return os.environ.get(f"MINIVLLM_{name}") != "1"
+
+
+def default_cache_dir() -> Path:
+    """Where the converted default model and the kernel builds live (MINIVLLM_CACHE)."""
+    return Path(os.environ.get("MINIVLLM_CACHE") or Path.home() / ".cache" / "minivllm")
 
 
 def usable_cpus(cgroup_dir: Path = Path("/sys/fs/cgroup")) -> int:
@@ -51,6 +67,15 @@ class EngineConfig:
                                               "panels (CPU); 0: off; unset: every step with int8 weights, in "
                                               "float32 on AVX-512 and in bfloat16 on AMX CPUs (then no oneDNN "
                                               "copy of the weights is kept), else 64 in float32 and 8 in bfloat16")
+    enable_cpp_kernels: bool = field(default_factory=lambda: _env_flag_off("DISABLE_CPP_KERNELS"), metadata={
+        "help": "the C++ CPU kernels (built on first use); off: the pure-torch reference path "
+                "(alias MINIVLLM_DISABLE_CPP_KERNELS=1)"})
+    kernel_isa: str = field(default_factory=lambda: os.environ.get("MINIVLLM_KERNEL_ISA", "auto"), metadata={
+        "help": "the C++ kernels' SIMD path: auto (the best this CPU runs) | scalar | avx2 | avx512 | "
+                "avx512_bf16 | amx (a lower one to test or compare it)"})
+    enable_onednn: bool = field(default_factory=lambda: _env_flag_off("DISABLE_PACKED_LINEAR"), metadata={
+        "help": "keep a oneDNN-packed copy of the weights for steps the panels do not run "
+                "(alias MINIVLLM_DISABLE_PACKED_LINEAR=1 turns it off)"})
     enable_huge_pages: bool = _opt(True, "put the weight panels and the KV cache on 2 MiB pages (CPU, Linux "
                                          "transparent huge pages in madvise or always mode)")
 
@@ -122,6 +147,9 @@ class EngineConfig:
             raise ValueError(f"quantization must be none or int8, got {self.quantization!r}")
         if self.max_fused_tokens is not None and self.max_fused_tokens < 0:
             raise ValueError(f"max_fused_tokens must be >= 0, got {self.max_fused_tokens}")
+        isas = ("auto", "scalar", "avx2", "avx512", "avx512_bf16", "amx")
+        if self.kernel_isa not in isas:
+            raise ValueError(f"kernel_isa must be one of {', '.join(isas)}, got {self.kernel_isa!r}")
         if self.kv_cache_dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"kv_cache_dtype must be auto, float32 or bfloat16, got {self.kv_cache_dtype!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -22,6 +22,7 @@ from engine.errors import QueueFullError, RequestIdInUseError
 from engine.execution.model_loader import model_display_name, resolve_model
 from engine.execution.model_runner import ModelRunner
 from engine.execution.sampler import Sampler
+from engine.inputs import EngineRequest
 from engine.outputs import ModelInfo, RequestOutput, StepStats
 from engine.processing.detokenizer import IncrementalDetokenizer, ids_decoder
 from engine.processing.input_processor import InputProcessor, load_eos_token_ids
@@ -44,8 +45,10 @@ class LLMEngine:
         self.model_dir = resolve_model(config.model)
         self.model_name = model_display_name(config.model)
         hf_config = AutoConfig.from_pretrained(str(self.model_dir))
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or str(self.model_dir))
-        self._decode_ids = ids_decoder(self.tokenizer)
+        # The engine thread's tokenizer, for detokenizing; inputs are tokenized off that thread
+        # with another (tokenizers are not thread-safe).
+        output_tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or str(self.model_dir))
+        self._decode_ids = ids_decoder(output_tokenizer)
         self.runner = ModelRunner(self.model_dir, hf_config, config)
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching, config.watermark)
@@ -59,8 +62,7 @@ class LLMEngine:
         model_len = config.max_model_len or max_positions
         self.max_model_len = min(model_len, usable_blocks * config.block_size)
         self.vocab_size = self.runner.model_config.vocab_size
-        self.eos_token_ids = load_eos_token_ids(self.model_dir, hf_config, self.tokenizer)
-        # A tokenizer of its own, so inputs can be tokenized off the engine thread.
+        self.eos_token_ids = load_eos_token_ids(self.model_dir, hf_config, output_tokenizer)
         self.input_processor = InputProcessor(AutoTokenizer.from_pretrained(config.tokenizer or str(self.model_dir)),
                                               self.vocab_size, self.max_model_len, config, self.eos_token_ids)
         self.scheduler = Scheduler(config, self.block_manager)
@@ -69,6 +71,7 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
         self._ids = itertools.count()
         self._step_ids = itertools.count(1)
+        self._injected_fault: str | None = None
         # Everything loaded so far (model, tokenizers, libraries: about 300k objects) lives as
         # long as the engine; frozen, the collector stops walking it. Unfrozen, a full
         # collection took 115-120 ms here (0.06 ms frozen), a stall of 5 decode steps in every
@@ -112,37 +115,78 @@ class LLMEngine:
         self.scheduler.cost_model = cost_model
         self.output_processor = OutputProcessor(self.scheduler, self.max_model_len)
 
-    def tokenize(self, prompt: str) -> list[int]:
-        return self.input_processor.tokenize(prompt)
+    # ---- the facade the service uses (any thread unless said) ---------------------------
+
+    @property
+    def tokenizer(self) -> Any:
+        """The input side's tokenizer: not thread-safe, so callers keep it to one thread (the
+        service's tokenizer thread); the engine thread detokenizes with its own."""
+        return self.input_processor.tokenizer
+
+    @property
+    def is_queue_full(self) -> bool:
+        return self.scheduler.num_waiting >= self.config.max_num_waiting
+
+    def check_queue(self) -> None:
+        """QueueFullError when no more requests may wait (backpressure: retry later)."""
+        if self.is_queue_full:
+            raise QueueFullError(f"{self.scheduler.num_waiting} requests are waiting already "
+                                 f"(max_num_waiting={self.config.max_num_waiting}); retry later")
+
+    def check_in_vocabulary(self, token_ids: list[int], field: str) -> None:
+        self.input_processor.check_in_vocabulary(token_ids, field)
+
+    def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        return self.input_processor.tokenize(prompt, add_special_tokens)
 
     def apply_chat_template(self, messages: list[dict[str, str]], params: SamplingParams | None = None) -> list[int]:
         return self.input_processor.apply_chat_template(messages, params)
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, priority: int = 0, arrival_time: float | None = None) -> str:
-        """Queue a request; returns its id. Raises ValueError (or a subclass) on bad input."""
-        params = params or SamplingParams()
-        self.input_processor.check_request(None, priority)  # the front door checks the client's id
-        token_ids = self.input_processor.process(prompt, params)
-        if request_id is None:
-            request_id = f"req-{next(self._ids)}"
-        elif not request_id:
-            raise ValueError("request_id: must not be empty")
+    def fail_next_step(self, message: str) -> None:
+        """Fault hook (tests, chaos drills): the next step's forward raises `message`, failing
+        that step's requests as a real fault would; the engine goes on."""
+        self._injected_fault = message
+
+    # ---- admission: check_request, process_inputs (off the engine thread), admit ------------
+
+    def check_request(self, params: SamplingParams, request_id: str | None = None, priority: int = 0) -> None:
+        """The cheap checks (limits, the client's id, priority): ValueError naming the field."""
+        self.input_processor.check_request(params, request_id, priority)
+
+    def process_inputs(self, params: SamplingParams, prompt: str | list[int] | None = None,
+                       messages: list[dict[str, str]] | None = None, request_id: str | None = None,
+                       priority: int = 0, arrival_time: float | None = None) -> EngineRequest:
+        """Tokenize (or apply the chat template), check the prompt against the context and compile
+        a grammar: the costly part of admission, on the caller's thread (check_request first)."""
+        token_ids = self.input_processor.prompt_token_ids(params, prompt, messages)
+        return EngineRequest(token_ids, params, request_id, priority, arrival_time)
+
+    def admit(self, request: EngineRequest) -> str:
+        """Queue a processed request (engine thread); returns its id. RequestIdInUseError or
+        QueueFullError when it cannot wait."""
+        request_id = request.request_id or f"req-{next(self._ids)}"
         if self.scheduler.get(request_id) is not None:
             raise RequestIdInUseError(f"request_id: {request_id!r} is already in use")
-        if self.scheduler.num_waiting >= self.config.max_num_waiting:
-            raise QueueFullError(f"{self.scheduler.num_waiting} requests are waiting already "
-                                 f"(max_num_waiting={self.config.max_num_waiting}); retry later")
+        self.check_queue()
+        params, token_ids = request.params, request.prompt_token_ids
         matcher = None
         if params.structured_output is not None:  # compiled already: a matcher costs well under 1 ms
             matcher = self.input_processor.grammar.matcher(params.structured_output)
         self.scheduler.add(Sequence(
             request_id=request_id, prompt_token_ids=token_ids, params=params,
-            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            arrival_time=time.monotonic() if request.arrival_time is None else request.arrival_time,
             detokenizer=IncrementalDetokenizer(self._decode_ids, token_ids, params.skip_special_tokens),
-            eos_token_ids=self.eos_token_ids, priority=priority, generator=self._generator(params, 0),
+            eos_token_ids=self.eos_token_ids, priority=request.priority, generator=self._generator(params, 0),
             matcher=matcher))
         return request_id
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, priority: int = 0, arrival_time: float | None = None) -> str:
+        """check_request, process_inputs and admit in one call (offline use); returns the id."""
+        params = params or SamplingParams()
+        self.check_request(params, request_id, priority)
+        return self.admit(self.process_inputs(params, prompt, request_id=request_id, priority=priority,
+                                              arrival_time=arrival_time))
 
     def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
         """Sample i of a seeded request draws from seed + i: n reproducible, different samples."""
@@ -205,6 +249,9 @@ class LLMEngine:
 
     def _run(self, sched: SchedulerOutput, stats: StepStats) -> list[RequestOutput]:
         t0 = time.monotonic()
+        if self._injected_fault is not None:
+            message, self._injected_fault = self._injected_fault, None
+            raise RuntimeError(message)
         logits, greedy_ids = self.runner.execute(sched, self.sampler.is_plain_greedy(sched.sampling_seqs))
         copies = []
         for row, seq in enumerate(sched.sampling_seqs):

@@ -51,10 +51,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine", "also settable as MINIVLLM_<FLAG> environment variables")
     for f in dataclasses.fields(EngineConfig):
         flag = "--" + f.name.replace("_", "-")
-        help_text = f"{f.metadata.get('help', '')} (default: {f.default}; env MINIVLLM_{f.name.upper()})"
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        help_text = f"{f.metadata.get('help', '')} (default: {default}; env MINIVLLM_{f.name.upper()})"
         kind = f.type if isinstance(f.type, str) else f.type.__name__
         if "bool" in kind:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=_env_bool(f.name, f.default),
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=_env_bool(f.name, default),
                                help=help_text)
             continue
         convert = int if "int" in kind else float if "float" in kind else str

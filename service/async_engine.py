@@ -12,9 +12,9 @@ an idle server burns no CPU; each step's outputs go back to the asyncio loop
 in one call_soon_threadsafe, where they fan out to per-request queues. Step stats go to
 listeners on the engine thread (metrics, tracing), never the other way round.
 
-Only the build and the steps run on the engine thread: prompts are tokenized (and chat
-templates applied) on a worker thread with the input processor's own tokenizer, after the cheap
-admission checks, so a multi-megabyte prompt never stalls other streams. Requests are routed by
+Only the build, admission and the steps run on the engine thread: prompts are tokenized (and
+chat templates applied) on a worker thread by the engine's process_inputs, after the cheap
+checks (check_request), so a multi-megabyte prompt never stalls other streams. Requests are routed by
 an engine id that is unique for the server's life, never by the client's id: a cancelled
 request's last output can never reach a new request that reuses its id. If the engine thread dies, every pending and
 future call fails at once and `on_death` tells the server.
@@ -33,8 +33,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine import (
+    EngineRequest,
     LimitExceededError,
     LLMEngine,
+    ModelInfo,
     QueueFullError,
     RequestIdInUseError,
     RequestOutput,
@@ -49,10 +51,7 @@ StatsListener = Callable[[StepStats], None]
 
 @dataclass(slots=True)
 class _Add:
-    token_ids: list[int]
-    params: SamplingParams
-    request_id: str  # the engine id
-    priority: int
+    request: EngineRequest  # named by its engine id
     admitted: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
 
@@ -86,13 +85,7 @@ class FaultInjector:
         if self.mode == "die":
             raise SystemExit(f"injected engine death at step {step}")
         if self.mode == "raise":
-            runner, execute = engine.runner, engine.runner.execute
-
-            def fail_once(*args: Any) -> Any:
-                runner.execute = execute
-                raise RuntimeError(f"injected fault at step {step}")
-
-            runner.execute = fail_once
+            engine.fail_next_step(f"injected fault at step {step}")
 
 
 class AsyncEngine:
@@ -100,7 +93,9 @@ class AsyncEngine:
                  on_death: Callable[[], None] | None = None, max_tokenizing: int = 64) -> None:
         """engine_factory builds the engine on the engine thread (see the module's docstring)."""
         self._engine_factory = engine_factory
-        self.engine: LLMEngine  # set on the engine thread, before start() returns
+        # Set on the engine thread, before start() returns. Private: the service uses this
+        # class's methods, never the engine's internals (tests/test_layering.py).
+        self._engine: LLMEngine
         self.stats_listeners = list(stats_listeners or [])
         self.on_death = on_death
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -129,6 +124,9 @@ class AsyncEngine:
         self._thread.start()
         await asyncio.wrap_future(built)
 
+    def model_info(self) -> ModelInfo:
+        return self._engine.model_info()
+
     @property
     def num_active_streams(self) -> int:
         return len(self._streams)
@@ -154,20 +152,18 @@ class AsyncEngine:
             raise EngineDeadError("the engine thread is not running")
         if request_id in self._client_ids:
             raise RequestIdInUseError(f"request_id: {request_id!r} belongs to a request still running")
-        inputs = self.engine.input_processor
-        inputs.check_request(request_id, priority)
-        inputs.check_params(params)
-        if self.engine.num_waiting >= self.engine.config.max_num_waiting or \
-                self._num_tokenizing >= self._max_tokenizing:
-            raise QueueFullError(f"{self.engine.num_waiting} requests are waiting already "
-                                 f"(max_num_waiting={self.engine.config.max_num_waiting}); retry later")
+        engine = self._engine
+        engine.check_request(params, request_id, priority)
+        engine.check_queue()  # fail fast; admission on the engine thread checks it again, at its moment
+        if self._num_tokenizing >= self._max_tokenizing:
+            raise QueueFullError(f"{self._num_tokenizing} requests are being tokenized already; retry later")
         self._client_ids.add(request_id)
         engine_id = engine_id or self.new_engine_id(request_id)
         try:
-            token_ids = await self._tokenize(prompt, messages, params)
+            request = await self._process_inputs(params, prompt, messages, engine_id, priority)
             stream: asyncio.Queue[RequestOutput] = asyncio.Queue()
             self._streams[engine_id] = stream
-            cmd = _Add(token_ids, params, engine_id, priority)
+            cmd = _Add(request)
             self._inbox.put(cmd)
             try:
                 await asyncio.wrap_future(cmd.admitted)
@@ -182,13 +178,10 @@ class AsyncEngine:
         await anext(outputs)  # started: its aclose() now runs its cleanup, even if never read
         return outputs
 
-    async def _tokenize(self, prompt: str | list[int] | None, messages: list[dict[str, str]] | None,
-                        params: SamplingParams) -> list[int]:
-        inputs = self.engine.input_processor
-
-        def work() -> list[int]:
-            return inputs.process(inputs.apply_chat_template(messages, params) if messages is not None else prompt,
-                                  params)
+    async def _process_inputs(self, params: SamplingParams, prompt: str | list[int] | None,
+                              messages: list[dict[str, str]] | None, engine_id: str, priority: int) -> EngineRequest:
+        def work() -> EngineRequest:
+            return self._engine.process_inputs(params, prompt, messages, request_id=engine_id, priority=priority)
 
         self._num_tokenizing += 1
         try:
@@ -200,32 +193,33 @@ class AsyncEngine:
                        add_special_tokens: bool = True) -> list[int]:
         """Token ids of a prompt or a chat, as generate would see them (on the tokenizer thread);
         add_special_tokens=False: a prompt's text alone (no BOS where the tokenizer adds one)."""
-        inputs = self.engine.input_processor
-        if prompt is not None and len(prompt) > self.engine.config.max_prompt_chars:
-            raise LimitExceededError(f"prompt: {len(prompt)} characters, at most {self.engine.config.max_prompt_chars}")
-        work = (lambda: inputs.apply_chat_template(messages)) if messages is not None else \
-            (lambda: inputs.tokenize(prompt, add_special_tokens))
+        engine = self._engine
+        max_chars = engine.config.max_prompt_chars
+        if prompt is not None and len(prompt) > max_chars:
+            raise LimitExceededError(f"prompt: {len(prompt)} characters, at most {max_chars}")
+        work = (lambda: engine.apply_chat_template(messages)) if messages is not None else \
+            (lambda: engine.tokenize(prompt, add_special_tokens))
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, work)
 
     async def detokenize(self, token_ids: list[int]) -> str:
         """The text of token ids (special tokens kept), on the tokenizer thread."""
-        self.engine.input_processor.check_in_vocabulary(token_ids, "tokens")
-        tokenizer = self.engine.input_processor.tokenizer
+        self._engine.check_in_vocabulary(token_ids, "tokens")
+        tokenizer = self._engine.tokenizer
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool,
                                                                 lambda: tokenizer.decode(token_ids))
 
     def tokenizer_info(self) -> dict[str, Any]:
         """The tokenizer's special tokens and chat template (what a client needs to tokenize alike)."""
-        tokenizer = self.engine.input_processor.tokenizer
+        tokenizer = self._engine.tokenizer
         info: dict[str, Any] = {name: getattr(tokenizer, name, None)
                                 for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
         return info | {"chat_template": getattr(tokenizer, "chat_template", None),
-                       "model_max_length": self.engine.model_info().max_model_len,
+                       "model_max_length": self._engine.model_info().max_model_len,
                        "tokenizer_class": type(tokenizer).__name__}
 
     async def vocabulary_strings(self, token_ids: list[int]) -> list[str]:
         """Each token's string in the vocabulary (byte-level spellings such as "Ġworld" kept)."""
-        tokenizer = self.engine.input_processor.tokenizer
+        tokenizer = self._engine.tokenizer
         return await asyncio.get_running_loop().run_in_executor(
             self._tokenizer_pool, lambda: [str(t) for t in tokenizer.convert_ids_to_tokens(token_ids)])
 
@@ -234,7 +228,7 @@ class AsyncEngine:
         and remembered (the vocabulary bounds the cache)."""
         missing = [t for t in set(token_ids) if t not in self._token_texts]
         if missing:
-            tokenizer = self.engine.input_processor.tokenizer
+            tokenizer = self._engine.tokenizer
             texts = await asyncio.get_running_loop().run_in_executor(
                 self._tokenizer_pool, lambda: [tokenizer.decode([t]) for t in missing])
             self._token_texts.update(zip(missing, texts, strict=True))
@@ -288,7 +282,7 @@ class AsyncEngine:
 
     def _build_and_run(self, built: concurrent.futures.Future[None]) -> None:
         try:
-            self.engine = self._engine_factory()
+            self._engine = self._engine_factory()
         except BaseException as exc:  # noqa: BLE001 - handed to start(), which raises it
             self._is_dead = True
             built.set_exception(exc)
@@ -297,7 +291,7 @@ class AsyncEngine:
         self._run()
 
     def _run(self) -> None:
-        engine = self.engine
+        engine = self._engine
         clean_exit = False
         try:
             step = 0
@@ -340,7 +334,7 @@ class AsyncEngine:
         finally:
             self._is_dead = True
             self._fail_pending_commands()
-            outputs = self.engine.fail_all("engine stopped" if clean_exit else "the engine thread died")
+            outputs = self._engine.fail_all("engine stopped" if clean_exit else "the engine thread died")
             if outputs and self._loop is not None and not self._loop.is_closed():
                 self._loop.call_soon_threadsafe(self._dispatch, outputs)
             self._idle.set()
@@ -361,12 +355,12 @@ class AsyncEngine:
         if cmd is _STOP:
             return False
         if isinstance(cmd, _Abort):
-            self.engine.abort_request(cmd.request_id)
+            self._engine.abort_request(cmd.request_id)
             return True
         if not cmd.admitted.set_running_or_notify_cancel():
             return True  # the caller gave up before admission
         try:
-            self.engine.add_request(cmd.token_ids, cmd.params, request_id=cmd.request_id, priority=cmd.priority)
+            self._engine.admit(cmd.request)
         except Exception as exc:  # noqa: BLE001 - handed back to the caller as is
             cmd.admitted.set_exception(exc)
         else:

@@ -148,7 +148,7 @@ class OpenAIFrontDoor:
         @app.get("/v1/models", dependencies=[auth])
         async def models() -> dict[str, Any]:
             engine = self._loaded()
-            info = engine.engine.model_info()
+            info = engine.model_info()
             return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": now(),
                                                 "owned_by": "minivllm", "max_model_len": info.max_model_len}]}
 
@@ -170,7 +170,7 @@ class OpenAIFrontDoor:
                                             add_special_tokens=body.add_special_tokens)
             except ValueError as exc:  # LimitExceededError included
                 raise _admission_error(exc) from exc
-            out: dict[str, Any] = {"count": len(ids), "max_model_len": engine.engine.model_info().max_model_len,
+            out: dict[str, Any] = {"count": len(ids), "max_model_len": engine.model_info().max_model_len,
                                    "tokens": ids}
             if body.return_token_strs:
                 out["token_strs"] = await engine.vocabulary_strings(ids)

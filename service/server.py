@@ -112,7 +112,7 @@ class InferenceServer:
         await async_engine.start()
         self.async_engine = self.state.engine = async_engine
         await self._set_serving(True)
-        logger.info("model %s loaded; serving on %s:%d", async_engine.engine.model_name, self.config.host, self.port)
+        logger.info("model %s loaded; serving on %s:%d", async_engine.model_info().model_name, self.config.host, self.port)
 
     async def drain_and_stop(self) -> None:
         """Graceful shutdown: NOT_SERVING, refuse new calls, let running streams finish."""

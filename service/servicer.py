@@ -125,7 +125,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
         engine = await self._loaded_engine(context)
-        return model_info_to_proto(engine.engine.model_info())
+        return model_info_to_proto(engine.model_info())
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         engine = await self._loaded_engine(context)
@@ -144,4 +144,4 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return pb.TokenizeResponse(token_ids=ids, count=len(ids),
-                                   max_model_len=engine.engine.model_info().max_model_len)
+                                   max_model_len=engine.model_info().max_model_len)

