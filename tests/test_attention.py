@@ -120,27 +120,25 @@ def test_prefill_attention_matches_dense(num_cached: int, consecutive: bool, win
     torch.testing.assert_close(out[n:], _dense_prefill(q[n:], k_cache[slots], v_cache[slots], num_cached, window))
 
 
-def test_runner_reads_the_cache_in_place_only_for_consecutive_slots(tiny_llm, monkeypatch) -> None:
+def test_runner_reads_the_cache_in_place_only_for_consecutive_slots(tiny_llm) -> None:
     """Block tables like [6, 5, 7, 9] span as many slots as a consecutive run but are not one
     (the torch prefill path; the C++ kernel gets the block table instead, and nothing else)."""
-    from engine.core.sequence import Sequence
+    from engine.execution.input_batch import prepare_prefill
     from tests.helpers import fake_seq
 
     runner = tiny_llm.engine.runner
     bs = runner.block_size
-    seq = fake_seq("k", 5 * bs)
-    seq.block_table, seq.num_computed_tokens = [6, 5, 7, 9, 10], 4 * bs
-    monkeypatch.setattr(runner, "prefill_kernels", load_cpu_kernels())
-    meta = runner._prepare_prefill([seq], [bs]).metas[0]
+
+    def chunk_meta(table: list[int], with_block_tables: bool) -> PrefillSeqMeta:
+        seq = fake_seq("s", 5 * bs)  # the rows the runner reads have the sequence's token and block lists
+        seq.block_table = list(table)
+        return prepare_prefill([seq], [4 * bs], [bs], bs, runner._to_device, with_block_tables).metas[0]
+
+    meta = chunk_meta([6, 5, 7, 9, 10], with_block_tables=True)
     assert meta.block_table.tolist() == [6, 5, 7, 9, 10] and meta.context_slots is None
-    monkeypatch.setattr(runner, "prefill_kernels", None)
     cases = {(6, 5, 7, 9, 10): False, (3, 4, 5, 6, 7): True, (9, 8, 7, 6, 5): False}
     for table, in_place in cases.items():
-        seq: Sequence = fake_seq("s", 5 * bs)
-        seq.block_table = list(table)
-        seq.num_computed_tokens = 4 * bs
-        meta = runner._prepare_prefill([seq], [bs]).metas[0]
-        assert (meta.cached_slot_start is not None) == in_place, table
+        assert (chunk_meta(list(table), with_block_tables=False).cached_slot_start is not None) == in_place, table
 
 
 def test_bfloat16_chunk_after_a_cached_context_matches_dense() -> None:

@@ -103,3 +103,25 @@ def test_only_the_config_reads_the_environment_in_the_engine() -> None:
         if where != "engine/config.py" and node.attr in ("environ", "getenv", "putenv"):
             offenders.append(f"{where}:{node.lineno}: os.{node.attr}")
     assert not offenders, offenders
+
+
+# engine/'s layers, bottom up: plain values any layer may use; request processing; scheduling;
+# execution, which sees the scheduler only through the step's two values.
+_BASE = ("engine.config", "engine.errors", "engine.outputs")
+_LAYER_IMPORTS = {
+    "processing": _BASE + ("engine.processing",),
+    "core": _BASE + ("engine.processing", "engine.core"),
+    "execution": _BASE + ("engine.processing", "engine.execution", "engine.core.scheduler_output",
+                          "engine.core.runner_output"),
+}
+
+
+def test_engine_layers_import_one_way_down() -> None:
+    offenders = []
+    for layer, allowed in _LAYER_IMPORTS.items():
+        for where, node in _imports(f"engine/{layer}"):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            for name in names:
+                if name == "engine" or (name.startswith("engine.") and not name.startswith(allowed)):
+                    offenders.append(f"{where}: {name}")
+    assert not offenders, offenders

@@ -1,15 +1,15 @@
 """Runs the model for the two workloads, in one forward per step: packed prefill chunks and one
 token per decoding sequence.
 
-Owns the device, the weights and the KV cache pool. Reads sequences, never mutates them:
-the engine folds results back after sampling.
+Owns the device, the weights, the KV cache pool, its persistent batch of rows (updated from each
+SchedulerOutput's diffs; it never sees the scheduler's sequences) and the sampler: a step goes
+in as a SchedulerOutput value and comes out as a RunnerOutput value.
 """
 from __future__ import annotations
 
 import logging
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
@@ -17,18 +17,19 @@ import numpy as np
 import torch
 
 from engine.config import EngineConfig, usable_cpus
+from engine.core.runner_output import RunnerOutput
 from engine.core.scheduler_output import SchedulerOutput
-from engine.core.sequence import Sequence
-from engine.execution.attention import AttentionMetadata, PrefillSeqMeta
+from engine.execution.attention import AttentionMetadata
 from engine.execution.huge_pages import huge_page_tensor
+from engine.execution.input_batch import CachedRequestState, DecodeInputs, InputBatch, prepare_decode, prepare_prefill
 from engine.execution.kernels import ISAS, load_cpu_kernels
 from engine.execution.model_loader import iter_weights
 from engine.execution.models import model_class
 from engine.execution.models.layers import can_pack_linear
+from engine.execution.prompt_logprobs import prompt_logprobs
+from engine.execution.sampler import Sampler
 
 logger = logging.getLogger(__name__)
-
-_PROMPT_LOGPROB_ROWS = 256  # prompt positions scored per logits slice
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -76,9 +77,7 @@ class ModelRunner:
         cls = model_class(hf_config.model_type)
         self.model_config = cls.config_from_hf(hf_config)
         self.block_size = config.block_size
-        self.last_prepare_time = 0.0  # host-side input building of the last run_* call (seconds)
-        # (seq, first prompt position, entries) of the last execute's prompt-logprob chunks
-        self.last_prompt_logprobs: list[tuple[Sequence, int, list[dict[int, float]]]] = []
+        self.batch = InputBatch()
         model = cls(self.model_config)
         model.load_weights(iter_weights(model_dir))
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
@@ -133,6 +132,7 @@ class ModelRunner:
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(mc.num_layers)]
         if self.max_fused_tokens:
             self.model.bind_decode(self.kv_caches, self.block_size)
+        self.sampler = Sampler(self.device, config.seed, self.cpu_kernels)
         logger.info("model on %s (%s), KV cache %d blocks x %d tokens (%s, %.2f GiB)", self.device, self.dtype,
                     self.num_kv_blocks, self.block_size, self.cache_dtype,
                     self.kv_cache.numel() * self.kv_cache.element_size() / 2**30)
@@ -155,27 +155,42 @@ class ModelRunner:
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
 
-    def execute(self, sched: SchedulerOutput, with_argmax: bool = False) -> tuple[torch.Tensor, list[int] | None]:
-        """One forward over every token the step scheduled: the prefill chunks, packed without
-        padding, then one token per decoding sequence. The projections and MLPs see all rows
-        at once (the weights are read once per step, which on a CPU is most of a small step);
-        only attention splits by path. Returns logits of the sampling rows, in
-        `sched.sampling_seqs` order: [num_sampling, vocab], and, when with_argmax and the step
-        ran as one fused call, each row's first argmax (a list of num_sampling ints; else None)."""
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        """One step: update the persistent batch from the step's diffs, copy forked blocks, run one
+        forward over every scheduled token (the prefill chunks, packed without padding, then one
+        token per decoding sequence), and sample every request in `sched.sampling_req_ids`. The
+        projections and MLPs see all rows at once (the weights are read once per step, which on a
+        CPU is most of a small step); only attention splits by path."""
         t0 = time.perf_counter()
-        self.last_prompt_logprobs = []
-        if not sched.prefill_seqs and len(sched.decode_seqs) <= self.max_fused_tokens:
+        self.batch.update(sched)
+        if sched.blocks_to_copy:
+            self.copy_blocks(sched.blocks_to_copy)
+        req_ids = sched.sampling_req_ids
+        rows = [self.batch.rows[r] for r in req_ids]
+        out = RunnerOutput(req_ids)
+        if not sched.prefill_req_ids and len(sched.decode_req_ids) <= self.max_fused_tokens:
             # One C++ call, outside inference mode: it builds no autograd graph either way, and
-            # without the mode's switch (cold after a batch-1 step) this method's own time in a
-            # bf16 step went from 43-51 to 15-24 us.
-            return self._execute_fused_decode(sched.decode_seqs, with_argmax, t0)
-        return self._execute_modules(sched, t0)
+            # without the mode's switch (cold after a batch-1 step) it costs less host time.
+            logits, greedy_ids = self._execute_fused_decode(rows, self.sampler.is_plain_greedy(rows), t0, out)
+        else:
+            logits, greedy_ids = self._execute_modules(sched, t0, out), None
+        t1 = time.perf_counter()
+        out.forward_time = t1 - t0 - out.prepare_time
+        sampled = self.sampler(logits, rows, greedy_ids)
+        out.sampled_token_ids, out.logprobs = sampled.token_ids, sampled.logprobs
+        self.batch.append_sampled(req_ids, sampled.token_ids)
+        out.sample_time = time.perf_counter() - t1
+        return out
 
     @torch.inference_mode()
-    def _execute_modules(self, sched: SchedulerOutput, t0: float) -> tuple[torch.Tensor, None]:
-        """The step through the model's modules (prefill, or more decode rows than the fused call takes)."""
-        prefill = self._prepare_prefill(sched.prefill_seqs, sched.prefill_num_tokens)
-        decode = self._prepare_decode(sched.decode_seqs)
+    def _execute_modules(self, sched: SchedulerOutput, t0: float, out: RunnerOutput) -> torch.Tensor:
+        """The step through the model's modules (prefill, or more decode rows than the fused call
+        takes) -> logits of the sampling rows [num_sampling, vocab]."""
+        rows = self.batch.rows
+        prefill_rows = [rows[r] for r in sched.prefill_req_ids]
+        prefill = prepare_prefill(prefill_rows, sched.prefill_num_computed, sched.prefill_num_tokens,
+                                  self.block_size, self._to_device, self.prefill_kernels is not None)
+        decode = prepare_decode([rows[r] for r in sched.decode_req_ids], self.block_size)
         num_prefill_tokens = prefill.num_tokens if prefill else 0
         parts = [p for p in (prefill, decode) if p is not None]
         input_ids = torch.from_numpy(np.concatenate([p.token_ids for p in parts])).to(self.device)
@@ -187,134 +202,39 @@ class ModelRunner:
         if prefill is not None:
             attn.prefill_kernels = self.prefill_kernels
         if decode is not None:
-            decode.fill(attn, self)
+            self._fill_decode(attn, decode)
         attn.is_fused = len(input_ids) <= self.max_fused_tokens
         rows_t = None  # a decode-only step samples every row, in order: no gather
         if prefill is not None:
-            rows = [prefill.last_indices[i] for i in sched.prefill_sample_rows]
-            rows += range(num_prefill_tokens, num_prefill_tokens + len(sched.decode_seqs))
-            rows_t = self._to_device(np.asarray(rows, dtype=np.int64))
-        self.last_prepare_time = time.perf_counter() - t0
+            last_row = dict(zip(sched.prefill_req_ids, prefill.last_indices, strict=True))
+            sample_rows = [prefill.last_indices[i] for i in sched.prefill_sample_rows]
+            sample_rows += range(num_prefill_tokens, num_prefill_tokens + len(sched.decode_req_ids))
+            sample_rows += [last_row[parent] for parent in sched.fork_parent_ids]  # forks: their parent's row
+            rows_t = self._to_device(np.asarray(sample_rows, dtype=np.int64))
+        out.prepare_time = time.perf_counter() - t0
         hidden = self.model(input_ids, positions, attn, self.kv_caches)  # [T, hidden]
         if prefill is not None:
-            self.last_prompt_logprobs = self._prompt_logprobs(sched, prefill, hidden)
-        return self.model.compute_logits(hidden if rows_t is None else hidden[rows_t]), None
+            out.prompt_logprobs = prompt_logprobs(self.model, sched, prefill_rows, prefill, hidden)
+        return self.model.compute_logits(hidden if rows_t is None else hidden[rows_t])
 
-    def _execute_fused_decode(self, seqs: list[Sequence], with_argmax: bool, t0: float
-                              ) -> tuple[torch.Tensor, list[int] | None]:
-        """A decode-only step on the fused kernels (CPU only): one C++ call from the sequences'
-        own lists to logits [B, vocab] float32 (and their argmax)."""
-        token_ids = [s.last_token_id for s in seqs]
-        block_tables = [s.block_table for s in seqs]
-        context_lens = [s.num_tokens for s in seqs]
-        self.last_prepare_time = time.perf_counter() - t0
+    def _execute_fused_decode(self, rows: list[CachedRequestState], with_argmax: bool, t0: float,
+                              out: RunnerOutput) -> tuple[torch.Tensor, list[int] | None]:
+        """A decode-only step on the fused kernels (CPU only): one C++ call from the rows' own
+        lists to logits [B, vocab] float32 (and, with_argmax, their argmax)."""
+        token_ids = [r.last_token_id for r in rows]
+        block_tables = [r.block_table for r in rows]
+        context_lens = [r.num_tokens for r in rows]
+        out.prepare_time = time.perf_counter() - t0
         return self.model.decode_logits(token_ids, block_tables, context_lens, with_argmax)
 
-    def _prompt_logprobs(self, sched: SchedulerOutput, prefill: _PrefillInputs, hidden: torch.Tensor
-                         ) -> list[tuple[Sequence, int, list[dict[int, float]]]]:
-        """(seq, first prompt position, entries) for prefill chunks that asked for prompt
-        logprobs: entry k scores prompt token first + k (from position first + k - 1), with
-        that token's logprob and the top-N. Logits are made a slice of rows at a time, never for
-        a whole long prompt at once ([rows, vocab] fp32 is 200 KB per row here)."""
-        results = []
-        for seq, n, meta in zip(sched.prefill_seqs, sched.prefill_num_tokens, prefill.metas, strict=True):
-            top_n = seq.params.prompt_logprobs
-            if top_n is None:
-                continue
-            start = seq.num_computed_tokens  # this chunk covers positions [start, start + n)
-            first_row, last_pos = meta.query_start, min(start + n, seq.num_prompt_tokens - 1)  # the last scores no prompt token
-            entries: list[dict[int, float]] = []
-            for lo in range(start, last_pos, _PROMPT_LOGPROB_ROWS):
-                hi = min(lo + _PROMPT_LOGPROB_ROWS, last_pos)
-                logprobs = torch.log_softmax(self.model.compute_logits(
-                    hidden[first_row + lo - start : first_row + hi - start]).float(), dim=-1)  # [rows, vocab]
-                targets = torch.tensor(seq.prompt_token_ids[lo + 1 : hi + 1], device=logprobs.device)
-                chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
-                top = logprobs.topk(top_n, dim=-1) if top_n else None
-                top_ids = top.indices.tolist() if top is not None else [[]] * len(chosen)
-                top_values = top.values.tolist() if top is not None else [[]] * len(chosen)
-                for target, value, ids, values in zip(targets.tolist(), chosen, top_ids, top_values, strict=True):
-                    entry = {target: value}
-                    for token_id, v in zip(ids, values, strict=True):
-                        entry.setdefault(token_id, v)
-                    entries.append(entry)
-            results.append((seq, start + 1, entries))
-        return results
-
-    def _prepare_prefill(self, seqs: list[Sequence], num_new_tokens: list[int]) -> _PrefillInputs | None:
-        if not seqs:
-            return None
-        bs = self.block_size
-        token_ids: list[int] = []
-        positions, slots, metas, last_indices = [], [], [], []
-        num_tokens = 0
-        for seq, n in zip(seqs, num_new_tokens, strict=True):
-            start = seq.num_computed_tokens
-            token_ids.extend(seq.token_ids_slice(start, start + n))
-            table = np.asarray(seq.block_table, dtype=np.int64)
-            ctx_pos = np.arange(start + n, dtype=np.int64)
-            ctx_slots = table[ctx_pos // bs] * bs + ctx_pos % bs
-            positions.append(ctx_pos[start:])
-            slots.append(ctx_slots[start:])
-            meta = PrefillSeqMeta(num_tokens, n, start + n, None)
-            if self.prefill_kernels is not None:  # the C++ kernel reads the cache by block table
-                meta.block_table = self._to_device(table)
-            elif start:  # the torch path reads the cached context by slot
-                meta.context_slots = self._to_device(ctx_slots)
-                first = int(ctx_slots[0])
-                if np.array_equal(ctx_slots[:start], np.arange(first, first + start)):  # read the pool in place
-                    meta.cached_slot_start = first
-            metas.append(meta)
-            num_tokens += n
-            last_indices.append(num_tokens - 1)
-        return _PrefillInputs(np.asarray(token_ids, dtype=np.int64), np.concatenate(positions), np.concatenate(slots),
-                              metas, last_indices)
-
-    def _prepare_decode(self, seqs: list[Sequence]) -> _DecodeInputs | None:
-        if not seqs:
-            return None
-        bs = self.block_size
-        batch = len(seqs)
-        max_blocks = max(len(s.block_table) for s in seqs)
-        tables = np.zeros((batch, max_blocks), dtype=np.int64)  # padding reads block 0, masked
-        for i, seq in enumerate(seqs):
-            tables[i, : len(seq.block_table)] = seq.block_table
-        context_lens = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=batch)
-        positions = context_lens - 1
-        slot_mapping = tables[np.arange(batch), positions // bs] * bs + positions % bs
-        token_ids = np.fromiter((s.last_token_id for s in seqs), dtype=np.int64, count=batch)
-        return _DecodeInputs(token_ids, positions, slot_mapping, tables, context_lens)
-
-
-@dataclass(slots=True)
-class _PrefillInputs:
-    token_ids: np.ndarray  # [T_prefill]
-    positions: np.ndarray  # [T_prefill]
-    slot_mapping: np.ndarray  # [T_prefill]
-    metas: list[PrefillSeqMeta]
-    last_indices: list[int]  # each chunk's last row
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-
-@dataclass(slots=True)
-class _DecodeInputs:
-    token_ids: np.ndarray  # [B]
-    positions: np.ndarray  # [B]
-    slot_mapping: np.ndarray  # [B]
-    block_tables: np.ndarray  # [B, max_blocks]
-    context_lens: np.ndarray  # [B]
-
-    def fill(self, attn: AttentionMetadata, runner: ModelRunner) -> None:
-        attn.block_tables = runner._to_device(self.block_tables)
-        attn.context_lens = runner._to_device(self.context_lens)
-        attn.decode_kernels = runner.cpu_kernels
-        if runner.cpu_kernels is None:  # the torch path gathers contexts through one [B, L] slot index
-            batch, max_blocks = self.block_tables.shape
-            bs = runner.block_size
-            ctx_slots = (self.block_tables[:, :, None] * bs + np.arange(bs, dtype=np.int64)).reshape(batch, -1)
-            mask = np.where(np.arange(max_blocks * bs) < self.context_lens[:, None], 0.0, -np.inf).astype(np.float32)
-            attn.decode_slots = runner._to_device(ctx_slots)
-            attn.decode_mask = runner._to_device(mask).to(runner.dtype).view(batch, 1, 1, -1)
+    def _fill_decode(self, attn: AttentionMetadata, decode: DecodeInputs) -> None:
+        attn.block_tables = self._to_device(decode.block_tables)
+        attn.context_lens = self._to_device(decode.context_lens)
+        attn.decode_kernels = self.cpu_kernels
+        if self.cpu_kernels is None:  # the torch path gathers contexts through one [B, L] slot index
+            batch, max_blocks = decode.block_tables.shape
+            bs = self.block_size
+            ctx_slots = (decode.block_tables[:, :, None] * bs + np.arange(bs, dtype=np.int64)).reshape(batch, -1)
+            mask = np.where(np.arange(max_blocks * bs) < decode.context_lens[:, None], 0.0, -np.inf)
+            attn.decode_slots = self._to_device(ctx_slots)
+            attn.decode_mask = self._to_device(mask.astype(np.float32)).to(self.dtype).view(batch, 1, 1, -1)

@@ -114,17 +114,12 @@ class GrammarCompiler:
         return matcher
 
 
-class GrammarMask:
-    """Applies the matchers' allowed-token bitmasks to their rows of the logits."""
+class GrammarExecutor:
+    """llguidance's executor, made on first use: fills many matchers' bitmasks, or advances
+    them over their sampled tokens, in parallel (one call, not one per row)."""
 
-    def __init__(self, vocab_size: int, max_rows: int = 64, kernels: Any = None) -> None:
-        """kernels: the C++ CPU kernels (an in-place masking op), or None for the torch path."""
-        self.vocab_size = vocab_size
-        self.num_words = (vocab_size + 31) // 32
-        self._bitmask = torch.zeros(max_rows, self.num_words, dtype=torch.int32)  # [rows, words]
-        self._shifts = torch.arange(32, dtype=torch.int32)  # [32]
+    def __init__(self) -> None:
         self._executor: Any = None
-        self.kernels = kernels if kernels is not None and hasattr(kernels, "apply_token_bitmask_") else None
 
     @property
     def executor(self) -> Any:
@@ -135,8 +130,25 @@ class GrammarMask:
         return self._executor
 
     def consume(self, matchers: list[tuple[Any, int]]) -> None:
-        """Advance each (matcher, sampled token), in parallel: one call, not one per row."""
+        """Advance each (matcher, sampled token)."""
         self.executor.consume_token_par(matchers)
+
+
+class GrammarMask:
+    """Applies the matchers' allowed-token bitmasks to their rows of the logits."""
+
+    def __init__(self, vocab_size: int, max_rows: int = 64, kernels: Any = None) -> None:
+        """kernels: the C++ CPU kernels (an in-place masking op), or None for the torch path."""
+        self.vocab_size = vocab_size
+        self.num_words = (vocab_size + 31) // 32
+        self._bitmask = torch.zeros(max_rows, self.num_words, dtype=torch.int32)  # [rows, words]
+        self._shifts = torch.arange(32, dtype=torch.int32)  # [32]
+        self._grammar = GrammarExecutor()
+        self.kernels = kernels if kernels is not None and hasattr(kernels, "apply_token_bitmask_") else None
+
+    @property
+    def executor(self) -> Any:
+        return self._grammar.executor
 
     def apply(self, logits: torch.Tensor, matchers: list[tuple[int, Any]]) -> None:
         """Mask, in place, the rows of `matchers` ((row, matcher) pairs); the others are left untouched."""
