@@ -174,7 +174,7 @@ def test_decode_matches_dense_and_cpp(block_size: int, group: int, cache_dtype: 
     scale = q.shape[-1] ** -0.5
     out = torch.full_like(q, float("nan"))
     triton_attention.decode_attention(q, k, v, tables, context_lens, block_size, scale, window, out,
-                                      partition_size=32)
+                                      partition_size=32, block_n=16)
     assert out.dtype == q_dtype
     for b, n in enumerate(lens):
         expected = _dense(q[b : b + 1], k, v, tables[b], n, block_size, scale, window)[0]
@@ -187,7 +187,7 @@ def test_decode_matches_dense_and_cpp(block_size: int, group: int, cache_dtype: 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_decode_split_k_over_a_long_context(cache_dtype: torch.dtype) -> None:
-    """One 170-token context, partitions of 32 (6 of them, merged) and of 512 (the direct path),
+    """One 170-token context, partitions of 32 (6 of them, merged) and the default (one, the direct path),
     with and without a window that cuts a partition in two, and a context_len-0 padding row
     (output 0); a max_context_len bound below the real length still attends the whole context."""
     lens = [170, 0]
@@ -195,10 +195,11 @@ def test_decode_split_k_over_a_long_context(cache_dtype: torch.dtype) -> None:
     scale = 0.3
     for window in (0, 45):
         expected = _dense(q[:1], k, v, tables[0], lens[0], 16, scale, window)[0]
-        for partition, bound in ((32, None), (512, None), (32, 100)):
+        for partition, bound in ((32, None), (None, None), (32, 100)):
             out = torch.full_like(q, float("nan"))
             triton_attention.decode_attention(q, k, v, tables, context_lens, 16, scale, window, out,
-                                              max_context_len=bound, partition_size=partition)
+                                              max_context_len=bound, partition_size=partition,
+                                              block_n=16)
             msg = f"window {window}, partition {partition}, bound {bound}"
             torch.testing.assert_close(out[0].float(), expected, **_tol(cache_dtype), msg=lambda m, s=msg: f"{s}: {m}")
             assert torch.equal(out[1], torch.zeros_like(out[1])), msg
@@ -271,8 +272,18 @@ def test_speculative_chunk_matches_decode_one_query_at_a_time(window: int) -> No
     decoded = torch.empty_like(q)
     triton_attention.decode_attention(q, k, v, tables.expand(4, -1).contiguous(),
                                       torch.arange(101, 105, dtype=torch.int32), 4, 0.25, window, decoded,
-                                      partition_size=32)
+                                      partition_size=32, block_n=16)
     torch.testing.assert_close(out, decoded, atol=2e-5, rtol=2e-5)
+
+
+def test_default_partition_fills_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Long partitions while the grid has a program per SM, shorter ones when it would not."""
+    monkeypatch.setattr(_decode_module, "_num_sms", lambda device: 132)
+    cpu = torch.device("cpu")
+    assert _decode_module.default_partition_size(64, 8, 2048, 64, cpu) == 1024  # 1024 programs
+    assert _decode_module.default_partition_size(1, 8, 32768, 64, cpu) == 1024  # 256 programs
+    assert _decode_module.default_partition_size(1, 8, 4096, 64, cpu) == 128  # 256 programs; 256-key partitions give 128 < 132
+    assert _decode_module.default_partition_size(1, 2, 4096, 16, cpu) == 32  # down to two tiles
 
 
 def _valid_decode_args() -> dict[str, object]:

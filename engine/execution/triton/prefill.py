@@ -100,7 +100,7 @@ def default_block_m(group: int, max_query_len: int) -> int:
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_size: int, scale: float,
                       window: int, out: torch.Tensor, max_query_len: int, block_m: int | None = None,
-                      block_n: int = 32, num_warps: int = 4) -> torch.Tensor:
+                      block_n: int = 64, num_warps: int = 4) -> torch.Tensor:
     """See engine.execution.triton.prefill_attention."""
     num_seqs = seq_lens.shape[0] if isinstance(seq_lens, torch.Tensor) and seq_lens.dim() == 1 else -1
     check_tensor("seq_lens", seq_lens, 1, (torch.int32,))
