@@ -33,6 +33,9 @@ def _decode_partition_kernel(
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr, DIRECT_OUT: tl.constexpr,
     IS_FP32: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ) -> None:
+    """One (sequence, KV head, partition). q: [B, H, D]; caches: [num_slots, KVH, D];
+    block_tables: [B, max_blocks]; context_lens: [B]; out: [B, H, D] (DIRECT_OUT) or
+    part_out: [B, H, S, D] float32 and part_lse: [B, H, S] float32, in log2 units."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -139,7 +142,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      max_context_len: int | None = None, partition_size: int | None = None, block_n: int = 64,
                      num_warps: int = 4) -> torch.Tensor:
     """See engine.execution.triton.decode_attention."""
-    batch = q.shape[0] if isinstance(q, torch.Tensor) else 0
+    batch = q.shape[0] if isinstance(q, torch.Tensor) and q.dim() == 3 else -1  # a bad q is named below
     num_heads, num_kv_heads, head_dim, group = check_attention_common(q, k_cache, v_cache, out, block_tables, batch,
                                                                       block_size, scale, window)
     check_tensor("context_lens", context_lens, 1, (torch.int32,))
@@ -173,7 +176,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_G=max(16, next_pow2(group)), BLOCK_D=max(16, next_pow2(head_dim)),
         BLOCK_N=block_n, BLOCK_SIZE=block_size, HAS_WINDOW=window > 0, DIRECT_OUT=direct,
-        IS_FP32=k_cache.dtype == torch.float32, EMULATE_BF16=_emulate_bf16(_decode_partition_kernel), num_warps=num_warps)
+        IS_FP32=k_cache.dtype == torch.float32, EMULATE_BF16=_emulate_bf16(_decode_partition_kernel),
+        num_warps=num_warps)
     if not direct:
         _merge_partitions_kernel[(batch, num_heads)](
             part_out, part_lse, out, num_splits, out.stride(0), out.stride(1),

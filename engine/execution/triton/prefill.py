@@ -33,6 +33,8 @@ def _prefill_kernel(
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr,
     IS_FP32: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ) -> None:
+    """One (sequence, tile of BLOCK_Q query tokens, KV head). q, out: [T, H, D]; caches:
+    [num_slots, KVH, D]; block_tables: [B, max_blocks]; query_start_loc: [B + 1]; seq_lens: [B]."""
     seq = tl.program_id(0)
     q_tile = tl.program_id(1)
     kv_head = tl.program_id(2)
