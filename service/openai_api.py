@@ -9,6 +9,7 @@ that disconnects aborts its request, which frees its KV blocks at once.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import time
@@ -22,6 +23,7 @@ from fastapi.responses import JSONResponse
 
 from engine import LimitExceededError, QueueFullError, RequestIdInUseError, RequestOutput, SamplingParams
 from service.async_engine import AsyncEngine, EngineDeadError
+from service.chat_tools import ChatPlan, ChatTools
 from service.openai_call import AbortingStreamingResponse, OpenAICall
 from service.openai_protocol import (
     ChatCompletionRequest,
@@ -106,8 +108,11 @@ class CallMiddleware:
 class OpenAIFrontDoor:
     def __init__(self, state: ServingState, model_name: str, observer: RequestObserver | None = None,
                  auth_tokens: list[str] | None = None, max_body_bytes: int = 4 * 1024 * 1024,
-                 on_call: ApiCallListener | None = None) -> None:
+                 on_call: ApiCallListener | None = None, chat_tools: ChatTools | None = None,
+                 max_stored_responses: int = 1024) -> None:
         self.state = state
+        self.chat_tools = chat_tools or ChatTools()
+        self.max_stored_responses = max_stored_responses
         self.model_name = model_name
         self.observer = observer or RequestObserver()
         self.auth_tokens = list(auth_tokens or [])
@@ -230,6 +235,18 @@ class OpenAIFrontDoor:
             raise
         return MergedOutputs(streams, params.n)
 
+    async def plan_chat(self, engine: AsyncEngine, messages: list[dict[str, Any]], tools: Any,
+                        params: SamplingParams, template_kwargs: dict[str, Any] | None
+                        ) -> tuple[ChatPlan, SamplingParams]:
+        """The chat's plan (template, grammar, parsers) and the parameters that carry its grammar."""
+        plan = await self.chat_tools.plan(engine, messages, tools, params.structured_output, template_kwargs)
+        changes: dict[str, Any] = {}
+        if plan.structured_output != params.structured_output:
+            changes["structured_output"] = plan.structured_output
+        if plan.keep_special_tokens:
+            changes["skip_special_tokens"] = False
+        return plan, dataclasses.replace(params, **changes) if changes else params
+
     async def _serve(self, body: CompletionRequest | ChatCompletionRequest, request: Request, operation: str,
                      route: str) -> Any:
         is_chat = isinstance(body, ChatCompletionRequest)
@@ -246,8 +263,11 @@ class OpenAIFrontDoor:
             if params_error is not None:
                 raise params_error
             engine = self.state.ready_engine()
+            plan = None
             if is_chat:
-                stream = await engine.generate(request_id, params, messages=body.chat_messages(), engine_id=request_id)
+                plan, params = await self.plan_chat(engine, body.chat_messages(), body.tool_request(), params,
+                                                    body.chat_template_kwargs)
+                stream = await generate_chat(engine, request_id, params, plan)
             else:
                 stream = await self._generate_all(engine, request_id, params, body.prompt_inputs())
         except ApiError as exc:
@@ -258,8 +278,21 @@ class OpenAIFrontDoor:
             self.observer.finish(handle, None, str(error.status), error.message,
                                  {"http.response.status_code": error.status})
             raise error from exc
-        call = OpenAICall(self.model_name, self.observer, engine, stream, body, params, request_id, handle)
+        call = OpenAICall(self.model_name, self.observer, engine, stream, body, params, request_id, handle, plan)
         if body.stream:
             return AbortingStreamingResponse(call.events(), media_type="text/event-stream",
                                               headers={"cache-control": "no-cache", "x-request-id": request_id})
         return await call.whole(request)
+
+
+async def generate_chat(engine: AsyncEngine, request_id: str, params: SamplingParams, plan: ChatPlan,
+                        engine_id: str | None = None, priority: int = 0) -> Any:
+    """Admit a planned chat; a tool grammar the compiler refuses is the tools' fault, named so."""
+    try:
+        return await engine.generate(request_id, params, messages=plan.messages, engine_id=engine_id or request_id,
+                                     chat_template_kwargs=plan.template_kwargs, priority=priority)
+    except ValueError as exc:
+        if plan.is_tool_grammar and str(exc).startswith("structured_output.grammar"):
+            raise UnsupportedFieldError("tools", f"a function's parameters cannot constrain the answer: "
+                                                 f"{str(exc).split(': ', 1)[-1]}") from None
+        raise

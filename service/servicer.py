@@ -9,6 +9,7 @@ import grpc
 
 from engine import LimitExceededError, QueueFullError, RequestIdInUseError
 from service.async_engine import AsyncEngine, EngineDeadError
+from service.chat_tools import ChatTools
 from service.pb import inference_pb2 as pb
 from service.pb import inference_pb2_grpc as pb_grpc
 from service.protocol import (
@@ -27,9 +28,11 @@ logger = logging.getLogger(__name__)
 
 
 class InferenceServicer(pb_grpc.InferenceServicer):
-    def __init__(self, state: ServingState, observer: RequestObserver | None = None) -> None:
+    def __init__(self, state: ServingState, observer: RequestObserver | None = None,
+                 chat_tools: ChatTools | None = None) -> None:
         self.state = state
         self.observer = observer or RequestObserver()
+        self.chat_tools = chat_tools or ChatTools()
 
     @property
     def engine(self) -> AsyncEngine | None:
