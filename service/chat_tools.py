@@ -18,7 +18,7 @@ from typing import Any
 from engine import StructuredOutput
 from service.async_engine import AsyncEngine
 from service.reasoning_parser import ReasoningParser, get_reasoning_parser
-from service.tool_grammar import FunctionSpec, tool_call_grammar
+from service.tool_grammar import FunctionSpec, LarkText, tool_call_grammar
 from service.tool_parsers import ToolParser, get_tool_parser, parser_for_template
 
 TOOL_CHOICES = ("none", "auto", "required")
@@ -99,22 +99,24 @@ class ChatTools:
         else:
             messages = generic_messages(messages, parser, tools.functions if tools.is_active else [])
         thinks = self.reasoning is not None and kwargs.get("enable_thinking") is not False
-        special_id, keep_special = None, False
+        keep_special = False
         if tools.is_active:
             if structured is not None and structured.kind not in ("json_schema", "json_object"):
                 raise ValueError("tools: only a JSON response_format can go with tools")
             if structured is not None and tools.choice != "auto":
                 raise ValueError("response_format: tool_choice required or a named function decides the answer")
             added = await engine.added_tokens()
-            if parser.trigger in added and added[parser.trigger][1]:
-                special_id, keep_special = added[parser.trigger][0], True
+            # llguidance never matches these as text: a grammar names them by id.
+            lit = LarkText({text: i for text, (i, special) in added.items()
+                            if special or (text.startswith("<") and text.endswith(">"))})
+            keep_special = parser.trigger in added and added[parser.trigger][1]
             functions = [f for f in tools.functions if not tools.is_named or f.name == tools.choice]
             answer = None
             if structured is not None:
                 answer = json.loads(structured.value) if structured.kind == "json_schema" else {"type": "object"}
             grammar = tool_call_grammar(parser, functions, required=tools.choice == "required" or tools.is_named,
                                         parallel=tools.parallel and not tools.is_named,
-                                        special_trigger_id=special_id, answer_schema=answer)
+                                        lit=lit, answer_schema=answer)
             structured = StructuredOutput("grammar", grammar)
         if structured is not None and thinks:
             structured = StructuredOutput(structured.kind, structured.value, after=self.reasoning.end)

@@ -10,6 +10,7 @@ JSON or the calls. Compiled (and cached) by the engine's grammar compiler off th
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,16 +40,34 @@ def _schema(function: FunctionSpec) -> str:
     return json.dumps(schema)
 
 
+class LarkText:
+    """Literal text as Lark items: the tokenizer's added tokens in it (a format's markers, such as
+    Qwen's <tool_call>) by id, since llguidance never matches them as text, the rest quoted."""
+
+    def __init__(self, added_tokens: dict[str, int] | None = None) -> None:
+        self.added = dict(added_tokens or {})
+        names = sorted(self.added, key=len, reverse=True)
+        self._split = re.compile("(" + "|".join(re.escape(n) for n in names) + ")") if names else None
+
+    def __call__(self, text: str) -> str:
+        parts = self._split.split(text) if self._split is not None else [text]
+        return " ".join(f"<[{self.added[p]}]>" if p in self.added else json.dumps(p) for p in parts if p)
+
+    def is_token(self, text: str) -> bool:
+        return text in self.added
+
+
 def tool_call_grammar(parser: ToolParser, functions: list[FunctionSpec], *, required: bool, parallel: bool,
-                      special_trigger_id: int | None = None, answer_schema: dict[str, Any] | None = None) -> str:
+                      lit: LarkText | None = None, answer_schema: dict[str, Any] | None = None) -> str:
     """Lark text for the calls of `functions` in parser's format. required: the answer is one or
     more calls; else (auto) text, or with answer_schema that JSON, unless a call starts.
-    special_trigger_id: the trigger is this special token (named by id, never matched as text)."""
+    lit: writes literal text (the tokenizer's added tokens by id; a trigger that is one cannot
+    occur in free text at all)."""
     if not functions:
         raise ValueError("tools: at least one function is needed")
-    trigger = f"<[{special_trigger_id}]>" if special_trigger_id is not None else \
-        (json.dumps(parser.trigger) if parser.trigger else "")
-    after = parser.after_trigger(trigger, parallel)
+    lit = lit or LarkText()
+    trigger = lit(parser.trigger) if parser.trigger else ""
+    after = parser.after_trigger(lit, trigger, parallel)
     calls = f"{trigger} {after}".strip()
     lines = ["%llguidance {}"]
     if required:
@@ -59,12 +78,12 @@ def tool_call_grammar(parser: ToolParser, functions: list[FunctionSpec], *, requ
         lines += [f"start: answer | {calls}", f"answer: %json {json.dumps(answer)}"]
     elif not parser.trigger:  # the answer's first character decides (Llama 3 JSON)
         lines += [f"start: PLAIN_TEXT | {calls}", r"PLAIN_TEXT: /([^{](.|\n)*)?/"]
-    elif special_trigger_id is not None:
+    elif lit.is_token(parser.trigger):
         lines += [f"start: TEXT | TEXT {calls}", r"TEXT: /(.|\n)*/"]
     else:
         lines += [f"start: TEXT | text_then_trigger {after}", f"text_then_trigger[lazy]: TEXT {trigger}",
                   r"TEXT: /(.|\n)*/"]
     lines.append("fn: " + " | ".join(f"fn_{i}" for i in range(len(functions))))
     for i, function in enumerate(functions):
-        lines.append(f"fn_{i}: {parser.call_object(function.name, '%json ' + _schema(function))}")
+        lines.append(f"fn_{i}: {parser.call_object(lit, function.name, '%json ' + _schema(function))}")
     return "\n".join(lines) + "\n"

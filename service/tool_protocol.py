@@ -25,7 +25,7 @@ class ChatToolIn(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     type: str = "function"
-    function: FunctionIn
+    function: FunctionIn | None = None
 
 
 class FlatToolIn(BaseModel):
@@ -78,6 +78,8 @@ def tool_request(tools: list[ChatToolIn] | list[FlatToolIn] | None, tool_choice:
         if tool.type != "function":
             raise ValueError(f"tools[{i}].type: only function tools are supported, got {tool.type!r}")
         spec = tool.function if isinstance(tool, ChatToolIn) else tool
+        if spec is None:
+            raise ValueError(f"tools[{i}].function: is required")
         if spec.name is None:
             raise ValueError(f"tools[{i}].name: is required")
         functions.append(FunctionSpec(spec.name, spec.description or "", spec.parameters, spec.strict))

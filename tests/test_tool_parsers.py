@@ -25,6 +25,7 @@ EXAMPLES = [
     ("hermes", '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>', "", [("f", '{"a": 1}')]),
     ("hermes", '<tool_call>\n{"name": "f", "arguments": {"a": "unfinis', "", [("f", '{"a": "unfinis')]),
     ("hermes", '<tool_call>\n{"name": "f", "arguments": {"n": 12}}', "", [("f", '{"n": 12}')]),
+    ("hermes", 'Hi <tool_call>\n{"na', "Hi", []),  # cut off before its name: no call, and no markup
     ("hermes", '<tool_call>\n{"name": "f", "type": "function", "parameters": {"n": 1}}\n</tool_call>', "",
      [("f", '{"n": 1}')]),
     ("mistral", 'Sure. [TOOL_CALLS][{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]', "Sure.",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -146,10 +147,11 @@ class ToolCallStream:
         self.pos = call.feed(self.text, self.pos)
         if self.is_final and not call.is_done:
             call.finish()
-            if not call.is_done and call.name is not None and not call.is_error:
-                self._call_progress()
+            if not call.is_done and not call.is_error:  # cut off (max_tokens)
+                self._call_progress()  # what came is kept, as it was streamed; before its name, nothing
                 self._call = None
-                return "done"  # cut off (max_tokens): what came is kept, as it was streamed
+                self.pos = len(self.text)
+                return "done"
         if call.is_error or (call.is_done and call.name is None) or (self.is_final and not call.is_done):
             if self._call_index is not None:  # already streamed: ends where it broke
                 self._call = None
@@ -194,17 +196,17 @@ class ToolParser:
 
     arguments_key: ClassVar[str] = "arguments"
 
-    def after_trigger(self, trigger: str, parallel: bool) -> str:
+    def after_trigger(self, lit: Callable[[str], str], trigger: str, parallel: bool) -> str:
         """The Lark expression for what follows the trigger: the call(s), each a `fn` (the rule
-        of one call object). trigger: the trigger as a Lark item (a quoted string, or a special
-        token by id), for formats that repeat it before every call."""
+        of one call object). lit: literal text as Lark items; trigger: the trigger's items, for
+        formats that repeat it before every call."""
         raise NotImplementedError
 
-    def call_object(self, name: str, arguments: str) -> str:
-        """One call object as a Lark item: its JSON up to the arguments (name first), the
+    def call_object(self, lit: Callable[[str], str], name: str, arguments: str) -> str:
+        """One call object as Lark items: its JSON up to the arguments (name first), the
         arguments' Lark item, the closing brace."""
         head = "{" + json.dumps("name") + ": " + json.dumps(name) + ", " + json.dumps(self.arguments_key) + ": "
-        return f'{json.dumps(head)} {arguments} "}}"'
+        return f'{lit(head)} {arguments} "}}"'
 
     def call_json(self, name: str, arguments: Any) -> str:
         """One call object's JSON text, as call_object lays it out (arguments: parsed JSON)."""

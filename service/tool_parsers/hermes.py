@@ -3,6 +3,7 @@
 for templates that know no tools (docs/openai_tools.md)."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from service.tool_parsers.base import ToolCallStream, ToolParser
@@ -49,9 +50,9 @@ class HermesToolParser(ToolParser):
     def new_stream(self) -> ToolCallStream:
         return HermesStream()
 
-    def after_trigger(self, trigger: str, parallel: bool) -> str:
-        one = f'"\\n" fn "\\n{CLOSE}"'
-        return f'{one} ("\\n" {trigger} {one})*' if parallel else one
+    def after_trigger(self, lit: Callable[[str], str], trigger: str, parallel: bool) -> str:
+        one = f'{lit(chr(10))} fn {lit(chr(10) + CLOSE)}'
+        return f'{one} ({lit(chr(10))} {trigger} {one})*' if parallel else one
 
     def render_calls(self, calls: list[tuple[str, Any]]) -> str:
         return "\n".join(f"{OPEN}\n{self.call_json(name, arguments)}\n{CLOSE}" for name, arguments in calls)

@@ -3,6 +3,7 @@
 that does not begin with one of those is content."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from service.tool_parsers.base import ToolCallStream, ToolParser
@@ -64,7 +65,7 @@ class Llama3JsonToolParser(ToolParser):
     def new_stream(self) -> ToolCallStream:
         return Llama3JsonStream()
 
-    def after_trigger(self, trigger: str, parallel: bool) -> str:
+    def after_trigger(self, lit: Callable[[str], str], trigger: str, parallel: bool) -> str:
         return 'fn ("; " fn)*' if parallel else "fn"
 
     def render_calls(self, calls: list[tuple[str, Any]]) -> str:

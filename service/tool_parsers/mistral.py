@@ -2,6 +2,7 @@
 call objects: [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from service.tool_parsers.base import ToolCallStream, ToolParser
@@ -78,7 +79,7 @@ class MistralToolParser(ToolParser):
     def new_stream(self) -> ToolCallStream:
         return MistralStream()
 
-    def after_trigger(self, trigger: str, parallel: bool) -> str:
+    def after_trigger(self, lit: Callable[[str], str], trigger: str, parallel: bool) -> str:
         return '"[" fn (", " fn)* "]"' if parallel else '"[" fn "]"'
 
     def render_calls(self, calls: list[tuple[str, Any]]) -> str:
