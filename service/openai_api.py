@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP front door: the FastAPI app (routes, auth, errors, call metrics).
 
 Routes: POST /v1/completions, POST /v1/chat/completions (streamed as server-sent events or
-whole), GET /v1/models, GET /health, and vLLM's POST /tokenize, POST /detokenize and GET
+whole; tools and reasoning: service/chat_tools.py), POST /v1/responses with GET and DELETE
+/v1/responses/{id} (service/responses_api.py), GET /v1/models, GET /health, and vLLM's POST /tokenize, POST /detokenize and GET
 /tokenizer_info (lm-evaluation-harness's remote tokenizer uses the three). Both front doors
 share the engine, the serving state (a drain or a dead engine refuses new calls on both), the
 bearer tokens, the request observer (traces) and the call metrics (`protocol="http"`). A client
@@ -38,13 +39,15 @@ from service.openai_protocol import (
 )
 from service.output_merge import MergedOutputs
 from service.request_observer import CallInfo, RequestObserver
+from service.responses_api import ResponsesApi
+from service.responses_protocol import ResponsesRequest
 from service.serving_state import EngineUnavailableError, ServingState
 
 logger = logging.getLogger(__name__)
 
 ApiCallListener = Callable[[str, str, str, float], None]  # (protocol, method, code, seconds)
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/tokenize", "/detokenize",
-          "/tokenizer_info")
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/health", "/tokenize",
+          "/detokenize", "/tokenizer_info")
 
 
 class ApiError(Exception):
@@ -112,7 +115,7 @@ class OpenAIFrontDoor:
                  max_stored_responses: int = 1024) -> None:
         self.state = state
         self.chat_tools = chat_tools or ChatTools()
-        self.max_stored_responses = max_stored_responses
+        self.responses = ResponsesApi(self, max_stored_responses)
         self.model_name = model_name
         self.observer = observer or RequestObserver()
         self.auth_tokens = list(auth_tokens or [])
@@ -164,6 +167,21 @@ class OpenAIFrontDoor:
         @app.post("/v1/chat/completions", dependencies=[auth])
         async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
             return await self._serve(body, request, "chat", "/v1/chat/completions")
+
+        @app.post("/v1/responses", dependencies=[auth])
+        async def responses(body: ResponsesRequest, request: Request) -> Any:
+            try:
+                return await self.responses.create(body, request)
+            except (ValueError, EngineDeadError, EngineUnavailableError) as exc:
+                raise _admission_error(exc) from exc
+
+        @app.get("/v1/responses/{response_id}", dependencies=[auth])
+        async def get_response(response_id: str) -> JSONResponse:
+            return self.responses.retrieve(response_id)
+
+        @app.delete("/v1/responses/{response_id}", dependencies=[auth])
+        async def delete_response(response_id: str) -> JSONResponse:
+            return self.responses.delete(response_id)
 
         @app.post("/tokenize", dependencies=[auth])
         async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
@@ -247,6 +265,19 @@ class OpenAIFrontDoor:
             changes["skip_special_tokens"] = False
         return plan, dataclasses.replace(params, **changes) if changes else params
 
+    @staticmethod
+    async def generate_chat(engine: AsyncEngine, request_id: str, params: SamplingParams, plan: ChatPlan,
+                            engine_id: str | None = None, priority: int = 0) -> Any:
+        """Admit a planned chat; a tool grammar the compiler refuses is the tools' fault, named so."""
+        try:
+            return await engine.generate(request_id, params, messages=plan.messages, engine_id=engine_id or request_id,
+                                         chat_template_kwargs=plan.template_kwargs, priority=priority)
+        except ValueError as exc:
+            if plan.is_tool_grammar and str(exc).startswith("structured_output.grammar"):
+                raise UnsupportedFieldError("tools", f"a function's parameters cannot constrain the answer: "
+                                                     f"{str(exc).split(': ', 1)[-1]}") from None
+            raise
+
     async def _serve(self, body: CompletionRequest | ChatCompletionRequest, request: Request, operation: str,
                      route: str) -> Any:
         is_chat = isinstance(body, ChatCompletionRequest)
@@ -267,7 +298,7 @@ class OpenAIFrontDoor:
             if is_chat:
                 plan, params = await self.plan_chat(engine, body.chat_messages(), body.tool_request(), params,
                                                     body.chat_template_kwargs)
-                stream = await generate_chat(engine, request_id, params, plan)
+                stream = await self.generate_chat(engine, request_id, params, plan)
             else:
                 stream = await self._generate_all(engine, request_id, params, body.prompt_inputs())
         except ApiError as exc:
@@ -284,15 +315,3 @@ class OpenAIFrontDoor:
                                               headers={"cache-control": "no-cache", "x-request-id": request_id})
         return await call.whole(request)
 
-
-async def generate_chat(engine: AsyncEngine, request_id: str, params: SamplingParams, plan: ChatPlan,
-                        engine_id: str | None = None, priority: int = 0) -> Any:
-    """Admit a planned chat; a tool grammar the compiler refuses is the tools' fault, named so."""
-    try:
-        return await engine.generate(request_id, params, messages=plan.messages, engine_id=engine_id or request_id,
-                                     chat_template_kwargs=plan.template_kwargs, priority=priority)
-    except ValueError as exc:
-        if plan.is_tool_grammar and str(exc).startswith("structured_output.grammar"):
-            raise UnsupportedFieldError("tools", f"a function's parameters cannot constrain the answer: "
-                                                 f"{str(exc).split(': ', 1)[-1]}") from None
-        raise
