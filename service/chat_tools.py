@@ -10,12 +10,14 @@ layout, and tool results go back as user messages wrapped in <tool_response> tag
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine import StructuredOutput
+from engine import RequestOutput, SamplingParams, StructuredOutput
 from service.async_engine import AsyncEngine
 from service.reasoning_parser import ReasoningParser, get_reasoning_parser
 from service.tool_grammar import FunctionSpec, LarkText, tool_call_grammar
@@ -83,6 +85,32 @@ class ChatTools:
             get_tool_parser(tool_call_parser)  # refuses an unknown name at start-up
         self.tool_call_parser = tool_call_parser
         self.reasoning = get_reasoning_parser(reasoning_parser) if reasoning_parser else None
+
+    async def prepare(self, engine: AsyncEngine, messages: list[dict[str, Any]], tools: ToolRequest,
+                      params: SamplingParams, template_kwargs: dict[str, Any] | None
+                      ) -> tuple[ChatPlan, SamplingParams]:
+        """The chat's plan and the parameters that carry its grammar (and keep its special trigger)."""
+        plan = await self.plan(engine, messages, tools, params.structured_output, template_kwargs)
+        changes: dict[str, Any] = {}
+        if plan.structured_output != params.structured_output:
+            changes["structured_output"] = plan.structured_output
+        if plan.keep_special_tokens:
+            changes["skip_special_tokens"] = False
+        return plan, dataclasses.replace(params, **changes) if changes else params
+
+    @staticmethod
+    async def generate(engine: AsyncEngine, request_id: str, params: SamplingParams, plan: ChatPlan,
+                       engine_id: str | None = None, priority: int = 0) -> AsyncGenerator[RequestOutput, None]:
+        """Admit a planned chat; a tool grammar the compiler refuses is the tools' fault, named so."""
+        try:
+            return await engine.generate(request_id, params, messages=plan.messages,
+                                         engine_id=engine_id or request_id, chat_template_kwargs=plan.template_kwargs,
+                                         priority=priority)
+        except ValueError as exc:
+            if plan.is_tool_grammar and str(exc).startswith("structured_output.grammar"):
+                raise ValueError(f"tools: a function's parameters cannot constrain the answer: "
+                                 f"{str(exc).split(': ', 1)[-1]}") from None
+            raise
 
     async def plan(self, engine: AsyncEngine, messages: list[dict[str, Any]], tools: ToolRequest,
                    structured: StructuredOutput | None, template_kwargs: dict[str, Any] | None) -> ChatPlan:

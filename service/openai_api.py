@@ -10,7 +10,6 @@ that disconnects aborts its request, which frees its KV blocks at once.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import secrets
 import time
@@ -24,7 +23,7 @@ from fastapi.responses import JSONResponse
 
 from engine import LimitExceededError, QueueFullError, RequestIdInUseError, RequestOutput, SamplingParams
 from service.async_engine import AsyncEngine, EngineDeadError
-from service.chat_tools import ChatPlan, ChatTools
+from service.chat_tools import ChatTools
 from service.openai_call import AbortingStreamingResponse, OpenAICall
 from service.openai_protocol import (
     ChatCompletionRequest,
@@ -253,31 +252,6 @@ class OpenAIFrontDoor:
             raise
         return MergedOutputs(streams, params.n)
 
-    async def plan_chat(self, engine: AsyncEngine, messages: list[dict[str, Any]], tools: Any,
-                        params: SamplingParams, template_kwargs: dict[str, Any] | None
-                        ) -> tuple[ChatPlan, SamplingParams]:
-        """The chat's plan (template, grammar, parsers) and the parameters that carry its grammar."""
-        plan = await self.chat_tools.plan(engine, messages, tools, params.structured_output, template_kwargs)
-        changes: dict[str, Any] = {}
-        if plan.structured_output != params.structured_output:
-            changes["structured_output"] = plan.structured_output
-        if plan.keep_special_tokens:
-            changes["skip_special_tokens"] = False
-        return plan, dataclasses.replace(params, **changes) if changes else params
-
-    @staticmethod
-    async def generate_chat(engine: AsyncEngine, request_id: str, params: SamplingParams, plan: ChatPlan,
-                            engine_id: str | None = None, priority: int = 0) -> Any:
-        """Admit a planned chat; a tool grammar the compiler refuses is the tools' fault, named so."""
-        try:
-            return await engine.generate(request_id, params, messages=plan.messages, engine_id=engine_id or request_id,
-                                         chat_template_kwargs=plan.template_kwargs, priority=priority)
-        except ValueError as exc:
-            if plan.is_tool_grammar and str(exc).startswith("structured_output.grammar"):
-                raise UnsupportedFieldError("tools", f"a function's parameters cannot constrain the answer: "
-                                                     f"{str(exc).split(': ', 1)[-1]}") from None
-            raise
-
     async def _serve(self, body: CompletionRequest | ChatCompletionRequest, request: Request, operation: str,
                      route: str) -> Any:
         is_chat = isinstance(body, ChatCompletionRequest)
@@ -296,9 +270,9 @@ class OpenAIFrontDoor:
             engine = self.state.ready_engine()
             plan = None
             if is_chat:
-                plan, params = await self.plan_chat(engine, body.chat_messages(), body.tool_request(), params,
-                                                    body.chat_template_kwargs)
-                stream = await self.generate_chat(engine, request_id, params, plan)
+                plan, params = await self.chat_tools.prepare(engine, body.chat_messages(), body.tool_request(),
+                                                             params, body.chat_template_kwargs)
+                stream = await self.chat_tools.generate(engine, request_id, params, plan)
             else:
                 stream = await self._generate_all(engine, request_id, params, body.prompt_inputs())
         except ApiError as exc:

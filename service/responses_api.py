@@ -78,8 +78,8 @@ class ResponsesApi:
                                                                         dict(request.headers), 1), params)
         try:
             engine = door.state.ready_engine()
-            plan, params = await door.plan_chat(engine, messages, tools, params, None)
-            stream = await door.generate_chat(engine, response_id, params, plan)
+            plan, params = await door.chat_tools.prepare(engine, messages, tools, params, None)
+            stream = await door.chat_tools.generate(engine, response_id, params, plan)
         except Exception as exc:
             door.observer.finish(handle, None, "400", str(exc), {"http.response.status_code": 400})
             raise

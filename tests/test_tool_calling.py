@@ -232,3 +232,35 @@ def test_bad_tool_requests_name_the_field(generic_server: ServerThread, body: di
     with _client(generic_server) as client, pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(**request, extra_body=extra)
     assert info.value.body["param"] == param, info.value.body
+
+
+def test_grpc_tools_and_parsed_calls(generic_server: ServerThread) -> None:
+    from service.client import InferenceClient
+    from service.pb import inference_pb2 as pb
+
+    request = pb.GenerateRequest(
+        messages=pb.Messages(messages=[pb.ChatMessage(role="user", content="Weather?")], tool_choice="required",
+                             tools=[pb.FunctionTool(name="get_weather", parameters=json.dumps(WEATHER))],
+                             parallel_tool_calls=False),
+        sampling=pb.SamplingParams(temperature=0.8, max_tokens=120))
+    for seed in range(3):
+        request.sampling.seed = seed
+        with InferenceClient(generic_server.target) as c:
+            responses = list(c.stub.Generate(request))
+        deltas = [d for r in responses for d in r.tool_calls]
+        assert deltas[0].name == "get_weather" and deltas[0].id.startswith("call_")
+        jsonschema.validate(json.loads("".join(d.arguments for d in deltas)), WEATHER)
+        assert responses[-1].finish_reason == "tool_calls" and not "".join(r.text for r in responses)
+    # History with a call and its result, named function choice.
+    request.messages.messages.extend([
+        pb.ChatMessage(role="assistant", tool_calls=[pb.ToolCall(id="c1", name="get_weather",
+                                                                 arguments='{"city": "Oslo", "days": 2}')]),
+        pb.ChatMessage(role="tool", tool_call_id="c1", content="Snow")])
+    request.messages.tool_choice, request.messages.tool_choice_function = "", "get_weather"
+    with InferenceClient(generic_server.target) as c:
+        responses = list(c.stub.Generate(request))
+        assert responses[-1].finish_reason == "tool_calls"
+        bad = pb.GenerateRequest(messages=pb.Messages(messages=[pb.ChatMessage(role="user", content="x")],
+                                                      tools=[pb.FunctionTool(name="f")], tool_choice_function="g"))
+        with pytest.raises(Exception, match="messages.tool_choice"):
+            list(c.stub.Generate(bad))
