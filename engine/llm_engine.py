@@ -143,8 +143,9 @@ class LLMEngine:
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         return self.input_processor.tokenize(prompt, add_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], params: SamplingParams | None = None) -> list[int]:
-        return self.input_processor.apply_chat_template(messages, params)
+    def apply_chat_template(self, messages: list[dict[str, Any]], params: SamplingParams | None = None,
+                            chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        return self.input_processor.apply_chat_template(messages, params, chat_template_kwargs)
 
     def fail_next_step(self, message: str) -> None:
         """Fault hook (tests, chaos drills): the next step's forward raises `message`, failing
@@ -158,11 +159,13 @@ class LLMEngine:
         self.input_processor.check_request(params, request_id, priority)
 
     def process_inputs(self, params: SamplingParams, prompt: str | list[int] | None = None,
-                       messages: list[dict[str, str]] | None = None, request_id: str | None = None,
-                       priority: int = 0, arrival_time: float | None = None) -> EngineRequest:
-        """Tokenize (or apply the chat template), check the prompt against the context and compile
-        a grammar: the costly part of admission, on the caller's thread (check_request first)."""
-        token_ids = self.input_processor.prompt_token_ids(params, prompt, messages)
+                       messages: list[dict[str, Any]] | None = None, request_id: str | None = None,
+                       priority: int = 0, arrival_time: float | None = None,
+                       chat_template_kwargs: dict[str, Any] | None = None) -> EngineRequest:
+        """Tokenize (or apply the chat template, with chat_template_kwargs such as tools=), check the
+        prompt against the context and compile a grammar: the costly part of admission, on the
+        caller's thread (check_request first)."""
+        token_ids = self.input_processor.prompt_token_ids(params, prompt, messages, chat_template_kwargs)
         return EngineRequest(token_ids, params, request_id, priority, arrival_time)
 
     def admit(self, request: EngineRequest) -> str:

@@ -14,6 +14,7 @@ from grpc_reflection.v1alpha import reflection
 
 from engine import EngineConfig, LLMEngine, model_display_name
 from service.async_engine import AsyncEngine, StatsListener
+from service.chat_tools import ChatTools
 from service.http_server import HttpServer
 from service.openai_api import ApiCallListener, OpenAIFrontDoor
 from service.pb import inference_pb2 as pb
@@ -42,6 +43,9 @@ class ServerConfig:
     http_host: str = "0.0.0.0"
     http_port: int | None = None  # OpenAI-compatible HTTP; None: off, 0: a free port
     served_model_name: str | None = None  # the name clients see (OpenAI `model`); None: the model's own
+    tool_call_parser: str = "auto"  # a tool-call format's name, or auto: the chat template's (service/tool_parsers)
+    reasoning_parser: str | None = None  # deepseek_r1 | qwen3: thinking goes to reasoning_content; None: off
+    max_stored_responses: int = 1024  # /v1/responses kept for previous_response_id
     engine: EngineConfig = field(default_factory=EngineConfig)
 
 
@@ -55,7 +59,8 @@ class InferenceServer:
         self.config = config
         self.stats_listeners = list(stats_listeners or [])
         self.state = ServingState()
-        self.servicer = InferenceServicer(self.state, observer)
+        self.chat_tools = ChatTools(config.tool_call_parser, config.reasoning_parser)
+        self.servicer = InferenceServicer(self.state, observer, self.chat_tools)
         self.health = health.aio.HealthServicer()
         self.exit_code = 0  # non-zero once the engine died: the process should exit so a supervisor restarts it
         interceptors = list(interceptors or [])
@@ -88,7 +93,8 @@ class InferenceServer:
         self.http: HttpServer | None = None
         if config.http_port is not None:
             door = OpenAIFrontDoor(self.state, config.served_model_name or model_display_name(config.engine.model),
-                                   observer, config.auth_tokens, config.max_message_bytes, on_http_call)
+                                   observer, config.auth_tokens, config.max_message_bytes, on_http_call,
+                                   self.chat_tools, config.max_stored_responses)
             self.http = HttpServer(door.asgi, config.http_host, config.http_port)
         self.async_engine: AsyncEngine | None = None
         self._stopped = asyncio.Event()
