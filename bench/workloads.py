@@ -18,6 +18,20 @@ class BenchRequest:
     output_len: int
     ignore_eos: bool
 
+# The prompts greedy output is held to transformers' on, token for token (tests/test_real_model.py
+# on the CPU, bench/gpu_check.py on a GPU): short and long, prose, code, lists.
+GREEDY_PROMPTS = [
+    "Hello",
+    "The quick brown fox",
+    "def fibonacci(n):",
+    "1, 2, 3, 4,",
+    "The meaning of life is",
+    "Write a poem about the sea. " * 3,
+    "Once upon a time in a land far away, there lived " * 8,
+    "Explain quantum computing in simple terms. " * 20,
+    "List three primary colors, then explain why:",
+]
+
 
 def random_tokens(num: int, input_len: int, output_len: int, vocab_size: int, seed: int,
                   range_ratio: float = 0.0) -> list[BenchRequest]:

@@ -78,6 +78,10 @@ class EngineConfig:
     enable_onednn: bool = field(default_factory=lambda: _env_flag_off("DISABLE_PACKED_LINEAR"), metadata={
         "help": "keep a oneDNN-packed copy of the weights for steps the panels do not run "
                 "(alias MINIVLLM_DISABLE_PACKED_LINEAR=1 turns it off)"})
+    gpu_memory_utilization: float = _opt(0.9, "fraction of the GPU's memory the engine may take: weights, "
+                                              "activations and the KV cache, which gets the rest (CUDA; on the "
+                                              "CPU kv_cache_gib sizes it)")
+    enforce_eager: bool = _opt(False, "run decode steps eagerly instead of replaying CUDA graphs (CUDA)")
     enable_huge_pages: bool = _opt(True, "put the weight panels and the KV cache on 2 MiB pages (CPU, Linux "
                                          "transparent huge pages in madvise or always mode)")
 
@@ -125,6 +129,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_gib <= 0:
             raise ValueError(f"kv_cache_gib must be positive, got {self.kv_cache_gib}")
         if self.max_model_len is not None and self.max_model_len <= 0:

@@ -59,7 +59,7 @@ def reference(family_model: tuple[str, Path]) -> list[list[int]]:
     return refs
 
 
-@pytest.mark.parametrize("decode_path", ["fused", "fused-avx2", "cpp", "torch"])
+@pytest.mark.parametrize("decode_path", ["fused", "fused-avx2", "cpp", "torch", "reference"])
 @pytest.mark.parametrize("budget", [512, 16], ids=["whole-prefill", "chunked-prefill"])
 def test_greedy_matches_transformers(family_model: tuple[str, Path], reference: list[list[int]], decode_path: str,
                                      budget: int, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -70,12 +70,16 @@ def test_greedy_matches_transformers(family_model: tuple[str, Path], reference: 
         monkeypatch.setenv("MINIVLLM_KERNEL_ISA", "avx2")  # the lower SIMD path, on any x86-64 CI machine
     # 16: the chunked runs take every step (chunks beside decodes, chunks over a cached context,
     # sliding windows) through the fused layers, the whole-prefill runs only their decode steps.
-    fused = 0 if decode_path in ("cpp", "torch") else 16
-    llm = LLM(str(path), num_kv_blocks=256, block_size=4, max_num_batched_tokens=budget, max_fused_tokens=fused)
+    fused = 0 if decode_path in ("cpp", "torch", "reference") else 16
+    backend = "torch" if decode_path == "reference" else "auto"  # the pure-torch reference backend
+    llm = LLM(str(path), num_kv_blocks=256, block_size=4, max_num_batched_tokens=budget, max_fused_tokens=fused,
+              backend=backend)
     runner = llm.engine.runner
-    assert (runner.backend.kernels is None) == (decode_path == "torch")
-    assert runner.backend.max_fused_tokens == fused
-    assert runner.backend.isa == (1 if decode_path == "fused-avx2" else runner.backend.kernels.best_isa() if runner.backend.kernels else 0)
+    assert runner.backend.name == ("torch" if decode_path == "reference" else "cpu")
+    assert (runner.backend.kernels is None) == (decode_path in ("torch", "reference"))
+    assert runner.backend.max_fused_tokens == (0 if decode_path == "reference" else fused)
+    isa = 1 if decode_path == "fused-avx2" else runner.backend.kernels.best_isa() if runner.backend.kernels else 0
+    assert getattr(runner.backend, "isa", 0) == isa
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True))
     for prompt, out, ref in zip(PROMPTS, outs, reference, strict=True):
         assert out.token_ids == ref, f"{family}: prompt of {len(prompt)} tokens diverged"

@@ -6,21 +6,12 @@ import time
 import pytest
 import torch
 
+from bench.workloads import GREEDY_PROMPTS
 from engine import LLM, SamplingParams, StepStats
 
 pytestmark = pytest.mark.real_model
 
-PROMPTS = [
-    "Hello",
-    "The quick brown fox",
-    "def fibonacci(n):",
-    "1, 2, 3, 4,",
-    "The meaning of life is",
-    "Write a poem about the sea. " * 3,
-    "Once upon a time in a land far away, there lived " * 8,
-    "Explain quantum computing in simple terms. " * 20,
-    "List three primary colors, then explain why:",
-]
+PROMPTS = GREEDY_PROMPTS
 
 
 @pytest.fixture(scope="module")

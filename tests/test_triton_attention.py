@@ -12,6 +12,10 @@ else in the suite imports it (test_only_the_triton_package_imports_triton keeps 
 something did, the import fails loudly rather than running compiled-mode kernels on the CPU.
 Without triton installed the whole module is skipped.
 
+On a GPU (bench/gpu_check.sh) the same cases run natively: MINIVLLM_TEST_TRITON_NATIVE=1 skips
+the interpreter, and each kernel call moves its tensors to the GPU and copies `out` back, so the
+references and assertions are this file's own; the C++ comparisons stay with the interpreter run.
+
 Shapes are small for the interpreter: contexts up to ~130 tokens, head_dim 16 (tl.dot's smallest)
 and 24 (padded to 32), several splits via a 32-token partition. Block tables are shuffled, and
 their padding entries point at a poison block (huge keys and values) that a wrong table walk
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import os
 import re
 import subprocess
@@ -64,7 +69,38 @@ def _import_interpreted() -> tuple[object, object, object]:
             os.environ["TRITON_INTERPRET"] = _INTERPRET_BEFORE
 
 
-triton_attention, _decode_module, _prefill_module = _import_interpreted()
+class _OnTheGpu:
+    """The kernels compiled for the GPU, called as the tests call them: tensor arguments copied to
+    the GPU, `out` copied back into the caller's CPU tensor."""
+
+    def __init__(self, package: object) -> None:
+        self._package = package
+
+    def __getattr__(self, name: str) -> object:
+        kernel = getattr(self._package, name)
+
+        def on_gpu(*args: object, **kwargs: object) -> object:
+            bound = inspect.signature(kernel).bind(*args, **kwargs)
+            out = bound.arguments["out"]
+            moved = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in bound.arguments.items()}
+            kernel(**moved)
+            out.copy_(moved["out"].cpu())
+            return out
+
+        return on_gpu
+
+
+IS_NATIVE = os.environ.get("MINIVLLM_TEST_TRITON_NATIVE") == "1"
+if IS_NATIVE:
+    if not torch.cuda.is_available():
+        pytest.skip("MINIVLLM_TEST_TRITON_NATIVE=1 needs a CUDA GPU", allow_module_level=True)
+    from engine.execution import triton as _package
+    from engine.execution.triton import decode as _decode_module
+    from engine.execution.triton import prefill as _prefill_module
+
+    triton_attention = _OnTheGpu(_package)
+else:
+    triton_attention, _decode_module, _prefill_module = _import_interpreted()
 _INTERPRET_AFTER_IMPORT = os.environ.get("TRITON_INTERPRET")
 
 
@@ -72,7 +108,8 @@ _INTERPRET_AFTER_IMPORT = os.environ.get("TRITON_INTERPRET")
 def _interpret(monkeypatch: pytest.MonkeyPatch) -> None:
     """Triton reads the variable again when a launch first imports some of its modules (the
     interpreter's argument handling imports triton.experimental.gluon, which checks it)."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if not IS_NATIVE:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 POISON = 0  # block 0 of every cache: huge keys and values, the target of every padding entry
@@ -123,6 +160,8 @@ def _tol(dtype: torch.dtype) -> dict[str, float]:
 
 
 def _cpp_kernels() -> object:
+    if IS_NATIVE:
+        pytest.skip("the C++ comparison runs with the interpreter, on the CPU")
     kernels = load_cpu_kernels()
     if kernels is None:
         pytest.skip("the C++ CPU kernels do not build here")
@@ -350,9 +389,73 @@ def test_only_the_triton_package_imports_triton() -> None:
 
 
 def test_kernels_are_interpreted_and_the_variable_restored() -> None:
+    if IS_NATIVE:
+        pytest.skip("a native run compiles the kernels")
     import triton.runtime
 
     for kernel in (_decode_module._decode_partition_kernel, _decode_module._merge_partitions_kernel,
                    _prefill_module._prefill_kernel):
         assert not isinstance(kernel, triton.runtime.JITFunction), kernel
     assert _INTERPRET_AFTER_IMPORT == _INTERPRET_BEFORE
+
+
+class _EagerReplay:
+    """Stands in for a captured CUDA graph on the CPU: a replay runs the bucket's forward."""
+
+    def __init__(self, graphs: object, bucket: int) -> None:
+        self.graphs, self.bucket = graphs, bucket
+
+    def replay(self) -> None:
+        self.graphs.logits[self.bucket], self.graphs.argmax[self.bucket] = self.graphs._forward(self.bucket)
+
+
+@pytest.mark.skipif(IS_NATIVE, reason="the GPU check runs the CUDA backend itself")
+def test_the_cuda_backends_host_code_generates_what_the_reference_backend_does(
+        tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA backend's own code on the CPU, its kernels interpreted: Triton prefill over packed
+    chunks (chunked, beside decodes), the KV pool with its scratch block, and decode steps through
+    the graphs' static buffers, padded to their bucket (3 streams in a bucket of 4), replayed by
+    running the bucket's forward instead of a captured graph. Greedy tokens equal the pure-torch
+    reference backend's."""
+    from engine import EngineConfig, LLMEngine, SamplingParams
+    from engine.execution import model_runner
+    from engine.execution.backends import cuda_graphs
+    from engine.execution.backends.cuda_backend import CudaBackend
+
+    options = dict(model=str(tiny_model_dir), num_kv_blocks=64, block_size=4, max_num_batched_tokens=16,
+                   max_num_seqs=4, enable_time_budget=False)
+    prompts = [[5, 9, 200, 31, 7, 11, 13], [44] * 23, list(range(3, 40))]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+    def generate(config: EngineConfig) -> list[list[int]]:
+        engine = LLMEngine(config)
+        ids = [engine.add_request(p, params) for p in prompts]
+        outputs = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step()[0]:
+                outputs[out.request_id] = out.token_ids
+        return [outputs[i] for i in ids], engine
+
+    reference, _ = generate(EngineConfig(backend="torch", **options))
+
+    def on_the_cpu(config: EngineConfig, model_config: object) -> CudaBackend:
+        return CudaBackend(config, model_config, torch.device("cpu"), torch.float32)
+
+    def capture(graphs: cuda_graphs.DecodeGraphs) -> None:
+        for bucket in graphs.buckets:
+            graphs.graphs[bucket] = _EagerReplay(graphs, bucket)
+
+    monkeypatch.setattr(model_runner, "select_backend", on_the_cpu)
+    monkeypatch.setattr(cuda_graphs.DecodeGraphs, "capture", capture)
+    batches = []
+    step = cuda_graphs.DecodeGraphs.step
+    monkeypatch.setattr(cuda_graphs.DecodeGraphs, "step",
+                        lambda self, tokens, *a: batches.append(len(tokens)) or step(self, tokens, *a))
+    ours, engine = generate(EngineConfig(**options))
+    backend = engine.runner.backend
+    assert backend.name == "cuda" and backend.graphs.buckets == [1, 2, 4] and backend.max_decode_rows == 4
+    assert ours == reference
+    assert 3 in batches  # three streams decoded in the bucket of 4: one padded row
+    scratch_slot = backend.graphs.scratch_slot
+    assert scratch_slot == engine.runner.kv_cache.shape[2]  # the first slot past the pool's view
+    assert backend.graphs.kv_caches[0][0][scratch_slot].abs().sum() > 0  # the padded row wrote there

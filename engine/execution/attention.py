@@ -82,6 +82,11 @@ class AttentionBackend:
                scale: float, window: int | None) -> torch.Tensor:
         raise NotImplementedError
 
+    def prepare_prefill(self, attn: AttentionMetadata, block_tables: list[list[int]], num_computed: list[int],
+                        num_new_tokens: list[int]) -> None:
+        """Fill what prefill() needs beyond the per-chunk metas (kernels that take every chunk of
+        a step in one launch): each chunk's block table, cached tokens and new tokens."""
+
     def prepare_decode(self, attn: AttentionMetadata, block_tables: torch.Tensor, context_lens: torch.Tensor) -> None:
         """Fill what decode() needs from the step's [B, max_blocks] tables and [B] lengths."""
         attn.block_tables, attn.context_lens = block_tables, context_lens

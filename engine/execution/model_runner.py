@@ -39,9 +39,9 @@ class ModelRunner:
         self.device, self.dtype, self.cache_dtype = self.backend.device, self.backend.dtype, self.backend.cache_dtype
         self.block_size = config.block_size
         self.batch = InputBatch()
-        self.model = self.backend.load_model(cls(self.model_config), iter_weights(model_dir))
+        self.model = self.backend.load_model(cls, iter_weights(model_dir))
         mc = self.model_config
-        self.num_kv_blocks = config.num_kv_blocks or self._blocks_for(config.kv_cache_gib)
+        self.num_kv_blocks = config.num_kv_blocks or max(1, self.backend.kv_cache_bytes() // self._block_bytes)
         # One pool for all layers: [layers, k/v, slots, kv_heads, head_dim].
         self.kv_cache = self.backend.allocate_kv_cache(
             (mc.num_layers, 2, self.num_kv_blocks * self.block_size, mc.num_kv_heads, mc.head_dim))
@@ -55,11 +55,10 @@ class ModelRunner:
         """Copy-on-write of forked samples: the K/V of block src into block dst, every layer at once."""
         self.backend.copy_blocks(self.kv_cache, pairs, self.block_size)
 
-    def _blocks_for(self, gib: float) -> int:
+    @property
+    def _block_bytes(self) -> int:
         mc = self.model_config
-        bytes_per_block = (2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim
-                           * torch.finfo(self.cache_dtype).bits // 8)
-        return max(1, int(gib * 2**30) // bytes_per_block)
+        return 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * torch.finfo(self.cache_dtype).bits // 8
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
@@ -78,9 +77,10 @@ class ModelRunner:
         rows = [self.batch.rows[r] for r in req_ids]
         out = RunnerOutput(req_ids)
         if not sched.prefill_req_ids and len(sched.decode_req_ids) <= self.backend.max_decode_rows:
-            # One C++ call, outside inference mode: it builds no autograd graph either way, and
-            # without the mode's switch (cold after a batch-1 step) it costs less host time.
-            logits, greedy_ids = self._execute_fused_decode(rows, self.sampler.is_plain_greedy(rows), t0, out)
+            # The backend's own decode path (the CPU's one C++ call, CUDA's graphs), outside
+            # inference mode: it builds no autograd graph either way, and the mode's switch costs
+            # host time in a small step.
+            logits, greedy_ids = self._execute_backend_decode(rows, self.sampler.is_plain_greedy(rows), t0, out)
         else:
             logits, greedy_ids = self._execute_modules(sched, t0, out), None
         t1 = time.perf_counter()
@@ -108,6 +108,9 @@ class ModelRunner:
                                  num_prefill_tokens=num_prefill_tokens, prefill=prefill.metas if prefill else None,
                                  block_size=self.block_size, backend=self.backend.attention,
                                  is_fused=len(input_ids) <= self.backend.max_fused_tokens)
+        if prefill is not None:
+            self.backend.attention.prepare_prefill(attn, [r.block_table for r in prefill_rows],
+                                                   sched.prefill_num_computed, sched.prefill_num_tokens)
         if decode is not None:
             self.backend.attention.prepare_decode(attn, self._to_device(decode.block_tables),
                                                   self._to_device(decode.context_lens))
@@ -124,10 +127,10 @@ class ModelRunner:
             out.prompt_logprobs = prompt_logprobs(self.model, sched, prefill_rows, prefill, hidden)
         return self.model.compute_logits(hidden if rows_t is None else hidden[rows_t])
 
-    def _execute_fused_decode(self, rows: list[CachedRequestState], with_argmax: bool, t0: float,
+    def _execute_backend_decode(self, rows: list[CachedRequestState], with_argmax: bool, t0: float,
                               out: RunnerOutput) -> tuple[torch.Tensor, list[int] | None]:
-        """A decode-only step on the fused kernels (CPU only): one C++ call from the rows' own
-        lists to logits [B, vocab] float32 (and, with_argmax, their argmax)."""
+        """A decode-only step by the backend's own path, from the rows' own lists to logits
+        [B, vocab] float32 (and, with_argmax, their argmax)."""
         token_ids = [r.last_token_id for r in rows]
         block_tables = [r.block_table for r in rows]
         context_lens = [r.num_tokens for r in rows]

@@ -36,8 +36,12 @@ class Backend:
         if device.type == "cpu":
             torch.set_num_threads(config.num_threads or usable_cpus())
 
-    def load_model(self, model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> nn.Module:
-        """The model's weights loaded and put in the form this backend runs."""
+    def load_model(self, model_class: type[nn.Module], weights: Iterable[tuple[str, torch.Tensor]]) -> nn.Module:
+        """The model built on the device (its initial values are overwritten: on a GPU that init
+        takes a moment, not a CPU's minutes for a billion parameters), its weights loaded and put
+        in the form this backend runs."""
+        with torch.device(self.device):
+            model = model_class(self.model_config)
         model.load_weights(weights)
         model = model.to(device=self.device, dtype=self.dtype).eval()
         self.prepare(model)
@@ -45,6 +49,10 @@ class Backend:
 
     def prepare(self, model: nn.Module) -> None:
         """Pack or bind the loaded model's weights (nothing for the reference)."""
+
+    def kv_cache_bytes(self) -> int:
+        """The KV pool's size when num_kv_blocks is unset: kv_cache_gib."""
+        return int(self.config.kv_cache_gib * 2**30)
 
     def allocate_kv_cache(self, shape: tuple[int, ...]) -> torch.Tensor:
         """The pool: [layers, k/v, slots, kv_heads, head_dim] in the cache's dtype, zeroed."""
