@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from bench.offline_throughput import make_prompts, run_minivllm
+from bench.runs import make_prompts, run_minivllm
 from bench.workloads import GREEDY_PROMPTS
 from engine import LLM, SamplingParams
 

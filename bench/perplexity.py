@@ -12,7 +12,7 @@ import logging
 import math
 from pathlib import Path
 
-from bench.offline_throughput import WEIGHT_MODES as MODES
+from bench.runs import WEIGHT_MODES as MODES
 from engine import LLM, SamplingParams
 
 logger = logging.getLogger("bench.perplexity")

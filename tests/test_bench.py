@@ -140,7 +140,7 @@ def test_openai_backend_parses_a_streaming_completion() -> None:
 def test_offline_closed_loop_keeps_concurrency_requests_in_flight(tiny_llm) -> None:
     """--concurrency: at most that many requests in the engine, a new one added as one finishes,
     every request run to its own output length (the offline twin of a serving client's loop)."""
-    from bench.offline_throughput import run_minivllm
+    from bench.runs import run_minivllm
 
     prompts = [[100 + i] * (3 + i) for i in range(7)]
     output_lens = [2, 9, 3, 5, 1, 4, 6]
@@ -155,7 +155,7 @@ def test_offline_closed_loop_keeps_concurrency_requests_in_flight(tiny_llm) -> N
 def test_paired_read_rates_band_the_decode_by_the_sums_around_it(tiny_llm, monkeypatch) -> None:
     """--paired-seconds: pairs of sums around 8 decode steps, banded by the sums' rate; the
     context stays within the prompt plus output_len; a pair whose sums differ by 10 % is dropped."""
-    import bench.offline_throughput as offline
+    import bench.batch1 as offline
 
     contexts: list[int] = []
     step = tiny_llm.engine.step
@@ -199,7 +199,7 @@ def test_paired_read_rates_band_the_decode_by_the_sums_around_it(tiny_llm, monke
 
 
 def test_busy_processes_spin_only_while_the_rounds_run(tiny_llm, monkeypatch) -> None:
-    import bench.offline_throughput as offline
+    import bench.batch1 as offline
 
     started = []
     popen = offline.subprocess.Popen
@@ -212,7 +212,7 @@ def test_busy_processes_spin_only_while_the_rounds_run(tiny_llm, monkeypatch) ->
 def test_batch1_split_comes_from_the_fused_steps_own_parts(tiny_llm) -> None:
     """The per-token split of --single-stream: with the fused decode step, its own parts' times
     over the rounds' steps (zeroed before them), not products timed one by one afterwards."""
-    from bench.offline_throughput import decode_split_batch1, run_single_stream_rounds
+    from bench.batch1 import decode_split_batch1, run_single_stream_rounds
 
     fused = tiny_llm.engine.runner.backend.fused
     assert fused.decoder is not None  # the tiny model's float32 steps take the fused path here
@@ -230,7 +230,7 @@ def test_batch1_split_comes_from_the_fused_steps_own_parts(tiny_llm) -> None:
 def test_single_stream_rounds_hold_each_round_to_the_bandwidth_sampled_around_it(tiny_llm) -> None:
     """--single-stream: each round's decode figure beside the median of the two sums just
     before it and the two just after it (the next round's "before")."""
-    from bench.offline_throughput import run_single_stream_rounds
+    from bench.batch1 import run_single_stream_rounds
 
     seconds, steps, rounds = run_single_stream_rounds(tiny_llm, [[100] * 5], [6], 3, buffer_bytes=1 << 20)
     assert len(rounds) == 3 and seconds > 0

@@ -1,0 +1,51 @@
+"""The engine runs the benchmarks share: the prompts, the offline loop that keeps every step's
+stats, and the weight modes they compare."""
+from __future__ import annotations
+
+import random
+import time
+
+from engine import LLM, SamplingParams, StepStats
+
+# mode (weights, and the KV cache where it differs) -> engine options
+WEIGHT_MODES = {"float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"},
+                "int8": {"dtype": "float32", "quantization": "int8"},
+                "float32-kv-bfloat16": {"dtype": "float32", "kv_cache_dtype": "bfloat16"}}
+
+
+def make_prompts(num: int, min_len: int, max_len: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    # Token ids from a mid range of the vocabulary avoid special tokens at the start.
+    return [[rng.randrange(100, vocab) for _ in range(rng.randint(min_len, max_len))] for _ in range(num)]
+
+
+def run_minivllm(llm: LLM, prompts: list[list[int]], output_len: int | list[int],
+                 concurrency: int | None = None) -> tuple[float, list[StepStats]]:
+    """The same loop as LLM.generate, keeping every step's stats (output_len: one for all
+    prompts, or one per prompt). With `concurrency`, a closed loop as a serving client runs it:
+    at most that many requests in the engine, the next one added as soon as one finishes."""
+    output_lens = output_len if isinstance(output_len, list) else [output_len] * len(prompts)
+    llm.generate([prompts[0][:8]], SamplingParams(max_tokens=2))  # warm-up
+    engine = llm.engine
+    pending = list(zip(prompts, output_lens, strict=True))[::-1]  # popped from the end, in order
+    num_in_flight = concurrency or len(pending)
+    start = time.perf_counter()
+
+    def add(count: int) -> None:
+        for _ in range(min(count, len(pending))):
+            prompt, n = pending.pop()
+            engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+
+    add(num_in_flight)
+    steps = []
+    while engine.has_unfinished_requests():
+        outputs, stats = engine.step()
+        steps.append(stats)
+        add(sum(out.is_finished for out in outputs))
+    return time.perf_counter() - start, steps
+
+
+def resolve_dir(model: str | None) -> str:
+    from engine import resolve_model
+
+    return str(resolve_model(model))
