@@ -35,7 +35,7 @@ def weight_bytes_per_token(llm: LLM) -> int:
         total += weight.numel() * weight.element_size()
         if module.bias is not None:
             total += module.bias.numel() * module.bias.element_size()
-    counted = {id(p) for m in linears for p in m.parameters()} | {id(model.embed_tokens.weight)}
+    counted = {id(p) for m in linears for p in m.parameters()} | {id(p) for p in model.embed_tokens.parameters()}
     total += sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in counted)  # the norms
     return total
 

@@ -45,7 +45,7 @@ from bench.batch1 import (
     weight_bytes_per_token,
 )
 from bench.peers import compare
-from bench.runs import make_prompts, resolve_dir, run_minivllm
+from bench.runs import make_prompts, resident_memory, resolve_dir, run_minivllm
 from bench.workloads import random_tokens
 from engine import LLM, StepStats
 
@@ -170,6 +170,9 @@ def main() -> None:
               "minivllm_s": ours, "minivllm_output_tok_s": num_out / ours, "decode_step_split": overhead}
     print(f"minivllm     : {num_out} output tokens in {ours:7.2f} s = {num_out / ours:7.1f} tok/s "
           f"({llm.engine.model_info().dtype}, {torch.get_num_threads()} threads)")
+    memory = result["memory"] = resident_memory(llm)
+    print(f"memory       : RSS {memory['rss_gb']:.2f} GB = weights {memory['weights_gb']:.2f} + KV pool "
+          f"{memory['kv_cache_gb']:.2f} + other {memory['other_gb']:.2f} GB (held to 0.5)")
     if overhead is not None:
         print(f"decode step  : batch >= {min(32, args.num_prompts)}, median of {overhead['steps']} steps: "
               f"{overhead['step_ms']:.1f} ms = forward {overhead['forward_ms']:.1f} + schedule "

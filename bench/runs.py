@@ -49,3 +49,34 @@ def resolve_dir(model: str | None) -> str:
     from engine import resolve_model
 
     return str(resolve_model(model))
+
+
+def resident_memory(llm: LLM) -> dict[str, float]:
+    """The process's resident memory (GB) beside what it must hold: the weights in the form the
+    backend runs them (each tensor once) and the KV pool; `other` is the rest (libraries,
+    tokenizers, buffers), which issue 47 holds to 0.5 GB."""
+    import os
+
+    seen: set[int] = set()
+
+    def nbytes(t: object) -> int:
+        if t is None or t.data_ptr() in seen:
+            return 0
+        seen.add(t.data_ptr())
+        return t.numel() * t.element_size()
+
+    runner = llm.engine.runner
+    weights = 0
+    for module in runner.model.modules():
+        panels = getattr(module, "panels", None)
+        if panels is not None:
+            weights += sum(nbytes(t) for t in (panels.data, panels.scales, panels.bias))
+        packed = getattr(module, "packed_weight", None)
+        if packed is not None:
+            weights += packed.numel() * packed.element_size()  # oneDNN's opaque copy: no shared data pointer
+        weights += sum(nbytes(p) for p in module.parameters(recurse=False))
+    kv = runner.kv_cache.numel() * runner.kv_cache.element_size()
+    with open(f"/proc/{os.getpid()}/statm") as f:
+        rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return {"rss_gb": rss / 1e9, "weights_gb": weights / 1e9, "kv_cache_gb": kv / 1e9,
+            "other_gb": (rss - weights - kv) / 1e9}

@@ -309,6 +309,12 @@ def test_decode_model_step_is_the_embedding_every_layer_the_norm_and_the_head(ke
         assert ids[0] == 3 and ids[2] == 68 and ids == logits.argmax(dim=-1).tolist(), ISA_NAMES[step_isa]
         logits, ids, _, _ = step(nans, step_isa=step_isa)
         assert ids == [5] * batch == logits.argmax(dim=-1).tolist(), ISA_NAMES[step_isa]
+    # A tied LM head holds the embedding: read from its float32 or bfloat16 panels, the rows are the
+    # table's own, so the step is the same float for float.
+    for panel_dtype in (torch.float32, torch.bfloat16):
+        panels = PackedWeight.pack(embedding.float(), None, panel_dtype)
+        from_panels = step(head_weight, embedding=panels.data)[0]
+        assert torch.equal(from_panels, step(head_weight, embedding=panels.dequantize().contiguous())[0]), panel_dtype
     with pytest.raises(RuntimeError, match="one \\(K, V\\) cache pair per layer"):
         step(head_weight, caches=caches[:1])
     with pytest.raises(RuntimeError, match="embedding index 70 out of \\[0, 70\\)"):
@@ -452,3 +458,20 @@ def test_int8_without_the_kernels_is_refused_not_slow(tiny_model_dir, monkeypatc
     monkeypatch.setenv("MINIVLLM_DISABLE_CPP_KERNELS", "1")
     with pytest.raises(ValueError, match="int8 needs the C\\+\\+ CPU kernels"):
         LLM(str(tiny_model_dir), num_kv_blocks=64, quantization="int8")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_tied_embedding_is_read_from_the_heads_panels(kernels, dtype: torch.dtype) -> None:
+    """The LM head's panels hold the embedding's values: rows gathered from them (torch's path and
+    the C++ decode step's) equal the matrix's rows, so the matrix need not be kept twice. Odd
+    sizes: 37 rows (a partial last panel), 33 columns (bf16 pairs padded)."""
+    from engine.execution.backends.cpu_linear import PanelEmbedding
+
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(37, 33, generator=gen).to(dtype)
+    head = PackedLinear(torch.nn.Linear(33, 37, bias=False, dtype=dtype))
+    head.weight.data.copy_(weight)
+    head.pack_panels(dtype, kernels, kernels.best_isa(), max_panel_rows=8)
+    ids = torch.tensor([0, 15, 16, 36, 7, 36])
+    rows = PanelEmbedding(head, dtype)(ids)
+    assert rows.dtype == dtype and torch.equal(rows, weight[ids])

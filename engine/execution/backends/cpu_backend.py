@@ -16,7 +16,7 @@ from engine.execution.attention import AttentionMetadata
 from engine.execution.backends.backend import Backend
 from engine.execution.backends.cpu_attention import CpuAttention
 from engine.execution.backends.cpu_fused import FusedModel
-from engine.execution.backends.cpu_linear import can_pack_linear, pack_linears
+from engine.execution.backends.cpu_linear import PanelEmbedding, can_pack_linear, pack_linears
 from engine.execution.huge_pages import huge_page_tensor, release_free_memory
 from engine.execution.kernels import ISAS
 from engine.execution.models.model_config import ModelConfig
@@ -84,6 +84,11 @@ class CpuBackend(Backend):
             if self.panel_dtype is not None:
                 if self.config.enable_huge_pages:  # before the fused layers take the panels' addresses
                     place_on_huge_pages([m.panels for m in packed])
+                if model.config.tie_word_embeddings and self.panel_dtype in (torch.float32, torch.bfloat16):
+                    # The LM head's panels hold the embedding's very values: the matrix is kept once.
+                    # (int8 panels would round the embedding, so int8 keeps it.)
+                    model.embed_tokens = PanelEmbedding(model.lm_head, self.dtype)
+                    model.lm_head.drop_weight()
                 self.fused = FusedModel(model, self.kernels, self.isa)
         release_free_memory()  # the plain weights the packing replaced
 

@@ -96,8 +96,9 @@ class FusedModel:
         model = self.model
         cos_table, sin_table = model.rope_tables_on(self.final_norm.device)
         first = self.layers[0]  # the layers share heads, eps and scale (and the final norm's eps)
+        embedding = getattr(model.embed_tokens, "data", None)  # the LM head's panels, when it holds the embedding
         self.decoder = self.kernels.DecodeModel(
-            model.embed_tokens.weight, cos_table, sin_table, [layer.weights(self.kernels) for layer in self.layers],
+            embedding if embedding is not None else model.embed_tokens.weight, cos_table, sin_table, [layer.weights(self.kernels) for layer in self.layers],
             kv_caches, self.final_norm, model.lm_head.panels.as_args(), first.num_heads, block_size, first.eps,
             first.scale, self.isa)
 

@@ -64,6 +64,31 @@ class PackedLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+class PanelEmbedding(nn.Module):
+    """A tied embedding read from the LM head's float32 or bfloat16 panels (the same values), so
+    the matrix is held once: row t is panel t // 16's column t % 16."""
+
+    def __init__(self, head: PackedLinear, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.panels, self.dtype = head.panels, dtype
+        self.embedding_dim = head.in_features
+
+    @property
+    def data(self) -> torch.Tensor:
+        """The panels as the C++ decode step takes an embedding."""
+        return self.panels.data
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # input_ids: [T] -> [T, hidden] in the model's dtype
+        data, panel, lane = self.panels.data, input_ids // 16, input_ids % 16
+        if data.dtype == torch.float32:  # [P, K, 16]
+            rows = data[panel, :, lane]
+        else:  # bfloat16 pairs of k: [P, Kp / 2, 32] -> [T, Kp / 2, 2] -> [T, Kp]
+            num_panels, num_pairs, _ = data.shape
+            rows = data.view(num_panels, num_pairs, 16, 2)[panel, :, lane].reshape(len(input_ids), -1)
+        return rows[:, : self.embedding_dim].to(self.dtype)
+
+
 def pack_linears(model: nn.Module, onednn: bool, panel_dtype: torch.dtype | None, kernels: ModuleType | None,
                  isa: int, max_panel_rows: int, keep: tuple[nn.Module, ...] = ()) -> list[PackedLinear]:
     """Swap every Linear of model for a PackedLinear in the asked forms, dropping the plain weight

@@ -198,7 +198,7 @@ struct DecodeLayerWeights {
 // What every step shares is bound and checked once, not converted from Python per step (that,
 // with the sequences' lists as inputs, took a batch-1 bf16 step's host part from 0.59 to 0.40 ms).
 struct DecodeModel {
-  torch::Tensor embedding;           // [vocab, hidden]
+  torch::Tensor embedding;           // [vocab, hidden], or the tied LM head's float32 / bfloat16 panels
   torch::Tensor rope_cos, rope_sin;  // [max_positions, D] float32
   std::vector<std::shared_ptr<DecodeLayerWeights>> layers;
   std::vector<std::tuple<torch::Tensor, torch::Tensor>> kv_caches;  // per layer, [slots, KVH, D] each

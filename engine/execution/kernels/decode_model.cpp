@@ -43,6 +43,8 @@
 namespace minivllm {
 namespace {
 
+constexpr int64_t kPanel = 16;  // output channels per panel (packed_weight.py, packed_gemm.cpp)
+
 // A member waiting for a part spins first: a task takes microseconds, and a sleep and wake-up
 // would cost more than that. Then it sleeps on a futex, so that a member the OS preempted gets
 // a core back instead of watching the others spin: with only a yield after the spin, three
@@ -117,6 +119,31 @@ torch::Tensor gathered_rows(const torch::Tensor& table, const int64_t* index, in
     case torch::kBFloat16: gather_rows<at::BFloat16>(table, index, M, o, what); break;
     case torch::kHalf: gather_rows<at::Half>(table, index, M, o, what); break;
     default: TORCH_CHECK(false, "DecodeModel.step: ", what, " must be float32, bfloat16 or float16");
+  }
+  return out;
+}
+
+// out[m] = the embedding row of index[m] (hidden floats), from a [vocab, hidden] table or, for a
+// model whose LM head shares the embedding, from the LM head's own panels: float32 [P, hidden, 16]
+// (row t is column t % 16 of panel t / 16) or bfloat16 [P, Kp / 2, 32] (pairs of k interleaved),
+// so the embedding is not held a second time.
+torch::Tensor gathered_embedding(const torch::Tensor& table, const int64_t* index, int64_t M, int64_t hidden) {
+  if (table.dim() == 2) return gathered_rows(table, index, M, "embedding");
+  TORCH_CHECK(table.dim() == 3 && table.is_contiguous(), "DecodeModel.step: embedding panels must be contiguous");
+  const int64_t rows = table.size(0) * kPanel, inner = table.size(1);
+  auto out = torch::empty({M, hidden}, table.options().dtype(torch::kFloat32));
+  float* o = out.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    TORCH_CHECK(index[m] >= 0 && index[m] < rows, "DecodeModel.step: embedding index ", index[m], " out of [0, ",
+                rows, ")");
+    const int64_t panel = index[m] / kPanel, lane = index[m] % kPanel;
+    if (table.scalar_type() == torch::kFloat32) {
+      const float* p = table.data_ptr<float>() + panel * inner * kPanel + lane;
+      for (int64_t i = 0; i < hidden; ++i) o[m * hidden + i] = p[i * kPanel];
+    } else {
+      const at::BFloat16* p = table.data_ptr<at::BFloat16>() + panel * inner * 2 * kPanel + 2 * lane;
+      for (int64_t i = 0; i < hidden; ++i) o[m * hidden + i] = static_cast<float>(p[(i / 2) * 2 * kPanel + i % 2]);
+    }
   }
   return out;
 }
@@ -479,10 +506,19 @@ DecodeModel::DecodeModel(torch::Tensor embedding, torch::Tensor rope_cos, torch:
               this->rope_cos.dim() == 2 && this->rope_cos.sizes() == this->rope_sin.sizes(),
               "DecodeModel: float32 RoPE tables of one shape");
   TORCH_CHECK(this->final_norm.scalar_type() == torch::kFloat && this->final_norm.dim() == 1 &&
-              this->embedding.dim() == 2 && this->final_norm.numel() == this->embedding.size(1) &&
               this->final_norm.is_contiguous(), "DecodeModel: final_norm must be [hidden] float32");
   TORCH_CHECK(num_heads > 0 && block_size > 0, "DecodeModel: num_heads and block_size must be positive");
-  hidden = this->embedding.size(1);
+  hidden = this->final_norm.numel();
+  const auto& e = this->embedding;
+  const bool is_table = e.dim() == 2;
+  TORCH_CHECK(!is_table || e.size(1) == hidden, "DecodeModel: final_norm must be [hidden] float32, hidden the "
+              "embedding's width");
+  const bool is_fp32_panels = e.dim() == 3 && e.scalar_type() == torch::kFloat32 && e.size(1) == hidden &&
+                              e.size(2) == kPanel;
+  const bool is_bf16_panels = e.dim() == 3 && e.scalar_type() == torch::kBFloat16 && 2 * e.size(1) >= hidden &&
+                              e.size(2) == 2 * kPanel;
+  TORCH_CHECK(is_table || is_fp32_panels || is_bf16_panels,
+              "DecodeModel: the embedding must be [vocab, hidden] or the LM head's float32 or bfloat16 panels");
   head_dim = this->rope_cos.size(1);
   const auto& k0 = std::get<0>(this->kv_caches.front());
   TORCH_CHECK(k0.dim() == 3 && k0.size(2) == head_dim && k0.size(1) > 0 && num_heads % k0.size(1) == 0,
@@ -552,7 +588,7 @@ std::tuple<torch::Tensor, std::optional<std::vector<int64_t>>> DecodeModel::step
     positions[m] = pos;
     slots[m] = paged_slot(table.data(), block_size, pos);
   }
-  auto x = gathered_rows(embedding, token_ids.data(), M, "embedding");  // [M, hidden] float32
+  auto x = gathered_embedding(embedding, token_ids.data(), M, hidden);  // [M, hidden] float32
   const auto cos = gathered_rows(rope_cos, positions.data(), M, "RoPE table");
   const auto sin = gathered_rows(rope_sin, positions.data(), M, "RoPE table");
   const int64_t vocab = std::get<3>(lm_head);
