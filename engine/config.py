@@ -110,6 +110,18 @@ class EngineConfig:
     enable_prefix_caching: bool = _opt(True, "reuse the KV blocks of shared prompt prefixes")
     watermark: float = _opt(0.01, "fraction of KV blocks kept free when admitting new prompts")
 
+    # Speculative decoding without a draft model: proposals from the request's own tokens (and,
+    # for suffix, recent outputs), verified k + 1 at a time in the step's forward.
+    speculative_method: str = _opt("none", "none | ngram (prompt lookup: the tokens that followed the last n-gram's "
+                                           "latest earlier match) | suffix (the longest suffix match over the request "
+                                           "and recent requests' outputs, its length adapted to the match)")
+    num_speculative_tokens: int = _opt(4, "most proposed tokens verified per step and request (k)")
+    prompt_lookup_min: int = _opt(2, "ngram: the shortest n-gram matched")
+    prompt_lookup_max: int = _opt(5, "ngram: the longest n-gram matched (tried first)")
+    speculative_max_batch: int = _opt(4, "speculate only while at most this many sequences decode: a larger "
+                                         "batch's step is no longer bound by reading the weights, so "
+                                         "verifying proposals there costs what it saves")
+
     # Request limits, checked before any costly work: beyond them a request is refused
     # (LimitExceededError -> RESOURCE_EXHAUSTED; out-of-range values -> INVALID_ARGUMENT).
     max_prompt_chars: int = _opt(1_000_000, "characters of a text prompt or of all chat messages together")
@@ -158,6 +170,15 @@ class EngineConfig:
         if self.max_fused_tokens is not None and self.max_fused_tokens < 0:
             raise ValueError(f"max_fused_tokens must be >= 0, got {self.max_fused_tokens}")
         isas = ("auto", "scalar", "avx2", "avx512", "avx512_bf16", "amx")
+        if self.speculative_method not in ("none", "ngram", "suffix"):
+            raise ValueError(f"speculative_method must be none, ngram or suffix, got {self.speculative_method!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min must be in [1, prompt_lookup_max], got {self.prompt_lookup_min} "
+                             f"and {self.prompt_lookup_max}")
+        if self.speculative_max_batch < 1:
+            raise ValueError(f"speculative_max_batch must be >= 1, got {self.speculative_max_batch}")
         if self.kernel_isa not in isas:
             raise ValueError(f"kernel_isa must be one of {', '.join(isas)}, got {self.kernel_isa!r}")
         if self.kv_cache_dtype not in ("auto", "float32", "bfloat16"):

@@ -253,6 +253,12 @@ class LLMEngine:
         t1 = time.monotonic()
         for req_id, first_position, entries in result.prompt_logprobs:
             self.output_processor.add_prompt_logprobs(req_id, first_position, entries)
+        if sched.verify_req_ids:
+            num_first = len(sched.prefill_sample_rows)
+            stats.accepted_lengths = [len(tokens) - 1 for tokens in
+                                      result.sampled_token_ids[num_first : num_first + len(sched.verify_req_ids)]]
+            stats.num_draft_tokens = sum(map(len, sched.verify_draft_ids))
+            stats.num_accepted_tokens = sum(stats.accepted_lengths)
         updates = self.scheduler.update_from_output(sched, result, t1)
         outputs, ended = self.output_processor.process(updates, t1, stats)
         for req_id, reason in ended.items():  # a stop string, or a fault formatting that request
@@ -273,6 +279,7 @@ class LLMEngine:
         stats.step_time_target, stats.predicted_step_time = sched.step_time_target, sched.predicted_step_time
         stats.num_prefill_tokens, stats.num_decode_tokens = sched.num_prefill_tokens, sched.num_decode_tokens
         stats.num_prefill_seqs, stats.num_decode_seqs = len(sched.prefill_req_ids), len(sched.decode_req_ids)
+        stats.num_verify_tokens, stats.spec_method = sched.num_verify_tokens, self.config.speculative_method
         stats.prefill_request_ids, stats.decode_request_ids = list(sched.prefill_req_ids), list(sched.decode_req_ids)
         stats.num_generated_tokens = sum(len(o.new_token_ids) for o in outputs)
         stats.finished = [o.metrics for o in outputs if o.metrics is not None]

@@ -30,6 +30,8 @@ class RequestMetrics:
     first_scheduled_time: float | None
     first_token_time: float | None
     finished_time: float
+    num_draft_tokens: int = 0  # speculative decoding: tokens proposed and verified
+    num_accepted_tokens: int = 0  # of those, accepted
 
     @property
     def queue_time(self) -> float | None:
@@ -135,6 +137,11 @@ class StepStats:
     num_preemptions: int = 0
     num_prefix_queried_tokens: int = 0
     num_prefix_hit_tokens: int = 0
+    num_verify_tokens: int = 0  # speculative decoding: each verifying decode's last token and its drafts
+    spec_method: str = "none"
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_lengths: list[int] = field(default_factory=list)  # drafts accepted, per verification
     budget_source: str = "tokens"  # what sized the prefill: "tokens" or "time"
     step_time_target: float | None = None  # seconds, when the time budget applied
     predicted_step_time: float | None = None  # seconds, by the learned cost model

@@ -94,6 +94,14 @@ class ServiceMetrics:
                                     registry=reg)
         self.api_duration = hist("minivllm_api_request_duration_seconds", "Call duration by protocol and method",
                                  LATENCY_BUCKETS, ["protocol", "method"])
+        self.spec_draft_tokens = Counter("minivllm_spec_decode_draft_tokens_total",
+                                         "Proposed tokens verified (speculative decoding), by method",
+                                         label + ["method"], registry=reg)
+        self.spec_accepted_tokens = Counter("minivllm_spec_decode_accepted_tokens_total",
+                                            "Proposed tokens accepted (speculative decoding), by method",
+                                            label + ["method"], registry=reg)
+        self.spec_accepted_length = hist("minivllm_spec_decode_accepted_length",
+                                         "Proposed tokens accepted per verification", TOKEN_BUCKETS[:6])
         m = model_name
         for reason in FINISH_REASONS:  # every reason is a series from the start, even at zero
             self.finished.labels(m, reason)
@@ -133,6 +141,11 @@ class ServiceMetrics:
         itl = self.itl.labels(m)
         for value in stats.inter_token_latencies:
             itl.observe(value)
+        if stats.spec_method != "none":  # a series from the start, even at zero
+            self.spec_draft_tokens.labels(m, stats.spec_method).inc(stats.num_draft_tokens)
+            self.spec_accepted_tokens.labels(m, stats.spec_method).inc(stats.num_accepted_tokens)
+            for length in stats.accepted_lengths:
+                self.spec_accepted_length.labels(m).observe(length)
         for req in stats.finished:
             self.on_finished(req)
 

@@ -156,6 +156,9 @@ class Tracing(RequestObserver):
             "gen_ai.response.finish_reasons": [m.finish_reason],
             "minivllm.latency.e2e": m.e2e_latency, "minivllm.num_preemptions": m.num_preemptions,
         })
+        if m.num_draft_tokens:  # speculative decoding: what it proposed and what was accepted
+            span.set_attributes({"minivllm.spec_decode.draft_tokens": m.num_draft_tokens,
+                                 "minivllm.spec_decode.accepted_tokens": m.num_accepted_tokens})
         # No GenAI convention names server-side latency phases yet: these are minivllm's own.
         for key, value in (("minivllm.latency.time_to_first_token", m.time_to_first_token),
                            ("minivllm.latency.time_in_queue", m.queue_time),

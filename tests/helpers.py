@@ -32,4 +32,4 @@ def fake_seq(request_id: str, num_prompt: int, num_output: int = 0, arrival: flo
 def sampled(sched: SchedulerOutput, token_id: int = 9) -> RunnerOutput:
     """What a forward would return for a scheduler-only test: token_id for every sampling request."""
     req_ids = sched.sampling_req_ids
-    return RunnerOutput(req_ids, [token_id] * len(req_ids), [None] * len(req_ids))
+    return RunnerOutput(req_ids, [[token_id] for _ in req_ids], [None] * len(req_ids))

@@ -120,16 +120,13 @@ def test_prefill_attention_matches_dense(num_cached: int, consecutive: bool, win
 def test_runner_reads_the_cache_in_place_only_for_consecutive_slots(tiny_llm) -> None:
     """Block tables like [6, 5, 7, 9] span as many slots as a consecutive run but are not one
     (the torch prefill path; the C++ kernel gets the block table instead, and nothing else)."""
-    from engine.execution.input_batch import prepare_prefill
-    from tests.helpers import fake_seq
-
+    from engine.execution.input_batch import Chunk, prepare_prefill
     runner = tiny_llm.engine.runner
     bs = runner.block_size
 
     def chunk_meta(table: list[int], with_block_tables: bool) -> PrefillSeqMeta:
-        seq = fake_seq("s", 5 * bs)  # the rows the runner reads have the sequence's token and block lists
-        seq.block_table = list(table)
-        return prepare_prefill([seq], [4 * bs], [bs], bs, runner._to_device, with_block_tables).metas[0]
+        chunk = Chunk(list(range(bs)), 4 * bs, list(table))  # a last chunk of bs tokens after 4 blocks cached
+        return prepare_prefill([chunk], bs, runner._to_device, with_block_tables).metas[0]
 
     meta = chunk_meta([6, 5, 7, 9, 10], with_block_tables=True)
     assert meta.block_table.tolist() == [6, 5, 7, 9, 10] and meta.context_slots is None

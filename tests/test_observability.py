@@ -262,8 +262,9 @@ def test_real_prometheus_scrapes_and_every_panel_has_data(tiny_model_dir: Path, 
     prometheus = need("prometheus")
     metrics = ServiceMetrics("model")
     metrics_port = metrics.serve(0, "127.0.0.1")
-    # A small KV cache forces preemptions; shared prompt prefixes give prefix-cache hits.
-    srv = metered_server(tiny_model_dir, metrics, num_kv_blocks=48, max_num_seqs=16)
+    # A small KV cache forces preemptions; shared prompt prefixes give prefix-cache hits; the
+    # repeated text gives n-gram proposals to verify (speculative decoding's panel).
+    srv = metered_server(tiny_model_dir, metrics, num_kv_blocks=48, max_num_seqs=16, speculative_method="ngram")
     proc, prom_port = _start_prometheus(prometheus, metrics_port, tmp_path)
     try:
         shared = "The quick brown fox jumps over the lazy dog. " * 3

@@ -255,3 +255,26 @@ def test_prompt_logprobs_equal_transformers_log_softmax(real_llm: LLM, hf_model)
         for token_id in [ids[position], *top.indices.tolist()]:
             worst = max(worst, abs(entry[token_id] - row[token_id].item()))
     assert worst < 1e-4, worst
+
+
+def test_greedy_with_speculation_equals_greedy_without(real_llm: LLM) -> None:
+    """The real model, n-gram and suffix proposals verified in the step: the same tokens as
+    without speculation, on the test prompts and on a quote of a document (where proposals are
+    mostly accepted: the run verifies many)."""
+    from bench.speculative import grounded_prompts
+
+    prompts = [*PROMPTS[:5], *grounded_prompts()[:1]]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    expected = [o.token_ids for o in real_llm.generate(prompts, params)]
+    for method in ("ngram", "suffix"):
+        spec = LLM(None, num_kv_blocks=512, speculative_method=method)
+        steps = []
+        engine = spec.engine
+        for prompt in prompts:
+            engine.add_request(prompt, params)
+            while engine.has_unfinished_requests():
+                outputs, stats = engine.step()
+                steps.append(stats)
+        assert sum(s.num_accepted_tokens for s in steps) > 20, method  # the quote's proposals are accepted
+        assert [o.token_ids for o in spec.generate(prompts, params)] == expected, method
+        del spec

@@ -150,6 +150,19 @@ class BlockManager:
         changed = seq.block_table_changed_from
         seq.block_table_changed_from = index if changed is None else min(changed, index)
 
+    def trim(self, seq: Sequence) -> None:
+        """Give back the blocks seq holds past what its tokens need (a verification allocated
+        for every draft; the rejected ones' blocks hold nothing anyone will read)."""
+        needed = self.num_blocks_needed(seq.num_tokens)
+        for block in reversed(seq.block_table[needed:]):
+            self._ref_counts[block] -= 1
+            if self._ref_counts[block] == 0:
+                self._free[block] = None
+                self._free.move_to_end(block, last=False)  # never published: reuse first
+        if len(seq.block_table) > needed:
+            del seq.block_table[needed:]
+            self._mark_changed(seq, needed)
+
     def take_copies(self) -> list[tuple[int, int]]:
         """The (source, copy) blocks of the copy-on-writes since the last call: their K/V must be
         copied before the next forward writes into the copies."""

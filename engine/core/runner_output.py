@@ -9,11 +9,15 @@ Logprobs = dict[int, float]
 
 @dataclass(slots=True)
 class RunnerOutput:
-    """The step's sampled tokens, in `SchedulerOutput.sampling_req_ids` order."""
+    """The step's tokens per request, in `SchedulerOutput.sampling_req_ids` order: one each, or
+    for a verifying decode its accepted drafts and the token sampled after them."""
 
     req_ids: list[str] = field(default_factory=list)
-    sampled_token_ids: list[int] = field(default_factory=list)
-    logprobs: list[Logprobs | None] = field(default_factory=list)  # per row: sampled token + top-N, when asked
+    sampled_token_ids: list[list[int]] = field(default_factory=list)
+    logprobs: list[list[Logprobs] | None] = field(default_factory=list)  # per token: its logprob + top-N, when asked
+    # Proposals for the next step, by request (speculative decoding): the scheduler decides
+    # whether they are verified.
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # (request, first prompt position, entries) of the chunks that asked for prompt logprobs:
     # entry k scores prompt token first + k.
     prompt_logprobs: list[tuple[str, int, list[Logprobs]]] = field(default_factory=list)

@@ -153,20 +153,31 @@ class Scheduler:
         reserve = int(cfg.max_num_batched_tokens * cfg.min_prefill_share) if has_prefill_work else 0
         decode_budget = cfg.max_num_batched_tokens - reserve
 
-        # Decodes first. Those skipped last time (budget-limited) go first this time.
+        # Decodes first. Those skipped last time (budget-limited) go first this time. A decode
+        # with proposals verifies them in the same step (1 + drafts tokens of the budget).
         decodes = sorted((s for s in self.running if s.is_decode), key=lambda s: s.last_scheduled_step)
+        may_speculate = cfg.speculative_method != "none" and len(decodes) <= cfg.speculative_max_batch
+        num_decode_tokens = 0
         for seq in decodes:
-            if len(plan.decodes) >= decode_budget or len(plan.scheduled) >= cfg.max_num_seqs:
+            if num_decode_tokens >= decode_budget or len(plan.scheduled) >= cfg.max_num_seqs:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            if self._make_room(seq, 1, plan):
-                plan.decodes.append(seq)
+            drafts = self._drafts(seq, decode_budget - num_decode_tokens - 1) if may_speculate else []
+            seq.spec_token_ids = []
+            if drafts and not self.block_manager.allocate(seq, 1 + len(drafts)):
+                drafts = []  # no preemption for a speculation: the plain decode
+            if drafts or self._make_room(seq, 1, plan):
+                if drafts:
+                    plan.verifies.append((seq, drafts))
+                else:
+                    plan.decodes.append(seq)
                 plan.scheduled.add(id(seq))
                 seq.last_scheduled_step = self._step
+                num_decode_tokens += 1 + len(drafts)
 
         # Prefill: chunks already under way, then the waiting queue by aged priority.
-        budget = cfg.max_num_batched_tokens - len(plan.decodes)
+        budget = cfg.max_num_batched_tokens - num_decode_tokens
         time_left = self._prefill_time_allowance(plan)
         for seq in [s for s in prefilling if s.status is SequenceStatus.RUNNING]:
             if budget <= 0 or len(plan.scheduled) >= cfg.max_num_seqs:
@@ -200,12 +211,25 @@ class Scheduler:
             budget -= self._add_prefill(plan, seq, num_new)
         return self._finalize(plan)
 
+    def _drafts(self, seq: Sequence, budget: int) -> list[int]:
+        """The proposals seq verifies this step: within the budget and, for a grammar, only the
+        prefix the grammar accepts (the runner stops proposing for a request whose recent
+        acceptance is low)."""
+        drafts = seq.spec_token_ids[: max(0, budget)]
+        if not drafts:
+            return []
+        if seq.matcher is not None:
+            drafts = drafts[: seq.matcher.validate_tokens(drafts)]
+        return drafts
+
     def _finalize(self, plan: _Plan) -> SchedulerOutput:
         """Fill the value's ids, its diffs for the runner's rows and the cost model's view."""
         out = plan.out
         out.decode_req_ids = [s.request_id for s in plan.decodes]
+        out.verify_req_ids = [s.request_id for s, _ in plan.verifies]
+        out.verify_draft_ids = [drafts for _, drafts in plan.verifies]
         out.removed_req_ids, self._removed_req_ids = self._removed_req_ids, []
-        for seq in plan.prefills + plan.decodes + plan.forks:
+        for seq in plan.prefills + [s for s, _ in plan.verifies] + plan.decodes + plan.forks:
             if not seq.is_in_runner:
                 seq.is_in_runner = True
                 out.new_requests.append(NewRequestData(
@@ -269,10 +293,12 @@ class Scheduler:
 
     @staticmethod
     def _step_features(plan: _Plan) -> tuple[int, int, int, float, int]:
-        pairs = sum(attention_pairs(n, s.num_computed_tokens)
-                    for s, n in zip(plan.prefills, plan.out.prefill_num_tokens, strict=True))
-        return (len(plan.decodes), sum(s.num_tokens for s in plan.decodes), plan.out.num_prefill_tokens, pairs,
-                sum(s.num_computed_tokens for s in plan.prefills))
+        """A verification is a short chunk to the cost model: its tokens, pairs and cached tokens."""
+        chunks = list(zip(plan.prefills, plan.out.prefill_num_tokens, strict=True))
+        chunks += [(s, 1 + len(d)) for s, d in plan.verifies]
+        pairs = sum(attention_pairs(n, s.num_computed_tokens) for s, n in chunks)
+        return (len(plan.decodes), sum(s.num_tokens for s in plan.decodes), sum(n for _, n in chunks), pairs,
+                sum(s.num_computed_tokens for s, _ in chunks))
 
     def observe_step_time(self, sched: SchedulerOutput, forward_time: float, overhead_time: float) -> None:
         """Teach the cost model what the step scheduled by `sched` took."""
@@ -282,39 +308,61 @@ class Scheduler:
         """Fold a finished forward back, the one place that does: the scheduled tokens are now
         in the KV cache (full blocks go to the prefix cache), each sampled token is appended, a
         grammar advances over it, and the stops it decides (EOS, stop ids, max_tokens, the
-        context, a complete grammar) finish the request and free its blocks. Returns one update
-        per sampled request, for output processing."""
+        context, a complete grammar) finish the request and free its blocks; tokens past a stop
+        are dropped. A verifying decode keeps the KV of its accepted drafts only: its computed
+        count stops there, and blocks taken for rejected drafts alone go back to the pool.
+        Returns one update per sampled request, for output processing."""
         for req_id, num_new in zip(sched.prefill_req_ids, sched.prefill_num_tokens, strict=True):
             self.requests[req_id].num_computed_tokens += num_new
-        for req_id in sched.decode_req_ids:
+        for req_id in sched.decode_req_ids + sched.verify_req_ids:
             self.requests[req_id].num_computed_tokens += 1
-        for req_id in sched.prefill_req_ids + sched.decode_req_ids:
-            self.block_manager.register_computed_blocks(self.requests[req_id])
+        num_drafts = dict(zip(sched.verify_req_ids, map(len, sched.verify_draft_ids), strict=True))
         seqs = [self.requests[r] for r in out.req_ids]
-        constrained = [(seq.matcher, token) for seq, token in zip(seqs, out.sampled_token_ids, strict=True)
-                       if seq.matcher is not None]
-        if constrained:
-            self._grammar.consume(constrained)
+        for seq, tokens in zip(seqs, out.sampled_token_ids, strict=True):
+            if seq.request_id in num_drafts:  # the accepted drafts' KV is valid; the rejected ones' is not
+                self._count_acceptance(seq, num_drafts[seq.request_id], len(tokens) - 1)
+                seq.num_computed_tokens += len(tokens) - 1
+        for req_id in sched.prefill_req_ids + sched.decode_req_ids + sched.verify_req_ids:
+            self.block_manager.register_computed_blocks(self.requests[req_id])
+        single = [(seq.matcher, tokens[0]) for seq, tokens in zip(seqs, out.sampled_token_ids, strict=True)
+                  if seq.matcher is not None and len(tokens) == 1]
+        if single:
+            self._grammar.consume(single)
         updates = []
-        for seq, token_id, logprobs in zip(seqs, out.sampled_token_ids, out.logprobs, strict=True):
-            seq.output_token_ids.append(token_id)
-            reason, stop_reason = seq.check_stop(token_id, self.max_model_len)
+        for seq, tokens, logprobs in zip(seqs, out.sampled_token_ids, out.logprobs, strict=True):
+            reason = stop_reason = None
+            for i, token_id in enumerate(tokens):
+                if seq.matcher is not None and len(tokens) > 1:
+                    seq.matcher.consume_token(token_id)
+                seq.output_token_ids.append(token_id)
+                reason, stop_reason = seq.check_stop(token_id, self.max_model_len)
+                if reason is not None:
+                    tokens, logprobs = tokens[: i + 1], None if logprobs is None else logprobs[: i + 1]
+                    break
             if reason is not None:
                 seq.status, seq.finish_reason, seq.times.finished = SequenceStatus.FINISHED, reason, now
                 self.running.remove(seq)
                 self.block_manager.free(seq)
                 self._drop_row(seq)
                 del self.requests[seq.request_id]
-            updates.append(self._update(seq, [token_id], None if logprobs is None else [logprobs], reason,
-                                        stop_reason))
+            else:
+                if seq.request_id in num_drafts:
+                    self.block_manager.trim(seq)
+                seq.spec_token_ids = out.draft_token_ids.get(seq.request_id, [])
+            updates.append(self._update(seq, tokens, logprobs, reason, stop_reason))
         return updates
+
+    @staticmethod
+    def _count_acceptance(seq: Sequence, num_drafts: int, num_accepted: int) -> None:
+        seq.num_draft_tokens += num_drafts
+        seq.num_accepted_tokens += num_accepted
 
     @staticmethod
     def _update(seq: Sequence, new_token_ids: list[int], new_logprobs: list | None, reason: FinishReason | None,
                 stop_reason: int | str | None, error: str | None = None) -> SequenceUpdate:
         return SequenceUpdate(seq.request_id, new_token_ids, new_logprobs, reason, stop_reason, error,
                               seq.times.first_scheduled, seq.num_cached_prompt_tokens, seq.num_preemptions,
-                              seq.times.finished)
+                              seq.times.finished, seq.num_draft_tokens, seq.num_accepted_tokens)
 
     def _chunk(self, seq: Sequence, budget: int, has_prefill: bool) -> int:
         remaining = seq.num_uncomputed_tokens
@@ -375,6 +423,7 @@ class _Plan:
 
     out: SchedulerOutput
     prefills: list[Sequence] = field(default_factory=list)
+    verifies: list[tuple[Sequence, list[int]]] = field(default_factory=list)  # decodes with their drafts
     decodes: list[Sequence] = field(default_factory=list)
     forks: list[Sequence] = field(default_factory=list)
     scheduled: set[int] = field(default_factory=set)  # id() of every sequence this step runs or samples

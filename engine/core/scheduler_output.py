@@ -50,6 +50,10 @@ class SchedulerOutput:
     prefill_num_computed: list[int] = field(default_factory=list)
     prefill_is_last_chunk: list[bool] = field(default_factory=list)  # the chunk ends the prompt: it samples
     decode_req_ids: list[str] = field(default_factory=list)
+    # Decodes that verify proposed tokens: request i computes its last token and its drafts
+    # (1 + len(verify_draft_ids[i]) tokens from position num_tokens - 1) and samples at each.
+    verify_req_ids: list[str] = field(default_factory=list)
+    verify_draft_ids: list[list[int]] = field(default_factory=list)
     fork_req_ids: list[str] = field(default_factory=list)
     fork_parent_ids: list[str] = field(default_factory=list)
     preempted_req_ids: list[str] = field(default_factory=list)
@@ -72,8 +76,13 @@ class SchedulerOutput:
         return len(self.decode_req_ids)
 
     @property
+    def num_verify_tokens(self) -> int:
+        """Tokens of the verifying decodes: each one's last token and its drafts."""
+        return len(self.verify_req_ids) + sum(len(d) for d in self.verify_draft_ids)
+
+    @property
     def num_batched_tokens(self) -> int:
-        return self.num_prefill_tokens + self.num_decode_tokens
+        return self.num_prefill_tokens + self.num_verify_tokens + self.num_decode_tokens
 
     @property
     def prefill_sample_rows(self) -> list[int]:
@@ -82,18 +91,19 @@ class SchedulerOutput:
 
     @property
     def sampling_req_ids(self) -> list[str]:
-        """The requests that get a token this step, in the order their logits are stacked
-        (forks last, each on a copy of its parent's row)."""
-        return [self.prefill_req_ids[i] for i in self.prefill_sample_rows] + self.decode_req_ids + self.fork_req_ids
+        """The requests that get tokens this step, in the order the runner returns them (prefill
+        chunks that end their prompt, verifying decodes, decodes, then forks)."""
+        return ([self.prefill_req_ids[i] for i in self.prefill_sample_rows] + self.verify_req_ids
+                + self.decode_req_ids + self.fork_req_ids)
 
     @property
     def scheduled_req_ids(self) -> list[str]:
         """Every request this step runs or samples."""
-        return self.prefill_req_ids + self.decode_req_ids + self.fork_req_ids
+        return self.prefill_req_ids + self.verify_req_ids + self.decode_req_ids + self.fork_req_ids
 
     @property
     def is_empty(self) -> bool:
-        return not self.prefill_req_ids and not self.decode_req_ids
+        return not self.prefill_req_ids and not self.decode_req_ids and not self.verify_req_ids
 
     def describe(self) -> str:
         chunks = ", ".join(f"{r}:{n}" for r, n in zip(self.prefill_req_ids, self.prefill_num_tokens, strict=True))
@@ -102,5 +112,7 @@ class SchedulerOutput:
             target = f" target {1e3 * self.step_time_target:.1f} ms" if self.step_time_target is not None else ""
             timing = f" predicted {1e3 * self.predicted_step_time:.1f} ms{target}"
         forks = f" forked[{', '.join(self.fork_req_ids)}]" if self.fork_req_ids else ""
+        if self.verify_req_ids:
+            forks += f" verify[{', '.join(f'{r}:{len(d)}' for r, d in zip(self.verify_req_ids, self.verify_draft_ids, strict=True))}]"
         return (f"prefill[{chunks}] decode[{len(self.decode_req_ids)}]{forks} "
                 f"preempted[{', '.join(self.preempted_req_ids)}] budget from {self.budget_source}{timing}")

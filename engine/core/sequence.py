@@ -71,6 +71,10 @@ class Sequence:
     # once and the others fork from it when the chunk that ends its prompt is scheduled.
     group_id: str = ""
     index: int = 0
+    # Speculative decoding: the runner's proposals for the next step, and how verification went.
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0  # proposed and verified, over the request
+    num_accepted_tokens: int = 0
     times: SequenceTimes = field(init=False)
     # Token ids min_tokens holds off (stop ids, and EOS unless ignored): built once, used per step.
     min_tokens_stop_ids: frozenset[int] = field(init=False)

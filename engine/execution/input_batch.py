@@ -29,6 +29,12 @@ class CachedRequestState:
     generator: torch.Generator | None
     matcher: Any
     min_tokens_stop_ids: frozenset[int]
+    # Speculative decoding (speculator.py): how many drafts it proposes next (0: k), its
+    # verifications in a row that accepted nothing, and when its proposals pause and for how long.
+    spec_len: int = 0
+    spec_misses: int = 0
+    spec_paused_until: int = -1
+    spec_pause: int = 4
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -55,6 +61,37 @@ class CachedRequestState:
             return self.output_token_ids[start - num_prompt : end - num_prompt]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
 
+    def with_drafts(self, drafts: list[int]) -> DraftView:
+        """As the sampler sees this request at a verified position: drafts counted as output."""
+        return DraftView(self.params, self.prompt_token_ids, self.output_token_ids + drafts, self.generator, None,
+                         self.min_tokens_stop_ids)
+
+
+@dataclass(slots=True)
+class DraftView:
+    """A request at one position of a verification, for the sampler (its grammar's mask is
+    applied by the runner, position by position, so no matcher here)."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None
+    matcher: Any
+    min_tokens_stop_ids: frozenset[int]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+
+@dataclass(slots=True)
+class Chunk:
+    """Tokens of one sequence the step computes: token_ids at positions start.. of its table."""
+
+    token_ids: list[int]
+    start: int
+    block_table: list[int]
+
 
 class InputBatch:
     def __init__(self) -> None:
@@ -74,9 +111,9 @@ class InputBatch:
             del table[start:]
             table.extend(block_ids)
 
-    def append_sampled(self, req_ids: list[str], token_ids: list[int]) -> None:
-        for req_id, token_id in zip(req_ids, token_ids, strict=True):
-            self.rows[req_id].output_token_ids.append(token_id)
+    def append_sampled(self, req_ids: list[str], token_ids: list[list[int]]) -> None:
+        for req_id, tokens in zip(req_ids, token_ids, strict=True):
+            self.rows[req_id].output_token_ids.extend(tokens)
 
 
 @dataclass(slots=True)
@@ -101,20 +138,21 @@ class DecodeInputs:
     context_lens: np.ndarray  # [B]
 
 
-def prepare_prefill(rows: list[CachedRequestState], num_computed: list[int], num_new_tokens: list[int],
-                    block_size: int, to_device: Any, with_block_tables: bool) -> PrefillInputs | None:
-    """The packed chunks' inputs. with_block_tables: the C++ prefill kernel reads the cache by
-    block table; otherwise torch's path reads a cached context by slot (in place when its slots
-    are consecutive)."""
-    if not rows:
+def prepare_prefill(chunks: list[Chunk], block_size: int, to_device: Any, with_block_tables: bool
+                    ) -> PrefillInputs | None:
+    """The packed chunks' inputs (prompt chunks, and the verifications of proposed tokens).
+    with_block_tables: the C++ prefill kernel reads the cache by block table; otherwise torch's
+    path reads a cached context by slot (in place when its slots are consecutive)."""
+    if not chunks:
         return None
     bs = block_size
     token_ids: list[int] = []
     positions, slots, metas, last_indices = [], [], [], []
     num_tokens = 0
-    for row, start, n in zip(rows, num_computed, num_new_tokens, strict=True):
-        token_ids.extend(row.token_ids_slice(start, start + n))
-        table = np.asarray(row.block_table, dtype=np.int64)
+    for chunk in chunks:
+        start, n = chunk.start, len(chunk.token_ids)
+        token_ids.extend(chunk.token_ids)
+        table = np.asarray(chunk.block_table, dtype=np.int64)
         ctx_pos = np.arange(start + n, dtype=np.int64)
         ctx_slots = table[ctx_pos // bs] * bs + ctx_pos % bs
         positions.append(ctx_pos[start:])

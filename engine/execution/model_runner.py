@@ -21,11 +21,13 @@ from engine.core.runner_output import RunnerOutput
 from engine.core.scheduler_output import SchedulerOutput
 from engine.execution.attention import AttentionMetadata
 from engine.execution.backends import select_backend
-from engine.execution.input_batch import CachedRequestState, InputBatch, prepare_decode, prepare_prefill
+from engine.execution.input_batch import CachedRequestState, Chunk, InputBatch, prepare_decode, prepare_prefill
 from engine.execution.model_loader import iter_weights
 from engine.execution.models import model_class
 from engine.execution.prompt_logprobs import prompt_logprobs
 from engine.execution.sampler import Sampler
+from engine.execution.speculative import make_proposer
+from engine.execution.speculative.speculator import Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +50,10 @@ class ModelRunner:
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(mc.num_layers)]
         self.backend.bind_kv_cache(self.model, self.kv_caches, self.block_size)
         self.sampler = Sampler(self.device, config.seed, self.backend.kernels)
+        proposer = make_proposer(config)
+        self.speculator = Speculator(proposer, self.sampler, config.speculative_max_batch,
+                                     config.num_speculative_tokens) if proposer else None
+        self._num_steps = 0
         logger.info("%s; KV cache %d blocks x %d tokens (%.2f GiB)", self.backend.describe(), self.num_kv_blocks,
                     self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**30)
 
@@ -65,31 +71,63 @@ class ModelRunner:
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         """One step: update the persistent batch from the step's diffs, copy forked blocks, run one
-        forward over every scheduled token (the prefill chunks, packed without padding, then one
-        token per decoding sequence), and sample every request in `sched.sampling_req_ids`. The
-        projections and MLPs see all rows at once (the weights are read once per step, which on a
-        CPU is most of a small step); only attention splits by path."""
+        forward over every scheduled token (the prefill chunks and verifications, packed without
+        padding, then one token per decoding sequence), sample every request in
+        `sched.sampling_req_ids` (a verification: its accepted drafts and one more), and propose
+        the next step's drafts. The projections and MLPs see all rows at once (the weights are
+        read once per step, which on a CPU is most of a small step); only attention splits by path."""
         t0 = time.perf_counter()
+        self._num_steps += 1
+        if self.speculator is not None:
+            for req_id in sched.removed_req_ids:
+                if req_id in self.batch.rows:
+                    self.speculator.observe_finished(self.batch.rows[req_id])
         self.batch.update(sched)
         if sched.blocks_to_copy:
             self.copy_blocks(sched.blocks_to_copy)
         req_ids = sched.sampling_req_ids
         rows = [self.batch.rows[r] for r in req_ids]
         out = RunnerOutput(req_ids)
-        if not sched.prefill_req_ids and len(sched.decode_req_ids) <= self.backend.max_decode_rows:
+        if not sched.prefill_req_ids and sched.num_verify_tokens + len(sched.decode_req_ids) \
+                <= self.backend.max_decode_rows:
             # The backend's own decode path (the CPU's one C++ call, CUDA's graphs), outside
             # inference mode: it builds no autograd graph either way, and the mode's switch costs
-            # host time in a small step.
-            logits, greedy_ids = self._execute_backend_decode(rows, self.sampler.is_plain_greedy(rows), t0, out)
+            # host time in a small step. A verification runs there as decode rows, one per
+            # position of the sequence (each row attends up to its own position).
+            logits, greedy_ids = self._execute_backend_decode(sched, rows, t0, out)
         else:
             logits, greedy_ids = self._execute_modules(sched, t0, out), None
         t1 = time.perf_counter()
         out.forward_time = t1 - t0 - out.prepare_time
-        sampled = self.sampler(logits, rows, greedy_ids)
-        out.sampled_token_ids, out.logprobs = sampled.token_ids, sampled.logprobs
-        self.batch.append_sampled(req_ids, sampled.token_ids)
+        if sched.verify_req_ids:
+            out.sampled_token_ids, out.logprobs = self._sample_with_verification(sched, logits, rows)
+        else:
+            sampled = self.sampler(logits, rows, greedy_ids)
+            out.sampled_token_ids = [[t] for t in sampled.token_ids]
+            out.logprobs = [None if lp is None else [lp] for lp in sampled.logprobs]
+        self.batch.append_sampled(req_ids, out.sampled_token_ids)
+        if self.speculator is not None:
+            out.draft_token_ids = self.speculator.propose(rows, self._num_steps)
         out.sample_time = time.perf_counter() - t1
         return out
+
+    def _sample_with_verification(self, sched: SchedulerOutput, logits: torch.Tensor,
+                                  rows: list[CachedRequestState]) -> tuple[list[list[int]], list]:
+        """logits: [prefill samples | every verified row | decodes | forks, vocab]: the plain rows
+        sample as always, the verifications accept or reject their drafts."""
+        num_first = len(sched.prefill_sample_rows)
+        num_verified = sched.num_verify_tokens
+        plain = list(range(num_first)) + list(range(num_first + num_verified, logits.shape[0]))
+        verifying = len(sched.verify_req_ids)
+        plain_rows = rows[:num_first] + rows[num_first + verifying:]
+        sampled = self.sampler(logits[plain], plain_rows) if plain else None
+        tokens, logprobs = self.speculator.verify(logits[num_first : num_first + num_verified],
+                                                  rows[num_first : num_first + verifying], sched.verify_draft_ids,
+                                                  self._num_steps)
+        plain_tokens = [[t] for t in sampled.token_ids] if sampled else []
+        plain_logprobs = [None if lp is None else [lp] for lp in sampled.logprobs] if sampled else []
+        return (plain_tokens[:num_first] + tokens + plain_tokens[num_first:],
+                plain_logprobs[:num_first] + logprobs + plain_logprobs[num_first:])
 
     @torch.inference_mode()
     def _execute_modules(self, sched: SchedulerOutput, t0: float, out: RunnerOutput) -> torch.Tensor:
@@ -97,8 +135,13 @@ class ModelRunner:
         takes) -> logits of the sampling rows [num_sampling, vocab]."""
         rows = self.batch.rows
         prefill_rows = [rows[r] for r in sched.prefill_req_ids]
-        prefill = prepare_prefill(prefill_rows, sched.prefill_num_computed, sched.prefill_num_tokens,
-                                  self.block_size, self._to_device, self.backend.attention.reads_prefill_block_tables)
+        chunks = [Chunk(row.token_ids_slice(start, start + n), start, row.block_table) for row, start, n in zip(
+            prefill_rows, sched.prefill_num_computed, sched.prefill_num_tokens, strict=True)]
+        for req_id, drafts in zip(sched.verify_req_ids, sched.verify_draft_ids, strict=True):
+            row = rows[req_id]  # its last token (not yet computed) and the drafts after it
+            chunks.append(Chunk([row.last_token_id, *drafts], row.num_tokens - 1, row.block_table))
+        prefill = prepare_prefill(chunks, self.block_size, self._to_device,
+                                  self.backend.attention.reads_prefill_block_tables)
         decode = prepare_decode([rows[r] for r in sched.decode_req_ids], self.block_size)
         num_prefill_tokens = prefill.num_tokens if prefill else 0
         parts = [p for p in (prefill, decode) if p is not None]
@@ -109,30 +152,40 @@ class ModelRunner:
                                  block_size=self.block_size, backend=self.backend.attention,
                                  is_fused=len(input_ids) <= self.backend.max_fused_tokens)
         if prefill is not None:
-            self.backend.attention.prepare_prefill(attn, [r.block_table for r in prefill_rows],
-                                                   sched.prefill_num_computed, sched.prefill_num_tokens)
+            self.backend.attention.prepare_prefill(attn, [c.block_table for c in chunks], [c.start for c in chunks],
+                                                   [len(c.token_ids) for c in chunks])
         if decode is not None:
             self.backend.attention.prepare_decode(attn, self._to_device(decode.block_tables),
                                                   self._to_device(decode.context_lens))
         rows_t = None  # a decode-only step samples every row, in order: no gather
         if prefill is not None:
-            last_row = dict(zip(sched.prefill_req_ids, prefill.last_indices, strict=True))
+            last_row = dict(zip(sched.prefill_req_ids, prefill.last_indices[: len(prefill_rows)], strict=True))
             sample_rows = [prefill.last_indices[i] for i in sched.prefill_sample_rows]
+            for meta in prefill.metas[len(prefill_rows):]:  # a verification samples at every row
+                sample_rows += range(meta.query_start, meta.query_start + meta.query_len)
             sample_rows += range(num_prefill_tokens, num_prefill_tokens + len(sched.decode_req_ids))
             sample_rows += [last_row[parent] for parent in sched.fork_parent_ids]  # forks: their parent's row
             rows_t = self._to_device(np.asarray(sample_rows, dtype=np.int64))
         out.prepare_time = time.perf_counter() - t0
         hidden = self.backend.forward(self.model, input_ids, positions, attn, self.kv_caches)  # [T, hidden]
         if prefill is not None:
-            out.prompt_logprobs = prompt_logprobs(self.model, sched, prefill_rows, prefill, hidden)
+            out.prompt_logprobs = prompt_logprobs(self.model, sched, prefill_rows, prefill.metas, hidden)
         return self.model.compute_logits(hidden if rows_t is None else hidden[rows_t])
 
-    def _execute_backend_decode(self, rows: list[CachedRequestState], with_argmax: bool, t0: float,
-                              out: RunnerOutput) -> tuple[torch.Tensor, list[int] | None]:
+    def _execute_backend_decode(self, sched: SchedulerOutput, rows: list[CachedRequestState], t0: float,
+                                out: RunnerOutput) -> tuple[torch.Tensor, list[int] | None]:
         """A decode-only step by the backend's own path, from the rows' own lists to logits
-        [B, vocab] float32 (and, with_argmax, their argmax)."""
-        token_ids = [r.last_token_id for r in rows]
-        block_tables = [r.block_table for r in rows]
-        context_lens = [r.num_tokens for r in rows]
+        [rows, vocab] float32 (and, when every row is plain greedy, their argmax): the verified
+        positions first (a request's consecutive), then the decodes."""
+        token_ids, block_tables, context_lens = [], [], []
+        for row, drafts in zip(rows, sched.verify_draft_ids, strict=False):  # the verifications lead `rows`
+            token_ids += [row.last_token_id, *drafts]
+            block_tables += [row.block_table] * (1 + len(drafts))
+            context_lens += range(row.num_tokens, row.num_tokens + 1 + len(drafts))
+        decodes = rows[len(sched.verify_req_ids):]
+        token_ids += [r.last_token_id for r in decodes]
+        block_tables += [r.block_table for r in decodes]
+        context_lens += [r.num_tokens for r in decodes]
+        with_argmax = not sched.verify_req_ids and self.sampler.is_plain_greedy(rows)
         out.prepare_time = time.perf_counter() - t0
         return self.backend.decode_logits(token_ids, block_tables, context_lens, with_argmax)

@@ -6,14 +6,15 @@ from typing import Any
 import torch
 
 from engine.core.scheduler_output import SchedulerOutput
-from engine.execution.input_batch import CachedRequestState, PrefillInputs
+from engine.execution.attention import PrefillSeqMeta
+from engine.execution.input_batch import CachedRequestState
 
 _PROMPT_LOGPROB_ROWS = 256  # prompt positions scored per logits slice
 
 Logprobs = dict[int, float]
 
 
-def prompt_logprobs(model: Any, sched: SchedulerOutput, rows: list[CachedRequestState], prefill: PrefillInputs,
+def prompt_logprobs(model: Any, sched: SchedulerOutput, rows: list[CachedRequestState], metas: list[PrefillSeqMeta],
                     hidden: torch.Tensor) -> list[tuple[str, int, list[Logprobs]]]:
     """(request, first prompt position, entries) for the step's prefill chunks that asked for
     prompt logprobs: entry k scores prompt token first + k (from position first + k - 1), with
@@ -21,7 +22,8 @@ def prompt_logprobs(model: Any, sched: SchedulerOutput, rows: list[CachedRequest
     whole long prompt at once ([rows, vocab] float32 is large for a long prompt).
     hidden: [T, hidden] of the step, the chunks first."""
     results = []
-    for row, start, n, meta in zip(rows, sched.prefill_num_computed, sched.prefill_num_tokens, prefill.metas,
+    # The chunks of prompts come first among the metas (verifications after them).
+    for row, start, n, meta in zip(rows, sched.prefill_num_computed, sched.prefill_num_tokens, metas[: len(rows)],
                                    strict=True):
         top_n = row.params.prompt_logprobs
         if top_n is None:

@@ -31,6 +31,9 @@ class SamplingRow(Protocol):
     def num_output_tokens(self) -> int: ...
 
 
+Logprobs = dict[int, float]
+
+
 @dataclass(slots=True)
 class SamplerOutput:
     token_ids: list[int]
@@ -107,6 +110,61 @@ class Sampler:
             return SamplerOutput(token_list, [None] * len(seqs))
         return SamplerOutput(token_list, self._gather_logprobs(raw_logprobs, tokens, params))
 
+    @torch.inference_mode()
+    def verify(self, logits: torch.Tensor, views: list[SamplingRow], chunks: list[tuple[int, list[int]]]
+               ) -> tuple[list[list[int]], list[list[Logprobs] | None]]:
+        """Accept or reject proposed tokens, exactly: the output's distribution is the target's.
+
+        logits: [R, vocab] fp32, a request's rows consecutive (its last token's row, then each
+        draft's), consumed; views: each row's request as of that position (drafts before it
+        counted as output); chunks: per request (its first row, its drafts). A greedy row accepts
+        its draft while the draft is the argmax. A sampled row accepts draft x with probability
+        p(x) (the target's, after every transform), else samples from p with x removed and
+        renormalised, and the run stops; all accepted, the last row samples one more. Returns
+        per request the accepted drafts and the token after them, and their logprobs when asked."""
+        params = [v.params for v in views]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(p.logprobs is not None for p in params) else None
+        self._mask_stops_before_min_tokens(logits, views)
+        if any(p.logit_bias for p in params):
+            self._apply_logit_bias(logits, views)
+        rows = torch.tensor([p.row for p in params], device=logits.device)
+        if any(p.has_penalties for p in params):
+            logits = self._apply_penalties(logits, views, rows)
+        greedy = _argmax(logits).tolist()
+        probs = None if all(p.is_greedy for p in params) else self._probs(logits, views, rows)
+        tokens, logprobs = [], []
+        for first, drafts in chunks:
+            generator = views[first].generator or self.generator
+            accepted: list[int] = []
+            for j, draft in enumerate(drafts):
+                row = first + j
+                if params[row].is_greedy:
+                    ok = draft == greedy[row]
+                else:
+                    ok = bool(torch.rand(1, dtype=torch.float64, generator=generator) < probs[row, draft])
+                if not ok:
+                    break
+                accepted.append(draft)
+            row = first + len(accepted)
+            if params[row].is_greedy:
+                token = greedy[row]
+            else:
+                p = probs[row].double()
+                if len(accepted) < len(drafts):
+                    p = p.clone()
+                    p[drafts[len(accepted)]] = 0.0  # the residual: p without the rejected draft
+                cdf = p.cumsum(0)
+                draw = torch.rand(1, dtype=torch.float64, generator=generator) * cdf[-1]
+                token = min(int(torch.searchsorted(cdf, draw, right=True)), len(cdf) - 1)
+            tokens.append(accepted + [token])
+            if raw_logprobs is None or params[first].logprobs is None:
+                logprobs.append(None)
+                continue
+            positions = list(range(first, first + len(accepted) + 1))
+            ids = torch.tensor(tokens[-1], device=logits.device)
+            logprobs.append(self._gather_logprobs(raw_logprobs[positions], ids, [params[i] for i in positions]))
+        return tokens, logprobs
+
     @staticmethod
     def _apply_logit_bias(logits: torch.Tensor, seqs: list[SamplingRow]) -> None:
         rows, cols, values = [], [], []
@@ -152,8 +210,13 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, seqs: list[SamplingRow], greedy: torch.Tensor,
                 rows: torch.Tensor) -> torch.Tensor:
+        return self._draw(self._probs(logits, seqs, rows), seqs, greedy, rows)
+
+    def _probs(self, logits: torch.Tensor, seqs: list[SamplingRow], rows: torch.Tensor) -> torch.Tensor:
+        """The distribution each row samples from (temperature, top-k, top-p, min-p): [N, vocab];
+        a greedy row's is not used (its token is the argmax)."""
         params = [s.params for s in seqs]
-        num_rows, vocab = logits.shape
+        vocab = logits.shape[1]
         dev = logits.device
         logits = logits / rows[:, _TEMPERATURE : _TEMPERATURE + 1]
         top_ks = [p.top_k if p.top_k > 0 else vocab for p in params]
@@ -170,6 +233,12 @@ class Sampler:
         if any(p.min_p > 0.0 for p in params):
             min_ps = rows[:, _MIN_P : _MIN_P + 1]
             probs = probs.masked_fill(probs < min_ps * probs.max(dim=-1, keepdim=True).values, 0.0)
+        return probs
+
+    def _draw(self, probs: torch.Tensor, seqs: list[SamplingRow], greedy: torch.Tensor,
+              rows: torch.Tensor) -> torch.Tensor:
+        num_rows, vocab = probs.shape
+        dev = probs.device
         # Inverse CDF: one uniform draw per row, so a seeded request draws from its own generator
         # and its tokens do not depend on the rest of the batch. (An exponential race, argmax of
         # p / E, needs a draw per vocabulary entry: torch's exponential_ took 48 ms a step for

@@ -144,7 +144,8 @@ class OutputProcessor:
                 num_cached_tokens=update.num_cached_tokens, num_preemptions=update.num_preemptions,
                 arrival_time=state.arrival_time, first_scheduled_time=update.first_scheduled_time,
                 first_token_time=state.first_token_time,
-                finished_time=update.finished_time if update.finished_time is not None else now)
+                finished_time=update.finished_time if update.finished_time is not None else now,
+                num_draft_tokens=update.num_draft_tokens, num_accepted_tokens=update.num_accepted_tokens)
         logprobs = update.new_logprobs if new_token_ids else None
         return RequestOutput(
             request_id=state.group_id, index=state.index, prompt_token_ids=state.prompt_token_ids,

@@ -22,3 +22,5 @@ class SequenceUpdate:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     finished_time: float | None = None
+    num_draft_tokens: int = 0  # speculative decoding, over the request so far
+    num_accepted_tokens: int = 0

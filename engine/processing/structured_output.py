@@ -190,6 +190,22 @@ class GrammarMask:
                                               self.num_words * 4, len(matchers))
         self.mask_logits(logits, bitmask, torch.tensor([row for row, _ in matchers], device=logits.device))
 
+    def apply_along(self, logits: torch.Tensor, first_row: int, matcher: Any, drafts: list[int]) -> None:
+        """Mask rows first_row.. first_row + len(drafts) of a verification, each by the grammar's
+        state after the drafts before it (advanced for the masks, then rolled back: the scheduler
+        advances the grammar over the tokens accepted)."""
+        num_rows = len(drafts) + 1
+        if num_rows > self._bitmask.shape[0]:
+            self._bitmask = torch.zeros(num_rows, self.num_words, dtype=torch.int32)
+        bitmask = self._bitmask[:num_rows]  # [rows, words]
+        for j in range(num_rows):
+            self.executor.unsafe_compute_mask_ptr([(matcher, j)], bitmask.data_ptr(), self.num_words * 4, num_rows)
+            if j < len(drafts):
+                matcher.consume_token(drafts[j])
+        if drafts:
+            matcher.rollback(len(drafts))
+        self.mask_logits(logits, bitmask, torch.arange(first_row, first_row + num_rows, device=logits.device))
+
     def mask_logits(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
         """Set, in place, -inf wherever row rows[i]'s token is not allowed by bitmask[i] (columns
         past the bitmask's 32 * words are never allowed)."""

@@ -406,10 +406,11 @@ void run_member(TeamStep& s, int64_t rank_begin) {
     }
     if (s.progress.wait_for(part + kAttention)) {
       share(part + kAttention).for_each_task(s.attention_tasks.size(), [&](int64_t task) {
-        const auto [m, kv_begin] = s.attention_tasks[task];
+        const auto [first, num_rows, kv_begin] = s.attention_tasks[task];
         const int64_t kv_end = kv_begin + s.attention_tasks.heads_per_task();
-        fp32_cache ? attend_task<float>(s, m, kv_begin, kv_end, layer, scratch)
-                   : attend_task<at::BFloat16>(s, m, kv_begin, kv_end, layer, scratch);
+        for (int64_t m = first; m < first + num_rows; ++m)  // a chain's rows in order (see DecodeAttentionTasks)
+          fp32_cache ? attend_task<float>(s, m, kv_begin, kv_end, layer, scratch)
+                     : attend_task<at::BFloat16>(s, m, kv_begin, kv_end, layer, scratch);
       });
     }
     if (s.progress.wait_for(part + kOutput)) {
@@ -599,7 +600,15 @@ std::tuple<torch::Tensor, std::optional<std::vector<int64_t>>> DecodeModel::step
   const auto gate_up = scratch_floats(M * 2 * intermediate);
   const auto act = scratch_floats((M < kFewRows ? num_ranks : 1) * M * intermediate);
   const auto norms = scratch_floats(num_ranks * M * hidden);
-  const DecodeAttentionTasks attention_tasks(context_lens.data(), M, num_kv_heads, num_ranks);
+  // Rows of one sequence at consecutive positions (a verification's) form a chain.
+  std::vector<int64_t> chains;
+  for (int64_t m = 0; m < M; ++m) {
+    if (m > 0 && context_lens[m] == context_lens[m - 1] + 1 && block_tables[m] == block_tables[m - 1])
+      ++chains.back();
+    else
+      chains.push_back(1);
+  }
+  const DecodeAttentionTasks attention_tasks(context_lens.data(), M, num_kv_heads, num_ranks, chains);
   const auto num_parts = static_cast<int64_t>(layers.size()) * kPartsPerLayer + 2;
   const std::unique_ptr<PartCounter[]> counters(new PartCounter[num_parts]);
   const std::unique_ptr<HomeRange[]> homes(new HomeRange[num_parts * num_ranks]);

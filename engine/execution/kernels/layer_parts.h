@@ -8,6 +8,7 @@
 #include <memory>
 #include <new>
 #include <numeric>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -49,28 +50,48 @@ void write_cache(cache_t* cache, int64_t slot, int64_t kv_size, int64_t offset, 
 // stream once; at a batch too small to keep every thread busy, one per (sequence, KV head),
 // each reading a third of a row (with SmolLM2's 3 KV heads), so the threads share even a single
 // sequence. Sequences' contexts differ in length: the longest first, each thread taking the
-// next task from a shared counter, so the threads finish together (an even split of rows left
-// one thread spinning for a fifth of a batch-32 step).
+// next task from a shared counter, so the threads finish together.
+//
+// A chain is rows of one sequence at consecutive positions (a verification of proposed tokens:
+// its last token and each draft, as decode rows): a task takes a chain's rows in order, since
+// each row writes its K and V before it attends and the next row reads them.
 class DecodeAttentionTasks {
  public:
-  DecodeAttentionTasks(const int64_t* context_lens, int64_t M, int64_t num_kv_heads, int64_t num_threads)
-      : rows_by_len_(M), heads_per_task_(M >= 4 * num_threads ? num_kv_heads : 1),
-        tasks_per_row_(num_kv_heads / heads_per_task_) {
-    std::iota(rows_by_len_.begin(), rows_by_len_.end(), 0);
-    std::stable_sort(rows_by_len_.begin(), rows_by_len_.end(),
-                     [&](int64_t a, int64_t b) { return context_lens[a] > context_lens[b]; });
+  // chain_lengths: rows per chain, in row order (empty: every row its own chain).
+  DecodeAttentionTasks(const int64_t* context_lens, int64_t M, int64_t num_kv_heads, int64_t num_threads,
+                       const std::vector<int64_t>& chain_lengths = {}) {
+    if (chain_lengths.empty()) {
+      for (int64_t m = 0; m < M; ++m) chains_.push_back({m, 1});
+    } else {
+      int64_t first = 0;
+      for (const int64_t n : chain_lengths) {
+        chains_.push_back({first, n});
+        first += n;
+      }
+    }
+    const auto num_chains = static_cast<int64_t>(chains_.size());
+    heads_per_task_ = num_chains >= 4 * num_threads ? num_kv_heads : 1;
+    tasks_per_chain_ = num_kv_heads / heads_per_task_;
+    std::stable_sort(chains_.begin(), chains_.end(), [&](const Chain& a, const Chain& b) {
+      return context_lens[a.first + a.count - 1] > context_lens[b.first + b.count - 1];
+    });
   }
 
-  int64_t size() const { return static_cast<int64_t>(rows_by_len_.size()) * tasks_per_row_; }
+  int64_t size() const { return static_cast<int64_t>(chains_.size()) * tasks_per_chain_; }
   int64_t heads_per_task() const { return heads_per_task_; }
-  // Task -> (its sequence's row, its first KV head); it covers heads_per_task() KV heads.
-  std::pair<int64_t, int64_t> operator[](int64_t task) const {
-    return {rows_by_len_[task / tasks_per_row_], (task % tasks_per_row_) * heads_per_task_};
+  // Task -> (its chain's first row, the chain's rows, its first KV head); it covers
+  // heads_per_task() KV heads of each of the chain's rows, in order.
+  std::tuple<int64_t, int64_t, int64_t> operator[](int64_t task) const {
+    const Chain& chain = chains_[task / tasks_per_chain_];
+    return {chain.first, chain.count, (task % tasks_per_chain_) * heads_per_task_};
   }
 
  private:
-  std::vector<int64_t> rows_by_len_;
-  int64_t heads_per_task_, tasks_per_row_;
+  struct Chain {
+    int64_t first, count;
+  };
+  std::vector<Chain> chains_;
+  int64_t heads_per_task_ = 1, tasks_per_chain_ = 1;
 };
 
 // A packed projection's parts as the kernels take them.

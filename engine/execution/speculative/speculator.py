@@ -1,0 +1,81 @@
+"""The runner's side of speculative decoding: it verifies a step's proposals (each position's
+grammar mask, then Sampler.verify's exact accept / reject) and makes the next step's proposals.
+
+It adapts per request, so speculation never costs a stream its pace: a verification costs more
+the more drafts it carries (each is a row of the step's GEMMs), so after a rejection a request
+proposes only one more token than it had accepted, and doubles again (to k) while everything is
+accepted; two verifications in a row that accept nothing pause its proposals, for a while that
+doubles while they keep failing (free prose, where an n-gram's continuation is chance)."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from engine.execution.input_batch import CachedRequestState
+from engine.execution.sampler import Logprobs, Sampler
+from engine.execution.speculative.proposer import Proposer
+from engine.processing.structured_output import GrammarMask
+
+_MISSES_BEFORE_PAUSE = 2  # verifications in a row that accepted nothing
+_FIRST_PAUSE_STEPS = 4
+_MAX_PAUSE_STEPS = 64
+
+
+class Speculator:
+    def __init__(self, proposer: Proposer, sampler: Sampler, max_batch: int, num_tokens: int) -> None:
+        self.proposer, self.sampler, self.max_batch = proposer, sampler, max_batch
+        self.num_tokens = num_tokens  # k
+        self.method = proposer.method
+
+    def verify(self, logits: torch.Tensor, rows: list[CachedRequestState], drafts: list[list[int]], step: int
+               ) -> tuple[list[list[int]], list[list[Logprobs] | None]]:
+        """logits: [sum(1 + len(d)), vocab], each request's rows consecutive (its last token's,
+        then each draft's) -> per request its accepted drafts and the token after them."""
+        views, chunks = [], []
+        for row, request_drafts in zip(rows, drafts, strict=True):
+            first = len(views)
+            chunks.append((first, request_drafts))
+            views += [row.with_drafts(request_drafts[:j]) for j in range(len(request_drafts) + 1)]
+            if row.matcher is not None:
+                self._grammar_mask(logits).apply_along(logits, first, row.matcher, request_drafts)
+        tokens, logprobs = self.sampler.verify(logits, views, chunks)
+        for row, request_drafts, accepted in zip(rows, drafts, tokens, strict=True):
+            self._record(row, len(request_drafts), len(accepted) - 1, step)
+        return tokens, logprobs
+
+    def propose(self, rows: list[CachedRequestState], step: int) -> dict[str, list[int]]:
+        """The next step's proposals, for the requests just sampled (they decode next), unless the
+        batch is past the size speculation pays at, or a request is paused."""
+        if len(rows) > self.max_batch:
+            return {}
+        proposals = {}
+        for row in rows:
+            if step < row.spec_paused_until:
+                continue
+            drafts = self.proposer.propose(np.asarray(row.prompt_token_ids + row.output_token_ids, dtype=np.int64))
+            if drafts:
+                proposals[row.req_id] = drafts[: row.spec_len or self.num_tokens]
+        return proposals
+
+    def observe_finished(self, row: CachedRequestState) -> None:
+        self.proposer.observe_finished(np.asarray(row.output_token_ids, dtype=np.int64))
+
+    @staticmethod
+    def _record(row: CachedRequestState, num_drafts: int, num_accepted: int, step: int) -> None:
+        if num_accepted == num_drafts:
+            row.spec_len = 2 * num_drafts
+        else:
+            row.spec_len = num_accepted + 1
+        if num_accepted:
+            row.spec_misses, row.spec_pause = 0, _FIRST_PAUSE_STEPS
+            return
+        row.spec_misses += 1
+        if row.spec_misses >= _MISSES_BEFORE_PAUSE:
+            row.spec_paused_until = step + row.spec_pause
+            row.spec_pause = min(2 * row.spec_pause, _MAX_PAUSE_STEPS)
+            row.spec_misses = 0
+
+    def _grammar_mask(self, logits: torch.Tensor) -> GrammarMask:
+        if self.sampler.grammar_mask is None:
+            self.sampler.grammar_mask = GrammarMask(logits.shape[1], 64, self.sampler.kernels)
+        return self.sampler.grammar_mask
