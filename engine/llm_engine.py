@@ -77,10 +77,10 @@ class LLMEngine:
         self._ids = itertools.count()
         self._step_ids = itertools.count(1)
         self._injected_fault: str | None = None
-        # Everything loaded so far (model, tokenizers, libraries: about 300k objects) lives as
-        # long as the engine; frozen, the collector stops walking it. Unfrozen, a full
-        # collection took 115-120 ms here (0.06 ms frozen), a stall of 5 decode steps in every
-        # running stream whenever one runs (vLLM freezes after start-up too).
+        # Everything loaded so far (model, tokenizers, libraries) lives as long as the engine;
+        # frozen, the collector stops walking it. Unfrozen, a full collection stalls every
+        # running stream for several decode steps whenever one runs (vLLM freezes after start-up
+        # too).
         gc.collect()
         gc.freeze()
 
@@ -178,7 +178,7 @@ class LLMEngine:
         params, token_ids = request.params, request.prompt_token_ids
         arrival = time.monotonic() if request.arrival_time is None else request.arrival_time
         matcher = None
-        if params.structured_output is not None:  # compiled already: a matcher costs well under 1 ms
+        if params.structured_output is not None:  # compiled already: a matcher is cheap
             matcher = self.input_processor.grammar.matcher(params.structured_output)
         samples = [Sequence(
             request_id=request_id if i == 0 else f"{request_id}/{i}", group_id=request_id, index=i,

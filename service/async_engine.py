@@ -3,9 +3,9 @@
 One thread owns the LLMEngine, and builds it too: libgomp gives every thread that starts a
 parallel region its own team, and once the process holds more OpenMP threads than cores it
 throttles the teams' spin-waits, so every parallel region of a step wakes its workers through
-a futex. A model loaded on one thread and run on another ran its steps 10-15 %
-slower than the same loop on the thread that loaded it (`bench.offline_throughput`'s closed loop,
-run both ways; served, beside the client and the loop, the difference was within the noise).
+a futex. A model loaded on one thread and run on another ran its steps slower than the same
+loop on the thread that loaded it (`bench.offline_throughput`'s closed loop, run both ways;
+served, beside the client and the loop, the difference was within the noise).
 
 Commands (add, abort, stop) reach the engine thread through a queue it blocks on when idle, so
 an idle server burns no CPU; each step's outputs go back to the asyncio loop
