@@ -23,7 +23,7 @@ from engine.execution.model_loader import model_display_name, resolve_model
 from engine.execution.model_runner import ModelRunner
 from engine.execution.sampler import Sampler
 from engine.inputs import EngineRequest
-from engine.outputs import ModelInfo, RequestOutput, StepStats
+from engine.outputs import KvCacheEvent, ModelInfo, RequestOutput, StepStats
 from engine.processing.detokenizer import IncrementalDetokenizer, ids_decoder
 from engine.processing.input_processor import InputProcessor, load_eos_token_ids
 from engine.processing.output_processor import OutputProcessor
@@ -142,6 +142,15 @@ class LLMEngine:
     def apply_chat_template(self, messages: list[dict[str, str]], params: SamplingParams | None = None) -> list[int]:
         return self.input_processor.apply_chat_template(messages, params)
 
+    def take_kv_events(self) -> list[KvCacheEvent]:
+        """Prefix-cache changes not yet handed out (step() hands out its own in StepStats)."""
+        return self.block_manager.take_events()
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop the prefix cache without preempting anything (engine thread); False, and nothing
+        dropped, while any request holds blocks."""
+        return self.block_manager.reset_prefix_cache()
+
     def fail_next_step(self, message: str) -> None:
         """Fault hook (tests, chaos drills): the next step's forward raises `message`, failing
         that step's requests as a real fault would; the engine goes on."""
@@ -245,6 +254,7 @@ class LLMEngine:
         stats.budget_source = sched.budget_source
         stats.step_time_target, stats.predicted_step_time = sched.step_time_target, sched.predicted_step_time
         stats.finished = [o.metrics for o in outputs if o.metrics is not None]
+        stats.kv_events = self.take_kv_events()
         return outputs, stats
 
     def _run(self, sched: SchedulerOutput, stats: StepStats) -> list[RequestOutput]:
