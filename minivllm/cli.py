@@ -102,6 +102,10 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--auth-token-file", default=_env("auth_token_file"),
                        help="bearer tokens, one per line (also MINIVLLM_AUTH_TOKENS=a,b); required on gRPC and "
                             "HTTP calls, health stays open (env MINIVLLM_AUTH_TOKEN_FILE)")
+    serve.add_argument("--grpc-services", default=_env("grpc_services", "minivllm,vllm"),
+                       help="gRPC services on --port, comma-separated: minivllm (minivllm.v1.Inference) and/or vllm "
+                            "(vLLM's engine contract vllm.grpc.engine.VllmEngine, for gateways such as SMG) "
+                            "(default: both; env MINIVLLM_GRPC_SERVICES)")
     add_engine_args(serve)
 
 
@@ -169,7 +173,8 @@ async def _serve(args: argparse.Namespace) -> int:
                           tls_cert_file=args.tls_cert, tls_key_file=args.tls_key, tls_client_ca_file=args.tls_client_ca,
                           auth_tokens=load_tokens(args.auth_token_file), engine=engine_config,
                           http_host=args.http_host or args.host, http_port=args.http_port or None,
-                          served_model_name=model_name)
+                          served_model_name=model_name,
+                          grpc_services=tuple(s.strip() for s in args.grpc_services.split(",") if s.strip()))
     obs = Observability.from_env(model_name=model_name, metrics_port=args.metrics_port, metrics_host=args.metrics_host)
     server = InferenceServer(config, stats_listeners=[obs.on_step], observer=obs.request_observer,
                              interceptors=obs.interceptors(), on_http_call=obs.metrics.on_api_call)
