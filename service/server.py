@@ -133,7 +133,8 @@ class InferenceServer:
                                    kv_event_listeners=[self.kv_events.on_kv_events])
         await async_engine.start()
         self.vllm_servicer.files = await asyncio.to_thread(self._model_files)
-        self.async_engine = self.state.engine = async_engine
+        self.async_engine = async_engine
+        self.state.set_engine(async_engine)
         await self._set_serving(True)
         logger.info("model %s loaded; serving on %s:%d", async_engine.model_info().model_name, self.config.host, self.port)
 

@@ -9,6 +9,7 @@ Admission, limits, auth, drain, metrics (protocol "grpc-vllm") and traces are th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -36,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 VLLM_SERVICE_NAME = vpb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 PROTOCOL = "grpc-vllm"  # the metrics' and traces' name for this door
+_MAX_LOAD_WAIT_S = 600.0  # an information call without a deadline waits this long for the model
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -64,6 +66,11 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         self._tokenizer_zip: tuple[bytes, str] | None = None
 
     async def _async_engine(self, context: grpc.aio.ServicerContext, for_new_request: bool = False) -> AsyncEngine:
+        if not for_new_request and self.state.engine is None:
+            # vLLM's server listens once its model is loaded; ours listens at once (probes see
+            # NOT_SERVING), so a gateway's discovery calls wait for the model instead of failing.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.state.loaded.wait(), context.time_remaining() or _MAX_LOAD_WAIT_S)
         try:
             return self.state.ready_engine() if for_new_request else self.state.loaded_engine()
         except EngineUnavailableError as exc:
