@@ -23,6 +23,9 @@ from openai import OpenAI
 
 from service.client import InferenceClient
 from tests.server_harness import ServerProcess, poll
+from tests.test_observability import _has_number, _prom_query, _prom_query_ok, need
+
+ROOT = Path(__file__).resolve().parents[1]
 
 IN_CI = os.environ.get("CI") == "true"
 CALL_TIMEOUT = 30.0
@@ -68,8 +71,21 @@ class Replica:
         return _metric(self.metrics_port, "minivllm_prefix_cache_hits_total")
 
 
+def _start_prometheus(targets: list[str], tmp_path: Path) -> tuple[subprocess.Popen, int]:
+    """A real Prometheus scraping the gateway and the replicas every second."""
+    config = tmp_path / "prometheus.yml"
+    config.write_text("global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: fleet\n    static_configs:\n"
+                      f"      - targets: {json.dumps(targets)}\n")
+    port = _free_port()
+    proc = subprocess.Popen([need("prometheus"), f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
+                             f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.STDOUT)
+    assert poll(lambda: _prom_query_ok(port, 'count(up == 1) == 3'), 30), "prometheus did not scrape the fleet"
+    return proc, port
+
+
 @pytest.fixture()
-def fleet(tiny_model_dir: Path) -> Iterator[tuple[list[Replica], str, int]]:
+def fleet(tiny_model_dir: Path, tmp_path: Path) -> Iterator[tuple[list[Replica], str, int, int]]:
     smg = _smg_binary()
     replicas = [Replica(tiny_model_dir) for _ in range(2)]
     port, prometheus_port = _free_port(), _free_port()
@@ -93,7 +109,13 @@ def fleet(tiny_model_dir: Path) -> Iterator[tuple[list[Replica], str, int]]:
                                              and w["model_id"] == "tiny" for w in workers)
 
         assert poll(ready, 90), seen
-        yield replicas, f"http://127.0.0.1:{port}/v1", prometheus_port
+        scraper, scraper_port = _start_prometheus(
+            [f"127.0.0.1:{p}" for p in (prometheus_port, *(r.metrics_port for r in replicas))], tmp_path)
+        try:
+            yield replicas, f"http://127.0.0.1:{port}/v1", prometheus_port, scraper_port
+        finally:
+            scraper.terminate()
+            scraper.wait(10)
     finally:
         gateway.send_signal(signal.SIGTERM)
         try:
@@ -105,8 +127,8 @@ def fleet(tiny_model_dir: Path) -> Iterator[tuple[list[Replica], str, int]]:
 
 
 def test_smg_gateway_streams_parses_tools_routes_by_prefix_and_survives_sigkill(
-        fleet: tuple[list[Replica], str, int]) -> None:
-    replicas, base_url, prometheus_port = fleet
+        fleet: tuple[list[Replica], str, int, int]) -> None:
+    replicas, base_url, prometheus_port, scraper_port = fleet
     started = time.monotonic()
     client = OpenAI(base_url=base_url, api_key="unused", timeout=CALL_TIMEOUT, max_retries=0)
     messages = [{"role": "user", "content": "Hello there"}]
@@ -142,8 +164,8 @@ def test_smg_gateway_streams_parses_tools_routes_by_prefix_and_survives_sigkill(
     # Requests that share a long prefix land on one replica, which serves it from its cache.
     before = [(r.generates(), r.prefix_hits()) for r in replicas]
     for i in range(6):
-        client.chat.completions.create(model="tiny", max_tokens=4, temperature=0, messages=[
-            {"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Question {i}?"}])
+        list(client.chat.completions.create(model="tiny", max_tokens=4, temperature=0, stream=True, messages=[
+            {"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Question {i}?"}]))
         time.sleep(0.1)  # the first request's KV events reach the gateway's index
     after = [(r.generates(), r.prefix_hits()) for r in replicas]
     calls = [a[0] - b[0] for a, b in zip(after, before, strict=True)]
@@ -151,8 +173,19 @@ def test_smg_gateway_streams_parses_tools_routes_by_prefix_and_survives_sigkill(
     assert sorted(calls) == [0, 6], calls
     holder = calls.index(6)
     assert hits[holder] >= 5 * 16 * 8 and hits[1 - holder] == 0, hits  # the system prompt: > 8 blocks of 16
-    gateway_metrics = urllib.request.urlopen(f"http://127.0.0.1:{prometheus_port}/metrics", timeout=10).read()
-    assert b"smg_" in gateway_metrics
+    # The gateway picked the holder because its KV events said so (the policy's event_hit branch).
+    assert _metric(prometheus_port, "smg_cache_aware_policy_branch_total", 'branch="event_hit"') >= 5
+    # Every panel of the gateway dashboard has data from a real Prometheus scraping the fleet.
+    dashboard = json.loads((ROOT / "grafana" / "dashboards" / "smg-gateway.json").read_text())
+    queries = [(panel["title"], target["expr"].replace("$model_name", ".*").replace("$__rate_interval", "1m"))
+               for panel in dashboard["panels"] for target in panel["targets"]]
+    empty: list[str] = []
+
+    def every_panel_has_data() -> bool:
+        empty[:] = [f"{title}: {expr}" for title, expr in queries if not _has_number(_prom_query(scraper_port, expr))]
+        return not empty
+
+    assert poll(every_panel_has_data, 20), "panels without data:\n" + "\n".join(empty)
 
     # SIGKILL the replica that holds the prefix: every later request succeeds on the other.
     replicas[holder].server.proc.send_signal(signal.SIGKILL)
