@@ -109,6 +109,19 @@ def fleet(tiny_model_dir: Path, tmp_path: Path) -> Iterator[tuple[list[Replica],
                                              and w["model_id"] == "tiny" for w in workers)
 
         assert poll(ready, 90), seen
+
+        def answers_chat() -> bool:  # 503 tokenizer_not_ready until the gateway has loaded the tokenizer
+            body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                               "max_tokens": 1}).encode()
+            request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body,
+                                             {"content-type": "application/json"})
+            try:
+                with urllib.request.urlopen(request, timeout=30) as resp:
+                    return resp.status == 200
+            except OSError:
+                return False
+
+        assert poll(answers_chat, 60), "the gateway never answered a chat"
         scraper, scraper_port = _start_prometheus(
             [f"127.0.0.1:{p}" for p in (prometheus_port, *(r.metrics_port for r in replicas))], tmp_path)
         try:
