@@ -2,7 +2,8 @@
 the multi-turn `conversations` workload through the gateway's OpenAI chat API, with each replica's
 prefix-cache hit rate (from its own counters), TTFT p50/p99 and output tokens/s per policy.
 
-    python -m bench.gateway_policies --policies cache_aware round_robin --replicas 2
+    minivllm bench gateway-policies --policies cache_aware round_robin --replicas 2
+    (or python -m bench.gateway_policies ...)
 
 The replicas start once (`minivllm serve`, real model unless --model); before each policy their
 prefix caches are dropped (the engine contract's FlushCache) and a fresh gateway starts, so every
@@ -185,7 +186,7 @@ def format_table(rows: list[dict]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.gateway_policies", description=__doc__,
+    p = argparse.ArgumentParser(prog="minivllm bench gateway-policies", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--policies", nargs="+", default=["cache_aware", "round_robin"])
     p.add_argument("--replicas", type=int, default=2)

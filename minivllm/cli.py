@@ -260,6 +260,11 @@ def _info(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["bench", "gateway-policies"]:  # replicas behind SMG, one routing policy after another
+        from bench.gateway_policies import main as policies_main
+
+        policies_main(argv[2:])
+        return
     if argv and argv[0] == "bench":  # the benchmark owns its whole command line
         from bench.serving import main as bench_main
 

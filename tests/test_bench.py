@@ -313,3 +313,17 @@ def test_openai_backend_sends_chat_messages_to_the_chat_route() -> None:
     result = asyncio.run(scenario())
     assert seen["messages"] == [{"role": "user", "content": "hello"}] and "prompt" not in seen
     assert result.ok and result.output_len == 2 and result.prompt_len == 9 and len(result.token_times) == 2
+
+
+def test_gateway_policies_command_and_its_table(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench.gateway_policies import format_table
+    from minivllm.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["bench", "gateway-policies", "--help"])
+    assert exit_info.value.code == 0 and "minivllm bench gateway-policies" in capsys.readouterr().out
+    row = {"policy": "cache_aware", "prefix_hit_rate": 0.5, "completed": 4, "failed": 0, "output_throughput": 12.34,
+           "ttft_ms": {"median": 100.4, "p99": 250.0},
+           "replicas": [{"prefix_hit_rate": 0.25, "requests": 1.0}, {"prefix_hit_rate": 0.75, "requests": 3.0}]}
+    table = format_table([row])
+    assert table.splitlines()[2] == "| cache_aware | 0.500 | 0.250 (1), 0.750 (3) | 100 | 250 | 12.3 | 4 / 0 |"
