@@ -2,8 +2,8 @@
 contract behind the real SMG binary (`smg launch --backend vllm --policy cache_aware`, from the
 `smg` wheel), driven with the official `openai` SDK. The gateway tokenizes (with the tokenizer
 the workers point it to), applies the chat template, parses tool calls, routes requests that share
-a prefix to the replica whose KV events say it holds it, and takes a SIGKILLed replica out while
-every later request succeeds. Bounded: each call has a deadline, the whole test a few tens of s."""
+a prefix to the replica whose KV events say it holds it, stops sending to a replica that drains
+(SIGTERM), and takes a SIGKILLed replica out while every later request succeeds. Bounded: each call has a deadline, the whole test a few tens of s."""
 from __future__ import annotations
 
 import json
@@ -80,14 +80,15 @@ def _start_prometheus(targets: list[str], tmp_path: Path) -> tuple[subprocess.Po
     proc = subprocess.Popen([need("prometheus"), f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
                              f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL,
                             stderr=subprocess.STDOUT)
-    assert poll(lambda: _prom_query_ok(port, 'count(up == 1) == 3'), 30), "prometheus did not scrape the fleet"
+    assert poll(lambda: _prom_query_ok(port, f'count(up == 1) == {len(targets)}'), 30), \
+        "prometheus did not scrape the fleet"
     return proc, port
 
 
 @pytest.fixture()
 def fleet(tiny_model_dir: Path, tmp_path: Path) -> Iterator[tuple[list[Replica], str, int, int]]:
     smg = _smg_binary()
-    replicas = [Replica(tiny_model_dir) for _ in range(2)]
+    replicas = [Replica(tiny_model_dir) for _ in range(3)]
     port, prometheus_port = _free_port(), _free_port()
     gateway = subprocess.Popen(
         [smg, "launch", "--backend", "vllm", "--policy", "cache_aware", "--host", "127.0.0.1", "--port", str(port),
@@ -105,7 +106,7 @@ def fleet(tiny_model_dir: Path, tmp_path: Path) -> Iterator[tuple[list[Replica],
             except OSError:
                 return False
             seen[:] = [(w["model_id"], w.get("status"), w["is_healthy"]) for w in workers]
-            return len(workers) == 2 and all(w["is_healthy"] and w.get("status") == "ready"
+            return len(workers) == len(replicas) and all(w["is_healthy"] and w.get("status") == "ready"
                                              and w["model_id"] == "tiny" for w in workers)
 
         assert poll(ready, 90), seen
@@ -183,9 +184,10 @@ def test_smg_gateway_streams_parses_tools_routes_by_prefix_and_survives_sigkill(
     after = [(r.generates(), r.prefix_hits()) for r in replicas]
     calls = [a[0] - b[0] for a, b in zip(after, before, strict=True)]
     hits = [a[1] - b[1] for a, b in zip(after, before, strict=True)]
-    assert sorted(calls) == [0, 6], calls
+    assert sorted(calls) == [0, 0, 6], calls
     holder = calls.index(6)
-    assert hits[holder] >= 5 * 16 * 8 and hits[1 - holder] == 0, hits  # the system prompt: > 8 blocks of 16
+    others = [i for i in range(len(replicas)) if i != holder]
+    assert hits[holder] >= 5 * 16 * 8 and all(hits[i] == 0 for i in others), hits  # the prompt: > 8 blocks of 16
     # The gateway picked the holder because its KV events said so (the policy's event_hit branch).
     assert _metric(prometheus_port, "smg_cache_aware_policy_branch_total", 'branch="event_hit"') >= 5
     # Every panel of the gateway dashboard has data from a real Prometheus scraping the fleet.
@@ -200,9 +202,17 @@ def test_smg_gateway_streams_parses_tools_routes_by_prefix_and_survives_sigkill(
 
     assert poll(every_panel_has_data, 20), "panels without data:\n" + "\n".join(empty)
 
-    # SIGKILL the replica that holds the prefix: every later request succeeds on the other.
+    # A replica that drains (SIGTERM) gets no new request; it stops, and every request succeeds.
+    drained, survivor = replicas[others[0]], replicas[others[1]]
+    drained.server.proc.send_signal(signal.SIGTERM)
+    before_drain = replicas[holder].generates() + survivor.generates()
+    for i in range(4):
+        client.completions.create(model="tiny", prompt=f"During the drain {i}", max_tokens=3, temperature=0)
+    assert drained.server.proc.wait(30) == 0
+    assert replicas[holder].generates() + survivor.generates() == before_drain + 4
+
+    # SIGKILL the replica that holds the prefix: every later request succeeds on the last one.
     replicas[holder].server.proc.send_signal(signal.SIGKILL)
-    survivor = replicas[1 - holder]
     before_survivor = survivor.generates()
     for i in range(8):
         if i % 2:
