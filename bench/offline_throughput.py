@@ -43,9 +43,11 @@ from typing import Any
 
 import torch
 
+from bench.kernels import load_bench_kernels
 from bench.latency_stats import timed
 from bench.workloads import random_tokens
 from engine import LLM, SamplingParams, StepStats
+from engine.execution.backends.cpu_linear import PackedLinear
 from engine.execution.huge_pages import huge_page_tensor
 from engine.execution.models.layers import Linear
 
@@ -103,13 +105,13 @@ def weight_bytes_per_token(llm: LLM) -> int:
     counts its packed copy; a tied LM head reads the embedding matrix), plus the norms. The
     embedding lookup reads one row, which is left out."""
     model = llm.engine.runner.model
-    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    linears = [m for m in model.modules() if isinstance(m, Linear | PackedLinear)]
     total = 0
     for module in linears:
-        if module.uses_panels(1):  # what a batch-1 step reads
+        if isinstance(module, PackedLinear) and module.uses_panels(1):  # what a batch-1 step reads
             total += module.panels.num_bytes
             continue
-        packed = module.packed_weight
+        packed = getattr(module, "packed_weight", None)
         weight = packed if packed is not None else module.weight
         total += weight.numel() * weight.element_size()
         if module.bias is not None:
@@ -172,7 +174,7 @@ def step_weights(llm: LLM) -> list[torch.Tensor]:
     output, gate/up and down projections, then the LM head); [] when the model runs without the
     C++ kernels' one-call step."""
     model = llm.engine.runner.model
-    if model.fused_kernels is None:
+    if getattr(llm.engine.runner.backend, "fused", None) is None:
         return []
     projections = [p for layer in model.layers for p in layer.projections]
     return [p.panels.data for p in [*projections, model.lm_head]]
@@ -195,7 +197,7 @@ def paired_read_rates(llm: LLM, prompt: list[int], output_len: int, weight_bytes
     buffer = bandwidth_buffer(buffer_bytes)
     engine = llm.engine
     weights = step_weights(llm)
-    kernels = engine.runner.model.fused_kernels
+    kernels = load_bench_kernels() if weights else None
     stream_bytes = sum(w.numel() * w.element_size() for w in weights)
 
     def bandwidth() -> float:
@@ -218,7 +220,7 @@ def paired_read_rates(llm: LLM, prompt: list[int], output_len: int, weight_bytes
             start()
         before = bandwidth()
         steps = [engine.step()[1].total_time for _ in range(8)]
-        streams = [kernels.stream_weights(weights, True, engine.runner.isa)[0] for _ in range(2)] if weights else []
+        streams = [kernels.stream_weights(weights, True, engine.runner.backend.isa)[0] for _ in range(2)] if weights else []
         handoff = kernels.core_handoff_ns(200) if handoffs else None
         after = bandwidth()
         if abs(before - after) < 0.1 * max(before, after):
@@ -277,7 +279,8 @@ def decode_split_batch1(llm: LLM, steps: list[StepStats], context: int) -> dict[
     runner, model = engine.runner, engine.runner.model
     forwards = [s.forward_time for s in steps if s.num_prefill_tokens == 0 and s.num_decode_seqs == 1]
     forward = statistics.median(forwards)
-    parts = model.take_decode_part_seconds()
+    fused = getattr(runner.backend, "fused", None)
+    parts = fused.take_part_seconds() if fused is not None else None
     if parts is not None and parts["steps"] > 0:
         per_step = {name: 1e3 * seconds / parts["steps"] for name, seconds in parts.items() if name != "steps"}
         projections = sum(per_step[name] for name in PROJECTION_PARTS)
@@ -286,7 +289,7 @@ def decode_split_batch1(llm: LLM, steps: list[StepStats], context: int) -> dict[
         return {"source": "fused step's parts", "forward_ms": 1e3 * forward, "projections_ms": projections,
                 "attention_ms": attn, "rest_ms": max(0.0, 1e3 * forward - projections - attn),
                 "parts_ms": per_step, "steps": parts["steps"]}
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear | PackedLinear)]
     inputs = {m.in_features: torch.randn(1, m.in_features, dtype=runner.dtype) for m in linears}
     mc = runner.model_config
     bs = runner.block_size
@@ -298,9 +301,9 @@ def decode_split_batch1(llm: LLM, steps: list[StepStats], context: int) -> dict[
 
     def attention() -> None:
         for _ in range(mc.num_layers):
-            if runner.cpu_kernels is not None:
-                runner.cpu_kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, bs, mc.head_dim**-0.5, 0,
-                                                          runner.isa)
+            if runner.backend.kernels is not None:
+                runner.backend.kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, bs, mc.head_dim**-0.5,
+                                                              0, runner.backend.isa)
             else:
                 k = k_cache[:context].unsqueeze(0).transpose(1, 2)  # the torch path's gathered context
                 torch.nn.functional.scaled_dot_product_attention(
@@ -404,7 +407,9 @@ def main() -> None:
         output_lens = [args.output_len] * args.num_prompts
     num_out = sum(output_lens)
     if args.single_stream:
-        llm.engine.runner.model.take_decode_part_seconds()  # the split counts the rounds' steps only
+        fused = getattr(llm.engine.runner.backend, "fused", None)
+        if fused is not None:
+            fused.take_part_seconds()  # the split counts the rounds' steps only
         ours, steps, rounds = run_single_stream_rounds(llm, prompts, output_lens, args.rounds)
         num_out *= args.rounds
     else:

@@ -96,11 +96,11 @@ def chunk_split(engine: LLMEngine, chunk: int, contexts: tuple[int, ...], repeat
     apart, and their medians printed: medians of parts timed separately put the first chunk's
     attention share at 8.8-10.9 % and the ratio at 0.96-1.49x over six runs of two kernel builds
     whose speeds differ by 3-5 %."""
-    from engine.execution.attention import AttentionMetadata, PrefillSeqMeta, prefill_attention
+    from engine.execution.attention import AttentionMetadata, PrefillSeqMeta
 
     runner = engine.runner
     model, mc = runner.model, runner.model_config
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not model.lm_head]
+    linears = [m for m in model.modules() if hasattr(m, "in_features") and m is not model.lm_head]
     shapes = [(m.in_features, m.out_features) for m in linears]
     x = {n: torch.randn(chunk, n, dtype=runner.dtype) for n in {i for i, _ in shapes}}
     weights = {s: torch.randn(s[1], s[0], dtype=runner.dtype) for s in set(shapes)}
@@ -115,8 +115,7 @@ def chunk_split(engine: LLMEngine, chunk: int, contexts: tuple[int, ...], repeat
         meta = [PrefillSeqMeta(0, chunk, context + chunk, slots if context else None, 0 if context else None,
                                block_table=block_table)]
         return AttentionMetadata(slot_mapping=slots[context:], num_prefill_tokens=chunk, prefill=meta,
-                                 block_size=runner.block_size, prefill_kernels=runner.prefill_kernels,
-                                 kernel_isa=runner.isa)
+                                 block_size=runner.block_size, backend=runner.backend.attention)
 
     def engine_chunk(context: int) -> float:
         """The engine's own step: a prompt of context + chunk tokens, chunked; the last chunk's forward."""
@@ -129,6 +128,7 @@ def chunk_split(engine: LLMEngine, chunk: int, contexts: tuple[int, ...], repeat
         return times[-1]
 
     attns = {c: metadata(c) for c in contexts}
+    prefill = runner.backend.attention.prefill
     rounds: list[dict[str, float]] = []
     with torch.inference_mode():
         for _ in range(repeats + 1):  # the first round warms up and is dropped
@@ -136,9 +136,8 @@ def chunk_split(engine: LLMEngine, chunk: int, contexts: tuple[int, ...], repeat
                  "gemm": timed(lambda: [torch.nn.functional.linear(x[i], weights[(i, o)]) for i, o in shapes])}
             for c in contexts:
                 r[f"forward{c}"] = engine_chunk(c)
-                r[f"attention{c}"] = timed(lambda c=c: [prefill_attention(q, k, k, k_cache, v_cache, attns[c],
-                                                                          mc.head_dim**-0.5)
-                                                        for _ in range(mc.num_layers)])
+                r[f"attention{c}"] = timed(lambda c=c: [prefill(q, k, k, k_cache, v_cache, attns[c], mc.head_dim**-0.5,
+                                                                None) for _ in range(mc.num_layers)])
             rounds.append(r)
     rounds = rounds[1:]
 

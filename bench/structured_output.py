@@ -1,11 +1,14 @@
 """What structured output costs a decode step: the same batch of decoding sequences with and
 without a grammar, measured side by side (rounds alternate, so machine drift hits both).
 
-    python -m bench.structured_output --batch 32 --rounds 3
+    python -m bench.structured_output --batch 32 --rounds 3 [--grammar json|tools-auto|tools-required]
 
 Unconstrained rows generate with ignore_eos; constrained rows follow a JSON schema of an
-unbounded integer array (so they never finish early either). Prints the median decode-step time
-of each, their ratio, and the grammar mask's own time per step.
+unbounded integer array (so they never finish early either), or a tool-call grammar (service/
+tool_grammar.py, Hermes layout): tools-auto is free text under the lazy trigger (what every
+auto-mode request pays until it calls), tools-required a call whose arguments hold an unbounded
+integer array. Prints the median decode-step time of each, their ratio, and the grammar mask's
+own time per step.
 """
 from __future__ import annotations
 
@@ -49,6 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--steps", type=int, default=24, help="decode steps measured per round")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--grammar", choices=("json", "tools-auto", "tools-required"), default="json")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     llm = LLM(args.model, max_num_seqs=args.batch, enable_time_budget=False)
@@ -56,9 +60,17 @@ def main(argv: list[str] | None = None) -> None:
     prompts = [chat for _ in range(args.batch)]
     free = SamplingParams(temperature=0.8, seed=1, max_tokens=args.steps + 8, ignore_eos=True)
     spec = StructuredOutput("json_schema", json.dumps(SCHEMA))
-    constrained = SamplingParams(temperature=0.8, seed=1, max_tokens=args.steps + 8, structured_output=spec)
+    if args.grammar != "json":
+        from service.tool_grammar import FunctionSpec, tool_call_grammar
+        from service.tool_parsers import get_tool_parser
+
+        function = FunctionSpec("record", "", {"type": "object", "properties": {"values": SCHEMA}, "required": ["values"]})
+        spec = StructuredOutput("grammar", tool_call_grammar(get_tool_parser("hermes"), [function],
+                                                             required=args.grammar == "tools-required", parallel=True))
+    constrained = SamplingParams(temperature=0.8, seed=1, max_tokens=args.steps + 8, structured_output=spec,
+                                 ignore_eos=args.grammar == "tools-auto")
     mask_times: list[float] = []
-    sampler = llm.engine.sampler
+    sampler = llm.engine.runner.sampler
     sampler.grammar_mask = GrammarMask(llm.engine.vocab_size, args.batch, sampler.kernels)
     apply = sampler.grammar_mask.apply
 
@@ -76,9 +88,9 @@ def main(argv: list[str] | None = None) -> None:
         free_times += decode_step_times(llm, prompts, free, args.steps)
         constrained_times += decode_step_times(llm, prompts, constrained, args.steps)
     f, c = statistics.median(free_times), statistics.median(constrained_times)
-    logger.info("batch %d, %d decode steps each: unconstrained %.1f ms, JSON-schema constrained %.1f ms "
-                "(x%.3f); grammar mask %.2f ms per step (median)", args.batch, len(free_times), f * 1e3, c * 1e3,
-                c / f, statistics.median(mask_times) * 1e3)
+    logger.info("batch %d, %d decode steps each: unconstrained %.1f ms, %s constrained %.1f ms "
+                "(x%.3f); grammar mask %.2f ms per step (median)", args.batch, len(free_times), f * 1e3, args.grammar,
+                c * 1e3, c / f, statistics.median(mask_times) * 1e3)
 
 
 if __name__ == "__main__":

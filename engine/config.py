@@ -52,6 +52,8 @@ class EngineConfig:
     model: str | None = _opt(None, "a local HF directory, a .gguf file or a hub id; unset: SmolLM2-135M-Instruct")
     tokenizer: str | None = _opt(None, "tokenizer directory or id; unset: the model's")
     device: str = _opt("auto", "auto | cpu | cuda")
+    backend: str = _opt("auto", "auto (cuda with a GPU, else cpu) | cpu (C++ kernels, oneDNN) | cuda (Triton "
+                                "attention, CUDA graphs) | torch (the pure-torch reference, on `device`)")
     dtype: str = _opt("auto", "auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 | float16")
     seed: int = _opt(0, "seed of the engine's random generator (per-request seeds override it)")
     num_threads: int | None = _opt(None, "torch threads; unset: the CPUs this process may use "
@@ -141,6 +143,8 @@ class EngineConfig:
             raise ValueError(f"step_time_ratio must be > 1, got {self.step_time_ratio}")
         if self.aging_s <= 0:
             raise ValueError(f"aging_s must be positive, got {self.aging_s}")
+        if self.backend not in ("auto", "cpu", "cuda", "torch"):
+            raise ValueError(f"backend must be auto, cpu, cuda or torch, got {self.backend!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.quantization not in ("none", "int8"):

@@ -1,7 +1,14 @@
-"""The engine: add requests, then step. One step = schedule -> one forward over the prefill
-chunks and the decodes -> sample -> scheduler.update_from_output -> output processing, returning per-request deltas and a
-StepStats value. This class only orchestrates: the scheduler owns request progress, the
-output processor owns what a token means for the client, the runner owns the model."""
+"""The engine: admit requests, then step. One step is four calls on values:
+
+    sched = scheduler.schedule(now)                      # SchedulerOutput: ids and diffs
+    result = runner.execute(sched)                       # RunnerOutput: sampled ids, logprobs
+    updates = scheduler.update_from_output(sched, result)  # tokens applied, token stops, blocks freed
+    outputs, ended = output_processor.process(updates)   # text, stop strings, logprobs, metrics
+
+and the requests a stop string ended go back to the scheduler to finish. This class only
+orchestrates: the scheduler owns request progress, the output processor what a token means for
+the client, the runner the model and its own batch.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -21,10 +28,9 @@ from engine.core.sequence import Sequence
 from engine.errors import QueueFullError, RequestIdInUseError
 from engine.execution.model_loader import model_display_name, resolve_model
 from engine.execution.model_runner import ModelRunner
-from engine.execution.sampler import Sampler
 from engine.inputs import EngineRequest
-from engine.outputs import KvCacheEvent, ModelInfo, RequestOutput, StepStats
-from engine.processing.detokenizer import IncrementalDetokenizer, ids_decoder
+from engine.outputs import FinishReason, KvCacheEvent, ModelInfo, RequestOutput, StepStats
+from engine.processing.detokenizer import ids_decoder
 from engine.processing.input_processor import InputProcessor, load_eos_token_ids
 from engine.processing.output_processor import OutputProcessor
 from engine.processing.sampling_params import SamplingParams
@@ -65,9 +71,8 @@ class LLMEngine:
         self.eos_token_ids = load_eos_token_ids(self.model_dir, hf_config, output_tokenizer)
         self.input_processor = InputProcessor(AutoTokenizer.from_pretrained(config.tokenizer or str(self.model_dir)),
                                               self.vocab_size, self.max_model_len, config, self.eos_token_ids)
-        self.scheduler = Scheduler(config, self.block_manager)
-        self.output_processor = OutputProcessor(self.scheduler, self.max_model_len)
-        self.sampler = Sampler(self.runner.device, config.seed, self.runner.cpu_kernels)
+        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
+        self.output_processor = OutputProcessor(self._decode_ids)
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
         self._ids = itertools.count()
         self._step_ids = itertools.count(1)
@@ -111,9 +116,8 @@ class LLMEngine:
             raise RuntimeError("reconfigure needs an idle engine")
         self.config = dataclasses.replace(self.config, **changes)  # validates
         cost_model = self.scheduler.cost_model  # what was learned about this machine still holds
-        self.scheduler = Scheduler(self.config, self.block_manager)
+        self.scheduler = Scheduler(self.config, self.block_manager, self.max_model_len)
         self.scheduler.cost_model = cost_model
-        self.output_processor = OutputProcessor(self.scheduler, self.max_model_len)
 
     # ---- the facade the service uses (any thread unless said) ---------------------------
 
@@ -139,8 +143,9 @@ class LLMEngine:
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         return self.input_processor.tokenize(prompt, add_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], params: SamplingParams | None = None) -> list[int]:
-        return self.input_processor.apply_chat_template(messages, params)
+    def apply_chat_template(self, messages: list[dict[str, Any]], params: SamplingParams | None = None,
+                            chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        return self.input_processor.apply_chat_template(messages, params, chat_template_kwargs)
 
     def take_kv_events(self) -> list[KvCacheEvent]:
         """Prefix-cache changes not yet handed out (step() hands out its own in StepStats)."""
@@ -163,11 +168,13 @@ class LLMEngine:
         self.input_processor.check_request(params, request_id, priority)
 
     def process_inputs(self, params: SamplingParams, prompt: str | list[int] | None = None,
-                       messages: list[dict[str, str]] | None = None, request_id: str | None = None,
-                       priority: int = 0, arrival_time: float | None = None) -> EngineRequest:
-        """Tokenize (or apply the chat template), check the prompt against the context and compile
-        a grammar: the costly part of admission, on the caller's thread (check_request first)."""
-        token_ids = self.input_processor.prompt_token_ids(params, prompt, messages)
+                       messages: list[dict[str, Any]] | None = None, request_id: str | None = None,
+                       priority: int = 0, arrival_time: float | None = None,
+                       chat_template_kwargs: dict[str, Any] | None = None) -> EngineRequest:
+        """Tokenize (or apply the chat template, with chat_template_kwargs such as tools=), check the
+        prompt against the context and compile a grammar: the costly part of admission, on the
+        caller's thread (check_request first)."""
+        token_ids = self.input_processor.prompt_token_ids(params, prompt, messages, chat_template_kwargs)
         return EngineRequest(token_ids, params, request_id, priority, arrival_time)
 
     def admit(self, request: EngineRequest) -> str:
@@ -178,15 +185,18 @@ class LLMEngine:
             raise RequestIdInUseError(f"request_id: {request_id!r} is already in use")
         self.check_queue()
         params, token_ids = request.params, request.prompt_token_ids
+        arrival = time.monotonic() if request.arrival_time is None else request.arrival_time
         matcher = None
         if params.structured_output is not None:  # compiled already: a matcher costs well under 1 ms
             matcher = self.input_processor.grammar.matcher(params.structured_output)
-        self.scheduler.add(Sequence(
-            request_id=request_id, prompt_token_ids=token_ids, params=params,
-            arrival_time=time.monotonic() if request.arrival_time is None else request.arrival_time,
-            detokenizer=IncrementalDetokenizer(self._decode_ids, token_ids, params.skip_special_tokens),
-            eos_token_ids=self.eos_token_ids, priority=request.priority, generator=self._generator(params, 0),
-            matcher=matcher))
+        samples = [Sequence(
+            request_id=request_id if i == 0 else f"{request_id}/{i}", group_id=request_id, index=i,
+            prompt_token_ids=token_ids, params=params, arrival_time=arrival, eos_token_ids=self.eos_token_ids,
+            priority=request.priority, generator=self._generator(params, i),
+            matcher=matcher if i == 0 or matcher is None else matcher.deep_copy()) for i in range(params.n)]
+        self.scheduler.add(samples[0], forks=samples[1:])
+        for seq in samples:
+            self.output_processor.add_request(seq.request_id, request_id, seq.index, token_ids, params, arrival)
         return request_id
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -205,28 +215,20 @@ class LLMEngine:
         generator.manual_seed((params.seed + index) % 2**63)
         return generator
 
-    def _new_sample(self, parent: Sequence, index: int) -> Sequence:
-        params = parent.params
-        child = Sequence(
-            request_id=f"{parent.group_id}/{index}", group_id=parent.group_id, index=index,
-            prompt_token_ids=parent.prompt_token_ids, params=params, arrival_time=parent.arrival_time,
-            detokenizer=IncrementalDetokenizer(self._decode_ids, parent.prompt_token_ids, params.skip_special_tokens),
-            eos_token_ids=self.eos_token_ids, priority=parent.priority, generator=self._generator(params, index),
-            matcher=parent.matcher.deep_copy() if parent.matcher is not None else None)
-        child.num_cached_prompt_tokens = parent.num_cached_prompt_tokens
-        return child
-
     def abort_request(self, request_id: str) -> bool:
         """Stop a request (every sample of it) now and free its blocks; its final outputs come
         from the next step."""
         samples = self.scheduler.group(request_id)
-        for seq in samples:
-            self._pending.append(self.output_processor.abort(seq, time.monotonic()))
+        now = time.monotonic()
+        updates = [self.scheduler.finish(seq, FinishReason.ABORT, now) for seq in samples]
+        self._pending += self.output_processor.process(updates, now)[0]
         return bool(samples)
 
     def fail_all(self, error: str) -> list[RequestOutput]:
         """End every request with an error (engine shutdown or fault)."""
-        return self.output_processor.fail(list(self.scheduler.requests.values()), error, time.monotonic())
+        now = time.monotonic()
+        updates = self.scheduler.finish_requests(list(self.scheduler.requests), FinishReason.ERROR, now, error)
+        return self.output_processor.process(updates, now)[0]
 
     # ---- the step -------------------------------------------------------------------
 
@@ -239,57 +241,48 @@ class LLMEngine:
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("step %d: %s", stats.step_id, sched.describe())
         if not sched.is_empty:
-            try:
-                outputs.extend(self._run(sched, stats))
-            except Exception as exc:  # noqa: BLE001 - one bad step must not take the engine down
-                logger.exception("engine step %d failed; failing its requests", stats.step_id)
-                outputs.extend(self.output_processor.fail(sched.prefill_seqs + sched.decode_seqs,
-                                                          f"engine error: {exc}", time.monotonic()))
-        stats.num_waiting = self.scheduler.num_waiting
-        stats.num_running = self.scheduler.num_running
+            outputs += self._run(sched, stats)
+        elif sched.removed_req_ids:  # nothing to run, but rows to drop
+            self.runner.batch.update(sched)
+        self._record(stats, sched, outputs)
+        return outputs, stats
+
+    def _run(self, sched: SchedulerOutput, stats: StepStats) -> list[RequestOutput]:
+        try:
+            if self._injected_fault is not None:
+                message, self._injected_fault = self._injected_fault, None
+                raise RuntimeError(message)
+            result = self.runner.execute(sched)
+        except Exception as exc:  # noqa: BLE001 - one bad step must not take the engine down
+            logger.exception("engine step %d failed; failing its requests", stats.step_id)
+            now = time.monotonic()
+            updates = self.scheduler.finish_requests(sched.scheduled_req_ids, FinishReason.ERROR, now,
+                                                     f"engine error: {exc}")
+            return self.output_processor.process(updates, now)[0]
+        t1 = time.monotonic()
+        for req_id, first_position, entries in result.prompt_logprobs:
+            self.output_processor.add_prompt_logprobs(req_id, first_position, entries)
+        updates = self.scheduler.update_from_output(sched, result, t1)
+        outputs, ended = self.output_processor.process(updates, t1, stats)
+        for req_id, reason in ended.items():  # a stop string, or a fault formatting that request
+            self.scheduler.finish_requests([req_id], reason, t1)
+        stats.prepare_time, stats.forward_time, stats.sample_time = (result.prepare_time, result.forward_time,
+                                                                     result.sample_time)
+        stats.process_time = time.monotonic() - t1
+        self.scheduler.observe_step_time(sched, stats.forward_time, stats.overhead_time)
+        return outputs
+
+    def _record(self, stats: StepStats, sched: SchedulerOutput, outputs: list[RequestOutput]) -> None:
+        stats.num_waiting, stats.num_running = self.scheduler.num_waiting, self.scheduler.num_running
         stats.kv_cache_usage = self.block_manager.usage
-        stats.num_preemptions = len(sched.preempted_seqs)
+        stats.num_preemptions = len(sched.preempted_req_ids)
         stats.num_prefix_queried_tokens = sched.num_prefix_queried_tokens
         stats.num_prefix_hit_tokens = sched.num_prefix_hit_tokens
         stats.budget_source = sched.budget_source
         stats.step_time_target, stats.predicted_step_time = sched.step_time_target, sched.predicted_step_time
+        stats.num_prefill_tokens, stats.num_decode_tokens = sched.num_prefill_tokens, sched.num_decode_tokens
+        stats.num_prefill_seqs, stats.num_decode_seqs = len(sched.prefill_req_ids), len(sched.decode_req_ids)
+        stats.prefill_request_ids, stats.decode_request_ids = list(sched.prefill_req_ids), list(sched.decode_req_ids)
+        stats.num_generated_tokens = sum(len(o.new_token_ids) for o in outputs)
         stats.finished = [o.metrics for o in outputs if o.metrics is not None]
         stats.kv_events = self.take_kv_events()
-        return outputs, stats
-
-    def _run(self, sched: SchedulerOutput, stats: StepStats) -> list[RequestOutput]:
-        t0 = time.monotonic()
-        if self._injected_fault is not None:
-            message, self._injected_fault = self._injected_fault, None
-            raise RuntimeError(message)
-        logits, greedy_ids = self.runner.execute(sched, self.sampler.is_plain_greedy(sched.sampling_seqs))
-        copies = []
-        for row, seq in enumerate(sched.sampling_seqs):
-            if seq.needs_fork:  # its prompt is in the cache now: the other samples share it
-                children = [self._new_sample(seq, i) for i in range(1, seq.params.n)]
-                copies += self.scheduler.fork(seq, children, row, sched)
-        if copies:
-            self.runner.copy_blocks(copies)
-        if sched.forked_seqs:
-            logits = torch.cat([logits, logits[torch.tensor(sched.fork_rows, device=logits.device)]])
-            greedy_ids = None  # the forked rows are not among them
-        t1 = time.monotonic()
-        sampling_seqs = sched.sampling_seqs
-        sampled = self.sampler(logits, sampling_seqs, greedy_ids) if sampling_seqs else None
-        t2 = time.monotonic()
-        for seq, first_position, entries in self.runner.last_prompt_logprobs:
-            self.output_processor.add_prompt_logprobs(seq, first_position, entries)
-        self.scheduler.update_from_output(sched, sampled.token_ids if sampled is not None else [])
-        outputs = self.output_processor.process(sampling_seqs, sampled.logprobs, t2, stats) if sampled is not None else []
-        t3 = time.monotonic()
-        # The forward time excludes host-side input preparation, which counts as overhead.
-        stats.prepare_time = self.runner.last_prepare_time
-        stats.forward_time = t1 - t0 - stats.prepare_time
-        stats.sample_time, stats.process_time = t2 - t1, t3 - t2
-        self.scheduler.observe_step_time(sched, stats.forward_time, stats.overhead_time)
-        stats.num_prefill_tokens, stats.num_decode_tokens = sched.num_prefill_tokens, sched.num_decode_tokens
-        stats.num_prefill_seqs, stats.num_decode_seqs = len(sched.prefill_seqs), len(sched.decode_seqs)
-        stats.prefill_request_ids = [s.request_id for s in sched.prefill_seqs]
-        stats.decode_request_ids = [s.request_id for s in sched.decode_seqs]
-        stats.num_generated_tokens = len(outputs)
-        return outputs

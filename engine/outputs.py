@@ -5,7 +5,15 @@ so the engine never imports an observability or transport library.
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the model's context length
+    ABORT = "abort"  # client cancel, deadline, shutdown
+    ERROR = "error"  # the engine failed while serving this request
 
 
 @dataclass(slots=True)

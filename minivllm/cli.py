@@ -83,6 +83,15 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--served-model-name", default=_env("served_model_name"),
                        help="model name clients send and see (OpenAI `model`, metrics label); default: the "
                             "model's own name (env MINIVLLM_SERVED_MODEL_NAME)")
+    serve.add_argument("--tool-call-parser", default=_env("tool_call_parser", "auto"),
+                       help="tool-call format: auto (from the chat template), hermes, llama3_json or mistral "
+                            "(env MINIVLLM_TOOL_CALL_PARSER)")
+    serve.add_argument("--reasoning-parser", default=_env("reasoning_parser"),
+                       help="move <think> blocks into reasoning_content: deepseek_r1 or qwen3; unset: off "
+                            "(env MINIVLLM_REASONING_PARSER)")
+    serve.add_argument("--max-stored-responses", type=int, default=int(_env("max_stored_responses", "1024")),
+                       help="/v1/responses kept for previous_response_id, oldest dropped first "
+                            "(env MINIVLLM_MAX_STORED_RESPONSES)")
     serve.add_argument("--metrics-host", default=_env("metrics_host", "0.0.0.0"),
                        help="Prometheus /metrics listen address (env MINIVLLM_METRICS_HOST)")
     serve.add_argument("--metrics-port", type=int, default=int(_env("metrics_port", "9400")),
@@ -173,7 +182,9 @@ async def _serve(args: argparse.Namespace) -> int:
                           tls_cert_file=args.tls_cert, tls_key_file=args.tls_key, tls_client_ca_file=args.tls_client_ca,
                           auth_tokens=load_tokens(args.auth_token_file), engine=engine_config,
                           http_host=args.http_host or args.host, http_port=args.http_port or None,
-                          served_model_name=model_name,
+                          served_model_name=model_name, tool_call_parser=args.tool_call_parser,
+                          reasoning_parser=args.reasoning_parser or None,
+                          max_stored_responses=args.max_stored_responses,
                           grpc_services=tuple(s.strip() for s in args.grpc_services.split(",") if s.strip()))
     obs = Observability.from_env(model_name=model_name, metrics_port=args.metrics_port, metrics_host=args.metrics_host)
     server = InferenceServer(config, stats_listeners=[obs.on_step], observer=obs.request_observer,

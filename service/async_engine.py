@@ -124,6 +124,7 @@ class AsyncEngine:
         self._max_tokenizing = max_tokenizing
         self._fault = FaultInjector(os.environ.get("MINIVLLM_FAULT"))
         self._token_texts: dict[int, str] = {}
+        self._added_tokens: dict[str, tuple[int, bool]] | None = None
 
     # ---- asyncio side --------------------------------------------------------------
 
@@ -151,8 +152,9 @@ class AsyncEngine:
         return f"{request_id}#{next(self._ids)}"
 
     async def generate(self, request_id: str, params: SamplingParams, prompt: str | list[int] | None = None,
-                       messages: list[dict[str, str]] | None = None, priority: int = 0,
-                       engine_id: str | None = None) -> AsyncGenerator[RequestOutput, None]:
+                       messages: list[dict[str, Any]] | None = None, priority: int = 0,
+                       engine_id: str | None = None,
+                       chat_template_kwargs: dict[str, Any] | None = None) -> AsyncGenerator[RequestOutput, None]:
         """Admit a request, then return its output stream (outputs carry engine_id).
 
         request_id is the client's; engine_id (from new_engine_id, made here when not given)
@@ -171,7 +173,7 @@ class AsyncEngine:
         self._client_ids.add(request_id)
         engine_id = engine_id or self.new_engine_id(request_id)
         try:
-            request = await self._process_inputs(params, prompt, messages, engine_id, priority)
+            request = await self._process_inputs(params, prompt, messages, engine_id, priority, chat_template_kwargs)
             stream: asyncio.Queue[RequestOutput] = asyncio.Queue()
             self._streams[engine_id] = stream
             cmd = _Add(request)
@@ -190,9 +192,11 @@ class AsyncEngine:
         return outputs
 
     async def _process_inputs(self, params: SamplingParams, prompt: str | list[int] | None,
-                              messages: list[dict[str, str]] | None, engine_id: str, priority: int) -> EngineRequest:
+                              messages: list[dict[str, Any]] | None, engine_id: str, priority: int,
+                              chat_template_kwargs: dict[str, Any] | None = None) -> EngineRequest:
         def work() -> EngineRequest:
-            return self._engine.process_inputs(params, prompt, messages, request_id=engine_id, priority=priority)
+            return self._engine.process_inputs(params, prompt, messages, request_id=engine_id, priority=priority,
+                                               chat_template_kwargs=chat_template_kwargs)
 
         self._num_tokenizing += 1
         try:
@@ -200,15 +204,16 @@ class AsyncEngine:
         finally:
             self._num_tokenizing -= 1
 
-    async def tokenize(self, prompt: str | None = None, messages: list[dict[str, str]] | None = None,
-                       add_special_tokens: bool = True) -> list[int]:
+    async def tokenize(self, prompt: str | None = None, messages: list[dict[str, Any]] | None = None,
+                       add_special_tokens: bool = True,
+                       chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Token ids of a prompt or a chat, as generate would see them (on the tokenizer thread);
         add_special_tokens=False: a prompt's text alone (no BOS where the tokenizer adds one)."""
         engine = self._engine
         max_chars = engine.config.max_prompt_chars
         if prompt is not None and len(prompt) > max_chars:
             raise LimitExceededError(f"prompt: {len(prompt)} characters, at most {max_chars}")
-        work = (lambda: engine.apply_chat_template(messages)) if messages is not None else \
+        work = (lambda: engine.apply_chat_template(messages, None, chat_template_kwargs)) if messages is not None else \
             (lambda: engine.tokenize(prompt, add_special_tokens))
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, work)
 
@@ -218,6 +223,19 @@ class AsyncEngine:
         tokenizer = self._engine.tokenizer
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool,
                                                                 lambda: tokenizer.decode(token_ids))
+
+    async def added_tokens(self) -> dict[str, tuple[int, bool]]:
+        """The tokenizer's added tokens: text -> (id, is_special), read on the tokenizer thread once
+        (a tool-call format's markers are often such tokens: a grammar names them by id)."""
+        if self._added_tokens is None:
+            tokenizer = self._engine.tokenizer
+
+            def read() -> dict[str, tuple[int, bool]]:
+                decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+                return {str(t): (int(i), bool(getattr(t, "special", True))) for i, t in decoder.items()}
+
+            self._added_tokens = await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, read)
+        return self._added_tokens
 
     def tokenizer_info(self) -> dict[str, Any]:
         """The tokenizer's special tokens and chat template (what a client needs to tokenize alike)."""

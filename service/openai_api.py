@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP front door: the FastAPI app (routes, auth, errors, call metrics).
 
 Routes: POST /v1/completions, POST /v1/chat/completions (streamed as server-sent events or
-whole), GET /v1/models, GET /health, and vLLM's POST /tokenize, POST /detokenize and GET
+whole; tools and reasoning: service/chat_tools.py), POST /v1/responses with GET and DELETE
+/v1/responses/{id} (service/responses_api.py), GET /v1/models, GET /health, and vLLM's POST /tokenize, POST /detokenize and GET
 /tokenizer_info (lm-evaluation-harness's remote tokenizer uses the three). Both front doors
 share the engine, the serving state (a drain or a dead engine refuses new calls on both), the
 bearer tokens, the request observer (traces) and the call metrics (`protocol="http"`). A client
@@ -22,6 +23,7 @@ from fastapi.responses import JSONResponse
 
 from engine import LimitExceededError, QueueFullError, RequestIdInUseError, RequestOutput, SamplingParams
 from service.async_engine import AsyncEngine, EngineDeadError
+from service.chat_tools import ChatTools
 from service.openai_call import AbortingStreamingResponse, OpenAICall
 from service.openai_protocol import (
     ChatCompletionRequest,
@@ -36,13 +38,15 @@ from service.openai_protocol import (
 )
 from service.output_merge import MergedOutputs
 from service.request_observer import CallInfo, RequestObserver
+from service.responses_api import ResponsesApi
+from service.responses_protocol import ResponsesRequest
 from service.serving_state import EngineUnavailableError, ServingState
 
 logger = logging.getLogger(__name__)
 
 ApiCallListener = Callable[[str, str, str, float], None]  # (protocol, method, code, seconds)
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/tokenize", "/detokenize",
-          "/tokenizer_info")
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/health", "/tokenize",
+          "/detokenize", "/tokenizer_info")
 
 
 class ApiError(Exception):
@@ -106,8 +110,11 @@ class CallMiddleware:
 class OpenAIFrontDoor:
     def __init__(self, state: ServingState, model_name: str, observer: RequestObserver | None = None,
                  auth_tokens: list[str] | None = None, max_body_bytes: int = 4 * 1024 * 1024,
-                 on_call: ApiCallListener | None = None) -> None:
+                 on_call: ApiCallListener | None = None, chat_tools: ChatTools | None = None,
+                 max_stored_responses: int = 1024) -> None:
         self.state = state
+        self.chat_tools = chat_tools or ChatTools()
+        self.responses = ResponsesApi(self, max_stored_responses)
         self.model_name = model_name
         self.observer = observer or RequestObserver()
         self.auth_tokens = list(auth_tokens or [])
@@ -159,6 +166,21 @@ class OpenAIFrontDoor:
         @app.post("/v1/chat/completions", dependencies=[auth])
         async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
             return await self._serve(body, request, "chat", "/v1/chat/completions")
+
+        @app.post("/v1/responses", dependencies=[auth])
+        async def responses(body: ResponsesRequest, request: Request) -> Any:
+            try:
+                return await self.responses.create(body, request)
+            except (ValueError, EngineDeadError, EngineUnavailableError) as exc:
+                raise _admission_error(exc) from exc
+
+        @app.get("/v1/responses/{response_id}", dependencies=[auth])
+        async def get_response(response_id: str) -> JSONResponse:
+            return self.responses.retrieve(response_id)
+
+        @app.delete("/v1/responses/{response_id}", dependencies=[auth])
+        async def delete_response(response_id: str) -> JSONResponse:
+            return self.responses.delete(response_id)
 
         @app.post("/tokenize", dependencies=[auth])
         async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
@@ -246,8 +268,11 @@ class OpenAIFrontDoor:
             if params_error is not None:
                 raise params_error
             engine = self.state.ready_engine()
+            plan = None
             if is_chat:
-                stream = await engine.generate(request_id, params, messages=body.chat_messages(), engine_id=request_id)
+                plan, params = await self.chat_tools.prepare(engine, body.chat_messages(), body.tool_request(),
+                                                             params, body.chat_template_kwargs)
+                stream = await self.chat_tools.generate(engine, request_id, params, plan)
             else:
                 stream = await self._generate_all(engine, request_id, params, body.prompt_inputs())
         except ApiError as exc:
@@ -258,8 +283,9 @@ class OpenAIFrontDoor:
             self.observer.finish(handle, None, str(error.status), error.message,
                                  {"http.response.status_code": error.status})
             raise error from exc
-        call = OpenAICall(self.model_name, self.observer, engine, stream, body, params, request_id, handle)
+        call = OpenAICall(self.model_name, self.observer, engine, stream, body, params, request_id, handle, plan)
         if body.stream:
             return AbortingStreamingResponse(call.events(), media_type="text/event-stream",
                                               headers={"cache-control": "no-cache", "x-request-id": request_id})
         return await call.whole(request)
+

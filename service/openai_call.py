@@ -15,6 +15,8 @@ from starlette.requests import ClientDisconnect
 
 from engine import RequestOutput, SamplingParams
 from service.async_engine import AsyncEngine
+from service.chat_output import ChoiceOutput
+from service.chat_tools import ChatPlan
 from service.openai_protocol import (
     ChatCompletionRequest,
     ChoiceLogprobs,
@@ -36,7 +38,7 @@ class OpenAICall:
 
     def __init__(self, model_name: str, observer: RequestObserver, engine: AsyncEngine,
                  stream: AsyncIterator[RequestOutput], body: CompletionRequest | ChatCompletionRequest,
-                 params: SamplingParams, request_id: str, handle: Any) -> None:
+                 params: SamplingParams, request_id: str, handle: Any, plan: ChatPlan | None = None) -> None:
         self.model_name, self.observer = model_name, observer
         self.engine, self.stream, self.body = engine, stream, body
         self.params, self.request_id, self.handle = params, request_id, handle
@@ -53,6 +55,14 @@ class OpenAICall:
         self.echoes: dict[int, EchoedPrompt] = {}  # by prompt
         # The prompt_logprobs field only when asked for (echo may ask the engine for more).
         self.num_prompt_logprobs = body.prompt_logprobs
+        # Chat: each choice's reasoning and tool calls parsed out of its text (a pass-through without parsers).
+        self.is_reasoning = plan is not None and plan.reasoning is not None
+        self.choice_outputs = [ChoiceOutput(plan.reasoning if plan else None, plan.tool_parser if plan else None)
+                               for _ in range(self.num_choices if self.is_chat else 0)]
+
+    def _usage(self) -> dict[str, Any]:
+        reasoning = sum(o.num_reasoning_tokens for o in self.choice_outputs) if self.is_reasoning else None
+        return usage_body(list(self.finals.values()), reasoning)
 
     @contextlib.contextmanager
     def _observed(self) -> Iterator[list[Any]]:
@@ -164,7 +174,7 @@ class OpenAICall:
                     for event in await self._release(key, outs):
                         yield event
                 if self.body.include_usage and self.finals:
-                    yield self._chunk({}, usage_body(list(self.finals.values())))
+                    yield self._chunk({}, self._usage())
                 yield "data: [DONE]\n\n"
             finally:
                 await self.stream.aclose()  # aborts an unfinished request: frees its KV blocks now
@@ -189,11 +199,14 @@ class OpenAICall:
         """The chunk of one output (None when it carries nothing to send)."""
         logprobs = await self._logprobs(out)
         prompt_logprobs = await self._prompt_logprobs(out)
-        if out.new_text or logprobs or prompt_logprobs or out.is_finished:
+        if self.is_chat:
+            output = self.choice_outputs[out.index]
+            # Text a parser holds back (it may open a call or close a thinking block) comes later.
+            delta = output.delta(output.feed(out))
+        if (delta if self.is_chat else out.new_text) or logprobs or prompt_logprobs or out.is_finished:
             if self.is_chat:
-                delta = {"content": out.new_text} if out.new_text else {}
                 choice = {"index": out.index, "delta": delta, "logprobs": logprobs,
-                          "finish_reason": finish_reason(out)}
+                          "finish_reason": output.finish_reason(finish_reason(out))}
             else:
                 choice = {"index": out.index, "text": out.new_text, "logprobs": logprobs,
                           "finish_reason": finish_reason(out)}
@@ -231,6 +244,8 @@ class OpenAICall:
                         final[0] = out
                         return JSONResponse(error_body(out.error or "engine error", "server_error"), status_code=500)
                     texts[out.index].append(out.new_text)
+                    if self.is_chat:
+                        self.choice_outputs[out.index].feed(out)
                     key = self._prompt_of(out)
                     if key not in prompt_logprobs and (entries := await self._prompt_logprobs(out)) is not None:
                         prompt_logprobs[key] = entries
@@ -262,8 +277,9 @@ class OpenAICall:
                         logprobs_body = _after_echo(echo, logprobs_body)
                 reason = finish_reason(self.finals[index]) if index in self.finals else None
                 if self.is_chat:
-                    choice = {"index": index, "message": {"role": "assistant", "content": "".join(texts[index])},
-                              "logprobs": logprobs_body, "finish_reason": reason}
+                    output = self.choice_outputs[index]
+                    choice = {"index": index, "message": output.message(), "logprobs": logprobs_body,
+                              "finish_reason": output.finish_reason(reason)}
                 else:
                     choice = {"index": index, "text": "".join(texts[index]), "logprobs": logprobs_body,
                               "finish_reason": reason}
@@ -272,7 +288,7 @@ class OpenAICall:
                 choices.append(choice)
             kind = "chat.completion" if self.is_chat else "text_completion"
             return JSONResponse({"id": self.request_id, "object": kind, "created": self.created,
-                                 "model": self.model_name, "choices": choices, "usage": usage_body(list(self.finals.values()))})
+                                 "model": self.model_name, "choices": choices, "usage": self._usage()})
 
 
 def _after_echo(echo: EchoedPrompt, generated: dict[str, list[Any]]) -> dict[str, list[Any]]:

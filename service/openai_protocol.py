@@ -3,8 +3,8 @@
 Request fields follow the OpenAI API (plus vLLM's usual extras: top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, stop_token_ids, skip_special_tokens). Unknown fields
 are ignored, as OpenAI-compatible servers do, so SDK additions do not break clients; known fields
-that minivllm cannot honour yet (suffix, tools, ...) are refused with a 400 naming
-the field rather than silently ignored.
+that minivllm cannot honour yet (suffix, best_of, ...) are refused with a 400 naming
+the field rather than silently ignored. Tools: service/tool_protocol.py.
 """
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine import RequestOutput, SamplingParams, StructuredOutput
+from service.chat_tools import ToolRequest
+from service.tool_protocol import ChatToolIn, ToolCallIn, ToolChoiceIn, tool_request
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "stop"}
 MAX_PROMPTS = 128  # a completions batch's prompts: one call fans out to at most this many requests
@@ -202,11 +204,15 @@ class ChatMessageIn(BaseModel):
 
     role: str
     content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool result's call
+    name: str | None = None
 
 
-def chat_messages(messages: list[ChatMessageIn]) -> list[dict[str, str]]:
-    """Messages as the chat template takes them: text parts joined, other parts refused."""
-    out = []
+def chat_messages(messages: list[ChatMessageIn]) -> list[dict[str, Any]]:
+    """Messages as the chat template takes them: text parts joined, other parts refused; an
+    assistant's tool_calls and a tool result's tool_call_id kept (developer is system)."""
+    out: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
         if isinstance(m.content, list):
             parts = []
@@ -218,7 +224,16 @@ def chat_messages(messages: list[ChatMessageIn]) -> list[dict[str, str]]:
             content = "".join(parts)
         else:
             content = m.content or ""
-        out.append({"role": m.role, "content": content})
+        message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content}
+        if m.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function",
+                                      "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                                     for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        if m.name is not None and m.role == "tool":
+            message["name"] = m.name
+        out.append(message)
     return out
 
 
@@ -232,7 +247,7 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool = True  # a prompt's BOS and the like, where the tokenizer adds them
     return_token_strs: bool = False
 
-    def chat(self) -> list[dict[str, str]] | None:
+    def chat(self) -> list[dict[str, Any]] | None:
         if (self.prompt is None) == (self.messages is None):
             raise UnsupportedFieldError("prompt", "give exactly one of prompt or messages")
         if self.messages is not None and not self.messages:
@@ -253,14 +268,21 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    tools: list[Any] | None = None
+    tools: list[ChatToolIn] | None = None
+    tool_choice: str | ToolChoiceIn | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra template variables (enable_thinking, ...)
 
-    def chat_messages(self) -> list[dict[str, str]]:
+    def chat_messages(self) -> list[dict[str, Any]]:
         return chat_messages(self.messages)
 
+    def tool_request(self) -> ToolRequest:
+        try:
+            return tool_request(self.tools, self.tool_choice, self.parallel_tool_calls)
+        except ValueError as exc:
+            raise UnsupportedFieldError(param_of(str(exc)) or "tools", str(exc).split(": ", 1)[-1]) from None
+
     def sampling_params(self) -> SamplingParams:
-        if self.tools:
-            raise UnsupportedFieldError("tools", "tool calling is not supported")
         if self.top_logprobs and not self.logprobs:
             raise UnsupportedFieldError("top_logprobs", "needs logprobs: true")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
@@ -296,14 +318,18 @@ def param_of(message: str) -> str | None:
     return head if head and all(c.isalnum() or c in "_.[]" for c in head) else None
 
 
-def usage_body(outs: list[RequestOutput]) -> dict[str, Any]:
+def usage_body(outs: list[RequestOutput], num_reasoning_tokens: int | None = None) -> dict[str, Any]:
     """Usage of a call from its samples' final outputs: each prompt once (its samples share a
-    request id), every sample's tokens."""
+    request id), every sample's tokens (and of those, the thinking ones when a reasoning parser
+    counted them)."""
     prompts = {o.request_id: o for o in outs}.values()
     prompt = sum(o.num_prompt_tokens for o in prompts)
     completion = sum(o.num_output_tokens for o in outs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in prompts)}}
+    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+             "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in prompts)}}
+    if num_reasoning_tokens is not None:
+        usage["completion_tokens_details"] = {"reasoning_tokens": num_reasoning_tokens}
+    return usage
 
 
 def finish_reason(out: RequestOutput) -> str | None:

@@ -2,9 +2,14 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+from typing import Any
 
 from engine import ModelInfo, RequestOutput, SamplingParams, StructuredOutput
+from service.chat_output import ChoiceOutput
+from service.chat_tools import ToolRequest
 from service.pb import inference_pb2 as pb
+from service.tool_grammar import FunctionSpec
 
 
 def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
@@ -34,10 +39,38 @@ def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     return SamplingParams(**kwargs)
 
 
-def messages_from_proto(msg: pb.Messages) -> list[dict[str, str]]:
+def messages_from_proto(msg: pb.Messages) -> list[dict[str, Any]]:
     if not msg.messages:
         raise ValueError("messages: must not be empty")
-    return [{"role": m.role, "content": m.content} for m in msg.messages]
+    out: list[dict[str, Any]] = []
+    for m in msg.messages:
+        message: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name,
+                                                                                   "arguments": c.arguments or "{}"}}
+                                     for c in m.tool_calls]
+        if m.tool_call_id:
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
+    return out
+
+
+def tools_from_proto(msg: pb.Messages) -> ToolRequest:
+    """The chat's tools; ValueError naming the field."""
+    functions = []
+    for i, tool in enumerate(msg.tools):
+        try:
+            parameters = json.loads(tool.parameters) if tool.parameters else None
+        except ValueError:
+            raise ValueError(f"messages.tools[{i}].parameters: not JSON") from None
+        functions.append(FunctionSpec(tool.name, tool.description, parameters))
+    choice = msg.tool_choice or ("auto" if functions else "none")
+    if msg.tool_choice_function:
+        choice = msg.tool_choice_function
+    request = ToolRequest(functions, choice, bool(msg.tool_choice_function),
+                          msg.parallel_tool_calls if msg.HasField("parallel_tool_calls") else True)
+    request.check("messages.")
+    return request
 
 
 def logprob_token_ids(out: RequestOutput) -> list[int]:
@@ -76,6 +109,22 @@ def response_from_output(out: RequestOutput, request_id: str, texts: dict[int, s
         resp.usage.CopyFrom(pb.Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=num_completion_tokens,
                                      cached_prompt_tokens=out.num_cached_tokens))
     return resp
+
+
+def add_parsed(response: pb.GenerateResponse, out: RequestOutput, parsed: list[ChoiceOutput], is_last: bool) -> None:
+    """A chat answer's parse on its response: text is content only, thinking and calls in their
+    fields, tool_calls as the finish reason of a sample that called, reasoning tokens in usage."""
+    output = parsed[out.index]
+    delta = output.feed(out)
+    response.text = delta.parsed.content
+    response.reasoning_text = delta.reasoning
+    for call in delta.parsed.calls:
+        response.tool_calls.append(pb.ToolCallDelta(index=call.index, id=call.id or "", name=call.name or "",
+                                                    arguments=call.arguments))
+    if out.is_finished:
+        response.finish_reason = output.finish_reason(out.finish_reason) or ""
+    if is_last:
+        response.usage.reasoning_tokens = sum(p.num_reasoning_tokens for p in parsed)
 
 
 def model_info_to_proto(info: ModelInfo) -> pb.ModelInfo:

@@ -16,6 +16,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 from engine import EngineConfig, LLMEngine, model_display_name, resolve_model
 from service.async_engine import AsyncEngine, StatsListener
+from service.chat_tools import ChatTools
 from service.http_server import HttpServer
 from service.kv_event_hub import KvEventHub
 from service.openai_api import ApiCallListener, OpenAIFrontDoor
@@ -48,6 +49,9 @@ class ServerConfig:
     http_host: str = "0.0.0.0"
     http_port: int | None = None  # OpenAI-compatible HTTP; None: off, 0: a free port
     served_model_name: str | None = None  # the name clients see (OpenAI `model`); None: the model's own
+    tool_call_parser: str = "auto"  # a tool-call format's name, or auto: the chat template's (service/tool_parsers)
+    reasoning_parser: str | None = None  # deepseek_r1 | qwen3: thinking goes to reasoning_content; None: off
+    max_stored_responses: int = 1024  # /v1/responses kept for previous_response_id
     grpc_services: tuple[str, ...] = ("minivllm", "vllm")  # keys of GRPC_SERVICES, served on the one port
     engine: EngineConfig = field(default_factory=EngineConfig)
 
@@ -67,6 +71,8 @@ class InferenceServer:
         self.service_names = tuple(GRPC_SERVICES[name] for name in config.grpc_services)
         self.stats_listeners = list(stats_listeners or [])
         self.state = ServingState()
+        self.chat_tools = ChatTools(config.tool_call_parser, config.reasoning_parser)
+        self.servicer = InferenceServicer(self.state, observer, self.chat_tools)
         self.servicer = InferenceServicer(self.state, observer)
         self.kv_events = KvEventHub(max_running_requests=config.engine.max_num_seqs)
         self.vllm_servicer = VllmEngineServicer(self.state, self.kv_events, observer)
@@ -108,7 +114,8 @@ class InferenceServer:
         self.http: HttpServer | None = None
         if config.http_port is not None:
             door = OpenAIFrontDoor(self.state, config.served_model_name or model_display_name(config.engine.model),
-                                   observer, config.auth_tokens, config.max_message_bytes, on_http_call)
+                                   observer, config.auth_tokens, config.max_message_bytes, on_http_call,
+                                   self.chat_tools, config.max_stored_responses)
             self.http = HttpServer(door.asgi, config.http_host, config.http_port)
         self.async_engine: AsyncEngine | None = None
         self._stopped = asyncio.Event()

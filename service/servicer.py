@@ -4,19 +4,24 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
 from engine import LimitExceededError, QueueFullError, RequestIdInUseError
 from service.async_engine import AsyncEngine, EngineDeadError
+from service.chat_output import ChoiceOutput
+from service.chat_tools import ChatTools
 from service.pb import inference_pb2 as pb
 from service.pb import inference_pb2_grpc as pb_grpc
 from service.protocol import (
+    add_parsed,
     logprob_token_ids,
     messages_from_proto,
     model_info_to_proto,
     response_from_output,
     sampling_params_from_proto,
+    tools_from_proto,
 )
 from service.request_observer import CallInfo, RequestObserver
 from service.serving_state import EngineUnavailableError, ServingState
@@ -27,9 +32,11 @@ logger = logging.getLogger(__name__)
 
 
 class InferenceServicer(pb_grpc.InferenceServicer):
-    def __init__(self, state: ServingState, observer: RequestObserver | None = None) -> None:
+    def __init__(self, state: ServingState, observer: RequestObserver | None = None,
+                 chat_tools: ChatTools | None = None) -> None:
         self.state = state
         self.observer = observer or RequestObserver()
+        self.chat_tools = chat_tools or ChatTools()
 
     @property
     def engine(self) -> AsyncEngine | None:
@@ -58,14 +65,23 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         operation = "chat" if request.WhichOneof("input") == "messages" else "text_completion"
         handle = self.observer.start(request_id, engine_id, CallInfo("grpc", "Generate", operation, carrier), params)
         status, message, final, stream = grpc.StatusCode.OK, "", None, None
+        parsed: list[ChoiceOutput] | None = None  # chat with tools or reasoning: each sample's parse
         num_samples, num_finished, num_completion_tokens = 1, 0, 0
         try:
             try:
                 if params_error is not None:
                     raise params_error
                 prompt, messages = self._input(request)
-                stream = await engine.generate(request_id, params, prompt=prompt, messages=messages,
-                                               priority=request.priority, engine_id=engine_id)
+                if messages is not None:
+                    plan, params = await self.chat_tools.prepare(engine, messages, tools_from_proto(request.messages),
+                                                                 params, None)
+                    stream = await self.chat_tools.generate(engine, request_id, params, plan, engine_id,
+                                                            request.priority)
+                    if plan.tool_parser is not None or plan.reasoning is not None:
+                        parsed = [ChoiceOutput(plan.reasoning, plan.tool_parser) for _ in range(params.n)]
+                else:
+                    stream = await engine.generate(request_id, params, prompt=prompt, messages=messages,
+                                                   priority=request.priority, engine_id=engine_id)
                 num_samples = params.n
             except (QueueFullError, LimitExceededError) as exc:
                 status, message = grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
@@ -94,7 +110,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                     ids = logprob_token_ids(out) if params.logprobs is not None or out.prompt_logprobs else []
                     texts = dict(zip(ids, await engine.token_texts(ids), strict=True)) if ids else None
                     is_last = out.is_finished and num_finished == num_samples
-                    yield response_from_output(out, request_id, texts, num_completion_tokens if is_last else None)
+                    response = response_from_output(out, request_id, texts, num_completion_tokens if is_last else None)
+                    if parsed is not None:
+                        add_parsed(response, out, parsed, is_last)
+                    yield response
         except BaseException as exc:
             if status is grpc.StatusCode.OK:
                 status = grpc.StatusCode.CANCELLED
@@ -109,7 +128,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                                  {"rpc.grpc.status_code": status.value[0]})
 
     @staticmethod
-    def _input(request: pb.GenerateRequest) -> tuple[str | list[int] | None, list[dict[str, str]] | None]:
+    def _input(request: pb.GenerateRequest) -> tuple[str | list[int] | None, list[dict[str, Any]] | None]:
         kind = request.WhichOneof("input")
         if kind == "prompt":
             if not request.prompt:

@@ -57,3 +57,10 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
         _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
                  "-out", f"{name}.pem", "-days", "2", *extra, cwd=d)
     return d
+
+
+@pytest.fixture(scope="session")
+def tiny_tool_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with <tool_call>, </tool_call>, <think>, </think> as tokens and a template
+    that knows tools."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-tools") / "model", with_tools=True)

@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 from engine import LLMEngine, RequestOutput, SamplingParams
+from engine.core.runner_output import RunnerOutput
+from engine.core.scheduler_output import SchedulerOutput
 from engine.core.sequence import Sequence
-from engine.processing.detokenizer import IncrementalDetokenizer
 
 
 def run_engine(engine: LLMEngine, max_steps: int = 10_000) -> tuple[dict[str, list[RequestOutput]], int]:
@@ -19,15 +20,16 @@ def run_engine(engine: LLMEngine, max_steps: int = 10_000) -> tuple[dict[str, li
     return outputs, steps
 
 
-def _never_decoded(token_ids: list[int], skip_special_tokens: bool = True) -> str:
-    raise AssertionError("a fake sequence's tokens are never decoded")
-
-
 def fake_seq(request_id: str, num_prompt: int, num_output: int = 0, arrival: float = 0.0,
              priority: int = 0, params: SamplingParams | None = None) -> Sequence:
     """A sequence with made-up tokens, for scheduler and block-manager tests."""
     seq = Sequence(request_id=request_id, prompt_token_ids=list(range(1, num_prompt + 1)),
-                   params=params or SamplingParams(), arrival_time=arrival,
-                   detokenizer=IncrementalDetokenizer(_never_decoded, []), priority=priority)
+                   params=params or SamplingParams(), arrival_time=arrival, priority=priority)
     seq.output_token_ids = [7] * num_output
     return seq
+
+
+def sampled(sched: SchedulerOutput, token_id: int = 9) -> RunnerOutput:
+    """What a forward would return for a scheduler-only test: token_id for every sampling request."""
+    req_ids = sched.sampling_req_ids
+    return RunnerOutput(req_ids, [token_id] * len(req_ids), [None] * len(req_ids))

@@ -5,13 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.execution.attention import (
-    AttentionMetadata,
-    PrefillSeqMeta,
-    decode_attention,
-    gathered_decode_attention,
-    prefill_attention,
-)
+from engine.execution.attention import AttentionMetadata, PrefillSeqMeta
+from engine.execution.backends.cpu_attention import CpuAttention
+from engine.execution.backends.torch_attention import TorchAttention, gathered_decode_attention
 from engine.execution.kernels import load_cpu_kernels
 
 
@@ -59,8 +55,8 @@ def test_cpp_kernel_matches_dense(dim: int, window: int | None) -> None:
     expected = _dense(q, k, v, tables, lens, bs, window)
     for isa in range(kernels.best_isa() + 1):
         attn = AttentionMetadata(slot_mapping=torch.zeros(1, dtype=torch.long), block_size=bs, block_tables=tables,
-                                 context_lens=lens, decode_kernels=kernels, kernel_isa=isa)
-        out = decode_attention(q, k, v, attn, q.shape[-1] ** -0.5, window)
+                                 context_lens=lens)
+        out = CpuAttention(kernels, isa, prefill_in_cpp=False).decode(q, k, v, attn, q.shape[-1] ** -0.5, window)
         torch.testing.assert_close(out, expected, msg=lambda m, isa=isa: f"isa {isa}: {m}")
 
 
@@ -74,8 +70,9 @@ def test_cpp_kernel_bfloat16_cache(dim: int) -> None:
     ref = _dense(q.bfloat16().float(), k.bfloat16().float(), v.bfloat16().float(), tables, lens, bs)
     for isa in range(kernels.best_isa() + 1):
         attn = AttentionMetadata(slot_mapping=torch.zeros(1, dtype=torch.long), block_size=bs, block_tables=tables,
-                                 context_lens=lens, decode_kernels=kernels, kernel_isa=isa)
-        out = decode_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), attn, q.shape[-1] ** -0.5)
+                                 context_lens=lens)
+        out = CpuAttention(kernels, isa, prefill_in_cpp=False).decode(q.bfloat16(), k.bfloat16(), v.bfloat16(), attn,
+                                                                      q.shape[-1] ** -0.5, None)
         assert out.dtype == torch.bfloat16
         torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2, msg=lambda m, isa=isa: f"isa {isa}: {m}")
 
@@ -115,32 +112,30 @@ def test_prefill_attention_matches_dense(num_cached: int, consecutive: bool, win
              PrefillSeqMeta(n, n, ctx, slots if num_cached else None,
                             int(slots[0]) if consecutive and num_cached else None)]
     attn = AttentionMetadata(slot_mapping=slots[num_cached:], num_prefill_tokens=2 * n, prefill=metas)
-    out = prefill_attention(q, k, v, k_cache, v_cache, attn, dim**-0.5, window)
+    out = TorchAttention().prefill(q, k, v, k_cache, v_cache, attn, dim**-0.5, window)
     torch.testing.assert_close(out[:n], _dense_prefill(q[:n], k[:n], v[:n], 0, window))
     torch.testing.assert_close(out[n:], _dense_prefill(q[n:], k_cache[slots], v_cache[slots], num_cached, window))
 
 
-def test_runner_reads_the_cache_in_place_only_for_consecutive_slots(tiny_llm, monkeypatch) -> None:
+def test_runner_reads_the_cache_in_place_only_for_consecutive_slots(tiny_llm) -> None:
     """Block tables like [6, 5, 7, 9] span as many slots as a consecutive run but are not one
     (the torch prefill path; the C++ kernel gets the block table instead, and nothing else)."""
-    from engine.core.sequence import Sequence
+    from engine.execution.input_batch import prepare_prefill
     from tests.helpers import fake_seq
 
     runner = tiny_llm.engine.runner
     bs = runner.block_size
-    seq = fake_seq("k", 5 * bs)
-    seq.block_table, seq.num_computed_tokens = [6, 5, 7, 9, 10], 4 * bs
-    monkeypatch.setattr(runner, "prefill_kernels", load_cpu_kernels())
-    meta = runner._prepare_prefill([seq], [bs]).metas[0]
+
+    def chunk_meta(table: list[int], with_block_tables: bool) -> PrefillSeqMeta:
+        seq = fake_seq("s", 5 * bs)  # the rows the runner reads have the sequence's token and block lists
+        seq.block_table = list(table)
+        return prepare_prefill([seq], [4 * bs], [bs], bs, runner._to_device, with_block_tables).metas[0]
+
+    meta = chunk_meta([6, 5, 7, 9, 10], with_block_tables=True)
     assert meta.block_table.tolist() == [6, 5, 7, 9, 10] and meta.context_slots is None
-    monkeypatch.setattr(runner, "prefill_kernels", None)
     cases = {(6, 5, 7, 9, 10): False, (3, 4, 5, 6, 7): True, (9, 8, 7, 6, 5): False}
     for table, in_place in cases.items():
-        seq: Sequence = fake_seq("s", 5 * bs)
-        seq.block_table = list(table)
-        seq.num_computed_tokens = 4 * bs
-        meta = runner._prepare_prefill([seq], [bs]).metas[0]
-        assert (meta.cached_slot_start is not None) == in_place, table
+        assert (chunk_meta(list(table), with_block_tables=False).cached_slot_start is not None) == in_place, table
 
 
 def test_bfloat16_chunk_after_a_cached_context_matches_dense() -> None:
@@ -153,7 +148,7 @@ def test_bfloat16_chunk_after_a_cached_context_matches_dense() -> None:
     k, v = k_cache[slots[num_cached:]], v_cache[slots[num_cached:]]
     meta = PrefillSeqMeta(0, n, num_cached + n, slots, 8)
     attn = AttentionMetadata(slot_mapping=slots[num_cached:], num_prefill_tokens=n, prefill=[meta])
-    out = prefill_attention(q, k, v, k_cache, v_cache, attn, dim**-0.5)
+    out = TorchAttention().prefill(q, k, v, k_cache, v_cache, attn, dim**-0.5, None)
     assert out.dtype == torch.bfloat16
     expected = _dense_prefill(q.float(), k_cache[slots].float(), v_cache[slots].float(), num_cached)
     torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=3e-2)
@@ -189,8 +184,9 @@ def test_cpp_prefill_kernel_matches_dense(dim: int, window: int | None, dtype: t
         q = torch.randn(start, heads + 2 * kv_heads, dim, generator=gen).to(dtype)[:, :heads]
         for isa in range(kernels.best_isa() + 1):
             attn = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.int64), num_prefill_tokens=start,
-                                     prefill=metas, block_size=bs, prefill_kernels=kernels, kernel_isa=isa)
-            out = prefill_attention(q, q[:, :kv_heads], q[:, :kv_heads], k_cache, v_cache, attn, dim**-0.5, window)
+                                     prefill=metas, block_size=bs)
+            cpp = CpuAttention(kernels, isa, prefill_in_cpp=True)
+            out = cpp.prefill(q, q[:, :kv_heads], q[:, :kv_heads], k_cache, v_cache, attn, dim**-0.5, window)
             assert out.dtype == dtype
             for (cached, n), meta, table in zip(chunks, metas, tables, strict=True):
                 positions = torch.arange(cached + n)
@@ -204,9 +200,9 @@ def test_cpp_prefill_kernel_matches_dense(dim: int, window: int | None, dtype: t
                 # The same chunk alone in its step (its rows at 0 of their own output) agrees.
                 alone = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.int64), num_prefill_tokens=n,
                                           prefill=[PrefillSeqMeta(0, n, cached + n, None, block_table=table)],
-                                          block_size=bs, prefill_kernels=kernels, kernel_isa=isa)
-                out_alone = prefill_attention(q[rows], q[rows, :kv_heads], q[rows, :kv_heads], k_cache, v_cache,
-                                              alone, dim**-0.5, window)
+                                          block_size=bs)
+                out_alone = cpp.prefill(q[rows], q[rows, :kv_heads], q[rows, :kv_heads], k_cache, v_cache,
+                                        alone, dim**-0.5, window)
                 torch.testing.assert_close(out_alone, out[rows], atol=0, rtol=0)
 
 
@@ -246,7 +242,8 @@ def test_cpp_prefill_kernel_rescales_rows_whose_scores_rise(window: int | None, 
         for isa in range(kernels.best_isa() + 1):
             attn = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.int64), num_prefill_tokens=n,
                                      prefill=[PrefillSeqMeta(0, n, num_ctx, None, block_table=table)],
-                                     block_size=bs, prefill_kernels=kernels, kernel_isa=isa)
-            out = prefill_attention(q, q[:, :kv_heads], q[:, :kv_heads], k_paged, v_paged, attn, dim**-0.5, window)
+                                     block_size=bs)
+            out = CpuAttention(kernels, isa, prefill_in_cpp=True).prefill(q, q[:, :kv_heads], q[:, :kv_heads], k_paged,
+                                                                           v_paged, attn, dim**-0.5, window)
             torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol,
                                        msg=lambda m, isa=isa, cached=cached: f"isa {isa}, {cached} cached: {m}")

@@ -7,15 +7,18 @@ import math
 import statistics
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from bench.backends import OpenAIBackend, RequestResult
+from bench.kernels import load_bench_kernels
 from bench.latency_stats import goodput, percentile, summarize
 from bench.serving import main as bench_main
 from bench.serving import parse_slos, report
 from bench.workloads import random_text, random_tokens, shared_prefix, synthetic_chat
 from engine import EngineConfig
+from engine.execution.kernels import load_cpu_kernels
 from tests.server_harness import ServerThread
 
 
@@ -211,9 +214,9 @@ def test_batch1_split_comes_from_the_fused_steps_own_parts(tiny_llm) -> None:
     over the rounds' steps (zeroed before them), not products timed one by one afterwards."""
     from bench.offline_throughput import decode_split_batch1, run_single_stream_rounds
 
-    model = tiny_llm.engine.runner.model
-    assert model.decoder is not None  # the tiny model's float32 steps take the fused path here
-    model.take_decode_part_seconds()
+    fused = tiny_llm.engine.runner.backend.fused
+    assert fused.decoder is not None  # the tiny model's float32 steps take the fused path here
+    fused.take_part_seconds()
     _, steps, _ = run_single_stream_rounds(tiny_llm, [[100] * 5], [6], 2, buffer_bytes=1 << 20)
     split = decode_split_batch1(tiny_llm, steps, 8)
     assert split["source"] == "fused step's parts"
@@ -221,7 +224,7 @@ def test_batch1_split_comes_from_the_fused_steps_own_parts(tiny_llm) -> None:
     assert split["steps"] == sum(1 for s in steps if s.num_prefill_tokens == 0) + 2 == 12
     assert split["projections_ms"] > 0 and split["attention_ms"] > 0
     assert split["projections_ms"] + split["attention_ms"] < sum(split["parts_ms"].values())
-    assert model.take_decode_part_seconds()["steps"] == 0  # the split read them
+    assert fused.take_part_seconds()["steps"] == 0  # the split read them
 
 
 def test_single_stream_rounds_hold_each_round_to_the_bandwidth_sampled_around_it(tiny_llm) -> None:
@@ -241,6 +244,62 @@ def test_single_stream_rounds_hold_each_round_to_the_bandwidth_sampled_around_it
         assert r["read_bandwidth_gb_s"] == pytest.approx((samples[1] + samples[2]) / 2)
         decode = [s.total_time for s in steps[i * per_round : (i + 1) * per_round] if s.num_prefill_tokens == 0]
         assert len(decode) == 5 and r["achieved_decode_tok_s"] == pytest.approx(1 / statistics.median(decode))
+
+
+def _xor_of_words(t: torch.Tensor) -> int:
+    raw = t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    raw += bytes(-len(raw) % 8)  # the last partial word, zero-padded
+    return int(np.bitwise_xor.reduce(np.frombuffer(raw, dtype=np.int64), initial=0))
+
+
+def test_stream_weights_reads_every_byte_once_on_any_number_of_threads_and_isa() -> None:
+    """bench.offline_throughput's plain read of a step's weights: each weight split among the
+    threads in whole cache lines, by 8-byte or (from AVX2 up) 32-byte loads; the XOR of every
+    8-byte word says each byte was read once (a run read twice cancels out, a skipped one is
+    missing), for sizes below a thread's line, not a multiple of 8, and spanning many lines."""
+    kernels, engine_kernels = load_bench_kernels(), load_cpu_kernels()
+    best = engine_kernels.best_isa()
+    gen = torch.Generator().manual_seed(4)
+    weights = [torch.randint(-128, 128, (n,), generator=gen, dtype=torch.int8) for n in (3, 64, 1000, 4099)]
+    weights += [torch.randn(300, 16, generator=gen), torch.randn(7, 32, generator=gen).to(torch.bfloat16)]
+    weights.append(torch.randint(-128, 128, (4096 + 200,), generator=gen, dtype=torch.int8)[5:5 + 4096])  # unaligned
+    expected = 0
+    for w in weights:
+        expected ^= _xor_of_words(w)
+    assert expected != 0
+    num_threads = torch.get_num_threads()
+    try:
+        for isa in sorted({0, 1, best} & set(range(best + 1))):
+            for threads in (1, 2, 3):
+                torch.set_num_threads(threads)
+                for wait in (True, False):
+                    seconds, checksum = kernels.stream_weights(weights, wait, isa)
+                    assert checksum == expected and seconds > 0, (isa, threads, wait)
+    finally:
+        torch.set_num_threads(num_threads)
+    assert kernels.stream_weights(weights[1:], True, best)[1] == expected ^ _xor_of_words(weights[0])
+    with pytest.raises(RuntimeError, match="contiguous"):
+        kernels.stream_weights([torch.randn(8, 8).t()], True, 0)
+    with pytest.raises(RuntimeError, match="instruction set"):
+        kernels.stream_weights(weights, True, 5)
+
+
+def test_core_handoff_times_a_cache_line_between_two_threads() -> None:
+    """The bench's hand-over time: positive on two threads (its size is the machine's, and a
+    loaded machine's preemptions stretch it: no bound here); refused on one thread (it would spin
+    against itself) and for no rounds."""
+    kernels = load_bench_kernels()
+    num_threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert 0 < kernels.core_handoff_ns(1000) < float("inf")
+        torch.set_num_threads(1)
+        with pytest.raises(RuntimeError, match="two threads"):
+            kernels.core_handoff_ns(10)
+    finally:
+        torch.set_num_threads(num_threads)
+    with pytest.raises(RuntimeError, match="rounds"):
+        kernels.core_handoff_ns(0)
 
 
 def test_conversations_grow_one_history_per_session_and_run_in_turn_order() -> None:

@@ -86,3 +86,31 @@ def test_engine_frees_every_block_after_any_mix(tiny_llm: LLM, reqs: list[tuple[
         engine.step()
         _check(bm)
     assert bm.num_used_blocks == 0
+
+
+def test_forked_samples_share_the_partial_block_until_one_writes_into_it() -> None:
+    """Copy-on-write at the first write: the writer gets a copy (handed out once by take_copies),
+    the block stays with the others, and the last sharer writes in place."""
+    bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    parent = fake_seq("p", 6)  # one full block and a partial one
+    assert bm.allocate(parent, 6, is_new=True)
+    parent.num_computed_tokens = 6
+    parent.block_table_changed_from = None  # as if the runner had been told
+    children = [fake_seq(f"p/{i}", 6) for i in (1, 2)]
+    for child in children:
+        bm.fork(parent, child)
+        child.num_computed_tokens = 6
+    assert all(c.block_table == parent.block_table for c in children) and bm.take_copies() == []
+    shared = parent.block_table[-1]
+    used = bm.num_used_blocks
+    assert bm.allocate(parent, 1)  # the parent writes first: it copies
+    assert parent.block_table[-1] != shared and bm.take_copies() == [(shared, parent.block_table[-1])]
+    assert parent.block_table_changed_from == 1 and bm.num_used_blocks == used + 1
+    assert bm.allocate(children[0], 1)  # still shared with children[1]: a copy
+    assert bm.take_copies() == [(shared, children[0].block_table[-1])]
+    assert bm.allocate(children[1], 1)  # the last sharer: in place, no copy
+    assert children[1].block_table[-1] == shared and bm.take_copies() == []
+    for seq in [parent, *children]:
+        bm.free(seq)
+    _check(bm)
+    assert bm.num_used_blocks == 0

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import statistics
+from pathlib import Path
 
 import pytest
 import torch
@@ -383,3 +384,32 @@ def test_a_bfloat16_kv_cache_beside_float32_weights(tiny_model_dir, monkeypatch:
 def test_kv_cache_dtype_is_validated() -> None:
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         EngineConfig(kv_cache_dtype="fp8")
+
+
+def test_the_runners_rows_follow_the_scheduler_through_forks_preemption_and_aborts(tiny_model_dir: Path) -> None:
+    """The runner's persistent batch is updated from the step values' diffs only; after every
+    step each running request's row holds the scheduler's block table and tokens, and rows of
+    requests that ended or were preempted are gone."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=24, block_size=4,
+                                    max_num_batched_tokens=32, enable_time_budget=False))
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=24, ignore_eos=True)
+    ids = [engine.add_request([5 + i, 6, 7, 8, 9, 10, 11][: 3 + i], params) for i in range(4)]
+    ids.append(engine.add_request([3, 4, 5, 6, 7], SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=20,
+                                                                    ignore_eos=True)))
+    num_preempted, steps = 0, 0
+    while engine.has_unfinished_requests():
+        _, stats = engine.step()
+        steps += 1
+        num_preempted += stats.num_preemptions
+        if steps == 5:
+            engine.abort_request(ids[1])
+        rows = engine.runner.batch.rows
+        running = {s.request_id: s for s in engine.scheduler.running if s.is_in_runner}
+        for req_id, seq in running.items():
+            assert rows[req_id].block_table == seq.block_table, req_id
+            assert rows[req_id].output_token_ids == seq.output_token_ids, req_id
+        waiting = {s.request_id for s in engine.scheduler.waiting}
+        assert not waiting & set(rows), "a preempted request keeps no row"
+    assert num_preempted > 0, "the pool is small enough to preempt"
+    engine.step()  # the last removals reach the runner with the next step
+    assert engine.runner.batch.rows == {} and engine.block_manager.num_used_blocks == 0

@@ -174,7 +174,7 @@ def test_a_fault_in_one_requests_output_fails_only_that_request(tiny_llm: LLM) -
     engine = tiny_llm.engine
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     ids = [engine.add_request([3, 4, 5 + i], params) for i in range(4)]
-    victim = engine.scheduler.get(ids[1])
+    victim = engine.output_processor.states[ids[1]]
 
     def broken(token_ids: list[int]) -> str:
         raise RuntimeError("detokenizer broke")

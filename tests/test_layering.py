@@ -95,11 +95,53 @@ def test_service_does_not_reach_through_the_engine() -> None:
     assert not offenders, offenders
 
 
-def test_only_the_config_reads_the_environment_in_the_engine() -> None:
+def _environment_keys(path: Path) -> Iterator[tuple[int, str | None]]:
+    """(line, key) of each os.environ.get / os.getenv / os.environ[...] read; None: not a literal."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        key_node = None
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args and (
+                node.func.attr == "getenv" or (node.func.attr == "get" and isinstance(node.func.value, ast.Attribute)
+                                               and node.func.value.attr == "environ")):
+            key_node = node.args[0]
+        elif isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "environ":
+            key_node = node.slice
+        else:
+            continue
+        is_literal = isinstance(key_node, ast.Constant) and isinstance(key_node.value, str)
+        yield node.lineno, key_node.value if is_literal else None
+
+
+def test_only_the_config_reads_minivllm_variables_in_the_engine() -> None:
     """MINIVLLM_* switches are aliases of EngineConfig fields: read in engine/config.py, nowhere
     else under engine/ (the runner, kernels and loader take what they need from the config)."""
     offenders = []
-    for where, node in _attribute_chains("engine"):
-        if where != "engine/config.py" and node.attr in ("environ", "getenv", "putenv"):
-            offenders.append(f"{where}:{node.lineno}: os.{node.attr}")
+    for path in sorted((ROOT / "engine").rglob("*.py")):
+        where = str(path.relative_to(ROOT))
+        if where == "engine/config.py":
+            continue
+        for line, key in _environment_keys(path):
+            if key is None or key.startswith("MINIVLLM"):
+                offenders.append(f"{where}:{line}: {key or 'a computed key'}")
+    assert not offenders, offenders
+
+
+# engine/'s layers, bottom up: plain values any layer may use; request processing; scheduling;
+# execution, which sees the scheduler only through the step's two values.
+_BASE = ("engine.config", "engine.errors", "engine.outputs")
+_LAYER_IMPORTS = {
+    "processing": _BASE + ("engine.processing",),
+    "core": _BASE + ("engine.processing", "engine.core"),
+    "execution": _BASE + ("engine.processing", "engine.execution", "engine.core.scheduler_output",
+                          "engine.core.runner_output"),
+}
+
+
+def test_engine_layers_import_one_way_down() -> None:
+    offenders = []
+    for layer, allowed in _LAYER_IMPORTS.items():
+        for where, node in _imports(f"engine/{layer}"):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            for name in names:
+                if name == "engine" or (name.startswith("engine.") and not name.startswith(allowed)):
+                    offenders.append(f"{where}: {name}")
     assert not offenders, offenders

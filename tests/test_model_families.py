@@ -73,9 +73,9 @@ def test_greedy_matches_transformers(family_model: tuple[str, Path], reference: 
     fused = 0 if decode_path in ("cpp", "torch") else 16
     llm = LLM(str(path), num_kv_blocks=256, block_size=4, max_num_batched_tokens=budget, max_fused_tokens=fused)
     runner = llm.engine.runner
-    assert (runner.cpu_kernels is None) == (decode_path == "torch")
-    assert runner.max_fused_tokens == fused
-    assert runner.isa == (1 if decode_path == "fused-avx2" else runner.cpu_kernels.best_isa() if runner.cpu_kernels else 0)
+    assert (runner.backend.kernels is None) == (decode_path == "torch")
+    assert runner.backend.max_fused_tokens == fused
+    assert runner.backend.isa == (1 if decode_path == "fused-avx2" else runner.backend.kernels.best_isa() if runner.backend.kernels else 0)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True))
     for prompt, out, ref in zip(PROMPTS, outs, reference, strict=True):
         assert out.token_ids == ref, f"{family}: prompt of {len(prompt)} tokens diverged"

@@ -1,4 +1,5 @@
-"""A client in another language: Node.js (@grpc/grpc-js + proto-loader) streams Generate."""
+"""A client in another language: Node.js (@grpc/grpc-js + proto-loader) streams Generate (and a
+chat with a required tool: its call parses)."""
 from __future__ import annotations
 
 import json
@@ -42,4 +43,4 @@ def test_node_client_streams_generate(tiny_model_dir: Path, tiny_llm: LLM, secur
     finally:
         srv.stop()
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert f"# pass {5 if secure else 4}" in proc.stdout and "# fail 0" in proc.stdout
+    assert f"# pass {6 if secure else 5}" in proc.stdout and "# fail 0" in proc.stdout

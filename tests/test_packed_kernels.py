@@ -9,13 +9,15 @@ import sys
 import time
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 
 from engine.execution.attention import AttentionMetadata
+from engine.execution.backends.cpu_attention import CpuAttention
+from engine.execution.backends.cpu_backend import pick_isa
+from engine.execution.backends.cpu_fused import FusedLayer
+from engine.execution.backends.cpu_linear import PackedLinear
 from engine.execution.kernels import ISAS, load_cpu_kernels
-from engine.execution.model_runner import pick_isa
 from engine.execution.models.layers import RMSNorm
 from engine.execution.models.llama import DecoderLayer
 from engine.execution.models.model_config import ModelConfig
@@ -100,11 +102,12 @@ def _layer_case(weight_dtype: torch.dtype, window: int | None, kernels, isa: int
         p.data.normal_(0, 0.3)
     layer.input_layernorm.weight.data.uniform_(0.5, 1.5)
     layer.post_attention_layernorm.weight.data.uniform_(0.5, 1.5)
-    for proj in layer.projections:
+    for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+        proj = PackedLinear(getattr(layer, name))  # as the CPU backend swaps it in
         proj.pack_panels(weight_dtype, kernels, isa, max_panel_rows=8)
         proj.weight.data.copy_(proj.panels.dequantize())  # the torch path runs the same (quantized) weights
-    layer.norm_weights = (layer.input_layernorm.weight.float(), layer.post_attention_layernorm.weight.float())
-    return cfg, layer
+        setattr(layer, name, proj)
+    return cfg, layer, FusedLayer.of(layer)
 
 
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16, torch.int8], ids=["fp32", "bf16", "int8"])
@@ -120,7 +123,7 @@ def test_decode_layer_in_one_call_matches_the_torch_layer(kernels, weight_dtype:
     # 2 threads: one attention task per (sequence, KV head); 1 thread: 4 rows fill it, one per sequence.
     for isa, threads in [(isa, t) for isa in _isas(kernels) for t in (2, 1)]:
         torch.set_num_threads(threads)
-        cfg, layer = _layer_case(weight_dtype, window, kernels, isa)
+        cfg, layer, fused = _layer_case(weight_dtype, window, kernels, isa)
         gen = torch.Generator().manual_seed(3)
         k_cache = torch.randn(num_blocks * bs, cfg.num_kv_heads, cfg.head_dim, generator=gen)
         v_cache = torch.randn(num_blocks * bs, cfg.num_kv_heads, cfg.head_dim, generator=gen)
@@ -129,7 +132,7 @@ def test_decode_layer_in_one_call_matches_the_torch_layer(kernels, weight_dtype:
         emb = torch.cat((freqs, freqs), dim=-1)  # [B, D]
         cos, sin = emb.cos(), emb.sin()
         attn = AttentionMetadata(slot_mapping=slots, block_size=bs, block_tables=tables, context_lens=lens,
-                                 decode_kernels=kernels)
+                                 backend=CpuAttention(kernels, 0, prefill_in_cpp=False))
         k_ref, v_ref = k_cache.clone(), v_cache.clone()
         projections = layer.projections
         panels = [proj.panels for proj in projections]
@@ -140,7 +143,7 @@ def test_decode_layer_in_one_call_matches_the_torch_layer(kernels, weight_dtype:
             for proj, saved in zip(projections, panels, strict=True):
                 proj.panels = saved
             out = x.clone()
-            layer.forward_fused(out, cos, sin, attn, k_cache, v_cache, kernels, isa)
+            fused.forward(out, cos, sin, attn, k_cache, v_cache, kernels, isa)
         torch.set_num_threads(num_threads)
         # bf16 products (vdpbf16ps, AMX) round the activations to bf16: 0.44 % of the largest
         # output here; a lost residual would be off by the size of x (up to about 3), a wrong
@@ -196,58 +199,6 @@ def test_a_few_row_product_splits_each_home_into_tasks_that_shrink_to_its_back(k
         kernels.tapered_split(4, 0)
 
 
-def _xor_of_words(t: torch.Tensor) -> int:
-    raw = t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-    raw += bytes(-len(raw) % 8)  # the last partial word, zero-padded
-    return int(np.bitwise_xor.reduce(np.frombuffer(raw, dtype=np.int64), initial=0))
-
-
-def test_stream_weights_reads_every_byte_once_on_any_number_of_threads_and_isa(kernels) -> None:
-    """bench.offline_throughput's plain read of a step's weights: each weight split among the
-    threads in whole cache lines, by 8-byte or (from AVX2 up) 32-byte loads; the XOR of every
-    8-byte word says each byte was read once (a run read twice cancels out, a skipped one is
-    missing), for sizes below a thread's line, not a multiple of 8, and spanning many lines."""
-    gen = torch.Generator().manual_seed(4)
-    weights = [torch.randint(-128, 128, (n,), generator=gen, dtype=torch.int8) for n in (3, 64, 1000, 4099)]
-    weights += [torch.randn(300, 16, generator=gen), torch.randn(7, 32, generator=gen).to(torch.bfloat16)]
-    weights.append(torch.randint(-128, 128, (4096 + 200,), generator=gen, dtype=torch.int8)[5:5 + 4096])  # unaligned
-    expected = 0
-    for w in weights:
-        expected ^= _xor_of_words(w)
-    assert expected != 0
-    num_threads = torch.get_num_threads()
-    try:
-        for isa in _isas(kernels):
-            for threads in (1, 2, 3):
-                torch.set_num_threads(threads)
-                for wait in (True, False):
-                    seconds, checksum = kernels.stream_weights(weights, wait, isa)
-                    assert checksum == expected and seconds > 0, (ISA_NAMES[isa], threads, wait)
-    finally:
-        torch.set_num_threads(num_threads)
-    assert kernels.stream_weights(weights[1:], True, kernels.best_isa())[1] == expected ^ _xor_of_words(weights[0])
-    with pytest.raises(RuntimeError, match="contiguous"):
-        kernels.stream_weights([torch.randn(8, 8).t()], True, 0)
-    with pytest.raises(RuntimeError, match="instruction set"):
-        kernels.stream_weights(weights, True, kernels.best_isa() + 1)
-
-
-def test_core_handoff_times_a_cache_line_between_two_threads(kernels) -> None:
-    """The bench's hand-over time: positive and far below a scheduler's time slice on two
-    threads; refused on one thread (it would spin against itself) and for no rounds."""
-    num_threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        assert 0 < kernels.core_handoff_ns(1000) < 1e5
-        torch.set_num_threads(1)
-        with pytest.raises(RuntimeError, match="two threads"):
-            kernels.core_handoff_ns(10)
-    finally:
-        torch.set_num_threads(num_threads)
-    with pytest.raises(RuntimeError, match="rounds"):
-        kernels.core_handoff_ns(0)
-
-
 @pytest.mark.parametrize("embedding_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_decode_model_step_is_the_embedding_every_layer_the_norm_and_the_head(kernels, embedding_dtype) -> None:
     """The model's decode step in one call (DecodeModel.step): the embedding's and RoPE tables' rows of the tokens,
@@ -267,7 +218,7 @@ def test_decode_model_step_is_the_embedding_every_layer_the_norm_and_the_head(ke
     layers = []
     for i, window in enumerate((None, 5, None)):
         torch.manual_seed(10 + i)
-        layers.append(_layer_case(torch.float32, window, kernels, isa)[1])
+        layers.append(_layer_case(torch.float32, window, kernels, isa)[2])
     cfg = _layer_case(torch.float32, None, kernels, isa)[0]
     gen = torch.Generator().manual_seed(7)
     caches = [(torch.randn(num_blocks * bs, cfg.num_kv_heads, cfg.head_dim, generator=gen),
@@ -277,10 +228,10 @@ def test_decode_model_step_is_the_embedding_every_layer_the_norm_and_the_head(ke
     freqs = torch.arange(max_positions).float().unsqueeze(1) * torch.linspace(1, 0.01, cfg.head_dim // 2)
     cos_table, sin_table = torch.cat((freqs, freqs), dim=-1).cos(), torch.cat((freqs, freqs), dim=-1).sin()
     attn = AttentionMetadata(slot_mapping=slots, block_size=bs, block_tables=tables, context_lens=lens,
-                             decode_kernels=kernels)
+                             backend=CpuAttention(kernels, 0, prefill_in_cpp=False))
     final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
     final_norm.weight.copy_(torch.rand(cfg.hidden_size, generator=gen) + 0.5)
-    weights = [layer.fused_weights(kernels) for layer in layers]
+    weights = [layer.weights(kernels) for layer in layers]
 
     def reference(threads: int) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
         # One call per layer, as mixed steps run, on as many threads: a product's task split, and so
@@ -291,7 +242,7 @@ def test_decode_model_step_is_the_embedding_every_layer_the_norm_and_the_head(ke
         torch.set_num_threads(threads)
         try:
             for layer, (k, v) in zip(layers, ref_caches, strict=True):
-                layer.forward_fused(hidden, cos_table[positions], sin_table[positions], attn, k, v, kernels, isa)
+                layer.forward(hidden, cos_table[positions], sin_table[positions], attn, k, v, kernels, isa)
         finally:
             torch.set_num_threads(num_threads)
         return final_norm(hidden), ref_caches
@@ -386,8 +337,8 @@ def test_decode_model_step_of_few_rows_matches_the_per_layer_kernel(kernels, wei
     layers = []
     for i, window in enumerate((None, 5, None)):
         torch.manual_seed(20 + i)
-        cfg, layer = _layer_case(weight_dtype, window, kernels, kernels.best_isa())
-        layers.append(layer)
+        cfg, layer, fused = _layer_case(weight_dtype, window, kernels, kernels.best_isa())
+        layers.append(fused)
     gen = torch.Generator().manual_seed(8)
     embedding = torch.randn(vocab, cfg.hidden_size, generator=gen)
     freqs = torch.arange(max_positions).float().unsqueeze(1) * torch.linspace(1, 0.01, cfg.head_dim // 2)
@@ -397,7 +348,7 @@ def test_decode_model_step_of_few_rows_matches_the_per_layer_kernel(kernels, wei
     head = PackedWeight.pack(torch.randn(vocab, cfg.hidden_size, generator=gen), None, torch.float32)
     caches = [(torch.randn(num_blocks * bs, cfg.num_kv_heads, cfg.head_dim, generator=gen),
                torch.randn(num_blocks * bs, cfg.num_kv_heads, cfg.head_dim, generator=gen)) for _ in layers]
-    weights = [layer.fused_weights(kernels) for layer in layers]
+    weights = [layer.weights(kernels) for layer in layers]
     num_threads = torch.get_num_threads()
     for isa, threads, lens in [(isa, t, lens) for isa in _isas(kernels) for t in (2, 1, 3)
                                for lens in ([11], [3, 16, 1])]:
@@ -407,13 +358,13 @@ def test_decode_model_step_of_few_rows_matches_the_per_layer_kernel(kernels, wei
         slots = tables[torch.arange(batch), positions // bs] * bs + positions % bs
         token_ids = torch.randint(0, vocab, (batch,), generator=gen)
         attn = AttentionMetadata(slot_mapping=slots, block_size=bs, block_tables=tables,
-                                 context_lens=torch.tensor(lens), decode_kernels=kernels)
+                                 context_lens=torch.tensor(lens), backend=CpuAttention(kernels, 0, prefill_in_cpp=False))
         torch.set_num_threads(threads)
         try:
             hidden = embedding[token_ids].clone()
             ref_caches = [(k.clone(), v.clone()) for k, v in caches]
             for layer, (k, v) in zip(layers, ref_caches, strict=True):
-                layer.forward_fused(hidden, cos_table[positions], sin_table[positions], attn, k, v, kernels, isa)
+                layer.forward(hidden, cos_table[positions], sin_table[positions], attn, k, v, kernels, isa)
             stepped = [(k.clone(), v.clone()) for k, v in caches]
             decoder = kernels.DecodeModel(embedding, cos_table, sin_table, weights, stepped, final_norm.weight,
                                           head.as_args(), cfg.num_heads, bs, cfg.rms_norm_eps, cfg.head_dim**-0.5, isa)
@@ -443,7 +394,7 @@ def test_fused_layer_with_prefill_rows_matches_the_torch_layer(kernels, window: 
     positions = torch.cat([chunk_pos, prompt_pos, decode_lens - 1])
     metas = [PrefillSeqMeta(0, 5, 11, slots_of(tables[0], torch.arange(11))), PrefillSeqMeta(5, 3, 3, None)]
     for isa in _isas(kernels):
-        cfg, layer = _layer_case(torch.float32, window, kernels, isa)
+        cfg, layer, fused = _layer_case(torch.float32, window, kernels, isa)
         gen = torch.Generator().manual_seed(5)
         k_cache = torch.randn(num_blocks * bs, cfg.num_kv_heads, cfg.head_dim, generator=gen)
         v_cache = torch.randn(num_blocks * bs, cfg.num_kv_heads, cfg.head_dim, generator=gen)
@@ -452,7 +403,7 @@ def test_fused_layer_with_prefill_rows_matches_the_torch_layer(kernels, window: 
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
         cos, sin = emb.cos(), emb.sin()
         attn = AttentionMetadata(slot_mapping=slots, num_prefill_tokens=8, prefill=metas, block_size=bs,
-                                 block_tables=tables[2:], context_lens=decode_lens, decode_kernels=kernels)
+                                 block_tables=tables[2:], context_lens=decode_lens, backend=CpuAttention(kernels, 0, prefill_in_cpp=False))
         k_ref, v_ref = k_cache.clone(), v_cache.clone()
         projections = layer.projections
         panels = [proj.panels for proj in projections]
@@ -463,7 +414,7 @@ def test_fused_layer_with_prefill_rows_matches_the_torch_layer(kernels, window: 
             for proj, saved in zip(projections, panels, strict=True):
                 proj.panels = saved
             out = x.clone()
-            layer.forward_fused(out, cos, sin, attn, k_cache, v_cache, kernels, isa)
+            fused.forward(out, cos, sin, attn, k_cache, v_cache, kernels, isa)
         assert torch.allclose(out, expected, atol=1e-4), f"{ISA_NAMES[isa]}: {(out - expected).abs().max()}"
         assert torch.allclose(k_cache, k_ref, atol=1e-5) and torch.allclose(v_cache, v_ref, atol=1e-5)
 
@@ -479,9 +430,9 @@ def test_fused_tokens_defaults_to_the_measured_crossover(tiny_model_dir) -> None
         return LLM(str(tiny_model_dir), num_kv_blocks=64, max_num_seqs=40, **options).engine.runner
 
     def fused(**options) -> int:
-        return runner(**options).max_fused_tokens
+        return runner(**options).backend.max_fused_tokens
 
-    isa = runner().isa
+    isa = runner().backend.isa
     assert fused() == (sys.maxsize if isa >= 2 else 64)
     assert fused(dtype="bfloat16") == (sys.maxsize if isa >= BF16_PRODUCTS else 8)
     if isa >= 2:  # every step fused: the projections keep no oneDNN copy

@@ -98,7 +98,7 @@ def test_int8_weights_cost_under_two_percent_perplexity_and_keep_the_answers(rea
     token_ids = real_llm.tokenizer.encode(TEXT.read_text())
     reference = perplexity(real_llm, token_ids)
     int8 = LLM(None, quantization="int8", num_kv_blocks=256)
-    assert int8.engine.runner.max_fused_tokens > 0
+    assert int8.engine.runner.backend.max_fused_tokens > 0
     quantized = perplexity(int8, token_ids)
     assert 10 < reference < 30, reference  # the text is ordinary English to this model
     assert quantized <= 1.02 * reference, (quantized, reference)

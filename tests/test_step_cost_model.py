@@ -9,7 +9,7 @@ from engine import EngineConfig
 from engine.core.block_manager import BlockManager
 from engine.core.scheduler import Scheduler
 from engine.core.step_cost_model import StepCostModel, attention_pairs
-from tests.helpers import fake_seq
+from tests.helpers import fake_seq, sampled
 
 # A made-up machine: 25 ms to stream the weights, 0.3 ms per decode, 1.5 ms per prefill token,
 # 4 ms per million attention pairs, 5 ms to set up prefill attention, 2 ms of host overhead.
@@ -120,7 +120,7 @@ def _decoding(sched: Scheduler, n: int) -> None:
         seq = fake_seq(f"d{i}", 40, num_output=1)
         sched.add(seq)
     out = sched.schedule(now=0.0)  # prefill them
-    sched.update_from_output(out, [1] * len(out.sampling_seqs))
+    sched.update_from_output(out, sampled(out, 1), now=0.0)
 
 
 @pytest.mark.parametrize("max_step_ms", [60.0, 120.0, 400.0])
@@ -129,10 +129,10 @@ def test_prefill_chunk_follows_the_step_time_target(max_step_ms: float) -> None:
     _decoding(sched, 8)
     sched.add(fake_seq("long", 1500, arrival=1.0))
     out = sched.schedule(now=2.0)
-    assert len(out.decode_seqs) == 8 and out.budget_source == "time"
+    assert len(out.decode_req_ids) == 8 and out.budget_source == "time"
     assert out.step_time_target == pytest.approx(max_step_ms / 1e3)
     chunk = out.prefill_num_tokens[0]
-    expected = true_forward(8, sum(s.num_tokens for s in out.decode_seqs), chunk, attention_pairs(chunk, 0))
+    expected = true_forward(8, sum(sched.get(r).num_tokens for r in out.decode_req_ids), chunk, attention_pairs(chunk, 0))
     assert expected + OVERHEAD <= max_step_ms / 1e3  # and truly under the target
     # The chunk fills the target less the model's error margin (its p97 of measured / predicted).
     aim = max_step_ms / 1e3 / max(1.0, sched.cost_model.error_quantile)
@@ -169,8 +169,8 @@ def test_auto_target_follows_the_batch_not_past_decode_only_steps() -> None:
     _decoding(sched, 24)
     sched.add(fake_seq("next", 300, arrival=1.0))
     out = sched.schedule(now=2.0)
-    assert len(out.decode_seqs) == 24
-    ctx = sum(s.num_tokens for s in out.decode_seqs)
+    assert len(out.decode_req_ids) == 24
+    ctx = sum(sched.get(r).num_tokens for r in out.decode_req_ids)
     pace = true_forward(24, ctx, 0, 0.0) + OVERHEAD
     assert out.step_time_target == pytest.approx(2.0 * pace, rel=0.05)
 
@@ -193,7 +193,7 @@ def test_a_run_whose_every_step_has_prefill_still_reads_the_streams_true_pace() 
     _decoding(sched, 24)
     sched.add(fake_seq("next", 300, arrival=1.0))
     out = sched.schedule(now=2.0)
-    ctx = sum(s.num_tokens for s in out.decode_seqs)
+    ctx = sum(sched.get(r).num_tokens for r in out.decode_req_ids)
     pace = true_forward(24, ctx, 0, 0.0) + OVERHEAD + TRUE[5]
     assert out.step_time_target == pytest.approx(2.0 * pace, rel=0.1)
     # The set-up is paid once: the chunk fills the aim, not the aim less the set-up again.
@@ -249,7 +249,7 @@ def test_a_long_prompt_always_advances_under_a_tight_target() -> None:
     while long.num_output_tokens == 0:
         out = sched.schedule(now=2.0)
         assert out.prefill_num_tokens == [min(sched.min_chunk, long.num_uncomputed_tokens)]  # half a block
-        sched.update_from_output(out, [1] * len(out.sampling_seqs))
+        sched.update_from_output(out, sampled(out, 1), now=0.0)
         steps += 1
     assert sched.min_chunk == 8 and steps == 13  # 100 tokens, 8 a step
 

@@ -27,7 +27,26 @@ _CHAT_TEMPLATE = (
 )
 
 
-def _write_tokenizer(path: Path, vocab_size: int) -> Any:
+# A template that knows tools (Hermes-like layout: <tool_call> JSON </tool_call>), for the tool model.
+TOOLS_CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n"
+    "{% endif %}Functions:\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
+    "Call one as <tool_call>\n{\"name\": ..., \"arguments\": ...}\n</tool_call><|im_end|>\n{% endif %}"
+    "{% for message in messages %}{% if message['role'] == 'system' and tools %}"
+    "{% elif message['role'] == 'assistant' and message.get('tool_calls') %}<|im_start|>assistant\n"
+    "{{ message['content'] or '' }}{% for call in message['tool_calls'] %}<tool_call>\n"
+    "{{ {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson }}\n</tool_call>"
+    "{% endfor %}<|im_end|>\n"
+    "{% elif message['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message['content'] }}\n"
+    "</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<think>", "</think>")  # added, not special (as in Qwen's)
+
+
+def _write_tokenizer(path: Path, vocab_size: int, added_tokens: tuple[str, ...] = (),
+                     chat_template: str = _CHAT_TEMPLATE) -> Any:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -37,16 +56,19 @@ def _write_tokenizer(path: Path, vocab_size: int) -> Any:
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=_SPECIAL,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    if added_tokens:
+        tok.add_tokens(list(added_tokens))
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>",
                                    pad_token="<|endoftext|>", unk_token="<|endoftext|>")
-    fast.chat_template = _CHAT_TEMPLATE
+    fast.chat_template = chat_template
     fast.save_pretrained(str(path))
     return tok
 
 
 def build_tiny_model(path: Path, seed: int = 0, num_layers: int = 2, hidden_size: int = 64,
-                     vocab_size: int = 512, max_position_embeddings: int = 4096) -> Path:
-    """Write config.json, model.safetensors and tokenizer files to path (if not there yet)."""
+                     vocab_size: int = 512, max_position_embeddings: int = 4096, with_tools: bool = False) -> Path:
+    """Write config.json, model.safetensors and tokenizer files to path (if not there yet).
+    with_tools: the tokenizer has TOOL_TOKENS as added tokens and a template that knows tools."""
     path = Path(path)
     if (path / "config.json").exists():
         return path
@@ -54,7 +76,8 @@ def build_tiny_model(path: Path, seed: int = 0, num_layers: int = 2, hidden_size
     from transformers import LlamaConfig
 
     path.mkdir(parents=True, exist_ok=True)
-    tok = _write_tokenizer(path, vocab_size)
+    tok = _write_tokenizer(path, vocab_size, TOOL_TOKENS, TOOLS_CHAT_TEMPLATE) if with_tools else \
+        _write_tokenizer(path, vocab_size)
 
     num_heads, num_kv_heads = 4, 2
     head_dim = hidden_size // num_heads

@@ -8,6 +8,12 @@ goes to the back of an LRU free list: it can be revived by a later prefix hit un
 reused for new tokens. Blocks that never got a hash go to the front so they are reused
 first. Invariant: num_free_blocks + num_used_blocks == num_blocks.
 
+Forked samples share every block of their prompt, the partly filled last one included; a
+sequence about to write into a block it shares gets its own copy first (copy-on-write, in
+`allocate`), and the (source, copy) pairs wait in `take_copies` for the runner to copy before
+the step's forward. Every change to a block table marks `block_table_changed_from`, so the
+scheduler sends the runner only what changed.
+
 A hit is trusted only after comparing tokens: a cached block remembers its own tokens and its
 parent block, and both must equal the new prompt's. The 64-bit hash only finds candidates,
 so a collision (accidental or crafted, vLLM's CVE-2025-25183) can never serve one request
@@ -47,6 +53,7 @@ class BlockManager:
         # Prefix-cache changes since the last take_events(), for subscribers that route by what
         # this cache holds (a gateway's cache-aware policy).
         self._events: list[KvCacheEvent] = []
+        self._copies: list[tuple[int, int]] = []  # copy-on-writes not yet taken by the scheduler
 
     @property
     def num_free_blocks(self) -> int:
@@ -101,7 +108,7 @@ class BlockManager:
             if self._ref_counts[block] == 0:
                 del self._free[block]
             self._ref_counts[block] += 1
-            seq.block_table.append(block)
+            self._append(seq, block)
         seq.num_registered_blocks = len(seq.block_table)
         return len(seq.block_table) * self.block_size
 
@@ -109,17 +116,49 @@ class BlockManager:
         """Make room for num_new_tokens more tokens; False (and nothing changed) if it can't.
 
         A new sequence must also leave the watermark free, so admissions cannot eat the
-        blocks running sequences need to grow.
+        blocks running sequences need to grow. A partly filled last block that other samples
+        share is copied first (copy-on-write): the new tokens go into the copy.
         """
-        needed = self.num_blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        must_copy = self._shares_partial_last_block(seq)
+        needed = self.num_blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table) + must_copy
         if needed > len(self._free) - (self.num_watermark_blocks if is_new else 0):
             return False
+        if must_copy:
+            source = seq.block_table[-1]
+            self._ref_counts[source] -= 1
+            copy = self._take_free_block()
+            seq.block_table[-1] = copy
+            self._mark_changed(seq, len(seq.block_table) - 1)
+            self._copies.append((source, copy))
+            needed -= 1
         for _ in range(needed):
-            block, _ = self._free.popitem(last=False)
-            self._reset(block)  # reused for new tokens: the old prefix is evicted from the cache
-            self._ref_counts[block] = 1
-            seq.block_table.append(block)
+            self._append(seq, self._take_free_block())
         return True
+
+    def _shares_partial_last_block(self, seq: Sequence) -> bool:
+        return (seq.num_computed_tokens % self.block_size != 0 and len(seq.block_table) * self.block_size
+                > seq.num_computed_tokens and self._ref_counts[seq.block_table[-1]] > 1)
+
+    def _take_free_block(self) -> int:
+        block, _ = self._free.popitem(last=False)
+        self._reset(block)  # reused for new tokens: the old prefix is evicted from the cache
+        self._ref_counts[block] = 1
+        return block
+
+    def _append(self, seq: Sequence, block: int) -> None:
+        self._mark_changed(seq, len(seq.block_table))
+        seq.block_table.append(block)
+
+    @staticmethod
+    def _mark_changed(seq: Sequence, index: int) -> None:
+        changed = seq.block_table_changed_from
+        seq.block_table_changed_from = index if changed is None else min(changed, index)
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The (source, copy) blocks of the copy-on-writes since the last call: their K/V must be
+        copied before the next forward writes into the copies."""
+        copies, self._copies = self._copies, []
+        return copies
 
     def register_computed_blocks(self, seq: Sequence) -> None:
         """Publish the sequence's newly full, computed blocks to the prefix cache."""
@@ -174,29 +213,15 @@ class BlockManager:
         self._events.append(AllBlocksCleared())
         return True
 
-    def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
-        """Share the parent's blocks with a new sample of the same prompt (ref counts). A
-        partly filled last block gets its own copy at once (copy-on-write: the samples write
-        different tokens into it next step); returns (source, copy) blocks for the KV copy, or
-        None when the last block is full. Raises MemoryError when no block is free for the copy."""
-        num_computed = parent.num_prompt_tokens  # the prompt has just been computed
-        is_partial = num_computed % self.block_size != 0
-        if is_partial and not self._free:
-            raise MemoryError("no free block for a forked sample")
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Share every block of the parent's prompt with a new sample of it (ref counts); a
+        partly filled last block is copied later, by whichever sample first writes into it."""
         for block in parent.block_table:
             self._ref_counts[block] += 1
         child.block_table = list(parent.block_table)
         child.block_hashes = list(parent.block_hashes)
-        child.num_registered_blocks = num_computed // self.block_size
-        if not is_partial:
-            return None
-        source = child.block_table[-1]
-        self._ref_counts[source] -= 1
-        block, _ = self._free.popitem(last=False)
-        self._reset(block)
-        self._ref_counts[block] = 1
-        child.block_table[-1] = block
-        return source, block
+        child.num_registered_blocks = parent.num_prompt_tokens // self.block_size
+        child.block_table_changed_from = 0
 
     def _reset(self, block: int) -> None:
         """A free block taken for new tokens: whatever prefix it cached is evicted."""
@@ -220,3 +245,4 @@ class BlockManager:
                     self._free.move_to_end(block, last=False)
         seq.block_table = []
         seq.num_registered_blocks = 0
+        seq.block_table_changed_from = 0

@@ -12,18 +12,28 @@ blocks are freed and it goes back to the waiting queue with its tokens intact. T
 sorted by aged priority, so it is not literally at the front: it runs before every request of
 its priority that arrived after it (its age counts from its original arrival).
 
-The engine's step is `schedule()` -> forward and sampling -> `update_from_output()`; only this
-class moves a sequence's status and num_computed_tokens (vLLM's split, nano-vllm's
-`postprocess`), so the runner and the output processor read sequences and never advance them.
+The engine's step is `schedule()` -> the runner's forward and sampling -> `update_from_output()`;
+only this class moves a sequence's status and num_computed_tokens (vLLM's split). The runner
+never sees a Sequence: `schedule()` returns a value that names requests by id and carries the
+diffs the runner's own rows need (engine/core/scheduler_output.py), and `update_from_output`
+takes the runner's value back, appends the tokens, checks the token-level stops and frees what
+finished. Output formatting gets plain SequenceUpdate values and never calls back here.
 """
 from __future__ import annotations
 
+import sys
+from dataclasses import dataclass, field
+
 from engine.config import EngineConfig
 from engine.core.block_manager import BlockManager
-from engine.core.scheduler_output import SchedulerOutput
-from engine.core.sequence import FinishReason, Sequence, SequenceStatus
+from engine.core.runner_output import RunnerOutput
+from engine.core.scheduler_output import NewRequestData, SchedulerOutput
+from engine.core.sequence import Sequence, SequenceStatus
 from engine.core.step_cost_model import StepCostModel, attention_pairs
 from engine.errors import RequestIdInUseError
+from engine.outputs import FinishReason
+from engine.processing.sequence_update import SequenceUpdate
+from engine.processing.structured_output import GrammarExecutor
 
 
 class Scheduler:
@@ -31,14 +41,18 @@ class Scheduler:
     # two streams would double their steps. Past these, each one per running stream counts.
     BURST_QUEUE_SLACK = 3
 
-    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int = sys.maxsize) -> None:
         self.config = config
         self.block_manager = block_manager
+        self.max_model_len = max_model_len
         self.requests: dict[str, Sequence] = {}  # every unfinished request, by id
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []  # in admission order: oldest first
+        self.pending_forks: dict[str, list[Sequence]] = {}  # by group: samples waiting for sample 0's prompt
         self.cost_model = StepCostModel()
         self._step = 0
+        self._removed_req_ids: list[str] = []  # rows the runner must drop at the next step
+        self._grammar = GrammarExecutor()
 
     @property
     def min_chunk(self) -> int:
@@ -60,15 +74,25 @@ class Scheduler:
     def get(self, request_id: str) -> Sequence | None:
         return self.requests.get(request_id)
 
-    def add(self, seq: Sequence) -> None:
-        if seq.request_id in self.requests:
-            raise RequestIdInUseError(f"request_id: {seq.request_id!r} is already in use")
+    def add(self, seq: Sequence, forks: list[Sequence] | None = None) -> None:
+        """Queue a request; `forks` are its other samples (n > 1), which fork from it once the
+        chunk that ends its prompt is scheduled."""
+        for s in [seq, *(forks or [])]:
+            if s.request_id in self.requests:
+                raise RequestIdInUseError(f"request_id: {s.request_id!r} is already in use")
         seq.status = SequenceStatus.WAITING
         self.requests[seq.request_id] = seq
         self.waiting.append(seq)
+        if forks:
+            for child in forks:
+                child.status = SequenceStatus.FORK_PENDING
+                self.requests[child.request_id] = child
+            self.pending_forks[seq.group_id] = list(forks)
 
-    def finish(self, seq: Sequence, reason: FinishReason, now: float) -> None:
-        """End a request (stopped, aborted or failed): out of the queues, blocks freed."""
+    def finish(self, seq: Sequence, reason: FinishReason, now: float, error: str | None = None,
+               stop_reason: int | str | None = None) -> SequenceUpdate:
+        """End a request (stopped, aborted or failed): out of the queues, blocks freed, its row
+        dropped from the runner at the next step. Returns the update that says so."""
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.times.finished = now
@@ -76,49 +100,54 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        elif seq in self.pending_forks.get(seq.group_id, ()):
+            self.pending_forks[seq.group_id].remove(seq)
+            if not self.pending_forks[seq.group_id]:
+                del self.pending_forks[seq.group_id]
         self.block_manager.free(seq)
+        self._drop_row(seq)
         self.requests.pop(seq.request_id, None)
+        return self._update(seq, [], None, reason, stop_reason, error)
+
+    def finish_requests(self, request_ids: list[str], reason: FinishReason, now: float,
+                        error: str | None = None) -> list[SequenceUpdate]:
+        """finish() each of these that is still unfinished."""
+        seqs = [self.requests[r] for r in request_ids if r in self.requests]
+        return [self.finish(seq, reason, now, error) for seq in seqs]
 
     def group(self, group_id: str) -> list[Sequence]:
         """The unfinished samples of a request (one unless it asked for n > 1)."""
         return [s for s in self.requests.values() if s.group_id == group_id]
 
-    def fork(self, parent: Sequence, children: list[Sequence], row: int, sched: SchedulerOutput
-             ) -> list[tuple[int, int]]:
-        """Adopt the other samples of parent's request, now that its prompt is computed: they
-        share its blocks and sample from its logits row this step. Returns the (source, copy)
-        blocks whose K/V must be copied (the partly filled last block, copy-on-write). A sample
-        that finds no free block for its copy waits instead and recomputes its prompt (its full
-        blocks then come from the prefix cache): nothing is lost, nothing blocks."""
-        copies = []
+    def _drop_row(self, seq: Sequence) -> None:
+        if seq.is_in_runner:
+            seq.is_in_runner = False
+            self._removed_req_ids.append(seq.request_id)
+
+    def _fork(self, parent: Sequence, out: SchedulerOutput, scheduled: set[int]) -> list[Sequence]:
+        """The other samples of parent's request join it as its prompt's last chunk is scheduled:
+        they share its blocks (copy-on-write later) and sample from its logits row this step."""
+        children = self.pending_forks.pop(parent.group_id, [])
         for child in children:
-            if child.request_id in self.requests:
-                raise RequestIdInUseError(f"request_id: {child.request_id!r} is already in use")
-            self.requests[child.request_id] = child
-            child.times.first_scheduled = parent.times.first_scheduled
-            try:
-                pair = self.block_manager.fork(parent, child)
-            except MemoryError:
-                child.status = SequenceStatus.WAITING
-                self.waiting.insert(0, child)
-                continue
-            if pair is not None:
-                copies.append(pair)
-            child.status = SequenceStatus.RUNNING
+            self.block_manager.fork(parent, child)
             child.num_computed_tokens = parent.num_prompt_tokens
+            child.num_cached_prompt_tokens = parent.num_cached_prompt_tokens
+            child.times.first_scheduled = parent.times.first_scheduled
+            child.status = SequenceStatus.RUNNING
+            child.last_scheduled_step = self._step
             self.running.append(child)
-            sched.forked_seqs.append(child)
-            sched.fork_rows.append(row)
-        return copies
+            out.fork_req_ids.append(child.request_id)
+            out.fork_parent_ids.append(parent.request_id)
+            scheduled.add(id(child))
+        return children
 
     def effective_priority(self, seq: Sequence, now: float) -> float:
         return seq.priority - (now - seq.arrival_time) / self.config.aging_s
 
     def schedule(self, now: float) -> SchedulerOutput:
         cfg = self.config
-        out = SchedulerOutput()
+        plan = _Plan(SchedulerOutput())
         self._step += 1
-        scheduled: set[int] = set()
         prefilling = [s for s in self.running if not s.is_decode]
         has_prefill_work = bool(self.waiting or prefilling)
         reserve = int(cfg.max_num_batched_tokens * cfg.min_prefill_share) if has_prefill_work else 0
@@ -127,64 +156,83 @@ class Scheduler:
         # Decodes first. Those skipped last time (budget-limited) go first this time.
         decodes = sorted((s for s in self.running if s.is_decode), key=lambda s: s.last_scheduled_step)
         for seq in decodes:
-            if len(out.decode_seqs) >= decode_budget or len(scheduled) >= cfg.max_num_seqs:
+            if len(plan.decodes) >= decode_budget or len(plan.scheduled) >= cfg.max_num_seqs:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            if self._make_room(seq, 1, scheduled, out):
-                out.decode_seqs.append(seq)
-                scheduled.add(id(seq))
+            if self._make_room(seq, 1, plan):
+                plan.decodes.append(seq)
+                plan.scheduled.add(id(seq))
                 seq.last_scheduled_step = self._step
 
         # Prefill: chunks already under way, then the waiting queue by aged priority.
-        budget = cfg.max_num_batched_tokens - len(out.decode_seqs)
-        time_left = self._prefill_time_allowance(out)
+        budget = cfg.max_num_batched_tokens - len(plan.decodes)
+        time_left = self._prefill_time_allowance(plan)
         for seq in [s for s in prefilling if s.status is SequenceStatus.RUNNING]:
-            if budget <= 0 or len(scheduled) >= cfg.max_num_seqs:
+            if budget <= 0 or len(plan.scheduled) >= cfg.max_num_seqs:
                 break
-            num_new = self._fit_time(seq, self._chunk(seq, budget, bool(out.prefill_seqs)), time_left, out)
-            if num_new == 0 or not self._make_room(seq, num_new, scheduled, out):
+            num_new = self._fit_time(seq, self._chunk(seq, budget, bool(plan.prefills)), time_left, plan)
+            if num_new == 0 or not self._make_room(seq, num_new, plan):
                 break
-            time_left -= self.cost_model.chunk_cost(num_new, seq.num_computed_tokens, not out.prefill_seqs)
-            budget -= self._add_prefill(out, seq, num_new, scheduled)
+            time_left -= self.cost_model.chunk_cost(num_new, seq.num_computed_tokens, not plan.prefills)
+            budget -= self._add_prefill(plan, seq, num_new)
 
         self.waiting.sort(key=lambda s: (self.effective_priority(s, now), s.arrival_time))
-        while self.waiting and budget > 0 and len(scheduled) < cfg.max_num_seqs:
+        while self.waiting and budget > 0 and len(plan.scheduled) < cfg.max_num_seqs:
             seq = self.waiting[0]
             seq.num_computed_tokens = self.block_manager.allocate_cached_prefix(seq)
             if seq.num_preemptions == 0:
                 seq.num_cached_prompt_tokens = seq.num_computed_tokens
-            num_new = self._fit_time(seq, self._chunk(seq, budget, bool(out.prefill_seqs)), time_left, out)
+            num_new = self._fit_time(seq, self._chunk(seq, budget, bool(plan.prefills)), time_left, plan)
             if num_new == 0 or not self.block_manager.allocate(seq, num_new, is_new=True):
                 # Head of line stays at the head: skipping it would starve long prompts.
                 self.block_manager.free(seq)
                 seq.num_computed_tokens = 0
                 break
             self.waiting.pop(0)
-            out.num_prefix_queried_tokens += seq.num_tokens if self.block_manager.enable_prefix_caching else 0
-            out.num_prefix_hit_tokens += seq.num_computed_tokens
+            plan.out.num_prefix_queried_tokens += seq.num_tokens if self.block_manager.enable_prefix_caching else 0
+            plan.out.num_prefix_hit_tokens += seq.num_computed_tokens
             seq.status = SequenceStatus.RUNNING
             if seq.times.first_scheduled is None:
                 seq.times.first_scheduled = now
             self.running.append(seq)
-            time_left -= self.cost_model.chunk_cost(num_new, seq.num_computed_tokens, not out.prefill_seqs)
-            budget -= self._add_prefill(out, seq, num_new, scheduled)
+            time_left -= self.cost_model.chunk_cost(num_new, seq.num_computed_tokens, not plan.prefills)
+            budget -= self._add_prefill(plan, seq, num_new)
+        return self._finalize(plan)
+
+    def _finalize(self, plan: _Plan) -> SchedulerOutput:
+        """Fill the value's ids, its diffs for the runner's rows and the cost model's view."""
+        out = plan.out
+        out.decode_req_ids = [s.request_id for s in plan.decodes]
+        out.removed_req_ids, self._removed_req_ids = self._removed_req_ids, []
+        for seq in plan.prefills + plan.decodes + plan.forks:
+            if not seq.is_in_runner:
+                seq.is_in_runner = True
+                out.new_requests.append(NewRequestData(
+                    seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids), list(seq.block_table),
+                    seq.params, seq.generator, seq.matcher, seq.min_tokens_stop_ids))
+            elif seq.block_table_changed_from is not None:
+                start = seq.block_table_changed_from
+                out.block_table_updates[seq.request_id] = (start, seq.block_table[start:])
+            seq.block_table_changed_from = None
+        out.blocks_to_copy = self.block_manager.take_copies()
         if not out.is_empty:
-            out.cost_features = self._step_features(out)
+            out.cost_features = self._step_features(plan)
             if self.cost_model.num_observations:
                 out.predicted_step_time = self.cost_model.predict(*out.cost_features)
         return out
 
-    def _prefill_time_allowance(self, out: SchedulerOutput) -> float:
+    def _prefill_time_allowance(self, plan: _Plan) -> float:
         """Seconds of this step the prefill chunks may take: unbounded unless sequences decode
         (then the streams wait for the whole step, so it is held to the step-time target)."""
         cfg = self.config
-        if not (cfg.enable_time_budget and cfg.enable_chunked_prefill and out.decode_seqs):
+        out = plan.out
+        if not (cfg.enable_time_budget and cfg.enable_chunked_prefill and plan.decodes):
             return float("inf")
         model = self.cost_model
         # This step's decodes in the fit's own terms (the first chunk's cost adds the set-up),
         # and the streams' pace that the target is a multiple of (StepCostModel.decode_pace).
-        decode_time = model.predict(len(out.decode_seqs), sum(s.num_tokens for s in out.decode_seqs))
+        decode_time = model.predict(len(plan.decodes), sum(s.num_tokens for s in plan.decodes))
         pace = model.decode_pace(decode_time)
         # Auto: a multiple of the streams' own pace (this batch decoding alone), so a step with
         # prefill is at most step_time_ratio slower than the gaps these clients get without it.
@@ -207,11 +255,11 @@ class Scheduler:
         aim = target / max(1.0, model.error_quantile)
         return max(aim - decode_time, cfg.min_prefill_share * target)
 
-    def _fit_time(self, seq: Sequence, num_new: int, time_left: float, out: SchedulerOutput) -> int:
-        if out.budget_source != "time" or num_new == 0:
+    def _fit_time(self, seq: Sequence, num_new: int, time_left: float, plan: _Plan) -> int:
+        if plan.out.budget_source != "time" or num_new == 0:
             return num_new
-        fit = self.cost_model.max_chunk(time_left, seq.num_computed_tokens, num_new, not out.prefill_seqs)
-        if not out.prefill_seqs:
+        fit = self.cost_model.max_chunk(time_left, seq.num_computed_tokens, num_new, not plan.prefills)
+        if not plan.prefills:
             # Progress guarantee: the first chunk of a step is at least half a block, so a long
             # prompt finishes its prefill in bounded time however slow the model thinks it is.
             # Not a whole block: over a long context a block of prefill costs about two fp32
@@ -220,28 +268,53 @@ class Scheduler:
         return fit
 
     @staticmethod
-    def _step_features(sched: SchedulerOutput) -> tuple[int, int, int, float, int]:
+    def _step_features(plan: _Plan) -> tuple[int, int, int, float, int]:
         pairs = sum(attention_pairs(n, s.num_computed_tokens)
-                    for s, n in zip(sched.prefill_seqs, sched.prefill_num_tokens, strict=True))
-        return (len(sched.decode_seqs), sum(s.num_tokens for s in sched.decode_seqs), sched.num_prefill_tokens, pairs,
-                sum(s.num_computed_tokens for s in sched.prefill_seqs))
+                    for s, n in zip(plan.prefills, plan.out.prefill_num_tokens, strict=True))
+        return (len(plan.decodes), sum(s.num_tokens for s in plan.decodes), plan.out.num_prefill_tokens, pairs,
+                sum(s.num_computed_tokens for s in plan.prefills))
 
     def observe_step_time(self, sched: SchedulerOutput, forward_time: float, overhead_time: float) -> None:
         """Teach the cost model what the step scheduled by `sched` took."""
         self.cost_model.observe(*sched.cost_features, forward_time, overhead_time)
 
-    def update_from_output(self, sched: SchedulerOutput, sampled_token_ids: list[int]) -> None:
-        """Fold a finished forward back into the sequences: the scheduled tokens are now in the
-        KV cache (full blocks go to the prefix cache), and each sampling sequence
-        (`sched.sampling_seqs`, in order) gets its new token."""
-        for seq, num_new in zip(sched.prefill_seqs, sched.prefill_num_tokens, strict=True):
-            seq.num_computed_tokens += num_new
-        for seq in sched.decode_seqs:
-            seq.num_computed_tokens += 1
-        for seq in sched.prefill_seqs + sched.decode_seqs:
-            self.block_manager.register_computed_blocks(seq)
-        for seq, token_id in zip(sched.sampling_seqs, sampled_token_ids, strict=True):
+    def update_from_output(self, sched: SchedulerOutput, out: RunnerOutput, now: float) -> list[SequenceUpdate]:
+        """Fold a finished forward back, the one place that does: the scheduled tokens are now
+        in the KV cache (full blocks go to the prefix cache), each sampled token is appended, a
+        grammar advances over it, and the stops it decides (EOS, stop ids, max_tokens, the
+        context, a complete grammar) finish the request and free its blocks. Returns one update
+        per sampled request, for output processing."""
+        for req_id, num_new in zip(sched.prefill_req_ids, sched.prefill_num_tokens, strict=True):
+            self.requests[req_id].num_computed_tokens += num_new
+        for req_id in sched.decode_req_ids:
+            self.requests[req_id].num_computed_tokens += 1
+        for req_id in sched.prefill_req_ids + sched.decode_req_ids:
+            self.block_manager.register_computed_blocks(self.requests[req_id])
+        seqs = [self.requests[r] for r in out.req_ids]
+        constrained = [(seq.matcher, token) for seq, token in zip(seqs, out.sampled_token_ids, strict=True)
+                       if seq.matcher is not None]
+        if constrained:
+            self._grammar.consume(constrained)
+        updates = []
+        for seq, token_id, logprobs in zip(seqs, out.sampled_token_ids, out.logprobs, strict=True):
             seq.output_token_ids.append(token_id)
+            reason, stop_reason = seq.check_stop(token_id, self.max_model_len)
+            if reason is not None:
+                seq.status, seq.finish_reason, seq.times.finished = SequenceStatus.FINISHED, reason, now
+                self.running.remove(seq)
+                self.block_manager.free(seq)
+                self._drop_row(seq)
+                del self.requests[seq.request_id]
+            updates.append(self._update(seq, [token_id], None if logprobs is None else [logprobs], reason,
+                                        stop_reason))
+        return updates
+
+    @staticmethod
+    def _update(seq: Sequence, new_token_ids: list[int], new_logprobs: list | None, reason: FinishReason | None,
+                stop_reason: int | str | None, error: str | None = None) -> SequenceUpdate:
+        return SequenceUpdate(seq.request_id, new_token_ids, new_logprobs, reason, stop_reason, error,
+                              seq.times.first_scheduled, seq.num_cached_prompt_tokens, seq.num_preemptions,
+                              seq.times.finished)
 
     def _chunk(self, seq: Sequence, budget: int, has_prefill: bool) -> int:
         remaining = seq.num_uncomputed_tokens
@@ -253,22 +326,28 @@ class Scheduler:
         # the stall the chunked mode exists to avoid (kept for the benchmark's comparison).
         return 0 if has_prefill else remaining
 
-    def _add_prefill(self, out: SchedulerOutput, seq: Sequence, num_new: int, scheduled: set[int]) -> int:
-        out.prefill_seqs.append(seq)
+    def _add_prefill(self, plan: _Plan, seq: Sequence, num_new: int) -> int:
+        out = plan.out
+        is_last = num_new == seq.num_uncomputed_tokens
+        out.prefill_req_ids.append(seq.request_id)
         out.prefill_num_tokens.append(num_new)
-        out.prefill_is_last_chunk.append(num_new == seq.num_uncomputed_tokens)
-        scheduled.add(id(seq))
+        out.prefill_num_computed.append(seq.num_computed_tokens)
+        out.prefill_is_last_chunk.append(is_last)
+        plan.prefills.append(seq)
+        plan.scheduled.add(id(seq))
         seq.last_scheduled_step = self._step
+        if is_last and seq.needs_fork:
+            plan.forks += self._fork(seq, out, plan.scheduled)
         return num_new
 
-    def _make_room(self, seq: Sequence, num_new: int, scheduled: set[int], out: SchedulerOutput) -> bool:
+    def _make_room(self, seq: Sequence, num_new: int, plan: _Plan) -> bool:
         """Allocate blocks for seq, preempting the newest unscheduled running sequences."""
         while not self.block_manager.allocate(seq, num_new):
-            victim = self._pick_victim(seq, scheduled)
+            victim = self._pick_victim(seq, plan.scheduled)
             # The samples of one request go together: none is left behind half the group.
             for member in [victim] + [s for s in self.running if s.group_id == victim.group_id and s is not victim
-                                      and s is not seq and id(s) not in scheduled]:
-                self._preempt(member, out)
+                                      and s is not seq and id(s) not in plan.scheduled]:
+                self._preempt(member, plan.out)
             if victim is seq:
                 return False
         return True
@@ -282,8 +361,20 @@ class Scheduler:
         """Preemption by recompute: drop the cache, keep the tokens; prefill runs them again."""
         self.running.remove(seq)
         self.block_manager.free(seq)
+        self._drop_row(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.waiting.insert(0, seq)
-        out.preempted_seqs.append(seq)
+        out.preempted_req_ids.append(seq.request_id)
+
+
+@dataclass(slots=True)
+class _Plan:
+    """A step being scheduled: its sequences (the value names them by id) and what is taken."""
+
+    out: SchedulerOutput
+    prefills: list[Sequence] = field(default_factory=list)
+    decodes: list[Sequence] = field(default_factory=list)
+    forks: list[Sequence] = field(default_factory=list)
+    scheduled: set[int] = field(default_factory=set)  # id() of every sequence this step runs or samples

@@ -1,29 +1,58 @@
-"""What one engine step will run: a plain value that can be logged and tested."""
+"""What one engine step will run: a plain value that names requests by id, logged and tested,
+and never edited after `Scheduler.schedule` returns it.
+
+The runner keeps a row per request (engine/execution/input_batch.py) and updates it from this
+value's diffs: rows added (`new_requests`: admitted, resumed after preemption, or forked),
+block tables changed (`block_table_updates`), rows removed (`removed_req_ids`). Then it runs
+the prefill chunks and the decodes, in that order, and samples every request in
+`sampling_req_ids`.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
-from engine.core.sequence import Sequence
+import torch
+
+from engine.processing.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A row the runner adds: all it needs to run and sample the request from now on."""
+
+    req_id: str
+    prompt_token_ids: list[int]  # shared with the scheduler's sequence: read only
+    output_token_ids: list[int]  # a copy: tokens generated before a preemption (recompute)
+    block_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    matcher: Any  # the grammar state, shared with the scheduler's sequence (it advances it)
+    min_tokens_stop_ids: frozenset[int]
 
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    """Prefill chunks and decodes of one step.
+    """Prefill chunks and decodes of one step, by request id.
 
-    prefill_seqs[i] computes prefill_num_tokens[i] tokens starting at its
-    num_computed_tokens; it samples only if that chunk reaches the end of its tokens
-    (prefill_is_last_chunk[i]). Every decode samples.
+    Chunk i of prefill_req_ids computes prefill_num_tokens[i] tokens starting at position
+    prefill_num_computed[i]; it samples only if that chunk reaches the end of its tokens
+    (prefill_is_last_chunk[i]). Every decode samples. A fork samples from its parent's logits
+    row (the parent's last prefill chunk in this step) without computing anything.
     """
 
-    prefill_seqs: list[Sequence] = field(default_factory=list)
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    block_table_updates: dict[str, tuple[int, list[int]]] = field(default_factory=dict)  # id -> table[start:]
+    removed_req_ids: list[str] = field(default_factory=list)  # finished or preempted since the last step
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (source, copy): before the forward
+    prefill_req_ids: list[str] = field(default_factory=list)
     prefill_num_tokens: list[int] = field(default_factory=list)
+    prefill_num_computed: list[int] = field(default_factory=list)
     prefill_is_last_chunk: list[bool] = field(default_factory=list)  # the chunk ends the prompt: it samples
-    decode_seqs: list[Sequence] = field(default_factory=list)
-    preempted_seqs: list[Sequence] = field(default_factory=list)
-    # Samples forked this step from a request's sample 0 (after the forward): each samples from
-    # its parent's logits row, fork_rows[i] of the stacked rows.
-    forked_seqs: list[Sequence] = field(default_factory=list)
-    fork_rows: list[int] = field(default_factory=list)
+    decode_req_ids: list[str] = field(default_factory=list)
+    fork_req_ids: list[str] = field(default_factory=list)
+    fork_parent_ids: list[str] = field(default_factory=list)
+    preempted_req_ids: list[str] = field(default_factory=list)
     num_prefix_queried_tokens: int = 0
     num_prefix_hit_tokens: int = 0
     # Why the prefill got what it got: "tokens" (the token budget) or "time" (the step-time target).
@@ -40,7 +69,7 @@ class SchedulerOutput:
 
     @property
     def num_decode_tokens(self) -> int:
-        return len(self.decode_seqs)
+        return len(self.decode_req_ids)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -48,25 +77,30 @@ class SchedulerOutput:
 
     @property
     def prefill_sample_rows(self) -> list[int]:
-        """Indices into prefill_seqs of the chunks that sample a token."""
+        """Indices into prefill_req_ids of the chunks that sample a token."""
         return [i for i, is_last in enumerate(self.prefill_is_last_chunk) if is_last]
 
     @property
-    def sampling_seqs(self) -> list[Sequence]:
-        """The sequences that get a token this step, in the order the logits are stacked
-        (forked samples last, sampling from copies of their parents' rows)."""
-        return [self.prefill_seqs[i] for i in self.prefill_sample_rows] + self.decode_seqs + self.forked_seqs
+    def sampling_req_ids(self) -> list[str]:
+        """The requests that get a token this step, in the order their logits are stacked
+        (forks last, each on a copy of its parent's row)."""
+        return [self.prefill_req_ids[i] for i in self.prefill_sample_rows] + self.decode_req_ids + self.fork_req_ids
+
+    @property
+    def scheduled_req_ids(self) -> list[str]:
+        """Every request this step runs or samples."""
+        return self.prefill_req_ids + self.decode_req_ids + self.fork_req_ids
 
     @property
     def is_empty(self) -> bool:
-        return not self.prefill_seqs and not self.decode_seqs
+        return not self.prefill_req_ids and not self.decode_req_ids
 
     def describe(self) -> str:
-        chunks = ", ".join(f"{s.request_id}:{n}" for s, n in zip(self.prefill_seqs, self.prefill_num_tokens, strict=True))
+        chunks = ", ".join(f"{r}:{n}" for r, n in zip(self.prefill_req_ids, self.prefill_num_tokens, strict=True))
         timing = ""
         if self.predicted_step_time is not None:
             target = f" target {1e3 * self.step_time_target:.1f} ms" if self.step_time_target is not None else ""
             timing = f" predicted {1e3 * self.predicted_step_time:.1f} ms{target}"
-        return (f"prefill[{chunks}] decode[{len(self.decode_seqs)}] "
-                f"preempted[{', '.join(s.request_id for s in self.preempted_seqs)}] "
-                f"budget from {self.budget_source}{timing}")
+        forks = f" forked[{', '.join(self.fork_req_ids)}]" if self.fork_req_ids else ""
+        return (f"prefill[{chunks}] decode[{len(self.decode_req_ids)}]{forks} "
+                f"preempted[{', '.join(self.preempted_req_ids)}] budget from {self.budget_source}{timing}")

@@ -1,4 +1,8 @@
-"""One request's state as it moves WAITING -> RUNNING -> FINISHED (and back on preemption)."""
+"""One request's scheduling state as it moves WAITING -> RUNNING -> FINISHED (and back on preemption).
+
+What a token means for the client (text, logprobs, stop strings) is the output processor's
+(engine/processing/output_processor.py); this is what the scheduler needs to decide steps.
+"""
 from __future__ import annotations
 
 import enum
@@ -7,7 +11,7 @@ from typing import Any
 
 import torch
 
-from engine.processing.detokenizer import IncrementalDetokenizer
+from engine.outputs import FinishReason
 from engine.processing.sampling_params import SamplingParams
 
 
@@ -15,13 +19,7 @@ class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-class FinishReason(enum.StrEnum):
-    STOP = "stop"  # EOS, a stop token id or a stop string
-    LENGTH = "length"  # max_tokens or the model's context length
-    ABORT = "abort"  # client cancel, deadline, shutdown
-    ERROR = "error"  # the engine failed while serving this request
+    FORK_PENDING = "fork_pending"  # a sample of an n > 1 request, waiting for sample 0's prompt
 
 
 @dataclass(slots=True)
@@ -30,51 +28,49 @@ class SequenceTimes:
 
     arrival: float
     first_scheduled: float | None = None
-    first_token: float | None = None
-    last_token: float | None = None
     finished: float | None = None
 
 
 @dataclass(slots=True, eq=False)
 class Sequence:
-    """A request inside the engine.
+    """A request inside the scheduler.
 
     Tokens [0, num_computed_tokens) have K/V in the cache at slots given by block_table;
     the rest still have to run through the model. A decode is the case of exactly one
     uncomputed token after at least one generated token.
 
     Owners: the Scheduler moves status, num_computed_tokens and output_token_ids; the
-    BlockManager owns block_table, block_hashes and num_registered_blocks; the OutputProcessor
-    owns the text, logprobs and timestamps after scheduling.
+    BlockManager owns block_table, block_hashes, num_registered_blocks and
+    block_table_changed_from.
     """
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
-    detokenizer: IncrementalDetokenizer
     eos_token_ids: frozenset[int] = frozenset()
     priority: int = 0  # lower runs first; waiting lowers it further (aging)
     output_token_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[dict[int, float]] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
     num_registered_blocks: int = 0  # full blocks already published to the prefix cache
+    # The first block table entry the runner has not seen yet (appended or replaced by a
+    # copy-on-write); None: the runner's copy is current.
+    block_table_changed_from: int | None = 0
+    is_in_runner: bool = False  # the runner holds a row for it (added, not yet removed)
     num_cached_prompt_tokens: int = 0  # prefix-cache hits at first admission
     num_preemptions: int = 0
-    num_emitted_chars: int = 0
     last_scheduled_step: int = -1
     generator: torch.Generator | None = None
     matcher: Any = None  # the grammar state of a structured-output request (llguidance LLMatcher)
     # Parallel sampling (params.n > 1): the request's id, which outputs carry, and this sample's
     # index. Sample 0 is the request itself (group_id == request_id); it prefills the prompt
-    # once and forks the others when its first token is sampled.
+    # once and the others fork from it when the chunk that ends its prompt is scheduled.
     group_id: str = ""
     index: int = 0
-    prompt_logprobs: list[dict[int, float] | None] | None = None  # per prompt position, when asked
     times: SequenceTimes = field(init=False)
     # Token ids min_tokens holds off (stop ids, and EOS unless ignored): built once, used per step.
     min_tokens_stop_ids: frozenset[int] = field(init=False)
@@ -107,16 +103,12 @@ class Sequence:
 
     @property
     def needs_fork(self) -> bool:
-        """Sample 0 of an n > 1 request, about to get its first token: the others fork now."""
+        """Sample 0 of an n > 1 request before its first token: the others fork from it."""
         return self.params.n > 1 and self.index == 0 and self.num_output_tokens == 0
 
     @property
     def is_decode(self) -> bool:
         return self.num_output_tokens > 0 and self.num_uncomputed_tokens == 1
-
-    @property
-    def text(self) -> str:
-        return self.detokenizer.text
 
     def token_ids_slice(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output without building the whole list."""
@@ -130,3 +122,20 @@ class Sequence:
     @property
     def last_token_id(self) -> int:
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    def check_stop(self, token_id: int, max_model_len: int) -> tuple[FinishReason | None, int | None]:
+        """The stop conditions its newest token (token_id, already appended) decides alone:
+        a complete grammar, EOS, a stop token id (after min_tokens), max_tokens, the context.
+        Stop strings need the text: the output processor checks those."""
+        params = self.params
+        if self.matcher is not None and self.matcher.is_stopped():  # the grammar is complete: nothing may follow
+            return FinishReason.STOP, None
+        if self.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                return FinishReason.STOP, None
+            if token_id in params.stop_token_set:
+                return FinishReason.STOP, token_id
+        if (params.max_tokens is not None and self.num_output_tokens >= params.max_tokens) \
+                or self.num_tokens >= max_model_len:
+            return FinishReason.LENGTH, None
+        return None, None

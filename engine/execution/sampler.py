@@ -9,11 +9,26 @@ of the batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
-from engine.core.sequence import Sequence
+from engine.processing.sampling_params import SamplingParams
 from engine.processing.structured_output import GrammarMask
+
+
+class SamplingRow(Protocol):
+    """What the sampler reads of a request: the runner's rows (input_batch.CachedRequestState)."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None
+    matcher: Any  # its grammar's state; advanced over the sampled token by the scheduler, not here
+    min_tokens_stop_ids: frozenset[int]
+
+    @property
+    def num_output_tokens(self) -> int: ...
 
 
 @dataclass(slots=True)
@@ -46,13 +61,13 @@ class Sampler:
         self.grammar_mask: GrammarMask | None = None  # made on the first constrained step
 
     @staticmethod
-    def is_plain_greedy(seqs: list[Sequence]) -> bool:
+    def is_plain_greedy(seqs: list[SamplingRow]) -> bool:
         """Whether every row's token is its logits' argmax, untouched: then the forward's own
         argmax (greedy_ids) is the step's tokens."""
         # A grammar's matcher exists only where params.structured_output does: the params say it.
         return all(s.params.is_plain_greedy and s.num_output_tokens >= s.params.min_tokens for s in seqs)
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], greedy_ids: list[int] | None = None
+    def __call__(self, logits: torch.Tensor, seqs: list[SamplingRow], greedy_ids: list[int] | None = None
                  ) -> SamplerOutput:
         """logits: [N, vocab] fp32, consumed (edited in place). greedy_ids: N ints, each row's
         first argmax, when the forward made them and `is_plain_greedy(seqs)`: the answer, with
@@ -67,7 +82,7 @@ class Sampler:
     # Inference mode: the model's logits are an inference tensor, and here they may be edited in
     # place (stop masks, biases, grammar masks) instead of copied once per edit.
     @torch.inference_mode()
-    def _process(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+    def _process(self, logits: torch.Tensor, seqs: list[SamplingRow]) -> SamplerOutput:
         params = [s.params for s in seqs]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(p.logprobs is not None for p in params) else None
         self._mask_stops_before_min_tokens(logits, seqs)
@@ -88,14 +103,12 @@ class Sampler:
         greedy = _argmax(logits)
         tokens = greedy if is_all_greedy else self._sample(logits, seqs, greedy, rows)
         token_list = tokens.tolist()  # the step's one host sync
-        if constrained:
-            self.grammar_mask.consume([(matcher, token_list[i]) for i, matcher in constrained])
         if raw_logprobs is None:
             return SamplerOutput(token_list, [None] * len(seqs))
         return SamplerOutput(token_list, self._gather_logprobs(raw_logprobs, tokens, params))
 
     @staticmethod
-    def _apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    def _apply_logit_bias(logits: torch.Tensor, seqs: list[SamplingRow]) -> None:
         rows, cols, values = [], [], []
         for i, seq in enumerate(seqs):
             bias = seq.params.logit_bias or {}
@@ -107,7 +120,7 @@ class Sampler:
                           torch.tensor(values, device=dev, dtype=logits.dtype), accumulate=True)
 
     @staticmethod
-    def _mask_stops_before_min_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    def _mask_stops_before_min_tokens(logits: torch.Tensor, seqs: list[SamplingRow]) -> None:
         rows, cols = [], []
         for i, seq in enumerate(seqs):
             if seq.num_output_tokens < seq.params.min_tokens:
@@ -116,7 +129,7 @@ class Sampler:
         if rows:
             logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = -float("inf")
 
-    def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence], rows: torch.Tensor) -> torch.Tensor:
+    def _apply_penalties(self, logits: torch.Tensor, seqs: list[SamplingRow], rows: torch.Tensor) -> torch.Tensor:
         num_rows, vocab = logits.shape
         dev = logits.device
 
@@ -137,7 +150,7 @@ class Sampler:
         logits = torch.where(seen, penalized, logits)
         return logits - freq * output_counts - pres * (output_counts > 0).float()
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy: torch.Tensor,
+    def _sample(self, logits: torch.Tensor, seqs: list[SamplingRow], greedy: torch.Tensor,
                 rows: torch.Tensor) -> torch.Tensor:
         params = [s.params for s in seqs]
         num_rows, vocab = logits.shape

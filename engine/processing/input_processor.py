@@ -15,6 +15,9 @@ from engine.processing.sampling_params import SamplingParams
 from engine.processing.structured_output import GrammarCompiler
 
 VALID_ROLES = ("system", "user", "assistant", "tool")
+# Arguments the template call sets itself: chat_template_kwargs may not name them.
+_RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "add_generation_prompt", "tokenize", "return_dict",
+                                       "continue_final_message", "tokenizer_kwargs"})
 
 
 class InputProcessor:
@@ -72,9 +75,12 @@ class InputProcessor:
             raise LimitExceededError(f"max_tokens: {params.max_tokens} does not fit the context of "
                                      f"{self.max_model_len} tokens")
 
-    def apply_chat_template(self, messages: list[dict[str, str]], params: SamplingParams | None = None) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, Any]], params: SamplingParams | None = None,
+                            chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """The chat's token ids by the model's template. Given the request's params, a chat whose
-        text cannot fit the context is refused before it is tokenized (as a prompt is)."""
+        text cannot fit the context is refused before it is tokenized (as a prompt is).
+        Messages may carry more than role and content (an assistant's tool_calls, a tool
+        result's tool_call_id); chat_template_kwargs go to the template (tools=..., enable_thinking=...)."""
         if not messages:
             raise ValueError("messages: must not be empty")
         for i, m in enumerate(messages):
@@ -87,7 +93,16 @@ class InputProcessor:
             raise LimitExceededError(f"messages: {num_chars} characters, at most {self.config.max_prompt_chars}")
         if not self.has_chat_template:
             raise ValueError("messages: this model has no chat template; send a prompt instead")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        kwargs = dict(chat_template_kwargs or {})
+        reserved = sorted(_RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+        if reserved:
+            raise ValueError(f"chat_template_kwargs: {reserved[0]!r} is set by the server")
+        from jinja2 import TemplateError
+
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
+        except TemplateError as exc:  # a template's raise_exception: the chat breaks its rules
+            raise ValueError(f"messages: the chat template refused them: {exc}") from None
         if params is not None:
             self._check_fits_before_tokenizing(len(text), params, "messages")
         return self.tokenizer.encode(text, add_special_tokens=False)
@@ -106,12 +121,13 @@ class InputProcessor:
                                      f"of {self.max_model_len} tokens (at least one must be generated)")
 
     def prompt_token_ids(self, params: SamplingParams, prompt: str | list[int] | None = None,
-                         messages: list[dict[str, str]] | None = None) -> list[int]:
+                         messages: list[dict[str, Any]] | None = None,
+                         chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """The prompt's (or the chat's) token ids, checked against the limits, the vocabulary and
         the context length; a structured-output spec is compiled (and cached) here too, off the
         engine thread. The parameters' own checks (check_request) come first, once."""
         if messages is not None:
-            token_ids = self.apply_chat_template(messages, params)
+            token_ids = self.apply_chat_template(messages, params, chat_template_kwargs)
         elif isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt: must not be empty")

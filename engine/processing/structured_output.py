@@ -26,10 +26,13 @@ JSON_OPTIONS = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,40}"}
 @dataclass(frozen=True, slots=True)
 class StructuredOutput:
     """What the output must match. `value`: the schema (JSON text), the regex, the grammar
-    (Lark or GBNF/EBNF), or the JSON list of choices; ignored for json_object (any JSON)."""
+    (Lark or GBNF/EBNF), or the JSON list of choices; ignored for json_object (any JSON).
+    `after`: when set, the output is free text up to and including the first occurrence of
+    this string (a reasoning model's "</think>"), and the constraint applies from there on."""
 
     kind: str
     value: str = ""
+    after: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -96,6 +99,8 @@ class GrammarCompiler:
                 grammar = grammar_from("regex" if spec.kind == "regex" else "grammar", spec.value)
         except (ValueError, TypeError) as exc:  # json.JSONDecodeError is a ValueError
             raise ValueError(f"{spec.field}: invalid: {exc}") from None
+        if spec.after:
+            grammar = after_free_text(grammar, spec.after, self._token_id(spec.after))
         error = LLMatcher.validate_grammar(grammar, self.tokenizer)
         if error and not error.startswith("WARNING"):
             raise ValueError(f"{spec.field}: invalid: {error.strip().splitlines()[0]}")
@@ -105,6 +110,14 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         return grammar
 
+    def _token_id(self, text: str) -> int | None:
+        """The id of text when it is an added token llguidance treats as special (a special one,
+        or one written <...>, such as Qwen's </think>), else None."""
+        for token_id, token in (getattr(self._hf_tokenizer, "added_tokens_decoder", {}) or {}).items():
+            if str(token) == text and (getattr(token, "special", True) or (text.startswith("<") and text.endswith(">"))):
+                return int(token_id)
+        return None
+
     def matcher(self, spec: StructuredOutput) -> Any:
         from llguidance import LLMatcher
 
@@ -112,6 +125,43 @@ class GrammarCompiler:
         if matcher.is_error():
             raise ValueError(f"{spec.field}: {matcher.get_error()}")
         return matcher
+
+
+def after_free_text(grammar: str, after: str, token_id: int | None = None) -> str:
+    """`grammar` behind a free-text prefix that ends at the first `after`: the prefix is a lazy
+    lexeme (llguidance ends it as soon as `after` appears), the grammar a sub-grammar after it.
+    token_id: `after` is this added token, which llguidance never matches as text."""
+    try:
+        inner = json.loads(grammar)["grammars"]
+    except (ValueError, TypeError, KeyError):  # Lark text, not llguidance's JSON form
+        inner = [{"lark_grammar": grammar}]
+    inner[0] = dict(inner[0], name="after_prefix_body")
+    if token_id is not None:
+        top = f"%llguidance {{}}\nstart: PREFIX_TEXT <[{token_id}]> @after_prefix_body\n"
+    else:
+        top = (f"%llguidance {{}}\nstart: prefix @after_prefix_body\nprefix[lazy]: PREFIX_TEXT {json.dumps(after)}\n")
+    top += "PREFIX_TEXT: /(.|\\n)*/\n"
+    return json.dumps({"grammars": [{"lark_grammar": top}, *inner]})
+
+
+class GrammarExecutor:
+    """llguidance's executor, made on first use: fills many matchers' bitmasks, or advances
+    them over their sampled tokens, in parallel (one call, not one per row)."""
+
+    def __init__(self) -> None:
+        self._executor: Any = None
+
+    @property
+    def executor(self) -> Any:
+        if self._executor is None:
+            from llguidance import LLExecutor
+
+            self._executor = LLExecutor()
+        return self._executor
+
+    def consume(self, matchers: list[tuple[Any, int]]) -> None:
+        """Advance each (matcher, sampled token)."""
+        self.executor.consume_token_par(matchers)
 
 
 class GrammarMask:
@@ -123,20 +173,12 @@ class GrammarMask:
         self.num_words = (vocab_size + 31) // 32
         self._bitmask = torch.zeros(max_rows, self.num_words, dtype=torch.int32)  # [rows, words]
         self._shifts = torch.arange(32, dtype=torch.int32)  # [32]
-        self._executor: Any = None
+        self._grammar = GrammarExecutor()
         self.kernels = kernels if kernels is not None and hasattr(kernels, "apply_token_bitmask_") else None
 
     @property
     def executor(self) -> Any:
-        if self._executor is None:
-            from llguidance import LLExecutor
-
-            self._executor = LLExecutor()
-        return self._executor
-
-    def consume(self, matchers: list[tuple[Any, int]]) -> None:
-        """Advance each (matcher, sampled token), in parallel: one call, not one per row."""
-        self.executor.consume_token_par(matchers)
+        return self._grammar.executor
 
     def apply(self, logits: torch.Tensor, matchers: list[tuple[int, Any]]) -> None:
         """Mask, in place, the rows of `matchers` ((row, matcher) pairs); the others are left untouched."""

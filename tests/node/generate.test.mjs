@@ -80,6 +80,30 @@ test('n samples, structured output and logprob token texts', async () => {
   assert.deepEqual(tokenTexts, texts);
 });
 
+test('chat with a required tool: the call streams name first, then arguments that parse', async () => {
+  const parameters = {
+    type: 'object', additionalProperties: false, required: ['city', 'days'],
+    properties: { city: { type: 'string', maxLength: 10 }, days: { type: 'integer', minimum: 1, maximum: 7 } },
+  };
+  const chunks = await collect({
+    messages: {
+      messages: [{ role: 'user', content: 'Weather in Paris?' }],
+      tools: [{ name: 'get_weather', description: 'The weather', parameters: JSON.stringify(parameters) }],
+      tool_choice: 'required',
+      parallel_tool_calls: false,
+    },
+    sampling: { temperature: 0.8, seed: 1, max_tokens: 120 },
+  });
+  const deltas = chunks.flatMap((c) => c.tool_calls);
+  assert.equal(deltas[0].name, 'get_weather');
+  assert.match(deltas[0].id, /^call_/);
+  const args = JSON.parse(deltas.map((d) => d.arguments).join(''));
+  assert.deepEqual(Object.keys(args).sort(), ['city', 'days']);
+  assert.ok(args.days >= 1 && args.days <= 7 && args.city.length <= 10);
+  assert.equal(chunks[chunks.length - 1].finish_reason, 'tool_calls');
+  assert.equal(chunks.map((c) => c.text).join(''), '', 'the call is not content');
+});
+
 test('GetModelInfo answers', async () => {
   const info = await new Promise((resolve, reject) =>
     client.GetModelInfo({}, metadata(), (err, res) => (err ? reject(err) : resolve(res))));

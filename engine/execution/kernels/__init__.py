@@ -33,7 +33,7 @@ def cpu_tag() -> str:
 ISAS = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512_bf16": 3, "amx": 4}
 
 _SOURCES = ("bindings.cpp", "paged_attention.cpp", "prefill_attention.cpp", "packed_gemm.cpp", "decode_layer.cpp",
-            "decode_model.cpp", "token_bitmask.cpp", "weight_stream.cpp", "core_handoff.cpp")
+            "decode_model.cpp", "token_bitmask.cpp")
 _STALE_LOCK_S = 300  # a build takes up to 2 minutes on a busy 2-core machine; an older lock is from a killed process
 
 
@@ -73,21 +73,26 @@ def build_sources(root: Path, kernel_dir: Path, torch_dir: Path, torch_version: 
     return build_dir, source_dir
 
 
+def load_extension(name: str, kernel_dir: Path, sources: tuple[str, ...]) -> ModuleType:
+    """Build (once per source digest, torch and CPU kind) and import the C++ extension `name`
+    from kernel_dir's sources; raises on a build failure."""
+    import torch
+    from torch.utils import cpp_extension
+
+    from engine.config import default_cache_dir
+
+    build_dir, source_dir = build_sources(default_cache_dir() / "torch_extensions", kernel_dir,
+                                          Path(torch.__file__).parent, torch.__version__)
+    _remove_stale_lock(build_dir / "lock")
+    return cpp_extension.load(
+        name=name, sources=[str(source_dir / source) for source in sources], build_directory=str(build_dir),
+        extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+
+
 @functools.cache
 def load_cpu_kernels() -> ModuleType | None:
     try:
-        import torch
-        from torch.utils import cpp_extension
-
-        from engine.config import default_cache_dir
-
-        build_dir, source_dir = build_sources(default_cache_dir() / "torch_extensions", Path(__file__).parent,
-                                              Path(torch.__file__).parent, torch.__version__)
-        _remove_stale_lock(build_dir / "lock")
-        return cpp_extension.load(
-            name="minivllm_cpu_kernels", sources=[str(source_dir / name) for name in _SOURCES],
-            build_directory=str(build_dir), extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"], verbose=False)
+        return load_extension("minivllm_cpu_kernels", Path(__file__).parent, _SOURCES)
     except Exception as exc:  # noqa: BLE001 - any build failure means: use the torch path
         logger.warning("C++ CPU kernels unavailable (%s); using the pure-torch attention path", exc)
         return None

@@ -73,10 +73,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "A team's few-row product's tasks as [begin, end) panels: each rank's home, tasks shrinking to its back");
   m.def("layer_attention_inputs", without_gil(&minivllm::layer_attention_inputs),
         "A fused layer up to attention: norm, QKV, RoPE, KV write -> [M, q | k | v] float32 (CPU)");
-  m.def("stream_weights", without_gil(&minivllm::stream_weights),
-        "Read weights once in order, split among the threads (waiting at each weight's end) -> (seconds, XOR checksum)");
-  m.def("core_handoff_ns", without_gil(&minivllm::core_handoff_ns),
-        "Two threads take turns writing one word -> mean ns for a cache line to pass between their cores");
   m.def("layer_attention_outputs", without_gil(&minivllm::layer_attention_outputs),
         "A fused layer from attention on: o_proj + residual, norm, MLP + residual, in place on x (CPU)");
 }

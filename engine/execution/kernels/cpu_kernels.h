@@ -175,14 +175,6 @@ void paged_prefill_attention(torch::Tensor q, const torch::Tensor& k_cache, cons
                              const torch::Tensor& block_table, int64_t start_pos, int64_t block_size, double scale,
                              int64_t window, int64_t isa, torch::Tensor out);
 void apply_token_bitmask_(torch::Tensor logits, const torch::Tensor& bitmask, const torch::Tensor& rows);
-// Reads each weight once, in order, each split in even runs of whole cache lines among
-// at::get_num_threads() threads (by 32-byte loads where isa has AVX2); with wait_per_weight the
-// threads wait for each other at each weight's end, as a decode step's members do at each
-// part's. -> (seconds, XOR of the 8-byte words, a last partial word zero-padded).
-std::tuple<double, int64_t> stream_weights(const std::vector<torch::Tensor>& weights, bool wait_per_weight,
-                                           int64_t isa);
-// Two threads take turns writing one word `rounds` times each -> mean ns for one hand-over.
-double core_handoff_ns(int64_t rounds);
 torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& w, const std::optional<torch::Tensor>& scale,
                             const std::optional<torch::Tensor>& bias, int64_t n, int64_t isa);
 using PackedLinear = std::tuple<torch::Tensor, std::optional<torch::Tensor>, std::optional<torch::Tensor>, int64_t>;

@@ -10,7 +10,6 @@ missing, unknown or of the wrong shape.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from types import ModuleType
 from typing import Any
 
 import torch
@@ -20,7 +19,6 @@ from torch import nn
 from engine.execution.attention import AttentionMetadata, attention, write_kv
 from engine.execution.models.layers import Linear, RMSNorm, rotate_half
 from engine.execution.models.model_config import ModelConfig
-from engine.execution.models.packed_weight import place_on_huge_pages
 
 # Checkpoint projection -> (our fused projection, its shard index).
 _STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -44,46 +42,11 @@ class DecoderLayer(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
         self.intermediate_size = cfg.intermediate_size
         self.eps = cfg.rms_norm_eps
-        self.norm_weights: tuple[torch.Tensor, torch.Tensor] | None = None  # float32 copies for the C++ layer
 
     @property
     def projections(self) -> tuple[Linear, Linear, Linear, Linear]:
-        """QKV, output, gate/up and down: the order the C++ layer takes them and a decode step reads them."""
+        """QKV, output, gate/up and down: the order a decode step reads them."""
         return self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj
-
-    def fused_weights(self, kernels: ModuleType) -> Any:
-        """This layer as kernels.decode_layers takes it (norm_weights and the panels set first)."""
-        return kernels.DecodeLayerWeights(*self.norm_weights, *(p.panels.as_args() for p in self.projections),
-                                          self.sliding_window or 0)
-
-    def forward_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata,
-                      k_cache: torch.Tensor, v_cache: torch.Tensor, kernels: ModuleType, isa: int) -> None:
-        """The layer in C++ over the panel-packed weights, for steps of a few tokens.
-        x: [T, hidden] float32, updated in place; cos, sin: [T, head_dim] float32.
-
-        A decode-only step is one call. A step with prefill rows is two, around the step's
-        `attention` (a chunk's queries share every key they read; per-row decode attention
-        would walk the context once per query). The small chunks a time-budgeted step carries
-        beside running streams then cost their GEMM rows, not the ~150 dispatched ops per layer
-        of the torch path, which alone take about as long as a whole decode step."""
-        qkv, o, gate_up, down = (p.panels.as_args() for p in self.projections)
-        window = self.sliding_window or 0
-        num_prefill = attn.num_prefill_tokens
-        if num_prefill == 0:
-            kernels.decode_layer(x, cos, sin, *self.norm_weights, qkv, o, gate_up, down, k_cache, v_cache,
-                                 attn.slot_mapping, attn.block_tables, attn.context_lens, self.num_heads,
-                                 attn.block_size, self.eps, self.scale, window, isa)
-            return
-        num_tokens = x.shape[0]
-        qkv_out = kernels.layer_attention_inputs(x, cos, sin, self.norm_weights[0], qkv, k_cache, v_cache,
-                                                 attn.slot_mapping, self.num_heads, self.eps, isa)  # [T, q | k | v]
-        q, k, v = qkv_out.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = attention(q, k, v, k_cache, v_cache, attn, self.scale, self.sliding_window)  # [T, H, D] float32
-        kernels.layer_attention_outputs(x, out.reshape(num_tokens, self.q_size), self.norm_weights[1], o, gate_up,
-                                        down, self.eps, isa)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
@@ -124,11 +87,6 @@ class LlamaForCausalLM(nn.Module):
         self.rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None
         for p in self.parameters():
             p.requires_grad_(False)
-        self.fused_kernels: ModuleType | None = None  # set when every layer has panels (pack_weights)
-        self.fused_isa = 0
-        self.decode_weights: list[Any] = []  # DecoderLayer.fused_weights per layer, with the panels
-        self.final_norm_weight: torch.Tensor | None = None  # [hidden] float32 for the decoder
-        self.decoder: Any = None  # kernels.DecodeModel, once bind_decode has the caches
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [T] -> cos, sin: [T, head_dim] float32, rows of tables made once.
@@ -157,80 +115,10 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         # input_ids, positions: [T] -> hidden: [T, hidden]
         x = self.embed_tokens(input_ids)
-        if attn.is_fused:
-            return self._forward_fused(x, positions, attn, kv_caches)
         cos, sin = (t.to(x.dtype).unsqueeze(1) for t in self.rope(positions))  # [T, 1, head_dim]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, attn, k_cache, v_cache)
         return self.norm(x)
-
-    def _forward_fused(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
-                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        # x: [T, hidden] -> hidden: [T, hidden]; the residual stream stays float32 across layers
-        dtype = x.dtype
-        x = x.float().contiguous()
-        cos, sin = self.rope(positions)  # [T, head_dim]
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            layer.forward_fused(x, cos, sin, attn, k_cache, v_cache, self.fused_kernels, self.fused_isa)
-        return self.norm(x).to(dtype)
-
-    def bind_decode(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int) -> None:
-        """Bind what every decode-only step shares for `decode_logits` (after pack_weights with
-        panels): the weights, the RoPE tables, the caches, not converted from Python on every call
-        (this, with the sequences' lists as the step's inputs, took a batch-1 bf16 step's host
-        part from 0.59 to 0.40 ms on a 2-core Zen 4)."""
-        cos_table, sin_table = self.rope_tables_on(self.final_norm_weight.device)
-        first = self.layers[0]  # the layers share heads, eps and scale (and the final norm's eps)
-        self.decoder = self.fused_kernels.DecodeModel(
-            self.embed_tokens.weight, cos_table, sin_table, self.decode_weights, kv_caches, self.final_norm_weight,
-            self.lm_head.panels.as_args(), first.num_heads, block_size, first.eps, first.scale, self.fused_isa)
-
-    def decode_logits(self, token_ids: list[int], block_tables: list[list[int]], context_lens: list[int],
-                      with_argmax: bool = False) -> tuple[torch.Tensor, list[int] | None]:
-        """A decode-only step with the fused kernels (after bind_decode), from token ids to
-        logits in one C++ call: per sequence its last token, its block table and its context
-        length (the token's position + 1), as the sequences hold them -> logits [B, vocab]
-        float32 and, with_argmax, each row's first argmax (torch.argmax's rule) as a list, else None.
-
-        One call, not the input tensors, embedding, RoPE rows, layers and LM head as a dozen
-        torch and numpy ops: after a batch-1 step's weight stream every such op finds the caches
-        cold, and they took about 0.4 ms of a 10 ms bf16 step on a 2-core Zen 4."""
-        return self.decoder.step(token_ids, block_tables, context_lens, with_argmax)
-
-    def take_decode_part_seconds(self) -> dict[str, float] | None:
-        """The fused decode steps' wall seconds by kind of part (qkv, attention, o_proj, gate_up,
-        silu, down, lm_head, argmax, outside) and their count ('steps'), summed since the last
-        call, which this zeroes; None without the fused decode step."""
-        return None if self.decoder is None else dict(self.decoder.take_part_seconds())
-
-    def pack_weights(self, onednn: bool, panel_dtype: torch.dtype | None, kernels: ModuleType | None, isa: int,
-                     max_panel_rows: int, huge_pages: bool = False) -> None:
-        """Pack every projection once, after loading (CPU): for oneDNN (prefill, large batches)
-        and/or as panels of `panel_dtype` for the C++ small-batch kernels (steps of up to
-        `max_panel_rows` tokens; every step when they are the only copy, as in int8). With
-        panels, such steps run each layer as C++ calls (`forward_fused`); panels need `kernels`.
-        `huge_pages`: the panels share one region on 2 MiB pages."""
-        if panel_dtype is not None and kernels is None:
-            raise ValueError("panel-packed weights need the C++ CPU kernels")
-        for module in self.modules():
-            if not isinstance(module, Linear):
-                continue
-            tied = module is self.lm_head and self.config.tie_word_embeddings  # the embedding still needs it
-            if panel_dtype is not None:
-                module.pack_panels(panel_dtype, kernels, isa, max_panel_rows)
-            if onednn:
-                module.pack(drop_weight=not tied)
-            elif panel_dtype is not None and not tied:
-                module.drop_weight()
-        if panel_dtype is not None:
-            if huge_pages:  # before decode_weights takes the panels' addresses
-                place_on_huge_pages([m.panels for m in self.modules() if isinstance(m, Linear) and m.panels is not None])
-            for layer in self.layers:
-                layer.norm_weights = (layer.input_layernorm.weight.float().contiguous(),
-                                      layer.post_attention_layernorm.weight.float().contiguous())
-            self.decode_weights = [layer.fused_weights(kernels) for layer in self.layers]
-            self.final_norm_weight = self.norm.weight.float().contiguous()
-            self.fused_kernels, self.fused_isa = kernels, isa
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden] -> logits: [N, vocab] in fp32 for the sampler

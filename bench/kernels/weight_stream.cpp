@@ -9,7 +9,7 @@
 // by 64-byte (AVX-512) ones and 95-97 % by 32-byte (AVX2) ones (the three in turn in one
 // process, 90 s), so every CPU with AVX2 reads by 32 bytes. Even so it is a plain read, not a
 // hard ceiling: a one-row product loop over the same weights can read faster still.
-#include "cpu_kernels.h"
+#include "bench_kernels.h"
 
 #include <ATen/Parallel.h>
 
@@ -81,9 +81,17 @@ uint64_t xor_words(const char* p, int64_t n, int64_t isa) {
 
 }  // namespace
 
+bool cpu_runs(int64_t isa) {
+#if defined(__x86_64__)
+  if (isa >= kIsaAvx512) return __builtin_cpu_supports("avx512f") && isa <= kIsaAmx;
+  if (isa >= kIsaAvx2) return __builtin_cpu_supports("avx2");
+#endif
+  return isa == kIsaScalar;
+}
+
 std::tuple<double, int64_t> stream_weights(const std::vector<torch::Tensor>& weights, bool wait_per_weight,
                                           int64_t isa) {
-  TORCH_CHECK(isa >= 0 && isa <= best_isa(), "stream_weights: this CPU lacks the requested instruction set");
+  TORCH_CHECK(isa >= 0 && cpu_runs(isa), "stream_weights: this CPU lacks the requested instruction set");
   for (const auto& w : weights) TORCH_CHECK(w.is_contiguous(), "stream_weights: contiguous tensors");
   const int num_threads = std::max(1, at::get_num_threads());
   uint64_t checksum = 0;

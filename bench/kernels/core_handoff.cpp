@@ -7,7 +7,7 @@
 // whose sums read over 40 GB/s (the others about 30): by our reading the two vCPUs then sit on
 // two chiplets, each with its own link to memory and its own L3, instead of sharing one.
 // `bench.offline_throughput --paired-seconds` prints it per band of the sums' rate.
-#include "cpu_kernels.h"
+#include "bench_kernels.h"
 
 #include <ATen/Parallel.h>
 

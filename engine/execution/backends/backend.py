@@ -1,0 +1,77 @@
+"""The seam below the runner: what differs between devices and kernel sets.
+
+A Backend holds the device and dtypes, loads the model's weights into the form it runs, makes
+the KV cache pool, runs a step's forward (and, where it has one, a dedicated decode-only path)
+and names the AttentionBackend the model's layers call. The runner above it is the same for
+every backend: persistent batch, step inputs, sampling. This base class is the pure-torch
+reference (F.linear, SDPA, gathered decode attention) on any device; the CPU backend
+(cpu_backend.py) and the CUDA backend (cuda_backend.py) specialise it.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from engine.config import EngineConfig, usable_cpus
+from engine.execution.attention import AttentionBackend, AttentionMetadata
+from engine.execution.backends.torch_attention import TorchAttention
+from engine.execution.models.model_config import ModelConfig
+
+
+class Backend:
+    name = "torch"
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        self.config, self.model_config = config, model_config
+        self.device, self.dtype = device, dtype
+        self.cache_dtype = dtype if config.kv_cache_dtype == "auto" else getattr(torch, config.kv_cache_dtype)
+        self.attention: AttentionBackend = TorchAttention()
+        self.kernels: ModuleType | None = None  # the C++ CPU kernels, where this backend has them
+        self.max_fused_tokens = 0  # steps of at most this many tokens take the backend's fused layers
+        self.max_decode_rows = 0  # decode-only steps of at most this many rows take decode_logits
+        if device.type == "cpu":
+            torch.set_num_threads(config.num_threads or usable_cpus())
+
+    def load_model(self, model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> nn.Module:
+        """The model's weights loaded and put in the form this backend runs."""
+        model.load_weights(weights)
+        model = model.to(device=self.device, dtype=self.dtype).eval()
+        self.prepare(model)
+        return model
+
+    def prepare(self, model: nn.Module) -> None:
+        """Pack or bind the loaded model's weights (nothing for the reference)."""
+
+    def allocate_kv_cache(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """The pool: [layers, k/v, slots, kv_heads, head_dim] in the cache's dtype, zeroed."""
+        return torch.zeros(shape, dtype=self.cache_dtype, device=self.device)
+
+    def bind_kv_cache(self, model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                      block_size: int) -> None:
+        """Called once the pool exists (a backend may bind its decode path to it)."""
+
+    def forward(self, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """input_ids, positions: [T] -> hidden: [T, hidden]."""
+        return model(input_ids, positions, attn, kv_caches)
+
+    def decode_logits(self, token_ids: list[int], block_tables: list[list[int]], context_lens: list[int],
+                      with_argmax: bool) -> tuple[torch.Tensor, list[int] | None]:
+        """A decode-only step of at most max_decode_rows rows by the backend's own path -> logits
+        [B, vocab] float32 and, with_argmax, each row's first argmax (else None)."""
+        raise NotImplementedError(f"the {self.name} backend has no dedicated decode path")
+
+    @torch.inference_mode()
+    def copy_blocks(self, kv_cache: torch.Tensor, pairs: list[tuple[int, int]], block_size: int) -> None:
+        """Copy-on-write: the K/V of block src into block dst, every layer at once."""
+        offsets = torch.arange(block_size)
+        src = torch.cat([offsets + s * block_size for s, _ in pairs]).to(self.device)  # [copies * bs] slots
+        dst = torch.cat([offsets + d * block_size for _, d in pairs]).to(self.device)
+        kv_cache[:, :, dst] = kv_cache[:, :, src]  # [layers, k/v, slots, kv_heads, head_dim]
+
+    def describe(self) -> str:
+        return f"{self.name} backend on {self.device} ({self.dtype}, KV cache {self.cache_dtype})"

@@ -1,0 +1,44 @@
+"""Attention by the C++ CPU kernels (engine/execution/kernels): the paged decode kernel walks
+each block table directly; the prefill kernel (flash-style tiles reading every key from the
+paged cache through the block table) runs where it was measured ahead of torch's flash kernel,
+on AVX-512; its portable loop is slower than flash, so AVX2 CPUs keep torch's prefill
+(docs/benchmarks.md has the figures)."""
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from engine.execution.attention import AttentionMetadata
+from engine.execution.backends.torch_attention import TorchAttention
+
+
+class CpuAttention(TorchAttention):
+    def __init__(self, kernels: ModuleType, isa: int, prefill_in_cpp: bool) -> None:
+        self.kernels, self.isa = kernels, isa
+        self.prefill_in_cpp = prefill_in_cpp
+        self.reads_prefill_block_tables = prefill_in_cpp
+
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, attn: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
+        if not self.prefill_in_cpp:
+            return super().prefill(q, k, v, k_cache, v_cache, attn, scale, window)
+        # q: [T, H, D] -> [T, H, D]. The kernel reads q's rows where they are (a strided slice of the
+        # fused QKV output) and writes each chunk's rows into the step's output: no copy of either.
+        q32 = q.float()
+        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        for meta in attn.prefill:
+            rows = slice(meta.query_start, meta.query_start + meta.query_len)
+            self.kernels.paged_prefill_attention(q32[rows], k_cache, v_cache, meta.block_table, meta.num_cached_tokens,
+                                                 attn.block_size, scale, window or 0, self.isa, out[rows])
+        return out.to(q.dtype)
+
+    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: AttentionMetadata,
+               scale: float, window: int | None) -> torch.Tensor:
+        # q: [B, H, D] -> out: [B, H, D] in q's dtype (the fused layers' q is float32 over any cache)
+        return self.kernels.paged_decode_attention(q.to(k_cache.dtype), k_cache, v_cache, attn.block_tables,
+                                                   attn.context_lens, attn.block_size, scale, window or 0,
+                                                   self.isa).to(q.dtype)
+
+    def prepare_decode(self, attn: AttentionMetadata, block_tables: torch.Tensor, context_lens: torch.Tensor) -> None:
+        attn.block_tables, attn.context_lens = block_tables, context_lens  # the kernel walks the tables itself

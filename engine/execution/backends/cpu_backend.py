@@ -1,0 +1,115 @@
+"""The CPU backend: the C++ kernels (panel GEMMs, fused layers, paged attention) with their SIMD
+path chosen at run time, oneDNN-packed weights for the steps the panels do not run, and the KV
+pool and weight panels on 2 MiB pages. Without the kernels (no compiler, enable_cpp_kernels
+off) it runs torch's attention over oneDNN-packed weights.
+"""
+from __future__ import annotations
+
+import sys
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from engine.config import EngineConfig
+from engine.execution.attention import AttentionMetadata
+from engine.execution.backends.backend import Backend
+from engine.execution.backends.cpu_attention import CpuAttention
+from engine.execution.backends.cpu_fused import FusedModel
+from engine.execution.backends.cpu_linear import can_pack_linear, pack_linears
+from engine.execution.huge_pages import huge_page_tensor, release_free_memory
+from engine.execution.kernels import ISAS
+from engine.execution.models.model_config import ModelConfig
+from engine.execution.models.packed_weight import place_on_huge_pages
+
+
+def pick_isa(kernels: ModuleType | None, wanted: str) -> int:
+    """The SIMD path of the C++ kernels: the best this CPU runs, or a lower one named by
+    kernel_isa (scalar | avx2 | avx512 | avx512_bf16 | amx) to test or compare it.
+    avx512_bf16 and amx are AVX-512 whose bfloat16 panels' products run on vdpbf16ps or on the
+    AMX tiles (bf16 activations there)."""
+    if kernels is None:
+        return 0
+    best = kernels.best_isa()
+    if wanted == "auto":
+        return best
+    if wanted not in ISAS:
+        raise ValueError(f"kernel_isa (MINIVLLM_KERNEL_ISA) must be auto, {', '.join(ISAS)}, got {wanted!r}")
+    if ISAS[wanted] > best:
+        raise ValueError(f"kernel_isa (MINIVLLM_KERNEL_ISA) {wanted}: this CPU does not run it")
+    return ISAS[wanted]
+
+
+def default_max_fused_tokens(dtype: torch.dtype, isa: int, quantized: bool) -> int:
+    """Steps of up to this many tokens run the fused layers, by the crossovers measured against
+    oneDNN (docs/benchmarks.md): every step in int8 (the panels are its only copy), in float32
+    with AVX-512 and in bfloat16 with vdpbf16ps or AMX; else 64 tokens in float32 and 8 in
+    bfloat16 (bf16 on the FMA units loses to oneDNN past a few rows)."""
+    every_step = quantized or (dtype == torch.float32 and isa >= ISAS["avx512"]) or isa >= ISAS["avx512_bf16"]
+    return sys.maxsize if every_step else 64 if dtype == torch.float32 else 8
+
+
+class CpuBackend(Backend):
+    name = "cpu"
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype,
+                 kernels: ModuleType | None) -> None:
+        super().__init__(config, model_config, torch.device("cpu"), dtype)
+        self.quantized = config.quantization == "int8"
+        if self.quantized and kernels is None:
+            raise ValueError("quantization: int8 needs the C++ CPU kernels (a compiler, dtype float32 or bfloat16, "
+                             "enable_cpp_kernels)")
+        self.kernels = kernels
+        self.isa = pick_isa(kernels, config.kernel_isa)
+        max_fused = config.max_fused_tokens
+        if max_fused is None:
+            max_fused = default_max_fused_tokens(dtype, self.isa, self.quantized)
+        self.panel_dtype = torch.int8 if self.quantized else dtype if kernels is not None and max_fused > 0 else None
+        self.max_fused_tokens = max_fused if self.panel_dtype is not None else 0
+        self.max_decode_rows = self.max_fused_tokens
+        # oneDNN's copy of the weights only where some step runs the torch path.
+        is_every_step_fused = self.panel_dtype is not None and max_fused == sys.maxsize
+        self.onednn = not is_every_step_fused and config.enable_onednn and can_pack_linear(dtype)
+        self.fused: FusedModel | None = None
+        if kernels is not None:
+            mc = model_config
+            # The C++ prefill attention where it was measured ahead of torch's flash kernel: its AVX-512 tiles.
+            fits = mc.num_heads // mc.num_kv_heads <= 8 and mc.head_dim <= 256
+            self.attention = CpuAttention(kernels, self.isa, prefill_in_cpp=self.isa >= ISAS["avx512"] and fits)
+
+    def prepare(self, model: nn.Module) -> None:
+        if self.onednn or self.panel_dtype is not None:
+            packed = pack_linears(model, self.onednn, self.panel_dtype, self.kernels, self.isa, self.max_fused_tokens,
+                                  keep=(model.embed_tokens,))
+            if self.panel_dtype is not None:
+                if self.config.enable_huge_pages:  # before the fused layers take the panels' addresses
+                    place_on_huge_pages([m.panels for m in packed])
+                self.fused = FusedModel(model, self.kernels, self.isa)
+        release_free_memory()  # the plain weights the packing replaced
+
+    def allocate_kv_cache(self, shape: tuple[int, ...]) -> torch.Tensor:
+        if not self.config.enable_huge_pages:
+            return super().allocate_kv_cache(shape)
+        # Faulted in now, not by the steps that first write each block: a fault there (a 2 MiB
+        # page zeroed, perhaps compacted for) made prefill steps look slow to the step cost
+        # model, which then cut chunks small.
+        return huge_page_tensor(shape, self.cache_dtype).zero_()
+
+    def bind_kv_cache(self, model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                      block_size: int) -> None:
+        if self.fused is not None:
+            self.fused.bind_decode(kv_caches, block_size)
+
+    def forward(self, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        if attn.is_fused:
+            return self.fused.forward(input_ids, positions, attn, kv_caches)
+        return model(input_ids, positions, attn, kv_caches)
+
+    def decode_logits(self, token_ids: list[int], block_tables: list[list[int]], context_lens: list[int],
+                      with_argmax: bool) -> tuple[torch.Tensor, list[int] | None]:
+        return self.fused.decode_logits(token_ids, block_tables, context_lens, with_argmax)
+
+    def describe(self) -> str:
+        isa = next(name for name, value in ISAS.items() if value == self.isa) if self.kernels else "no C++ kernels"
+        return f"{super().describe()}, {isa}, fused steps up to {self.max_fused_tokens} tokens"

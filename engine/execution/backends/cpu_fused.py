@@ -1,0 +1,116 @@
+"""The CPU backend's fused path: each decoder layer as one or two C++ calls over the panel-packed
+weights, for steps of a few tokens, and a decode-only step as a single call from token ids to
+logits (kernels.DecodeModel).
+
+Why: a small step through torch's modules dispatches about 150 ops per layer, which alone take
+about as long as the step's weight stream; here a step costs its GEMM rows. A decode-only step
+is one call; a step with prefill rows is two per layer, around the step's attention (a chunk's
+queries share every key they read; per-row decode attention would walk the context once per
+query). The model describes the layers; this module binds them to the kernels.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.execution.attention import AttentionMetadata, attention
+
+
+@dataclass(slots=True)
+class FusedLayer:
+    """One decoder layer as the C++ calls take it: float32 norm weights and its four projections' panels."""
+
+    input_norm: torch.Tensor  # [hidden] float32
+    post_attention_norm: torch.Tensor  # [hidden] float32
+    projections: tuple[Any, Any, Any, Any]  # QKV, o, gate/up, down: PackedWeight.as_args() each
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    window: int  # 0: none
+    eps: float
+    scale: float
+
+    @classmethod
+    def of(cls, layer: nn.Module) -> FusedLayer:
+        """`layer` (a DecoderLayer) once its projections hold panels."""
+        projections = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+        return cls(layer.input_layernorm.weight.float().contiguous(),
+                   layer.post_attention_layernorm.weight.float().contiguous(),
+                   tuple(p.panels.as_args() for p in projections), layer.num_heads, layer.num_kv_heads,
+                   layer.head_dim, layer.sliding_window or 0, layer.eps, layer.scale)
+
+    def weights(self, kernels: ModuleType) -> Any:
+        """kernels.DecodeLayerWeights, as DecodeModel takes a layer."""
+        return kernels.DecodeLayerWeights(self.input_norm, self.post_attention_norm, *self.projections, self.window)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, kernels: ModuleType, isa: int) -> None:
+        """x: [T, hidden] float32, updated in place; cos, sin: [T, head_dim] float32."""
+        qkv, o, gate_up, down = self.projections
+        if attn.num_prefill_tokens == 0:
+            kernels.decode_layer(x, cos, sin, self.input_norm, self.post_attention_norm, qkv, o, gate_up, down,
+                                 k_cache, v_cache, attn.slot_mapping, attn.block_tables, attn.context_lens,
+                                 self.num_heads, attn.block_size, self.eps, self.scale, self.window, isa)
+            return
+        num_tokens = x.shape[0]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        qkv_out = kernels.layer_attention_inputs(x, cos, sin, self.input_norm, qkv, k_cache, v_cache,
+                                                 attn.slot_mapping, self.num_heads, self.eps, isa)  # [T, q | k | v]
+        q, k, v = qkv_out.split((q_size, kv_size, kv_size), dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        out = attention(q, k, v, k_cache, v_cache, attn, self.scale, self.window or None)  # [T, H, D] float32
+        kernels.layer_attention_outputs(x, out.reshape(num_tokens, q_size), self.post_attention_norm, o, gate_up,
+                                        down, self.eps, isa)
+
+
+class FusedModel:
+    """A Llama-family model bound to the C++ kernels: its fused layers, and (bind_decode) the
+    decode-only step as one call."""
+
+    def __init__(self, model: nn.Module, kernels: ModuleType, isa: int) -> None:
+        self.model, self.kernels, self.isa = model, kernels, isa
+        self.layers = [FusedLayer.of(layer) for layer in model.layers]
+        self.final_norm = model.norm.weight.float().contiguous()  # [hidden] float32
+        self.decoder: Any = None  # kernels.DecodeModel, once bind_decode has the caches
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        # input_ids, positions: [T] -> hidden: [T, hidden]; the residual stream stays float32 across layers
+        x = self.model.embed_tokens(input_ids)
+        dtype = x.dtype
+        x = x.float().contiguous()
+        cos, sin = self.model.rope(positions)  # [T, head_dim]
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            layer.forward(x, cos, sin, attn, k_cache, v_cache, self.kernels, self.isa)
+        return self.model.norm(x).to(dtype)
+
+    def bind_decode(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int) -> None:
+        """Bind what every decode-only step shares: the weights, the RoPE tables, the caches, not
+        converted from Python on every call."""
+        model = self.model
+        cos_table, sin_table = model.rope_tables_on(self.final_norm.device)
+        first = self.layers[0]  # the layers share heads, eps and scale (and the final norm's eps)
+        self.decoder = self.kernels.DecodeModel(
+            model.embed_tokens.weight, cos_table, sin_table, [layer.weights(self.kernels) for layer in self.layers],
+            kv_caches, self.final_norm, model.lm_head.panels.as_args(), first.num_heads, block_size, first.eps,
+            first.scale, self.isa)
+
+    def decode_logits(self, token_ids: list[int], block_tables: list[list[int]], context_lens: list[int],
+                      with_argmax: bool = False) -> tuple[torch.Tensor, list[int] | None]:
+        """A decode-only step in one C++ call: per sequence its last token, its block table and its
+        context length (the token's position + 1) -> logits [B, vocab] float32 and, with_argmax,
+        each row's first argmax (torch.argmax's rule) as a list, else None. One call, not a dozen
+        torch and numpy ops: after a batch-1 step's weight stream every such op finds the caches cold."""
+        return self.decoder.step(token_ids, block_tables, context_lens, with_argmax)
+
+    def take_part_seconds(self) -> dict[str, float] | None:
+        """The fused decode steps' wall seconds by kind of part (qkv, attention, o_proj, gate_up,
+        silu, down, lm_head, argmax, outside) and their count ('steps'), summed since the last
+        call, which this zeroes; None before bind_decode."""
+        return None if self.decoder is None else dict(self.decoder.take_part_seconds())

@@ -1,0 +1,150 @@
+"""The runner's persistent batch: one row per request it runs, kept across steps and updated from
+each SchedulerOutput's diffs (rows added, block tables changed, rows removed) instead of rebuilt
+from the scheduler's sequences, and the step inputs built from those rows (vLLM v1's
+InputBatch, in plain Python lists: the fused CPU decode takes them as they are).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.core.scheduler_output import SchedulerOutput
+from engine.execution.attention import PrefillSeqMeta
+from engine.processing.sampling_params import SamplingParams
+
+
+@dataclass(slots=True, eq=False)
+class CachedRequestState:
+    """A request as the runner sees it: its tokens, blocks and sampling state. The sampler reads
+    rows like this one (params, token lists, generator, matcher, min_tokens_stop_ids)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # the runner's own: it appends what it samples
+    block_table: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    matcher: Any
+    min_tokens_stop_ids: frozenset[int]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    def token_ids_slice(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output without building the whole list."""
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+
+
+class InputBatch:
+    def __init__(self) -> None:
+        self.rows: dict[str, CachedRequestState] = {}
+
+    def update(self, sched: SchedulerOutput) -> None:
+        """Apply the step's diffs: removals first (a request preempted and resumed in one step
+        is both removed and added)."""
+        for req_id in sched.removed_req_ids:
+            self.rows.pop(req_id, None)
+        for new in sched.new_requests:
+            self.rows[new.req_id] = CachedRequestState(
+                new.req_id, new.prompt_token_ids, new.output_token_ids, list(new.block_ids), new.params,
+                new.generator, new.matcher, new.min_tokens_stop_ids)
+        for req_id, (start, block_ids) in sched.block_table_updates.items():
+            table = self.rows[req_id].block_table
+            del table[start:]
+            table.extend(block_ids)
+
+    def append_sampled(self, req_ids: list[str], token_ids: list[int]) -> None:
+        for req_id, token_id in zip(req_ids, token_ids, strict=True):
+            self.rows[req_id].output_token_ids.append(token_id)
+
+
+@dataclass(slots=True)
+class PrefillInputs:
+    token_ids: np.ndarray  # [T_prefill]
+    positions: np.ndarray  # [T_prefill]
+    slot_mapping: np.ndarray  # [T_prefill]
+    metas: list[PrefillSeqMeta]
+    last_indices: list[int]  # each chunk's last row
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(slots=True)
+class DecodeInputs:
+    token_ids: np.ndarray  # [B]
+    positions: np.ndarray  # [B]
+    slot_mapping: np.ndarray  # [B]
+    block_tables: np.ndarray  # [B, max_blocks]
+    context_lens: np.ndarray  # [B]
+
+
+def prepare_prefill(rows: list[CachedRequestState], num_computed: list[int], num_new_tokens: list[int],
+                    block_size: int, to_device: Any, with_block_tables: bool) -> PrefillInputs | None:
+    """The packed chunks' inputs. with_block_tables: the C++ prefill kernel reads the cache by
+    block table; otherwise torch's path reads a cached context by slot (in place when its slots
+    are consecutive)."""
+    if not rows:
+        return None
+    bs = block_size
+    token_ids: list[int] = []
+    positions, slots, metas, last_indices = [], [], [], []
+    num_tokens = 0
+    for row, start, n in zip(rows, num_computed, num_new_tokens, strict=True):
+        token_ids.extend(row.token_ids_slice(start, start + n))
+        table = np.asarray(row.block_table, dtype=np.int64)
+        ctx_pos = np.arange(start + n, dtype=np.int64)
+        ctx_slots = table[ctx_pos // bs] * bs + ctx_pos % bs
+        positions.append(ctx_pos[start:])
+        slots.append(ctx_slots[start:])
+        meta = PrefillSeqMeta(num_tokens, n, start + n, None)
+        if with_block_tables:
+            meta.block_table = to_device(table)
+        elif start:
+            meta.context_slots = to_device(ctx_slots)
+            first = int(ctx_slots[0])
+            if np.array_equal(ctx_slots[:start], np.arange(first, first + start)):  # read the pool in place
+                meta.cached_slot_start = first
+        metas.append(meta)
+        num_tokens += n
+        last_indices.append(num_tokens - 1)
+    return PrefillInputs(np.asarray(token_ids, dtype=np.int64), np.concatenate(positions), np.concatenate(slots),
+                         metas, last_indices)
+
+
+def prepare_decode(rows: list[CachedRequestState], block_size: int) -> DecodeInputs | None:
+    if not rows:
+        return None
+    bs = block_size
+    batch = len(rows)
+    max_blocks = max(len(r.block_table) for r in rows)
+    tables = np.zeros((batch, max_blocks), dtype=np.int64)  # padding reads block 0, masked
+    for i, row in enumerate(rows):
+        tables[i, : len(row.block_table)] = row.block_table
+    context_lens = np.fromiter((r.num_tokens for r in rows), dtype=np.int64, count=batch)
+    positions = context_lens - 1
+    slot_mapping = tables[np.arange(batch), positions // bs] * bs + positions % bs
+    token_ids = np.fromiter((r.last_token_id for r in rows), dtype=np.int64, count=batch)
+    return DecodeInputs(token_ids, positions, slot_mapping, tables, context_lens)

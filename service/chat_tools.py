@@ -1,0 +1,214 @@
+"""A chat request's tools and reasoning, before generation: how the chat is rendered (the
+model's template with tools=, or the generic format for a template that knows no tools), which
+grammar constrains the answer and which parsers read it. Shared by /v1/chat/completions,
+/v1/responses and gRPC.
+
+The generic format (docs/openai_tools.md): a system block lists the functions as JSON and
+shows the call layout of the active parser (Hermes-style <tool_call> JSON </tool_call> unless
+the server says otherwise); earlier calls are written into their assistant messages in that
+layout, and tool results go back as user messages wrapped in <tool_response> tags.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine import RequestOutput, SamplingParams, StructuredOutput
+from service.async_engine import AsyncEngine
+from service.reasoning_parser import ReasoningParser, get_reasoning_parser
+from service.tool_grammar import FunctionSpec, LarkText, tool_call_grammar
+from service.tool_parsers import ToolParser, get_tool_parser, parser_for_template
+
+TOOL_CHOICES = ("none", "auto", "required")
+_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+
+
+@dataclass(frozen=True, slots=True)
+class ToolRequest:
+    """What a request asked: its functions, tool_choice ("none" | "auto" | "required" | a
+    function's name, with is_named) and whether several calls may come at once."""
+
+    functions: list[FunctionSpec] = field(default_factory=list)
+    choice: str = "auto"
+    is_named: bool = False
+    parallel: bool = True
+
+    def check(self, field_prefix: str = "") -> None:
+        seen = set()
+        for i, function in enumerate(self.functions):
+            if not _FUNCTION_NAME.fullmatch(function.name):
+                raise ValueError(f"{field_prefix}tools[{i}].name: {function.name!r} must be 1-64 letters, digits, "
+                                 "_ . : or -")
+            if function.name in seen:
+                raise ValueError(f"{field_prefix}tools[{i}].name: {function.name!r} is defined twice")
+            if function.parameters is not None and not isinstance(function.parameters, dict):
+                raise ValueError(f"{field_prefix}tools[{i}].parameters: must be a JSON schema object")
+            seen.add(function.name)
+        if self.is_named and self.choice not in seen:
+            raise ValueError(f"{field_prefix}tool_choice: no function named {self.choice!r} among the tools")
+        if not self.is_named and self.choice not in TOOL_CHOICES:
+            raise ValueError(f"{field_prefix}tool_choice: {self.choice!r} is not one of {', '.join(TOOL_CHOICES)} "
+                             "or a function")
+        if self.choice == "required" and not self.functions:
+            raise ValueError(f"{field_prefix}tool_choice: required needs tools")
+
+    @property
+    def is_active(self) -> bool:
+        """The answer may hold calls (and is parsed for them)."""
+        return bool(self.functions) and self.choice != "none"
+
+
+@dataclass(slots=True)
+class ChatPlan:
+    messages: list[dict[str, Any]]
+    template_kwargs: dict[str, Any] | None
+    structured_output: StructuredOutput | None
+    tool_parser: ToolParser | None  # None: the answer is not parsed for calls
+    reasoning: ReasoningParser | None
+    keep_special_tokens: bool = False  # the format's trigger is a special token: the parser must see it
+
+    @property
+    def is_tool_grammar(self) -> bool:
+        return self.tool_parser is not None and self.structured_output is not None
+
+
+class ChatTools:
+    """The server's choices (tool_call_parser: a format's name or "auto", from the template;
+    reasoning_parser: a name or None) and the planning of each chat request."""
+
+    def __init__(self, tool_call_parser: str = "auto", reasoning_parser: str | None = None) -> None:
+        if tool_call_parser != "auto":
+            get_tool_parser(tool_call_parser)  # refuses an unknown name at start-up
+        self.tool_call_parser = tool_call_parser
+        self.reasoning = get_reasoning_parser(reasoning_parser) if reasoning_parser else None
+
+    async def prepare(self, engine: AsyncEngine, messages: list[dict[str, Any]], tools: ToolRequest,
+                      params: SamplingParams, template_kwargs: dict[str, Any] | None
+                      ) -> tuple[ChatPlan, SamplingParams]:
+        """The chat's plan and the parameters that carry its grammar (and keep its special trigger)."""
+        plan = await self.plan(engine, messages, tools, params.structured_output, template_kwargs)
+        changes: dict[str, Any] = {}
+        if plan.structured_output != params.structured_output:
+            changes["structured_output"] = plan.structured_output
+        if plan.keep_special_tokens:
+            changes["skip_special_tokens"] = False
+        return plan, dataclasses.replace(params, **changes) if changes else params
+
+    @staticmethod
+    async def generate(engine: AsyncEngine, request_id: str, params: SamplingParams, plan: ChatPlan,
+                       engine_id: str | None = None, priority: int = 0) -> AsyncGenerator[RequestOutput, None]:
+        """Admit a planned chat; a tool grammar the compiler refuses is the tools' fault, named so."""
+        try:
+            return await engine.generate(request_id, params, messages=plan.messages,
+                                         engine_id=engine_id or request_id, chat_template_kwargs=plan.template_kwargs,
+                                         priority=priority)
+        except ValueError as exc:
+            if plan.is_tool_grammar and str(exc).startswith("structured_output.grammar"):
+                raise ValueError(f"tools: a function's parameters cannot constrain the answer: "
+                                 f"{str(exc).split(': ', 1)[-1]}") from None
+            raise
+
+    async def plan(self, engine: AsyncEngine, messages: list[dict[str, Any]], tools: ToolRequest,
+                   structured: StructuredOutput | None, template_kwargs: dict[str, Any] | None) -> ChatPlan:
+        template = engine.tokenizer_info().get("chat_template")
+        template = template if isinstance(template, str) else json.dumps(template)
+        knows_tools = "tools" in template
+        name = self.tool_call_parser if self.tool_call_parser != "auto" else parser_for_template(template)
+        parser = get_tool_parser(name)
+        kwargs = dict(template_kwargs or {})
+        messages = _with_call_arguments_parsed(messages)
+        if knows_tools:
+            if tools.is_active:
+                kwargs["tools"] = [f.to_openai() for f in tools.functions]
+        else:
+            messages = generic_messages(messages, parser, tools.functions if tools.is_active else [])
+        thinks = self.reasoning is not None and kwargs.get("enable_thinking") is not False
+        keep_special = False
+        if tools.is_active:
+            if structured is not None and structured.kind not in ("json_schema", "json_object"):
+                raise ValueError("tools: only a JSON response_format can go with tools")
+            if structured is not None and tools.choice != "auto":
+                raise ValueError("response_format: tool_choice required or a named function decides the answer")
+            added = await engine.added_tokens()
+            # llguidance never matches these as text: a grammar names them by id.
+            lit = LarkText({text: i for text, (i, special) in added.items()
+                            if special or (text.startswith("<") and text.endswith(">"))})
+            keep_special = parser.trigger in added and added[parser.trigger][1]
+            functions = [f for f in tools.functions if not tools.is_named or f.name == tools.choice]
+            answer = None
+            if structured is not None:
+                answer = json.loads(structured.value) if structured.kind == "json_schema" else {"type": "object"}
+            grammar = tool_call_grammar(parser, functions, required=tools.choice == "required" or tools.is_named,
+                                        parallel=tools.parallel and not tools.is_named,
+                                        lit=lit, answer_schema=answer)
+            structured = StructuredOutput("grammar", grammar)
+        if structured is not None and thinks:
+            structured = StructuredOutput(structured.kind, structured.value, after=self.reasoning.end)
+        return ChatPlan(messages, kwargs or None, structured, parser if tools.is_active else None,
+                        self.reasoning if (self.reasoning is not None and thinks) else None, keep_special)
+
+
+def _with_call_arguments_parsed(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Templates expect a call's arguments as an object (OpenAI sends JSON text); a tool result
+    gets its call's function name too (some templates show it)."""
+    names: dict[str, str] = {}
+    out = []
+    for message in messages:
+        message = dict(message)
+        if message.get("tool_calls"):
+            calls = []
+            for call in message["tool_calls"]:
+                function = dict(call["function"])
+                try:
+                    function["arguments"] = json.loads(function.get("arguments") or "{}")
+                except ValueError:
+                    pass  # not JSON: the template gets the text
+                names[call.get("id", "")] = function["name"]
+                calls.append(dict(call, function=function))
+            message["tool_calls"] = calls
+        if message.get("role") == "tool" and "name" not in message and message.get("tool_call_id") in names:
+            message["name"] = names[message["tool_call_id"]]
+        out.append(message)
+    return out
+
+
+def generic_system_block(parser: ToolParser, functions: list[FunctionSpec]) -> str:
+    listing = "\n".join(json.dumps(f.to_openai(), ensure_ascii=False) for f in functions)
+    example = parser.render_calls([("function_name", {"argument_name": "value"})])
+    return ("# Tools\n\nYou can call functions to help answer. Each function is described by a JSON object:\n"
+            f"<tools>\n{listing}\n</tools>\n\nTo call functions, answer with the call(s) alone, written exactly "
+            f"like this (arguments as a JSON object matching the function's parameters):\n{example}\n"
+            "The results come back in <tool_response> tags. If no function helps, just answer.")
+
+
+def generic_messages(messages: list[dict[str, Any]], parser: ToolParser,
+                     functions: list[FunctionSpec]) -> list[dict[str, Any]]:
+    """The chat in the generic format, for a template that knows no tools: roles and plain
+    content only."""
+    out: list[dict[str, Any]] = []
+    if functions:
+        block = generic_system_block(parser, functions)
+        if messages and messages[0].get("role") == "system":
+            out.append({"role": "system", "content": f"{messages[0]['content']}\n\n{block}"})
+            messages = messages[1:]
+        else:
+            out.append({"role": "system", "content": block})
+    for message in messages:
+        role, content = message.get("role"), message.get("content") or ""
+        if message.get("tool_calls"):
+            calls = parser.render_calls([(c["function"]["name"], c["function"]["arguments"])
+                                         for c in message["tool_calls"]])
+            out.append({"role": "assistant", "content": f"{content}\n{calls}" if content else calls})
+        elif role == "tool":
+            response = f"<tool_response>\n{content}\n</tool_response>"
+            if out and out[-1].get("is_tool_response"):
+                out[-1]["content"] += "\n" + response
+            else:
+                out.append({"role": "user", "content": response, "is_tool_response": True})
+        else:
+            out.append({"role": role, "content": content})
+    return [{"role": m["role"], "content": m["content"]} for m in out]

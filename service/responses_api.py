@@ -1,0 +1,143 @@
+"""POST /v1/responses (and GET / DELETE /v1/responses/{id}): OpenAI's Responses API on the same
+engine, chat template, tool grammar and parsers as chat completions. A response is one sample;
+streamed as semantic events; stored (store, default true) in a bounded in-memory store so a
+follow-up can name it as previous_response_id (an unknown id is a 400 naming that field)."""
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+from engine import RequestOutput
+from service.chat_output import ChoiceOutput
+from service.chat_tools import ChatPlan
+from service.openai_call import AbortingStreamingResponse
+from service.openai_protocol import ChatCompletionRequest, UnsupportedFieldError, error_body
+from service.request_observer import CallInfo
+from service.response_store import ResponseStore, StoredResponse
+from service.responses_protocol import (
+    ResponseBuilder,
+    ResponsesRequest,
+    input_messages,
+    output_messages,
+    response_base,
+)
+from service.tool_protocol import tool_request
+
+
+class ResponsesApi:
+    def __init__(self, door: Any, max_stored: int = 1024) -> None:
+        """door: the OpenAIFrontDoor (engine state, model name, observer, chat planning)."""
+        self.door = door
+        self.store = ResponseStore(max_stored)
+
+    def retrieve(self, response_id: str) -> JSONResponse:
+        entry = self.store.get(response_id)
+        if entry is None:
+            return JSONResponse(error_body(f"response {response_id!r} not found", param="response_id",
+                                           code="not_found"), status_code=404)
+        return JSONResponse(entry.body)
+
+    def delete(self, response_id: str) -> JSONResponse:
+        if not self.store.delete(response_id):
+            return JSONResponse(error_body(f"response {response_id!r} not found", param="response_id",
+                                           code="not_found"), status_code=404)
+        return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+
+    def _conversation(self, body: ResponsesRequest) -> list[dict[str, Any]]:
+        history: list[dict[str, Any]] = []
+        if body.previous_response_id is not None:
+            previous = self.store.get(body.previous_response_id)
+            if previous is None:
+                raise UnsupportedFieldError("previous_response_id",
+                                            f"no stored response {body.previous_response_id!r} (unknown, not "
+                                            "stored, or dropped from the store)")
+            history = list(previous.conversation)
+        try:
+            return history + input_messages(body.input)
+        except ValueError as exc:
+            raise UnsupportedFieldError(str(exc).split(":", 1)[0], str(exc).split(": ", 1)[-1]) from None
+
+    async def create(self, body: ResponsesRequest, request: Any) -> Any:
+        door = self.door
+        door._check_model(body.model)
+        response_id = f"resp_{uuid.uuid4().hex}"
+        conversation = self._conversation(body)
+        messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + conversation
+        try:
+            chat = ChatCompletionRequest(**ResponsesRequest.chat_body(body, messages))
+            tools = tool_request(body.tools, body.tool_choice, body.parallel_tool_calls)
+        except ValueError as exc:
+            field = str(exc).split(":", 1)[0]
+            raise UnsupportedFieldError(field if " " not in field else "input", str(exc).split(": ", 1)[-1]) from None
+        params = chat.sampling_params()
+        handle = door.observer.start(response_id, response_id, CallInfo("http", "/v1/responses", "chat",
+                                                                        dict(request.headers), 1), params)
+        try:
+            engine = door.state.ready_engine()
+            plan, params = await door.chat_tools.prepare(engine, messages, tools, params, None)
+            stream = await door.chat_tools.generate(engine, response_id, params, plan)
+        except Exception as exc:
+            door.observer.finish(handle, None, "400", str(exc), {"http.response.status_code": 400})
+            raise
+        tools_body = [{"type": "function", "name": f.name, "description": f.description or None,
+                       "parameters": f.parameters, "strict": f.strict} for f in tools.functions]
+        call = ResponseCall(self, body, plan, stream, ResponseBuilder(response_id, response_base(
+            body, door.model_name, tools_body)), conversation, handle)
+        if body.stream:
+            return AbortingStreamingResponse(call.events(), media_type="text/event-stream",
+                                              headers={"cache-control": "no-cache", "x-request-id": response_id})
+        async for _ in call.events():
+            pass
+        if call.error is not None:
+            return JSONResponse(error_body(call.error, "server_error"), status_code=500)
+        return JSONResponse(call.final)
+
+
+class ResponseCall:
+    def __init__(self, api: ResponsesApi, body: ResponsesRequest, plan: ChatPlan,
+                 stream: AsyncIterator[RequestOutput], builder: ResponseBuilder, conversation: list[dict[str, Any]],
+                 handle: Any) -> None:
+        self.api, self.body, self.stream, self.builder = api, body, stream, builder
+        self.conversation, self.handle = conversation, handle
+        self.output = ChoiceOutput(plan.reasoning, plan.tool_parser)
+        self.final: dict[str, Any] | None = None
+        self.error: str | None = None
+
+    async def events(self) -> AsyncIterator[str]:
+        builder, last = self.builder, None
+        error_type, status = None, 200
+        try:
+            yield builder.event("response.created", response=builder.response("in_progress"))
+            yield builder.event("response.in_progress", response=builder.response("in_progress"))
+            async for out in self.stream:
+                last = out
+                if out.finish_reason == "error":
+                    self.error, error_type, status = out.error or "engine error", "500", 500
+                    yield builder.event("response.failed", response={
+                        **builder.response("failed"), "error": {"code": "server_error", "message": self.error}})
+                    return
+                for event in builder.add(self.output.feed(out)):
+                    yield event
+            for event in builder.close():
+                yield event
+            usage = {"input_tokens": last.num_prompt_tokens, "output_tokens": last.num_output_tokens,
+                     "total_tokens": last.num_prompt_tokens + last.num_output_tokens,
+                     "input_tokens_details": {"cached_tokens": last.num_cached_tokens},
+                     "output_tokens_details": {"reasoning_tokens": self.output.num_reasoning_tokens}}
+            incomplete = "max_output_tokens" if last.finish_reason == "length" else None
+            self.final = builder.response("incomplete" if incomplete else "completed", usage, incomplete)
+            if self.body.store:
+                self.api.store.put(builder.id, StoredResponse(
+                    self.final, self.conversation + output_messages(self.final["output"])))
+            yield builder.event("response.incomplete" if incomplete else "response.completed", response=self.final)
+        except asyncio.CancelledError:
+            error_type, status = "499", 499
+            raise
+        finally:
+            await self.stream.aclose()
+            self.api.door.observer.finish(self.handle, last, error_type, self.error or "",
+                                          {"http.response.status_code": status})

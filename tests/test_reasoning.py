@@ -1,0 +1,78 @@
+"""Reasoning parsers: their examples cut at every character, and a server with
+reasoning_parser=deepseek_r1 on the tiny tool model, steered to close its thinking block
+(a bias toward </think>) and constrained to a JSON answer after it, streamed and not."""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import jsonschema
+import openai
+import pytest
+
+from engine import EngineConfig
+from service.reasoning_parser import get_reasoning_parser
+from tests.server_harness import ServerThread
+from tests.test_tool_calling import ASK, _reassemble, _whole
+
+END_THINK = 506  # </think> in the tool model's tokenizer
+
+EXAMPLES = [  # (parser, text, reasoning, content)
+    ("deepseek_r1", "<think>\nLet me see.\n</think>\n\nThe answer is 4.", "\nLet me see.\n", "The answer is 4."),
+    ("deepseek_r1", "Prompt opened it; 2+2</think>4", "Prompt opened it; 2+2", "4"),
+    ("deepseek_r1", "still thinking, cut off </thi", "still thinking, cut off </thi", ""),
+    ("deepseek_r1", "</think>", "", ""),
+    ("qwen3", "<think>hmm</think>\nYes.", "hmm", "Yes."),
+    ("qwen3", "No thinking <think>here</think>", "", "No thinking <think>here</think>"),
+    ("qwen3", "  <think>a < b</think> ok", "a < b", "ok"),
+    ("qwen3", "<thin", "", "<thin"),
+]
+
+
+@pytest.mark.parametrize(("name", "text", "reasoning", "content"), EXAMPLES)
+def test_reasoning_parser_whole_and_cut_at_every_character(name: str, text: str, reasoning: str, content: str) -> None:
+    def run(pieces: list[str]) -> tuple[str, str]:
+        stream = get_reasoning_parser(name).new_stream()
+        parts = [stream.feed(p, i == len(pieces) - 1) for i, p in enumerate(pieces)]
+        return "".join(r for r, _ in parts), "".join(c for _, c in parts)
+
+    assert run([text]) == (reasoning, content)
+    for cut in range(len(text) + 1):
+        assert run([text[:cut], text[cut:]]) == (reasoning, content), cut
+    assert run([*text, ""]) == (reasoning, content)
+
+
+ANSWER = {"type": "object", "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["answer"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def reasoning_server(tiny_tool_model_dir: Path) -> Iterator[ServerThread]:
+    srv = ServerThread(EngineConfig(model=str(tiny_tool_model_dir), num_kv_blocks=512, block_size=4), http_port=0,
+                       served_model_name="tiny", reasoning_parser="deepseek_r1")
+    assert srv.engine.tokenizer.convert_tokens_to_ids("</think>") == END_THINK
+    yield srv
+    srv.stop()
+
+
+def test_thinking_block_is_reasoning_and_the_grammar_applies_after_it(reasoning_server: ServerThread) -> None:
+    request = dict(model="tiny", messages=ASK, temperature=0.8, max_tokens=200, logit_bias={str(END_THINK): 15},
+                   response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER}})
+    num_thought = 0
+    with openai.OpenAI(base_url=reasoning_server.http_url + "/v1", api_key="x", max_retries=0, timeout=120) as client:
+        for seed in range(4):
+            whole = client.chat.completions.create(**request, seed=seed)
+            message, usage = whole.choices[0].message, whole.usage
+            assert whole.choices[0].finish_reason == "stop"
+            jsonschema.validate(json.loads(message.content), ANSWER)  # constrained after the block only
+            assert "</think>" not in message.content
+            num_thought += bool(message.reasoning_content)
+            assert 0 < usage.completion_tokens_details.reasoning_tokens < usage.completion_tokens
+            chunks = list(client.chat.completions.create(**request, seed=seed, stream=True))
+            assert _reassemble(chunks) == _whole(message, "stop")
+        unconstrained = client.chat.completions.create(model="tiny", messages=ASK, temperature=0.8, seed=0,
+                                                       max_tokens=30)
+    assert num_thought >= 2
+    # Without a bias the tiny model never closes the block: all of it is reasoning.
+    assert unconstrained.choices[0].message.reasoning_content and not unconstrained.choices[0].message.content

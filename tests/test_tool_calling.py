@@ -1,0 +1,266 @@
+"""Chat tool calling with the official `openai` SDK against the server, on the tiny random
+model: garbage text, so a call that parses shows the grammar at work. Two servers: the plain
+tiny model (its template knows no tools: the generic format) and the tool model (a template
+that renders tools=, and <tool_call> as an added token, as in Qwen's tokenizers)."""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import jsonschema
+import openai
+import pydantic
+import pytest
+
+from engine import EngineConfig
+from tests.server_harness import ServerThread
+
+WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
+           "properties": {"city": {"type": "string", "maxLength": 10}, "days": {"type": "integer", "minimum": 1,
+                                                                                "maximum": 7}}}
+TIME = {"type": "object", "additionalProperties": False, "required": ["tz"],
+        "properties": {"tz": {"enum": ["UTC", "CET", "JST"]}, "24h": {"type": "boolean"}}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "description": "The time", "parameters": TIME}}]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+ASK = [{"role": "user", "content": "What is the weather in Paris for 3 days?"}]
+TOOL_CALL_TOKEN = 503  # <tool_call> in the tool model's tokenizer (checked below)
+
+
+def _start(model_dir: Path, **options: object) -> ServerThread:
+    return ServerThread(EngineConfig(model=str(model_dir), num_kv_blocks=512, block_size=4), http_port=0,
+                        served_model_name="tiny", **options)
+
+
+@pytest.fixture(scope="module")
+def generic_server(tiny_model_dir: Path) -> Iterator[ServerThread]:
+    srv = _start(tiny_model_dir)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def tool_server(tiny_tool_model_dir: Path) -> Iterator[ServerThread]:
+    srv = _start(tiny_tool_model_dir)
+    assert srv.engine.tokenizer.convert_tokens_to_ids("<tool_call>") == TOOL_CALL_TOKEN
+    yield srv
+    srv.stop()
+
+
+def _client(server: ServerThread) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.http_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _check_calls(calls: list) -> None:
+    """Every call's arguments parse as JSON and validate against its function's schema."""
+    for call in calls:
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+        assert call.id.startswith("call_") and call.type == "function"
+
+
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_required_and_named_calls_always_parse(generic_server: ServerThread, choice: str) -> None:
+    tool_choice = "required" if choice == "required" else {"type": "function", "function": {"name": "get_time"}}
+    num_calls = 0
+    with _client(generic_server) as client:
+        for seed in range(8):
+            out = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice=tool_choice,
+                                                 parallel_tool_calls=False, temperature=0.8, seed=seed, n=4,
+                                                 max_tokens=120)
+            for c in out.choices:
+                assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1, c
+                assert c.message.content is None
+                _check_calls(c.message.tool_calls)
+                if choice == "named":
+                    assert c.message.tool_calls[0].function.name == "get_time"
+                num_calls += 1
+    assert num_calls == 32  # 0 malformed out of 32
+
+
+def test_auto_call_started_by_the_model_parses(tool_server: ServerThread) -> None:
+    """auto: free text until the model opens a call (steered here: a bias toward <tool_call>),
+    then the call is held to its schema."""
+    calls, texts = [], []
+    with _client(tool_server) as client:
+        for seed in range(3):
+            out = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, temperature=0.8, seed=seed,
+                                                 n=4, max_tokens=150, parallel_tool_calls=False,
+                                                 logit_bias={str(TOOL_CALL_TOKEN): 15})
+            for c in out.choices:
+                if c.finish_reason == "tool_calls":
+                    calls += c.message.tool_calls
+                    assert len(c.message.tool_calls) == 1
+                texts.append(c.message.content or "")
+                assert "<tool_call>" not in (c.message.content or "")
+        plain = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, temperature=0.8, seed=0,
+                                               max_tokens=20)
+    assert len(calls) >= 4, "the steered model was meant to call"
+    _check_calls(calls)
+    assert any(texts), "text before a call is content"
+    assert plain.choices[0].message.tool_calls is None and plain.choices[0].message.content  # unsteered: text
+
+
+def test_parallel_calls(tool_server: ServerThread) -> None:
+    """Several calls in one answer; each complete one parses (a sampled tiny model may go on
+    calling until max_tokens: then only its last call is cut off, reported with length)."""
+    with _client(tool_server) as client:
+        out = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required",
+                                             temperature=0.8, seed=3, n=8, max_tokens=300)
+    most = 0
+    for c in out.choices:
+        calls = c.message.tool_calls
+        complete = calls[:-1] if c.finish_reason == "length" else calls
+        assert c.finish_reason in ("tool_calls", "length")
+        _check_calls(complete)
+        most = max(most, len(complete))
+    assert most >= 2
+
+
+def _reassemble(chunks: list) -> dict:
+    content, reasoning, calls, finish = "", "", {}, None
+    for chunk in chunks:
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        reasoning += getattr(delta, "reasoning_content", None) or ""
+        for call in delta.tool_calls or []:
+            if call.id is not None:
+                assert call.index not in calls and call.function.name  # the name comes first, once
+                calls[call.index] = [call.function.name, ""]
+            calls[call.index][1] += call.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    return {"content": content or None, "reasoning": reasoning or None, "calls": list(calls.values()) or None,
+            "finish": finish}
+
+
+def _whole(message: object, finish: str) -> dict:
+    calls = [[c.function.name, c.function.arguments] for c in message.tool_calls or []] or None
+    return {"content": message.content or None, "reasoning": getattr(message, "reasoning_content", None) or None,
+            "calls": calls, "finish": finish}
+
+
+@pytest.mark.parametrize("case", ["required-parallel", "auto-steered", "auto-text"])
+def test_streamed_deltas_reassemble_into_the_answer(tool_server: ServerThread, case: str) -> None:
+    kwargs: dict = {"tool_choice": "required"} if case == "required-parallel" else {}
+    if case == "auto-steered":
+        kwargs["logit_bias"] = {str(TOOL_CALL_TOKEN): 15}
+    with _client(tool_server) as client:
+        for seed in range(3):
+            request = dict(model="tiny", messages=ASK, tools=TOOLS, temperature=0.8, seed=seed, max_tokens=200, **kwargs)
+            whole = client.chat.completions.create(**request)
+            chunks = list(client.chat.completions.create(**request, stream=True))
+            assert _reassemble(chunks) == _whole(whole.choices[0].message, whole.choices[0].finish_reason)
+            if case != "auto-text":
+                assert whole.choices[0].message.tool_calls, "a call was meant to be in the answer"
+
+
+def test_multi_turn_with_a_tool_result(generic_server: ServerThread, tool_server: ServerThread) -> None:
+    history = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                              "arguments": '{"city": "Paris", "days": 3}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 24 C"},
+        {"role": "user", "content": "And should I take an umbrella?"}]
+    # The tool model's template renders tools= and the call (arguments as an object) and result.
+    tokenizer = tool_server.engine.tokenizer
+    templated = json.loads(json.dumps(history))
+    templated[1]["tool_calls"][0]["function"]["arguments"] = {"city": "Paris", "days": 3}
+    templated[1]["content"] = ""
+    text = tokenizer.apply_chat_template(templated, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    assert "Sunny, 24 C" in text and '"get_time"' in text and '{"city": "Paris", "days": 3}' in text
+    for server, expected in ((tool_server, len(tokenizer.encode(text, add_special_tokens=False))), (generic_server, None)):
+        with _client(server) as client:
+            out = client.chat.completions.create(model="tiny", messages=history, tools=TOOLS, temperature=0,
+                                                 max_tokens=8)
+            if expected is not None:
+                assert out.usage.prompt_tokens == expected
+            assert out.choices[0].message.content  # answered in text
+            without = client.chat.completions.create(model="tiny", messages=history[:1] + history[-1:],
+                                                     tools=TOOLS, temperature=0, max_tokens=1)
+            assert out.usage.prompt_tokens > without.usage.prompt_tokens + 10  # the call and its result count
+
+
+def test_generic_format_renders_tools_calls_and_results(generic_server: ServerThread) -> None:
+    from service.chat_tools import generic_messages
+    from service.tool_grammar import FunctionSpec
+    from service.tool_parsers import get_tool_parser
+
+    history = [{"role": "system", "content": "Be brief."}, ASK[0],
+               {"role": "assistant", "content": "", "tool_calls": [
+                   {"id": "c", "type": "function", "function": {"name": "get_time", "arguments": {"tz": "UTC"}}}]},
+               {"role": "tool", "content": "12:00", "tool_call_id": "c"}, {"role": "tool", "content": "ok"}]
+    out = generic_messages(history, get_tool_parser("hermes"), [FunctionSpec("get_time", "The time", TIME)])
+    assert [m["role"] for m in out] == ["system", "user", "assistant", "user"]
+    assert out[0]["content"].startswith("Be brief.") and '"name": "get_time"' in out[0]["content"]
+    assert out[2]["content"] == '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>'
+    assert out[3]["content"] == "<tool_response>\n12:00\n</tool_response>\n<tool_response>\nok\n</tool_response>"
+
+
+class Forecast(pydantic.BaseModel):
+    city: str = pydantic.Field(max_length=8)
+    days: int = pydantic.Field(ge=1, le=7)
+    rain: bool
+
+
+def test_chat_completions_parse_with_pydantic(generic_server: ServerThread) -> None:
+    with _client(generic_server) as client:
+        for seed in range(3):
+            out = client.chat.completions.parse(model="tiny", messages=ASK, response_format=Forecast,
+                                                temperature=0.8, seed=seed, max_tokens=200)
+            assert isinstance(out.choices[0].message.parsed, Forecast)
+        out = client.chat.completions.parse(model="tiny", messages=ASK, tools=[openai.pydantic_function_tool(Forecast)],
+                                            tool_choice="required", temperature=0.8, seed=1, max_tokens=200)
+        call = out.choices[0].message.tool_calls[0]
+        assert isinstance(call.function.parsed_arguments, Forecast)
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].name"),
+    ({"guided_regex": "[a-z]+"}, "tools"),
+    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}],
+      "tool_choice": "required"}, "tools"),
+])
+def test_bad_tool_requests_name_the_field(generic_server: ServerThread, body: dict, param: str) -> None:
+    request = {"model": "tiny", "messages": ASK, "tools": TOOLS, "max_tokens": 4} | body
+    extra = {k: request.pop(k) for k in list(request) if k.startswith("guided_")}
+    with _client(generic_server) as client, pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(**request, extra_body=extra)
+    assert info.value.body["param"] == param, info.value.body
+
+
+def test_grpc_tools_and_parsed_calls(generic_server: ServerThread) -> None:
+    from service.client import InferenceClient
+    from service.pb import inference_pb2 as pb
+
+    request = pb.GenerateRequest(
+        messages=pb.Messages(messages=[pb.ChatMessage(role="user", content="Weather?")], tool_choice="required",
+                             tools=[pb.FunctionTool(name="get_weather", parameters=json.dumps(WEATHER))],
+                             parallel_tool_calls=False),
+        sampling=pb.SamplingParams(temperature=0.8, max_tokens=120))
+    for seed in range(3):
+        request.sampling.seed = seed
+        with InferenceClient(generic_server.target) as c:
+            responses = list(c.stub.Generate(request))
+        deltas = [d for r in responses for d in r.tool_calls]
+        assert deltas[0].name == "get_weather" and deltas[0].id.startswith("call_")
+        jsonschema.validate(json.loads("".join(d.arguments for d in deltas)), WEATHER)
+        assert responses[-1].finish_reason == "tool_calls" and not "".join(r.text for r in responses)
+    # History with a call and its result, named function choice.
+    request.messages.messages.extend([
+        pb.ChatMessage(role="assistant", tool_calls=[pb.ToolCall(id="c1", name="get_weather",
+                                                                 arguments='{"city": "Oslo", "days": 2}')]),
+        pb.ChatMessage(role="tool", tool_call_id="c1", content="Snow")])
+    request.messages.tool_choice, request.messages.tool_choice_function = "", "get_weather"
+    with InferenceClient(generic_server.target) as c:
+        responses = list(c.stub.Generate(request))
+        assert responses[-1].finish_reason == "tool_calls"
+        bad = pb.GenerateRequest(messages=pb.Messages(messages=[pb.ChatMessage(role="user", content="x")],
+                                                      tools=[pb.FunctionTool(name="f")], tool_choice_function="g"))
+        with pytest.raises(Exception, match="messages.tool_choice"):
+            list(c.stub.Generate(bad))
