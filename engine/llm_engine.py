@@ -29,7 +29,7 @@ from engine.errors import QueueFullError, RequestIdInUseError
 from engine.execution.model_loader import model_display_name, resolve_model
 from engine.execution.model_runner import ModelRunner
 from engine.inputs import EngineRequest
-from engine.outputs import FinishReason, ModelInfo, RequestOutput, StepStats
+from engine.outputs import FinishReason, KvCacheEvent, ModelInfo, RequestOutput, StepStats
 from engine.processing.detokenizer import ids_decoder
 from engine.processing.input_processor import InputProcessor, load_eos_token_ids
 from engine.processing.output_processor import OutputProcessor
@@ -146,6 +146,15 @@ class LLMEngine:
     def apply_chat_template(self, messages: list[dict[str, Any]], params: SamplingParams | None = None,
                             chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
         return self.input_processor.apply_chat_template(messages, params, chat_template_kwargs)
+
+    def take_kv_events(self) -> list[KvCacheEvent]:
+        """Prefix-cache changes not yet handed out (step() hands out its own in StepStats)."""
+        return self.block_manager.take_events()
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop the prefix cache without preempting anything (engine thread); False, and nothing
+        dropped, while any request holds blocks."""
+        return self.block_manager.reset_prefix_cache()
 
     def fail_next_step(self, message: str) -> None:
         """Fault hook (tests, chaos drills): the next step's forward raises `message`, failing
@@ -283,3 +292,4 @@ class LLMEngine:
         stats.prefill_request_ids, stats.decode_request_ids = list(sched.prefill_req_ids), list(sched.decode_req_ids)
         stats.num_generated_tokens = sum(len(o.new_token_ids) for o in outputs)
         stats.finished = [o.metrics for o in outputs if o.metrics is not None]
+        stats.kv_events = self.take_kv_events()
