@@ -156,6 +156,13 @@ class LLMEngine:
         dropped, while any request holds blocks."""
         return self.block_manager.reset_prefix_cache()
 
+    def reset_speculative_history(self) -> None:
+        """Forget what the proposers learned from earlier requests (suffix decoding's history of
+        outputs), as reset_prefix_cache forgets their KV: a benchmark that repeats its prompts
+        calls both between runs, or the repeat is proposed from the last run's answers."""
+        if self.runner.speculator is not None:
+            self.runner.speculator.proposer.reset()
+
     def fail_next_step(self, message: str) -> None:
         """Fault hook (tests, chaos drills): the next step's forward raises `message`, failing
         that step's requests as a real fault would; the engine goes on."""

@@ -119,6 +119,9 @@ def complete_response(out: RequestOutput, params: SamplingParams, is_stream: boo
         completion_tokens=len(token_ids), cached_tokens=out.num_cached_tokens,
         output_logprobs=output_logprobs(token_ids, entries, params.logprobs),
         input_logprobs=input_logprobs(out, params.prompt_logprobs), index=out.index)
+    if out.metrics is not None:  # this sample's speculation: proposals verified and accepted
+        msg.spec_draft_tokens = out.metrics.num_draft_tokens
+        msg.spec_accepted_tokens = out.metrics.num_accepted_tokens
     if isinstance(out.stop_reason, int):
         msg.matched_token_id = out.stop_reason
     elif out.stop_reason is not None:

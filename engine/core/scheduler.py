@@ -30,6 +30,7 @@ from engine.core.runner_output import RunnerOutput
 from engine.core.scheduler_output import NewRequestData, SchedulerOutput
 from engine.core.sequence import Sequence, SequenceStatus
 from engine.core.step_cost_model import StepCostModel, attention_pairs
+from engine.core.time_budget import TimeBudget
 from engine.errors import RequestIdInUseError
 from engine.outputs import FinishReason
 from engine.processing.sequence_update import SequenceUpdate
@@ -37,9 +38,7 @@ from engine.processing.structured_output import GrammarExecutor
 
 
 class Scheduler:
-    # The first few waiting requests are not a burst: a long prompt or two arriving behind one or
-    # two streams would double their steps. Past these, each one per running stream counts.
-    BURST_QUEUE_SLACK = 3
+    BURST_QUEUE_SLACK = TimeBudget.BURST_QUEUE_SLACK
 
     def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int = sys.maxsize) -> None:
         self.config = config
@@ -50,14 +49,15 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order: oldest first
         self.pending_forks: dict[str, list[Sequence]] = {}  # by group: samples waiting for sample 0's prompt
         self.cost_model = StepCostModel()
+        self.time_budget = TimeBudget(config, self.cost_model, block_manager.block_size)
         self._step = 0
         self._removed_req_ids: list[str] = []  # rows the runner must drop at the next step
         self._grammar = GrammarExecutor()
 
     @property
     def min_chunk(self) -> int:
-        """A time-budgeted step's least prefill: half a block (_fit_time says why)."""
-        return max(1, self.block_manager.block_size // 2)
+        """A time-budgeted step's least prefill (TimeBudget.fit says why)."""
+        return self.time_budget.min_chunk
 
     @property
     def num_waiting(self) -> int:
@@ -153,36 +153,33 @@ class Scheduler:
         reserve = int(cfg.max_num_batched_tokens * cfg.min_prefill_share) if has_prefill_work else 0
         decode_budget = cfg.max_num_batched_tokens - reserve
 
-        # Decodes first. Those skipped last time (budget-limited) go first this time. A decode
-        # with proposals verifies them in the same step (1 + drafts tokens of the budget).
+        # Decodes first. Those skipped last time (budget-limited) go first this time. Proposals
+        # ride on what the plain decodes leave (_add_verifications).
         decodes = sorted((s for s in self.running if s.is_decode), key=lambda s: s.last_scheduled_step)
-        may_speculate = cfg.speculative_method != "none" and len(decodes) <= cfg.speculative_max_batch
         num_decode_tokens = 0
         for seq in decodes:
             if num_decode_tokens >= decode_budget or len(plan.scheduled) >= cfg.max_num_seqs:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            drafts = self._drafts(seq, decode_budget - num_decode_tokens - 1) if may_speculate else []
-            seq.spec_token_ids = []
-            if drafts and not self.block_manager.allocate(seq, 1 + len(drafts)):
-                drafts = []  # no preemption for a speculation: the plain decode
-            if drafts or self._make_room(seq, 1, plan):
-                if drafts:
-                    plan.verifies.append((seq, drafts))
-                else:
-                    plan.decodes.append(seq)
+            if self._make_room(seq, 1, plan):
+                plan.decodes.append(seq)
                 plan.scheduled.add(id(seq))
                 seq.last_scheduled_step = self._step
-                num_decode_tokens += 1 + len(drafts)
+                num_decode_tokens += 1
+        if cfg.speculative_method != "none":
+            num_decode_tokens += self._add_verifications(plan, decode_budget - num_decode_tokens)
 
         # Prefill: chunks already under way, then the waiting queue by aged priority.
         budget = cfg.max_num_batched_tokens - num_decode_tokens
-        time_left = self._prefill_time_allowance(plan)
+        has_decodes = bool(plan.decodes or plan.verifies)
+        time_left = self.time_budget.allowance(plan.out, self._step_features(plan) if has_decodes else None,
+                                               len(self.waiting), len(self.running))
         for seq in [s for s in prefilling if s.status is SequenceStatus.RUNNING]:
             if budget <= 0 or len(plan.scheduled) >= cfg.max_num_seqs:
                 break
-            num_new = self._fit_time(seq, self._chunk(seq, budget, bool(plan.prefills)), time_left, plan)
+            num_new = self.time_budget.fit(plan.out, seq.num_computed_tokens, self._chunk(seq, budget, bool(plan.prefills)),
+                                           time_left, not plan.prefills)
             if num_new == 0 or not self._make_room(seq, num_new, plan):
                 break
             time_left -= self.cost_model.chunk_cost(num_new, seq.num_computed_tokens, not plan.prefills)
@@ -194,7 +191,8 @@ class Scheduler:
             seq.num_computed_tokens = self.block_manager.allocate_cached_prefix(seq)
             if seq.num_preemptions == 0:
                 seq.num_cached_prompt_tokens = seq.num_computed_tokens
-            num_new = self._fit_time(seq, self._chunk(seq, budget, bool(plan.prefills)), time_left, plan)
+            num_new = self.time_budget.fit(plan.out, seq.num_computed_tokens, self._chunk(seq, budget, bool(plan.prefills)),
+                                           time_left, not plan.prefills)
             if num_new == 0 or not self.block_manager.allocate(seq, num_new, is_new=True):
                 # Head of line stays at the head: skipping it would starve long prompts.
                 self.block_manager.free(seq)
@@ -211,11 +209,39 @@ class Scheduler:
             budget -= self._add_prefill(plan, seq, num_new)
         return self._finalize(plan)
 
+    def _add_verifications(self, plan: _Plan, budget: int) -> int:
+        """Turn scheduled decodes that have proposals into verifications, with what the plain
+        decodes left: budget tokens and free blocks (the admissions' watermark kept), never a
+        preemption, so a request's speculation cannot cost another request its place. Off past
+        speculative_max_batch decodes, where the step's rows already fill the weights' read.
+        Returns the draft tokens added."""
+        if len(plan.decodes) > self.config.speculative_max_batch:
+            for seq in plan.decodes:
+                seq.spec_token_ids = []
+            return 0
+        num_drafts = 0
+        plain = []
+        for seq in plan.decodes:
+            drafts = self._drafts(seq, budget - num_drafts)
+            seq.spec_token_ids = []
+            if drafts and self.block_manager.allocate(seq, 1 + len(drafts), is_new=True):
+                plan.verifies.append((seq, drafts))
+                num_drafts += len(drafts)
+            else:
+                plain.append(seq)
+        plan.decodes = plain
+        return num_drafts
+
     def _drafts(self, seq: Sequence, budget: int) -> list[int]:
-        """The proposals seq verifies this step: within the budget and, for a grammar, only the
-        prefix the grammar accepts (the runner stops proposing for a request whose recent
+        """The proposals seq verifies this step: within the budget, the context (the last one
+        verified sits at position max_model_len - 2, so the token after it still fits) and
+        max_tokens (nothing past the last token the request may emit), and, for a grammar, only
+        the prefix the grammar accepts (the runner stops proposing for a request whose recent
         acceptance is low)."""
-        drafts = seq.spec_token_ids[: max(0, budget)]
+        limit = min(budget, self.max_model_len - seq.num_tokens - 1)
+        if seq.params.max_tokens is not None:
+            limit = min(limit, seq.params.max_tokens - seq.num_output_tokens - 1)
+        drafts = seq.spec_token_ids[: max(0, limit)]
         if not drafts:
             return []
         if seq.matcher is not None:
@@ -245,50 +271,6 @@ class Scheduler:
             if self.cost_model.num_observations:
                 out.predicted_step_time = self.cost_model.predict(*out.cost_features)
         return out
-
-    def _prefill_time_allowance(self, plan: _Plan) -> float:
-        """Seconds of this step the prefill chunks may take: unbounded unless sequences decode
-        (then the streams wait for the whole step, so it is held to the step-time target)."""
-        cfg = self.config
-        out = plan.out
-        if not (cfg.enable_time_budget and cfg.enable_chunked_prefill and plan.decodes):
-            return float("inf")
-        model = self.cost_model
-        # This step's decodes in the fit's own terms (the first chunk's cost adds the set-up),
-        # and the streams' pace that the target is a multiple of (StepCostModel.decode_pace).
-        decode_time = model.predict(len(plan.decodes), sum(s.num_tokens for s in plan.decodes))
-        pace = model.decode_pace(decode_time)
-        # Auto: a multiple of the streams' own pace (this batch decoding alone), so a step with
-        # prefill is at most step_time_ratio slower than the gaps these clients get without it.
-        # The pace is predicted for this batch, not averaged over past decode-only steps: under
-        # a steady stream of arrivals there are none, and the last ones (a smaller batch) held
-        # the chunks to a pace the batch had outgrown (a closed loop then kept its decode batch
-        # small and lost throughput).
-        # A burst (requests waiting past the first BURST_QUEUE_SLACK) is worth slower steps: the
-        # queue's TTFT grows with every step it waits, and the bigger batch it becomes decodes
-        # more tokens per second. The first few get no relief: a couple queued behind one or two
-        # streams doubled the target, and those steps were the streams' worst gaps. Not a
-        # floor on the batch instead (counting a batch as at least 8 streams): while a served
-        # burst ramps up (3-4 streams, 28 behind them) that held the target to about half.
-        backlog = 1.0 + max(0, len(self.waiting) - self.BURST_QUEUE_SLACK) / max(1, len(self.running))
-        target = cfg.max_step_ms / 1e3 if cfg.max_step_ms is not None else cfg.step_time_ratio * pace * backlog
-        out.budget_source, out.step_time_target = "time", target
-        # Aim below the target by the model's usual error, so most steps really land under it;
-        # waiting requests keep a share of the step even when decodes alone fill the target.
-        aim = target / max(1.0, model.error_quantile)
-        return max(aim - decode_time, cfg.min_prefill_share * target)
-
-    def _fit_time(self, seq: Sequence, num_new: int, time_left: float, plan: _Plan) -> int:
-        if plan.out.budget_source != "time" or num_new == 0:
-            return num_new
-        fit = self.cost_model.max_chunk(time_left, seq.num_computed_tokens, num_new, not plan.prefills)
-        if not plan.prefills:
-            # Progress guarantee: the first chunk of a step is at least half a block, so a long
-            # prompt finishes its prefill in bounded time however slow the model thinks it is.
-            # Not a whole block: over a long context a block of prefill costs more than a small
-            # batch's decode step, and those steps were the streams' worst gaps.
-            fit = max(fit, min(num_new, self.min_chunk))
-        return fit
 
     @staticmethod
     def _step_features(plan: _Plan) -> tuple[int, int, int, float, int]:
@@ -321,7 +303,7 @@ class Scheduler:
             if seq.request_id in num_drafts:  # the accepted drafts' KV is valid; the rejected ones' is not
                 self._count_acceptance(seq, num_drafts[seq.request_id], len(tokens) - 1)
                 seq.num_computed_tokens += len(tokens) - 1
-        for req_id in sched.prefill_req_ids + sched.decode_req_ids + sched.verify_req_ids:
+        for req_id in sched.prefill_req_ids + sched.decode_req_ids:
             self.block_manager.register_computed_blocks(self.requests[req_id])
         single = [(seq.matcher, tokens[0]) for seq, tokens in zip(seqs, out.sampled_token_ids, strict=True)
                   if seq.matcher is not None and len(tokens) == 1]
@@ -338,6 +320,10 @@ class Scheduler:
                 if reason is not None:
                     tokens, logprobs = tokens[: i + 1], None if logprobs is None else logprobs[: i + 1]
                     break
+            if seq.request_id in num_drafts:  # its accepted drafts' tokens are in place only now
+                # A stop inside the accepted run drops the KV past it with its tokens.
+                seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
+                self.block_manager.register_computed_blocks(seq)
             if reason is not None:
                 seq.status, seq.finish_reason, seq.times.finished = SequenceStatus.FINISHED, reason, now
                 self.running.remove(seq)

@@ -79,9 +79,10 @@ class ModelRunner:
         t0 = time.perf_counter()
         self._num_steps += 1
         if self.speculator is not None:
+            preempted = set(sched.preempted_req_ids)
             for req_id in sched.removed_req_ids:
                 if req_id in self.batch.rows:
-                    self.speculator.observe_finished(self.batch.rows[req_id])
+                    self.speculator.remove(self.batch.rows[req_id], req_id in preempted)
         self.batch.update(sched)
         if sched.blocks_to_copy:
             self.copy_blocks(sched.blocks_to_copy)

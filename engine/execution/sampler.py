@@ -108,58 +108,62 @@ class Sampler:
         return SamplerOutput(token_list, self._gather_logprobs(raw_logprobs, tokens, params))
 
     @torch.inference_mode()
-    def verify(self, logits: torch.Tensor, views: list[SamplingRow], chunks: list[tuple[int, list[int]]]
-               ) -> tuple[list[list[int]], list[list[Logprobs] | None]]:
+    def verify(self, logits: torch.Tensor, views: list[SamplingRow], chunks: list[tuple[int, list[int]]],
+               raw_logprobs: torch.Tensor | None = None) -> tuple[list[list[int]], list[list[Logprobs] | None]]:
         """Accept or reject proposed tokens, exactly: the output's distribution is the target's.
 
         logits: [R, vocab] fp32, a request's rows consecutive (its last token's row, then each
         draft's), consumed; views: each row's request as of that position (drafts before it
-        counted as output); chunks: per request (its first row, its drafts). A greedy row accepts
-        its draft while the draft is the argmax. A sampled row accepts draft x with probability
-        p(x) (the target's, after every transform), else samples from p with x removed and
-        renormalised, and the run stops; all accepted, the last row samples one more. Returns
-        per request the accepted drafts and the token after them, and their logprobs when asked."""
+        counted as output); chunks: per request (its first row, its drafts); raw_logprobs: [R,
+        vocab], the logprobs to report when the caller masked logits before (a grammar), as the
+        plain path reports them before its mask.
+
+        Each row's token is what that position samples on its own: the argmax, or the inverse CDF
+        of the row's distribution at one uniform from the request's stream. A draft is accepted
+        while it equals its row's token; the first row that differs gives its own token, and all
+        accepted, the last row gives one more. For a point-mass proposal this is rejection
+        sampling: the draft survives with probability p(draft), and otherwise the token is p's
+        sample given it is not the draft, which is the residual p without the draft, renormalised
+        (whatever top-k, top-p or min-p left of p: the inverse CDF scales by the kept mass). A
+        seeded request consumes one uniform per token it emits, in order, as when it decodes one
+        token a step, so its output does not depend on the batch or on speculation. Returns per
+        request the accepted drafts and the token after them, and their logprobs when asked."""
         params = [v.params for v in views]
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(p.logprobs is not None for p in params) else None
+        if raw_logprobs is None and any(p.logprobs is not None for p in params):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
         self._mask_stops_before_min_tokens(logits, views)
         if any(p.logit_bias for p in params):
             self._apply_logit_bias(logits, views)
         rows = torch.tensor([p.row for p in params], device=logits.device)
         if any(p.has_penalties for p in params):
             logits = self._apply_penalties(logits, views, rows)
-        greedy = _argmax(logits).tolist()
-        probs = None if all(p.is_greedy for p in params) else self._probs(logits, views, rows)
+        greedy = _argmax(logits)
+        streams = []  # per seeded request: its generator, its state before this step's draws, its chunk
+        if all(p.is_greedy for p in params):
+            targets = greedy.tolist()
+        else:
+            for first, _ in chunks:
+                generator = views[first].generator
+                if generator is not None and not params[first].is_greedy:
+                    streams.append((generator, generator.get_state(), first))
+            draws = self._uniforms(views)
+            targets = self._invert(self._probs(logits, views, rows), draws, greedy, rows).tolist()
         tokens, logprobs = [], []
         for first, drafts in chunks:
-            generator = views[first].generator or self.generator
-            accepted: list[int] = []
-            for j, draft in enumerate(drafts):
-                row = first + j
-                if params[row].is_greedy:
-                    ok = draft == greedy[row]
-                else:
-                    ok = bool(torch.rand(1, dtype=torch.float64, generator=generator) < probs[row, draft])
-                if not ok:
-                    break
-                accepted.append(draft)
-            row = first + len(accepted)
-            if params[row].is_greedy:
-                token = greedy[row]
-            else:
-                p = probs[row].double()
-                if len(accepted) < len(drafts):
-                    p = p.clone()
-                    p[drafts[len(accepted)]] = 0.0  # the residual: p without the rejected draft
-                cdf = p.cumsum(0)
-                draw = torch.rand(1, dtype=torch.float64, generator=generator) * cdf[-1]
-                token = min(int(torch.searchsorted(cdf, draw, right=True)), len(cdf) - 1)
-            tokens.append(accepted + [token])
+            accepted = 0
+            while accepted < len(drafts) and drafts[accepted] == targets[first + accepted]:
+                accepted += 1
+            tokens.append(drafts[:accepted] + [targets[first + accepted]])
             if raw_logprobs is None or params[first].logprobs is None:
                 logprobs.append(None)
                 continue
-            positions = list(range(first, first + len(accepted) + 1))
+            positions = list(range(first, first + accepted + 1))
             ids = torch.tensor(tokens[-1], device=logits.device)
             logprobs.append(self._gather_logprobs(raw_logprobs[positions], ids, [params[i] for i in positions]))
+        emitted = {first: len(t) for (first, _), t in zip(chunks, tokens, strict=True)}
+        for generator, state, first in streams:  # rewind: only the emitted tokens' uniforms are used
+            generator.set_state(state)
+            torch.rand(emitted[first], dtype=torch.float64, device=generator.device, generator=generator)
         return tokens, logprobs
 
     @staticmethod
@@ -234,19 +238,29 @@ class Sampler:
 
     def _draw(self, probs: torch.Tensor, seqs: list[SamplingRow], greedy: torch.Tensor,
               rows: torch.Tensor) -> torch.Tensor:
-        num_rows, vocab = probs.shape
-        dev = probs.device
-        # Inverse CDF: one uniform draw per row, so a seeded request draws from its own generator
-        # and its tokens do not depend on the rest of the batch. (An exponential race, argmax of
-        # p / E, needs a draw per vocabulary entry, which costs a large share of a decode step.)
-        # The CDF is summed in float64 so a 49k-entry sum does not blur the small probabilities.
-        draws = torch.empty(num_rows, 1, dtype=torch.float64, device=dev)
+        return self._invert(probs, self._uniforms(seqs), greedy, rows)
+
+    def _uniforms(self, seqs: list[SamplingRow]) -> torch.Tensor:
+        """One uniform per row, [N, 1] float64: a seeded request's from its own generator, in row
+        order, so its tokens do not depend on the rest of the batch."""
+        draws = torch.empty(len(seqs), 1, dtype=torch.float64, device=self.device)
         unseeded = [i for i, s in enumerate(seqs) if s.generator is None]
         if unseeded:
-            draws[unseeded] = torch.rand(len(unseeded), 1, dtype=torch.float64, device=dev, generator=self.generator)
+            draws[unseeded] = torch.rand(len(unseeded), 1, dtype=torch.float64, device=self.device,
+                                         generator=self.generator)
         for i, seq in enumerate(seqs):
             if seq.generator is not None:
-                draws[i] = torch.rand(1, dtype=torch.float64, device=dev, generator=seq.generator)
+                draws[i] = torch.rand(1, dtype=torch.float64, device=self.device, generator=seq.generator)
+        return draws
+
+    @staticmethod
+    def _invert(probs: torch.Tensor, draws: torch.Tensor, greedy: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Each row's token at its uniform: probs [N, vocab] (unnormalised: the CDF is scaled by
+        its total), draws [N, 1] -> [N] int64; greedy rows take greedy's."""
+        vocab = probs.shape[1]
+        # Inverse CDF: one uniform draw per row. (An exponential race, argmax of p / E, needs a
+        # draw per vocabulary entry, which costs a large share of a decode step.) The CDF is
+        # summed in float64 so a 49k-entry sum does not blur the small probabilities.
         cdf = probs.cumsum(dim=-1, dtype=torch.float64)  # [N, vocab]
         # The first token whose CDF passes the draw (right=True: never a zero-probability one).
         sampled = torch.searchsorted(cdf, draws * cdf[:, -1:], right=True).squeeze(1)  # [N]

@@ -95,11 +95,23 @@ class OutputProcessor:
         state = self.states[update.request_id]
         reason, stop_reason = update.finish_reason, update.stop_reason
         params = state.params
-        new_text, num_new_chars = "", 0
-        for token_id in update.new_token_ids:
+        new_text = ""
+        new_token_ids, new_logprobs = list(update.new_token_ids), update.new_logprobs
+        for i, token_id in enumerate(new_token_ids):
+            # One token at a time: a verification brings several, and a stop string that the
+            # first completes must end the output there (vLLM drops the run's tokens after it).
             state.output_token_ids.append(token_id)
-            num_new_chars += len(state.detokenizer.add_tokens([token_id]))
-        if update.new_token_ids:
+            num_new_chars = len(state.detokenizer.add_tokens([token_id]))
+            is_scheduler_stop = reason is FinishReason.STOP and i == len(new_token_ids) - 1
+            if params.stop and not is_scheduler_stop and len(state.output_token_ids) >= params.min_tokens:
+                match = find_stop_string(state.text, num_new_chars, params)
+                if match is not None:
+                    state.detokenizer.truncate(match[0] + (len(match[1]) if params.include_stop_str_in_output else 0))
+                    reason, stop_reason = FinishReason.STOP, match[1]
+                    new_token_ids = new_token_ids[: i + 1]
+                    new_logprobs = None if new_logprobs is None else new_logprobs[: i + 1]
+                    break
+        if new_token_ids:
             if state.first_token_time is None:
                 state.first_token_time = now
                 if stats is not None:
@@ -107,21 +119,15 @@ class OutputProcessor:
             elif stats is not None:
                 stats.inter_token_latencies.append(now - state.last_token_time)
             state.last_token_time = now
-            if update.new_logprobs is not None:
-                state.output_logprobs.extend(update.new_logprobs)
-            if params.stop and reason is not FinishReason.STOP \
-                    and len(state.output_token_ids) >= params.min_tokens:
-                match = find_stop_string(state.text, num_new_chars, params)
-                if match is not None:
-                    state.detokenizer.truncate(match[0] + (len(match[1]) if params.include_stop_str_in_output else 0))
-                    reason, stop_reason = FinishReason.STOP, match[1]
+            if new_logprobs is not None:
+                state.output_logprobs.extend(new_logprobs)
             text = state.text
             emit_end = len(text) if reason is not None or not params.stop \
                 else len(text) - num_held_chars(text, params.stop)
             new_text = text[state.num_emitted_chars : emit_end]
             state.num_emitted_chars = max(state.num_emitted_chars, emit_end)
-        output = self._output(state, update, list(update.new_token_ids), new_text, reason, stop_reason, now)
-        if len(state.output_token_ids) == 1 and update.new_token_ids and state.prompt_logprobs is not None:
+        output = self._output(state, update, new_token_ids, new_text, reason, stop_reason, now, new_logprobs=new_logprobs)
+        if len(state.output_token_ids) == len(new_token_ids) and new_token_ids and state.prompt_logprobs is not None:
             output.prompt_logprobs = state.prompt_logprobs  # with the first token, once
         return output, reason
 
@@ -133,7 +139,7 @@ class OutputProcessor:
 
     def _output(self, state: RequestState, update: SequenceUpdate, new_token_ids: list[int], new_text: str,
                 reason: FinishReason | None, stop_reason: int | str | None, now: float,
-                error: str | None = None) -> RequestOutput:
+                error: str | None = None, new_logprobs: list | None = None) -> RequestOutput:
         error = error or update.error
         metrics = None
         if reason is not None:
@@ -146,7 +152,7 @@ class OutputProcessor:
                 first_token_time=state.first_token_time,
                 finished_time=update.finished_time if update.finished_time is not None else now,
                 num_draft_tokens=update.num_draft_tokens, num_accepted_tokens=update.num_accepted_tokens)
-        logprobs = update.new_logprobs if new_token_ids else None
+        logprobs = new_logprobs if new_token_ids else None
         return RequestOutput(
             request_id=state.group_id, index=state.index, prompt_token_ids=state.prompt_token_ids,
             token_ids=list(state.output_token_ids), text=state.text[: state.num_emitted_chars],

@@ -4,7 +4,6 @@ last n tokens, longest n first, and propose the tokens that followed it. Input-g
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from engine.execution.speculative.proposer import Proposer
 
@@ -17,12 +16,24 @@ class NgramProposer(Proposer):
 
     def propose(self, token_ids: np.ndarray) -> list[int]:
         length = len(token_ids)
-        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            suffix = token_ids[-n:]
-            # Every n-gram that starts before the suffix's own position: [length - n, n] views.
-            windows = sliding_window_view(token_ids[:-1], n)
-            hits = np.flatnonzero((windows == suffix).all(axis=1))
-            if hits.size:
-                start = int(hits[-1]) + n  # the latest match: the nearest context repeats most
-                return token_ids[start : start + self.num_tokens].tolist()
-        return []
+        # ends: [H] every earlier position holding the last token, each a match of length 1;
+        # the matches grow backwards together (one vectorised comparison per extra token), so a
+        # step costs one pass over the history and not one per n.
+        ends = np.flatnonzero(token_ids[:-1] == token_ids[-1])
+        if ends.size == 0:
+            return []
+        matched = np.ones(ends.size, dtype=np.int64)  # [H]
+        alive = np.ones(ends.size, dtype=bool)  # [H]: still matching at this depth
+        for depth in range(1, min(self.max_n, length - 1)):
+            before = ends - depth
+            alive &= before >= 0
+            alive[alive] = token_ids[before[alive]] == token_ids[-1 - depth]
+            if not alive.any():
+                break
+            matched += alive
+        longest = int(matched.max())
+        if longest < self.min_n:
+            return []
+        # The latest of the longest matches: the nearest context repeats most.
+        start = int(ends[np.flatnonzero(matched == longest)[-1]]) + 1
+        return token_ids[start : start + self.num_tokens].tolist()

@@ -15,3 +15,6 @@ class Proposer:
 
     def observe_finished(self, token_ids: np.ndarray) -> None:
         """A request's tokens once it has left the batch (proposers that learn across requests)."""
+
+    def reset(self) -> None:
+        """Forget what earlier requests taught (proposers that learn across requests)."""

@@ -14,6 +14,7 @@ import torch
 from engine.execution.input_batch import CachedRequestState
 from engine.execution.sampler import Logprobs, Sampler
 from engine.execution.speculative.proposer import Proposer
+from engine.execution.speculative.token_history import TokenHistory
 from engine.processing.structured_output import GrammarMask
 
 _MISSES_BEFORE_PAUSE = 2  # verifications in a row that accepted nothing
@@ -26,19 +27,23 @@ class Speculator:
         self.proposer, self.sampler, self.max_batch = proposer, sampler, max_batch
         self.num_tokens = num_tokens  # k
         self.method = proposer.method
+        self._histories: dict[str, TokenHistory] = {}  # by request id, while it is in the batch
 
     def verify(self, logits: torch.Tensor, rows: list[CachedRequestState], drafts: list[list[int]], step: int
                ) -> tuple[list[list[int]], list[list[Logprobs] | None]]:
         """logits: [sum(1 + len(d)), vocab], each request's rows consecutive (its last token's,
         then each draft's) -> per request its accepted drafts and the token after them."""
         views, chunks = [], []
+        # Logprobs are the model's, before any grammar's mask, as the plain path reports them.
+        raw_logprobs = torch.log_softmax(logits, dim=-1) \
+            if any(row.params.logprobs is not None for row in rows) else None
         for row, request_drafts in zip(rows, drafts, strict=True):
             first = len(views)
             chunks.append((first, request_drafts))
             views += [row.with_drafts(request_drafts[:j]) for j in range(len(request_drafts) + 1)]
             if row.matcher is not None:
                 self._grammar_mask(logits).apply_along(logits, first, row.matcher, request_drafts)
-        tokens, logprobs = self.sampler.verify(logits, views, chunks)
+        tokens, logprobs = self.sampler.verify(logits, views, chunks, raw_logprobs)
         for row, request_drafts, accepted in zip(rows, drafts, tokens, strict=True):
             self._record(row, len(request_drafts), len(accepted) - 1, step)
         return tokens, logprobs
@@ -52,13 +57,20 @@ class Speculator:
         for row in rows:
             if step < row.spec_paused_until:
                 continue
-            drafts = self.proposer.propose(np.asarray(row.prompt_token_ids + row.output_token_ids, dtype=np.int64))
+            history = self._histories.get(row.req_id)
+            if history is None:
+                history = self._histories[row.req_id] = TokenHistory(row.prompt_token_ids)
+            drafts = self.proposer.propose(history.view(row.output_token_ids))
             if drafts:
                 proposals[row.req_id] = drafts[: row.spec_len or self.num_tokens]
         return proposals
 
-    def observe_finished(self, row: CachedRequestState) -> None:
-        self.proposer.observe_finished(np.asarray(row.output_token_ids, dtype=np.int64))
+    def remove(self, row: CachedRequestState, is_preempted: bool) -> None:
+        """A request left the batch: finished or aborted, its output is history proposers may
+        learn from; preempted, it comes back with the same tokens and goes on, so not yet."""
+        self._histories.pop(row.req_id, None)
+        if not is_preempted:
+            self.proposer.observe_finished(np.asarray(row.output_token_ids, dtype=np.int64))
 
     @staticmethod
     def _record(row: CachedRequestState, num_drafts: int, num_accepted: int, step: int) -> None:

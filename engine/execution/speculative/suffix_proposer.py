@@ -39,6 +39,11 @@ class SuffixProposer(Proposer):
         parts = [part for tokens in self._history for part in (tokens, np.array([_SEPARATOR]))]
         self._shared = np.concatenate(parts)
 
+    def reset(self) -> None:
+        self._history.clear()
+        self._num_history_tokens = 0
+        self._shared = np.empty(0, dtype=np.int64)
+
     def propose(self, token_ids: np.ndarray) -> list[int]:
         if len(token_ids) < 2:
             return []
