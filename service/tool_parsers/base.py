@@ -10,6 +10,8 @@ Whitespace right before a call and right after one is not content.
 from __future__ import annotations
 
 import json
+import secrets
+import string
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -55,6 +57,11 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
+def alphanumeric_call_id(length: int = 9) -> str:
+    """An id of `length` letters and digits (Mistral's templates refuse any other tool_call_id)."""
+    return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(length))
+
+
 class ParsedAnswer:
     """Deltas folded into the answer: content and the calls (what a non-streamed reply shows)."""
 
@@ -73,6 +80,8 @@ class ParsedAnswer:
 class ToolCallStream:
     """One answer's parse. Subclasses scan self.text from self.pos; they emit content through
     _content and calls through _call_progress."""
+
+    new_id: ClassVar[Callable[[], str]] = staticmethod(new_call_id)
 
     def __init__(self) -> None:
         self.text = ""
@@ -172,7 +181,7 @@ class ToolCallStream:
         if self._call_index is None:
             self._call_index = self._num_calls
             self._num_calls += 1
-            self._out.calls.append(ToolCallDelta(self._call_index, new_call_id(), call.name))
+            self._out.calls.append(ToolCallDelta(self._call_index, self.new_id(), call.name))
         if call.has_arguments:
             arguments = call.arguments
             if len(arguments) > self._call_sent:
