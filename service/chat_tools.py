@@ -19,6 +19,7 @@ from typing import Any
 
 from engine import RequestOutput, SamplingParams, StructuredOutput
 from service.async_engine import AsyncEngine
+from service.chat_output import ChoiceOutput
 from service.reasoning_parser import ReasoningParser, get_reasoning_parser
 from service.tool_grammar import FunctionSpec, LarkText, tool_call_grammar
 from service.tool_parsers import ToolParser, get_tool_parser, parser_for_template
@@ -70,6 +71,11 @@ class ChatPlan:
     tool_parser: ToolParser | None  # None: the answer is not parsed for calls
     reasoning: ReasoningParser | None
     keep_special_tokens: bool = False  # the format's trigger is a special token: the parser must see it
+    holds_calls: bool = False  # a stop string or token may cut a call: calls go out once whole
+
+    def new_output(self) -> ChoiceOutput:
+        """One sample's parse of the answer."""
+        return ChoiceOutput(self.reasoning, self.tool_parser, self.holds_calls)
 
     @property
     def is_tool_grammar(self) -> bool:
@@ -90,7 +96,12 @@ class ChatTools:
                       params: SamplingParams, template_kwargs: dict[str, Any] | None
                       ) -> tuple[ChatPlan, SamplingParams]:
         """The chat's plan and the parameters that carry its grammar (and keep its special trigger)."""
+        if params.stop and tools.is_active and (tools.choice == "required" or tools.is_named):
+            # The call is the whole answer: a stop string can only cut it short of parsing.
+            raise ValueError("stop: cannot go with tool_choice required or a named function (a stop string "
+                             "would cut the call)")
         plan = await self.plan(engine, messages, tools, params.structured_output, template_kwargs)
+        plan.holds_calls = plan.tool_parser is not None and bool(params.stop or params.stop_token_ids)
         changes: dict[str, Any] = {}
         if plan.structured_output != params.structured_output:
             changes["structured_output"] = plan.structured_output

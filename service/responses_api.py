@@ -12,7 +12,6 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from engine import RequestOutput
-from service.chat_output import ChoiceOutput
 from service.chat_tools import ChatPlan
 from service.openai_call import AbortingStreamingResponse
 from service.openai_protocol import ChatCompletionRequest, UnsupportedFieldError, error_body
@@ -103,7 +102,7 @@ class ResponseCall:
                  handle: Any) -> None:
         self.api, self.body, self.stream, self.builder = api, body, stream, builder
         self.conversation, self.handle = conversation, handle
-        self.output = ChoiceOutput(plan.reasoning, plan.tool_parser)
+        self.output = plan.new_output()
         self.final: dict[str, Any] | None = None
         self.error: str | None = None
 

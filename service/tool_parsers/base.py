@@ -79,7 +79,9 @@ class ParsedAnswer:
 
 class ToolCallStream:
     """One answer's parse. Subclasses scan self.text from self.pos; they emit content through
-    _content and calls through _call_progress."""
+    _content and calls through _call_progress. num_cut_calls: calls that ended before their JSON
+    did (a stop string, a stop token or an abort cut them; max_tokens too), so their arguments
+    may not parse."""
 
     new_id: ClassVar[Callable[[], str]] = staticmethod(new_call_id)
 
@@ -95,6 +97,7 @@ class ToolCallStream:
         self._call_start = 0  # where the current call's text began (it is content if it fails)
         self._call_sent = 0  # characters of its arguments sent
         self._call_index: int | None = None
+        self.num_cut_calls = 0
 
     def feed(self, text: str, is_final: bool = False) -> ParsedDelta:
         self.text += text
@@ -156,13 +159,15 @@ class ToolCallStream:
         self.pos = call.feed(self.text, self.pos)
         if self.is_final and not call.is_done:
             call.finish()
-            if not call.is_done and not call.is_error:  # cut off (max_tokens)
+            if not call.is_done and not call.is_error:  # cut off (max_tokens, a stop)
                 self._call_progress()  # what came is kept, as it was streamed; before its name, nothing
+                self.num_cut_calls += self._call_index is not None
                 self._call = None
                 self.pos = len(self.text)
                 return "done"
         if call.is_error or (call.is_done and call.name is None) or (self.is_final and not call.is_done):
             if self._call_index is not None:  # already streamed: ends where it broke
+                self.num_cut_calls += 1
                 self._call = None
                 return "done"
             self._call = None
