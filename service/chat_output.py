@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine import RequestOutput
-from service.reasoning_parser import ReasoningParser
+from service.reasoning_parser import ReasoningParser, ReasoningTokenCount
 from service.tool_parsers import ParsedAnswer, ParsedDelta, ToolParser
 
 
@@ -25,8 +25,13 @@ class ChoiceDelta:
 
 
 class ChoiceOutput:
-    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None, holds_calls: bool = False) -> None:
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None, holds_calls: bool = False,
+                 reasoning_marker_ids: tuple[int, int] | None = None) -> None:
         self._reasoning = reasoning.new_stream() if reasoning is not None else None
+        # Reasoning tokens: exactly those inside the block when its markers are tokens; else an
+        # estimate from the text (the tokens of each output that carried thinking).
+        self._token_count = ReasoningTokenCount(reasoning, *reasoning_marker_ids) \
+            if reasoning is not None and reasoning_marker_ids is not None else None
         self._tools = tools.new_stream() if tools is not None else None
         self._holds_calls = holds_calls
         self._held: ParsedDelta | None = None  # from the first call on, while held
@@ -38,18 +43,19 @@ class ChoiceOutput:
         self.is_parsed = reasoning is not None or tools is not None
 
     def feed(self, out: RequestOutput) -> ChoiceDelta:
+        if self._token_count is not None:
+            self._token_count.feed(out.new_token_ids)
+            self.num_reasoning_tokens = self._token_count.num_tokens
         return self.feed_text(out.new_text, len(out.new_token_ids), out.is_finished, out.finish_reason)
 
     def feed_text(self, text: str, num_tokens: int = 0, is_final: bool = False,
                   engine_reason: str | None = None) -> ChoiceDelta:
         reasoning, content = "", text
         if self._reasoning is not None:
-            # Counted by output: the one that ends the block counts whole (one token, unless a
-            # slow reader's outputs were merged).
-            if self._reasoning.is_reasoning:
-                self.num_reasoning_tokens += num_tokens
             reasoning, content = self._reasoning.feed(text, is_final)
             self.reasoning += reasoning
+            if self._token_count is None and (reasoning or self._reasoning.state == "reasoning"):
+                self.num_reasoning_tokens += num_tokens
         if self._tools is None:
             parsed = ParsedDelta(content)
         else:

@@ -72,10 +72,11 @@ class ChatPlan:
     reasoning: ReasoningParser | None
     keep_special_tokens: bool = False  # the format's trigger is a special token: the parser must see it
     holds_calls: bool = False  # a stop string or token may cut a call: calls go out once whole
+    reasoning_marker_ids: tuple[int, int] | None = None  # <think>, </think> when each is one token
 
     def new_output(self) -> ChoiceOutput:
         """One sample's parse of the answer."""
-        return ChoiceOutput(self.reasoning, self.tool_parser, self.holds_calls)
+        return ChoiceOutput(self.reasoning, self.tool_parser, self.holds_calls, self.reasoning_marker_ids)
 
     @property
     def is_tool_grammar(self) -> bool:
@@ -157,10 +158,18 @@ class ChatTools:
                                         parallel=tools.parallel and not tools.is_named,
                                         lit=lit, answer_schema=answer)
             structured = StructuredOutput("grammar", grammar)
+        marker_ids = None
+        if thinks:
+            added = await engine.added_tokens()
+            if self.reasoning.start in added and self.reasoning.end in added:
+                marker_ids = (added[self.reasoning.start][0], added[self.reasoning.end][0])
         if structured is not None and thinks:
-            structured = StructuredOutput(structured.kind, structured.value, after=self.reasoning.end)
+            # Only a model that may answer without thinking (qwen3) gets the block as an option.
+            opener = "" if self.reasoning.starts_in_reasoning else self.reasoning.start
+            structured = StructuredOutput(structured.kind, structured.value, after=self.reasoning.end,
+                                          after_opener=opener)
         return ChatPlan(messages, kwargs or None, structured, parser if tools.is_active else None,
-                        self.reasoning if (self.reasoning is not None and thinks) else None, keep_special)
+                        self.reasoning if thinks else None, keep_special, reasoning_marker_ids=marker_ids)
 
 
 def _with_call_arguments_parsed(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
