@@ -139,3 +139,18 @@ def test_qwen3_reasoning_tokens_are_the_blocks_own(qwen3_server: ServerThread) -
             chunks = list(client.chat.completions.create(**request, seed=seed, stream=True))
             assert _reassemble(chunks) == _whole(message, "stop")
     assert num_thought >= 2
+
+
+def test_grpc_uses_the_servers_reasoning_parser(reasoning_server: ServerThread) -> None:
+    """gRPC chat answers are parsed with the server's options too: thinking in reasoning_text."""
+    from service.client import InferenceClient
+    from service.pb import inference_pb2 as pb
+
+    request = pb.GenerateRequest(messages=pb.Messages(messages=[pb.ChatMessage(role="user", content="2+2?")]),
+                                 sampling=pb.SamplingParams(temperature=0.8, seed=0, max_tokens=40,
+                                                            logit_bias={END_THINK: 8}))
+    with InferenceClient(reasoning_server.target) as c:
+        responses = list(c.stub.Generate(request))
+    reasoning = "".join(r.reasoning_text for r in responses)
+    assert reasoning and "</think>" not in "".join(r.text for r in responses)
+    assert responses[-1].usage.reasoning_tokens > 0
