@@ -14,7 +14,7 @@ import pytest
 from engine import EngineConfig
 from service.reasoning_parser import get_reasoning_parser
 from tests.server_harness import ServerThread
-from tests.test_tool_calling import ASK, TOOLS, _check_calls, _reassemble, _whole
+from tests.test_tool_calling import ASK, TOOL_CALL_TOKEN, TOOLS, _check_calls, _reassemble, _whole
 
 THINK, END_THINK = 505, 506  # <think>, </think> in the tool model's tokenizer
 
@@ -154,3 +154,27 @@ def test_grpc_uses_the_servers_reasoning_parser(reasoning_server: ServerThread) 
     reasoning = "".join(r.reasoning_text for r in responses)
     assert reasoning and "</think>" not in "".join(r.text for r in responses)
     assert responses[-1].usage.reasoning_tokens > 0
+
+
+@pytest.mark.parametrize("choice", ["required", "auto"])
+def test_tools_and_reasoning_together(reasoning_server: ServerThread, choice: str) -> None:
+    """Thinking first, then the call (required, or auto steered toward <tool_call>): the block is
+    reasoning, the call parses and validates, the stream reassembles into the whole answer."""
+    request = dict(model="tiny", messages=ASK, tools=TOOLS, tool_choice=choice, temperature=0.8, max_tokens=200,
+                   parallel_tool_calls=False, logprobs=True,
+                   logit_bias={str(END_THINK): 12, str(TOOL_CALL_TOKEN): 12})
+    num_thought = 0
+    with openai.OpenAI(base_url=reasoning_server.http_url + "/v1", api_key="x", max_retries=0, timeout=120) as client:
+        for seed in range(3):
+            whole = client.chat.completions.create(**request, seed=seed)
+            choice_out = whole.choices[0]
+            message = choice_out.message
+            assert choice_out.finish_reason == "tool_calls" and len(message.tool_calls) == 1, choice_out
+            _check_calls(message.tool_calls)
+            assert "<tool_call>" not in (message.content or "") and "</think>" not in (message.reasoning_content or "")
+            num_thought += bool(message.reasoning_content)
+            tokens = [t.token for t in choice_out.logprobs.content]
+            assert whole.usage.completion_tokens_details.reasoning_tokens == _inside_block(tokens, True)
+            chunks = list(client.chat.completions.create(**request, seed=seed, stream=True))
+            assert _reassemble(chunks) == _whole(message, "tool_calls")
+    assert num_thought >= 2

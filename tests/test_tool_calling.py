@@ -102,12 +102,15 @@ def test_auto_call_started_by_the_model_parses(tool_server: ServerThread) -> Non
     assert plain.choices[0].message.tool_calls is None and plain.choices[0].message.content  # unsteered: text
 
 
-def test_parallel_calls(tool_server: ServerThread) -> None:
-    """Several calls in one answer; each complete one parses (a sampled tiny model may go on
-    calling until max_tokens: then only its last call is cut off, reported with length)."""
+@pytest.mark.parametrize("choice", ["required", "auto"])
+def test_parallel_calls(tool_server: ServerThread, choice: str) -> None:
+    """Several calls in one answer (auto: steered toward <tool_call>); each complete one parses
+    (a sampled tiny model may go on calling until max_tokens: then only its last call is cut
+    off, reported with length)."""
+    bias = {str(TOOL_CALL_TOKEN): 15} if choice == "auto" else None
     with _client(tool_server) as client:
-        out = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required",
-                                             temperature=0.8, seed=3, n=8, max_tokens=300)
+        out = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice=choice,
+                                             temperature=0.8, seed=3, n=8, max_tokens=300, logit_bias=bias)
     most = 0
     for c in out.choices:
         calls = c.message.tool_calls
