@@ -19,6 +19,7 @@ from typing import Any
 
 from engine import RequestOutput, SamplingParams, StructuredOutput
 from service.async_engine import AsyncEngine
+from service.chat_output import ChoiceOutput
 from service.reasoning_parser import ReasoningParser, get_reasoning_parser
 from service.tool_grammar import FunctionSpec, LarkText, tool_call_grammar
 from service.tool_parsers import ToolParser, get_tool_parser, parser_for_template
@@ -70,6 +71,12 @@ class ChatPlan:
     tool_parser: ToolParser | None  # None: the answer is not parsed for calls
     reasoning: ReasoningParser | None
     keep_special_tokens: bool = False  # the format's trigger is a special token: the parser must see it
+    holds_calls: bool = False  # a stop string or token may cut a call: calls go out once whole
+    reasoning_marker_ids: tuple[int, int] | None = None  # <think>, </think> when each is one token
+
+    def new_output(self) -> ChoiceOutput:
+        """One sample's parse of the answer."""
+        return ChoiceOutput(self.reasoning, self.tool_parser, self.holds_calls, self.reasoning_marker_ids)
 
     @property
     def is_tool_grammar(self) -> bool:
@@ -90,7 +97,12 @@ class ChatTools:
                       params: SamplingParams, template_kwargs: dict[str, Any] | None
                       ) -> tuple[ChatPlan, SamplingParams]:
         """The chat's plan and the parameters that carry its grammar (and keep its special trigger)."""
+        if params.stop and tools.is_active and (tools.choice == "required" or tools.is_named):
+            # The call is the whole answer: a stop string can only cut it short of parsing.
+            raise ValueError("stop: cannot go with tool_choice required or a named function (a stop string "
+                             "would cut the call)")
         plan = await self.plan(engine, messages, tools, params.structured_output, template_kwargs)
+        plan.holds_calls = plan.tool_parser is not None and bool(params.stop or params.stop_token_ids)
         changes: dict[str, Any] = {}
         if plan.structured_output != params.structured_output:
             changes["structured_output"] = plan.structured_output
@@ -146,10 +158,18 @@ class ChatTools:
                                         parallel=tools.parallel and not tools.is_named,
                                         lit=lit, answer_schema=answer)
             structured = StructuredOutput("grammar", grammar)
+        marker_ids = None
+        if thinks:
+            added = await engine.added_tokens()
+            if self.reasoning.start in added and self.reasoning.end in added:
+                marker_ids = (added[self.reasoning.start][0], added[self.reasoning.end][0])
         if structured is not None and thinks:
-            structured = StructuredOutput(structured.kind, structured.value, after=self.reasoning.end)
+            # Only a model that may answer without thinking (qwen3) gets the block as an option.
+            opener = "" if self.reasoning.starts_in_reasoning else self.reasoning.start
+            structured = StructuredOutput(structured.kind, structured.value, after=self.reasoning.end,
+                                          after_opener=opener)
         return ChatPlan(messages, kwargs or None, structured, parser if tools.is_active else None,
-                        self.reasoning if (self.reasoning is not None and thinks) else None, keep_special)
+                        self.reasoning if thinks else None, keep_special, reasoning_marker_ids=marker_ids)
 
 
 def _with_call_arguments_parsed(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -108,6 +108,8 @@ class CallMiddleware:
 
 
 class OpenAIFrontDoor:
+    admission_error = staticmethod(_admission_error)  # for the Responses API's own admission
+
     def __init__(self, state: ServingState, model_name: str, observer: RequestObserver | None = None,
                  auth_tokens: list[str] | None = None, max_body_bytes: int = 4 * 1024 * 1024,
                  on_call: ApiCallListener | None = None, chat_tools: ChatTools | None = None,

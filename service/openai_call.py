@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -29,6 +29,8 @@ from service.openai_protocol import (
     usage_body,
 )
 from service.request_observer import RequestObserver
+
+T = TypeVar("T")
 
 
 class OpenAICall:
@@ -57,7 +59,7 @@ class OpenAICall:
         self.num_prompt_logprobs = body.prompt_logprobs
         # Chat: each choice's reasoning and tool calls parsed out of its text (a pass-through without parsers).
         self.is_reasoning = plan is not None and plan.reasoning is not None
-        self.choice_outputs = [ChoiceOutput(plan.reasoning if plan else None, plan.tool_parser if plan else None)
+        self.choice_outputs = [plan.new_output() if plan else ChoiceOutput(None, None)
                                for _ in range(self.num_choices if self.is_chat else 0)]
 
     def _usage(self) -> dict[str, Any]:
@@ -217,18 +219,9 @@ class OpenAICall:
 
     async def whole(self, request: Request) -> JSONResponse:
         """Collects the whole answer; a client that disconnects first aborts the request."""
-        collect = asyncio.ensure_future(self._collect())
-        disconnect = asyncio.ensure_future(disconnected(request.receive))
-        try:
-            done, _ = await asyncio.wait({collect, disconnect}, return_when=asyncio.FIRST_COMPLETED)
-            if collect not in done:
-                collect.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await collect
-                return JSONResponse(error_body("client disconnected"), status_code=499)
-            return collect.result()
-        finally:
-            disconnect.cancel()
+        response = await until_disconnected(self._collect(), request.receive)
+        return response if response is not None else JSONResponse(error_body("client disconnected"),
+                                                                   status_code=499)
 
     async def _collect(self) -> JSONResponse:
         n = self.num_choices
@@ -321,6 +314,23 @@ class AbortingStreamingResponse(StreamingResponse):
         finally:
             disconnect.cancel()
             await self.body_iterator.aclose()
+
+
+async def until_disconnected(work: Awaitable[T], receive: Callable) -> T | None:
+    """work's result, or None when the client disconnects first: work is cancelled then (an
+    engine stream it reads is closed, which aborts the request and frees its KV blocks)."""
+    task = asyncio.ensure_future(work)
+    disconnect = asyncio.ensure_future(disconnected(receive))
+    try:
+        done, _ = await asyncio.wait({task, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+        if task not in done:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return None
+        return task.result()
+    finally:
+        disconnect.cancel()
 
 
 async def disconnected(receive: Callable) -> None:

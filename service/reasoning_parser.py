@@ -98,3 +98,27 @@ class ReasoningStream:
                     break
         reasoning, self.pos = self.text[self.pos:stop], stop
         return reasoning
+
+
+class ReasoningTokenCount:
+    """The tokens inside an answer's thinking block, counted by the markers' ids (each one token
+    in Qwen3's and DeepSeek-R1's tokenizers); the markers themselves are not reasoning."""
+
+    def __init__(self, parser: ReasoningParser, start_id: int, end_id: int) -> None:
+        self.starts_in_reasoning = parser.starts_in_reasoning
+        self.start_id, self.end_id = start_id, end_id
+        self.state = "start"  # start, inside, after
+        self.num_tokens = 0
+
+    def feed(self, token_ids: list[int]) -> None:
+        for token_id in token_ids:
+            if self.state == "start":
+                if token_id == self.start_id:
+                    self.state = "inside"
+                    continue
+                self.state = "inside" if self.starts_in_reasoning else "after"
+            if self.state == "inside":
+                if token_id == self.end_id:
+                    self.state = "after"
+                else:
+                    self.num_tokens += 1

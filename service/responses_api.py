@@ -12,9 +12,10 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from engine import RequestOutput
-from service.chat_output import ChoiceOutput
+from service.async_engine import EngineDeadError
 from service.chat_tools import ChatPlan
-from service.openai_call import AbortingStreamingResponse
+from service.field_names import renamed
+from service.openai_call import AbortingStreamingResponse, until_disconnected
 from service.openai_protocol import ChatCompletionRequest, UnsupportedFieldError, error_body
 from service.request_observer import CallInfo
 from service.response_store import ResponseStore, StoredResponse
@@ -25,7 +26,15 @@ from service.responses_protocol import (
     output_messages,
     response_base,
 )
+from service.serving_state import EngineUnavailableError
 from service.tool_protocol import tool_request
+
+# The chat request a response runs as names its fields as chat completions do; errors name the
+# Responses API's own.
+RESPONSES_FIELDS = {"max_tokens": "max_output_tokens", "response_format": "text.format",
+                    "structured_output": "text.format", "structured_output.json_schema": "text.format.schema",
+                    "structured_output.json_object": "text.format", "messages": "input", "prompt": "input"}
+RESPONSES_WORDS = {"max_tokens": "max_output_tokens", "response_format": "text.format"}
 
 
 class ResponsesApi:
@@ -65,23 +74,30 @@ class ResponsesApi:
         door = self.door
         door._check_model(body.model)
         response_id = f"resp_{uuid.uuid4().hex}"
-        conversation = self._conversation(body)
-        messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + conversation
         try:
+            conversation = self._conversation(body)
+            messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + conversation
             chat = ChatCompletionRequest(**ResponsesRequest.chat_body(body, messages))
             tools = tool_request(body.tools, body.tool_choice, body.parallel_tool_calls)
+            params = chat.sampling_params()
         except ValueError as exc:
-            field = str(exc).split(":", 1)[0]
-            raise UnsupportedFieldError(field if " " not in field else "input", str(exc).split(": ", 1)[-1]) from None
-        params = chat.sampling_params()
+            raise renamed(exc, RESPONSES_FIELDS, RESPONSES_WORDS) from None
         handle = door.observer.start(response_id, response_id, CallInfo("http", "/v1/responses", "chat",
                                                                         dict(request.headers), 1), params)
         try:
             engine = door.state.ready_engine()
             plan, params = await door.chat_tools.prepare(engine, messages, tools, params, None)
             stream = await door.chat_tools.generate(engine, response_id, params, plan)
-        except Exception as exc:
-            door.observer.finish(handle, None, "400", str(exc), {"http.response.status_code": 400})
+        except (ValueError, EngineDeadError, EngineUnavailableError) as exc:
+            # Admission: a field the client set (400, named as this API names it), the queue (429),
+            # or the server's state (503), recorded as answered.
+            error = door.admission_error(renamed(exc, RESPONSES_FIELDS, RESPONSES_WORDS)
+                                         if isinstance(exc, ValueError) else exc)
+            door.observer.finish(handle, None, str(error.status), error.message,
+                                 {"http.response.status_code": error.status})
+            raise error from exc
+        except BaseException as exc:
+            door.observer.finish(handle, None, "500", type(exc).__name__, {"http.response.status_code": 500})
             raise
         tools_body = [{"type": "function", "name": f.name, "description": f.description or None,
                        "parameters": f.parameters, "strict": f.strict} for f in tools.functions]
@@ -90,8 +106,8 @@ class ResponsesApi:
         if body.stream:
             return AbortingStreamingResponse(call.events(), media_type="text/event-stream",
                                               headers={"cache-control": "no-cache", "x-request-id": response_id})
-        async for _ in call.events():
-            pass
+        if not await until_disconnected(call.run(), request.receive):
+            return JSONResponse(error_body("client disconnected"), status_code=499)
         if call.error is not None:
             return JSONResponse(error_body(call.error, "server_error"), status_code=500)
         return JSONResponse(call.final)
@@ -103,9 +119,15 @@ class ResponseCall:
                  handle: Any) -> None:
         self.api, self.body, self.stream, self.builder = api, body, stream, builder
         self.conversation, self.handle = conversation, handle
-        self.output = ChoiceOutput(plan.reasoning, plan.tool_parser)
+        self.output = plan.new_output()
         self.final: dict[str, Any] | None = None
         self.error: str | None = None
+
+    async def run(self) -> bool:
+        """The whole response, unstreamed (self.final, or self.error); True once it has ended."""
+        async for _ in self.events():
+            pass
+        return True
 
     async def events(self) -> AsyncIterator[str]:
         builder, last = self.builder, None
@@ -122,18 +144,23 @@ class ResponseCall:
                     return
                 for event in builder.add(self.output.feed(out)):
                     yield event
-            for event in builder.close():
+            # OpenAI's statuses: incomplete (incomplete_details says why) when max_output_tokens
+            # cut the answer, cancelled when it was aborted (a drain, an abort by id).
+            status, incomplete = {"length": ("incomplete", "max_output_tokens"),
+                                  "abort": ("cancelled", None)}.get(last.finish_reason, ("completed", None))
+            for event in builder.close(is_cut=status != "completed"):
                 yield event
             usage = {"input_tokens": last.num_prompt_tokens, "output_tokens": last.num_output_tokens,
                      "total_tokens": last.num_prompt_tokens + last.num_output_tokens,
                      "input_tokens_details": {"cached_tokens": last.num_cached_tokens},
                      "output_tokens_details": {"reasoning_tokens": self.output.num_reasoning_tokens}}
-            incomplete = "max_output_tokens" if last.finish_reason == "length" else None
-            self.final = builder.response("incomplete" if incomplete else "completed", usage, incomplete)
+            self.final = builder.response(status, usage, incomplete)
             if self.body.store:
                 self.api.store.put(builder.id, StoredResponse(
                     self.final, self.conversation + output_messages(self.final["output"])))
-            yield builder.event("response.incomplete" if incomplete else "response.completed", response=self.final)
+            # No stream event is named for a cancelled response: it ends as an unfinished one does.
+            yield builder.event("response.completed" if status == "completed" else "response.incomplete",
+                                response=self.final)
         except asyncio.CancelledError:
             error_type, status = "499", 499
             raise

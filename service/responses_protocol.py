@@ -190,11 +190,13 @@ class ResponseBuilder:
                                          output_index=index(), delta=call.arguments))
         return events
 
-    def close(self) -> list[str]:
-        """The open item's closing events."""
+    def close(self, is_cut: bool = False) -> list[str]:
+        """The open item's closing events (is_cut: the answer stopped inside it: incomplete)."""
         item, self._open = self._open, None
         if item is None:
             return []
+        if is_cut and "status" in item:
+            item["status"] = "incomplete"
         index, events = self.output.index(item), []
         if item["type"] == "reasoning":
             events.append(self.event("response.reasoning_text.done", item_id=item["id"], output_index=index,

@@ -73,7 +73,6 @@ class InferenceServer:
         self.state = ServingState()
         self.chat_tools = ChatTools(config.tool_call_parser, config.reasoning_parser)
         self.servicer = InferenceServicer(self.state, observer, self.chat_tools)
-        self.servicer = InferenceServicer(self.state, observer)
         self.kv_events = KvEventHub(max_running_requests=config.engine.max_num_seqs)
         self.vllm_servicer = VllmEngineServicer(self.state, self.kv_events, observer)
         if "vllm" in config.grpc_services:

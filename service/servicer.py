@@ -12,6 +12,7 @@ from engine import LimitExceededError, QueueFullError, RequestIdInUseError
 from service.async_engine import AsyncEngine, EngineDeadError
 from service.chat_output import ChoiceOutput
 from service.chat_tools import ChatTools
+from service.field_names import renamed
 from service.pb import inference_pb2 as pb
 from service.pb import inference_pb2_grpc as pb_grpc
 from service.protocol import (
@@ -29,6 +30,11 @@ from service.serving_state import EngineUnavailableError, ServingState
 __all__ = ["InferenceServicer", "RequestObserver"]
 
 logger = logging.getLogger(__name__)
+
+# The chat planning names chat-completion fields; on this door they sit in the request's messages
+# and sampling.
+CHAT_FIELDS = {"tools": "messages.tools", "stop": "sampling.stop",
+               "response_format": "sampling.structured_output"}
 
 
 class InferenceServicer(pb_grpc.InferenceServicer):
@@ -73,12 +79,15 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                     raise params_error
                 prompt, messages = self._input(request)
                 if messages is not None:
-                    plan, params = await self.chat_tools.prepare(engine, messages, tools_from_proto(request.messages),
-                                                                 params, None)
-                    stream = await self.chat_tools.generate(engine, request_id, params, plan, engine_id,
-                                                            request.priority)
+                    try:
+                        plan, params = await self.chat_tools.prepare(engine, messages,
+                                                                     tools_from_proto(request.messages), params, None)
+                        stream = await self.chat_tools.generate(engine, request_id, params, plan, engine_id,
+                                                                request.priority)
+                    except ValueError as exc:
+                        raise renamed(exc, CHAT_FIELDS) from None
                     if plan.tool_parser is not None or plan.reasoning is not None:
-                        parsed = [ChoiceOutput(plan.reasoning, plan.tool_parser) for _ in range(params.n)]
+                        parsed = [plan.new_output() for _ in range(params.n)]
                 else:
                     stream = await engine.generate(request_id, params, prompt=prompt, messages=messages,
                                                    priority=request.priority, engine_id=engine_id)

@@ -14,9 +14,9 @@ import pytest
 from engine import EngineConfig
 from service.reasoning_parser import get_reasoning_parser
 from tests.server_harness import ServerThread
-from tests.test_tool_calling import ASK, _reassemble, _whole
+from tests.test_tool_calling import ASK, TOOL_CALL_TOKEN, TOOLS, _check_calls, _reassemble, _whole
 
-END_THINK = 506  # </think> in the tool model's tokenizer
+THINK, END_THINK = 505, 506  # <think>, </think> in the tool model's tokenizer
 
 EXAMPLES = [  # (parser, text, reasoning, content)
     ("deepseek_r1", "<think>\nLet me see.\n</think>\n\nThe answer is 4.", "\nLet me see.\n", "The answer is 4."),
@@ -56,9 +56,28 @@ def reasoning_server(tiny_tool_model_dir: Path) -> Iterator[ServerThread]:
     srv.stop()
 
 
+@pytest.fixture(scope="module")
+def qwen3_server(tiny_tool_model_dir: Path) -> Iterator[ServerThread]:
+    srv = ServerThread(EngineConfig(model=str(tiny_tool_model_dir), num_kv_blocks=512, block_size=4), http_port=0,
+                       served_model_name="tiny", reasoning_parser="qwen3")
+    assert srv.engine.tokenizer.convert_tokens_to_ids("<think>") == THINK
+    yield srv
+    srv.stop()
+
+
+def _inside_block(tokens: list[str], starts_in_reasoning: bool) -> int:
+    """The tokens between the thinking block's markers (the markers not counted)."""
+    if tokens[:1] == ["<think>"]:
+        tokens = tokens[1:]
+    elif not starts_in_reasoning:
+        return 0
+    return tokens.index("</think>") if "</think>" in tokens else len(tokens)
+
+
 def test_thinking_block_is_reasoning_and_the_grammar_applies_after_it(reasoning_server: ServerThread) -> None:
     request = dict(model="tiny", messages=ASK, temperature=0.8, max_tokens=200, logit_bias={str(END_THINK): 15},
-                   response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER}})
+                   response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER}},
+                   logprobs=True)
     num_thought = 0
     with openai.OpenAI(base_url=reasoning_server.http_url + "/v1", api_key="x", max_retries=0, timeout=120) as client:
         for seed in range(4):
@@ -69,6 +88,8 @@ def test_thinking_block_is_reasoning_and_the_grammar_applies_after_it(reasoning_
             assert "</think>" not in message.content
             num_thought += bool(message.reasoning_content)
             assert 0 < usage.completion_tokens_details.reasoning_tokens < usage.completion_tokens
+            tokens = [t.token for t in whole.choices[0].logprobs.content]
+            assert usage.completion_tokens_details.reasoning_tokens == _inside_block(tokens, True)
             chunks = list(client.chat.completions.create(**request, seed=seed, stream=True))
             assert _reassemble(chunks) == _whole(message, "stop")
         unconstrained = client.chat.completions.create(model="tiny", messages=ASK, temperature=0.8, seed=0,
@@ -76,3 +97,84 @@ def test_thinking_block_is_reasoning_and_the_grammar_applies_after_it(reasoning_
     assert num_thought >= 2
     # Without a bias the tiny model never closes the block: all of it is reasoning.
     assert unconstrained.choices[0].message.reasoning_content and not unconstrained.choices[0].message.content
+
+
+JSON_ANSWER = {"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER}}
+
+
+def test_qwen3_without_thinking_is_constrained_from_the_first_token(qwen3_server: ServerThread) -> None:
+    """qwen3 thinks only when the answer opens the block: one that does not is held to the
+    answer's grammar (a JSON format, a required call) from its first token, with no reasoning."""
+    never = {str(THINK): -100}
+    with openai.OpenAI(base_url=qwen3_server.http_url + "/v1", api_key="x", max_retries=0, timeout=120) as client:
+        for seed in range(3):
+            out = client.chat.completions.create(model="tiny", messages=ASK, temperature=0.8, seed=seed,
+                                                 max_tokens=100, logit_bias=never, response_format=JSON_ANSWER)
+            message = out.choices[0].message
+            jsonschema.validate(json.loads(message.content), ANSWER)
+            assert message.reasoning_content is None and out.usage.completion_tokens_details.reasoning_tokens == 0
+            out = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required",
+                                                 parallel_tool_calls=False, temperature=0.8, seed=seed,
+                                                 max_tokens=150, logit_bias=never)
+            choice = out.choices[0]
+            assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+            _check_calls(choice.message.tool_calls)
+
+
+def test_qwen3_reasoning_tokens_are_the_blocks_own(qwen3_server: ServerThread) -> None:
+    """A thinking answer (steered to open and then close the block): usage counts exactly the
+    tokens between <think> and </think>, and the answer after it is constrained."""
+    request = dict(model="tiny", messages=ASK, temperature=0.8, max_tokens=200, logprobs=True,
+                   logit_bias={str(THINK): 30, str(END_THINK): 12}, response_format=JSON_ANSWER)
+    num_thought = 0
+    with openai.OpenAI(base_url=qwen3_server.http_url + "/v1", api_key="x", max_retries=0, timeout=120) as client:
+        for seed in range(3):
+            whole = client.chat.completions.create(**request, seed=seed)
+            message = whole.choices[0].message
+            tokens = [t.token for t in whole.choices[0].logprobs.content]
+            assert tokens[0] == "<think>" and "</think>" in tokens, tokens
+            assert whole.usage.completion_tokens_details.reasoning_tokens == _inside_block(tokens, False)
+            jsonschema.validate(json.loads(message.content), ANSWER)
+            num_thought += bool(message.reasoning_content)
+            chunks = list(client.chat.completions.create(**request, seed=seed, stream=True))
+            assert _reassemble(chunks) == _whole(message, "stop")
+    assert num_thought >= 2
+
+
+def test_grpc_uses_the_servers_reasoning_parser(reasoning_server: ServerThread) -> None:
+    """gRPC chat answers are parsed with the server's options too: thinking in reasoning_text."""
+    from service.client import InferenceClient
+    from service.pb import inference_pb2 as pb
+
+    request = pb.GenerateRequest(messages=pb.Messages(messages=[pb.ChatMessage(role="user", content="2+2?")]),
+                                 sampling=pb.SamplingParams(temperature=0.8, seed=0, max_tokens=40,
+                                                            logit_bias={END_THINK: 8}))
+    with InferenceClient(reasoning_server.target) as c:
+        responses = list(c.stub.Generate(request))
+    reasoning = "".join(r.reasoning_text for r in responses)
+    assert reasoning and "</think>" not in "".join(r.text for r in responses)
+    assert responses[-1].usage.reasoning_tokens > 0
+
+
+@pytest.mark.parametrize("choice", ["required", "auto"])
+def test_tools_and_reasoning_together(reasoning_server: ServerThread, choice: str) -> None:
+    """Thinking first, then the call (required, or auto steered toward <tool_call>): the block is
+    reasoning, the call parses and validates, the stream reassembles into the whole answer."""
+    request = dict(model="tiny", messages=ASK, tools=TOOLS, tool_choice=choice, temperature=0.8, max_tokens=200,
+                   parallel_tool_calls=False, logprobs=True,
+                   logit_bias={str(END_THINK): 12, str(TOOL_CALL_TOKEN): 12})
+    num_thought = 0
+    with openai.OpenAI(base_url=reasoning_server.http_url + "/v1", api_key="x", max_retries=0, timeout=120) as client:
+        for seed in range(3):
+            whole = client.chat.completions.create(**request, seed=seed)
+            choice_out = whole.choices[0]
+            message = choice_out.message
+            assert choice_out.finish_reason == "tool_calls" and len(message.tool_calls) == 1, choice_out
+            _check_calls(message.tool_calls)
+            assert "<tool_call>" not in (message.content or "") and "</think>" not in (message.reasoning_content or "")
+            num_thought += bool(message.reasoning_content)
+            tokens = [t.token for t in choice_out.logprobs.content]
+            assert whole.usage.completion_tokens_details.reasoning_tokens == _inside_block(tokens, True)
+            chunks = list(client.chat.completions.create(**request, seed=seed, stream=True))
+            assert _reassemble(chunks) == _whole(message, "tool_calls")
+    assert num_thought >= 2

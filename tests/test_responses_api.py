@@ -3,13 +3,17 @@ output fed back), streamed events that add up to the response, previous_response
 the bounded store, JSON text.format, reasoning items, and errors in OpenAI's shape."""
 from __future__ import annotations
 
+import http.client
 import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import jsonschema
 import openai
 import pytest
 
+from engine import EngineConfig
+from service.request_observer import RequestObserver
 from service.response_store import ResponseStore, StoredResponse
 from tests.server_harness import ServerThread
 from tests.test_reasoning import ANSWER, END_THINK, reasoning_server  # noqa: F401 - a fixture
@@ -86,7 +90,10 @@ def test_auto_tool_choice_and_json_format(client: openai.OpenAI) -> None:
     formatted = client.responses.create(model="tiny", input="Answer in JSON", temperature=0.8, max_output_tokens=60,
                                         text={"format": {"type": "json_schema", "name": "ok", "schema": schema}})
     jsonschema.validate(json.loads(formatted.output_text), schema)
-    assert all(json.loads(c.arguments) is not None for c in _calls(steered))
+    calls = _calls(steered)
+    assert calls, "the steered model was meant to call"
+    for call in calls:
+        jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
 
 
 def test_reasoning_items(reasoning_server: ServerThread) -> None:  # noqa: F811
@@ -119,6 +126,102 @@ def test_errors_in_openai_shape(client: openai.OpenAI) -> None:
     unstored = client.responses.create(model="tiny", input="hi", max_output_tokens=2, store=False)
     with pytest.raises(openai.BadRequestError):
         client.responses.create(model="tiny", input="again", previous_response_id=unstored.id)
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"max_output_tokens": 10**7}, "max_output_tokens"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "objekt"}}}}, "text.format.schema"),
+    ({"tools": [FUNCTION], "tool_choice": "required", "text": {"format": {"type": "json_object"}}}, "text.format"),
+    ({"input": "x" * 40_000}, "input"),
+])
+def test_errors_name_the_responses_api_fields(client: openai.OpenAI, body: dict, param: str) -> None:
+    """The request runs as a chat completion inside; its errors still name this API's fields."""
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(**({"model": "tiny", "input": "hi"} | body))
+    error = info.value.body
+    assert error["param"] == param and error["message"].startswith(param + ":"), error
+    assert not {"max_tokens", "response_format", "messages"} & set(error["message"].replace(":", " ").split())
+
+
+class Recorder(RequestObserver):
+    """Each call's outcome as the front door reports it: id -> (error type, engine finish reason)."""
+
+    def __init__(self) -> None:
+        self.finished: dict[str, tuple[str | None, str | None]] = {}
+
+    def start(self, request_id: str, engine_id: str, call: object, params: object) -> str:
+        return request_id
+
+    def finish(self, handle: str, final: object, error_type: str | None, message: str = "",
+               attributes: object = None) -> None:
+        self.finished[handle] = (error_type, getattr(final, "finish_reason", None))
+
+
+@pytest.fixture(scope="module")
+def recorded(tiny_tool_model_dir: Path) -> Iterator[tuple[ServerThread, Recorder]]:
+    recorder = Recorder()
+    srv = ServerThread(EngineConfig(model=str(tiny_tool_model_dir), num_kv_blocks=512, block_size=4), http_port=0,
+                       served_model_name="tiny", observer=recorder)
+    yield srv, recorder
+    srv.stop()
+
+
+def _long_request(srv: ServerThread) -> dict:
+    """A response that runs far longer than the test waits: end of text suppressed."""
+    eos = srv.engine.tokenizer.eos_token_id
+    return {"model": "tiny", "input": "hi", "max_output_tokens": 1900, "temperature": 0.8,
+            "logit_bias": {str(eos): -100}}
+
+
+def _new_outcome(recorder: Recorder, before: set[str], srv: ServerThread) -> tuple[str | None, str | None]:
+    assert srv.wait_until(lambda: set(recorder.finished) - before, timeout=60)
+    (key,) = set(recorder.finished) - before
+    return recorder.finished[key]
+
+
+def test_a_client_that_leaves_an_unstreamed_response_aborts_it(recorded: tuple[ServerThread, Recorder]) -> None:
+    srv, recorder = recorded
+    engine, before = srv.server.async_engine, set(recorder.finished)
+    conn = http.client.HTTPConnection("127.0.0.1", srv.server.http.port, timeout=30)
+    conn.request("POST", "/v1/responses", json.dumps(_long_request(srv)), {"content-type": "application/json"})
+    assert srv.wait_until(lambda: engine.num_active_streams == 1)
+    conn.close()  # the client gives up before the answer
+    assert _new_outcome(recorder, before, srv) == ("499", None)  # aborted, not run to max_output_tokens
+    assert srv.wait_until(lambda: engine.num_active_streams == 0 and not srv.engine.has_unfinished_requests())
+
+
+def test_an_aborted_response_is_cancelled(recorded: tuple[ServerThread, Recorder]) -> None:
+    srv, _ = recorded
+    with openai.OpenAI(base_url=srv.http_url + "/v1", api_key="x", max_retries=0, timeout=120) as c:
+        request = _long_request(srv)
+        events = c.responses.create(**{k: v for k, v in request.items() if k != "logit_bias"}, stream=True,
+                                    extra_body={"logit_bias": request["logit_bias"]})
+        first = next(iter(events))
+        assert first.type == "response.created"
+        srv.loop.call_soon_threadsafe(srv.server.async_engine.abort, first.response.id)  # a drain, an abort by id
+        last = list(events)[-1]
+        assert last.type == "response.incomplete" and last.response.status == "cancelled", last
+        assert last.response.incomplete_details is None
+        assert c.responses.retrieve(first.response.id).status == "cancelled"
+        cut = c.responses.create(model="tiny", input="hi", max_output_tokens=3, extra_body={
+            "logit_bias": request["logit_bias"]})
+        assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+        assert cut.output[-1].status == "incomplete"
+
+
+def test_admission_failures_keep_their_status(recorded: tuple[ServerThread, Recorder]) -> None:
+    """Refused for the server's state (draining): 503, reported as 503, not as a bad request."""
+    srv, recorder = recorded
+    before = set(recorder.finished)
+    srv.server.state.is_draining = True
+    try:
+        with openai.OpenAI(base_url=srv.http_url + "/v1", api_key="x", max_retries=0, timeout=120) as c, \
+                pytest.raises(openai.InternalServerError) as info:
+            c.responses.create(model="tiny", input="hi", max_output_tokens=2)
+    finally:
+        srv.server.state.is_draining = False
+    assert info.value.status_code == 503
+    assert _new_outcome(recorder, before, srv) == ("503", None)
 
 
 def test_store_is_bounded() -> None:

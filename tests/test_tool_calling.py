@@ -8,6 +8,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import jsonschema
 import openai
 import pydantic
@@ -101,12 +102,15 @@ def test_auto_call_started_by_the_model_parses(tool_server: ServerThread) -> Non
     assert plain.choices[0].message.tool_calls is None and plain.choices[0].message.content  # unsteered: text
 
 
-def test_parallel_calls(tool_server: ServerThread) -> None:
-    """Several calls in one answer; each complete one parses (a sampled tiny model may go on
-    calling until max_tokens: then only its last call is cut off, reported with length)."""
+@pytest.mark.parametrize("choice", ["required", "auto"])
+def test_parallel_calls(tool_server: ServerThread, choice: str) -> None:
+    """Several calls in one answer (auto: steered toward <tool_call>); each complete one parses
+    (a sampled tiny model may go on calling until max_tokens: then only its last call is cut
+    off, reported with length)."""
+    bias = {str(TOOL_CALL_TOKEN): 15} if choice == "auto" else None
     with _client(tool_server) as client:
-        out = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required",
-                                             temperature=0.8, seed=3, n=8, max_tokens=300)
+        out = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice=choice,
+                                             temperature=0.8, seed=3, n=8, max_tokens=300, logit_bias=bias)
     most = 0
     for c in out.choices:
         calls = c.message.tool_calls
@@ -115,6 +119,32 @@ def test_parallel_calls(tool_server: ServerThread) -> None:
         _check_calls(complete)
         most = max(most, len(complete))
     assert most >= 2
+
+
+@pytest.mark.parametrize("stop", [",", "</tool_call>"])
+def test_auto_call_cut_by_a_stop_string_is_content(tool_server: ServerThread, stop: str) -> None:
+    """A stop string that ends the answer inside a call (the comma after its name) leaves no
+    call: the text comes back as content, finish_reason stop, streamed and not. One past the
+    call's JSON (its closing tag) leaves it whole: a call, finish_reason tool_calls."""
+    num_cut = num_called = 0
+    with _client(tool_server) as client:
+        for seed in range(3):
+            request = dict(model="tiny", messages=ASK, tools=TOOLS, temperature=0.8, seed=seed, max_tokens=150,
+                           parallel_tool_calls=False, logit_bias={str(TOOL_CALL_TOKEN): 15}, stop=[stop])
+            whole = client.chat.completions.create(**request)
+            choice = whole.choices[0]
+            chunks = list(client.chat.completions.create(**request, stream=True))
+            assert _reassemble(chunks) == _whole(choice.message, choice.finish_reason)
+            if choice.finish_reason == "tool_calls":
+                _check_calls(choice.message.tool_calls)
+                num_called += 1
+            else:
+                assert choice.message.tool_calls is None, choice
+                num_cut += "<tool_call>" in (choice.message.content or "")
+    if stop == ",":
+        assert num_cut >= 2 and num_called == 0
+    else:
+        assert num_called >= 2
 
 
 def _reassemble(chunks: list) -> dict:
@@ -225,6 +255,8 @@ def test_chat_completions_parse_with_pydantic(generic_server: ServerThread) -> N
     ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}],
       "tool_choice": "required"}, "tools"),
+    ({"tool_choice": "required", "stop": [","]}, "stop"),  # a stop string could only cut the call
+    ({"tool_choice": {"type": "function", "function": {"name": "get_time"}}, "stop": "}"}, "stop"),
 ])
 def test_bad_tool_requests_name_the_field(generic_server: ServerThread, body: dict, param: str) -> None:
     request = {"model": "tiny", "messages": ASK, "tools": TOOLS, "max_tokens": 4} | body
@@ -264,3 +296,17 @@ def test_grpc_tools_and_parsed_calls(generic_server: ServerThread) -> None:
                                                       tools=[pb.FunctionTool(name="f")], tool_choice_function="g"))
         with pytest.raises(Exception, match="messages.tool_choice"):
             list(c.stub.Generate(bad))
+        stopped = pb.GenerateRequest()
+        stopped.CopyFrom(request)
+        stopped.sampling.stop.append(",")
+        with pytest.raises(grpc.RpcError) as info:
+            list(c.stub.Generate(stopped))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details().startswith("sampling.stop:"), info.value.details()
+        bad_schema = pb.GenerateRequest(messages=pb.Messages(
+            messages=[pb.ChatMessage(role="user", content="x")], tool_choice="required",
+            tools=[pb.FunctionTool(name="f", parameters=json.dumps({"type": "objekt"}))]))
+        with pytest.raises(grpc.RpcError) as info:
+            list(c.stub.Generate(bad_schema))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details().startswith("messages.tools:"), info.value.details()

@@ -3,6 +3,7 @@ two pieces cut at every character and one character at a time, which must reasse
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -10,6 +11,9 @@ from service.tool_parsers import TOOL_PARSERS, ParsedAnswer, get_tool_parser, pa
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
 TRICKY = '{"name": "echo", "arguments": {"s": "a \\"}\\" {[b <tool_call>", "n": -1.5e3, "ok": true, "z": null}}'
+
+# Each format's call ids: Mistral's templates accept only 9 letters and digits.
+CALL_IDS = {"hermes": r"call_[0-9a-f]{24}", "llama3_json": r"call_[0-9a-f]{24}", "mistral": r"[A-Za-z0-9]{9}"}
 
 # (format, text, expected content, expected [(name, arguments)])
 EXAMPLES = [
@@ -51,7 +55,7 @@ def _parse(fmt: str, pieces: list[str]) -> tuple[str, list[tuple[str, str]], lis
         answer.add(delta)
         for call in delta.calls:
             if call.id is not None:
-                assert call.name and call.id.startswith("call_")
+                assert call.name and re.fullmatch(CALL_IDS[fmt], call.id), call.id
                 order.append(["name"])
             if call.arguments:
                 order[call.index].append("arguments")
@@ -90,3 +94,11 @@ def test_parser_from_template() -> None:
     assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "mistral"}
     with pytest.raises(ValueError, match="tool_call_parser"):
         get_tool_parser("nope")
+
+
+def test_mistral_call_ids_are_nine_alphanumerics() -> None:
+    stream = get_tool_parser("mistral").new_stream()
+    delta = stream.feed('[TOOL_CALLS][{"name": "a", "arguments": {}}, {"name": "b", "arguments": {}}]', True)
+    ids = [c.id for c in delta.calls if c.id is not None]
+    assert len(ids) == 2 and len(set(ids)) == 2
+    assert all(re.fullmatch(r"[A-Za-z0-9]{9}", i) for i in ids), ids

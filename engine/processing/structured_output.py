@@ -28,11 +28,14 @@ class StructuredOutput:
     """What the output must match. `value`: the schema (JSON text), the regex, the grammar
     (Lark or GBNF/EBNF), or the JSON list of choices; ignored for json_object (any JSON).
     `after`: when set, the output is free text up to and including the first occurrence of
-    this string (a reasoning model's "</think>"), and the constraint applies from there on."""
+    this string (a reasoning model's "</think>"), and the constraint applies from there on.
+    `after_opener`: with `after`, that free-text block is optional and opens with this string
+    (Qwen3's "<think>": a model that does not think is constrained from its first token)."""
 
     kind: str
     value: str = ""
     after: str = ""
+    after_opener: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -100,7 +103,8 @@ class GrammarCompiler:
         except (ValueError, TypeError) as exc:  # json.JSONDecodeError is a ValueError
             raise ValueError(f"{spec.field}: invalid: {exc}") from None
         if spec.after:
-            grammar = after_free_text(grammar, spec.after, self._token_id(spec.after))
+            grammar = after_free_text(grammar, spec.after, self._token_id(spec.after), spec.after_opener,
+                                      self._token_id(spec.after_opener) if spec.after_opener else None)
         error = LLMatcher.validate_grammar(grammar, self.tokenizer)
         if error and not error.startswith("WARNING"):
             raise ValueError(f"{spec.field}: invalid: {error.strip().splitlines()[0]}")
@@ -127,19 +131,23 @@ class GrammarCompiler:
         return matcher
 
 
-def after_free_text(grammar: str, after: str, token_id: int | None = None) -> str:
+def after_free_text(grammar: str, after: str, token_id: int | None = None, opener: str = "",
+                    opener_id: int | None = None) -> str:
     """`grammar` behind a free-text prefix that ends at the first `after`: the prefix is a lazy
     lexeme (llguidance ends it as soon as `after` appears), the grammar a sub-grammar after it.
-    token_id: `after` is this added token, which llguidance never matches as text."""
+    token_id: `after` is this added token, which llguidance never matches as text.
+    opener (opener_id when it is such a token): the prefix is optional and begins with it."""
     try:
         inner = json.loads(grammar)["grammars"]
     except (ValueError, TypeError, KeyError):  # Lark text, not llguidance's JSON form
         inner = [{"lark_grammar": grammar}]
     inner[0] = dict(inner[0], name="after_prefix_body")
-    if token_id is not None:
-        top = f"%llguidance {{}}\nstart: PREFIX_TEXT <[{token_id}]> @after_prefix_body\n"
-    else:
-        top = (f"%llguidance {{}}\nstart: prefix @after_prefix_body\nprefix[lazy]: PREFIX_TEXT {json.dumps(after)}\n")
+    prefix = f"PREFIX_TEXT <[{token_id}]>" if token_id is not None else "prefix"
+    if opener:
+        prefix = f"({f'<[{opener_id}]>' if opener_id is not None else json.dumps(opener)} {prefix})?"
+    top = f"%llguidance {{}}\nstart: {prefix} @after_prefix_body\n"
+    if token_id is None:
+        top += f"prefix[lazy]: PREFIX_TEXT {json.dumps(after)}\n"
     top += "PREFIX_TEXT: /(.|\\n)*/\n"
     return json.dumps({"grammars": [{"lark_grammar": top}, *inner]})
 

@@ -10,6 +10,8 @@ Whitespace right before a call and right after one is not content.
 from __future__ import annotations
 
 import json
+import secrets
+import string
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -55,6 +57,11 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
+def alphanumeric_call_id(length: int = 9) -> str:
+    """An id of `length` letters and digits (Mistral's templates refuse any other tool_call_id)."""
+    return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(length))
+
+
 class ParsedAnswer:
     """Deltas folded into the answer: content and the calls (what a non-streamed reply shows)."""
 
@@ -72,7 +79,11 @@ class ParsedAnswer:
 
 class ToolCallStream:
     """One answer's parse. Subclasses scan self.text from self.pos; they emit content through
-    _content and calls through _call_progress."""
+    _content and calls through _call_progress. num_cut_calls: calls that ended before their JSON
+    did (a stop string, a stop token or an abort cut them; max_tokens too), so their arguments
+    may not parse."""
+
+    new_id: ClassVar[Callable[[], str]] = staticmethod(new_call_id)
 
     def __init__(self) -> None:
         self.text = ""
@@ -86,6 +97,7 @@ class ToolCallStream:
         self._call_start = 0  # where the current call's text began (it is content if it fails)
         self._call_sent = 0  # characters of its arguments sent
         self._call_index: int | None = None
+        self.num_cut_calls = 0
 
     def feed(self, text: str, is_final: bool = False) -> ParsedDelta:
         self.text += text
@@ -147,13 +159,15 @@ class ToolCallStream:
         self.pos = call.feed(self.text, self.pos)
         if self.is_final and not call.is_done:
             call.finish()
-            if not call.is_done and not call.is_error:  # cut off (max_tokens)
+            if not call.is_done and not call.is_error:  # cut off (max_tokens, a stop)
                 self._call_progress()  # what came is kept, as it was streamed; before its name, nothing
+                self.num_cut_calls += self._call_index is not None
                 self._call = None
                 self.pos = len(self.text)
                 return "done"
         if call.is_error or (call.is_done and call.name is None) or (self.is_final and not call.is_done):
             if self._call_index is not None:  # already streamed: ends where it broke
+                self.num_cut_calls += 1
                 self._call = None
                 return "done"
             self._call = None
@@ -172,7 +186,7 @@ class ToolCallStream:
         if self._call_index is None:
             self._call_index = self._num_calls
             self._num_calls += 1
-            self._out.calls.append(ToolCallDelta(self._call_index, new_call_id(), call.name))
+            self._out.calls.append(ToolCallDelta(self._call_index, self.new_id(), call.name))
         if call.has_arguments:
             arguments = call.arguments
             if len(arguments) > self._call_sent:

@@ -5,12 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from service.tool_parsers.base import ToolCallStream, ToolParser
+from service.tool_parsers.base import ToolCallStream, ToolParser, alphanumeric_call_id
 
 TRIGGER = "[TOOL_CALLS]"
 
 
 class MistralStream(ToolCallStream):
+    new_id = staticmethod(alphanumeric_call_id)  # Mistral's format: a call id is 9 letters and digits
+
     def __init__(self) -> None:
         super().__init__()
         self.state = "content"
