@@ -101,7 +101,7 @@ class ModelRunner:
         t1 = time.perf_counter()
         out.forward_time = t1 - t0 - out.prepare_time
         if sched.verify_req_ids:
-            out.sampled_token_ids, out.logprobs = self._sample_with_verification(sched, logits, rows)
+            out.sampled_token_ids, out.logprobs = self._sample_with_verification(sched, logits, rows, greedy_ids)
         else:
             sampled = self.sampler(logits, rows, greedy_ids)
             out.sampled_token_ids = [[t] for t in sampled.token_ids]
@@ -113,11 +113,20 @@ class ModelRunner:
         return out
 
     def _sample_with_verification(self, sched: SchedulerOutput, logits: torch.Tensor,
-                                  rows: list[CachedRequestState]) -> tuple[list[list[int]], list]:
+                                  rows: list[CachedRequestState], greedy_ids: list[int] | None
+                                  ) -> tuple[list[list[int]], list]:
         """logits: [prefill samples | every verified row | decodes | forks, vocab]: the plain rows
-        sample as always, the verifications accept or reject their drafts."""
+        sample as always, the verifications accept or reject their drafts. greedy_ids: every
+        row's argmax when every request is plain greedy (the forward made them): then that is
+        all either needs."""
         num_first = len(sched.prefill_sample_rows)
         num_verified = sched.num_verify_tokens
+        if greedy_ids is not None:
+            verified = greedy_ids[num_first : num_first + num_verified]
+            tokens = self.speculator.accept_greedy(verified, rows[num_first : num_first + len(sched.verify_req_ids)],
+                                                   sched.verify_draft_ids, self._num_steps)
+            plain = [[t] for t in greedy_ids[:num_first] + greedy_ids[num_first + num_verified:]]
+            return plain[:num_first] + tokens + plain[num_first:], [None] * len(rows)
         plain = list(range(num_first)) + list(range(num_first + num_verified, logits.shape[0]))
         verifying = len(sched.verify_req_ids)
         plain_rows = rows[:num_first] + rows[num_first + verifying:]
@@ -187,6 +196,8 @@ class ModelRunner:
         token_ids += [r.last_token_id for r in decodes]
         block_tables += [r.block_table for r in decodes]
         context_lens += [r.num_tokens for r in decodes]
-        with_argmax = not sched.verify_req_ids and self.sampler.is_plain_greedy(rows)
+        # Plain greedy rows need only the argmax, verified positions too (a request's rows all
+        # count as past min_tokens when its first does: the later ones have more output).
+        with_argmax = self.sampler.is_plain_greedy(rows)
         out.prepare_time = time.perf_counter() - t0
         return self.backend.decode_logits(token_ids, block_tables, context_lens, with_argmax)

@@ -48,6 +48,20 @@ class Speculator:
             self._record(row, len(request_drafts), len(accepted) - 1, step)
         return tokens, logprobs
 
+    def accept_greedy(self, greedy_ids: list[int], rows: list[CachedRequestState], drafts: list[list[int]],
+                      step: int) -> list[list[int]]:
+        """verify() for plain greedy requests, from each verified row's argmax (the forward's):
+        a draft is kept while it equals its row's argmax, then the argmax after the last kept."""
+        tokens, first = [], 0
+        for row, request_drafts in zip(rows, drafts, strict=True):
+            accepted = 0
+            while accepted < len(request_drafts) and request_drafts[accepted] == greedy_ids[first + accepted]:
+                accepted += 1
+            tokens.append(request_drafts[:accepted] + [greedy_ids[first + accepted]])
+            self._record(row, len(request_drafts), accepted, step)
+            first += 1 + len(request_drafts)
+        return tokens
+
     def propose(self, rows: list[CachedRequestState], step: int) -> dict[str, list[int]]:
         """The next step's proposals, for the requests just sampled (they decode next), unless the
         batch is past the size speculation pays at, or a request is paused."""
