@@ -1,14 +1,24 @@
 """Replicas behind the SMG gateway, one routing policy after another, side by side in one run:
-the multi-turn `conversations` workload through the gateway's OpenAI chat API, with each replica's
-prefix-cache hit rate (from its own counters), TTFT p50/p99 and output tokens/s per policy.
+a workload through the gateway's OpenAI chat API, with each replica's prefix-cache hit rate (from
+its own counters), TTFT p50/p99 and output tokens/s per policy.
 
     minivllm bench gateway-policies --policies cache_aware round_robin --replicas 2
     (or python -m bench.gateway_policies ...)
 
+Workloads: `shared-prefix` (the default; documents as system prompts, each asked short questions,
+the groups coming round in a fixed cycle) and `conversations` (multi-turn chats, each over its own
+system prompt and growing history).
+
 The replicas start once (`minivllm serve`, real model unless --model); before each policy their
 prefix caches are dropped (the engine contract's FlushCache) and a fresh gateway starts, so every
 policy meets the same cold fleet. A KV pool smaller than the whole workload's prefixes
-(--num-kv-blocks) is the regime where routing matters: a replica cannot hold every conversation.
+(--num-kv-blocks) is the regime where routing matters: a replica cannot hold every prefix, the
+fleet can. The shared-prefix defaults size each replica's pool for about 1.5 times its share of
+the documents under cache-aware routing (the groups split between the replicas) and well under
+all of them (what each replica must hold under round robin); the number of groups must share no
+factor with the number of replicas, or round robin would pin each group to one replica by the
+arithmetic of the cycle. Concurrency stays low enough that the gateway's load rules (its spill
+gate, its overload protection by waiting requests and KV usage) leave the prefix match in charge.
 """
 from __future__ import annotations
 
@@ -16,6 +26,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import re
 import shutil
 import socket
@@ -32,10 +43,15 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 from bench.backends import OpenAIBackend
 from bench.serving import report, run_load
-from bench.workloads import conversations
+from bench.workloads import BenchRequest, conversations, shared_prefix_chat
 
 logger = logging.getLogger("bench.gateway_policies")
 MODEL_NAME = "bench"
+WORKLOADS = ("shared-prefix", "conversations")
+# Per-workload defaults of the flags left unset: each replica's KV pool (blocks of 16 tokens) and the
+# requests in flight (conversations in flight, for `conversations`).
+DEFAULT_NUM_KV_BLOCKS = {"shared-prefix": 144, "conversations": 160}
+DEFAULT_CONCURRENCY = {"shared-prefix": 4, "conversations": 8}
 
 
 def _free_port() -> int:
@@ -105,12 +121,44 @@ class Replica:
         self.log.close()
 
 
-def start_gateway(smg: str, policy: str, replicas: list[Replica], log_path: Path) -> tuple[subprocess.Popen, int]:
+class Gateway:
+    """`smg launch` over the replicas with one policy, on free ports."""
+
+    def __init__(self, proc: subprocess.Popen, port: int, prometheus_port: int) -> None:
+        self.proc = proc
+        self.port = port
+        self.prometheus_port = prometheus_port
+
+    def policy_branches(self) -> dict[str, float]:
+        """The cache-aware policy's decisions by branch (its prefix match, or a load fallback)."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.prometheus_port}/metrics", timeout=10) as resp:
+                text = resp.read().decode()
+        except OSError:
+            logger.warning("the gateway's metrics did not answer")
+            return {}
+        branches: dict[str, float] = {}
+        for series, value in re.findall(r"^smg_cache_aware_policy_branch_total\{([^}]*)\} ([0-9.e+]+)$", text, re.M):
+            branch = re.search(r'branch="([^"]*)"', series)
+            if branch:
+                branches[branch.group(1)] = branches.get(branch.group(1), 0.0) + float(value)
+        return branches
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def start_gateway(smg: str, policy: str, replicas: list[Replica], log_path: Path) -> Gateway:
     port = _free_port()
+    prometheus_port = _free_port()
     log = log_path.open("w")
     proc = subprocess.Popen([smg, "launch", "--backend", "vllm", "--policy", policy, "--host", "127.0.0.1",
                              "--port", str(port), "--prometheus-host", "127.0.0.1", "--prometheus-port",
-                             str(_free_port()), "--log-level", "warn",
+                             str(prometheus_port), "--log-level", "warn",
                              "--worker-urls", *[f"grpc://127.0.0.1:{r.port}" for r in replicas]],
                             stdout=log, stderr=subprocess.STDOUT)
 
@@ -122,9 +170,14 @@ def start_gateway(smg: str, policy: str, replicas: list[Replica], log_path: Path
             return False
         return len(workers) == len(replicas) and all(w["is_healthy"] and w["model_id"] == MODEL_NAME for w in workers)
 
-    _wait(ready, 120, f"the gateway ({policy}) did not register its workers")
-    _wait(lambda: _answers_chat(port), 120, f"the gateway ({policy}) did not load the tokenizer")
-    return proc, port
+    gateway = Gateway(proc, port, prometheus_port)
+    try:
+        _wait(ready, 120, f"the gateway ({policy}) did not register its workers")
+        _wait(lambda: _answers_chat(port), 120, f"the gateway ({policy}) did not load the tokenizer")
+    except TimeoutError:
+        gateway.close()
+        raise
+    return gateway
 
 
 def _answers_chat(port: int) -> bool:
@@ -139,17 +192,24 @@ def _answers_chat(port: int) -> bool:
         return False
 
 
+def build_requests(args: argparse.Namespace) -> list[BenchRequest]:
+    if args.workload == "shared-prefix":
+        return shared_prefix_chat(args.num_groups, args.requests_per_group, args.document_words,
+                                  args.question_words, args.output_len, args.seed)
+    return conversations(args.num_conversations, args.num_turns, args.context_words, args.turn_words,
+                         args.output_len, args.seed)
+
+
 def run_policy(args: argparse.Namespace, smg: str, policy: str, replicas: list[Replica], out_dir: Path) -> dict:
     for replica in replicas:
         replica.warm_up_and_flush()
-    gateway, port = start_gateway(smg, policy, replicas, out_dir / f"smg-{policy}.log")
+    gateway = start_gateway(smg, policy, replicas, out_dir / f"smg-{policy}.log")
     before = [r.counters() for r in replicas]
     try:
-        requests = conversations(args.num_conversations, args.num_turns, args.context_words, args.turn_words,
-                                 args.output_len, args.seed)
+        requests = build_requests(args)
 
         async def drive() -> tuple[list, float, float]:
-            backend = OpenAIBackend(f"http://127.0.0.1:{port}", MODEL_NAME, chat=True)
+            backend = OpenAIBackend(f"http://127.0.0.1:{gateway.port}", MODEL_NAME, chat=True)
             try:
                 return await run_load(backend, requests, args.concurrency, float("inf"), 1.0, args.seed,
                                       progress=False)
@@ -157,9 +217,9 @@ def run_policy(args: argparse.Namespace, smg: str, policy: str, replicas: list[R
                 await backend.close()
 
         results, start, end = asyncio.run(drive())
+        branches = gateway.policy_branches() if policy == "cache_aware" else {}
     finally:
-        gateway.terminate()
-        gateway.wait(30)
+        gateway.close()
     summary = report(results, end - start, {})
     after = [r.counters() for r in replicas]
     per_replica = []
@@ -168,7 +228,9 @@ def run_policy(args: argparse.Namespace, smg: str, policy: str, replicas: list[R
         per_replica.append({"requests": a["requests"] - b["requests"], "prefix_queried_tokens": queries,
                             "prefix_hit_tokens": hits, "prefix_hit_rate": hits / queries if queries else 0.0})
     total_queries = sum(r["prefix_queried_tokens"] for r in per_replica)
-    summary |= {"policy": policy, "replicas": per_replica,
+    if branches:
+        logger.info("cache_aware decisions by branch: %s", branches)
+    summary |= {"policy": policy, "replicas": per_replica, "cache_aware_branches": branches,
                 "prefix_hit_rate": sum(r["prefix_hit_tokens"] for r in per_replica) / total_queries
                 if total_queries else 0.0}
     return summary
@@ -191,21 +253,52 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policies", nargs="+", default=["cache_aware", "round_robin"])
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--model", default=None, help="default: the default model (SmolLM2-135M-Instruct)")
-    p.add_argument("--num-kv-blocks", type=int, default=160, help="each replica's KV pool (blocks of 16 tokens)")
+    p.add_argument("--workload", choices=WORKLOADS, default="shared-prefix")
+    p.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="each replica's KV pool (blocks of 16 tokens); default by workload: "
+                   + ", ".join(f"{w} {n}" for w, n in DEFAULT_NUM_KV_BLOCKS.items()))
     p.add_argument("--threads-per-replica", type=int, default=1)
-    p.add_argument("--num-conversations", type=int, default=8)
-    p.add_argument("--num-turns", type=int, default=4)
-    p.add_argument("--context-words", type=int, default=300)
-    p.add_argument("--turn-words", type=int, default=24)
+    p.add_argument("--num-groups", type=int, default=9,
+                   help="shared-prefix: documents (system prompts), each a group of requests")
+    p.add_argument("--requests-per-group", type=int, default=8, help="shared-prefix: questions per document")
+    p.add_argument("--document-words", type=int, default=300, help="shared-prefix: words in each document")
+    p.add_argument("--question-words", type=int, default=12, help="shared-prefix: words in each question")
+    p.add_argument("--num-conversations", type=int, default=8, help="conversations: chats")
+    p.add_argument("--num-turns", type=int, default=4, help="conversations: turns per chat")
+    p.add_argument("--context-words", type=int, default=300, help="conversations: words in each system prompt")
+    p.add_argument("--turn-words", type=int, default=24, help="conversations: words in each question and answer")
     p.add_argument("--output-len", type=int, default=16)
-    p.add_argument("--concurrency", type=int, default=8, help="conversations in flight at once")
+    p.add_argument("--concurrency", type=int, default=None,
+                   help="requests in flight at once (conversations: chats in flight); default by workload: "
+                   + ", ".join(f"{w} {n}" for w, n in DEFAULT_CONCURRENCY.items()))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--result-dir", default="bench/results/gateway_policies")
     return p
 
 
+def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill the per-workload defaults and check the flags; ValueError names the flag at fault."""
+    if args.num_kv_blocks is None:
+        args.num_kv_blocks = DEFAULT_NUM_KV_BLOCKS[args.workload]
+    if args.concurrency is None:
+        args.concurrency = DEFAULT_CONCURRENCY[args.workload]
+    for flag in ("replicas", "num_kv_blocks", "concurrency", "output_len"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    if args.workload == "shared-prefix" and "round_robin" in args.policies \
+            and math.gcd(args.num_groups, args.replicas) != 1:
+        raise ValueError(f"--num-groups ({args.num_groups}) must share no factor with --replicas ({args.replicas}): "
+                         "otherwise round robin sends every request of a group to the same replica")
+    build_requests(args)  # the workload's own checks
+    return args
+
+
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    try:
+        args = resolve_args(parser.parse_args(argv))
+    except ValueError as e:
+        parser.error(str(e))
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     smg = shutil.which("smg") or str(Path(sys.executable).parent / "smg")
     if not Path(smg).exists():

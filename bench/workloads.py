@@ -103,3 +103,32 @@ def conversations(num_conversations: int, num_turns: int, context_words: int, tu
             reqs.append(BenchRequest(list(messages), int(length * 1.3), output_len, True, session=c))
             messages.append({"role": "assistant", "content": words(turn_words)})
     return reqs
+
+
+def shared_prefix_chat(num_groups: int, requests_per_group: int, document_words: int, question_words: int,
+                       output_len: int, seed: int) -> list[BenchRequest]:
+    """Chat requests over a few long shared system prompts (a document each), each with its own
+    short question: request i belongs to group i % num_groups, so the groups come round in a fixed
+    cycle. The chat text of a group's system message is the same in every request, so the prompts of
+    one group share its tokens up to the question (the gateway applies the template). A replica
+    that holds a group's document serves all but the question from its cache; one that must hold
+    every document in a pool too small for them all evicts each before it comes round again."""
+    for name, value in (("num_groups", num_groups), ("requests_per_group", requests_per_group),
+                        ("document_words", document_words), ("question_words", question_words)):
+        if value < 1:
+            raise ValueError(f"{name} must be at least 1, got {value}")
+    rng = random.Random(seed)
+
+    def words(n: int) -> str:
+        return " ".join(rng.choice(_WORDS) for _ in range(n))
+
+    documents = [f"Document {g} about {rng.choice(_TOPICS)}. Answer questions about it. {words(document_words)}"
+                 for g in range(num_groups)]
+    reqs = []
+    for r in range(requests_per_group):
+        for document in documents:
+            question = f"Question {r}: {words(question_words)}?"
+            messages = [{"role": "system", "content": document}, {"role": "user", "content": question}]
+            reqs.append(BenchRequest(messages, int((len(document.split()) + len(question.split())) * 1.3),
+                                     output_len, True))
+    return reqs

@@ -337,6 +337,56 @@ def test_conversations_grow_one_history_per_session_and_run_in_turn_order() -> N
             assert recorder.spans[id(earlier)][1] <= recorder.spans[id(later)][0]  # the turn waited for its answer
 
 
+def test_shared_prefix_chat_cycles_groups_over_shared_documents_and_starts_them_in_order() -> None:
+    from bench.serving import run_load
+    from bench.workloads import BenchRequest, shared_prefix_chat
+
+    reqs = shared_prefix_chat(3, 4, 40, 5, 8, seed=2)
+    assert len(reqs) == 12 and [r.prompt for r in reqs] == [r.prompt for r in shared_prefix_chat(3, 4, 40, 5, 8, 2)]
+    systems = [r.prompt[0] for r in reqs]
+    assert all([m["role"] for m in r.prompt] == ["system", "user"] for r in reqs)
+    # Request i is group i % 3: one document per group, different between groups, same within one.
+    assert all(systems[i] == systems[i % 3] for i in range(12)) and len({s["content"] for s in systems[:3]}) == 3
+    assert all(len(s["content"].split("Answer questions about it. ")[1].split()) == 40 for s in systems[:3])
+    questions = [r.prompt[1]["content"] for r in reqs]
+    assert len(set(questions)) == 12 and all(len(q.split()) == 2 + 5 for q in questions)
+    assert all(r.output_len == 8 and r.ignore_eos and r.session is None for r in reqs)
+    assert reqs[0].prompt_len == int((len(systems[0]["content"].split()) + 7) * 1.3)
+    with pytest.raises(ValueError, match="num_groups"):
+        shared_prefix_chat(0, 4, 40, 5, 8, seed=2)
+
+    class Recorder:  # the cycle must reach the gateway in list order (the semaphore is first come, first served)
+        def __init__(self) -> None:
+            self.started: list[int] = []
+
+        async def send(self, req: BenchRequest) -> RequestResult:
+            self.started.append(reqs.index(req))
+            await asyncio.sleep(0.001 * (len(self.started) % 3))
+            return RequestResult(req.prompt_len, 0.0, [0.0], 1, 0.0)
+
+    recorder = Recorder()
+    asyncio.run(run_load(recorder, reqs, 2, math.inf, 1.0, 0, progress=False))
+    assert recorder.started == list(range(12))
+
+
+def test_gateway_policies_flags_by_workload() -> None:
+    from bench.gateway_policies import build_parser, resolve_args
+
+    args = resolve_args(build_parser().parse_args([]))
+    assert (args.workload, args.num_kv_blocks, args.concurrency, args.num_groups) == ("shared-prefix", 144, 4, 9)
+    args = resolve_args(build_parser().parse_args(["--workload", "conversations"]))
+    assert (args.num_kv_blocks, args.concurrency) == (160, 8)
+    args = resolve_args(build_parser().parse_args(["--num-kv-blocks", "200", "--concurrency", "2"]))
+    assert (args.num_kv_blocks, args.concurrency) == (200, 2)
+    # With 8 groups and 2 replicas round robin would send each group to one replica: refused.
+    with pytest.raises(ValueError, match="--num-groups"):
+        resolve_args(build_parser().parse_args(["--num-groups", "8"]))
+    resolve_args(build_parser().parse_args(["--num-groups", "8", "--policies", "cache_aware"]))
+    resolve_args(build_parser().parse_args(["--num-groups", "8", "--replicas", "3"]))
+    with pytest.raises(ValueError, match="document_words"):
+        resolve_args(build_parser().parse_args(["--document-words", "0"]))
+
+
 def test_openai_backend_sends_chat_messages_to_the_chat_route() -> None:
     from aiohttp import web
 
