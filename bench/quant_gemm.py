@@ -34,16 +34,21 @@ _MIN_BYTES = 320 << 20  # per chain: several times the last-level cache
 _HALF_OFFSETS = {T.Q4_0: (0,), T.Q4_1: (0,), T.Q8_0: (0,), T.Q4_K: (0, 2), T.Q6_K: (208,)}
 
 
-def read_bandwidth(reps: int = 5) -> float:
-    """GB/s of a torch sum over 1 GiB of float32, best of reps."""
-    x = torch.ones(1 << 28)
-    x.sum()
-    best = float("inf")
-    for _ in range(reps):
+class ReadBandwidth:
+    """GB/s of a torch sum over 1 GiB of float32 on all threads: the best seen so far. Measured
+    between the kernels' runs, so that both get the machine's quiet moments (it is shared)."""
+
+    def __init__(self) -> None:
+        self.x = torch.ones(1 << 28)
+        self.best = 0.0
+        self.measure()
+
+    def measure(self) -> float:
         start = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - start)
-    return x.numel() * 4 / best / 1e9
+        self.x.sum()
+        rate = self.x.numel() * 4 / (time.perf_counter() - start) / 1e9
+        self.best = max(self.best, rate)
+        return rate
 
 
 def random_blocks(quant_type: T, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
@@ -55,9 +60,14 @@ def random_blocks(quant_type: T, n: int, k: int, rng: np.random.Generator) -> np
     return blocks.reshape(n, -1)
 
 
-def best_seconds(fn, tries: int = 5) -> float:
+def best_seconds(fn, bandwidth: ReadBandwidth, tries: int = 7) -> float:
+    """The best of `tries` runs of fn (-> seconds), each after a measure of the read bandwidth."""
     fn()
-    return min(fn() for _ in range(tries))
+    best = float("inf")
+    for _ in range(tries):
+        bandwidth.measure()
+        best = min(best, fn())
+    return best
 
 
 def main() -> None:
@@ -73,9 +83,10 @@ def main() -> None:
     isa = kernels.best_isa() if args.isa == "best" else ISAS[args.isa]
     types = [T[name] for name in args.types.split(",")]
     rng = np.random.default_rng(0)
-    bandwidth = read_bandwidth()
-    logger.info("read bandwidth (torch sum over 1 GiB, %d threads): %.1f GB/s; kernels: %s", torch.get_num_threads(),
-                bandwidth, next(name for name, level in ISAS.items() if level == isa))
+    bandwidth = ReadBandwidth()
+    logger.info("%d threads; kernels: %s", torch.get_num_threads(),
+                next(name for name, level in ISAS.items() if level == isa))
+    results: list[tuple[str, float, float]] = []  # (what, GB/s, GFLOP/s)
     for set_name, shapes in _SETS.items():
         chains: dict[str, tuple[list, int]] = {}
         for quant_type in types:
@@ -92,11 +103,15 @@ def main() -> None:
             x = torch.randn(m, max_k)
             for name, (weights, num_bytes) in chains.items():
                 chain = kernels.packed_chain_seconds if name == "int8 panels" else kernels.quant_chain_seconds
-                seconds = best_seconds(lambda chain=chain, weights=weights, x=x: chain(x, weights, 3, isa))
-                rate = num_bytes / seconds / 1e9
-                logger.info("%-10s M=%-3d %-11s %6.1f MB  %7.3f ms  %6.1f GB/s  %5.1f %% of read  %7.1f GFLOP/s",
-                            set_name, m, name, num_bytes / 1e6, seconds * 1e3, rate, 100 * rate / bandwidth,
-                            2 * m * num_weights * len(weights) / len(shapes) / seconds / 1e9)
+                seconds = best_seconds(lambda chain=chain, weights=weights, x=x: chain(x, weights, 3, isa), bandwidth)
+                what = f"{set_name:<10} M={m:<3d} {name:<11} {num_bytes / 1e6:6.1f} MB {seconds * 1e3:8.3f} ms"
+                results.append((what, num_bytes / seconds / 1e9,
+                                2 * m * num_weights * len(weights) / len(shapes) / seconds / 1e9))
+                logger.info("%s  %6.1f GB/s  %7.1f GFLOP/s", what, *results[-1][1:])
+    logger.info("read bandwidth (torch sum over 1 GiB, %d threads, best of the run): %.1f GB/s",
+                torch.get_num_threads(), bandwidth.best)
+    for what, rate, flops in results:
+        logger.info("%s  %6.1f GB/s  %5.1f %% of read  %7.1f GFLOP/s", what, rate, 100 * rate / bandwidth.best, flops)
 
 
 def _repeat(first: list, bytes_of, args_of) -> tuple[list, int]:

@@ -78,6 +78,26 @@ void quant_tile_scalar(int64_t type, int64_t rows, const QuantActs& a, int64_t m
   }
 }
 
+void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, int8_t* q, BlockActs* blocks) {
+  const int64_t num_blocks = K / kBlock;
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const float* xb = x + m * ldx + b * kBlock;
+      float amax = 0.f;
+      for (int64_t k = 0; k < kBlock; ++k) amax = std::max(amax, std::fabs(xb[k]));
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      int32_t sums[2] = {0, 0};
+      for (int64_t k = 0; k < kBlock; ++k) {
+        const auto v = static_cast<int32_t>(std::nearbyint(xb[k] * inv));
+        q[m * K + b * kBlock + k] = static_cast<int8_t>(v);
+        sums[k / 16] += v;
+      }
+      const float scale = amax / 127.f;
+      blocks[m * num_blocks + b] = {scale, scale * static_cast<float>(sums[0] + sums[1]), sums[0], sums[1]};
+    }
+  }
+}
+
 namespace {
 
 // Whether this CPU runs the VNNI tiles (AVX-512 without VNNI, Skylake-X, runs the AVX2 ones).
@@ -102,12 +122,13 @@ struct ActsBuffer {
   std::vector<int8_t> q;
   std::vector<BlockActs> blocks;
 
-  QuantActs quantize(const float* x, int64_t M, int64_t K, int64_t ldx, bool parallel) {
+  QuantActs quantize(const float* x, int64_t M, int64_t K, int64_t ldx, int64_t isa, bool parallel) {
     const int64_t num_blocks = K / kBlock;
     q.resize(M * K);
     blocks.resize(M * num_blocks);
     const auto rows = [&](int64_t begin, int64_t end) {
-      for (int64_t m = begin; m < end; ++m) quantize_row(x + m * ldx, K, q.data() + m * K, blocks.data() + m * num_blocks);
+      const auto quantize = isa >= kIsaAvx512 ? quantize_rows_avx512 : quantize_rows;
+      quantize(x + begin * ldx, end - begin, K, ldx, q.data() + begin * K, blocks.data() + begin * num_blocks);
     };
     if (parallel) {
       at::parallel_for(0, M, 16, rows);
@@ -115,31 +136,6 @@ struct ActsBuffer {
       rows(0, M);
     }
     return {q.data(), blocks.data(), K, num_blocks};
-  }
-
-  // scale = max |x| / 127 a block; q = x * (127 / max |x|) rounded to nearest even (the float32
-  // operations tests replay).
-  static void quantize_row(const float* x, int64_t K, int8_t* q, BlockActs* blocks) {
-    for (int64_t b = 0; b < K / kBlock; ++b) {
-      const float* xb = x + b * kBlock;
-      float amax = 0.f;
-#pragma omp simd reduction(max : amax)
-      for (int64_t k = 0; k < kBlock; ++k) amax = std::max(amax, std::fabs(xb[k]));
-      const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      int32_t sums[2] = {0, 0};
-      for (int64_t half = 0; half < 2; ++half) {
-        int32_t sum = 0;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t k = 16 * half; k < 16 * half + 16; ++k) {
-          const auto v = static_cast<int32_t>(std::nearbyint(xb[k] * inv));
-          q[b * kBlock + k] = static_cast<int8_t>(v);
-          sum += v;
-        }
-        sums[half] = sum;
-      }
-      const float scale = amax / 127.f;
-      blocks[b] = {scale, scale * static_cast<float>(sums[0] + sums[1]), sums[0], sums[1]};
-    }
   }
 };
 
@@ -204,10 +200,10 @@ void quant_gemm(const float* x, int64_t M, int64_t K, int64_t ldx, const QuantPa
   if (team != nullptr) {
     // Each member quantizes x for itself (a few rows: cheaper than waiting for one another).
     thread_local ActsBuffer own;
-    return team->for_each_task(num_tasks, task_runner(own.quantize(x, M, K, ldx, false)));
+    return team->for_each_task(num_tasks, task_runner(own.quantize(x, M, K, ldx, isa, false)));
   }
   ActsBuffer acts;
-  const auto run = task_runner(acts.quantize(x, M, K, ldx, M >= 16));
+  const auto run = task_runner(acts.quantize(x, M, K, ldx, isa, M >= 16));
   std::atomic<int64_t> next_task{0};
   const TeamShare forked{num_threads, &next_task};
   at::parallel_for(0, std::min(num_threads, num_tasks), 1, [&](int64_t, int64_t) { forked.for_each_task(num_tasks, run); });

@@ -66,6 +66,12 @@ struct QuantActs {
   int64_t K, num_blocks;
 };
 
+// x [M, K] rows ldx apart -> q [M, K], blocks [M, K / 32]: scale = max |x| / 127 a block and q = x *
+// (127 / max |x|) rounded to nearest even (float32 operations the tests replay). The AVX-512 one
+// gives the same bytes and floats.
+void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, int8_t* q, BlockActs* blocks);
+void quantize_rows_avx512(const float* x, int64_t M, int64_t K, int64_t ldx, int8_t* q, BlockActs* blocks);
+
 // acc[rows, 16] = the `rows` rows from m0 of the activations . one panel of `type`
 // (num_records records), rows <= kMaxQuantTileRows. The vector paths need the CPU features they
 // are named for (quant_gemm.cpp checks).

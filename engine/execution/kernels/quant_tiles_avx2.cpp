@@ -47,7 +47,7 @@ MINIVLLM_AVX2Q inline __m256i dot4(__m256i codes, __m256i x) {
 // Row m's integer sums of one 32-k block for rows 8h .. 8h + 7 of the panel: lo over the low
 // codes, hi over the high ones (Q8_0: lo is the whole signed dot product, hi zero).
 template <int MT, int64_t T>
-MINIVLLM_AVX2Q void block_dots(const uint8_t* c, int h, const int8_t* const* xq, __m256i* lo, __m256i* hi) {
+MINIVLLM_AVX2Q inline __attribute__((always_inline)) void block_dots(const uint8_t* c, int h, const int8_t* const* xq, __m256i* lo, __m256i* hi) {
   for (int m = 0; m < MT; ++m) lo[m] = hi[m] = _mm256_setzero_si256();
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   if constexpr (T == kQ8_0) {

@@ -41,7 +41,7 @@ MINIVLLM_VNNI inline __m512i bcast4(const int8_t* p) {
 // Row m's integer sums of one 32-k block: lo over the groups' low codes, hi over the high ones
 // (as each format defines them).
 template <int MT, int64_t T>
-MINIVLLM_VNNI void block_dots(const uint8_t* c, const int8_t* const* xq, __m512i* lo, __m512i* hi) {
+MINIVLLM_VNNI inline __attribute__((always_inline)) void block_dots(const uint8_t* c, const int8_t* const* xq, __m512i* lo, __m512i* hi) {
   for (int m = 0; m < MT; ++m) lo[m] = hi[m] = _mm512_setzero_si512();
   if constexpr (T == kQ8_0) {
     for (int t = 0; t < 8; ++t) {
@@ -147,6 +147,27 @@ void tile_rows(int64_t rows, const QuantActs& a, int64_t m0, const uint8_t* pane
 
 }  // namespace
 
+__attribute__((target("avx512f,avx512bw"))) void quantize_rows_avx512(const float* x, int64_t M, int64_t K, int64_t ldx,
+                                                                      int8_t* q, BlockActs* blocks) {
+  const int64_t num_blocks = K / 32;
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const float* xb = x + m * ldx + 32 * b;
+      const __m512 lo = _mm512_loadu_ps(xb), hi = _mm512_loadu_ps(xb + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+      const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+      // cvtps rounds to nearest even (the default MXCSR mode), as nearbyint does
+      const __m512i q_lo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv)), q_hi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
+      int8_t* qb = q + m * K + 32 * b;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtsepi32_epi8(q_lo));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtsepi32_epi8(q_hi));
+      const int32_t sum_lo = _mm512_reduce_add_epi32(q_lo), sum_hi = _mm512_reduce_add_epi32(q_hi);
+      const float scale = amax / 127.f;
+      blocks[m * num_blocks + b] = {scale, scale * static_cast<float>(sum_lo + sum_hi), sum_lo, sum_hi};
+    }
+  }
+}
+
 void quant_tile_vnni(int64_t type, int64_t rows, const QuantActs& a, int64_t m0, const uint8_t* panel,
                      int64_t num_records, float* acc) {
   switch (type) {
@@ -166,6 +187,9 @@ namespace minivllm {
 void quant_tile_vnni(int64_t type, int64_t rows, const QuantActs& a, int64_t m0, const uint8_t* panel,
                      int64_t num_records, float* acc) {
   quant_tile_scalar(type, rows, a, m0, panel, num_records, acc);  // not reached: quant_gemm.cpp checks the CPU
+}
+void quantize_rows_avx512(const float* x, int64_t M, int64_t K, int64_t ldx, int8_t* q, BlockActs* blocks) {
+  quantize_rows(x, M, K, ldx, q, blocks);  // not reached, as above
 }
 }  // namespace minivllm
 
