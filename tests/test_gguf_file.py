@@ -109,3 +109,32 @@ def test_shapes_are_checked_against_the_metadata(tmp_path: Path) -> None:
     path = write_gguf(tmp_path / "m2.gguf", "llama", METADATA, tensors)
     with pytest.raises(ValueError, match="blk.1.ffn_norm.weight is past the file's 1 layers"):
         list(GGUFFile(path).tensors())
+
+
+_HF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+             "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+             "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+
+
+@pytest.mark.real_model
+def test_the_shipped_q4_1_file_reads_as_transformers_dequantizes_it() -> None:
+    """Every tensor of the default model's GGUF (Q4_1 layers, a Q8_0 embedding, float32 norms),
+    packed and dequantized, equals transformers' float32 conversion of the same file, the query
+    and key rows in its order."""
+    from safetensors import safe_open
+
+    from engine.execution.model_loader import fetch_default_gguf, resolve_model
+
+    converted = safe_open(str(resolve_model(None) / "model.safetensors"), framework="pt")
+    file = GGUFFile(fetch_default_gguf())
+    seen = set()
+    for t in file.tensors():
+        layer = t.name.split(".")
+        if layer[0] == "blk":
+            hf_name = f"model.layers.{layer[1]}.{_HF_NAMES[layer[2]]}.weight"
+        else:
+            hf_name = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight"}[t.name]
+        values = QuantizedWeight.pack(t.data, t.quant_type, t.shape[1]).dequantize() if t.is_blocks else t.data
+        assert np.array_equal(np.asarray(values), converted.get_tensor(hf_name).numpy()), t.name
+        seen.add(t.quant_type)
+    assert seen == {T.Q4_1, T.Q8_0, T.F32}

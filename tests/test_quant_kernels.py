@@ -109,3 +109,30 @@ def test_bad_weights_are_refused(kernels) -> None:
         kernels.quant_linear(x, weight.data, int(T.Q4_0), None, 40, 0)
     with pytest.raises(RuntimeError, match="bias must be"):
         kernels.quant_linear(x, weight.data, int(T.Q4_0), torch.zeros(3), 20, 0)
+
+
+@pytest.mark.parametrize("quant_type", KERNEL_TYPES, ids=lambda t: t.name)
+def test_quant_rows_are_the_dequantized_rows(kernels, quant_type: T) -> None:
+    """An embedding's lookup from the panels: each row's floats as the gguf package dequantizes them."""
+    rng = np.random.default_rng(11)
+    n, k = 45, 512
+    weight = QuantizedWeight.pack(random_blocks(quant_type, n, k, rng), quant_type, k)
+    ids = torch.tensor([44, 0, 17, 17, 31, 16, 15])
+    rows = kernels.quant_rows(weight.data, int(quant_type), ids, n, k)
+    assert torch.equal(rows, weight.dequantize()[ids])
+    with pytest.raises(RuntimeError, match="id 45 outside 45 rows"):
+        kernels.quant_rows(weight.data, int(quant_type), torch.tensor([45]), n, k)
+
+
+@pytest.mark.parametrize("m", [1, 3, 17])
+def test_a_teams_share_computes_what_one_call_does(kernels, m: int) -> None:
+    """quant_gemm with a team (DecodeModel's way: home ranges, each member quantizing x itself),
+    through the benchmark's chain, gives quant_linear's floats exactly."""
+    rng = np.random.default_rng(m)
+    weights = [QuantizedWeight.pack(random_blocks(t, 200, 256, rng), t, 256) for t in (T.Q4_K, T.Q4_1)]
+    x = torch.randn(m, 256)
+    for isa in range(kernels.best_isa() + 1):
+        out = torch.full((m * 200,), float("nan"))
+        args = [(w.data, int(w.quant_type), w.out_features, w.in_features) for w in weights]
+        assert kernels.quant_chain_seconds(x, args, 2, isa, out) > 0
+        assert torch.equal(out.view(m, 200), weights[-1].linear(x, kernels, isa)), ISA_NAMES[isa]

@@ -197,14 +197,19 @@ void quant_gemm(const float* x, int64_t M, int64_t K, int64_t ldx, const QuantPa
 // x: [M, K] (any float dtype) -> [M, n] float32 (Python's entry, like packed_linear).
 torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t type,
                            const std::optional<torch::Tensor>& bias, int64_t n, int64_t isa);
+// Rows `ids` ([L] int64, each < n) of a quantized weight of k inputs, float32 [L, k]: an
+// embedding's lookup, each value the gguf package's dequantization of it.
+torch::Tensor quant_rows(const torch::Tensor& w, int64_t type, const torch::Tensor& ids, int64_t n, int64_t k);
 // Benchmarks: `reps` runs of a chain of products (weights[i] against x's first K_i columns),
 // each product's tasks shared by a team of at::get_num_threads() threads in one parallel region
 // that wait for each product's end before the next, as DecodeModel's members do -> seconds per
-// run. Quantized weights are (data, ggml type, N, K), packed ones PackedLinear with their K.
+// run. Quantized weights are (data, ggml type, N, K), packed ones PackedLinear with their K. out,
+// when given (float32, >= M * every N), holds the last product's [M, N] output first (tests: the
+// team's share).
 double quant_chain_seconds(const torch::Tensor& x, const std::vector<std::tuple<torch::Tensor, int64_t, int64_t, int64_t>>& weights,
-                           int64_t reps, int64_t isa);
+                           int64_t reps, int64_t isa, const std::optional<torch::Tensor>& out);
 double packed_chain_seconds(const torch::Tensor& x, const std::vector<std::tuple<PackedLinear, int64_t>>& weights,
-                            int64_t reps, int64_t isa);
+                            int64_t reps, int64_t isa, const std::optional<torch::Tensor>& out);
 void decode_layer(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& input_norm,
                   const torch::Tensor& post_norm, const PackedLinear& qkv, const PackedLinear& o_proj,
                   const PackedLinear& gate_up, const PackedLinear& down, torch::Tensor k_cache, torch::Tensor v_cache,

@@ -47,11 +47,23 @@ const float* checked_rows(const torch::Tensor& x, int64_t max_k) {
   return x.data_ptr<float>();
 }
 
+// Where the products write: the caller's out, or scratch.
+struct ChainOutput {
+  ScratchFloats scratch;
+  float* data = nullptr;
+  ChainOutput(const std::optional<torch::Tensor>& out, int64_t M, int64_t max_n)
+      : scratch(out ? ScratchFloats() : scratch_floats(M * max_n)) {
+    TORCH_CHECK(!out || (out->scalar_type() == torch::kFloat32 && out->is_contiguous() && out->numel() >= M * max_n),
+                "chain_seconds: out must be contiguous float32 of at least M * every N");
+    data = out ? out->data_ptr<float>() : scratch.get();
+  }
+};
+
 }  // namespace
 
 double quant_chain_seconds(const torch::Tensor& x,
                            const std::vector<std::tuple<torch::Tensor, int64_t, int64_t, int64_t>>& weights,
-                           int64_t reps, int64_t isa) {
+                           int64_t reps, int64_t isa, const std::optional<torch::Tensor>& out_rows) {
   int64_t max_k = 0, max_n = 0;
   std::vector<QuantPanels> panels;
   for (const auto& [w, type, n, k] : weights) {
@@ -62,15 +74,15 @@ double quant_chain_seconds(const torch::Tensor& x,
   }
   const float* xp = checked_rows(x, max_k);
   const int64_t M = x.size(0), ldx = x.size(1);
-  const auto out = scratch_floats(M * max_n);
+  const ChainOutput out(out_rows, M, max_n);
   return chain_seconds(static_cast<int64_t>(weights.size()), reps, [&](int64_t i, const TeamShare* team) {
     const int64_t n = std::get<2>(weights[i]), k = std::get<3>(weights[i]);
-    quant_gemm(xp, M, k, ldx, panels[i], nullptr, n, out.get(), n, isa, false, team);
+    quant_gemm(xp, M, k, ldx, panels[i], nullptr, n, out.data, n, isa, false, team);
   });
 }
 
 double packed_chain_seconds(const torch::Tensor& x, const std::vector<std::tuple<PackedLinear, int64_t>>& weights,
-                            int64_t reps, int64_t isa) {
+                            int64_t reps, int64_t isa, const std::optional<torch::Tensor>& out_rows) {
   int64_t max_k = 0, max_n = 0;
   std::vector<LinearView> views;
   std::vector<PackedPanels> panels;
@@ -83,10 +95,10 @@ double packed_chain_seconds(const torch::Tensor& x, const std::vector<std::tuple
   }
   const float* xp = checked_rows(x, max_k);
   const int64_t M = x.size(0), ldx = x.size(1);
-  const auto out = scratch_floats(M * max_n);
+  const ChainOutput out(out_rows, M, max_n);
   return chain_seconds(static_cast<int64_t>(weights.size()), reps, [&](int64_t i, const TeamShare* team) {
     const LinearView& l = views[i];
-    packed_gemm(xp, M, std::get<1>(weights[i]), ldx, panels[i], l.scale, l.bias, l.n, out.get(), l.n, isa, false, team);
+    packed_gemm(xp, M, std::get<1>(weights[i]), ldx, panels[i], l.scale, l.bias, l.n, out.data, l.n, isa, false, team);
   });
 }
 

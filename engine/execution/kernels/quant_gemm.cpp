@@ -39,6 +39,23 @@ int32_t code_at(int64_t type, const uint8_t* c, int64_t r, int64_t k) {
   return low | (((c[256 + (t / 2) * 64 + r * 4 + kk % 4] >> shift) & 3) << 4);
 }
 
+// The weight of row r (< 16) at k (< 32) of 32-k block j of a record, as the gguf package
+// dequantizes it (each operation's rounding the same).
+float weight_at(int64_t type, const uint8_t* rec, int64_t j, int64_t r, int64_t k) {
+  const QuantFormat f = quant_format(type);
+  const auto code = static_cast<float>(code_at(type, rec + f.header_bytes + j * f.block_bytes, r, k));
+  const float d = half_at(rec, r);
+  switch (type) {
+    case kQ4_0: return d * (code - 8.f);
+    case kQ4_1: return d * code + half_at(rec + 32, r);
+    case kQ8_0: return (code - 128.f) * d;
+    case kQ4_K:
+      return d * static_cast<float>(rec[64 + 16 * j + r]) * code -
+             half_at(rec + 32, r) * static_cast<float>(rec[192 + 16 * j + r]);
+    default: return d * static_cast<float>(static_cast<int8_t>(rec[32 + 16 * (2 * j + k / 16) + r])) * (code - 32.f);
+  }
+}
+
 }  // namespace
 
 // The reference the vector tiles are tested against: the same integer sums, one code at a time.
@@ -207,6 +224,29 @@ void quant_gemm(const float* x, int64_t M, int64_t K, int64_t ldx, const QuantPa
   std::atomic<int64_t> next_task{0};
   const TeamShare forked{num_threads, &next_task};
   at::parallel_for(0, std::min(num_threads, num_tasks), 1, [&](int64_t, int64_t) { forked.for_each_task(num_tasks, run); });
+}
+
+torch::Tensor quant_rows(const torch::Tensor& w, int64_t type, const torch::Tensor& ids, int64_t n, int64_t k) {
+  check_quant_weight(w, type, k, n, kIsaScalar);
+  TORCH_CHECK(ids.scalar_type() == torch::kInt64 && ids.dim() == 1, "quant_rows: ids must be int64 [L]");
+  const auto ids_c = ids.contiguous();
+  const int64_t* id = ids_c.data_ptr<int64_t>();
+  for (int64_t i = 0; i < ids.size(0); ++i) TORCH_CHECK(id[i] >= 0 && id[i] < n, "quant_rows: id ", id[i], " outside ", n, " rows");
+  const QuantPanels p = QuantPanels::of(w, type);
+  const QuantFormat f = quant_format(type);
+  auto out = torch::empty({ids.size(0), k}, torch::kFloat32);  // [L, K]
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, ids.size(0), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const uint8_t* panel = p.data + (id[i] / kPanel) * p.num_records * p.record_bytes;
+      for (int64_t rec = 0; rec < p.num_records; ++rec)
+        for (int64_t j = 0; j < f.blocks_per_record; ++j)
+          for (int64_t kk = 0; kk < kBlock; ++kk)
+            o[i * k + (rec * f.blocks_per_record + j) * kBlock + kk] =
+                weight_at(type, panel + rec * p.record_bytes, j, id[i] % kPanel, kk);
+    }
+  });
+  return out;
 }
 
 torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t type,
