@@ -82,22 +82,28 @@ class GrpcBackend:
 class OpenAIBackend:
     """POST /v1/completions with stream: true; each SSE `data:` event is one or more tokens."""
 
-    def __init__(self, base_url: str, model: str) -> None:
+    def __init__(self, base_url: str, model: str, chat: bool = False) -> None:
+        """chat: chat messages go to /v1/chat/completions (the server applies the chat template)."""
         import aiohttp
 
-        self.url = base_url.rstrip("/") + "/v1/completions"
+        self.base_url = base_url.rstrip("/")
+        self.url = self.base_url + "/v1/completions"
         self.model = model
+        self.chat = chat
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
 
     async def send(self, req: BenchRequest) -> RequestResult:
-        prompt = req.prompt
-        if prompt and isinstance(prompt, list) and isinstance(prompt[0], dict):
-            prompt = "\n".join(m["content"] for m in prompt)
-        body = {"model": self.model, "prompt": prompt, "max_tokens": req.output_len, "temperature": 0,
+        prompt, url = req.prompt, self.url
+        body = {"model": self.model, "max_tokens": req.output_len, "temperature": 0,
                 "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": req.ignore_eos}
+        is_chat = bool(prompt) and isinstance(prompt, list) and isinstance(prompt[0], dict)
+        if is_chat and self.chat:
+            body["messages"], url = prompt, self.base_url + "/v1/chat/completions"
+        else:
+            body["prompt"] = "\n".join(m["content"] for m in prompt) if is_chat else prompt
         result = RequestResult(prompt_len=req.prompt_len, start=time.monotonic())
         try:
-            async with self.session.post(self.url, json=body) as resp:
+            async with self.session.post(url, json=body) as resp:
                 if resp.status != 200:
                     result.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 else:
@@ -121,7 +127,8 @@ class OpenAIBackend:
             if event.get("usage"):
                 usage_tokens = event["usage"].get("completion_tokens")
                 result.prompt_len = event["usage"].get("prompt_tokens", result.prompt_len)
-            if event.get("choices") and event["choices"][0].get("text"):
+            choice = event["choices"][0] if event.get("choices") else {}
+            if choice.get("text") or (choice.get("delta") or {}).get("content"):
                 result.token_times.append(time.monotonic())
                 result.output_len += 1
         if usage_tokens:  # servers may pack several tokens into one event

@@ -42,15 +42,15 @@ def weight_bytes_per_token(llm: LLM) -> int:
 
 def read_bandwidths(x: torch.Tensor, repeats: int) -> list[float]:
     """This machine's memory read bandwidth as torch sees it: `repeats` sums over x (B/s each),
-    a buffer from `bandwidth_buffer`. On a shared VM the bandwidth swings (30-36 GB/s most of a
-    minute, 57-62 GB/s for seconds on a 2-core Zen 4), which the hundred-odd steps of a decode
-    may or may not see: callers sample it around the very run they compare with."""
+    a buffer from `bandwidth_buffer`. On a shared VM the bandwidth swings (for seconds at a time
+    far above its usual rate), which the hundred-odd steps of a decode may or may not see:
+    callers sample it around the very run they compare with."""
     return [x.numel() * x.element_size() / timed(x.sum) for _ in range(repeats)]
 
 
 def bandwidth_buffer(num_bytes: int = 1 << 30) -> torch.Tensor:
     """1 GiB of random floats to sum. They lie on 2 MiB pages, as the engine's weights do: on
-    4 KiB pages the sums read about 5 % slower, and the bound would flatter us."""
+    4 KiB pages the sums read slower, and the bound would flatter us."""
     x = huge_page_tensor((num_bytes // 4,), torch.float32).normal_()
     x.sum()
     return x
@@ -66,10 +66,10 @@ def run_single_stream_rounds(llm: LLM, prompts: list[list[int]], output_lens: li
                              buffer_bytes: int = 1 << 30) -> tuple[float, list[StepStats], list[dict]]:
     """The batch-1 run `num_rounds` times, with two sums over 1 GiB (buffer_bytes) before each round and after
     the last: each round's decode steps are held to the bandwidth of the seconds around them.
-    On a shared VM the bandwidth swings within a minute (30-36 GB/s most of it, 55-62 GB/s for
-    seconds), so one bound sampled around one 1.3 s run compared different seconds: ratios of
-    68 % and 100 % came from the same build in one hour. Returns the seconds of all rounds, the
-    steps of all rounds, and per round its samples (GB/s), their median, and its decode tok/s."""
+    On a shared VM the bandwidth swings within a minute, so one bound sampled around one short
+    run compared different seconds (the same build's ratio moved widely within an hour).
+    Returns the seconds of all rounds, the steps of all rounds, and per round its samples
+    (GB/s), their median, and its decode tok/s."""
     buffer = bandwidth_buffer(buffer_bytes)
     samples = [read_bandwidths(buffer, 2)]
     seconds, steps, rounds = 0.0, [], []

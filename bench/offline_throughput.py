@@ -16,7 +16,7 @@ serving client sends them, a closed loop of N in flight, so the served / offline
 service's own cost (gRPC, asyncio, a client on the same cores) and not a different schedule.
 
 `--single-stream --paired-seconds S` then alternates, for S seconds, a sum over 256 MiB and 8
-batch-1 decode steps (each pair within about 70 ms), and prints the decode's weight-read rate
+batch-1 decode steps (each pair a fraction of a second), and prints the decode's weight-read rate
 against the sums' by band of the sums' rate: the machine's bandwidth swings within a second, so
 only a pair this close says what the decode reaches at a given bandwidth. Each pair also reads
 the step's own weights plainly in the step's order and parts (no arithmetic): what that memory

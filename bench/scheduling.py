@@ -91,11 +91,10 @@ def chunk_split(engine: LLMEngine, chunk: int, contexts: tuple[int, ...], repeat
     into projections (every Linear on the chunk's rows), attention (the prefill attention of every
     layer) and the rest; and the projections' GFLOP/s beside plain torch GEMMs of the same shapes.
     Every part of every context is measured once per round, `repeats` rounds, and each figure is
-    the median over rounds. The machine's speed drifts (by 1.5x within minutes here), so the
-    shares and the later/first ratio are taken within each round, from parts timed seconds
-    apart, and their medians printed: medians of parts timed separately put the first chunk's
-    attention share at 8.8-10.9 % and the ratio at 0.96-1.49x over six runs of two kernel builds
-    whose speeds differ by 3-5 %."""
+    the median over rounds. The machine's speed drifts within minutes, so the shares and the
+    later/first ratio are taken within each round, from parts timed seconds apart, and their
+    medians printed: medians of parts timed separately scattered far more than the builds they
+    compared differed."""
     from engine.execution.attention import AttentionMetadata, PrefillSeqMeta
 
     runner = engine.runner

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from bench.backends import GrpcBackend, OpenAIBackend, RequestResult
 from bench.latency_stats import goodput, summarize
-from bench.workloads import BenchRequest, random_text, random_tokens, shared_prefix, synthetic_chat
+from bench.workloads import BenchRequest, conversations, random_text, random_tokens, shared_prefix, synthetic_chat
 from service.pb import inference_pb2 as pb
 
 logger = logging.getLogger("bench.serving")
@@ -55,13 +55,22 @@ async def run_load(backend: GrpcBackend | OpenAIBackend, requests: list[BenchReq
             bar.update(1)
         return result
 
+    async def session(reqs: list[BenchRequest]) -> list[RequestResult]:
+        return [await one(req) for req in reqs]  # a conversation's next turn waits for its answer
+
+    # Requests of one session run in order (one task per session, arriving as its first request).
+    units: dict[object, list[BenchRequest]] = {}
+    for i, req in enumerate(requests):
+        units.setdefault(("session", req.session) if req.session is not None else i, []).append(req)
     start = time.monotonic()
     tasks = []
-    for req in requests:
-        tasks.append(asyncio.create_task(one(req)))
+    for unit in units.values():
+        tasks.append(asyncio.create_task(session(unit)))
         if math.isfinite(request_rate):
             await asyncio.sleep(rng.gammavariate(burstiness, 1.0 / (request_rate * burstiness)))
-    results = await asyncio.gather(*tasks)
+    by_request = {id(req): result for unit, done in zip(units.values(), await asyncio.gather(*tasks), strict=True)
+                  for req, result in zip(unit, done, strict=True)}
+    results = [by_request[id(req)] for req in requests]
     end = time.monotonic()
     if bar is not None:
         bar.close()
@@ -149,8 +158,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token", default=os.environ.get("MINIVLLM_TOKEN"), help="bearer token (or MINIVLLM_TOKEN)")
     p.add_argument("--base-url", default="http://localhost:8000", help="OpenAI-compatible server")
     p.add_argument("--model", default="", help="model name for the OpenAI backend")
-    p.add_argument("--workload", choices=("random", "text", "chat", "shared-prefix"), default="random",
-                   help="random: token ids; text: random words as text (for servers without token-id prompts)")
+    p.add_argument("--workload", choices=("random", "text", "chat", "shared-prefix", "conversations"),
+                   default="random",
+                   help="random: token ids; text: random words as text (for servers without token-id prompts); "
+                        "conversations: multi-turn chats over long system prompts (--num-requests conversations "
+                        "of --num-turns turns, each turn after the previous answer)")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
@@ -158,6 +170,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prefixes", type=int, default=4)
     p.add_argument("--prefix-len", type=int, default=512)
     p.add_argument("--suffix-len", type=int, default=32)
+    p.add_argument("--num-turns", type=int, default=4, help="conversations: turns per conversation")
+    p.add_argument("--context-words", type=int, default=300, help="conversations: words of each system prompt")
+    p.add_argument("--turn-words", type=int, default=24, help="conversations: words of each question and answer")
+    p.add_argument("--chat", action="store_true",
+                   help="openai backend: send chat messages to /v1/chat/completions (the server applies the "
+                        "template) instead of joining them into a /v1/completions prompt")
     p.add_argument("--vocab-size", type=int, default=0, help="token-id range (default: ask the server)")
     p.add_argument("--concurrency", type=int, default=None, help="max requests in flight")
     p.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (inf: all at once)")
@@ -177,6 +195,9 @@ def make_requests(args: argparse.Namespace, vocab_size: int) -> list[BenchReques
         return random_text(args.num_requests, args.input_len, args.output_len, args.seed)
     if args.workload == "chat":
         return synthetic_chat(args.num_requests, args.output_len, args.seed)
+    if args.workload == "conversations":
+        return conversations(args.num_requests, args.num_turns, args.context_words, args.turn_words,
+                             args.output_len, args.seed)
     return shared_prefix(args.num_requests, args.num_prefixes, args.prefix_len, args.suffix_len, args.output_len,
                          vocab_size, args.seed)
 
@@ -189,7 +210,7 @@ async def _main(args: argparse.Namespace) -> dict:
         backend = GrpcBackend(args.target, tls_ca_file=args.tls_ca, token=args.token)
         vocab = args.vocab_size or (await backend.stub.GetModelInfo(pb.GetModelInfoRequest())).vocab_size
     else:
-        backend = OpenAIBackend(args.base_url, args.model)
+        backend = OpenAIBackend(args.base_url, args.model, chat=args.chat)
         vocab = args.vocab_size or 32000
     try:
         requests = make_requests(args, vocab)

@@ -17,6 +17,7 @@ class BenchRequest:
     prompt_len: int  # tokens (known exactly for token ids; estimated from words otherwise)
     output_len: int
     ignore_eos: bool
+    session: int | None = None  # requests of one session go one after another, in list order
 
 # The prompts greedy output is held to transformers' on, token for token (tests/test_real_model.py
 # on the CPU, bench/gpu_check.py on a GPU): short and long, prose, code, lists.
@@ -78,4 +79,27 @@ def shared_prefix(num: int, num_prefixes: int, prefix_len: int, suffix_len: int,
     for i in range(num):
         prompt = prefixes[i % num_prefixes] + [rng.randrange(100, vocab_size) for _ in range(suffix_len)]
         reqs.append(BenchRequest(prompt, len(prompt), output_len, True))
+    return reqs
+
+
+def conversations(num_conversations: int, num_turns: int, context_words: int, turn_words: int, output_len: int,
+                  seed: int) -> list[BenchRequest]:
+    """Multi-turn chats, each over its own long system prompt (a document, a persona) and its own
+    growing history: turn k sends the system prompt, the k - 1 earlier turns (with fixed assistant
+    replies, so the prefix is the same wherever the turn runs) and a new question. A session's
+    turns run in order; a replica that served turn k - 1 holds all of turn k's prompt but the
+    question: cache-aware routing's case."""
+    rng = random.Random(seed)
+
+    def words(n: int) -> str:
+        return " ".join(rng.choice(_WORDS) for _ in range(n))
+
+    reqs = []
+    for c in range(num_conversations):
+        messages = [{"role": "system", "content": f"Conversation {c} about {rng.choice(_TOPICS)}. {words(context_words)}"}]
+        for turn in range(num_turns):
+            messages.append({"role": "user", "content": f"Question {turn}: {words(turn_words)}?"})
+            length = sum(len(m["content"].split()) for m in messages)
+            reqs.append(BenchRequest(list(messages), int(length * 1.3), output_len, True, session=c))
+            messages.append({"role": "assistant", "content": words(turn_words)})
     return reqs

@@ -9,12 +9,21 @@ from engine.execution.model_loader import model_display_name, resolve_model
 from engine.inputs import EngineRequest
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
-from engine.outputs import ModelInfo, RequestMetrics, RequestOutput, StepStats
+from engine.outputs import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KvCacheEvent,
+    ModelInfo,
+    RequestMetrics,
+    RequestOutput,
+    StepStats,
+)
 from engine.processing.sampling_params import SamplingParams
 from engine.processing.structured_output import StructuredOutput
 
 __all__ = [
-    "LLM", "EngineConfig", "EngineRequest", "LLMEngine", "LimitExceededError", "ModelInfo", "PromptTooLongError", "QueueFullError",
+    "LLM", "AllBlocksCleared", "BlockRemoved", "BlockStored", "EngineConfig", "KvCacheEvent", "EngineRequest", "LLMEngine", "LimitExceededError", "ModelInfo", "PromptTooLongError", "QueueFullError",
     "RequestIdInUseError", "RequestMetrics", "RequestOutput", "SamplingParams", "StepStats", "StructuredOutput",
     "model_display_name",
     "resolve_model",

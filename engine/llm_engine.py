@@ -29,7 +29,7 @@ from engine.errors import QueueFullError, RequestIdInUseError
 from engine.execution.model_loader import model_display_name, resolve_model
 from engine.execution.model_runner import ModelRunner
 from engine.inputs import EngineRequest
-from engine.outputs import FinishReason, ModelInfo, RequestOutput, StepStats
+from engine.outputs import FinishReason, KvCacheEvent, ModelInfo, RequestOutput, StepStats
 from engine.processing.detokenizer import ids_decoder
 from engine.processing.input_processor import InputProcessor, load_eos_token_ids
 from engine.processing.output_processor import OutputProcessor
@@ -77,10 +77,10 @@ class LLMEngine:
         self._ids = itertools.count()
         self._step_ids = itertools.count(1)
         self._injected_fault: str | None = None
-        # Everything loaded so far (model, tokenizers, libraries: about 300k objects) lives as
-        # long as the engine; frozen, the collector stops walking it. Unfrozen, a full
-        # collection took 115-120 ms here (0.06 ms frozen), a stall of 5 decode steps in every
-        # running stream whenever one runs (vLLM freezes after start-up too).
+        # Everything loaded so far (model, tokenizers, libraries) lives as long as the engine;
+        # frozen, the collector stops walking it. Unfrozen, a full collection stalls every
+        # running stream for several decode steps whenever one runs (vLLM freezes after start-up
+        # too).
         gc.collect()
         gc.freeze()
 
@@ -147,6 +147,15 @@ class LLMEngine:
                             chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
         return self.input_processor.apply_chat_template(messages, params, chat_template_kwargs)
 
+    def take_kv_events(self) -> list[KvCacheEvent]:
+        """Prefix-cache changes not yet handed out (step() hands out its own in StepStats)."""
+        return self.block_manager.take_events()
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop the prefix cache without preempting anything (engine thread); False, and nothing
+        dropped, while any request holds blocks."""
+        return self.block_manager.reset_prefix_cache()
+
     def fail_next_step(self, message: str) -> None:
         """Fault hook (tests, chaos drills): the next step's forward raises `message`, failing
         that step's requests as a real fault would; the engine goes on."""
@@ -178,7 +187,7 @@ class LLMEngine:
         params, token_ids = request.params, request.prompt_token_ids
         arrival = time.monotonic() if request.arrival_time is None else request.arrival_time
         matcher = None
-        if params.structured_output is not None:  # compiled already: a matcher costs well under 1 ms
+        if params.structured_output is not None:  # compiled already: a matcher is cheap
             matcher = self.input_processor.grammar.matcher(params.structured_output)
         samples = [Sequence(
             request_id=request_id if i == 0 else f"{request_id}/{i}", group_id=request_id, index=i,
@@ -283,3 +292,4 @@ class LLMEngine:
         stats.prefill_request_ids, stats.decode_request_ids = list(sched.prefill_req_ids), list(sched.decode_req_ids)
         stats.num_generated_tokens = sum(len(o.new_token_ids) for o in outputs)
         stats.finished = [o.metrics for o in outputs if o.metrics is not None]
+        stats.kv_events = self.take_kv_events()

@@ -120,6 +120,32 @@ class RequestOutput:
         return len(self.token_ids)
 
 
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    """Full blocks published to the prefix cache, in chain order: block i's parent is block
+    i - 1, the first one's is parent_block_hash (None: the first block of a prompt)."""
+
+    block_hashes: tuple[int, ...]
+    parent_block_hash: int | None
+    token_ids: tuple[int, ...]  # every block's tokens, concatenated (block_size each)
+    block_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    """Published blocks evicted from the prefix cache (their block reused for new tokens)."""
+
+    block_hashes: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    """The whole prefix cache was dropped (reset_prefix_cache)."""
+
+
+KvCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
 @dataclass(slots=True)
 class StepStats:
     """One engine step, for metrics and step spans."""
@@ -155,6 +181,7 @@ class StepStats:
     times_to_first_token: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
     finished: list[RequestMetrics] = field(default_factory=list)
+    kv_events: list[KvCacheEvent] = field(default_factory=list)  # prefix-cache changes, in order
 
     @property
     def kind(self) -> str:

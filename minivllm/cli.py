@@ -111,6 +111,10 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--auth-token-file", default=_env("auth_token_file"),
                        help="bearer tokens, one per line (also MINIVLLM_AUTH_TOKENS=a,b); required on gRPC and "
                             "HTTP calls, health stays open (env MINIVLLM_AUTH_TOKEN_FILE)")
+    serve.add_argument("--grpc-services", default=_env("grpc_services", "minivllm,vllm"),
+                       help="gRPC services on --port, comma-separated: minivllm (minivllm.v1.Inference) and/or vllm "
+                            "(vLLM's engine contract vllm.grpc.engine.VllmEngine, for gateways such as SMG) "
+                            "(default: both; env MINIVLLM_GRPC_SERVICES)")
     add_engine_args(serve)
 
 
@@ -180,7 +184,8 @@ async def _serve(args: argparse.Namespace) -> int:
                           http_host=args.http_host or args.host, http_port=args.http_port or None,
                           served_model_name=model_name, tool_call_parser=args.tool_call_parser,
                           reasoning_parser=args.reasoning_parser or None,
-                          max_stored_responses=args.max_stored_responses)
+                          max_stored_responses=args.max_stored_responses,
+                          grpc_services=tuple(s.strip() for s in args.grpc_services.split(",") if s.strip()))
     obs = Observability.from_env(model_name=model_name, metrics_port=args.metrics_port, metrics_host=args.metrics_host)
     server = InferenceServer(config, stats_listeners=[obs.on_step], observer=obs.request_observer,
                              interceptors=obs.interceptors(), on_http_call=obs.metrics.on_api_call)
@@ -266,6 +271,11 @@ def _info(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["bench", "gateway-policies"]:  # replicas behind SMG, one routing policy after another
+        from bench.gateway_policies import main as policies_main
+
+        policies_main(argv[2:])
+        return
     if argv and argv[0] == "bench":  # the benchmark owns its whole command line
         from bench.serving import main as bench_main
 

@@ -3,9 +3,9 @@
 One thread owns the LLMEngine, and builds it too: libgomp gives every thread that starts a
 parallel region its own team, and once the process holds more OpenMP threads than cores it
 throttles the teams' spin-waits, so every parallel region of a step wakes its workers through
-a futex. A model loaded on one thread and run on another ran its steps 10-15 %
-slower than the same loop on the thread that loaded it (`bench.offline_throughput`'s closed loop,
-run both ways; served, beside the client and the loop, the difference was within the noise).
+a futex. A model loaded on one thread and run on another ran its steps slower than the same
+loop on the thread that loaded it (`bench.offline_throughput`'s closed loop, run both ways;
+served, beside the client and the loop, the difference was within the noise).
 
 Commands (add, abort, stop) reach the engine thread through a queue it blocks on when idle, so
 an idle server burns no CPU; each step's outputs go back to the asyncio loop
@@ -34,6 +34,7 @@ from typing import Any
 
 from engine import (
     EngineRequest,
+    KvCacheEvent,
     LimitExceededError,
     LLMEngine,
     ModelInfo,
@@ -47,6 +48,7 @@ from engine import (
 logger = logging.getLogger(__name__)
 
 StatsListener = Callable[[StepStats], None]
+KvEventListener = Callable[[list[KvCacheEvent]], None]
 
 
 @dataclass(slots=True)
@@ -58,6 +60,11 @@ class _Add:
 @dataclass(slots=True)
 class _Abort:
     request_id: str
+
+
+@dataclass(slots=True)
+class _ResetPrefixCache:
+    done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
 
 _STOP = object()
@@ -90,13 +97,17 @@ class FaultInjector:
 
 class AsyncEngine:
     def __init__(self, engine_factory: Callable[[], LLMEngine], stats_listeners: list[StatsListener] | None = None,
-                 on_death: Callable[[], None] | None = None, max_tokenizing: int = 64) -> None:
-        """engine_factory builds the engine on the engine thread (see the module's docstring)."""
+                 on_death: Callable[[], None] | None = None, max_tokenizing: int = 64,
+                 kv_event_listeners: list[KvEventListener] | None = None) -> None:
+        """engine_factory builds the engine on the engine thread (see the module's docstring);
+        kv_event_listeners get prefix-cache changes made outside a step (a flush), on the engine
+        thread (a step's own changes travel in its StepStats)."""
         self._engine_factory = engine_factory
         # Set on the engine thread, before start() returns. Private: the service uses this
         # class's methods, never the engine's internals (tests/test_layering.py).
         self._engine: LLMEngine
         self.stats_listeners = list(stats_listeners or [])
+        self.kv_event_listeners = list(kv_event_listeners or [])
         self.on_death = on_death
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}  # by engine id
@@ -279,6 +290,15 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
 
+    async def reset_prefix_cache(self) -> bool:
+        """Drop the prefix cache between two steps, preempting nothing; False while any request
+        holds blocks."""
+        if self._is_dead:
+            raise EngineDeadError("the engine thread is not running")
+        cmd = _ResetPrefixCache()
+        self._inbox.put(cmd)
+        return await asyncio.wrap_future(cmd.done)
+
     async def wait_idle(self, timeout: float | None = None) -> bool:
         """Wait until no request is in the engine (for a graceful drain)."""
         loop = asyncio.get_running_loop()
@@ -366,14 +386,26 @@ class AsyncEngine:
                 cmd = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(cmd, _Add) and cmd.admitted.set_running_or_notify_cancel():
-                cmd.admitted.set_exception(EngineDeadError("the engine thread is not running"))
+            future = cmd.admitted if isinstance(cmd, _Add) else cmd.done if isinstance(cmd, _ResetPrefixCache) else None
+            if future is not None and future.set_running_or_notify_cancel():
+                future.set_exception(EngineDeadError("the engine thread is not running"))
 
     def _handle(self, cmd: Any) -> bool:
         if cmd is _STOP:
             return False
         if isinstance(cmd, _Abort):
             self._engine.abort_request(cmd.request_id)
+            return True
+        if isinstance(cmd, _ResetPrefixCache):
+            if cmd.done.set_running_or_notify_cancel():
+                is_reset = self._engine.reset_prefix_cache()
+                events = self._engine.take_kv_events()
+                for listener in self.kv_event_listeners:
+                    try:
+                        listener(events)
+                    except Exception:  # noqa: BLE001 - observability must not stop serving
+                        logger.exception("KV event listener failed")
+                cmd.done.set_result(is_reset)
             return True
         if not cmd.admitted.set_running_or_notify_cancel():
             return True  # the caller gave up before admission

@@ -89,7 +89,7 @@ class ServiceMetrics:
         self.steps = Counter("minivllm_steps_total", "Engine steps by what sized their prefill (time or tokens)",
                              label + ["budget"], registry=reg)
         self.api_requests = Counter("minivllm_api_requests_total",
-                                    "Calls by protocol (grpc | http), method (RPC or route) and status code "
+                                    "Calls by protocol (grpc | grpc-vllm | http), method (RPC or route) and status code "
                                     "(gRPC code name or HTTP status)", label + ["protocol", "method", "code"],
                                     registry=reg)
         self.api_duration = hist("minivllm_api_request_duration_seconds", "Call duration by protocol and method",

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -28,8 +29,10 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None:
             return None
-        method = details.method.rsplit("/", 1)[-1]
-        observed = self._observed
+        service, _, method = details.method.lstrip("/").rpartition("/")
+        # vLLM's engine contract has its own protocol label: a gateway's calls, apart from clients'.
+        protocol = "grpc-vllm" if service == "vllm.grpc.engine.VllmEngine" else "grpc"
+        observed = functools.partial(self._observed, protocol)
         if handler.unary_unary is not None:
             inner = handler.unary_unary
 
@@ -56,7 +59,7 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
         return handler
 
     @contextlib.contextmanager
-    def _observed(self, method: str, context: Any) -> Iterator[None]:
+    def _observed(self, protocol: str, method: str, context: Any) -> Iterator[None]:
         """Time one call and record it with its final status code."""
         start, code = time.monotonic(), grpc.StatusCode.OK
         try:
@@ -70,7 +73,7 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
         finally:
             set_code = context.code()  # set by context.abort / set_code
             final = set_code if isinstance(set_code, grpc.StatusCode) else code
-            self.metrics.on_api_call("grpc", method, final.name, time.monotonic() - start)
+            self.metrics.on_api_call(protocol, method, final.name, time.monotonic() - start)
 
 
 class Observability:

@@ -10,7 +10,7 @@ from engine import SamplingParams
 
 @dataclass(frozen=True, slots=True)
 class CallInfo:
-    protocol: str  # grpc | http
+    protocol: str  # grpc | grpc-vllm (vLLM's engine contract) | http
     method: str  # the RPC (Generate) or the HTTP route (/v1/chat/completions)
     operation: str  # GenAI operation: chat | text_completion
     carrier: Mapping[str, str] = field(default_factory=dict)  # metadata / headers (W3C traceparent)

@@ -7,15 +7,18 @@ import logging
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
-from engine import EngineConfig, LLMEngine, model_display_name
+from engine import EngineConfig, LLMEngine, model_display_name, resolve_model
 from service.async_engine import AsyncEngine, StatsListener
 from service.chat_tools import ChatTools
 from service.http_server import HttpServer
+from service.kv_event_hub import KvEventHub
 from service.openai_api import ApiCallListener, OpenAIFrontDoor
 from service.pb import inference_pb2 as pb
 from service.pb import inference_pb2_grpc as pb_grpc
@@ -23,10 +26,13 @@ from service.request_observer import RequestObserver
 from service.security import TokenAuthInterceptor, server_credentials
 from service.servicer import InferenceServicer
 from service.serving_state import ServingState
+from service.vllm_servicer import VLLM_SERVICE_NAME, ModelFiles, VllmEngineServicer
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
+# The gRPC services one server can run: our own, and vLLM's engine contract (for gateways).
+GRPC_SERVICES = {"minivllm": SERVICE_NAME, "vllm": VLLM_SERVICE_NAME}
 
 
 @dataclass(slots=True)
@@ -46,6 +52,7 @@ class ServerConfig:
     tool_call_parser: str = "auto"  # a tool-call format's name, or auto: the chat template's (service/tool_parsers)
     reasoning_parser: str | None = None  # deepseek_r1 | qwen3: thinking goes to reasoning_content; None: off
     max_stored_responses: int = 1024  # /v1/responses kept for previous_response_id
+    grpc_services: tuple[str, ...] = ("minivllm", "vllm")  # keys of GRPC_SERVICES, served on the one port
     engine: EngineConfig = field(default_factory=EngineConfig)
 
 
@@ -57,10 +64,20 @@ class InferenceServer:
                  interceptors: list[grpc.aio.ServerInterceptor] | None = None,
                  on_http_call: ApiCallListener | None = None) -> None:
         self.config = config
+        unknown = set(config.grpc_services) - set(GRPC_SERVICES)
+        if unknown or not config.grpc_services:
+            raise ValueError(f"grpc_services: expected some of {', '.join(GRPC_SERVICES)}, got "
+                             f"{', '.join(config.grpc_services) or 'none'}")
+        self.service_names = tuple(GRPC_SERVICES[name] for name in config.grpc_services)
         self.stats_listeners = list(stats_listeners or [])
         self.state = ServingState()
         self.chat_tools = ChatTools(config.tool_call_parser, config.reasoning_parser)
         self.servicer = InferenceServicer(self.state, observer, self.chat_tools)
+        self.servicer = InferenceServicer(self.state, observer)
+        self.kv_events = KvEventHub(max_running_requests=config.engine.max_num_seqs)
+        self.vllm_servicer = VllmEngineServicer(self.state, self.kv_events, observer)
+        if "vllm" in config.grpc_services:
+            self.stats_listeners.append(self.kv_events.on_step)
         self.health = health.aio.HealthServicer()
         self.exit_code = 0  # non-zero once the engine died: the process should exit so a supervisor restarts it
         interceptors = list(interceptors or [])
@@ -75,9 +92,13 @@ class InferenceServer:
             ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
             ("grpc.keepalive_permit_without_calls", 1),
         ])
-        pb_grpc.add_InferenceServicer_to_server(self.servicer, self.server)
+        if "minivllm" in config.grpc_services:
+            pb_grpc.add_InferenceServicer_to_server(self.servicer, self.server)
+        if "vllm" in config.grpc_services:
+            vpb_grpc.add_VllmEngineServicer_to_server(self.vllm_servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
+        reflection.enable_server_reflection((*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME),
+                                            self.server)
         address = f"{config.host}:{config.port}"
         if (config.tls_cert_file is None) != (config.tls_key_file is None):
             raise ValueError("tls: give both a certificate and a key file")
@@ -101,7 +122,7 @@ class InferenceServer:
 
     async def _set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ("", SERVICE_NAME):
+        for name in ("", *self.service_names):
             await self.health.set(name, status)
 
     async def start(self, engine_factory: Callable[[], LLMEngine] | None = None) -> None:
@@ -113,12 +134,23 @@ class InferenceServer:
             await self.http.start()
             logger.info("HTTP (OpenAI-compatible) listening on %s:%d", self.config.http_host, self.http.port)
         factory = engine_factory or (lambda: LLMEngine(self.config.engine))
+        self.kv_events.bind(asyncio.get_running_loop())
         # The engine thread loads the model (off the loop) and then runs it: see AsyncEngine.
-        async_engine = AsyncEngine(factory, self.stats_listeners, on_death=self._on_engine_death)
+        async_engine = AsyncEngine(factory, self.stats_listeners, on_death=self._on_engine_death,
+                                   kv_event_listeners=[self.kv_events.on_kv_events])
         await async_engine.start()
-        self.async_engine = self.state.engine = async_engine
+        self.vllm_servicer.files = await asyncio.to_thread(self._model_files)
+        self.async_engine = async_engine
+        self.state.set_engine(async_engine)
         await self._set_serving(True)
         logger.info("model %s loaded; serving on %s:%d", async_engine.model_info().model_name, self.config.host, self.port)
+
+    def _model_files(self) -> ModelFiles:
+        engine = self.config.engine
+        model_dir = resolve_model(engine.model)  # the engine resolved it already: cached, no download
+        tokenizer_dir = Path(engine.tokenizer) if engine.tokenizer and Path(engine.tokenizer).is_dir() else model_dir
+        return ModelFiles(engine.model or model_display_name(engine.model), model_dir, tokenizer_dir,
+                          self.config.served_model_name or model_display_name(engine.model))
 
     async def drain_and_stop(self) -> None:
         """Graceful shutdown: NOT_SERVING, refuse new calls, let running streams finish."""

@@ -1,6 +1,8 @@
 """Whether the server can take a request now: one state both front doors (gRPC and HTTP) read."""
 from __future__ import annotations
 
+import asyncio
+
 from service.async_engine import AsyncEngine
 
 
@@ -12,6 +14,11 @@ class ServingState:
     def __init__(self) -> None:
         self.engine: AsyncEngine | None = None  # set once the model has loaded
         self.is_draining = False
+        self.loaded = asyncio.Event()  # set with engine
+
+    def set_engine(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+        self.loaded.set()
 
     def ready_engine(self) -> AsyncEngine:
         """The engine, if it takes new requests; EngineUnavailableError saying why not."""

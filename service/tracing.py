@@ -29,6 +29,8 @@ from engine import RequestMetrics, SamplingParams, StepStats
 from service.request_observer import CallInfo, RequestObserver
 
 PROTOCOLS = ("grpc", "http/protobuf")
+# CallInfo.protocol of the gRPC doors -> the service they serve.
+RPC_SERVICES = {"grpc": "minivllm.v1.Inference", "grpc-vllm": "vllm.grpc.engine.VllmEngine"}
 
 _MONO_TO_EPOCH_NS = time.time_ns() - time.monotonic_ns()
 
@@ -106,8 +108,8 @@ class Tracing(RequestObserver):
             "gen_ai.response.model": self.model_name,
             "gen_ai.response.id": request_id,
         }
-        if call.protocol == "grpc":
-            attrs |= {"rpc.system": "grpc", "rpc.service": "minivllm.v1.Inference", "rpc.method": call.method}
+        if call.protocol in RPC_SERVICES:
+            attrs |= {"rpc.system": "grpc", "rpc.service": RPC_SERVICES[call.protocol], "rpc.method": call.method}
         else:
             attrs |= {"http.request.method": "POST", "http.route": call.method}
         if call.num_choices != 1:

@@ -300,3 +300,89 @@ def test_core_handoff_times_a_cache_line_between_two_threads() -> None:
         torch.set_num_threads(num_threads)
     with pytest.raises(RuntimeError, match="rounds"):
         kernels.core_handoff_ns(0)
+
+
+def test_conversations_grow_one_history_per_session_and_run_in_turn_order() -> None:
+    from bench.serving import run_load
+    from bench.workloads import BenchRequest, conversations
+
+    reqs = conversations(3, 4, 50, 6, 8, seed=1)
+    assert [r.prompt for r in reqs] == [r.prompt for r in conversations(3, 4, 50, 6, 8, seed=1)]
+    assert [r.session for r in reqs] == [0] * 4 + [1] * 4 + [2] * 4
+    for earlier, later in zip(reqs, reqs[1:], strict=False):
+        if earlier.session == later.session:  # the next turn repeats this one, its answer, then asks anew
+            assert later.prompt[:len(earlier.prompt)] == earlier.prompt
+            assert [m["role"] for m in later.prompt[len(earlier.prompt):]] == ["assistant", "user"]
+    assert reqs[0].prompt[0]["role"] == "system" and reqs[0].prompt[0] != reqs[4].prompt[0]
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.spans: dict[int, tuple[float, float]] = {}
+            self.in_flight = self.max_in_flight = 0
+
+        async def send(self, req: BenchRequest) -> RequestResult:
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+            start = asyncio.get_running_loop().time()
+            await asyncio.sleep(0.01)
+            self.spans[id(req)] = (start, asyncio.get_running_loop().time())
+            self.in_flight -= 1
+            return RequestResult(req.prompt_len, start, [start], 1, start + 0.01)
+
+    recorder = Recorder()
+    results, _, _ = asyncio.run(run_load(recorder, reqs, 2, math.inf, 1.0, 0, progress=False))
+    assert len(results) == len(reqs) and recorder.max_in_flight == 2  # two conversations at a time
+    for earlier, later in zip(reqs, reqs[1:], strict=False):
+        if earlier.session == later.session:
+            assert recorder.spans[id(earlier)][1] <= recorder.spans[id(later)][0]  # the turn waited for its answer
+
+
+def test_openai_backend_sends_chat_messages_to_the_chat_route() -> None:
+    from aiohttp import web
+
+    from bench.workloads import BenchRequest
+
+    seen = {}
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        seen.update(await request.json())
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for piece in ("Hi", " you"):
+            await resp.write(f'data: {json.dumps({"choices": [{"delta": {"content": piece}}]})}\n\n'.encode())
+        usage = {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 2}}
+        await resp.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+        return resp
+
+    async def scenario() -> RequestResult:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", chat)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        backend = OpenAIBackend(f"http://127.0.0.1:{port}", "m", chat=True)
+        try:
+            return await backend.send(BenchRequest([{"role": "user", "content": "hello"}], 3, 2, True))
+        finally:
+            await backend.close()
+            await runner.cleanup()
+
+    result = asyncio.run(scenario())
+    assert seen["messages"] == [{"role": "user", "content": "hello"}] and "prompt" not in seen
+    assert result.ok and result.output_len == 2 and result.prompt_len == 9 and len(result.token_times) == 2
+
+
+def test_gateway_policies_command_and_its_table(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench.gateway_policies import format_table
+    from minivllm.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["bench", "gateway-policies", "--help"])
+    assert exit_info.value.code == 0 and "minivllm bench gateway-policies" in capsys.readouterr().out
+    row = {"policy": "cache_aware", "prefix_hit_rate": 0.5, "completed": 4, "failed": 0, "output_throughput": 12.34,
+           "ttft_ms": {"median": 100.4, "p99": 250.0},
+           "replicas": [{"prefix_hit_rate": 0.25, "requests": 1.0}, {"prefix_hit_rate": 0.75, "requests": 3.0}]}
+    table = format_table([row])
+    assert table.splitlines()[2] == "| cache_aware | 0.500 | 0.250 (1), 0.750 (3) | 100 | 250 | 12.3 | 4 / 0 |"

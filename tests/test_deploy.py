@@ -147,11 +147,12 @@ def test_plain_prometheus_kubernetes_scrape_config_passes_promtool(tmp_path: Pat
         pytest.skip("promtool not installed")
     config = yaml.safe_load((K8S / "monitoring" / "prometheus-kubernetes.yml").read_text())
     job = config["scrape_configs"][0]
-    assert job["kubernetes_sd_configs"] == [{"role": "pod"}]
-    # Debian builds Prometheus without Kubernetes discovery: promtool checks everything else
-    # (relabelling included) with the discovery swapped for a static target.
-    job["static_configs"] = [{"targets": ["127.0.0.1:9400"]}]
-    del job["kubernetes_sd_configs"]
+    for each in config["scrape_configs"]:  # minivllm, and the smg overlay's gateway
+        assert each["kubernetes_sd_configs"] == [{"role": "pod"}]
+        # Debian builds Prometheus without Kubernetes discovery: promtool checks everything else
+        # (relabelling included) with the discovery swapped for a static target.
+        each["static_configs"] = [{"targets": ["127.0.0.1:9400"]}]
+        del each["kubernetes_sd_configs"]
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
     shutil.copy(ROOT / "prometheus" / "alerts.yml", tmp_path / "alerts.yml")
     kept = {r["source_labels"][0]: r["regex"] for r in job["relabel_configs"] if r.get("action") == "keep"}
@@ -210,3 +211,57 @@ def test_envoy_config_parses_against_envoys_api_and_retries_only_unstarted_calls
     config["static_resources"]["clusters"][0]["lb_polcy"] = "ROUND_ROBIN"
     with pytest.raises(Exception, match="lb_polcy|lbPolcy"):
         _parse_envoy(config)
+
+
+def _smg_docs() -> list[dict[str, Any]]:
+    return _docs(K8S / "overlays" / "smg" / "smg.yaml")
+
+
+def test_smg_gateway_manifests_validate_and_discover_the_replicas() -> None:
+    """SMG's objects validate strictly; its discovery selects the minivllm pods on their gRPC port,
+    its Role lets it watch them, its probes and scraped port exist."""
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in _smg_docs()}
+    for doc in docs.values():
+        _validate(doc, "smg")
+    assert set(docs) == {("ServiceAccount", "smg"), ("Role", "smg-discovery"), ("RoleBinding", "smg-discovery"),
+                         ("Deployment", "smg"), ("Service", "smg")}
+    pod = docs[("Deployment", "smg")]["spec"]["template"]
+    container = pod["spec"]["containers"][0]
+    args = container["args"]
+    options = dict(a.removeprefix("--").split("=", 1) for a in args if a.startswith("--") and "=" in a)
+    assert options["backend"] == "vllm" and options["policy"] == "cache_aware" and "--service-discovery" in args
+    selector = dict(a.split("=", 1) for a in args[args.index("--selector") + 1:] if not a.startswith("--"))
+    replica = next(d for d in _base_resources() if d["kind"] == "Deployment" and d["metadata"]["name"] == "minivllm")
+    assert selector.items() <= replica["spec"]["template"]["metadata"]["labels"].items()
+    replica_ports = {p["name"]: p["containerPort"] for p in replica["spec"]["template"]["spec"]["containers"][0]["ports"]}
+    assert int(options["service-discovery-port"]) == replica_ports["grpc"]
+    rule = docs[("Role", "smg-discovery")]["rules"][0]
+    assert "pods" in rule["resources"] and {"list", "watch"} <= set(rule["verbs"])
+    binding = docs[("RoleBinding", "smg-discovery")]
+    assert binding["subjects"][0]["name"] == pod["spec"]["serviceAccountName"] == "smg"
+    assert binding["roleRef"]["name"] == "smg-discovery"
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports["http"] == int(options["port"]) and ports["metrics"] == int(options["prometheus-port"])
+    assert ports["probes"] == int(options["health-check-port"])
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"]["port"] == "probes", probe
+    assert docs[("Service", "smg")]["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    monitor = next(d for d in _docs(K8S / "monitoring" / "podmonitor.yaml") if d["metadata"]["name"] == "smg")
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    assert monitor["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
+
+
+def test_smg_overlay_builds_without_envoy() -> None:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl (kustomize) not installed; the SMG manifests are validated on their own")
+    proc = subprocess.run([kubectl, "kustomize", str(K8S / "overlays" / "smg")], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    docs = [d for d in yaml.safe_load_all(proc.stdout) if d]
+    for doc in docs:
+        _validate(doc, "smg")
+    names = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    assert not any("envoy" in name for _, name in names) and ("Service", "minivllm") not in names
+    assert {("Deployment", "minivllm"), ("Deployment", "smg"), ("Service", "minivllm-headless")} <= names
+    assert {d["metadata"]["namespace"] for d in docs if d["kind"] != "Namespace"} == {"minivllm-smg"}

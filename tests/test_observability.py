@@ -150,16 +150,17 @@ def test_promtool_checks_config_and_alert_rules() -> None:
     assert alerts and set(alerts) <= tested, f"alerts without a promtool test: {set(alerts) - tested}"
 
 
-def test_dashboard_matches_grafana_schema() -> None:
+@pytest.mark.parametrize("name", ["minivllm.json", "smg-gateway.json"])
+def test_dashboard_matches_grafana_schema(name: str) -> None:
     node = need("node")
     if not (ROOT / "tests" / "node" / "node_modules" / "@grafana" / "schema").exists():
         if IN_CI:
             pytest.fail("tests/node/node_modules is required in CI (make test installs it)")
         pytest.skip("run `make test` to install tests/node packages")
-    proc = subprocess.run([node, "tests/node/check_dashboard.mjs", "grafana/dashboards/minivllm.json"], cwd=ROOT,
+    proc = subprocess.run([node, "tests/node/check_dashboard.mjs", f"grafana/dashboards/{name}"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    dashboard = json.loads((ROOT / "grafana" / "dashboards" / "minivllm.json").read_text())
+    dashboard = json.loads((ROOT / "grafana" / "dashboards" / name).read_text())
     assert {p["gridPos"]["y"] for p in dashboard["panels"]}, "panels need positions"
     assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
 
@@ -172,11 +173,26 @@ def test_compose_file_is_valid_and_gated_on_health() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     config = yaml.safe_load(subprocess.run([compose, "config"], cwd=ROOT, capture_output=True, text=True).stdout)
     services = config["services"]
-    assert set(services) == {"minivllm", "proxy", "otel-collector", "jaeger", "prometheus", "alertmanager", "grafana"}
+    assert {name for name, service in services.items() if not service.get("profiles")} == \
+        {"minivllm", "proxy", "otel-collector", "jaeger", "prometheus", "alertmanager", "grafana"}
     # Scalable: replicas publish no host port (the proxy does), and Prometheus finds each by DNS.
     assert "ports" not in services["minivllm"] and {p["target"] for p in services["proxy"]["ports"]} == {50051, 8000}
     prometheus = yaml.safe_load((ROOT / "prometheus" / "prometheus.yml").read_text())
-    assert prometheus["scrape_configs"][0]["dns_sd_configs"][0]["names"] == ["minivllm"]
+    jobs = {job["job_name"]: [n for sd in job["dns_sd_configs"] for n in sd["names"]]
+            for job in prometheus["scrape_configs"]}
+    assert jobs["minivllm"] == ["minivllm", "minivllm-2"]
+    # The `smg` profile: a second replica like the first, behind the SMG gateway, both scraped.
+    assert {name for name, service in services.items() if service.get("profiles") == ["smg"]} == {"minivllm-2", "smg"}
+    second = dict(services["minivllm-2"])
+    assert second.pop("profiles") == ["smg"] and second == services["minivllm"]
+    smg = services["smg"]
+    args = smg["command"]
+    assert "--backend=vllm" in args and "--policy=cache_aware" in args
+    assert {a for a in args if a.startswith("grpc://")} == {"grpc://minivllm:50051", "grpc://minivllm-2:50051"}
+    assert jobs["smg"] == ["smg"] and "--prometheus-port=" + str(next(
+        sd["port"] for job in prometheus["scrape_configs"] if job["job_name"] == "smg" for sd in job["dns_sd_configs"]
+    )) in args
+    assert set(smg["depends_on"]) == {"minivllm", "minivllm-2"}
     assert not services["jaeger"]["image"].startswith("jaegertracing/all-in-one")  # Jaeger v1 is end of life
     env = services["minivllm"]["environment"]
     assert env["OTEL_EXPORTER_OTLP_ENDPOINT"].startswith("http://otel-collector:")

@@ -2,11 +2,11 @@
 // turns writing one shared word, each spinning until the other's write shows.
 //
 // A batch-1 decode step hands its activations between its two threads at every part's end, so
-// this sets the price of the step's ~180 hand-overs. On the 2-vCPU Zen 4 VMs this repository was
-// measured on it is bimodal, about 35 ns or about 170 ns, and the 170 ns pairs were the ones
-// whose sums read over 40 GB/s (the others about 30): by our reading the two vCPUs then sit on
-// two chiplets, each with its own link to memory and its own L3, instead of sharing one.
-// `bench.offline_throughput --paired-seconds` prints it per band of the sums' rate.
+// this sets the price of the step's ~180 hand-overs. On the 2-vCPU VMs this repository was
+// measured on it is bimodal, and the slow hand-overs came with the fast memory reads: by our
+// reading the two vCPUs then sit on two chiplets, each with its own link to memory and its own
+// L3, instead of sharing one. `bench.offline_throughput --paired-seconds` prints it per band of
+// the sums' rate.
 #include "bench_kernels.h"
 
 #include <ATen/Parallel.h>

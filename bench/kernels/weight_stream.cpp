@@ -4,11 +4,10 @@
 // threads, which wait for each other at every weight's end, so `bench.offline_throughput
 // --paired-seconds` prints the decode against both.
 //
-// The read's loop must not set the pace itself. On a Zen 4, in the hours the memory read 48-53
-// GB/s, this read of the bf16 model's step got 79-82 % of the sums' rate by 8-byte loads, 82-84 %
-// by 64-byte (AVX-512) ones and 95-97 % by 32-byte (AVX2) ones (the three in turn in one
-// process, 90 s), so every CPU with AVX2 reads by 32 bytes. Even so it is a plain read, not a
-// hard ceiling: a one-row product loop over the same weights can read faster still.
+// The read's loop must not set the pace itself. Against the sums' rate, 32-byte (AVX2) loads
+// came closest, 8-byte and 64-byte (AVX-512) ones well short, so every CPU with AVX2 reads by 32
+// bytes. Even so it is a plain read, not a hard ceiling: a one-row product loop over the same
+// weights can read faster still.
 #include "bench_kernels.h"
 
 #include <ATen/Parallel.h>

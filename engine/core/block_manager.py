@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from engine.core.sequence import Sequence
+from engine.outputs import AllBlocksCleared, BlockRemoved, BlockStored, KvCacheEvent
 
 
 def hash_block(parent_hash: int, token_ids: list[int]) -> int:
@@ -49,6 +50,9 @@ class BlockManager:
         self._generation = [0] * num_blocks
         self._hash_to_block: dict[int, int] = {}
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        # Prefix-cache changes since the last take_events(), for subscribers that route by what
+        # this cache holds (a gateway's cache-aware policy).
+        self._events: list[KvCacheEvent] = []
         self._copies: list[tuple[int, int]] = []  # copy-on-writes not yet taken by the scheduler
 
     @property
@@ -177,13 +181,50 @@ class BlockManager:
         if num_full <= seq.num_registered_blocks:
             return
         self._update_hashes(seq, num_full * self.block_size)
+        run: list[int] = []  # consecutive blocks published now: one BlockStored event
         for i in range(seq.num_registered_blocks, num_full):
             block, block_hash = seq.block_table[i], seq.block_hashes[i]
             if block_hash not in self._hash_to_block and self._block_hash[block] is None:
                 self._hash_to_block[block_hash] = block
                 self._block_hash[block] = block_hash
                 self._block_content[block] = self._content(seq, i)
+                run.append(i)
+            elif run:
+                self._record_stored(seq, run)
+                run = []
+        if run:
+            self._record_stored(seq, run)
         seq.num_registered_blocks = num_full
+
+    def _record_stored(self, seq: Sequence, indices: list[int]) -> None:
+        first, bs = indices[0], self.block_size
+        self._events.append(BlockStored(
+            block_hashes=tuple(seq.block_hashes[i] for i in indices),
+            parent_block_hash=seq.block_hashes[first - 1] if first else None,
+            token_ids=tuple(seq.token_ids_slice(first * bs, (indices[-1] + 1) * bs)), block_size=bs))
+
+    def take_events(self) -> list[KvCacheEvent]:
+        """The prefix-cache changes since the last call, oldest first."""
+        events, self._events = self._events, []
+        return events
+
+    def cached_block_hashes(self) -> set[int]:
+        """Hashes of every block the prefix cache can serve now (tests, introspection)."""
+        return set(self._hash_to_block)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (their KV stays until reused, unreachable). Refused (False)
+        while any block is referenced: a running sequence's blocks must keep their hashes."""
+        if self.num_used_blocks:
+            return False
+        for block in range(self.num_blocks):
+            if self._block_hash[block] is not None:
+                self._block_hash[block] = None
+                self._block_content[block] = None
+                self._generation[block] += 1
+        self._hash_to_block.clear()
+        self._events.append(AllBlocksCleared())
+        return True
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Share every block of the parent's prompt with a new sample of it (ref counts); a
@@ -201,6 +242,7 @@ class BlockManager:
         if old_hash is not None:
             if self._hash_to_block.get(old_hash) == block:
                 del self._hash_to_block[old_hash]
+                self._events.append(BlockRemoved((old_hash,)))
             self._block_hash[block] = None
             self._block_content[block] = None
             self._generation[block] += 1

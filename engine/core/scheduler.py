@@ -262,15 +262,14 @@ class Scheduler:
         # prefill is at most step_time_ratio slower than the gaps these clients get without it.
         # The pace is predicted for this batch, not averaged over past decode-only steps: under
         # a steady stream of arrivals there are none, and the last ones (a smaller batch) held
-        # the chunks to a pace the batch had outgrown (closed loop of 32 streams: a mean decode
-        # batch of 14 and 26 % less throughput than without the time budget).
+        # the chunks to a pace the batch had outgrown (a closed loop then kept its decode batch
+        # small and lost throughput).
         # A burst (requests waiting past the first BURST_QUEUE_SLACK) is worth slower steps: the
         # queue's TTFT grows with every step it waits, and the bigger batch it becomes decodes
         # more tokens per second. The first few get no relief: a couple queued behind one or two
-        # streams doubled the target and put the top 1 % of gaps past 3x the median step. Not a
+        # streams doubled the target, and those steps were the streams' worst gaps. Not a
         # floor on the batch instead (counting a batch as at least 8 streams): while a served
-        # burst ramps up (3-4 streams, 28 behind them) that held the target to about half
-        # (served throughput measured 0.2-3 % lower, within this machine's noise).
+        # burst ramps up (3-4 streams, 28 behind them) that held the target to about half.
         backlog = 1.0 + max(0, len(self.waiting) - self.BURST_QUEUE_SLACK) / max(1, len(self.running))
         target = cfg.max_step_ms / 1e3 if cfg.max_step_ms is not None else cfg.step_time_ratio * pace * backlog
         out.budget_source, out.step_time_target = "time", target
@@ -286,8 +285,8 @@ class Scheduler:
         if not plan.prefills:
             # Progress guarantee: the first chunk of a step is at least half a block, so a long
             # prompt finishes its prefill in bounded time however slow the model thinks it is.
-            # Not a whole block: over a long context a block of prefill costs about two fp32
-            # decode steps of a small batch, and those steps were the top 1 % of gaps.
+            # Not a whole block: over a long context a block of prefill costs more than a small
+            # batch's decode step, and those steps were the streams' worst gaps.
             fit = max(fit, min(num_new, self.min_chunk))
         return fit
 

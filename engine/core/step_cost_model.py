@@ -6,20 +6,18 @@ A step is one forward over its prefill and decode tokens, so its time is modelle
            + w6 * cached tokens the chunks read / 1e3 + host overhead
 fitted by exponentially weighted recursive least squares (forgetting factor `decay`, so it
 follows a machine whose speed drifts). w0 matters: on a CPU every forward first streams all
-weights from memory, which costs as much for 1 row as for 30; w5 is what a step pays once for
-having prefill rows (per-layer attention set-up), kept apart so it does not leak into the
+weights from memory, which costs as much for one row as for a batch; w5 is what a step pays once
+for having prefill rows (per-layer attention set-up), kept apart so it does not leak into the
 decode-only prediction that the auto target is a multiple of; w6 is what a chunk pays per
 cached token whatever its own length (the C++ prefill kernel lays each layer's cached K/V out
-for its tiles), which pairs alone under-predict for the small chunks a time budget cuts: a
-16-token chunk over 1000 cached tokens cost 13 ms more than over none. The host overhead (schedule,
-input preparation, sampling, output processing) is an exponentially weighted mean.
+for its tiles), which pairs alone under-predict for the small chunks a time budget cuts. The
+host overhead (schedule, input preparation, sampling, output processing) is an exponentially
+weighted mean.
 
 The model also tracks how far it errs: an online estimate of the 97th percentile of
 measured / predicted step time, so the scheduler can aim below the target by that margin and
-keep 97 steps in 100 under it on a machine whose speed jitters (what a p99 inter-token latency
-sees: with the 90th percentile, the p99 of the scheduling benchmark ranged 2.70-3.43x the
-decode step over four runs; with the 97th, 2.80 and 2.94 in two, the long prompts' TTFT
-unchanged).
+keep 97 steps in 100 under it on a machine whose speed jitters (a p99 inter-token latency sees
+what a lower percentile leaves over the target).
 
 Nothing here is tuned to one machine: the prior only says "a token costs about a millisecond"
 with a wide variance, and a handful of steps replace it with measurements.
@@ -48,8 +46,7 @@ def attention_pairs(num_new_tokens: int, num_context_tokens: int) -> float:
 class StepCostModel:
     def __init__(self, decay: float = 0.98) -> None:
         # Plain floats, not numpy: a 7-feature fit is a few hundred multiplications, and each
-        # numpy call found the caches cold after a batch-1 step's weight stream (observe took
-        # 135-160 us of a 10 ms bf16 step through numpy).
+        # numpy call found the caches cold after a batch-1 step's weight stream.
         self.weights = list(_PRIOR)
         self.covariance = [[v if i == j else 0.0 for j in range(len(_PRIOR))] for i, v in enumerate(_PRIOR_VARIANCE)]
         self._max_variance = [v * _MAX_VARIANCE_GROWTH for v in _PRIOR_VARIANCE]
@@ -86,10 +83,9 @@ class StepCostModel:
         as far as the steps seen so far can tell. Until one of them was decode-only,
         w0 (the weights' read) and w5 (the prefill set-up) were one constant to the fit, split by
         their priors (evenly): the pace of a step that also sets up prefill is then what is known,
-        and w0 alone is about half the truth. Seen in a served closed loop of 32 streams, whose
-        requests arrive one after another from the start: w0 and w5 came out equal, a target
-        built on w0 fell to 16-19 ms against 55 ms steps, and chunks were held to one block for
-        dozens of steps."""
+        and w0 alone is about half the truth. Seen in a served closed loop, whose requests arrive
+        one after another from the start: w0 and w5 came out equal, a target built on w0 fell far
+        below the real steps, and chunks were held to one block for dozens of steps."""
         return decode_time if self.num_decode_only_observations else decode_time + self.costs[5]
 
     def chunk_cost(self, num_new_tokens: int, num_context_tokens: int, is_first: bool = False) -> float:
@@ -134,8 +130,8 @@ class StepCostModel:
         self.weights = [w + p * step for w, p in zip(self.weights, p_x, strict=True)]  # w + gain error
         # P' = (P - (P x)(P x)^T / denominator) / decay, through q = P x / sqrt(denominator) so that
         # every entry's rounding is the same as its mirror's: an asymmetric part is not corrected by
-        # the update, and forgetting grew it by 1 / decay a step (3e-16 to 1 in 2,400 steps of a
-        # batch-1 workload, after which P lost its positive definiteness and the fit diverged).
+        # the update, and forgetting grew it by 1 / decay a step until P lost its positive
+        # definiteness and the fit diverged.
         root = math.sqrt(denominator)
         q = [p / root for p in p_x]
         # Forgetting inflates the variance of features a workload never varies (windup): each

@@ -4,9 +4,7 @@ Why: a batch-1 decode step reads every weight once, 269 MB in bfloat16, as 121 p
 (0.7-3.5 MB a layer's). On 4 KiB pages that is 65,000 pages a token: a TLB miss every 4 KiB,
 and the hardware prefetchers stop at each page's end. In THP's `madvise` mode (the common
 default) only advised memory gets 2 MiB pages, and a tensor under 2 MiB could not fill one.
-So the panels are copied into one advised region (`place_on_huge_pages`). On a 2-core Zen 4,
-two engines in one process (one with, one without), batch-1 decode ran 1.12-1.23x faster in
-bfloat16, 1.08-1.10x in int8 and 1.05-1.08x in float32 (README).
+So the panels are copied into one advised region (`place_on_huge_pages`).
 
 Where THP is off (`never`) or the OS is not Linux, the advice is a no-op and these are plain
 zero-filled tensors.
@@ -46,7 +44,7 @@ def release_free_memory() -> None:
 
     Why: packing frees the plain weights it replaces, but glibc raises its mmap threshold after
     the first large free, so later large blocks come from the heap, and freed heap memory stays
-    in the process. Serving the default model held about 0.5 GiB of freed weights this way."""
+    in the process."""
     try:
         import ctypes
 

@@ -47,8 +47,7 @@ _NUCLEUS_CANDIDATES = 256  # top_p looks among this many likeliest tokens before
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
     """logits [N, vocab] -> [N] int64, the first maximum of each row (a NaN counts as one).
-    On the CPU through numpy, whose argmax is vectorised: on a 2-core Zen 4, 4.8 us against
-    torch's 51 us at [1, 49152] and 104 us against 798 us at [32, 49152]; the same ties and NaN rule."""
+    On the CPU through numpy, whose argmax is vectorised (torch's is not); the same ties and NaN rule."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         return torch.from_numpy(logits.numpy().argmax(axis=-1))
     return logits.argmax(dim=-1)
@@ -75,9 +74,7 @@ class Sampler:
         """logits: [N, vocab] fp32, consumed (edited in place). greedy_ids: N ints, each row's
         first argmax, when the forward made them and `is_plain_greedy(seqs)`: the answer, with
         no op on the logits and no inference-mode switch (after a batch-1 step's weight stream
-        each op here found the caches cold: the numpy argmax took 87 us in the step against 5 us
-        warm; this path took 52 us with the switch and a tensor's tolist, 25 without the
-        switch, 7 given a list)."""
+        each op here finds the caches cold, the switch and a tensor's tolist included)."""
         if greedy_ids is not None:
             return SamplerOutput(greedy_ids, [None] * len(seqs))
         return self._process(logits, seqs)
@@ -241,9 +238,8 @@ class Sampler:
         dev = probs.device
         # Inverse CDF: one uniform draw per row, so a seeded request draws from its own generator
         # and its tokens do not depend on the rest of the batch. (An exponential race, argmax of
-        # p / E, needs a draw per vocabulary entry: torch's exponential_ took 48 ms a step for
-        # 32 rows of 49152 here, half a 100 ms decode step of that batch.) The CDF is summed in float64 so a
-        # 49k-entry sum does not blur the small probabilities.
+        # p / E, needs a draw per vocabulary entry, which costs a large share of a decode step.)
+        # The CDF is summed in float64 so a 49k-entry sum does not blur the small probabilities.
         draws = torch.empty(num_rows, 1, dtype=torch.float64, device=dev)
         unseeded = [i for i, s in enumerate(seqs) if s.generator is None]
         if unseeded:
@@ -264,9 +260,9 @@ class Sampler:
         tokens above it already reaches top_p (the top one always stays). probs: [N, vocab];
         top_ps: [N, 1], 1 for rows that did not ask.
 
-        The nucleus is looked for among the top 256 first (a full sort of 32 rows of 49152
-        took 62 ms here, the top 256 3.6 ms); a row whose nucleus reaches past them is sorted
-        whole. Tokens tied with the smallest kept probability are all kept."""
+        The nucleus is looked for among the top 256 first (far cheaper than sorting every row
+        whole); a row whose nucleus reaches past them is sorted whole. Tokens tied with the
+        smallest kept probability are all kept."""
         vocab = probs.shape[1]
         k = min(_NUCLEUS_CANDIDATES, vocab)
         values = probs.topk(k, dim=-1).values  # [N, k], descending

@@ -16,9 +16,8 @@ _CONTEXT_TOKENS = 5  # prompt tokens kept as left context so the first word spac
 def ids_decoder(tokenizer: Any) -> Callable[..., str]:
     """The tokenizer's decode(ids, skip_special_tokens=...), straight from its Rust backend when
     the transformers wrapper would add nothing to it (a fast tokenizer without space clean-up,
-    as SmolLM2's BPE): the wrapper's Python layers cost little warm (3.3 against 1.1 us a call)
-    but each decode runs them twice per token after a batch-1 step's weight stream, which leaves
-    every cache cold (the two decodes took about 70 us of a bf16 step on a 2-core Zen 4)."""
+    as SmolLM2's BPE): the wrapper's Python layers cost little warm, but each decode runs them
+    twice per token after a batch-1 step's weight stream, which leaves every cache cold."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
         return backend.decode

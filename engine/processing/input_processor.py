@@ -110,8 +110,8 @@ class InputProcessor:
     def _check_fits_before_tokenizing(self, num_chars: int, params: SamplingParams, field: str = "prompt") -> None:
         """Refuse a text that cannot fit the context whatever its tokens: each token covers at most
         max_token_chars characters, so it makes at least num_chars / max_token_chars tokens.
-        Tokenizing 900k characters takes 0.4-0.7 s of a core that the engine's step threads need
-        (a running stream's worst gap went from 19 to 100-200 ms on 2 cores) only to refuse them."""
+        Tokenizing a huge text takes a core that the engine's step threads need (running streams'
+        gaps grow several-fold on a small machine) only to refuse it."""
         if self.max_token_chars is None or params.truncate_prompt_tokens is not None:
             return
         min_tokens = -(-num_chars // self.max_token_chars)

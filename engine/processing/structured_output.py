@@ -3,7 +3,7 @@ grammar or a choice list, through llguidance (a grammar engine vLLM and SGLang a
 
 A spec is compiled and validated once per distinct spec (cached) by the input processor, off
 the engine thread in the server; an invalid or unsatisfiable one is a ValueError naming the
-field. Each constrained sequence gets its own matcher (well under a millisecond). Per step,
+field. Each constrained sequence gets its own matcher (cheap to make). Per step,
 the matchers of the constrained rows fill one preallocated bitmask together (llguidance's
 thread pool), which is applied to those rows only, vectorized.
 """
@@ -67,7 +67,7 @@ class GrammarCompiler:
 
     @property
     def tokenizer(self) -> Any:
-        """Built on first use (about 0.4 s for a 49k vocabulary), never for unconstrained traffic."""
+        """Built on first use (it takes a while for a large vocabulary), never for unconstrained traffic."""
         with self._lock:
             if self._tokenizer is None:
                 import llguidance.hf

@@ -22,7 +22,7 @@ def pick_device(device: str) -> torch.device:
 
 def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
-        # bf16 GEMMs are ~10x slower than fp32 on AVX2 CPUs without bf16 units.
+        # bf16 GEMMs are far slower than fp32 on AVX2 CPUs without bf16 units.
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return _DTYPES[dtype]
 

@@ -56,8 +56,8 @@ def _torch_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: t
     for meta in seqs:
         rows = slice(meta.query_start, meta.query_start + meta.query_len)
         # [1, heads, n, D] views of the packed rows: SDPA's flash kernel reads them strided (and
-        # shares K/V heads itself, GQA), while 3-D [heads, n, D] input sends it to the math path,
-        # about 4x slower for a 500-token chunk.
+        # shares K/V heads itself, GQA), while 3-D [heads, n, D] input sends it to the slower
+        # math path.
         q_i, k_i, v_i = (x[rows].unsqueeze(0).transpose(1, 2) for x in (q, k, v))
         if window is not None and meta.context_len > window:
             o_i = _masked_attention(q_i, k_i, v_i, k_cache, v_cache, meta, scale, window)

@@ -35,7 +35,7 @@ ISAS = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512_bf16": 3, "amx": 4}
 _SOURCES = ("bindings.cpp", "paged_attention.cpp", "prefill_attention.cpp", "packed_gemm.cpp", "decode_layer.cpp",
             "decode_model.cpp", "token_bitmask.cpp", "quant_gemm.cpp", "quant_tiles_avx512.cpp", "quant_tiles_avx2.cpp",
             "linear_chain.cpp")
-_STALE_LOCK_S = 300  # a build takes up to 2 minutes on a busy 2-core machine; an older lock is from a killed process
+_STALE_LOCK_S = 300  # longer than a build takes on a busy small machine: an older lock is from a killed process
 
 
 def _remove_stale_lock(lock: Path) -> None:
@@ -56,7 +56,7 @@ def build_sources(root: Path, kernel_dir: Path, torch_dir: Path, torch_version: 
     A build is named by what it builds, not by where it is installed: a checkout and a wheel in
     a venv with the same sources share one build. Both compile the copy, so their ninja commands
     are the same. Otherwise one build directory fed from two source paths rewrites its ninja
-    commands on every load and rebuilds in turn (about 2 minutes each on 2 cores); servers
+    commands on every load and rebuilds in turn (minutes each on a small machine); servers
     started meanwhile wait on the build lock. Sources that differ get their own directory."""
     files = sorted(p for p in kernel_dir.iterdir() if p.suffix in (".cpp", ".h"))
     digest = hashlib.sha256(f"{torch_dir.resolve()}|{torch_version}".encode())

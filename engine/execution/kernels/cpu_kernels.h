@@ -227,8 +227,8 @@ struct DecodeLayerWeights {
 // CUDA graph; decode_model.cpp): the embedding's rows (float32, bfloat16 or float16) and the RoPE
 // tables' rows of the positions, every layer as decode_layer computes it, the final RMSNorm, the
 // LM head's panels, all in one parallel region whose threads take each part's tasks in turn.
-// What every step shares is bound and checked once, not converted from Python per step (that,
-// with the sequences' lists as inputs, took a batch-1 bf16 step's host part from 0.59 to 0.40 ms).
+// What every step shares is bound and checked once, not converted from Python per step (this,
+// and taking the sequences' lists as inputs, took much of a batch-1 step's host part away).
 struct DecodeModel {
   torch::Tensor embedding;           // [vocab, hidden], or the tied LM head's float32 / bfloat16 panels
   torch::Tensor rope_cos, rope_sin;  // [max_positions, D] float32

@@ -2,7 +2,7 @@
 // a CUDA graph): RMSNorm, the fused QKV projection, RoPE, the KV-cache write, paged attention,
 // the output projection with its residual, RMSNorm, the gated MLP with its residual.
 //
-// At batch 1 the torch path spends a third of the step dispatching about 150 small ops per
+// At batch 1 the torch path spends much of the step dispatching about 150 small ops per
 // token (norms, rotations, adds, casts, index copies); here they are loops over a few
 // thousand floats between the packed matrix products, which read the weights once.
 // Activations and the residual stream stay float32; the KV cache keeps its own dtype.

@@ -3,18 +3,16 @@
 //
 // The step is a chain of about 180 dependent parts (a layer's QKV projection, attention, output
 // projection, gate/up projection, SiLU, down projection; the LM head, the argmax). Forking and
-// joining the threads around each part cost about 1.7 us a part on two cores, and each join
-// leaves the memory idle while the next part's threads wake. Here the threads are forked once
-// per step: each runs every part, waiting only for the part before to be done (a spin of well
-// under a microsecond when all are running), and takes tasks of it until none are left. No
-// member waits for another to arrive, as at a barrier: one the OS preempts (the server's event
-// loop wants a core) holds the others back only while it holds an unfinished task. With a
-// barrier between parts, a batch-1 step on two cores took 26-81 ms instead of 17 while the
-// service handled a burst of bad requests. The row-wise parts between (the norms, the bfloat16
-// rounding of a product's input and, below 4 rows, SiLU) are cheap at a decode step's few rows,
-// so each member computes its own copy rather than wait for one more part. Against a fork and
-// join per part, two kernel builds in one process, batch 1 (barrier version): bf16 1.03-1.08x,
-// int8 1.09x, fp32 1.01x; batch 8 bf16 1.06x; batch 32 within noise.
+// joining the threads around each part costs microseconds a part, and each join leaves the
+// memory idle while the next part's threads wake. Here the threads are forked once per step:
+// each runs every part, waiting only for the part before to be done (a short spin when all are
+// running), and takes tasks of it until none are left. No member waits for another to arrive,
+// as at a barrier: one the OS preempts (the server's event loop wants a core) holds the others
+// back only while it holds an unfinished task. With a barrier between parts, a batch-1 step
+// took several times as long while the service handled a burst of bad requests. The row-wise
+// parts between (the norms, the bfloat16 rounding of a product's input and, below 4 rows, SiLU)
+// are cheap at a decode step's few rows, so each member computes its own copy rather than wait
+// for one more part.
 #include "cpu_kernels.h"
 #include "layer_parts.h"
 
@@ -47,8 +45,8 @@ constexpr int64_t kPanel = 16;  // output channels per panel (packed_weight.py, 
 
 // A member waiting for a part spins first: a task takes microseconds, and a sleep and wake-up
 // would cost more than that. Then it sleeps on a futex, so that a member the OS preempted gets
-// a core back instead of watching the others spin: with only a yield after the spin, three
-// threads on two cores ran the batch-1 step at 12 tokens/s against 85 forked per part. With
+// a core back instead of watching the others spin: with only a yield after the spin, more
+// threads than cores ran the batch-1 step several times slower than forking per part. With
 // more ranks than usable CPUs some member is always waiting for a core, so the spin is cut short.
 constexpr int64_t kSpins = 1 << 14;  // a few hundred microseconds
 constexpr int64_t kShortSpins = 1 << 7;
@@ -161,9 +159,8 @@ int64_t first_argmax_scalar(const float* row, int64_t n) {
 
 #if defined(__x86_64__)
 // The same on AVX-512: the maximum and any NaN over 32 lanes a step, then the first lane equal
-// to it (or the first NaN). 6.9 us a [1, 49152] row (numpy: 6.8; this file's first version, two
-// `#pragma omp simd` passes the compiler left scalar: 52-78); 163 us at [64, 49152] on two
-// threads (numpy: 337).
+// to it (or the first NaN). Intrinsics, not `#pragma omp simd`: the compiler left such passes
+// scalar.
 __attribute__((target("avx512f"))) int64_t first_argmax_avx512(const float* row, int64_t n) {
   __m512 best0 = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), best1 = best0;
   __mmask16 nan0 = 0, nan1 = 0;
@@ -214,9 +211,8 @@ struct ProductPlan {
 };
 
 // A layer as its members read it: a few cache lines, requested ahead with its norm weights
-// while the layer before runs (prefetch_lines). Reading each tensor's fields instead (a
-// chain of misses per tensor, about ten tensors a layer), batch-1 bf16, builds in one process,
-// 240 s: this 1.004x on one chiplet, 1.012x on two.
+// while the layer before runs (prefetch_lines), not each tensor's fields (a chain of misses per
+// tensor, about ten tensors a layer).
 struct alignas(64) LayerPlan {
   const float *input_norm, *post_norm;  // [hidden] each
   ProductPlan qkv, o_proj, gate_up, down;
@@ -265,14 +261,10 @@ struct TeamStep {
 };
 
 // Below kFewRows rows a task first requests into L2 the cached K and V rows it reads (all but
-// the new one, which it writes, up to kKvAheadBytes in all), all at once. The layer's request
-// after the QKV product (prefetch_kv_rows) had not brought them in: run twice, a batch-1 step's
-// attention took 0.06 ms a token more at a 33-token context and 0.14 more at 160, against 0.16
-// and 0.40 for the first run (bf16; the part's other work 0.05-0.07). With the request, builds
-// in one process, bf16, context 160: the attention part 0.41 -> 0.37 ms a token, the step 1.010x
-// on one chiplet and 1.023x on two (75 s; 1.005x / 1.012x at 33). The same request made in a
-// function of its own measured no faster than none, twice (not understood; code layout alone
-// moved the part by 0.05).
+// the new one, which it writes, up to kKvAheadBytes in all), all at once: the layer's request
+// after the QKV product (prefetch_kv_rows) had not brought them all in (the attention part ran
+// far faster over rows that a run just before had left in the caches). The same request made in
+// a function of its own measured no faster than none (not understood).
 // One sequence's RoPE of the query heads of KV heads [kv_begin, kv_end) and of those K heads,
 // their K and V rows written at the token's slot, and their attention.
 template <typename cache_t>
@@ -318,12 +310,9 @@ void attend_task(const TeamStep& s, int64_t m, int64_t kv_begin, int64_t kv_end,
 // sequence's new row, which the step writes): after a step's weights stream through the caches
 // they come from memory, and the attention part, a chain of dependent misses walking the block
 // table, was mostly waiting on them. Asked for as a member's tasks of the layer's QKV product
-// end, they arrive while the part ends and attention starts. Batch-1 bf16, builds in one
-// process, asked for as the layer started: attention 0.23 -> 0.16 and 0.17 -> 0.14 ms a token
-// (two runs, contexts of 33 tokens). At a 1,500-token context (1.15 MB a layer) the whole
-// request still paid: 1.044x on one chiplet, 1.033x on two, against 1.014x / 1.015x when capped
-// at 256 KB (bf16, one run). Longer contexts are capped at kKvAheadBytes, the rows in the
-// attention's order, untried beyond.
+// end, they arrive while the part ends and attention starts. At a 1,500-token context (1.15 MB
+// a layer) the whole request still paid more than one capped at 256 KB. Longer contexts are
+// capped at kKvAheadBytes, the rows in the attention's order, untried beyond.
 void prefetch_kv_rows(const TeamStep& s, int64_t layer) {
 #if defined(__x86_64__)
   const DecodeModel& model = s.model;
@@ -375,23 +364,15 @@ void run_member(TeamStep& s, int64_t rank_begin) {
   };
   // Below kFewRows rows (memory-bound products, short attention): as a member finishes its tasks of a
   // product it requests the start of its share of the next one, and once its tasks of a layer's
-  // QKV product are done, the layer's K and V rows. Batch-1 bf16, builds in one process (4-5
-  // minutes each, Zen 4): 1.018-1.022x while the two threads sat on two chiplets, 1.006-1.009x on
-  // one (two runs, the K and V rows then requested as the layer started; the rows' part of it
-  // 1.010x / 1.003x). Requested after the product instead, they no longer hold up its start
-  // (per-member timings, two chiplets: 3.3 us a layer from entering the QKV part to the first
-  // task, against 1.2 before gate/up's tasks, whose norm is the same work): 1.004x and 1.005x
-  // more there, 1.002x and 1.005x on one.
+  // QKV product are done, the layer's K and V rows (after the product, not as the layer starts,
+  // so the requests do not hold up the product's first task).
   const bool few_rows = M < kFewRows;
   const auto prefetch_next = [&](const ProductPlan& next) {
     if (few_rows) prefetch_team_home(next.w, s.num_ranks, rank_begin, kNextProductBytes);
   };
   // SiLU in tasks of whole vector widths, so every float takes the per-layer kernel's path. Below
   // 4 rows the part has no tasks: each member computes the whole SiLU into its own copy of down's
-  // input, so down's rows never cross between cores and a hand-over a layer goes (per-member
-  // timings, two chiplets: the part's tasks took 2.6 us a layer and starting it 1 us more; a
-  // member's whole copy now takes 1.3 us inside down's part). Batch-1 bf16, builds in one
-  // process: 1.011x on two chiplets, 1.007x on one.
+  // input, so down's rows never cross between cores and a hand-over a layer goes.
   const int64_t silu_tasks = few_rows ? 0 : std::min<int64_t>((intermediate + 15) / 16, 4 * s.num_ranks);
   float* act = few_rows ? s.act + rank_begin * M * intermediate : s.act;  // down's input
   const int64_t num_layers = static_cast<int64_t>(s.plan.layers.size());

@@ -28,8 +28,8 @@ void rms_norm(const float* x, int64_t M, int64_t width, const float* weight, flo
 void rope(float* heads, int64_t num_heads, int64_t head_dim, const float* cos, const float* sin);
 
 // A scratch array every element of which is written before it is read: no zeroing (a memset of
-// a prefill chunk's MLP activations cost 6 % of its step). On 64-byte lines: a team's products
-// store whole panel rows there past the caches (packed_gemm's stream_rows).
+// a prefill chunk's MLP activations is a noticeable part of its step). On 64-byte lines: a
+// team's products store whole panel rows there past the caches (packed_gemm's stream_rows).
 struct AlignedFloatsDelete {
   void operator()(float* p) const { ::operator delete[](p, std::align_val_t{64}); }
 };
@@ -50,7 +50,8 @@ void write_cache(cache_t* cache, int64_t slot, int64_t kv_size, int64_t offset, 
 // stream once; at a batch too small to keep every thread busy, one per (sequence, KV head),
 // each reading a third of a row (with SmolLM2's 3 KV heads), so the threads share even a single
 // sequence. Sequences' contexts differ in length: the longest first, each thread taking the
-// next task from a shared counter, so the threads finish together.
+// next task from a shared counter, so the threads finish together (an even split of rows left
+// one thread spinning for much of a batch-32 step).
 //
 // A chain is rows of one sequence at consecutive positions (a verification of proposed tokens:
 // its last token and each draft, as decode rows): a task takes a chain's rows in order, since

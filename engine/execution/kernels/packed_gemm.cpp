@@ -18,8 +18,8 @@
 // accumulators (rows x unrolled k) so the multiply-adds do not wait on each other at batch 1.
 // With AMX, bfloat16 products run on the tile unit instead: x rounded to bfloat16 (as torch's
 // bf16 path rounds every activation), products summed in float32, up to 32 rows x 32 outputs a
-// tile. On the model's layer shapes at 32 rows that ran 945 GFLOP/s against 263 for the FMA
-// path (python -m bench.packed_gemm), so a batch-32 decode step no longer waits on the FMAs.
+// tile. On the model's layer shapes at 32 rows that runs several times the FMA path's rate
+// (python -m bench.packed_gemm), so a batch-32 decode step no longer waits on the FMAs.
 #include "cpu_kernels.h"
 
 #include <ATen/Parallel.h>
@@ -82,11 +82,9 @@ void tile_scalar(const float* x, int64_t rows, int64_t ldx, const T* w, int64_t 
 #define MINIVLLM_AVX2 __attribute__((target("avx2,fma")))
 
 // How far ahead (bytes of a panel) the vector paths request weights: 4 KB for float32 and 8 KB
-// for the narrower bfloat16 and int8 panels, into L2 (prefetcht1), not L1. On a Zen 4, against
-// 4 KB into L1 (A/B of two builds in one process over the whole model's weights), the one-row
-// products read 7-14 % faster in float32 and bfloat16 and 1-4 % in int8, and 4-13 % at 8 and
-// 32 rows; 1 KB was slower, 16-32 KB no better. (The one-row vdpbf16ps tile requests nothing:
-// see tile_dpbf16.)
+// for the narrower bfloat16 and int8 panels, into L2 (prefetcht1), not L1: faster than 4 KB into
+// L1 in every dtype and at every row count tried; 1 KB was slower, 16-32 KB no better. (The
+// one-row vdpbf16ps tile requests nothing: see tile_dpbf16.)
 template <typename T>
 constexpr int64_t prefetch_ahead() {
   return sizeof(T) == 4 ? 4096 : 8192;
@@ -386,10 +384,9 @@ MINIVLLM_AVX512_BF16 void tile_dpbf16(const uint16_t* xb, int64_t ldxb, const at
     for (int u = 0; u < U; ++u) {
       const int64_t kk = k + 2 * u;
       // One row reads its panel as one plain stream, which the hardware prefetcher follows
-      // best alone here: without these requests the batch-1 products read 2-7 % faster (Zen
-      // 4, 4 KiB pages); with the panels on 2 MiB pages, putting them back made the batch-1
-      // bf16 decode 0.81x. The float32 tile's one-row loop lost 4-5 % without them on 4 KiB
-      // pages and was even (1.00x) on 2 MiB ones, so it keeps them.
+      // best alone here: without these requests the batch-1 products read faster, on 2 MiB
+      // pages by far. The float32 tile's one-row loop was slower without them on 4 KiB pages
+      // and even on 2 MiB ones, so it keeps them.
       if constexpr (MT > 1) prefetch_pair(w0, kk);
       if constexpr (P == 2) prefetch_pair(w1, kk);
       const __m512bh b0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w0 + kk * kPanel));
@@ -415,10 +412,9 @@ MINIVLLM_AVX512_BF16 void tile_dpbf16(const uint16_t* xb, int64_t ldxb, const at
 // A tile of `rows` (<= 8) rows by one or two panels. Below kFewRows rows (memory bound) the two panels
 // go one after the other, in memory order for the prefetcher, with more accumulators per output.
 // One row keeps two: its loop is then one load, one broadcast and one vdpbf16ps per 64 bytes,
-// twice unrolled, and on a Zen 4 the batch-1 bf16 decode read its weights 0.5-2 % faster than
-// with eight while the two cores shared one chiplet and 4-5 % faster while they sat on two
-// (kernel builds in one process, two runs, bench's bands; four accumulators fell between). The float32
-// tile showed no such difference (1.00x), so it keeps eight.
+// twice unrolled, and the batch-1 bf16 decode read its weights faster than with eight, most
+// while the two cores sat on two chiplets (four accumulators fell between). The float32 tile
+// showed no such difference, so it keeps eight.
 void run_tile_dpbf16(int64_t rows, bool pair, const uint16_t* xb, int64_t ldxb, const at::BFloat16* w0,
                      const at::BFloat16* w1, int64_t Kp, float* acc) {
   if (rows < kFewRows) {
@@ -528,10 +524,8 @@ inline void store_tile(const float* acc, int64_t rows, int64_t m0, int64_t n0, i
 
 // The panels of each task of a product (the same split for every row block). Fewer, longer
 // tasks were tried for a team's batch-1 products (each task costs atomic operations on lines the
-// members share, about 170 ns each on two chiplets). Batch-1 bf16, builds in one process: two a
-// member 1.010x on two chiplets, 1.002x on one; one 1.016x / 1.004x; two on top of
-// DecodeModel's prefetch 0.999x / 1.001x. Within noise, and one task a member would leave a
-// preempted member's home unshared, so four it stays.
+// members share, slow across chiplets): no gain beyond noise, and one task a member would leave
+// a preempted member's home unshared, so four it stays.
 int64_t panels_per_task(int64_t num_panels, int64_t num_threads) {
   return std::max<int64_t>(1, (num_panels + kTasksPerThread * num_threads - 1) / (kTasksPerThread * num_threads));
 }
@@ -542,11 +536,9 @@ int64_t panels_per_task(int64_t num_panels, int64_t num_threads) {
 // takes its own home from the front and steals from the back of another's, so the member that
 // runs out first finds small tasks to take, and the part ends with both at work. With four even
 // tasks a member (the split before), the first to finish waited for the other's last task, on
-// average half a task: on two chiplets (batch-1 bf16, per-member timings of each part) 8 us of
-// gate/up's 70 and 5 us of down's 38 a layer, while the members' own tasks read at about 93 % of
-// a plain sum's rate. This split: 1.019x on two chiplets, 1.004x on one (batch-1 bf16, builds
-// in one process, 240 s). Only below kFewRows rows: a task's panels are then each computed
-// alone, so the split does not change a float (paired panels at more rows would).
+// average half a task, while the members' own tasks read near a plain sum's rate. Only below
+// kFewRows rows: a task's panels are then each computed alone, so the split does not change a
+// float (paired panels at more rows would).
 struct TaperedSplit {
   int64_t num_panels, num_ranks, tasks_per_home;
 
@@ -624,9 +616,9 @@ __attribute__((target("avx512f"))) inline void stream_panel_row(float* o, const 
 //
 // stream_rows (AVX-512, a team's one-row products that overwrite out): each panel's 16 outputs
 // go to memory past the caches. The team's other member reads them next, and on two chiplets
-// a plain store first had to take back the line that member read the step before: that cost
-// the batch-1 bf16 gate/up product 7-9 % there. Non-temporal stores are weakly ordered, so each
-// task ends with a store fence before the team counts it done.
+// a plain store first had to take back the line that member read the step before, which slowed
+// the batch-1 bf16 gate/up product there. Non-temporal stores are weakly ordered, so each task
+// ends with a store fence before the team counts it done.
 template <typename Tile>
 void gemm_tiles(int64_t M, int64_t N, int64_t tile_rows, const float* scale, const float* bias, float* out,
                 int64_t ldo, bool accumulate, const TeamShare* team, bool stream_rows, const Tile& tile) {

@@ -48,9 +48,7 @@ inline bool is_split_width(int64_t head_dim) { return head_dim % 32 == 0 && head
 // 32 bfloat16 values (one 64-byte load) as two float32 vectors: the even-indexed values (each
 // 32-bit lane's low half, shifted up) and the odd-indexed ones (its high half, masked). Two
 // single-cycle operations where load16 takes a cross-lane zero-extension and a shift for every
-// 16 values (batch 32, 30 layers, a 2-core Zen 4: two builds of the kernel alone, in one process,
-// 1.04-1.15x at contexts of 128-2000; the engine's build in separate processes 0.95-0.98x the
-// time on average, within their spread).
+// 16 values (faster in the kernel alone; in the engine within the runs' spread).
 MINIVLLM_AVX512 inline void load32_split(const at::BFloat16* p, __m512& even, __m512& odd) {
   const __m512i raw = _mm512_loadu_si512(p);
   even = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
@@ -69,11 +67,8 @@ inline void split_columns(const float* q, int64_t rows, int64_t head_dim, float*
 
 // Rows of the paged cache are scattered (a block of 16 tokens, then a jump) and each is read
 // once, so the hardware prefetcher lags: the kernels ask for the row this many tokens ahead,
-// into L2 (T1). Into L1 (T0), the requests waited on L1's few miss buffers: at batch 32 and
-// 300-token contexts (30 layers, 9 query heads on 3 KV heads, a 2-core Zen 4) the kernel read
-// 12-13 GB/s of K and V against 16-18 with T1, where a plain sum streams 29 GB/s (builds in one
-// process: fp32 1.31-1.34x, bf16 1.29-1.50x; 12 or 48 rows ahead were no better, NTA no better
-// than T0).
+// into L2 (T1). Into L1 (T0), the requests waited on L1's few miss buffers and the kernel read K
+// and V far slower; 12 or 48 rows ahead were no better, NTA no better than T0.
 constexpr int64_t kPrefetchRows = 24;
 
 template <typename cache_t>
@@ -123,7 +118,7 @@ MINIVLLM_AVX512 void weighted_values(const float* probs, int64_t ctx_stride, con
     for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_setzero_ps();
   for (int64_t t = 0; t < ctx; ++t) {
     // Asked for again, though the scores pass asked for every V row (likely gone from L2 by
-    // now at long contexts): without this request the kernel ran 0.97x in fp32 at 300 and 1000.
+    // now at long contexts): without this request the fp32 kernel ran slower there.
     if (t + kPrefetchRows < ctx) prefetch_row(v + offsets[t + kPrefetchRows] + c0, NC * 16);
     __m512 vt[NC];
     load_row<NC, kSplit>(v + offsets[t] + c0, vt);
@@ -168,7 +163,7 @@ MINIVLLM_AVX512 inline void score_tokens(const float* q, const cache_t* k, const
     }
     const cache_t* kt = k + offsets[t0 + j];
     // The V row too, so the weighted sum after the softmax starts on rows in L2 and this loop
-    // keeps twice the requests in flight (1.05-1.26x the kernel at contexts of 128-1000).
+    // keeps twice the requests in flight.
     if (t0 + j + kPrefetchRows < ctx) {
       prefetch_row(k + offsets[t0 + j + kPrefetchRows], head_dim);
       prefetch_row(v + offsets[t0 + j + kPrefetchRows], head_dim);
@@ -253,11 +248,8 @@ MINIVLLM_AVX512 void attend_kv_heads_avx512(const float* q, const cache_t* k, co
   const __m512 vscale = _mm512_set1_ps(scale);
   if constexpr (std::is_same_v<cache_t, float>) {
     // Every KV head's scores for 16 tokens before the next 16: a token's row holds all heads
-    // side by side, and a pass per head read a third of each row three times over (batch 32,
-    // 30 layers, a 2-core Zen 4: the kernel 1.05-1.26x at contexts of 128-1000, outputs equal).
-    // A bfloat16 row is half as long, and there no gain showed: the kernel alone 0.94-1.11x
-    // (medians near 1.0), the engine's batch-32 step 1.02-1.11x slower in two runs (one build
-    // against itself moved as much), so it keeps a pass per head.
+    // side by side, and a pass per head read a third of each row three times over. A bfloat16
+    // row is half as long, and there no gain showed, so it keeps a pass per head.
     for (int64_t t0 = 0; t0 < ctx; t0 += 16)
       for (int64_t h = 0; h < num_kv; ++h)
         score_tokens<G, false>(q + h * head_size, k + h * head_dim, v + h * head_dim, offsets, ctx, t0, head_dim,

@@ -6,11 +6,11 @@
 // Per KV head, the context's keys are first laid out as panels [blocks of 16 keys, D, 16] and
 // its values as rows [L, D] in float32 (bf16 caches are widened once here, not per query); a
 // float32 cache whose blocks hold whole 16-key blocks keeps its values where they are, read in
-// place through the block table (without the copy: 1.08-1.11x alone, 1.04-1.08x in the engine). A
-// task then takes up to 8 neighbouring tiles of up to 8 query rows (the `group` query heads of
-// a few tokens, GQA) and walks the keys they may see, 64 a step: scores as a small matrix
-// product (one broadcast multiply-add into 16 keys per row and dimension), an exponential
-// evaluated lane-wise, and the weighted values accumulated per row, all in AVX-512 registers.
+// place through the block table (no copy per chunk). A task then takes up to 8 neighbouring
+// tiles of up to 8 query rows (the `group` query heads of a few tokens, GQA) and walks the keys
+// they may see, 64 a step: scores as a small matrix product (one broadcast multiply-add into 16
+// keys per row and dimension), an exponential evaluated lane-wise, and the weighted values
+// accumulated per row, all in AVX-512 registers.
 // A row's running maximum is raised only when a score passes it by more than 8 (log2 units), as
 // FlashAttention-4 does: most steps then need no maximum across lanes and no rescaling.
 // Elsewhere (or for head sizes not a multiple of 16) a portable loop over 16-key blocks runs,
@@ -21,8 +21,7 @@
 // widening: its panels keep the cache's bfloat16 values, two in each 32-bit element, and both
 // products run on vdpbf16ps (two multiply-adds a lane, twice the FMA's rate), with q and the
 // probabilities rounded to bfloat16 and everything summed in float32, as FlashAttention's bf16
-// kernels round P. On a 2-core Zen 4 the kernel ran 1.6x (first 504-token chunk) and 1.8x
-// (after 1008 cached tokens) the widened path, its error on a par with torch's bf16 SDPA.
+// kernels round P: faster than the widened path, its error on a par with torch's bf16 SDPA.
 #include "cpu_kernels.h"
 
 #include <ATen/Parallel.h>
@@ -365,7 +364,7 @@ MINIVLLM_AVX512 void rescaling_step_avx512(TileState<R>& t, __m512 (&s)[R][4], c
 // nothing is rescaled: no maximum across lanes (a chain of shuffles) stands between the scores
 // and the values. Otherwise (and on a row's first keys, whose maximum is -inf) the same scores go
 // through rescaling_step_avx512. Not inlined: inside the masked step the compiler's register
-// allocation made the whole step 7-17 % slower.
+// allocation made the whole step slower.
 template <int R, typename E>
 MINIVLLM_AVX512 __attribute__((noinline)) void unmasked_step_avx512(TileState<R>& t, const E* panel,
                                                                     const ValueRows<E>& vr, int64_t key0,

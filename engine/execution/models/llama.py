@@ -91,12 +91,11 @@ class LlamaForCausalLM(nn.Module):
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [T] -> cos, sin: [T, head_dim] float32, rows of tables made once.
 
-        Why tables: computing them per step took about 15 small ops, which after a batch-1
-        decode's weight stream (caches cold) cost ~2 % of a bf16 step (1.018x in an A/B). Why float32:
-        frequencies rounded to bfloat16 (as a buffer is by model.to) are up to 0.4 % off, so
-        the angles drift from the checkpoint's, by radians at a thousand positions in absolute
-        terms. (RoPE's scores see relative angles, and SmolLM2-135M's perplexity on the
-        repository's 971-token text did not move: 18.255 before, 18.256 after.)"""
+        Why tables: computing them per step took about 15 small ops, each slow after a batch-1
+        decode's weight stream left the caches cold. Why float32: frequencies rounded to
+        bfloat16 (as a buffer is by model.to) are up to 0.4 % off, so the angles drift from the
+        checkpoint's, by radians at a thousand positions in absolute terms. (RoPE's scores see
+        relative angles: SmolLM2-135M's perplexity did not move.)"""
         cos_table, sin_table = self.rope_tables_on(positions.device)
         return cos_table[positions], sin_table[positions]
 

@@ -127,9 +127,8 @@ def _num_sms(device: torch.device) -> int:
 def default_partition_size(batch: int, num_kv_heads: int, max_context_len: int, block_n: int,
                            device: torch.device) -> int:
     """Keys per partition: 1024, halved while the grid would give the GPU fewer programs than it
-    has SMs, down to two tiles. On an H200 (bf16, 8 KV heads of 128, CUDA-graph timed) this came
-    within 10% of the best of 128..2048 at every shape tried: B=1 at 32k tokens 3.0 TB/s (1024),
-    B=1 at 4k 1.8 TB/s (128; 1024 gave 0.6), B=64 at 2k 4.0 TB/s (1024)."""
+    has SMs, down to two tiles: on a GPU this came close to the best of 128..2048 at every shape
+    tried, where a fixed 1024 starved a single short context of programs."""
     target = _num_sms(device)
     partition = 1024
     while partition > 2 * block_n and batch * num_kv_heads * triton.cdiv(max_context_len, partition) < target:

@@ -1,0 +1,155 @@
+"""Conversions between vLLM's engine gRPC contract (`vllm.grpc.engine`, from the pinned
+smg-grpc-proto package) and the engine's plain values, with vLLM's servicer's conventions:
+unset or zero fields mean vLLM's defaults, a stream sends one chunk per output and then a
+`complete` per finished sample, a unary call one `complete` per sample."""
+from __future__ import annotations
+
+import datetime
+import itertools
+
+from smg_grpc_proto.generated import common_pb2
+from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
+
+from engine import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KvCacheEvent,
+    RequestOutput,
+    SamplingParams,
+    StructuredOutput,
+)
+
+_U64 = 1 << 64
+
+
+def sampling_params_from_vllm(msg: vpb.SamplingParams) -> SamplingParams:
+    """Validated SamplingParams; ValueError names the bad field. As vLLM's servicer reads the
+    message: temperature unset is 1.0, top_p and repetition_penalty 0 are 1.0 (off), n 0 is 1,
+    max_tokens unset runs to the context's end."""
+    kwargs: dict[str, object] = {
+        "temperature": msg.temperature if msg.HasField("temperature") else 1.0,
+        "top_p": msg.top_p if msg.top_p != 0.0 else 1.0, "top_k": msg.top_k, "min_p": msg.min_p,
+        "frequency_penalty": msg.frequency_penalty, "presence_penalty": msg.presence_penalty,
+        "repetition_penalty": msg.repetition_penalty if msg.repetition_penalty != 0.0 else 1.0,
+        "max_tokens": msg.max_tokens if msg.HasField("max_tokens") else None, "min_tokens": msg.min_tokens,
+        "stop": list(msg.stop), "stop_token_ids": list(msg.stop_token_ids),
+        "skip_special_tokens": msg.skip_special_tokens, "ignore_eos": msg.ignore_eos,
+        "n": msg.n or 1, "include_stop_str_in_output": msg.include_stop_str_in_output,
+    }
+    for name in ("logprobs", "prompt_logprobs", "seed", "truncate_prompt_tokens"):
+        if msg.HasField(name):
+            kwargs[name] = getattr(msg, name)
+    if msg.logit_bias:
+        kwargs["logit_bias"] = dict(msg.logit_bias)
+    if msg.HasField("max_tokens") and msg.max_tokens == 0:
+        raise ValueError("sampling_params.max_tokens must be >= 1, got 0")
+    kind = msg.WhichOneof("constraint")
+    if kind == "choice":
+        kwargs["structured_output"] = StructuredOutput.choice(list(msg.choice.choices))
+    elif kind == "json_object":
+        if msg.json_object:
+            kwargs["structured_output"] = StructuredOutput("json_object")
+    elif kind == "json_schema":
+        kwargs["structured_output"] = StructuredOutput("json_schema", msg.json_schema)
+    elif kind in ("regex", "grammar"):
+        kwargs["structured_output"] = StructuredOutput(kind, getattr(msg, kind))
+    elif kind == "structural_tag":
+        raise ValueError("sampling_params.structural_tag: not supported by this engine")
+    return SamplingParams(**kwargs)
+
+
+def _top(entry: dict[int, float] | None, num_top: int | None) -> vpb.TopLogProbs:
+    """vLLM's top list: the entry's first num_top items (the sampled token, then by rank)."""
+    top = vpb.TopLogProbs()
+    if num_top and entry:
+        for token_id, value in itertools.islice(entry.items(), num_top):
+            top.token_ids.append(token_id)
+            top.values.append(value)
+    return top
+
+
+def output_logprobs(token_ids: list[int], entries: list[dict[int, float]] | None, num_top: int | None
+                    ) -> vpb.OutputLogProbs | None:
+    if not entries:
+        return None
+    msg = vpb.OutputLogProbs()
+    for token_id, entry in zip(token_ids, entries, strict=True):
+        msg.token_ids.append(token_id)
+        msg.token_logprobs.append(entry[token_id])
+        if num_top:
+            msg.top_logprobs.append(_top(entry, num_top))
+    return msg
+
+
+def input_logprobs(out: RequestOutput, num_top: int | None) -> vpb.InputLogProbs | None:
+    """Prompt logprobs (the first token has none), as the first message of a sample carries them."""
+    if not out.prompt_logprobs:
+        return None
+    msg = vpb.InputLogProbs()
+    for token_id, entry in zip(out.prompt_token_ids, out.prompt_logprobs, strict=True):
+        value = vpb.InputTokenLogProb()
+        if entry is not None and token_id in entry:
+            value.value = entry[token_id]
+        msg.token_logprobs.append(value)
+        msg.token_ids.append(token_id)
+        if num_top:
+            msg.top_logprobs.append(_top(entry, num_top))
+    return msg
+
+
+def chunk_response(out: RequestOutput, params: SamplingParams, is_first: bool) -> vpb.GenerateResponse:
+    """One streamed delta of one sample (cached_tokens is known once the request finishes)."""
+    return vpb.GenerateResponse(chunk=vpb.GenerateStreamChunk(
+        token_ids=out.new_token_ids, prompt_tokens=out.num_prompt_tokens, completion_tokens=len(out.new_token_ids),
+        cached_tokens=out.num_cached_tokens,
+        output_logprobs=output_logprobs(out.new_token_ids, out.new_logprobs, params.logprobs),
+        input_logprobs=input_logprobs(out, params.prompt_logprobs) if is_first else None, index=out.index))
+
+
+def complete_response(out: RequestOutput, params: SamplingParams, is_stream: bool) -> vpb.GenerateResponse:
+    """A finished sample. Streamed: its last delta (the chunks carried the rest, as vLLM's
+    DELTA outputs do); unary: every token it produced."""
+    if is_stream:
+        token_ids, entries = out.new_token_ids, out.new_logprobs
+    else:
+        token_ids, entries = out.token_ids, out.logprobs
+    msg = vpb.GenerateComplete(
+        output_ids=token_ids, finish_reason=out.finish_reason or "stop", prompt_tokens=out.num_prompt_tokens,
+        completion_tokens=len(token_ids), cached_tokens=out.num_cached_tokens,
+        output_logprobs=output_logprobs(token_ids, entries, params.logprobs),
+        input_logprobs=input_logprobs(out, params.prompt_logprobs), index=out.index)
+    if isinstance(out.stop_reason, int):
+        msg.matched_token_id = out.stop_reason
+    elif out.stop_reason is not None:
+        msg.matched_stop_str = out.stop_reason
+    return vpb.GenerateResponse(complete=msg)
+
+
+def to_int64(value: int) -> int:
+    """A block hash as the contract's signed 64-bit field."""
+    value %= _U64
+    return value - _U64 if value >= 1 << 63 else value
+
+
+def kv_event_to_proto(event: KvCacheEvent, event_id: int) -> common_pb2.KvCacheEvent:
+    if isinstance(event, BlockStored):
+        bs = event.block_size
+        blocks = [common_pb2.KvBlock(block_hash=to_int64(h), token_ids=event.token_ids[i * bs:(i + 1) * bs],
+                                     block_size=bs) for i, h in enumerate(event.block_hashes)]
+        stored = common_pb2.KvBlocksStored(blocks=blocks, tier=common_pb2.KV_CACHE_TIER_DEVICE,
+                                           locality=common_pb2.KV_CACHE_LOCALITY_LOCAL)
+        if event.parent_block_hash is not None:
+            stored.parent_block_hash = to_int64(event.parent_block_hash)
+        return common_pb2.KvCacheEvent(event_id=event_id, stored=stored)
+    if isinstance(event, BlockRemoved):
+        return common_pb2.KvCacheEvent(event_id=event_id, removed=common_pb2.KvBlocksRemoved(
+            block_hashes=[to_int64(h) for h in event.block_hashes], tier=common_pb2.KV_CACHE_TIER_DEVICE,
+            locality=common_pb2.KV_CACHE_LOCALITY_LOCAL))
+    if isinstance(event, AllBlocksCleared):
+        return common_pb2.KvCacheEvent(event_id=event_id, cleared=common_pb2.KvCacheCleared())
+    raise TypeError(f"not a KV cache event: {event!r}")
+
+
+def iso_timestamp() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat()
