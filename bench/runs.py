@@ -8,9 +8,12 @@ import time
 from engine import LLM, SamplingParams, StepStats
 
 # mode (weights, and the KV cache where it differs) -> engine options
-WEIGHT_MODES = {"float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"},
+# (a .gguf model is served as its blocks only in gguf mode; the others dequantize it)
+WEIGHT_MODES = {"float32": {"dtype": "float32", "quantization": "none"},
+                "bfloat16": {"dtype": "bfloat16", "quantization": "none"},
                 "int8": {"dtype": "float32", "quantization": "int8"},
-                "float32-kv-bfloat16": {"dtype": "float32", "kv_cache_dtype": "bfloat16"}}
+                "float32-kv-bfloat16": {"dtype": "float32", "kv_cache_dtype": "bfloat16", "quantization": "none"},
+                "gguf": {"dtype": "float32", "quantization": "gguf"}}
 
 
 def make_prompts(num: int, min_len: int, max_len: int, vocab: int, seed: int) -> list[list[int]]:

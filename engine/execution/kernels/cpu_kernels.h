@@ -134,7 +134,8 @@ struct PackedPanels {
 // out[m, n] = sum_k x[m, k] * W[n, k] * scale[n] + bias[n], for m < M, n < N.
 // W is packed in panels of 16 output channels: [ceil(N / 16), K, 16] of float32 or int8 (int8
 // needs scale, per output channel), or [ceil(N / 16), Kp / 2, 32] of bfloat16 pairs of k (Kp: K
-// rounded up to 32). x: [M, K] float32 rows ldx apart; out rows ldo apart; accumulate adds into
+// rounded up to 32), or GGUF blocks' uint8 panels [ceil(N / 16), records, record bytes] (no
+// scale; their type by their record size, quant_tiles.h), which quant_gemm multiplies. x: [M, K] float32 rows ldx apart; out rows ldo apart; accumulate adds into
 // out instead (a residual). Panels run in parallel: on threads forked for the call, or, given a
 // team, on the team's threads (whose owner has checked w with check_packed_weight: a team's
 // member must not throw).
@@ -197,6 +198,9 @@ void quant_gemm(const float* x, int64_t M, int64_t K, int64_t ldx, const QuantPa
 // x: [M, K] (any float dtype) -> [M, n] float32 (Python's entry, like packed_linear).
 torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t type,
                            const std::optional<torch::Tensor>& bias, int64_t n, int64_t isa);
+// out[i, :k] = row ids[i] of checked quantized panels of k inputs (each id < the panels' rows), as
+// the gguf package dequantizes it: an embedding's lookup (quant_rows, DecodeModel's step).
+void quant_gather_rows(const QuantPanels& w, const int64_t* ids, int64_t L, int64_t k, float* out);
 // Rows `ids` ([L] int64, each < n) of a quantized weight of k inputs, float32 [L, k]: an
 // embedding's lookup, each value the gguf package's dequantization of it.
 torch::Tensor quant_rows(const torch::Tensor& w, int64_t type, const torch::Tensor& ids, int64_t n, int64_t k);

@@ -226,6 +226,18 @@ void quant_gemm(const float* x, int64_t M, int64_t K, int64_t ldx, const QuantPa
   at::parallel_for(0, std::min(num_threads, num_tasks), 1, [&](int64_t, int64_t) { forked.for_each_task(num_tasks, run); });
 }
 
+void quant_gather_rows(const QuantPanels& p, const int64_t* ids, int64_t L, int64_t k, float* out) {
+  const QuantFormat f = quant_format(p.type);
+  for (int64_t i = 0; i < L; ++i) {
+    const uint8_t* panel = p.data + (ids[i] / kPanel) * p.num_records * p.record_bytes;
+    for (int64_t rec = 0; rec < p.num_records; ++rec)
+      for (int64_t j = 0; j < f.blocks_per_record; ++j)
+        for (int64_t kk = 0; kk < kBlock; ++kk)
+          out[i * k + (rec * f.blocks_per_record + j) * kBlock + kk] =
+              weight_at(p.type, panel + rec * p.record_bytes, j, ids[i] % kPanel, kk);
+  }
+}
+
 torch::Tensor quant_rows(const torch::Tensor& w, int64_t type, const torch::Tensor& ids, int64_t n, int64_t k) {
   check_quant_weight(w, type, k, n, kIsaScalar);
   TORCH_CHECK(ids.scalar_type() == torch::kInt64 && ids.dim() == 1, "quant_rows: ids must be int64 [L]");
@@ -233,18 +245,10 @@ torch::Tensor quant_rows(const torch::Tensor& w, int64_t type, const torch::Tens
   const int64_t* id = ids_c.data_ptr<int64_t>();
   for (int64_t i = 0; i < ids.size(0); ++i) TORCH_CHECK(id[i] >= 0 && id[i] < n, "quant_rows: id ", id[i], " outside ", n, " rows");
   const QuantPanels p = QuantPanels::of(w, type);
-  const QuantFormat f = quant_format(type);
   auto out = torch::empty({ids.size(0), k}, torch::kFloat32);  // [L, K]
   float* o = out.data_ptr<float>();
   at::parallel_for(0, ids.size(0), 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const uint8_t* panel = p.data + (id[i] / kPanel) * p.num_records * p.record_bytes;
-      for (int64_t rec = 0; rec < p.num_records; ++rec)
-        for (int64_t j = 0; j < f.blocks_per_record; ++j)
-          for (int64_t kk = 0; kk < kBlock; ++kk)
-            o[i * k + (rec * f.blocks_per_record + j) * kBlock + kk] =
-                weight_at(type, panel + rec * p.record_bytes, j, id[i] % kPanel, kk);
-    }
+    quant_gather_rows(p, id + begin, end - begin, k, o + begin * k);
   });
   return out;
 }

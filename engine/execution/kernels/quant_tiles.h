@@ -52,6 +52,22 @@ constexpr QuantFormat quant_format(int64_t type) {
   }
 }
 
+// The type of a panel's records by their size: every type with kernels has a record size of its
+// own, so uint8 panels in a packed projection's slot (packed_gemm's dispatch, DecodeModel's
+// embedding) say their type by their shape. 0 for a size no type has.
+constexpr int64_t quant_type_of_record(int64_t record_bytes) {
+  constexpr int64_t kTypes[] = {kQ4_0, kQ4_1, kQ8_0, kQ4_K, kQ6_K};
+  for (const int64_t type : kTypes)
+    if (quant_format(type).record_bytes() == record_bytes) return type;
+  return 0;
+}
+static_assert(quant_type_of_record(quant_format(kQ4_0).record_bytes()) == kQ4_0 &&
+                  quant_type_of_record(quant_format(kQ4_1).record_bytes()) == kQ4_1 &&
+                  quant_type_of_record(quant_format(kQ8_0).record_bytes()) == kQ8_0 &&
+                  quant_type_of_record(quant_format(kQ4_K).record_bytes()) == kQ4_K &&
+                  quant_type_of_record(quant_format(kQ6_K).record_bytes()) == kQ6_K,
+              "each quantized type's record size is its own");
+
 // One row's 32-k block of activations: x ~ scale * q; sums of q over its two halves; scale *
 // (sum of all 32), what a block's minimum (Q4_1, Q4_K) multiplies.
 struct BlockActs {
