@@ -71,9 +71,10 @@ def resident_memory(llm: LLM) -> dict[str, float]:
     runner = llm.engine.runner
     weights = 0
     for module in runner.model.modules():
-        panels = getattr(module, "panels", None)
-        if panels is not None:
-            weights += sum(nbytes(t) for t in (panels.data, panels.scales, panels.bias))
+        # panels: PackedWeight or a GGUF file's QuantizedWeight (no scales); weight_blocks: a quantized embedding's
+        for panels in (getattr(module, "panels", None), getattr(module, "weight_blocks", None)):
+            if panels is not None:
+                weights += sum(nbytes(t) for t in (panels.data, getattr(panels, "scales", None), panels.bias))
         packed = getattr(module, "packed_weight", None)
         if packed is not None:
             weights += packed.numel() * packed.element_size()  # oneDNN's opaque copy: no shared data pointer
