@@ -98,7 +98,7 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--dtype", default="auto", help="engine dtype: auto (fp32 on CPU) | float32 | bfloat16")
-    parser.add_argument("--quantization", default="none", help="engine weight quantization: none | int8")
+    parser.add_argument("--quantization", default="none", help="engine weight quantization: none | int8 | gguf")
     parser.add_argument("--max-fused-tokens", type=int, default=None,
                         help="engine max_fused_tokens (default: the engine's)")
     parser.add_argument("--json", default=None, help="also write the figures to this file")
@@ -124,7 +124,7 @@ def main() -> None:
                              "core busy, and print the speed under that load")
     parser.add_argument("--compare", default=None,
                         help="comma-separated minivllm modes to run side by side: float32, bfloat16, int8, "
-                             "float32-kv-bfloat16")
+                             "float32-kv-bfloat16, gguf (the GGUF file's blocks: --model's .gguf or the default's)")
     parser.add_argument("--llama-cpp-python", default=None,
                         help="with --compare: the Python of a venv with llama-cpp-python (or MINIVLLM_LLAMA_CPP_PYTHON)")
     parser.add_argument("--vllm-python", default=None,

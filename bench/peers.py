@@ -67,15 +67,17 @@ def compare(args: argparse.Namespace) -> None:
         del llm
     python = args.llama_cpp_python or os.environ.get("MINIVLLM_LLAMA_CPP_PYTHON")
     if python:
-        peer = run_llama_cpp(python, fetch_default_gguf(), prompts, args.output_len)
+        # the same file minivllm's gguf mode serves: the default model's Q4_1, or the .gguf given as --model
+        gguf = Path(args.model) if args.model and args.model.endswith(".gguf") else fetch_default_gguf()
+        peer = run_llama_cpp(python, gguf, prompts, args.output_len)
         figures = {"output_tok_s": peer["output_tokens"] / peer["seconds"],
                    "decode_tok_s": peer["decode_tok_s"] if args.num_prompts == 1 else None}
-        result["systems"]["llama.cpp Q4_1"] = figures
-        rows.append(("llama.cpp Q4_1 (GGUF)", figures))
+        result["systems"][f"llama.cpp {gguf.name}"] = figures
+        rows.append((f"llama.cpp {gguf.name}", figures))
     vllm = args.vllm_python or os.environ.get("MINIVLLM_VLLM_PYTHON")
     if vllm:
         for mode in args.compare.split(","):
-            if set(WEIGHT_MODES[mode]) != {"dtype"}:
+            if set(WEIGHT_MODES[mode]) - {"dtype", "quantization"} or WEIGHT_MODES[mode].get("quantization") != "none":
                 continue  # the peer runs plain dtypes: vLLM's CPU build has no weight-only int8 for this model,
                 # and a mode's own KV cache dtype would not be the same comparison
             peer = run_vllm(vllm, resolve_dir(args.model), prompts, args.output_len, WEIGHT_MODES[mode]["dtype"],

@@ -8,9 +8,12 @@ import time
 from engine import LLM, SamplingParams, StepStats
 
 # mode (weights, and the KV cache where it differs) -> engine options
-WEIGHT_MODES = {"float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"},
+# (a .gguf model is served as its blocks only in gguf mode; the others dequantize it)
+WEIGHT_MODES = {"float32": {"dtype": "float32", "quantization": "none"},
+                "bfloat16": {"dtype": "bfloat16", "quantization": "none"},
                 "int8": {"dtype": "float32", "quantization": "int8"},
-                "float32-kv-bfloat16": {"dtype": "float32", "kv_cache_dtype": "bfloat16"}}
+                "float32-kv-bfloat16": {"dtype": "float32", "kv_cache_dtype": "bfloat16", "quantization": "none"},
+                "gguf": {"dtype": "float32", "quantization": "gguf"}}
 
 
 def make_prompts(num: int, min_len: int, max_len: int, vocab: int, seed: int) -> list[list[int]]:
@@ -68,9 +71,10 @@ def resident_memory(llm: LLM) -> dict[str, float]:
     runner = llm.engine.runner
     weights = 0
     for module in runner.model.modules():
-        panels = getattr(module, "panels", None)
-        if panels is not None:
-            weights += sum(nbytes(t) for t in (panels.data, panels.scales, panels.bias))
+        # panels: PackedWeight or a GGUF file's QuantizedWeight (no scales); weight_blocks: a quantized embedding's
+        for panels in (getattr(module, "panels", None), getattr(module, "weight_blocks", None)):
+            if panels is not None:
+                weights += sum(nbytes(t) for t in (panels.data, getattr(panels, "scales", None), panels.bias))
         packed = getattr(module, "packed_weight", None)
         if packed is not None:
             weights += packed.numel() * packed.element_size()  # oneDNN's opaque copy: no shared data pointer

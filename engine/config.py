@@ -62,8 +62,11 @@ class EngineConfig:
                                        "float32 weights holds twice the tokens and, on AVX512-BF16 CPUs, runs "
                                        "prefill attention on vdpbf16ps (greedy output may then differ from "
                                        "transformers' float32)")
-    quantization: str = _opt("none", "weight quantization: none | int8 (weight-only, one scale per output "
-                                     "channel; CPU; activations keep dtype, the KV cache kv_cache_dtype)")
+    quantization: str = _opt("auto", "weight quantization: auto (gguf for a .gguf model on the CPU, else none) | "
+                                     "none (a .gguf file dequantized to float) | int8 (weight-only, one scale per "
+                                     "output channel; CPU; activations keep dtype, the KV cache kv_cache_dtype) | "
+                                     "gguf (a GGUF file's Q4_0/Q4_1/Q8_0/Q4_K/Q6_K blocks as they are, by integer-dot "
+                                     "kernels; CPU; unset model: the default model's own Q4_1 file)")
     max_fused_tokens: int | None = _opt(None, "steps of at most this many tokens (decode sequences + prefill "
                                               "tokens) run each layer in C++ over weights packed in 16-channel "
                                               "panels (CPU); 0: off; unset: every step with int8 weights, in "
@@ -165,8 +168,12 @@ class EngineConfig:
             raise ValueError(f"backend must be auto, cpu, cuda or torch, got {self.backend!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
-        if self.quantization not in ("none", "int8"):
-            raise ValueError(f"quantization must be none or int8, got {self.quantization!r}")
+        if self.quantization not in ("auto", "none", "int8", "gguf"):
+            raise ValueError(f"quantization must be auto, none, int8 or gguf, got {self.quantization!r}")
+        if self.quantization == "gguf" and self.model is not None and not self.model.endswith(".gguf"):
+            raise ValueError(f"quantization gguf serves a .gguf file (or the default model's), not {self.model!r}")
+        if self.quantization == "auto":
+            self.quantization = "gguf" if self._serves_gguf_natively() else "none"
         if self.max_fused_tokens is not None and self.max_fused_tokens < 0:
             raise ValueError(f"max_fused_tokens must be >= 0, got {self.max_fused_tokens}")
         isas = ("auto", "scalar", "avx2", "avx512", "avx512_bf16", "amx")
@@ -185,6 +192,19 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be auto, float32 or bfloat16, got {self.kv_cache_dtype!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+
+    def _serves_gguf_natively(self) -> bool:
+        """auto: a .gguf model keeps its blocks where the CPU backend's kernels can run it (as vLLM
+        serves a .gguf path as it is); elsewhere it is dequantized, as before."""
+        if self.model is None or not self.model.endswith(".gguf") or not self.enable_cpp_kernels:
+            return False
+        if self.backend == "cpu":
+            return True
+        if self.backend != "auto" or self.device == "cuda" or self.dtype == "float16":
+            return False
+        import torch
+
+        return self.device == "cpu" or not torch.cuda.is_available()
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -48,7 +48,7 @@ class LLMEngine:
         from transformers import AutoConfig, AutoTokenizer
 
         self.config = config
-        self.model_dir = resolve_model(config.model)
+        self.model_dir = resolve_model(config.model, native_gguf=config.quantization == "gguf")
         self.model_name = model_display_name(config.model)
         hf_config = AutoConfig.from_pretrained(str(self.model_dir))
         # The engine thread's tokenizer, for detokenizing; inputs are tokenized off that thread

@@ -146,7 +146,8 @@ class InferenceServer:
 
     def _model_files(self) -> ModelFiles:
         engine = self.config.engine
-        model_dir = resolve_model(engine.model)  # the engine resolved it already: cached, no download
+        # the engine resolved it already: cached, no download
+        model_dir = resolve_model(engine.model, native_gguf=engine.quantization == "gguf")
         tokenizer_dir = Path(engine.tokenizer) if engine.tokenizer and Path(engine.tokenizer).is_dir() else model_dir
         return ModelFiles(engine.model or model_display_name(engine.model), model_dir, tokenizer_dir,
                           self.config.served_model_name or model_display_name(engine.model))

@@ -40,8 +40,33 @@ def model_display_name(model: str | None) -> str:
     return model
 
 
-def resolve_model(model: str | None) -> Path:
-    """Return a local HF-style directory (config.json, tokenizer, safetensors) for `model`."""
+def gguf_path(model: str | None) -> Path:
+    """The GGUF file `model` comes from: the default model's own (fetched once) or a .gguf path."""
+    if model is None or model == DEFAULT_MODEL_NAME:
+        return fetch_default_gguf()
+    path = Path(model).expanduser()
+    if path.suffix != ".gguf":
+        raise ValueError(f"model: {model!r} is not a .gguf file")
+    if not path.is_file():
+        raise ValueError(f"model: GGUF file {model!r} does not exist")
+    return path
+
+
+def _gguf_cache_key(path: Path) -> str:
+    stat = path.stat()
+    return hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+
+
+def resolve_model(model: str | None, native_gguf: bool = False) -> Path:
+    """Return a local HF-style directory (config.json, tokenizer, safetensors) for `model`.
+    native_gguf (quantization gguf): a GGUF model's directory holds its config and tokenizer
+    only, read from the file's metadata; the weights stay in the file (gguf_path)."""
+    if native_gguf:
+        gguf = gguf_path(model)
+        target = default_cache_dir() / "gguf-meta" / f"{gguf.stem}-{_gguf_cache_key(gguf)}"
+        if not (target / "config.json").exists():
+            write_gguf_metadata(gguf, target)
+        return target
     if model is None or model == DEFAULT_MODEL_NAME:
         target = default_cache_dir() / DEFAULT_MODEL_NAME
         if not (target / "config.json").exists():
@@ -51,9 +76,7 @@ def resolve_model(model: str | None) -> Path:
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ValueError(f"model: GGUF file {model!r} does not exist")
-        stat = path.stat()
-        key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-        target = default_cache_dir() / "converted" / f"{path.stem}-{key}"
+        target = default_cache_dir() / "converted" / f"{path.stem}-{_gguf_cache_key(path)}"
         if not (target / "config.json").exists():
             convert_gguf(path, target)
         return target
@@ -105,6 +128,33 @@ def convert_gguf(gguf: Path, target: Path) -> None:
         config.pop("_model_name_or_path", None)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         model.generation_config.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_gguf_metadata(gguf: Path, target: Path) -> None:
+    """A GGUF file's config, generation config and tokenizer (with its chat template) as an HF
+    directory without weights (atomically): transformers reads them from the file's metadata."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    from engine.execution.gguf_file import GGUFFile
+
+    GGUFFile(gguf)  # a truncated file or an unsupported architecture fails here, naming the problem
+    logger.info("reading %s's config and tokenizer into %s (once)", gguf, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+    try:
+        values = config.to_dict()
+        for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
+            values.pop(key, None)
+        (tmp / "config.json").write_text(json.dumps(values, indent=2))
+        GenerationConfig.from_model_config(config).save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
         if target.exists():
             shutil.rmtree(target)

@@ -21,8 +21,9 @@ from engine.core.runner_output import RunnerOutput
 from engine.core.scheduler_output import SchedulerOutput
 from engine.execution.attention import AttentionMetadata
 from engine.execution.backends import select_backend
+from engine.execution.gguf_file import GGUFFile
 from engine.execution.input_batch import CachedRequestState, Chunk, InputBatch, prepare_decode, prepare_prefill
-from engine.execution.model_loader import iter_weights
+from engine.execution.model_loader import gguf_path, iter_weights
 from engine.execution.models import model_class
 from engine.execution.prompt_logprobs import prompt_logprobs
 from engine.execution.sampler import Sampler
@@ -41,7 +42,10 @@ class ModelRunner:
         self.device, self.dtype, self.cache_dtype = self.backend.device, self.backend.dtype, self.backend.cache_dtype
         self.block_size = config.block_size
         self.batch = InputBatch()
-        self.model = self.backend.load_model(cls, iter_weights(model_dir))
+        if config.quantization == "gguf":
+            self.model = self.backend.load_gguf_model(cls, GGUFFile(gguf_path(config.model)))
+        else:
+            self.model = self.backend.load_model(cls, iter_weights(model_dir))
         mc = self.model_config
         self.num_kv_blocks = config.num_kv_blocks or max(1, self.backend.kv_cache_bytes() // self._block_bytes)
         # One pool for all layers: [layers, k/v, slots, kv_heads, head_dim].

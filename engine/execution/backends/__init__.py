@@ -34,8 +34,8 @@ def select_backend(config: EngineConfig, model_config: ModelConfig) -> Backend:
         raise ValueError("backend: cpu runs on device cpu, not cuda")
     device = pick_device({"cuda": "cuda", "cpu": "cpu"}.get(config.backend, config.device))
     dtype = pick_dtype(config.dtype, device)
-    if config.quantization == "int8" and (device.type != "cpu" or config.backend == "torch"):
-        raise ValueError("quantization: int8 runs on the CPU backend only")
+    if config.quantization in ("int8", "gguf") and (device.type != "cpu" or config.backend == "torch"):
+        raise ValueError(f"quantization: {config.quantization} runs on the CPU backend only")
     if config.backend == "torch":
         return Backend(config, model_config, device, dtype)
     if device.type == "cuda":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -19,6 +20,9 @@ from engine.config import EngineConfig, usable_cpus
 from engine.execution.attention import AttentionBackend, AttentionMetadata
 from engine.execution.backends.torch_attention import TorchAttention
 from engine.execution.models.model_config import ModelConfig
+
+if TYPE_CHECKING:
+    from engine.execution.gguf_file import GGUFFile
 
 
 class Backend:
@@ -46,6 +50,11 @@ class Backend:
         model = model.to(device=self.device, dtype=self.dtype).eval()
         self.prepare(model)
         return model
+
+    def load_gguf_model(self, model_class: type[nn.Module], gguf: GGUFFile) -> nn.Module:
+        """The model with a GGUF file's quantized blocks kept as they are (quantization gguf)."""
+        raise ValueError(f"quantization: gguf runs on the CPU backend with its C++ kernels, not the {self.name} "
+                         "backend; quantization none serves the file dequantized to float")
 
     def prepare(self, model: nn.Module) -> None:
         """Pack or bind the loaded model's weights (nothing for the reference)."""

@@ -16,9 +16,12 @@ from engine.execution.attention import AttentionMetadata
 from engine.execution.backends.backend import Backend
 from engine.execution.backends.cpu_attention import CpuAttention
 from engine.execution.backends.cpu_fused import FusedModel
+from engine.execution.backends.cpu_gguf import embedding_of, pack_gguf_linears
 from engine.execution.backends.cpu_linear import PanelEmbedding, can_pack_linear, pack_linears
+from engine.execution.gguf_file import GGUFFile
 from engine.execution.huge_pages import huge_page_tensor, release_free_memory
 from engine.execution.kernels import ISAS
+from engine.execution.models.gguf_loader import load_gguf_model
 from engine.execution.models.model_config import ModelConfig
 from engine.execution.models.packed_weight import place_on_huge_pages
 
@@ -56,14 +59,15 @@ class CpuBackend(Backend):
                  kernels: ModuleType | None) -> None:
         super().__init__(config, model_config, torch.device("cpu"), dtype)
         self.quantized = config.quantization == "int8"
-        if self.quantized and kernels is None:
-            raise ValueError("quantization: int8 needs the C++ CPU kernels (a compiler, dtype float32 or bfloat16, "
-                             "enable_cpp_kernels)")
+        self.gguf = config.quantization == "gguf"  # the GGUF file's blocks, by the integer-dot kernels
+        if (self.quantized or self.gguf) and kernels is None:
+            raise ValueError(f"quantization: {config.quantization} needs the C++ CPU kernels (a compiler, dtype "
+                             "float32 or bfloat16, enable_cpp_kernels)")
         self.kernels = kernels
         self.isa = pick_isa(kernels, config.kernel_isa)
         max_fused = config.max_fused_tokens
         if max_fused is None:
-            max_fused = default_max_fused_tokens(dtype, self.isa, self.quantized)
+            max_fused = default_max_fused_tokens(dtype, self.isa, self.quantized or self.gguf)
         self.panel_dtype = torch.int8 if self.quantized else dtype if kernels is not None and max_fused > 0 else None
         self.max_fused_tokens = max_fused if self.panel_dtype is not None else 0
         self.max_decode_rows = self.max_fused_tokens
@@ -76,6 +80,16 @@ class CpuBackend(Backend):
             # The C++ prefill attention where it was measured ahead of torch's flash kernel: its AVX-512 tiles.
             fits = mc.num_heads // mc.num_kv_heads <= 8 and mc.head_dim <= 256
             self.attention = CpuAttention(kernels, self.isa, prefill_in_cpp=self.isa >= ISAS["avx512"] and fits)
+
+    def load_gguf_model(self, model_class: type[nn.Module], gguf: GGUFFile) -> nn.Module:
+        model = load_gguf_model(model_class, self.model_config, gguf).to(dtype=self.dtype)
+        packed = pack_gguf_linears(model, self.dtype, self.kernels, self.isa)
+        if self.config.enable_huge_pages:  # before the fused layers take the panels' addresses
+            place_on_huge_pages([m.panels for m in packed])
+        model.embed_tokens = embedding_of(model, self.dtype, self.kernels)
+        self.fused = FusedModel(model, self.kernels, self.isa)
+        release_free_memory()
+        return model
 
     def prepare(self, model: nn.Module) -> None:
         if self.onednn or self.panel_dtype is not None:

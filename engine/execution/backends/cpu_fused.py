@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from engine.execution.attention import AttentionMetadata, attention
+from engine.execution.backends.cpu_gguf import kernel_args
 
 
 @dataclass(slots=True)
@@ -40,7 +41,7 @@ class FusedLayer:
         projections = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
         return cls(layer.input_layernorm.weight.float().contiguous(),
                    layer.post_attention_layernorm.weight.float().contiguous(),
-                   tuple(p.panels.as_args() for p in projections), layer.num_heads, layer.num_kv_heads,
+                   tuple(kernel_args(p.panels) for p in projections), layer.num_heads, layer.num_kv_heads,
                    layer.head_dim, layer.sliding_window or 0, layer.eps, layer.scale)
 
     def weights(self, kernels: ModuleType) -> Any:
@@ -99,7 +100,7 @@ class FusedModel:
         embedding = getattr(model.embed_tokens, "data", None)  # the LM head's panels, when it holds the embedding
         self.decoder = self.kernels.DecodeModel(
             embedding if embedding is not None else model.embed_tokens.weight, cos_table, sin_table, [layer.weights(self.kernels) for layer in self.layers],
-            kv_caches, self.final_norm, model.lm_head.panels.as_args(), first.num_heads, block_size, first.eps,
+            kv_caches, self.final_norm, kernel_args(model.lm_head.panels), first.num_heads, block_size, first.eps,
             first.scale, self.isa)
 
     def decode_logits(self, token_ids: list[int], block_tables: list[list[int]], context_lens: list[int],

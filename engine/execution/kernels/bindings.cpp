@@ -35,6 +35,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("best_isa", &minivllm::best_isa,
         "The best SIMD path this CPU runs: 0 scalar, 1 AVX2, 2 AVX-512, 3 AVX-512 + BF16, 4 AVX-512 + AMX");
   m.def("packed_linear", without_gil(&minivllm::packed_linear), "x [M, K] times panel-packed weights -> [M, n] float32");
+  m.def("quant_linear", without_gil(&minivllm::quant_linear),
+        "x [M, K] times GGUF blocks repacked in panels (ggml type) -> [M, n] float32");
+  m.def("quant_rows", without_gil(&minivllm::quant_rows),
+        "Rows ids of a quantized weight as float32 [L, k] (an embedding's lookup)");
+  m.def("quant_chain_seconds", without_gil(&minivllm::quant_chain_seconds),
+        "Seconds per run of a chain of quantized products on one team of threads (benchmarks)", py::arg("x"),
+        py::arg("weights"), py::arg("reps"), py::arg("isa"), py::arg("out") = py::none());
+  m.def("packed_chain_seconds", without_gil(&minivllm::packed_chain_seconds),
+        "Seconds per run of a chain of packed products on one team of threads (benchmarks)", py::arg("x"),
+        py::arg("weights"), py::arg("reps"), py::arg("isa"), py::arg("out") = py::none());
   m.def("decode_layer", without_gil(&minivllm::decode_layer), "One decoder layer of a decode step, in place on x (CPU)");
   py::class_<minivllm::DecodeLayerWeights, std::shared_ptr<minivllm::DecodeLayerWeights>>(m, "DecodeLayerWeights")
       .def(py::init<torch::Tensor, torch::Tensor, minivllm::PackedLinear, minivllm::PackedLinear,

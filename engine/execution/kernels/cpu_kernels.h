@@ -134,7 +134,8 @@ struct PackedPanels {
 // out[m, n] = sum_k x[m, k] * W[n, k] * scale[n] + bias[n], for m < M, n < N.
 // W is packed in panels of 16 output channels: [ceil(N / 16), K, 16] of float32 or int8 (int8
 // needs scale, per output channel), or [ceil(N / 16), Kp / 2, 32] of bfloat16 pairs of k (Kp: K
-// rounded up to 32). x: [M, K] float32 rows ldx apart; out rows ldo apart; accumulate adds into
+// rounded up to 32), or GGUF blocks' uint8 panels [ceil(N / 16), records, record bytes] (no
+// scale; their type by their record size, quant_tiles.h), which quant_gemm multiplies. x: [M, K] float32 rows ldx apart; out rows ldo apart; accumulate adds into
 // out instead (a residual). Panels run in parallel: on threads forked for the call, or, given a
 // team, on the team's threads (whose owner has checked w with check_packed_weight: a team's
 // member must not throw).
@@ -178,6 +179,41 @@ void apply_token_bitmask_(torch::Tensor logits, const torch::Tensor& bitmask, co
 torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& w, const std::optional<torch::Tensor>& scale,
                             const std::optional<torch::Tensor>& bias, int64_t n, int64_t isa);
 using PackedLinear = std::tuple<torch::Tensor, std::optional<torch::Tensor>, std::optional<torch::Tensor>, int64_t>;
+// A weight of GGUF's quantized blocks, repacked in panels of 16 output channels (quant_tiles.h
+// has the layout), as plain values: data [num_panels, num_records, record_bytes] uint8 and its
+// ggml type (Q4_0 2, Q4_1 3, Q8_0 8, Q4_K 12, Q6_K 14).
+struct QuantPanels {
+  const uint8_t* data = nullptr;
+  int64_t type = 0;
+  int64_t num_panels = 0, num_records = 0, record_bytes = 0;
+  static QuantPanels of(const torch::Tensor& w, int64_t type);  // w as check_quant_weight accepts it
+};
+void check_quant_weight(const torch::Tensor& w, int64_t type, int64_t K, int64_t N, int64_t isa);
+// out[m, n] = sum_k x[m, k] * W[n, k] + bias[n], for m < M, n < N: packed_gemm's contract for
+// quantized panels, x quantized per 32 k to int8 on the way in. isa: kIsaAvx512 and up run
+// AVX-512 VNNI (AVX2 on a CPU without VNNI), kIsaAvx2 AVX2, kIsaScalar plain C++. A team's
+// members must not throw: its owner checks w with check_quant_weight.
+void quant_gemm(const float* x, int64_t M, int64_t K, int64_t ldx, const QuantPanels& w, const float* bias, int64_t N,
+                float* out, int64_t ldo, int64_t isa, bool accumulate, const TeamShare* team);
+// x: [M, K] (any float dtype) -> [M, n] float32 (Python's entry, like packed_linear).
+torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t type,
+                           const std::optional<torch::Tensor>& bias, int64_t n, int64_t isa);
+// out[i, :k] = row ids[i] of checked quantized panels of k inputs (each id < the panels' rows), as
+// the gguf package dequantizes it: an embedding's lookup (quant_rows, DecodeModel's step).
+void quant_gather_rows(const QuantPanels& w, const int64_t* ids, int64_t L, int64_t k, float* out);
+// Rows `ids` ([L] int64, each < n) of a quantized weight of k inputs, float32 [L, k]: an
+// embedding's lookup, each value the gguf package's dequantization of it.
+torch::Tensor quant_rows(const torch::Tensor& w, int64_t type, const torch::Tensor& ids, int64_t n, int64_t k);
+// Benchmarks: `reps` runs of a chain of products (weights[i] against x's first K_i columns),
+// each product's tasks shared by a team of at::get_num_threads() threads in one parallel region
+// that wait for each product's end before the next, as DecodeModel's members do -> seconds per
+// run. Quantized weights are (data, ggml type, N, K), packed ones PackedLinear with their K. out,
+// when given (float32, >= M * every N), holds the last product's [M, N] output first (tests: the
+// team's share).
+double quant_chain_seconds(const torch::Tensor& x, const std::vector<std::tuple<torch::Tensor, int64_t, int64_t, int64_t>>& weights,
+                           int64_t reps, int64_t isa, const std::optional<torch::Tensor>& out);
+double packed_chain_seconds(const torch::Tensor& x, const std::vector<std::tuple<PackedLinear, int64_t>>& weights,
+                            int64_t reps, int64_t isa, const std::optional<torch::Tensor>& out);
 void decode_layer(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& input_norm,
                   const torch::Tensor& post_norm, const PackedLinear& qkv, const PackedLinear& o_proj,
                   const PackedLinear& gate_up, const PackedLinear& down, torch::Tensor k_cache, torch::Tensor v_cache,

@@ -15,6 +15,7 @@
 // for one more part.
 #include "cpu_kernels.h"
 #include "layer_parts.h"
+#include "quant_tiles.h"
 
 #include <ATen/Parallel.h>
 
@@ -125,15 +126,22 @@ torch::Tensor gathered_rows(const torch::Tensor& table, const int64_t* index, in
 // model whose LM head shares the embedding, from the LM head's own panels: float32 [P, hidden, 16]
 // (row t is column t % 16 of panel t / 16) or bfloat16 [P, Kp / 2, 32] (pairs of k interleaved),
 // so the embedding is not held a second time.
+// A GGUF file's quantized embedding comes as its uint8 block panels (the tied LM head's, or its
+// own), each row dequantized as the gguf package does.
 torch::Tensor gathered_embedding(const torch::Tensor& table, const int64_t* index, int64_t M, int64_t hidden) {
   if (table.dim() == 2) return gathered_rows(table, index, M, "embedding");
   TORCH_CHECK(table.dim() == 3 && table.is_contiguous(), "DecodeModel.step: embedding panels must be contiguous");
   const int64_t rows = table.size(0) * kPanel, inner = table.size(1);
   auto out = torch::empty({M, hidden}, table.options().dtype(torch::kFloat32));
   float* o = out.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m) {
+  for (int64_t m = 0; m < M; ++m)
     TORCH_CHECK(index[m] >= 0 && index[m] < rows, "DecodeModel.step: embedding index ", index[m], " out of [0, ",
                 rows, ")");
+  if (table.scalar_type() == torch::kByte) {
+    quant_gather_rows(QuantPanels::of(table, quant_type_of_record(table.size(2))), index, M, hidden, o);
+    return out;
+  }
+  for (int64_t m = 0; m < M; ++m) {
     const int64_t panel = index[m] / kPanel, lane = index[m] % kPanel;
     if (table.scalar_type() == torch::kFloat32) {
       const float* p = table.data_ptr<float>() + panel * inner * kPanel + lane;
@@ -499,8 +507,12 @@ DecodeModel::DecodeModel(torch::Tensor embedding, torch::Tensor rope_cos, torch:
                               e.size(2) == kPanel;
   const bool is_bf16_panels = e.dim() == 3 && e.scalar_type() == torch::kBFloat16 && 2 * e.size(1) >= hidden &&
                               e.size(2) == 2 * kPanel;
-  TORCH_CHECK(is_table || is_fp32_panels || is_bf16_panels,
-              "DecodeModel: the embedding must be [vocab, hidden] or the LM head's float32 or bfloat16 panels");
+  const bool is_quant_panels = e.dim() == 3 && e.scalar_type() == torch::kByte && e.is_contiguous() &&
+                               quant_type_of_record(e.size(2)) != 0 &&
+                               e.size(1) * quant_format(quant_type_of_record(e.size(2))).record_k() == hidden;
+  TORCH_CHECK(is_table || is_fp32_panels || is_bf16_panels || is_quant_panels,
+              "DecodeModel: the embedding must be [vocab, hidden], the LM head's float32 or bfloat16 panels or GGUF "
+              "block panels of hidden inputs");
   head_dim = this->rope_cos.size(1);
   const auto& k0 = std::get<0>(this->kv_caches.front());
   TORCH_CHECK(k0.dim() == 3 && k0.size(2) == head_dim && k0.size(1) > 0 && num_heads % k0.size(1) == 0,

@@ -21,6 +21,7 @@
 // tile. On the model's layer shapes at 32 rows that runs several times the FMA path's rate
 // (python -m bench.packed_gemm), so a batch-32 decode step no longer waits on the FMAs.
 #include "cpu_kernels.h"
+#include "quant_tiles.h"
 
 #include <ATen/Parallel.h>
 
@@ -805,8 +806,14 @@ void check_packed_weight(const torch::Tensor& w, int64_t K, int64_t N, const flo
       TORCH_CHECK(scale != nullptr, "packed_gemm: int8 weights need per-channel scales");
       TORCH_CHECK(w.size(1) == K && w.size(2) == kPanel, "packed_gemm: int8 weight must be [N/16, K, 16]");
       return;
+    case torch::kByte:
+      TORCH_CHECK(scale == nullptr, "packed_gemm: GGUF block panels take no per-channel scales");
+      TORCH_CHECK(quant_type_of_record(w.size(2)) != 0, "packed_gemm: uint8 weight records of ", w.size(2),
+                  " bytes are no GGUF block type with kernels");
+      check_quant_weight(w, quant_type_of_record(w.size(2)), K, N, isa);
+      return;
     default:
-      TORCH_CHECK(false, "packed_gemm: weights must be float32, bfloat16 or int8");
+      TORCH_CHECK(false, "packed_gemm: weights must be float32, bfloat16, int8 or GGUF block panels (uint8)");
   }
 }
 
@@ -862,6 +869,11 @@ void packed_gemm(const float* x, int64_t M, int64_t K, int64_t ldx, const Packed
         return gemm_dpbf16(x, M, ldx, data, 2 * w.rows, K, bias, N, out, ldo, accumulate, team);
 #endif
       return gemm_vector(x, M, ldx, data, panel_size, K, scale, bias, N, out, ldo, isa, accumulate, team);
+    }
+    case torch::kByte: {  // GGUF blocks: the integer-dot kernels
+      const QuantPanels q{static_cast<const uint8_t*>(w.data), quant_type_of_record(w.width), w.num_panels, w.rows,
+                          w.width};
+      return quant_gemm(x, M, K, ldx, q, bias, N, out, ldo, isa, accumulate, team);
     }
     default:  // int8 (check_packed_weight allows no other)
       return gemm_vector(x, M, ldx, static_cast<const int8_t*>(w.data), panel_size, K, scale, bias, N, out, ldo, isa,

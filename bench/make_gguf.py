@@ -1,0 +1,100 @@
+"""Write a random-weight GGUF file of a model's shape, for speed runs on a larger model than the
+default without a download: speed depends on shapes, not values.
+
+    python -m bench.make_gguf --out /tmp/llama-1b-q4_0.gguf --type Q4_0
+
+The shape is transformers' LlamaConfig of Llama-3.2-1B (hidden 2048, 16 layers, 32 heads, 8 KV heads,
+MLP 8192, vocabulary 128256, tied embeddings); projections and the embedding hold random normal
+weights quantized by the `gguf` package to --type, norms are float32. The tokenizer's metadata
+is the default model's (its SmolLM2 vocabulary, padded with unused tokens to the shape's size),
+so minivllm and llama.cpp both load the file.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+from gguf.quants import quantize
+
+logger = logging.getLogger("bench.make_gguf")
+
+_UNUSED_TOKEN = 5  # llama.cpp's token type for a vocabulary slot no text maps to
+
+
+def llama_3_2_1b_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=8192,
+                       rms_norm_eps=1e-5, tie_word_embeddings=True, rope_theta=500000.0)
+
+
+def _copy_tokenizer(writer: GGUFWriter, source: GGUFReader, vocab_size: int) -> None:
+    for field in source.fields.values():
+        if not field.name.startswith("tokenizer."):
+            continue
+        value = field.contents()
+        if field.name == "tokenizer.ggml.tokens":
+            value = value + [f"<unused_{i}>" for i in range(len(value), vocab_size)]
+        elif field.name == "tokenizer.ggml.token_type":
+            value = value + [_UNUSED_TOKEN] * (vocab_size - len(value))
+        sub_type = field.types[-1] if len(field.types) > 1 else None
+        writer.add_key_value(field.name, value, field.types[0], sub_type=sub_type)
+
+
+def write_random_gguf(path: str, quant_type: GGMLQuantizationType, seed: int = 0) -> None:
+    from engine.execution.model_loader import fetch_default_gguf
+
+    cfg = llama_3_2_1b_config()
+    rng = np.random.default_rng(seed)
+    writer = GGUFWriter(path, "llama")
+    writer.add_name("random Llama-3.2-1B shape")
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_dimension_count(cfg.head_dim)
+    writer.add_rope_freq_base(500000.0)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_file_type({GGMLQuantizationType.Q4_0: 2, GGMLQuantizationType.Q4_1: 3,
+                          GGMLQuantizationType.Q8_0: 7}[quant_type])
+    _copy_tokenizer(writer, GGUFReader(str(fetch_default_gguf())), cfg.vocab_size)
+
+    def matrix(name: str, rows: int, cols: int) -> None:
+        values = rng.standard_normal((rows, cols), dtype=np.float32) * 0.02
+        writer.add_tensor(name, quantize(values, quant_type), raw_dtype=quant_type)
+
+    hidden, q, kv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    matrix("token_embd.weight", cfg.vocab_size, hidden)
+    writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    for i in range(cfg.num_hidden_layers):
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, np.float32))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, np.float32))
+        for name, rows, cols in (("attn_q", q, hidden), ("attn_k", kv, hidden), ("attn_v", kv, hidden),
+                                 ("attn_output", hidden, q), ("ffn_gate", cfg.intermediate_size, hidden),
+                                 ("ffn_up", cfg.intermediate_size, hidden), ("ffn_down", hidden, cfg.intermediate_size)):
+            matrix(f"blk.{i}.{name}.weight", rows, cols)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="the .gguf file to write")
+    parser.add_argument("--type", default="Q4_0", choices=["Q4_0", "Q4_1", "Q8_0"], help="the projections' block type")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    write_random_gguf(args.out, GGMLQuantizationType[args.type], args.seed)
+    logger.info("wrote %s", args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""GGUF's quantized blocks kept packed: the integer-dot kernels' weight streams in GB/s against
+this machine's read bandwidth (a torch sum over 1 GiB on all threads) and the int8 panel kernel
+on the same shapes, side by side in one run:
+
+    flock -x /tmp/minivllm-bench.lock python -m bench.quant_gemm
+    flock -x /tmp/minivllm-bench.lock python -m bench.quant_gemm --rows 1,8,32 --isa avx2
+
+Each shape set is a chain of products over distinct copies of its weights, more bytes than the
+caches hold, run by one team of threads that waits for each product's end as a decode step's
+members do (kernels/linear_chain.cpp): the 135M set is SmolLM2-135M's layer (QKV, O, gate/up,
+down), the 1B set Llama-3.2-1B's MLP shapes (2048 -> 8192, 8192 -> 2048). GB/s counts the
+weights' bytes as the kernels hold them.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from engine.execution.kernels import ISAS, load_cpu_kernels
+from engine.execution.models.packed_weight import PackedWeight
+from engine.execution.models.quantized_weight import QuantizedWeight
+
+logger = logging.getLogger(__name__)
+T = GGMLQuantizationType
+_SETS = {"135M layer": [(576, 960), (576, 576), (576, 3072), (1536, 576)],  # (K, N)
+         "1B MLP": [(2048, 8192), (8192, 2048)]}
+_TYPES = [T.Q4_0, T.Q4_1, T.Q4_K, T.Q6_K, T.Q8_0]
+_MIN_BYTES = 320 << 20  # per chain: several times the last-level cache
+_HALF_OFFSETS = {T.Q4_0: (0,), T.Q4_1: (0,), T.Q8_0: (0,), T.Q4_K: (0, 2), T.Q6_K: (208,)}
+
+
+class ReadBandwidth:
+    """GB/s of a torch sum over 1 GiB of float32 on all threads: the best seen so far. Measured
+    between the kernels' runs, so that both get the machine's quiet moments (it is shared)."""
+
+    def __init__(self) -> None:
+        self.x = torch.ones(1 << 28)
+        self.best = 0.0
+        self.measure()
+
+    def measure(self) -> float:
+        start = time.perf_counter()
+        self.x.sum()
+        rate = self.x.numel() * 4 / (time.perf_counter() - start) / 1e9
+        self.best = max(self.best, rate)
+        return rate
+
+
+def random_blocks(quant_type: T, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """[n, row bytes]: random codes and small scales (speed depends on the shapes, not the values)."""
+    size, nbytes = GGML_QUANT_SIZES[quant_type]
+    blocks = rng.integers(0, 256, size=(n, k // size, nbytes), dtype=np.uint8)
+    for offset in _HALF_OFFSETS[quant_type]:
+        blocks[..., offset:offset + 2] = np.full((n, k // size), 0.01, np.float16).view(np.uint8).reshape(n, -1, 2)
+    return blocks.reshape(n, -1)
+
+
+def best_seconds(fn, bandwidth: ReadBandwidth, tries: int = 7) -> float:
+    """The best of `tries` runs of fn (-> seconds), each after a measure of the read bandwidth."""
+    fn()
+    best = float("inf")
+    for _ in range(tries):
+        bandwidth.measure()
+        best = min(best, fn())
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", default="1", help="comma-separated row counts (M)")
+    parser.add_argument("--isa", default="best", choices=["best", *ISAS])
+    parser.add_argument("--types", default=",".join(t.name for t in _TYPES))
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        raise SystemExit("the C++ kernels did not build")
+    isa = kernels.best_isa() if args.isa == "best" else ISAS[args.isa]
+    types = [T[name] for name in args.types.split(",")]
+    rng = np.random.default_rng(0)
+    bandwidth = ReadBandwidth()
+    logger.info("%d threads; kernels: %s", torch.get_num_threads(),
+                next(name for name, level in ISAS.items() if level == isa))
+    results: list[tuple[str, float, float]] = []  # (what, GB/s, GFLOP/s)
+    for set_name, shapes in _SETS.items():
+        chains: dict[str, tuple[list, int]] = {}
+        for quant_type in types:
+            if any(k % GGML_QUANT_SIZES[quant_type][0] for k, _ in shapes):
+                continue  # K not a multiple of the super-block (llama.cpp falls back to another type there)
+            packed = [QuantizedWeight.pack(random_blocks(quant_type, n, k, rng), quant_type, k) for k, n in shapes]
+            chains[quant_type.name] = _repeat(packed, lambda w: w.num_bytes, lambda w: (w.data, int(w.quant_type),
+                                                                                         w.out_features, w.in_features))
+        int8 = [PackedWeight.pack(torch.randn(n, k) * 0.05, None, torch.int8) for k, n in shapes]
+        chains["int8 panels"] = _repeat(int8, lambda w: w.num_bytes, lambda w: (w.as_args(), w.in_features))
+        max_k = max(k for k, _ in shapes)
+        num_weights = sum(k * n for k, n in shapes)
+        for m in (int(r) for r in args.rows.split(",")):
+            x = torch.randn(m, max_k)
+            for name, (weights, num_bytes) in chains.items():
+                chain = kernels.packed_chain_seconds if name == "int8 panels" else kernels.quant_chain_seconds
+                seconds = best_seconds(lambda chain=chain, weights=weights, x=x: chain(x, weights, 3, isa), bandwidth)
+                what = f"{set_name:<10} M={m:<3d} {name:<11} {num_bytes / 1e6:6.1f} MB {seconds * 1e3:8.3f} ms"
+                results.append((what, num_bytes / seconds / 1e9,
+                                2 * m * num_weights * len(weights) / len(shapes) / seconds / 1e9))
+                logger.info("%s  %6.1f GB/s  %7.1f GFLOP/s", what, *results[-1][1:])
+    logger.info("read bandwidth (torch sum over 1 GiB, %d threads, best of the run): %.1f GB/s",
+                torch.get_num_threads(), bandwidth.best)
+    for what, rate, flops in results:
+        logger.info("%s  %6.1f GB/s  %5.1f %% of read  %7.1f GFLOP/s", what, rate, 100 * rate / bandwidth.best, flops)
+
+
+def _repeat(first: list, bytes_of, args_of) -> tuple[list, int]:
+    """The chain's arguments: first's weights, then distinct copies of them until it holds _MIN_BYTES."""
+    per_round = sum(bytes_of(w) for w in first)
+    rounds = max(1, -(-_MIN_BYTES // per_round))
+    weights = []
+    for r in range(rounds):
+        for w in first:
+            args = args_of(w)
+            if r > 0:  # a copy of the data: the same values at other addresses
+                args = _copied(args)
+            weights.append(args)
+    return weights, rounds * per_round
+
+
+def _copied(args: tuple) -> tuple:
+    if isinstance(args[0], tuple):  # (PackedLinear, K)
+        (data, scales, bias, n), k = args
+        return (data.clone(), scales, bias, n), k
+    data, *rest = args
+    return (data.clone(), *rest)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""A GGUF file's tensors as they are stored: quantized blocks stay blocks.
+
+Each tensor comes with its type and its shape in torch's order ([out, in] for a matrix), checked
+against the file's own metadata (hidden size, heads, feed-forward width, vocabulary). Tensors of
+the types with kernels (ggml_blocks.KERNEL_TYPES) come as their raw blocks, one row of blocks per
+output channel; float types as their values; every other quantized type is dequantized once, to
+float32, with a warning naming the type. Llama-architecture files store the query and key
+projections' rows in llama.cpp's rotary order: they come back in Hugging Face's (a permutation of
+whole rows, so of whole blocks), as transformers' own GGUF loader restores them.
+
+A truncated file or an architecture without a model family here fails with a ValueError that
+says so.
+"""
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+
+from engine.execution.models.ggml_blocks import KERNEL_TYPES, row_bytes
+from engine.execution.models.registry import SUPPORTED_MODEL_TYPES
+
+logger = logging.getLogger(__name__)
+
+_FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16)
+_LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+class _Truncated(Exception):
+    def __init__(self, needed: int) -> None:
+        super().__init__(needed)
+        self.needed = needed
+
+
+class _CheckedReader(GGUFReader):
+    """GGUFReader, but a read past the file's end says so (the package reports it as a failed
+    reshape or view)."""
+
+    def _get(self, offset: int, dtype: Any, count: int = 1, *args: Any, **kwargs: Any) -> np.ndarray:
+        end = int(offset) + int(np.empty([], dtype=dtype).itemsize) * int(count)
+        if end > len(self.data):
+            raise _Truncated(end)
+        return super()._get(offset, dtype, count, *args, **kwargs)
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFTensor:
+    name: str
+    quant_type: GGMLQuantizationType  # the type `data` holds: the file's, or F32 once dequantized
+    shape: tuple[int, ...]  # torch order
+    data: np.ndarray  # KERNEL_TYPES: [N, row bytes] uint8 blocks; otherwise the values, [*shape]
+
+    @property
+    def is_blocks(self) -> bool:
+        return self.quant_type in KERNEL_TYPES
+
+
+class GGUFFile:
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        size = self.path.stat().st_size
+        try:
+            self._reader = _CheckedReader(str(self.path))
+        except _Truncated as exc:
+            raise ValueError(f"model: GGUF file {str(self.path)!r} is truncated: it has {size} bytes, its header and "
+                             f"tensors need at least {exc.needed} (an interrupted download?)") from None
+        except (ValueError, KeyError) as exc:
+            raise ValueError(f"model: {str(self.path)!r} is not a readable GGUF file: {exc}") from exc
+        self.architecture = str(self.field("general.architecture", ""))
+        if self.architecture not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model: GGUF architecture {self.architecture!r} of {self.path.name} is not supported; "
+                             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        self._expected = self.expected_shapes()
+
+    def field(self, key: str, default: Any = None) -> Any:
+        """A metadata value (a string, number or list), or default when the file has none."""
+        field = self._reader.get_field(key)
+        return default if field is None else field.contents()
+
+    def arch_field(self, key: str, default: Any = None) -> Any:
+        return self.field(f"{self.architecture}.{key}", default)
+
+    @property
+    def tensor_names(self) -> list[str]:
+        return [t.name for t in self._reader.tensors]
+
+    def tensors(self) -> Iterator[GGUFTensor]:
+        """Every tensor in file order, checked (see the module's docstring)."""
+        warned: set[GGMLQuantizationType] = set()
+        for t in self._reader.tensors:
+            quant_type = GGMLQuantizationType(t.tensor_type)
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists the fastest dimension first
+            self._check_shape(t.name, shape)
+            if quant_type in KERNEL_TYPES:
+                data = np.asarray(t.data).reshape(int(np.prod(shape[:-1])), row_bytes(quant_type, shape[-1]))
+            elif quant_type in _FLOAT_TYPES:
+                data = np.asarray(t.data).reshape(shape)
+            else:
+                if quant_type not in warned and quant_type != GGMLQuantizationType.BF16:
+                    logger.warning("GGUF %s: tensors of type %s (the first: %s) have no kernel here; dequantized to "
+                                   "float32 once, at load", self.path.name, quant_type.name, t.name)
+                    warned.add(quant_type)
+                data = dequantize(np.asarray(t.data), quant_type).astype(np.float32).reshape(shape)
+                quant_type = GGMLQuantizationType.F32
+            yield GGUFTensor(t.name, quant_type, shape, self._hf_rows(t.name, data))
+
+    def _hf_rows(self, name: str, data: np.ndarray) -> np.ndarray:
+        """llama.cpp's rotary row order of a llama query / key projection back to Hugging Face's."""
+        if self.architecture != "llama" or not (".attn_q." in name or ".attn_k." in name):
+            return data
+        num_heads = int(self.arch_field("attention.head_count"))
+        if ".attn_k." in name:
+            num_heads = int(self.arch_field("attention.head_count_kv", num_heads))
+        rows = data.shape[0]
+        half = rows // num_heads // 2
+        return np.ascontiguousarray(data.reshape(num_heads, half, 2, *data.shape[1:]).swapaxes(1, 2)).reshape(data.shape)
+
+    def expected_shapes(self) -> dict[str, tuple[int, ...]]:
+        """A layer's tensors' shapes by their short name, and the model's, from the metadata."""
+        hidden = int(self.arch_field("embedding_length", 0))
+        heads = int(self.arch_field("attention.head_count", 0))
+        if hidden <= 0 or heads <= 0:
+            raise ValueError(f"model: GGUF file {self.path.name} lacks {self.architecture}.embedding_length or "
+                             f"{self.architecture}.attention.head_count")
+        kv_heads = int(self.arch_field("attention.head_count_kv", heads))
+        head_dim = int(self.arch_field("attention.key_length", hidden // heads))
+        ff = int(self.arch_field("feed_forward_length", 0))
+        vocab = self.arch_field("vocab_size") or len(self.field("tokenizer.ggml.tokens", []))
+        q, kv = heads * head_dim, kv_heads * head_dim
+        shapes = {"attn_q": (q, hidden), "attn_k": (kv, hidden), "attn_v": (kv, hidden), "attn_output": (hidden, q),
+                  "attn_norm": (hidden,), "ffn_norm": (hidden,), "output_norm.weight": (hidden,)}
+        if ff > 0:
+            shapes.update(ffn_gate=(ff, hidden), ffn_up=(ff, hidden), ffn_down=(hidden, ff))
+        if int(vocab) > 0:
+            shapes.update({"token_embd.weight": (int(vocab), hidden), "output.weight": (int(vocab), hidden)})
+        return shapes
+
+    def _check_shape(self, name: str, shape: tuple[int, ...]) -> None:
+        expected = self._expected
+        layer = _LAYER.match(name)
+        want: tuple[int, ...] | None = expected.get(name)
+        if layer is not None:
+            index, part, kind = int(layer.group(1)), layer.group(2), layer.group(3)
+            num_layers = int(self.arch_field("block_count", 0))
+            if index >= num_layers:
+                raise ValueError(f"model: GGUF tensor {name} is past the file's {num_layers} layers")
+            want = expected.get(part)
+            if want is not None and kind == "bias":
+                want = want[:1]
+        if want is not None and shape != want:
+            raise ValueError(f"model: GGUF tensor {name} has shape {list(shape)}, expected {list(want)} from the "
+                             f"file's metadata")

@@ -1,0 +1,269 @@
+// Matrix products against GGUF's quantized blocks, kept packed (quant_tiles.h has the layout):
+// the activations quantized per 32 k to int8 once a product, then integer dot products per block
+// on the tiles of the chosen path (AVX-512 VNNI, AVX2, or the scalar reference here), their sums
+// scaled to float once a block. Panels run in parallel as packed_gemm's do: tasks of a few
+// panels from a shared counter, or a team's share of them (DecodeModel's step).
+#include "cpu_kernels.h"
+#include "quant_tiles.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+namespace minivllm {
+namespace {
+
+constexpr int64_t kPanel = 16;
+constexpr int64_t kBlock = 32;       // activations are quantized per this many k
+constexpr int64_t kRowBlock = 64;    // rows of x a task keeps hot while it walks its panels
+constexpr int64_t kTasksPerThread = 4;
+
+float half_at(const uint8_t* p, int64_t i) {
+  uint16_t bits;
+  std::memcpy(&bits, p + 2 * i, sizeof(bits));
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// Row r's unsigned code of k (< 32) in a 32-k block's codes c.
+int32_t code_at(int64_t type, const uint8_t* c, int64_t r, int64_t k) {
+  if (type == kQ8_0) return c[(k / 4) * 64 + r * 4 + k % 4];
+  const int64_t kk = k % 16, t = kk / 4, at = t * 64 + r * 4 + kk % 4;
+  const int32_t low = k < 16 ? c[at] & 0x0F : c[at] >> 4;
+  if (type != kQ6_K) return low;
+  const int32_t shift = (t % 2) * 4 + (k < 16 ? 0 : 2);
+  return low | (((c[256 + (t / 2) * 64 + r * 4 + kk % 4] >> shift) & 3) << 4);
+}
+
+// The weight of row r (< 16) at k (< 32) of 32-k block j of a record, as the gguf package
+// dequantizes it (each operation's rounding the same).
+float weight_at(int64_t type, const uint8_t* rec, int64_t j, int64_t r, int64_t k) {
+  const QuantFormat f = quant_format(type);
+  const auto code = static_cast<float>(code_at(type, rec + f.header_bytes + j * f.block_bytes, r, k));
+  const float d = half_at(rec, r);
+  switch (type) {
+    case kQ4_0: return d * (code - 8.f);
+    case kQ4_1: return d * code + half_at(rec + 32, r);
+    case kQ8_0: return (code - 128.f) * d;
+    case kQ4_K:
+      return d * static_cast<float>(rec[64 + 16 * j + r]) * code -
+             half_at(rec + 32, r) * static_cast<float>(rec[192 + 16 * j + r]);
+    default: return d * static_cast<float>(static_cast<int8_t>(rec[32 + 16 * (2 * j + k / 16) + r])) * (code - 32.f);
+  }
+}
+
+}  // namespace
+
+// The reference the vector tiles are tested against: the same integer sums, one code at a time.
+void quant_tile_scalar(int64_t type, int64_t rows, const QuantActs& a, int64_t m0, const uint8_t* w,
+                       int64_t num_records, float* acc) {
+  const QuantFormat f = quant_format(type);
+  std::fill(acc, acc + rows * kPanel, 0.f);
+  for (int64_t rec = 0; rec < num_records; ++rec, w += f.record_bytes()) {
+    for (int64_t j = 0; j < f.blocks_per_record; ++j) {
+      const uint8_t* c = w + f.header_bytes + j * f.block_bytes;
+      const int64_t b = rec * f.blocks_per_record + j;
+      for (int64_t m = 0; m < rows; ++m) {
+        const int8_t* xq = a.q + (m0 + m) * a.K + b * kBlock;
+        const BlockActs& x = a.blocks[(m0 + m) * a.num_blocks + b];
+        for (int64_t r = 0; r < kPanel; ++r) {
+          int32_t lo = 0, hi = 0;
+          for (int64_t k = 0; k < kBlock; ++k) (k < 16 ? lo : hi) += code_at(type, c, r, k) * xq[k];
+          const float d = half_at(w, r);
+          float scale = d, minimum = 0.f;
+          int32_t sum = lo + hi;
+          switch (type) {
+            case kQ4_0: sum -= 8 * (x.sum_lo + x.sum_hi); break;
+            case kQ4_1: minimum = half_at(w + 32, r); break;
+            case kQ8_0: sum -= 128 * (x.sum_lo + x.sum_hi); break;
+            case kQ4_K:
+              scale = d * static_cast<float>(w[64 + 16 * j + r]);
+              minimum = -half_at(w + 32, r) * static_cast<float>(w[192 + 16 * j + r]);
+              break;
+            default:  // Q6_K
+              sum = (lo - 32 * x.sum_lo) * static_cast<int8_t>(w[32 + 16 * (2 * j) + r]) +
+                    (hi - 32 * x.sum_hi) * static_cast<int8_t>(w[32 + 16 * (2 * j + 1) + r]);
+          }
+          acc[m * kPanel + r] += static_cast<float>(sum) * (scale * x.scale) + minimum * x.scaled_sum;
+        }
+      }
+    }
+  }
+}
+
+void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, int8_t* q, BlockActs* blocks) {
+  const int64_t num_blocks = K / kBlock;
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const float* xb = x + m * ldx + b * kBlock;
+      float amax = 0.f;
+      for (int64_t k = 0; k < kBlock; ++k) amax = std::max(amax, std::fabs(xb[k]));
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      int32_t sums[2] = {0, 0};
+      for (int64_t k = 0; k < kBlock; ++k) {
+        const auto v = static_cast<int32_t>(std::nearbyint(xb[k] * inv));
+        q[m * K + b * kBlock + k] = static_cast<int8_t>(v);
+        sums[k / 16] += v;
+      }
+      const float scale = amax / 127.f;
+      blocks[m * num_blocks + b] = {scale, scale * static_cast<float>(sums[0] + sums[1]), sums[0], sums[1]};
+    }
+  }
+}
+
+namespace {
+
+// Whether this CPU runs the VNNI tiles (AVX-512 without VNNI, Skylake-X, runs the AVX2 ones).
+bool has_vnni() {
+#if defined(__x86_64__)
+  static const bool vnni = __builtin_cpu_supports("avx512vnni");
+  return vnni;
+#else
+  return false;
+#endif
+}
+
+void run_tile(int64_t type, int64_t isa, int64_t rows, const QuantActs& a, int64_t m0, const uint8_t* panel,
+              int64_t num_records, float* acc) {
+  if (isa >= kIsaAvx512 && has_vnni()) return quant_tile_vnni(type, rows, a, m0, panel, num_records, acc);
+  if (isa >= kIsaAvx2) return quant_tile_avx2(type, rows, a, m0, panel, num_records, acc);
+  quant_tile_scalar(type, rows, a, m0, panel, num_records, acc);
+}
+
+// x's rows quantized per 32 k (QuantActs), in buffers of their own.
+struct ActsBuffer {
+  std::vector<int8_t> q;
+  std::vector<BlockActs> blocks;
+
+  QuantActs quantize(const float* x, int64_t M, int64_t K, int64_t ldx, int64_t isa, bool parallel) {
+    const int64_t num_blocks = K / kBlock;
+    q.resize(M * K);
+    blocks.resize(M * num_blocks);
+    const auto rows = [&](int64_t begin, int64_t end) {
+      const auto quantize = isa >= kIsaAvx512 ? quantize_rows_avx512 : quantize_rows;
+      quantize(x + begin * ldx, end - begin, K, ldx, q.data() + begin * K, blocks.data() + begin * num_blocks);
+    };
+    if (parallel) {
+      at::parallel_for(0, M, 16, rows);
+    } else {
+      rows(0, M);
+    }
+    return {q.data(), blocks.data(), K, num_blocks};
+  }
+};
+
+inline void store_tile(const float* acc, int64_t rows, int64_t m0, int64_t n0, int64_t width, const float* bias,
+                       float* out, int64_t ldo, bool accumulate) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* o = out + (m0 + r) * ldo + n0;
+    const float* a = acc + r * kPanel;
+#pragma omp simd
+    for (int64_t j = 0; j < width; ++j) o[j] = (accumulate ? o[j] : 0.f) + a[j] + (bias != nullptr ? bias[n0 + j] : 0.f);
+  }
+}
+
+// One task's rows [m_begin, m_end) against panels [p_begin, p_end).
+void run_task(const QuantActs& a, const QuantPanels& w, int64_t isa, const float* bias, int64_t N, float* out,
+              int64_t ldo, bool accumulate, int64_t m_begin, int64_t m_end, int64_t p_begin, int64_t p_end) {
+  alignas(64) float acc[kMaxQuantTileRows * kPanel];
+  const int64_t panel_bytes = w.num_records * w.record_bytes;
+  for (int64_t p = p_begin; p < p_end; ++p) {
+    const uint8_t* panel = w.data + p * panel_bytes;
+    const int64_t n0 = p * kPanel, width = std::min(kPanel, N - n0);
+    for (int64_t m0 = m_begin; m0 < m_end; m0 += kMaxQuantTileRows) {
+      const int64_t rows = std::min(kMaxQuantTileRows, m_end - m0);
+      run_tile(w.type, isa, rows, a, m0, panel, w.num_records, acc);
+      store_tile(acc, rows, m0, n0, width, bias, out, ldo, accumulate);
+    }
+  }
+}
+
+}  // namespace
+
+QuantPanels QuantPanels::of(const torch::Tensor& w, int64_t type) {
+  return {w.data_ptr<uint8_t>(), type, w.size(0), w.size(1), w.size(2)};
+}
+
+void check_quant_weight(const torch::Tensor& w, int64_t type, int64_t K, int64_t N, int64_t isa) {
+  TORCH_CHECK(isa <= best_isa(), "quant_gemm: this CPU lacks the requested instruction set");
+  const QuantFormat f = quant_format(type);
+  TORCH_CHECK(f.blocks_per_record > 0, "quant_gemm: no kernel for ggml type ", type);
+  TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.dim() == 3 && w.is_contiguous(),
+              "quant_gemm: weight must be contiguous uint8 [ceil(N/16), records, record bytes]");
+  TORCH_CHECK(w.size(0) * kPanel >= N && w.size(0) * kPanel < N + kPanel, "quant_gemm: ", w.size(0),
+              " panels for ", N, " outputs");
+  TORCH_CHECK(w.size(2) == f.record_bytes() && w.size(1) * f.record_k() == K, "quant_gemm: weight [", w.size(0), ", ",
+              w.size(1), ", ", w.size(2), "] is not type ", type, " panels of K = ", K);
+}
+
+void quant_gemm(const float* x, int64_t M, int64_t K, int64_t ldx, const QuantPanels& w, const float* bias, int64_t N,
+                float* out, int64_t ldo, int64_t isa, bool accumulate, const TeamShare* team) {
+  const int64_t num_threads = team != nullptr ? team->num_ranks : std::max<int64_t>(1, at::get_num_threads());
+  const int64_t chunk = std::max<int64_t>(1, (w.num_panels + kTasksPerThread * num_threads - 1) /
+                                                 (kTasksPerThread * num_threads));
+  const int64_t num_chunks = (w.num_panels + chunk - 1) / chunk;
+  const int64_t num_tasks = num_chunks * ((M + kRowBlock - 1) / kRowBlock);
+  const auto task_runner = [&](const QuantActs& a) {
+    return [&, a](int64_t task) {
+      const int64_t m_begin = (task / num_chunks) * kRowBlock, begin = (task % num_chunks) * chunk;
+      run_task(a, w, isa, bias, N, out, ldo, accumulate, m_begin, std::min(M, m_begin + kRowBlock), begin,
+               std::min(w.num_panels, begin + chunk));
+    };
+  };
+  if (team != nullptr) {
+    // Each member quantizes x for itself (a few rows: cheaper than waiting for one another).
+    thread_local ActsBuffer own;
+    return team->for_each_task(num_tasks, task_runner(own.quantize(x, M, K, ldx, isa, false)));
+  }
+  ActsBuffer acts;
+  const auto run = task_runner(acts.quantize(x, M, K, ldx, isa, M >= 16));
+  std::atomic<int64_t> next_task{0};
+  const TeamShare forked{num_threads, &next_task};
+  at::parallel_for(0, std::min(num_threads, num_tasks), 1, [&](int64_t, int64_t) { forked.for_each_task(num_tasks, run); });
+}
+
+void quant_gather_rows(const QuantPanels& p, const int64_t* ids, int64_t L, int64_t k, float* out) {
+  const QuantFormat f = quant_format(p.type);
+  for (int64_t i = 0; i < L; ++i) {
+    const uint8_t* panel = p.data + (ids[i] / kPanel) * p.num_records * p.record_bytes;
+    for (int64_t rec = 0; rec < p.num_records; ++rec)
+      for (int64_t j = 0; j < f.blocks_per_record; ++j)
+        for (int64_t kk = 0; kk < kBlock; ++kk)
+          out[i * k + (rec * f.blocks_per_record + j) * kBlock + kk] =
+              weight_at(p.type, panel + rec * p.record_bytes, j, ids[i] % kPanel, kk);
+  }
+}
+
+torch::Tensor quant_rows(const torch::Tensor& w, int64_t type, const torch::Tensor& ids, int64_t n, int64_t k) {
+  check_quant_weight(w, type, k, n, kIsaScalar);
+  TORCH_CHECK(ids.scalar_type() == torch::kInt64 && ids.dim() == 1, "quant_rows: ids must be int64 [L]");
+  const auto ids_c = ids.contiguous();
+  const int64_t* id = ids_c.data_ptr<int64_t>();
+  for (int64_t i = 0; i < ids.size(0); ++i) TORCH_CHECK(id[i] >= 0 && id[i] < n, "quant_rows: id ", id[i], " outside ", n, " rows");
+  const QuantPanels p = QuantPanels::of(w, type);
+  auto out = torch::empty({ids.size(0), k}, torch::kFloat32);  // [L, K]
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, ids.size(0), 16, [&](int64_t begin, int64_t end) {
+    quant_gather_rows(p, id + begin, end - begin, k, o + begin * k);
+  });
+  return out;
+}
+
+torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t type,
+                           const std::optional<torch::Tensor>& bias, int64_t n, int64_t isa) {
+  TORCH_CHECK(x.dim() == 2, "quant_linear: x must be [M, K]");
+  check_quant_weight(w, type, x.size(1), n, isa);
+  TORCH_CHECK(!bias || (bias->scalar_type() == torch::kFloat32 && bias->numel() == n && bias->is_contiguous()),
+              "quant_linear: bias must be contiguous float32 [n]");
+  const auto xf = x.to(torch::kFloat32).contiguous();
+  auto out = torch::empty({x.size(0), n}, xf.options());
+  quant_gemm(xf.data_ptr<float>(), x.size(0), x.size(1), x.size(1), QuantPanels::of(w, type),
+             bias ? bias->data_ptr<float>() : nullptr, n, out.data_ptr<float>(), n, isa, false, nullptr);
+  return out;
+}
+
+}  // namespace minivllm

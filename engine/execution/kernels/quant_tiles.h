@@ -1,0 +1,102 @@
+// GGUF's quantized blocks as the integer-dot kernels read them (quant_gemm.cpp and its tiles).
+//
+// A weight of N output channels and K inputs keeps its file's codes and scales, repacked at load
+// (engine/execution/models/quantized_weight.py) into panels of 16 output channels,
+// [ceil(N/16), records, record_bytes] uint8: a panel is one contiguous stream of records, each
+// one GGUF block (32 k: Q4_0, Q4_1, Q8_0) or super-block (256 k: Q4_K, Q6_K) of all 16 rows,
+// its scales first (16 per field, row order), then its codes, 32 k at a time. A 32-k block's
+// codes are 64-byte groups, one vpdpbusd operand each: group t holds, at byte r * 4 + i, row r's
+// code of k = 4t + i, so one broadcast of 4 activation bytes multiplies all 16 rows.
+//   4-bit (Q4_0, Q4_1, Q4_K): 4 groups; the low nibble is k = 4t + i, the high one k = 16 + 4t + i.
+//   Q8_0: 8 groups of code + 128 (the file's int8 made unsigned, as vpdpbusd's first operand is).
+//   Q6_K: the 6-bit code's low 4 bits as 4-bit blocks, then 2 groups of its top 2 bits: group s,
+//     byte r * 4 + i, bits 0-1 / 2-3 / 4-5 / 6-7: k = 4(2s) + i, 16 + 4(2s) + i, 4(2s + 1) + i,
+//     16 + 4(2s + 1) + i.
+// Record headers (f16: IEEE half as in the file):
+//   Q4_0: d f16[16]                      w = d (q - 8)
+//   Q4_1: d f16[16], m f16[16]           w = d q + m
+//   Q8_0: d f16[16]                      w = d (u - 128)
+//   Q4_K: d, dmin f16[16]; sc[8][16], mn[8][16] u8 (6-bit, per 32 k)    w = d sc q - dmin mn
+//   Q6_K: d f16[16]; sc[16][16] i8 (per 16 k)                           w = d sc (q - 32)
+// The sizes per row equal the file's, but Q4_K's 6-bit scales, kept as bytes (148 against 144
+// bytes per 256 k).
+//
+// Activations are quantized per 32 k to int8 (x ~ scale * q, |q| <= 127, round to nearest even)
+// and the products are integer dot products of each 32-k block, scaled once per block.
+#pragma once
+
+#include <cstdint>
+
+namespace minivllm {
+
+// ggml_type ids of the formats with kernels.
+enum QuantType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };
+
+struct QuantFormat {
+  int64_t blocks_per_record = 0;  // 32-k blocks: 1, or 8 in a super-block
+  int64_t header_bytes = 0;       // the scales before the codes
+  int64_t block_bytes = 0;        // one 32-k block's codes
+  constexpr int64_t record_bytes() const { return header_bytes + blocks_per_record * block_bytes; }
+  constexpr int64_t record_k() const { return 32 * blocks_per_record; }
+};
+
+// {0, 0, 0} for a type without kernels.
+constexpr QuantFormat quant_format(int64_t type) {
+  switch (type) {
+    case kQ4_0: return {1, 32, 256};
+    case kQ4_1: return {1, 64, 256};
+    case kQ8_0: return {1, 32, 512};
+    case kQ4_K: return {8, 320, 256};
+    case kQ6_K: return {8, 288, 384};
+    default: return {};
+  }
+}
+
+// The type of a panel's records by their size: every type with kernels has a record size of its
+// own, so uint8 panels in a packed projection's slot (packed_gemm's dispatch, DecodeModel's
+// embedding) say their type by their shape. 0 for a size no type has.
+constexpr int64_t quant_type_of_record(int64_t record_bytes) {
+  constexpr int64_t kTypes[] = {kQ4_0, kQ4_1, kQ8_0, kQ4_K, kQ6_K};
+  for (const int64_t type : kTypes)
+    if (quant_format(type).record_bytes() == record_bytes) return type;
+  return 0;
+}
+static_assert(quant_type_of_record(quant_format(kQ4_0).record_bytes()) == kQ4_0 &&
+                  quant_type_of_record(quant_format(kQ4_1).record_bytes()) == kQ4_1 &&
+                  quant_type_of_record(quant_format(kQ8_0).record_bytes()) == kQ8_0 &&
+                  quant_type_of_record(quant_format(kQ4_K).record_bytes()) == kQ4_K &&
+                  quant_type_of_record(quant_format(kQ6_K).record_bytes()) == kQ6_K,
+              "each quantized type's record size is its own");
+
+// One row's 32-k block of activations: x ~ scale * q; sums of q over its two halves; scale *
+// (sum of all 32), what a block's minimum (Q4_1, Q4_K) multiplies.
+struct BlockActs {
+  float scale, scaled_sum;
+  int32_t sum_lo, sum_hi;
+};
+
+// x [M, K] quantized: q [M, K] int8, blocks [M, K / 32].
+struct QuantActs {
+  const int8_t* q;
+  const BlockActs* blocks;
+  int64_t K, num_blocks;
+};
+
+// x [M, K] rows ldx apart -> q [M, K], blocks [M, K / 32]: scale = max |x| / 127 a block and q = x *
+// (127 / max |x|) rounded to nearest even (float32 operations the tests replay). The AVX-512 one
+// gives the same bytes and floats.
+void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, int8_t* q, BlockActs* blocks);
+void quantize_rows_avx512(const float* x, int64_t M, int64_t K, int64_t ldx, int8_t* q, BlockActs* blocks);
+
+// acc[rows, 16] = the `rows` rows from m0 of the activations . one panel of `type`
+// (num_records records), rows <= kMaxQuantTileRows. The vector paths need the CPU features they
+// are named for (quant_gemm.cpp checks).
+constexpr int64_t kMaxQuantTileRows = 4;
+void quant_tile_scalar(int64_t type, int64_t rows, const QuantActs& a, int64_t m0, const uint8_t* panel,
+                       int64_t num_records, float* acc);
+void quant_tile_avx2(int64_t type, int64_t rows, const QuantActs& a, int64_t m0, const uint8_t* panel,
+                     int64_t num_records, float* acc);
+void quant_tile_vnni(int64_t type, int64_t rows, const QuantActs& a, int64_t m0, const uint8_t* panel,
+                     int64_t num_records, float* acc);
+
+}  // namespace minivllm

@@ -1,0 +1,169 @@
+// The quantized panels' tiles on AVX2 (quant_tiles.h has the layout), for CPUs without AVX-512
+// VNNI: each 64-byte group of 16 rows is two 8-row halves, and a row's 4 products per lane come
+// from vpmaddubsw (unsigned codes x int8 activations, pairs summed to int16) and vpmaddwd (pairs
+// to int32). No code is above 63 when it meets vpmaddubsw (Q8_0's int8 codes go as |q| against
+// the activations with q's sign, llama.cpp's trick, |q| <= 128), so no int16 sum saturates.
+// Tiles of one or two rows (16 registers); more rows run as several tiles.
+#include "quant_tiles.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+#include <cstring>
+
+namespace minivllm {
+namespace {
+
+#define MINIVLLM_AVX2Q __attribute__((target("avx2,fma,f16c")))
+
+constexpr int64_t kPrefetchBytes = 1024;
+
+MINIVLLM_AVX2Q inline __m256 halves8(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+MINIVLLM_AVX2Q inline __m256 ubytes8(const uint8_t* p) {
+  int64_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(v)));
+}
+MINIVLLM_AVX2Q inline __m256i sbytes8(const uint8_t* p) {
+  int64_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return _mm256_cvtepi8_epi32(_mm_cvtsi64_si128(v));
+}
+MINIVLLM_AVX2Q inline __m256i half_group(const uint8_t* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+MINIVLLM_AVX2Q inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return _mm256_set1_epi32(v);
+}
+// Per 32-bit lane: the sum of its 4 (code x activation) products.
+MINIVLLM_AVX2Q inline __m256i dot4(__m256i codes, __m256i x) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x), _mm256_set1_epi16(1));
+}
+
+// Row m's integer sums of one 32-k block for rows 8h .. 8h + 7 of the panel: lo over the low
+// codes, hi over the high ones (Q8_0: lo is the whole signed dot product, hi zero).
+template <int MT, int64_t T>
+MINIVLLM_AVX2Q inline __attribute__((always_inline)) void block_dots(const uint8_t* c, int h, const int8_t* const* xq, __m256i* lo, __m256i* hi) {
+  for (int m = 0; m < MT; ++m) lo[m] = hi[m] = _mm256_setzero_si256();
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  if constexpr (T == kQ8_0) {
+    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+    for (int t = 0; t < 8; ++t) {
+      const __m256i q = _mm256_xor_si256(half_group(c + 64 * t + 32 * h), flip);  // the file's int8
+      const __m256i mag = _mm256_sign_epi8(q, q);
+      for (int m = 0; m < MT; ++m) lo[m] = _mm256_add_epi32(lo[m], dot4(mag, _mm256_sign_epi8(bcast4(xq[m] + 4 * t), q)));
+    }
+    return;
+  }
+  for (int t = 0; t < 4; ++t) {
+    const __m256i v = half_group(c + 64 * t + 32 * h);
+    __m256i ul = _mm256_and_si256(v, low4), uh = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+    if constexpr (T == kQ6_K) {
+      const __m256i top2 = _mm256_set1_epi8(0x30), hb = half_group(c + 256 + 64 * (t / 2) + 32 * h);
+      const __m256i hl = t % 2 == 0 ? _mm256_slli_epi16(hb, 4) : hb;
+      const __m256i hh = t % 2 == 0 ? _mm256_slli_epi16(hb, 2) : _mm256_srli_epi16(hb, 2);
+      ul = _mm256_or_si256(ul, _mm256_and_si256(hl, top2));
+      uh = _mm256_or_si256(uh, _mm256_and_si256(hh, top2));
+    }
+    for (int m = 0; m < MT; ++m) {
+      lo[m] = _mm256_add_epi32(lo[m], dot4(ul, bcast4(xq[m] + 4 * t)));
+      hi[m] = _mm256_add_epi32(hi[m], dot4(uh, bcast4(xq[m] + 16 + 4 * t)));
+    }
+  }
+}
+
+template <int MT, int64_t T>
+MINIVLLM_AVX2Q void tile(const QuantActs& a, int64_t m0, const uint8_t* w, int64_t num_records, float* out) {
+  constexpr QuantFormat f = quant_format(T);
+  __m256 acc[MT][2];
+  const int8_t* xq[MT];
+  const BlockActs* xb[MT];
+  for (int m = 0; m < MT; ++m) {
+    acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    xq[m] = a.q + (m0 + m) * a.K;
+    xb[m] = a.blocks + (m0 + m) * a.num_blocks;
+  }
+  for (int64_t rec = 0; rec < num_records; ++rec, w += f.record_bytes()) {
+    for (int64_t j = 0; j < f.blocks_per_record; ++j) {
+      const uint8_t* c = w + f.header_bytes + j * f.block_bytes;
+      for (int64_t line = 0; line < f.block_bytes; line += 64) _mm_prefetch(c + kPrefetchBytes + line, _MM_HINT_T1);
+      const int64_t b = rec * f.blocks_per_record + j;
+      const int8_t* xk[MT];
+      for (int m = 0; m < MT; ++m) xk[m] = xq[m] + 32 * b;
+      for (int h = 0; h < 2; ++h) {
+        __m256i lo[MT], hi[MT];
+        block_dots<MT, T>(c, h, xk, lo, hi);
+        __m256 ds = halves8(w + 16 * h), dm = _mm256_setzero_ps();
+        __m256i sc_lo = _mm256_setzero_si256(), sc_hi = sc_lo;
+        if constexpr (T == kQ4_1) dm = halves8(w + 32 + 16 * h);
+        if constexpr (T == kQ4_K) {
+          ds = _mm256_mul_ps(ds, ubytes8(w + 64 + 16 * j + 8 * h));
+          dm = _mm256_mul_ps(halves8(w + 32 + 16 * h), ubytes8(w + 192 + 16 * j + 8 * h));
+        }
+        if constexpr (T == kQ6_K) {
+          sc_lo = sbytes8(w + 32 + 16 * (2 * j) + 8 * h);
+          sc_hi = sbytes8(w + 32 + 16 * (2 * j + 1) + 8 * h);
+        }
+        for (int m = 0; m < MT; ++m) {
+          const BlockActs& x = xb[m][b];
+          const __m256 scale = _mm256_mul_ps(ds, _mm256_set1_ps(x.scale));
+          __m256i sum = _mm256_add_epi32(lo[m], hi[m]);
+          if constexpr (T == kQ4_0) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(8 * (x.sum_lo + x.sum_hi)));
+          if constexpr (T == kQ6_K) {
+            const __m256i a_lo = _mm256_sub_epi32(lo[m], _mm256_set1_epi32(32 * x.sum_lo));
+            const __m256i a_hi = _mm256_sub_epi32(hi[m], _mm256_set1_epi32(32 * x.sum_hi));
+            sum = _mm256_add_epi32(_mm256_mullo_epi32(a_lo, sc_lo), _mm256_mullo_epi32(a_hi, sc_hi));
+          }
+          acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, acc[m][h]);
+          if constexpr (T == kQ4_1) acc[m][h] = _mm256_fmadd_ps(dm, _mm256_set1_ps(x.scaled_sum), acc[m][h]);
+          if constexpr (T == kQ4_K) acc[m][h] = _mm256_fnmadd_ps(dm, _mm256_set1_ps(x.scaled_sum), acc[m][h]);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+    _mm256_storeu_ps(out + 16 * m, acc[m][0]);
+    _mm256_storeu_ps(out + 16 * m + 8, acc[m][1]);
+  }
+}
+
+template <int64_t T>
+void tile_rows(int64_t rows, const QuantActs& a, int64_t m0, const uint8_t* panel, int64_t num_records, float* acc) {
+  for (int64_t r = 0; r < rows; r += 2) {
+    if (rows - r >= 2) {
+      tile<2, T>(a, m0 + r, panel, num_records, acc + 16 * r);
+    } else {
+      tile<1, T>(a, m0 + r, panel, num_records, acc + 16 * r);
+    }
+  }
+}
+
+}  // namespace
+
+void quant_tile_avx2(int64_t type, int64_t rows, const QuantActs& a, int64_t m0, const uint8_t* panel,
+                     int64_t num_records, float* acc) {
+  switch (type) {
+    case kQ4_0: return tile_rows<kQ4_0>(rows, a, m0, panel, num_records, acc);
+    case kQ4_1: return tile_rows<kQ4_1>(rows, a, m0, panel, num_records, acc);
+    case kQ8_0: return tile_rows<kQ8_0>(rows, a, m0, panel, num_records, acc);
+    case kQ4_K: return tile_rows<kQ4_K>(rows, a, m0, panel, num_records, acc);
+    default: return tile_rows<kQ6_K>(rows, a, m0, panel, num_records, acc);
+  }
+}
+
+}  // namespace minivllm
+
+#else
+
+namespace minivllm {
+void quant_tile_avx2(int64_t type, int64_t rows, const QuantActs& a, int64_t m0, const uint8_t* panel,
+                     int64_t num_records, float* acc) {
+  quant_tile_scalar(type, rows, a, m0, panel, num_records, acc);  // not reached: quant_gemm.cpp checks the CPU
+}
+}  // namespace minivllm
+
+#endif
