@@ -43,7 +43,8 @@ def _isas(kernels) -> list[int]:
 # N = 984: 62 panels, so tasks take several and the two-panel tiles run, the last pair ending in
 # a partial panel; M = 6 and 21 give them tiles of 6, 8 and 5 rows. Odd K leaves bf16's last
 # pair half used; on AMX, M = 21 and 40 leave row blocks of 5 and 8 rows, K = 33 and 577 a
-# padded last tile of k.
+# padded last tile of k. int8 panels take tiles of up to 10 rows, one panel at a time on AVX-512:
+# M = 9, 17 and 21 give tiles of 9; 10 and 7; 10, 10 and 1.
 @pytest.mark.parametrize("shape", [(1, 37, 20), (3, 64, 48), (17, 100, 33), (9, 576, 960), (6, 50, 984),
                                    (21, 33, 984), (40, 577, 50)],
                          ids=lambda s: "M{}-K{}-N{}".format(*s))

@@ -441,7 +441,17 @@ void run_tile_dpbf16(int64_t rows, bool pair, const uint16_t* xb, int64_t ldxb, 
 }
 #endif  // MINIVLLM_HAS_AVX512_BF16
 
-int64_t max_tile_rows(int64_t isa) { return isa >= kIsaAvx512 ? 8 : 4; }
+// int8 panels take up to 10 rows a tile on AVX-512: their weights are widened to floats once
+// per tile, which costs about what a row's multiply-adds do, so a 9-row step (a verification
+// of 8 proposals) in one tile skips a second widening pass; float panels keep 8 (the loads,
+// not the multiply-adds, set their pace past that).
+constexpr int64_t kMaxTileRows = 10;
+
+template <typename T>
+int64_t max_tile_rows(int64_t isa) {
+  if (isa < kIsaAvx512) return 4;
+  return std::is_same_v<T, int8_t> ? kMaxTileRows : 8;
+}
 
 // acc[rows, 16] = x[rows, K] . panel, by the chosen path.
 template <typename T>
@@ -456,7 +466,9 @@ void run_tile(int64_t isa, int64_t rows, const float* x, int64_t ldx, const T* w
       case 5: return tile_avx512<5, 2>(x, ldx, w, K, acc);
       case 6: return tile_avx512<6, 2>(x, ldx, w, K, acc);
       case 7: return tile_avx512<7, 2>(x, ldx, w, K, acc);
-      default: return tile_avx512<8, 2>(x, ldx, w, K, acc);
+      case 8: return tile_avx512<8, 2>(x, ldx, w, K, acc);
+      case 9: return tile_avx512<9, 2>(x, ldx, w, K, acc);
+      default: return tile_avx512<10, 2>(x, ldx, w, K, acc);
     }
   }
   if (isa == kIsaAvx2) {
@@ -476,6 +488,9 @@ template <typename T>
 bool run_tile2(int64_t isa, int64_t rows, const float* x, int64_t ldx, const T* w0, const T* w1, int64_t K,
                float* acc) {
 #if defined(__x86_64__)
+  // Not for int8: two panels a tile widen twice the weights per k for the same multiply-adds
+  // per row, and the widening shares the multiply-adds' units.
+  if constexpr (std::is_same_v<T, int8_t>) return false;
   if (isa >= kIsaAvx512) {
     switch (rows) {
       case 4: tile2_avx512<4>(x, ldx, w0, w1, K, acc); return true;
@@ -627,7 +642,7 @@ void gemm_tiles(int64_t M, int64_t N, int64_t tile_rows, const float* scale, con
                       reinterpret_cast<uintptr_t>(out) % 64 == 0;
   parallel_tasks(M, (N + kPanel - 1) / kPanel, kRowBlock, team, true, [&](int64_t m_block, int64_t m_end,
                                                                            int64_t begin, int64_t end) {
-    alignas(64) float acc[2 * 8 * kPanel];
+    alignas(64) float acc[2 * kMaxTileRows * kPanel];
     for (int64_t p = begin; p < end;) {
       const int64_t n0 = p * kPanel, width = std::min(kPanel, N - n0);
       const bool pair = p + 1 < end;
@@ -658,7 +673,7 @@ template <typename T>
 void gemm_vector(const float* x, int64_t M, int64_t ldx, const T* w, int64_t panel_size, int64_t K, const float* scale,
                  const float* bias, int64_t N, float* out, int64_t ldo, int64_t isa, bool accumulate,
                  const TeamShare* team) {
-  gemm_tiles(M, N, max_tile_rows(isa), scale, bias, out, ldo, accumulate, team, team != nullptr && isa >= kIsaAvx512,
+  gemm_tiles(M, N, max_tile_rows<T>(isa), scale, bias, out, ldo, accumulate, team, team != nullptr && isa >= kIsaAvx512,
              [&](int64_t rows, int64_t m0, int64_t p, bool pair, float* acc) {
                const T* panel = w + p * panel_size;
                // Two panels a tile where the tile is compute bound (several rows); else one at a
