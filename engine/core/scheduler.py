@@ -179,10 +179,10 @@ class Scheduler:
             if budget <= 0 or len(plan.scheduled) >= cfg.max_num_seqs:
                 break
             num_new = self.time_budget.fit(plan.out, seq.num_computed_tokens, self._chunk(seq, budget, bool(plan.prefills)),
-                                           time_left, not plan.prefills)
+                                           time_left, not plan.prefills, self._pays_setup(plan))
             if num_new == 0 or not self._make_room(seq, num_new, plan):
                 break
-            time_left -= self.cost_model.chunk_cost(num_new, seq.num_computed_tokens, not plan.prefills)
+            time_left -= self.cost_model.chunk_cost(num_new, seq.num_computed_tokens, self._pays_setup(plan))
             budget -= self._add_prefill(plan, seq, num_new)
 
         self.waiting.sort(key=lambda s: (self.effective_priority(s, now), s.arrival_time))
@@ -192,7 +192,7 @@ class Scheduler:
             if seq.num_preemptions == 0:
                 seq.num_cached_prompt_tokens = seq.num_computed_tokens
             num_new = self.time_budget.fit(plan.out, seq.num_computed_tokens, self._chunk(seq, budget, bool(plan.prefills)),
-                                           time_left, not plan.prefills)
+                                           time_left, not plan.prefills, self._pays_setup(plan))
             if num_new == 0 or not self.block_manager.allocate(seq, num_new, is_new=True):
                 # Head of line stays at the head: skipping it would starve long prompts.
                 self.block_manager.free(seq)
@@ -205,9 +205,15 @@ class Scheduler:
             if seq.times.first_scheduled is None:
                 seq.times.first_scheduled = now
             self.running.append(seq)
-            time_left -= self.cost_model.chunk_cost(num_new, seq.num_computed_tokens, not plan.prefills)
+            time_left -= self.cost_model.chunk_cost(num_new, seq.num_computed_tokens, self._pays_setup(plan))
             budget -= self._add_prefill(plan, seq, num_new)
         return self._finalize(plan)
+
+    @staticmethod
+    def _pays_setup(plan: _Plan) -> bool:
+        """Whether a chunk added now pays the chunks' set-up (the cost model counts a
+        verification as a chunk, so a step that verifies has paid it)."""
+        return not (plan.prefills or plan.verifies)
 
     def _add_verifications(self, plan: _Plan, budget: int) -> int:
         """Turn scheduled decodes that have proposals into verifications, with what the plain
@@ -216,14 +222,11 @@ class Scheduler:
         speculative_max_batch decodes, where the step's rows already fill the weights' read.
         Returns the draft tokens added."""
         if len(plan.decodes) > self.config.speculative_max_batch:
-            for seq in plan.decodes:
-                seq.spec_token_ids = []
-            return 0
+            return 0  # (the runner proposes nothing there either)
         num_drafts = 0
         plain = []
         for seq in plan.decodes:
             drafts = self._drafts(seq, budget - num_drafts)
-            seq.spec_token_ids = []
             if drafts and self.block_manager.allocate(seq, 1 + len(drafts), is_new=True):
                 plan.verifies.append((seq, drafts))
                 num_drafts += len(drafts)

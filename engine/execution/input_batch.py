@@ -63,25 +63,43 @@ class CachedRequestState:
 
     def with_drafts(self, drafts: list[int]) -> DraftView:
         """As the sampler sees this request at a verified position: drafts counted as output."""
-        return DraftView(self.params, self.prompt_token_ids, self.output_token_ids + drafts, self.generator, None,
-                         self.min_tokens_stop_ids)
+        return DraftView(self, drafts)
 
 
 @dataclass(slots=True)
 class DraftView:
-    """A request at one position of a verification, for the sampler (its grammar's mask is
-    applied by the runner, position by position, so no matcher here)."""
+    """A request at one position of a verification, for the sampler: its row with `drafts`
+    counted as output. The output list is built only when read (penalties): a verification
+    makes k + 1 views, and copying a long output into each cost O(k * length) a step. Its
+    grammar's mask is applied by the runner, position by position, so no matcher here."""
 
-    params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    generator: torch.Generator | None
-    matcher: Any
-    min_tokens_stop_ids: frozenset[int]
+    row: CachedRequestState
+    drafts: list[int]
+    matcher: Any = None
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.row.params
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.row.prompt_token_ids
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.row.output_token_ids + self.drafts
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        return self.row.generator
+
+    @property
+    def min_tokens_stop_ids(self) -> frozenset[int]:
+        return self.row.min_tokens_stop_ids
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+        return len(self.row.output_token_ids) + len(self.drafts)
 
 
 @dataclass(slots=True)

@@ -16,8 +16,9 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -113,27 +114,13 @@ def convert_gguf(gguf: Path, target: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     logger.info("converting %s to safetensors in %s (once)", gguf, target)
-    target.parent.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
-    try:
-        state = {k: v.contiguous() for k, v in model.state_dict().items()}
-        if model.config.tie_word_embeddings:
-            state.pop("lm_head.weight", None)
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        config = model.config.to_dict()
-        config.pop("quantization_config", None)
-        config.pop("_name_or_path", None)
-        config.pop("_model_name_or_path", None)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        model.generation_config.save_pretrained(str(tmp))
-        tokenizer.save_pretrained(str(tmp))
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    _write_model_dir(target, model.config, model.generation_config, tokenizer,
+                     lambda tmp: save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"}))
 
 
 def write_gguf_metadata(gguf: Path, target: Path) -> None:
@@ -145,16 +132,26 @@ def write_gguf_metadata(gguf: Path, target: Path) -> None:
 
     GGUFFile(gguf)  # a truncated file or an unsupported architecture fails here, naming the problem
     logger.info("reading %s's config and tokenizer into %s (once)", gguf, target)
-    target.parent.mkdir(parents=True, exist_ok=True)
     config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    _write_model_dir(target, config, GenerationConfig.from_model_config(config), tokenizer)
+
+
+def _write_model_dir(target: Path, config: Any, generation_config: Any, tokenizer: Any,
+                     write_weights: Callable[[Path], None] | None = None) -> None:
+    """An HF model directory (config without its quantization and name entries, generation
+    config, tokenizer and, given write_weights, the weights) at target, atomically: written
+    beside it, then renamed over it."""
+    target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
     try:
+        if write_weights is not None:
+            write_weights(tmp)
         values = config.to_dict()
         for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
             values.pop(key, None)
         (tmp / "config.json").write_text(json.dumps(values, indent=2))
-        GenerationConfig.from_model_config(config).save_pretrained(str(tmp))
+        generation_config.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
         if target.exists():
             shutil.rmtree(target)

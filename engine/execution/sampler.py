@@ -45,6 +45,15 @@ _TEMPERATURE, _TOP_P, _MIN_P, _REPETITION, _FREQUENCY, _PRESENCE, _IS_GREEDY = r
 _NUCLEUS_CANDIDATES = 256  # top_p looks among this many likeliest tokens before sorting a row whole
 
 
+def accepted_run(drafts: list[int], targets: list[int], first: int) -> list[int]:
+    """A verification's output: its drafts while each equals the token its position gives
+    (targets[first + j]), then the token of the first position that differs (or of the last)."""
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == targets[first + accepted]:
+        accepted += 1
+    return drafts[:accepted] + [targets[first + accepted]]
+
+
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
     """logits [N, vocab] -> [N] int64, the first maximum of each row (a NaN counts as one).
     On the CPU through numpy, whose argmax is vectorised (torch's is not); the same ties and NaN rule."""
@@ -150,10 +159,8 @@ class Sampler:
             targets = self._invert(self._probs(logits, views, rows), draws, greedy, rows).tolist()
         tokens, logprobs = [], []
         for first, drafts in chunks:
-            accepted = 0
-            while accepted < len(drafts) and drafts[accepted] == targets[first + accepted]:
-                accepted += 1
-            tokens.append(drafts[:accepted] + [targets[first + accepted]])
+            tokens.append(accepted_run(drafts, targets, first))
+            accepted = len(tokens[-1]) - 1
             if raw_logprobs is None or params[first].logprobs is None:
                 logprobs.append(None)
                 continue
@@ -163,7 +170,10 @@ class Sampler:
         emitted = {first: len(t) for (first, _), t in zip(chunks, tokens, strict=True)}
         for generator, state, first in streams:  # rewind: only the emitted tokens' uniforms are used
             generator.set_state(state)
-            torch.rand(emitted[first], dtype=torch.float64, device=generator.device, generator=generator)
+            # One draw a call, as _uniforms and one token a step draw: CUDA's generator advances
+            # by call, not by value, so one call of emitted values would land elsewhere.
+            for _ in range(emitted[first]):
+                torch.rand(1, dtype=torch.float64, device=generator.device, generator=generator)
         return tokens, logprobs
 
     @staticmethod

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from engine.execution.input_batch import CachedRequestState
-from engine.execution.sampler import Logprobs, Sampler
+from engine.execution.sampler import Logprobs, Sampler, accepted_run
 from engine.execution.speculative.proposer import Proposer
 from engine.execution.speculative.token_history import TokenHistory
 from engine.processing.structured_output import GrammarMask
@@ -54,11 +54,8 @@ class Speculator:
         a draft is kept while it equals its row's argmax, then the argmax after the last kept."""
         tokens, first = [], 0
         for row, request_drafts in zip(rows, drafts, strict=True):
-            accepted = 0
-            while accepted < len(request_drafts) and request_drafts[accepted] == greedy_ids[first + accepted]:
-                accepted += 1
-            tokens.append(request_drafts[:accepted] + [greedy_ids[first + accepted]])
-            self._record(row, len(request_drafts), accepted, step)
+            tokens.append(accepted_run(request_drafts, greedy_ids, first))
+            self._record(row, len(request_drafts), len(tokens[-1]) - 1, step)
             first += 1 + len(request_drafts)
         return tokens
 
