@@ -13,7 +13,7 @@
 // by a mask (no shuffle).
 //
 // SIMD paths, chosen at run time by the caller (`isa`): AVX-512 (16 lanes, up to 8 rows per
-// tile), AVX2 + FMA (two 8-lane halves, up to 4 rows per tile), plain C++ elsewhere; these keep
+// tile, 10 for int8), AVX2 + FMA (two 8-lane halves, up to 4 rows per tile), plain C++ elsewhere; these keep
 // activations float32, only the weights are narrowed. Each tile keeps 8 independent
 // accumulators (rows x unrolled k) so the multiply-adds do not wait on each other at batch 1.
 // With AMX, bfloat16 products run on the tile unit instead: x rounded to bfloat16 (as torch's
@@ -467,8 +467,10 @@ void run_tile(int64_t isa, int64_t rows, const float* x, int64_t ldx, const T* w
       case 6: return tile_avx512<6, 2>(x, ldx, w, K, acc);
       case 7: return tile_avx512<7, 2>(x, ldx, w, K, acc);
       case 8: return tile_avx512<8, 2>(x, ldx, w, K, acc);
-      case 9: return tile_avx512<9, 2>(x, ldx, w, K, acc);
-      default: return tile_avx512<10, 2>(x, ldx, w, K, acc);
+    }
+    if constexpr (std::is_same_v<T, int8_t>) {  // only int8 tiles reach 9 or 10 rows (max_tile_rows)
+      if (rows == 9) return tile_avx512<9, 2>(x, ldx, w, K, acc);
+      return tile_avx512<10, 2>(x, ldx, w, K, acc);
     }
   }
   if (isa == kIsaAvx2) {

@@ -141,8 +141,10 @@ struct ActsBuffer {
 
   QuantActs quantize(const float* x, int64_t M, int64_t K, int64_t ldx, int64_t isa, bool parallel) {
     const int64_t num_blocks = K / kBlock;
-    q.resize(M * K);
-    blocks.resize(M * num_blocks);
+    // Grown, never shrunk: K alternates between a layer's widths, and growing a vector back
+    // zero-fills what it regains.
+    if (static_cast<int64_t>(q.size()) < M * K) q.resize(M * K);
+    if (static_cast<int64_t>(blocks.size()) < M * num_blocks) blocks.resize(M * num_blocks);
     const auto rows = [&](int64_t begin, int64_t end) {
       const auto quantize = isa >= kIsaAvx512 ? quantize_rows_avx512 : quantize_rows;
       quantize(x + begin * ldx, end - begin, K, ldx, q.data() + begin * K, blocks.data() + begin * num_blocks);
