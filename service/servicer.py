@@ -8,11 +8,12 @@ from typing import Any
 
 import grpc
 
-from engine import LimitExceededError, QueueFullError, RequestIdInUseError
-from service.async_engine import AsyncEngine, EngineDeadError
+from engine import LimitExceededError
+from service.async_engine import AsyncEngine
 from service.chat_output import ChoiceOutput
 from service.chat_tools import ChatTools
 from service.field_names import renamed
+from service.grpc_status import admission_status, failed_output_status
 from service.pb import inference_pb2 as pb
 from service.pb import inference_pb2_grpc as pb_grpc
 from service.protocol import (
@@ -92,23 +93,16 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                     stream = await engine.generate(request_id, params, prompt=prompt, messages=messages,
                                                    priority=request.priority, engine_id=engine_id)
                 num_samples = params.n
-            except (QueueFullError, LimitExceededError) as exc:
-                status, message = grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
-                await context.abort(status, message)
-            except RequestIdInUseError as exc:
-                status, message = grpc.StatusCode.ALREADY_EXISTS, str(exc)
-                await context.abort(status, message)
-            except ValueError as exc:
-                status, message = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-                await context.abort(status, message)
-            except EngineDeadError as exc:
-                status, message = grpc.StatusCode.UNAVAILABLE, str(exc)
+            except Exception as exc:
+                refused = admission_status(exc)
+                if refused is None:
+                    raise
+                status, message = refused, str(exc)
                 await context.abort(status, message)
             async for out in stream:
                 if out.finish_reason == "error":
                     final = out
-                    # A dead engine is the server's state (retry elsewhere); a failed step is a fault.
-                    status = grpc.StatusCode.UNAVAILABLE if engine.is_dead else grpc.StatusCode.INTERNAL
+                    status = failed_output_status(engine)
                     message = out.error or "engine error"
                     await context.abort(status, message)
                 if out.is_finished:

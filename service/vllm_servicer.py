@@ -25,8 +25,9 @@ from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
-from engine import LimitExceededError, QueueFullError, RequestIdInUseError, SamplingParams
+from engine import SamplingParams
 from service.async_engine import AsyncEngine, EngineDeadError
+from service.grpc_status import admission_status, failed_output_status
 from service.kv_event_hub import KvEventHub
 from service.request_observer import CallInfo, RequestObserver
 from service.serving_state import EngineUnavailableError, ServingState
@@ -99,24 +100,18 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                 if params_error is not None:
                     raise params_error
                 stream = await engine.generate(request_id, params, prompt=self._prompt(request), engine_id=engine_id)
-            except (QueueFullError, LimitExceededError) as exc:
-                status, message = grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
-                await context.abort(status, message)
-            except RequestIdInUseError as exc:
-                status, message = grpc.StatusCode.ALREADY_EXISTS, str(exc)
-                await context.abort(status, message)
-            except ValueError as exc:
-                status, message = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-                await context.abort(status, message)
-            except EngineDeadError as exc:
-                status, message = grpc.StatusCode.UNAVAILABLE, str(exc)
+            except Exception as exc:
+                refused = admission_status(exc)
+                if refused is None:
+                    raise
+                status, message = refused, str(exc)
                 await context.abort(status, message)
             self._live[request_id] = engine_id
             started: set[int] = set()
             async for out in stream:
                 if out.finish_reason == "error":
                     final = out
-                    status = grpc.StatusCode.UNAVAILABLE if engine.is_dead else grpc.StatusCode.INTERNAL
+                    status = failed_output_status(engine)
                     message = out.error or "engine error"
                     await context.abort(status, message)
                 if out.is_finished:

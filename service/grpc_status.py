@@ -1,0 +1,27 @@
+"""The gRPC status of a Generate call the engine refused or failed, shared by both contracts
+(minivllm.v1 and vLLM's engine service), so a refusal reads the same whichever door it came by."""
+from __future__ import annotations
+
+import grpc
+
+from engine import LimitExceededError, QueueFullError, RequestIdInUseError
+from service.async_engine import AsyncEngine, EngineDeadError
+
+_ADMISSION_STATUS: tuple[tuple[type[Exception] | tuple[type[Exception], ...], grpc.StatusCode], ...] = (
+    ((QueueFullError, LimitExceededError), grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (RequestIdInUseError, grpc.StatusCode.ALREADY_EXISTS),
+    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
+    (EngineDeadError, grpc.StatusCode.UNAVAILABLE),
+)
+
+
+def admission_status(exc: Exception) -> grpc.StatusCode | None:
+    """The status for a request not admitted (a full queue, an id in use, bad input, a dead
+    engine); None for anything else, which the caller re-raises."""
+    return next((status for kinds, status in _ADMISSION_STATUS if isinstance(exc, kinds)), None)
+
+
+def failed_output_status(engine: AsyncEngine) -> grpc.StatusCode:
+    """The status for an output that ended in an engine error: a dead engine is the server's
+    state (retry elsewhere); a failed step is a fault."""
+    return grpc.StatusCode.UNAVAILABLE if engine.is_dead else grpc.StatusCode.INTERNAL
