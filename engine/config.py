@@ -62,7 +62,7 @@ class EngineConfig:
                                        "float32 weights holds twice the tokens and, on AVX512-BF16 CPUs, runs "
                                        "prefill attention on vdpbf16ps (greedy output may then differ from "
                                        "transformers' float32)")
-    quantization: str = _opt("auto", "weight quantization: auto (gguf for a .gguf model on the CPU, else none) | "
+    quantization: str = _opt("auto", "weight quantization: auto (gguf for a .gguf model on the CPU where its kernels build, else none) | "
                                      "none (a .gguf file dequantized to float) | int8 (weight-only, one scale per "
                                      "output channel; CPU; activations keep dtype, the KV cache kv_cache_dtype) | "
                                      "gguf (a GGUF file's Q4_0/Q4_1/Q8_0/Q4_K/Q6_K blocks as they are, by integer-dot "
@@ -198,13 +198,18 @@ class EngineConfig:
         serves a .gguf path as it is); elsewhere it is dequantized, as before."""
         if self.model is None or not self.model.endswith(".gguf") or not self.enable_cpp_kernels:
             return False
-        if self.backend == "cpu":
-            return True
-        if self.backend != "auto" or self.device == "cuda" or self.dtype == "float16":
+        if self.backend not in ("auto", "cpu") or self.device == "cuda" or self.dtype == "float16":
             return False
-        import torch
+        if self.backend == "auto" and self.device != "cpu":
+            import torch
 
-        return self.device == "cpu" or not torch.cuda.is_available()
+            if torch.cuda.is_available():
+                return False
+        # Where the kernels fail to build, the file is served dequantized rather than not at all
+        # (the build is cached: the backend reuses it).
+        from engine.execution.kernels import load_cpu_kernels
+
+        return load_cpu_kernels() is not None
 
     @classmethod
     def field_names(cls) -> list[str]:
