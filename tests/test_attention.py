@@ -135,6 +135,25 @@ def test_runner_reads_the_cache_in_place_only_for_consecutive_slots(tiny_llm) ->
         assert (chunk_meta(list(table), with_block_tables=False).cached_slot_start is not None) == in_place, table
 
 
+def test_packed_chunks_map_each_token_to_its_slot_either_way() -> None:
+    """Positions and slots of packed chunks (a whole prompt, a chunk after a cached context, a
+    verification of 3 tokens at a long context) are the same whether the kernel reads by block
+    table (only the chunks' own slots mapped) or torch reads the context by slot."""
+    from engine.execution.input_batch import Chunk, prepare_prefill
+    bs = 4
+    chunks = [Chunk([1, 2, 3, 4, 5], 0, [7, 2]), Chunk(list(range(6)), 9, [3, 8, 1, 0, 4]),
+              Chunk([9, 9, 9], 37, [11 + i for i in range(10)])]
+    expected_positions = list(range(5)) + list(range(9, 15)) + [37, 38, 39]
+    expected_slots = ([7 * bs + p for p in range(4)] + [2 * bs] + [1 * bs + 1, 1 * bs + 2, 1 * bs + 3]
+                      + [0 * bs + p for p in range(3)] + [(11 + 9) * bs + p for p in (1, 2, 3)])
+    for with_block_tables in (True, False):
+        inputs = prepare_prefill(chunks, bs, torch.as_tensor, with_block_tables)
+        assert inputs.positions.tolist() == expected_positions
+        assert inputs.slot_mapping.tolist() == expected_slots
+        assert inputs.last_indices == [4, 10, 13]
+        assert [m.context_len for m in inputs.metas] == [5, 15, 40]
+
+
 def test_bfloat16_chunk_after_a_cached_context_matches_dense() -> None:
     """The log-sum-exp merge in bfloat16 (the flash kernel's lse is float32 whatever the input)."""
     gen = torch.Generator().manual_seed(5)

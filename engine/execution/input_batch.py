@@ -171,18 +171,21 @@ def prepare_prefill(chunks: list[Chunk], block_size: int, to_device: Any, with_b
         start, n = chunk.start, len(chunk.token_ids)
         token_ids.extend(chunk.token_ids)
         table = np.asarray(chunk.block_table, dtype=np.int64)
-        ctx_pos = np.arange(start + n, dtype=np.int64)
+        # By block table, only the chunk's own slots: a verification of a few tokens at a long
+        # context would otherwise map the whole context every step.
+        ctx_pos = np.arange(start if with_block_tables else 0, start + n, dtype=np.int64)
         ctx_slots = table[ctx_pos // bs] * bs + ctx_pos % bs
-        positions.append(ctx_pos[start:])
-        slots.append(ctx_slots[start:])
+        first = len(ctx_pos) - n
+        positions.append(ctx_pos[first:])
+        slots.append(ctx_slots[first:])
         meta = PrefillSeqMeta(num_tokens, n, start + n, None)
         if with_block_tables:
             meta.block_table = to_device(table)
         elif start:
             meta.context_slots = to_device(ctx_slots)
-            first = int(ctx_slots[0])
-            if np.array_equal(ctx_slots[:start], np.arange(first, first + start)):  # read the pool in place
-                meta.cached_slot_start = first
+            slot0 = int(ctx_slots[0])
+            if np.array_equal(ctx_slots[:start], np.arange(slot0, slot0 + start)):  # read the pool in place
+                meta.cached_slot_start = slot0
         metas.append(meta)
         num_tokens += n
         last_indices.append(num_tokens - 1)
