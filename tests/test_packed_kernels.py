@@ -316,6 +316,8 @@ def test_decode_model_step_is_the_embedding_every_layer_the_norm_and_the_head(ke
         panels = PackedWeight.pack(embedding.float(), None, panel_dtype)
         from_panels = step(head_weight, embedding=panels.data)[0]
         assert torch.equal(from_panels, step(head_weight, embedding=panels.dequantize().contiguous())[0]), panel_dtype
+        with pytest.raises(RuntimeError, match="embedding index 75 out of \\[0, 70\\)"):  # a panel's padded row
+            step(head_weight, embedding=panels.data, token_ids=[5, 75] + token_ids.tolist()[2:])
     with pytest.raises(RuntimeError, match="one \\(K, V\\) cache pair per layer"):
         step(head_weight, caches=caches[:1])
     with pytest.raises(RuntimeError, match="embedding index 70 out of \\[0, 70\\)"):

@@ -128,10 +128,12 @@ torch::Tensor gathered_rows(const torch::Tensor& table, const int64_t* index, in
 // so the embedding is not held a second time.
 // A GGUF file's quantized embedding comes as its uint8 block panels (the tied LM head's, or its
 // own), each row dequantized as the gguf package does.
-torch::Tensor gathered_embedding(const torch::Tensor& table, const int64_t* index, int64_t M, int64_t hidden) {
+// Panels pad the vocabulary to a whole panel: an index past `vocab` would read a padded row.
+torch::Tensor gathered_embedding(const torch::Tensor& table, const int64_t* index, int64_t M, int64_t hidden,
+                                 int64_t vocab) {
   if (table.dim() == 2) return gathered_rows(table, index, M, "embedding");
   TORCH_CHECK(table.dim() == 3 && table.is_contiguous(), "DecodeModel.step: embedding panels must be contiguous");
-  const int64_t rows = table.size(0) * kPanel, inner = table.size(1);
+  const int64_t rows = std::min(table.size(0) * kPanel, vocab), inner = table.size(1);
   auto out = torch::empty({M, hidden}, table.options().dtype(torch::kFloat32));
   float* o = out.data_ptr<float>();
   for (int64_t m = 0; m < M; ++m)
@@ -582,10 +584,10 @@ std::tuple<torch::Tensor, std::optional<std::vector<int64_t>>> DecodeModel::step
     positions[m] = pos;
     slots[m] = paged_slot(table.data(), block_size, pos);
   }
-  auto x = gathered_embedding(embedding, token_ids.data(), M, hidden);  // [M, hidden] float32
+  const int64_t vocab = std::get<3>(lm_head);
+  auto x = gathered_embedding(embedding, token_ids.data(), M, hidden, vocab);  // [M, hidden] float32
   const auto cos = gathered_rows(rope_cos, positions.data(), M, "RoPE table");
   const auto sin = gathered_rows(rope_sin, positions.data(), M, "RoPE table");
-  const int64_t vocab = std::get<3>(lm_head);
   auto logits = torch::empty({M, vocab}, x.options());  // [M, vocab] float32
   auto ids = with_argmax ? std::optional<std::vector<int64_t>>(M) : std::nullopt;  // [M]
   const int64_t num_ranks = std::max<int64_t>(1, at::get_num_threads());
