@@ -3,8 +3,10 @@ environment: `bench.offline_throughput --compare` starts this file with that env
 Python and reads one JSON line back. Imports nothing from minivllm, so the peer's venv needs
 only `llama-cpp-python`.
 
-stdin: {"model_path": str, "prompts": [[token ids]], "output_len": int, "threads": int}
-stdout (last line): RESULT {"seconds": float, "decode_tok_s": float, "output_tokens": int}
+stdin: one job a line, {"model_path": str, "prompts": [[token ids]], "output_len": int, "threads": int}
+stdout: a line RESULT {"seconds": float, "decode_tok_s": float, "output_tokens": int} a job. The model
+stays loaded between jobs of the same file, so `--compare-rounds` alternates short runs with
+minivllm's without reloading either.
 """
 from __future__ import annotations
 
@@ -14,16 +16,7 @@ import sys
 import time
 
 
-def main() -> None:
-    from llama_cpp import Llama
-
-    job = json.loads(sys.stdin.read())
-    prompts, output_len = job["prompts"], job["output_len"]
-    n_ctx = max(len(p) for p in prompts) + output_len + 8
-    llm = Llama(model_path=job["model_path"], n_threads=job["threads"], n_threads_batch=job["threads"],
-                n_ctx=n_ctx, n_batch=512, verbose=False)
-    for _ in zip(range(4), llm.generate(prompts[0][:8], temp=0.0, top_k=1), strict=False):  # warm-up
-        pass
+def run_job(llm: object, prompts: list[list[int]], output_len: int) -> dict[str, float]:
     decode_rates, total, produced = [], 0.0, 0
     for prompt in prompts:  # llama-cpp-python serves one sequence at a time
         start = time.perf_counter()
@@ -40,8 +33,27 @@ def main() -> None:
         produced += count
         if count > 1:
             decode_rates.append((count - 1) / (end - first))
-    print("RESULT " + json.dumps({"seconds": total, "output_tokens": produced,
-                                 "decode_tok_s": statistics.median(decode_rates)}), flush=True)
+    return {"seconds": total, "output_tokens": produced, "decode_tok_s": statistics.median(decode_rates)}
+
+
+def main() -> None:
+    from llama_cpp import Llama
+
+    llm, loaded = None, None
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        job = json.loads(line)
+        prompts, output_len = job["prompts"], job["output_len"]
+        n_ctx = max(len(p) for p in prompts) + output_len + 8
+        key = (job["model_path"], job["threads"], n_ctx)
+        if key != loaded:
+            llm = Llama(model_path=job["model_path"], n_threads=job["threads"], n_threads_batch=job["threads"],
+                        n_ctx=n_ctx, n_batch=512, verbose=False)
+            for _ in zip(range(4), llm.generate(prompts[0][:8], temp=0.0, top_k=1), strict=False):  # warm-up
+                pass
+            loaded = key
+        print("RESULT " + json.dumps(run_job(llm, prompts, output_len)), flush=True)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,11 @@
 default without a download: speed depends on shapes, not values.
 
     python -m bench.make_gguf --out /tmp/llama-1b-q4_0.gguf --type Q4_0
+    python -m bench.make_gguf --out /tmp/llama-1b-q4_k_m.gguf --llama-quantize Q4_K_M --llama-cpp-python $VENV/bin/python
+
+--llama-quantize writes the weights as F16, then has llama.cpp's own quantizer (llama-cpp-python's
+llama_model_quantize, in the peer's venv) make the mixed k-quant file that users download: the
+`gguf` package cannot write k-quants.
 
 The shape is transformers' LlamaConfig of Llama-3.2-1B (hidden 2048, 16 layers, 32 heads, 8 KV heads,
 MLP 8192, vocabulary 128256, tied embeddings); projections and the embedding hold random normal
@@ -13,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import subprocess
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
@@ -61,13 +68,16 @@ def write_random_gguf(path: str, quant_type: GGMLQuantizationType, seed: int = 0
     writer.add_rope_freq_base(500000.0)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
-    writer.add_file_type({GGMLQuantizationType.Q4_0: 2, GGMLQuantizationType.Q4_1: 3,
+    writer.add_file_type({GGMLQuantizationType.F16: 1, GGMLQuantizationType.Q4_0: 2, GGMLQuantizationType.Q4_1: 3,
                           GGMLQuantizationType.Q8_0: 7}[quant_type])
     _copy_tokenizer(writer, GGUFReader(str(fetch_default_gguf())), cfg.vocab_size)
 
     def matrix(name: str, rows: int, cols: int) -> None:
         values = rng.standard_normal((rows, cols), dtype=np.float32) * 0.02
-        writer.add_tensor(name, quantize(values, quant_type), raw_dtype=quant_type)
+        if quant_type == GGMLQuantizationType.F16:
+            writer.add_tensor(name, values.astype(np.float16))
+        else:
+            writer.add_tensor(name, quantize(values, quant_type), raw_dtype=quant_type)
 
     hidden, q, kv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     matrix("token_embd.weight", cfg.vocab_size, hidden)
@@ -85,14 +95,46 @@ def write_random_gguf(path: str, quant_type: GGMLQuantizationType, seed: int = 0
     writer.close()
 
 
+# llama.cpp's llama_ftype values of the mixes its quantizer makes (llama.h)
+_LLAMA_FTYPES = {"Q4_0": 2, "Q8_0": 7, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18}
+_QUANTIZE = """
+import sys, llama_cpp
+params = llama_cpp.llama_model_quantize_default_params()
+params.ftype, params.nthread = int(sys.argv[3]), 2
+code = llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), params)
+sys.exit(code)
+"""
+
+
+def llama_quantize(python: str, source: str, out: str, mix: str) -> None:
+    """llama.cpp's quantizer, run by the peer's interpreter (its package never enters our venv)."""
+    result = subprocess.run([python, "-c", _QUANTIZE, source, out, str(_LLAMA_FTYPES[mix])], check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"llama_model_quantize {source} -> {out} ({mix}) failed with code {result.returncode}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="the .gguf file to write")
     parser.add_argument("--type", default="Q4_0", choices=["Q4_0", "Q4_1", "Q8_0"], help="the projections' block type")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--llama-quantize", choices=sorted(_LLAMA_FTYPES),
+                        help="write F16, then quantize to this mix with llama.cpp's quantizer")
+    parser.add_argument("--llama-cpp-python", help="the interpreter of a venv with llama-cpp-python")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    write_random_gguf(args.out, GGMLQuantizationType[args.type], args.seed)
+    if args.llama_quantize is None:
+        write_random_gguf(args.out, GGMLQuantizationType[args.type], args.seed)
+    elif args.llama_cpp_python is None:
+        parser.error("--llama-quantize needs --llama-cpp-python (llama.cpp's quantizer runs in the peer's venv)")
+    else:
+        f16 = f"{args.out}.f16.tmp"
+        try:
+            write_random_gguf(f16, GGMLQuantizationType.F16, args.seed)
+            llama_quantize(args.llama_cpp_python, f16, args.out, args.llama_quantize)
+        finally:
+            if os.path.exists(f16):
+                os.unlink(f16)
     logger.info("wrote %s", args.out)
 
 

@@ -125,6 +125,9 @@ def main() -> None:
     parser.add_argument("--compare", default=None,
                         help="comma-separated minivllm modes to run side by side: float32, bfloat16, int8, "
                              "float32-kv-bfloat16, gguf (the GGUF file's blocks: --model's .gguf or the default's)")
+    parser.add_argument("--compare-rounds", type=int, default=1,
+                        help="with --compare: keep every system loaded and alternate them this many rounds, printing "
+                             "medians and each round's ratio to llama.cpp (a shared VM's bandwidth swings between runs)")
     parser.add_argument("--llama-cpp-python", default=None,
                         help="with --compare: the Python of a venv with llama-cpp-python (or MINIVLLM_LLAMA_CPP_PYTHON)")
     parser.add_argument("--vllm-python", default=None,
@@ -139,6 +142,8 @@ def main() -> None:
         parser.error("--busy-processes: a count of 0 or more, with --single-stream")
     if args.concurrency is not None and (not args.serving_workload or args.concurrency < 1):
         parser.error("--concurrency: a positive count, with --serving-workload")
+    if args.compare_rounds < 1:
+        parser.error("--compare-rounds: a count of 1 or more")
     if args.single_stream:
         args.num_prompts, args.min_input, args.hf_batch_size = 1, args.max_input, 1
     if args.compare:

@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
+import tempfile
 from pathlib import Path
 
 import torch
 
-from bench.batch1 import decode_tok_s, weight_bytes_per_token
+from bench.batch1 import bandwidth_buffer, decode_tok_s, read_bandwidths, weight_bytes_per_token
 from bench.runs import WEIGHT_MODES, make_prompts, resolve_dir, run_minivllm
 from engine import LLM
 
@@ -23,6 +25,33 @@ def run_llama_cpp(python: str, gguf: Path, prompts: list[list[int]], output_len:
     if done.returncode != 0:
         raise RuntimeError(f"llama.cpp run failed: {done.stderr.strip()[-2000:]}")
     return _peer_result(done.stdout)
+
+
+class LlamaCppPeer:
+    """llama.cpp kept loaded in its own process (bench/llama_cpp_peer.py's line protocol), so that
+    rounds can alternate with minivllm's within seconds: a shared VM's read bandwidth swings
+    more than the two engines differ, and only runs that close together compare them."""
+
+    def __init__(self, python: str) -> None:
+        self._stderr = tempfile.TemporaryFile(mode="w+")
+        self._proc = subprocess.Popen([python, str(Path(__file__).with_name("llama_cpp_peer.py"))],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True)
+
+    def run(self, gguf: Path, prompts: list[list[int]], output_len: int) -> dict[str, float]:
+        job = {"model_path": str(gguf), "prompts": prompts, "output_len": output_len,
+               "threads": torch.get_num_threads()}
+        self._proc.stdin.write(json.dumps(job) + "\n")
+        self._proc.stdin.flush()
+        for line in self._proc.stdout:
+            if line.startswith("RESULT "):
+                return json.loads(line.removeprefix("RESULT "))
+        self._stderr.seek(0)
+        raise RuntimeError(f"llama.cpp run failed: {self._stderr.read().strip()[-2000:]}")
+
+    def close(self) -> None:
+        self._proc.stdin.close()
+        self._proc.wait(timeout=60)
+        self._stderr.close()
 
 
 def run_vllm(python: str, model_dir: str, prompts: list[list[int]], output_len: int, dtype: str,
@@ -46,43 +75,71 @@ def _peer_result(stdout: str) -> dict[str, float]:
 
 
 def compare(args: argparse.Namespace) -> None:
-    """Each minivllm weight mode, then llama.cpp, on the same prompts, in one run."""
+    """Each minivllm weight mode, then llama.cpp, on the same prompts, in one run; with
+    --compare-rounds N, every system stays loaded and the rounds alternate them N times."""
     from engine.execution.model_loader import fetch_default_gguf
 
-    rows, result = [], {"workload": vars(args), "threads": torch.get_num_threads(), "systems": {}}
-    prompts = None
-    for mode in args.compare.split(","):
+    modes = args.compare.split(",")
+    for mode in modes:
         if mode not in WEIGHT_MODES:
             raise SystemExit(f"--compare: unknown mode {mode!r}; choose from {', '.join(WEIGHT_MODES)}")
-        llm = LLM(args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                  **WEIGHT_MODES[mode])
-        if prompts is None:
-            prompts = make_prompts(args.num_prompts, args.min_input, args.max_input, llm.engine.vocab_size, args.seed)
-        seconds, steps = run_minivllm(llm, prompts, args.output_len)
-        figures = {"output_tok_s": args.num_prompts * args.output_len / seconds,
-                   "decode_tok_s": decode_tok_s(steps) if args.num_prompts == 1 else None,
-                   "weight_bytes_per_token": weight_bytes_per_token(llm)}
-        result["systems"][f"minivllm {mode}"] = figures
-        rows.append((f"minivllm {mode}", figures))
-        del llm
+    num_rounds = args.compare_rounds
+    rows, result = [], {"workload": vars(args), "threads": torch.get_num_threads(), "systems": {}}
+    prompts = None
     python = args.llama_cpp_python or os.environ.get("MINIVLLM_LLAMA_CPP_PYTHON")
-    if python:
-        # the same file minivllm's gguf mode serves: the default model's Q4_1, or the .gguf given as --model
-        gguf = Path(args.model) if args.model and args.model.endswith(".gguf") else fetch_default_gguf()
-        peer = run_llama_cpp(python, gguf, prompts, args.output_len)
-        figures = {"output_tok_s": peer["output_tokens"] / peer["seconds"],
-                   "decode_tok_s": peer["decode_tok_s"] if args.num_prompts == 1 else None}
-        result["systems"][f"llama.cpp {gguf.name}"] = figures
-        rows.append((f"llama.cpp {gguf.name}", figures))
+    # the same file minivllm's gguf mode serves: the default model's Q4_1, or the .gguf given as --model
+    gguf = Path(args.model) if args.model and args.model.endswith(".gguf") else fetch_default_gguf() if python else None
+    llms: dict[int, LLM] = {}
+    peer = LlamaCppPeer(python) if python and num_rounds > 1 else None
+    rounds: dict[str, list[dict[str, float]]] = {}
+    # batch 1 over rounds: each round's read bandwidth, two sums before it, says which of the VM's
+    # regimes the round saw
+    buffer = bandwidth_buffer() if num_rounds > 1 and args.num_prompts == 1 else None
+    bandwidths: list[float] = []
+    try:
+        for _ in range(num_rounds):
+            if buffer is not None:
+                bandwidths.append(statistics.median(read_bandwidths(buffer, 2)))
+            for i, mode in enumerate(modes):
+                llm = llms.get(i) or LLM(args.model, max_num_seqs=args.max_num_seqs,
+                                         max_num_batched_tokens=args.max_num_batched_tokens, **WEIGHT_MODES[mode])
+                if prompts is None:
+                    prompts = make_prompts(args.num_prompts, args.min_input, args.max_input, llm.engine.vocab_size,
+                                           args.seed)
+                seconds, steps = run_minivllm(llm, prompts, args.output_len)
+                name = f"minivllm {mode}" + (f" #{modes[:i].count(mode) + 1}" if modes.count(mode) > 1 else "")
+                rounds.setdefault(name, []).append(
+                    {"output_tok_s": args.num_prompts * args.output_len / seconds,
+                     "decode_tok_s": decode_tok_s(steps) if args.num_prompts == 1 else None,
+                     "weight_bytes_per_token": weight_bytes_per_token(llm)})
+                if num_rounds > 1:
+                    llms[i] = llm
+                del llm
+            if python:
+                done = peer.run(gguf, prompts, args.output_len) if peer else run_llama_cpp(python, gguf, prompts,
+                                                                                             args.output_len)
+                rounds.setdefault(f"llama.cpp {gguf.name}", []).append(
+                    {"output_tok_s": done["output_tokens"] / done["seconds"],
+                     "decode_tok_s": done["decode_tok_s"] if args.num_prompts == 1 else None})
+    finally:
+        if peer:
+            peer.close()
+    for name, runs in rounds.items():
+        figures = {key: statistics.median(run[key] for run in runs) if runs[0][key] is not None else None
+                   for key in runs[0]}
+        if num_rounds > 1:
+            figures["rounds"] = runs
+        result["systems"][name] = figures
+        rows.append((name, figures))
     vllm = args.vllm_python or os.environ.get("MINIVLLM_VLLM_PYTHON")
     if vllm:
         for mode in args.compare.split(","):
             if set(WEIGHT_MODES[mode]) - {"dtype", "quantization"} or WEIGHT_MODES[mode].get("quantization") != "none":
                 continue  # the peer runs plain dtypes: vLLM's CPU build has no weight-only int8 for this model,
                 # and a mode's own KV cache dtype would not be the same comparison
-            peer = run_vllm(vllm, resolve_dir(args.model), prompts, args.output_len, WEIGHT_MODES[mode]["dtype"],
+            done = run_vllm(vllm, resolve_dir(args.model), prompts, args.output_len, WEIGHT_MODES[mode]["dtype"],
                             args.max_num_seqs)
-            figures = {"output_tok_s": peer["output_tokens"] / peer["seconds"]}
+            figures = {"output_tok_s": done["output_tokens"] / done["seconds"]}
             result["systems"][f"vLLM CPU {mode}"] = figures
             rows.append((f"vLLM CPU {mode}", figures))
     print(f"{args.num_prompts} prompt(s) of {args.min_input}..{args.max_input} tokens, {args.output_len} out, greedy, "
@@ -92,5 +149,25 @@ def compare(args: argparse.Namespace) -> None:
         weights = figures.get("weight_bytes_per_token")
         weights = f", {weights / 1e6:4.0f} MB weights/token" if weights else ""
         print(f"{name:30s}: {figures['output_tok_s']:7.1f} output tok/s{decode}{weights}")
+    if num_rounds > 1:
+        print(f"medians of {num_rounds} alternating rounds")
+        _print_round_ratios(rounds, f"llama.cpp {gguf.name}" if gguf else "", bandwidths)
+        result["round_read_bandwidth_gb_s"] = [b / 1e9 for b in bandwidths]
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
+
+
+def _print_round_ratios(rounds: dict[str, list[dict[str, float]]], peer_name: str, bandwidths: list[float]) -> None:
+    """Each minivllm mode's decode speed over llama.cpp's in the same round: the ratio of two runs
+    seconds apart, where the medians above may pair a fast second of one with a slow of the other."""
+    if bandwidths:
+        print(f"{'sums before each round':30s}: {', '.join(f'{b / 1e9:.1f}' for b in bandwidths)} GB/s")
+    peer = rounds.get(peer_name)
+    if not peer or peer[0]["decode_tok_s"] is None:
+        return
+    for name, runs in rounds.items():
+        if name == peer_name:
+            continue
+        ratios = [run["decode_tok_s"] / other["decode_tok_s"] for run, other in zip(runs, peer, strict=True)]
+        print(f"{name:30s}: decode steps {statistics.median(ratios):.2f}x llama.cpp (rounds "
+              f"{', '.join(f'{r:.2f}' for r in ratios)})")
