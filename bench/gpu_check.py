@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from bench.batch1 import decode_tok_s, weight_bytes_per_token
 from bench.runs import make_prompts, run_minivllm
 from bench.workloads import GREEDY_PROMPTS
 from engine import LLM, SamplingParams
@@ -205,16 +206,11 @@ def offline(model: str, device: str, num_prompts: int = 32, output_len: int = 12
 
 
 def _decode_bytes(llm: LLM, context: int) -> int:
-    """What one batch-1 decode step reads: every weight once (the tied embedding's row aside) and
-    the context's K/V."""
+    """What one batch-1 decode step reads: its weights (bench.batch1's count) and the context's K/V."""
     runner = llm.engine.runner
-    model = runner.model
-    weights = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if "embed_tokens" not in name)
-    if model.config.tie_word_embeddings:
-        weights += model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
     mc = runner.model_config
     kv = 2 * mc.num_layers * context * mc.num_kv_heads * mc.head_dim * runner.kv_cache.element_size()
-    return weights + kv
+    return weight_bytes_per_token(llm) + kv
 
 
 def batch1(model: str, device: str, output_len: int = 128, prompt_len: int = 100) -> dict[str, Any]:
@@ -227,9 +223,10 @@ def batch1(model: str, device: str, output_len: int = 128, prompt_len: int = 100
         seconds, steps = run_minivllm(llm, prompt, output_len)
         # The whole step (host work and the one sync included): an eager step's forward returns
         # before the GPU is done, so only the step's end says when its reads were.
-        step = statistics.median(s.total_time for s in steps if s.num_prefill_tokens == 0)
+        decode = decode_tok_s(steps)  # over the median decode step
+        step = 1 / decode
         step_bytes = _decode_bytes(llm, prompt_len + output_len // 2)
-        results[label] = {"tok_s": output_len / seconds, "median_decode_step_ms": 1e3 * step, "decode_tok_s": 1 / step,
+        results[label] = {"tok_s": output_len / seconds, "median_decode_step_ms": 1e3 * step, "decode_tok_s": decode,
                           "step_bytes": step_bytes, "achieved_tb_s": step_bytes / step / 1e12, "hbm_peak_tb_s": hbm}
         del llm
         release()

@@ -5,18 +5,20 @@ import asyncio
 import json
 import math
 import statistics
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from aiohttp import web
 
 from bench.backends import OpenAIBackend, RequestResult
 from bench.kernels import load_bench_kernels
 from bench.latency_stats import goodput, percentile, summarize
 from bench.serving import main as bench_main
 from bench.serving import parse_slos, report
-from bench.workloads import random_text, random_tokens, shared_prefix, synthetic_chat
+from bench.workloads import BenchRequest, random_text, random_tokens, shared_prefix, synthetic_chat
 from engine import EngineConfig
 from engine.execution.kernels import load_cpu_kernels
 from tests.server_harness import ServerThread
@@ -100,39 +102,49 @@ def test_short_benchmark_run_writes_json_and_plots(tiny_model_dir: Path, tmp_pat
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
 
 
-def test_openai_backend_parses_a_streaming_completion() -> None:
-    from aiohttp import web
+async def _sse(request: web.Request, events: list[dict], gap: float = 0.0) -> web.StreamResponse:
+    """An OpenAI-style event stream of events (gap seconds after each but the last), the last
+    sent in one write with the [DONE] that ends it."""
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    for event in events[:-1]:
+        await resp.write(f"data: {json.dumps(event)}\n\n".encode())
+        if gap:
+            await asyncio.sleep(gap)
+    await resp.write(f"data: {json.dumps(events[-1])}\n\ndata: [DONE]\n\n".encode())
+    return resp
 
-    from bench.workloads import BenchRequest
 
-    async def completions(request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        assert body["stream"] is True and body["max_tokens"] == 3
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        for word in ("Hel", "lo", "!"):
-            await resp.write(f'data: {json.dumps({"choices": [{"text": word}]})}\n\n'.encode())
-            await asyncio.sleep(0.01)
-        usage = {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 3}}
-        await resp.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
-        return resp
-
+def _send_to_stub(route: str, handler: Callable[[web.Request], Awaitable[web.StreamResponse]], req: BenchRequest,
+                  chat: bool = False) -> RequestResult:
+    """OpenAIBackend.send(req) against an aiohttp server on a free port that answers route with handler."""
     async def scenario() -> RequestResult:
         app = web.Application()
-        app.router.add_post("/v1/completions", completions)
+        app.router.add_post(route, handler)
         runner = web.AppRunner(app)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
         port = site._server.sockets[0].getsockname()[1]
-        backend = OpenAIBackend(f"http://127.0.0.1:{port}", "m")
+        backend = OpenAIBackend(f"http://127.0.0.1:{port}", "m", chat=chat)
         try:
-            return await backend.send(BenchRequest("hi there", 2, 3, True))
+            return await backend.send(req)
         finally:
             await backend.close()
             await runner.cleanup()
 
-    result = asyncio.run(scenario())
+    return asyncio.run(scenario())
+
+
+def test_openai_backend_parses_a_streaming_completion() -> None:
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        assert body["stream"] is True and body["max_tokens"] == 3
+        words = [{"choices": [{"text": word}]} for word in ("Hel", "lo", "!")]
+        usage = {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 3}}
+        return await _sse(request, [*words, usage], gap=0.01)
+
+    result = _send_to_stub("/v1/completions", completions, BenchRequest("hi there", 2, 3, True))
     assert result.ok and result.output_len == 3 and result.prompt_len == 4
     assert len(result.token_times) == 3 and result.ttft is not None and result.ttft > 0
 
@@ -304,7 +316,7 @@ def test_core_handoff_times_a_cache_line_between_two_threads() -> None:
 
 def test_conversations_grow_one_history_per_session_and_run_in_turn_order() -> None:
     from bench.serving import run_load
-    from bench.workloads import BenchRequest, conversations
+    from bench.workloads import conversations
 
     reqs = conversations(3, 4, 50, 6, 8, seed=1)
     assert [r.prompt for r in reqs] == [r.prompt for r in conversations(3, 4, 50, 6, 8, seed=1)]
@@ -339,7 +351,7 @@ def test_conversations_grow_one_history_per_session_and_run_in_turn_order() -> N
 
 def test_shared_prefix_chat_cycles_groups_over_shared_documents_and_starts_them_in_order() -> None:
     from bench.serving import run_load
-    from bench.workloads import BenchRequest, shared_prefix_chat
+    from bench.workloads import shared_prefix_chat
 
     reqs = shared_prefix_chat(3, 4, 40, 5, 8, seed=2)
     assert len(reqs) == 12 and [r.prompt for r in reqs] == [r.prompt for r in shared_prefix_chat(3, 4, 40, 5, 8, 2)]
@@ -388,38 +400,16 @@ def test_gateway_policies_flags_by_workload() -> None:
 
 
 def test_openai_backend_sends_chat_messages_to_the_chat_route() -> None:
-    from aiohttp import web
-
-    from bench.workloads import BenchRequest
-
     seen = {}
 
     async def chat(request: web.Request) -> web.StreamResponse:
         seen.update(await request.json())
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        for piece in ("Hi", " you"):
-            await resp.write(f'data: {json.dumps({"choices": [{"delta": {"content": piece}}]})}\n\n'.encode())
+        pieces = [{"choices": [{"delta": {"content": piece}}]} for piece in ("Hi", " you")]
         usage = {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 2}}
-        await resp.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
-        return resp
+        return await _sse(request, [*pieces, usage])
 
-    async def scenario() -> RequestResult:
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", chat)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        backend = OpenAIBackend(f"http://127.0.0.1:{port}", "m", chat=True)
-        try:
-            return await backend.send(BenchRequest([{"role": "user", "content": "hello"}], 3, 2, True))
-        finally:
-            await backend.close()
-            await runner.cleanup()
-
-    result = asyncio.run(scenario())
+    req = BenchRequest([{"role": "user", "content": "hello"}], 3, 2, True)
+    result = _send_to_stub("/v1/chat/completions", chat, req, chat=True)
     assert seen["messages"] == [{"role": "user", "content": "hello"}] and "prompt" not in seen
     assert result.ok and result.output_len == 2 and result.prompt_len == 9 and len(result.token_times) == 2
 

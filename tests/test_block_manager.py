@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 
 from engine import LLM, SamplingParams
 from engine.core.block_manager import BlockManager
+from tests.block_ops import block_op_lists, run_block_ops
 from tests.helpers import fake_seq
 
 
@@ -14,33 +15,17 @@ def _check(bm: BlockManager) -> None:
     assert bm.count_referenced_blocks() == bm.num_used_blocks
 
 
+def _shared_prefixes(slot: int, n: int) -> list[int]:
+    """The same tokens for every sequence: prefixes shared across them."""
+    return [1 + (i % 3) for i in range(n)]
+
+
 @settings(max_examples=150, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["add", "grow", "free"]), st.integers(0, 7), st.integers(1, 40)),
-                max_size=60))
+@given(block_op_lists(["add", "grow", "free"], max_slot=7, max_tokens=40, max_ops=60))
 def test_block_invariants_under_random_ops(ops: list[tuple[str, int, int]]) -> None:
     bm = BlockManager(num_blocks=24, block_size=4, enable_prefix_caching=True)
-    live = {}
-    for op, slot, n in ops:
-        if op == "add" and slot not in live:
-            seq = fake_seq(str(slot), n)
-            seq.prompt_token_ids = [1 + (i % 3) for i in range(n)]  # shared prefixes across sequences
-            seq.num_computed_tokens = bm.allocate_cached_prefix(seq)
-            if bm.allocate(seq, seq.num_uncomputed_tokens, is_new=True):
-                seq.num_computed_tokens = seq.num_tokens
-                bm.register_computed_blocks(seq)
-                live[slot] = seq
-            else:
-                bm.free(seq)
-        elif op == "grow" and slot in live:
-            seq = live[slot]
-            seq.output_token_ids.append(n)
-            if bm.allocate(seq, 1):
-                seq.num_computed_tokens += 1
-                bm.register_computed_blocks(seq)
-            else:
-                seq.output_token_ids.pop()
-        elif op == "free" and slot in live:
-            bm.free(live.pop(slot))
+    live = {}  # the driver's, once it has run an op
+    for _, live in run_block_ops(bm, ops, _shared_prefixes):
         _check(bm)
         for seq in live.values():
             assert len(seq.block_table) == bm.num_blocks_needed(seq.num_computed_tokens)

@@ -4,10 +4,10 @@ while a block is in use."""
 from __future__ import annotations
 
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from engine import LLM, AllBlocksCleared, BlockRemoved, BlockStored, KvCacheEvent, SamplingParams
 from engine.core.block_manager import BlockManager, hash_block
+from tests.block_ops import block_op_lists, run_block_ops
 from tests.helpers import fake_seq
 
 
@@ -35,34 +35,16 @@ class CacheIndex:
 
 
 @settings(max_examples=120, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["add", "grow", "free", "flush"]), st.integers(0, 5), st.integers(1, 30)),
-                max_size=50))
+@given(block_op_lists(["add", "grow", "free", "flush"], max_slot=5, max_tokens=30, max_ops=50))
 def test_events_replay_to_exactly_the_cached_blocks(ops: list[tuple[str, int, int]]) -> None:
     bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
     index = CacheIndex()
-    live = {}
-    for op, slot, n in ops:
-        if op == "add" and slot not in live:
-            seq = fake_seq(str(slot), n)
-            seq.prompt_token_ids = [1 + (i % 3) + (slot % 2) * (i > 6) for i in range(n)]  # shared prefixes
-            seq.num_computed_tokens = bm.allocate_cached_prefix(seq)
-            if bm.allocate(seq, seq.num_uncomputed_tokens, is_new=True):
-                seq.num_computed_tokens = seq.num_tokens
-                bm.register_computed_blocks(seq)
-                live[slot] = seq
-            else:
-                bm.free(seq)
-        elif op == "grow" and slot in live:
-            seq = live[slot]
-            seq.output_token_ids.append(n)
-            if bm.allocate(seq, 1):
-                seq.num_computed_tokens += 1
-                bm.register_computed_blocks(seq)
-            else:
-                seq.output_token_ids.pop()
-        elif op == "free" and slot in live:
-            bm.free(live.pop(slot))
-        elif op == "flush":
+
+    def prompt_tokens(slot: int, n: int) -> list[int]:  # prefixes shared, odd slots' parting after 7 tokens
+        return [1 + (i % 3) + (slot % 2) * (i > 6) for i in range(n)]
+
+    for op, live in run_block_ops(bm, ops, prompt_tokens):
+        if op == "flush":
             assert bm.reset_prefix_cache() == (not live)
         index.apply(bm.take_events())
         assert set(index.blocks) == bm.cached_block_hashes()

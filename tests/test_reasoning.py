@@ -48,21 +48,19 @@ ANSWER = {"type": "object", "properties": {"answer": {"type": "integer", "minimu
 
 
 @pytest.fixture(scope="module")
-def reasoning_server(tiny_tool_model_dir: Path) -> Iterator[ServerThread]:
+def reasoning_server(request: pytest.FixtureRequest, tiny_tool_model_dir: Path) -> Iterator[ServerThread]:
+    """The tiny tool model's server with a reasoning parser: deepseek_r1 unless a test names
+    another (`@pytest.mark.parametrize("reasoning_server", [name], indirect=True)`)."""
+    parser = getattr(request, "param", "deepseek_r1")
     srv = ServerThread(EngineConfig(model=str(tiny_tool_model_dir), num_kv_blocks=512, block_size=4), http_port=0,
-                       served_model_name="tiny", reasoning_parser="deepseek_r1")
-    assert srv.engine.tokenizer.convert_tokens_to_ids("</think>") == END_THINK
+                       served_model_name="tiny", reasoning_parser=parser)
+    tokenizer = srv.engine.tokenizer
+    assert tokenizer.convert_tokens_to_ids(["<think>", "</think>"]) == [THINK, END_THINK]
     yield srv
     srv.stop()
 
 
-@pytest.fixture(scope="module")
-def qwen3_server(tiny_tool_model_dir: Path) -> Iterator[ServerThread]:
-    srv = ServerThread(EngineConfig(model=str(tiny_tool_model_dir), num_kv_blocks=512, block_size=4), http_port=0,
-                       served_model_name="tiny", reasoning_parser="qwen3")
-    assert srv.engine.tokenizer.convert_tokens_to_ids("<think>") == THINK
-    yield srv
-    srv.stop()
+QWEN3 = pytest.mark.parametrize("reasoning_server", ["qwen3"], indirect=True)
 
 
 def _inside_block(tokens: list[str], starts_in_reasoning: bool) -> int:
@@ -102,45 +100,6 @@ def test_thinking_block_is_reasoning_and_the_grammar_applies_after_it(reasoning_
 JSON_ANSWER = {"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER}}
 
 
-def test_qwen3_without_thinking_is_constrained_from_the_first_token(qwen3_server: ServerThread) -> None:
-    """qwen3 thinks only when the answer opens the block: one that does not is held to the
-    answer's grammar (a JSON format, a required call) from its first token, with no reasoning."""
-    never = {str(THINK): -100}
-    with openai.OpenAI(base_url=qwen3_server.http_url + "/v1", api_key="x", max_retries=0, timeout=120) as client:
-        for seed in range(3):
-            out = client.chat.completions.create(model="tiny", messages=ASK, temperature=0.8, seed=seed,
-                                                 max_tokens=100, logit_bias=never, response_format=JSON_ANSWER)
-            message = out.choices[0].message
-            jsonschema.validate(json.loads(message.content), ANSWER)
-            assert message.reasoning_content is None and out.usage.completion_tokens_details.reasoning_tokens == 0
-            out = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required",
-                                                 parallel_tool_calls=False, temperature=0.8, seed=seed,
-                                                 max_tokens=150, logit_bias=never)
-            choice = out.choices[0]
-            assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
-            _check_calls(choice.message.tool_calls)
-
-
-def test_qwen3_reasoning_tokens_are_the_blocks_own(qwen3_server: ServerThread) -> None:
-    """A thinking answer (steered to open and then close the block): usage counts exactly the
-    tokens between <think> and </think>, and the answer after it is constrained."""
-    request = dict(model="tiny", messages=ASK, temperature=0.8, max_tokens=200, logprobs=True,
-                   logit_bias={str(THINK): 30, str(END_THINK): 12}, response_format=JSON_ANSWER)
-    num_thought = 0
-    with openai.OpenAI(base_url=qwen3_server.http_url + "/v1", api_key="x", max_retries=0, timeout=120) as client:
-        for seed in range(3):
-            whole = client.chat.completions.create(**request, seed=seed)
-            message = whole.choices[0].message
-            tokens = [t.token for t in whole.choices[0].logprobs.content]
-            assert tokens[0] == "<think>" and "</think>" in tokens, tokens
-            assert whole.usage.completion_tokens_details.reasoning_tokens == _inside_block(tokens, False)
-            jsonschema.validate(json.loads(message.content), ANSWER)
-            num_thought += bool(message.reasoning_content)
-            chunks = list(client.chat.completions.create(**request, seed=seed, stream=True))
-            assert _reassemble(chunks) == _whole(message, "stop")
-    assert num_thought >= 2
-
-
 def test_grpc_uses_the_servers_reasoning_parser(reasoning_server: ServerThread) -> None:
     """gRPC chat answers are parsed with the server's options too: thinking in reasoning_text."""
     from service.client import InferenceClient
@@ -177,4 +136,46 @@ def test_tools_and_reasoning_together(reasoning_server: ServerThread, choice: st
             assert whole.usage.completion_tokens_details.reasoning_tokens == _inside_block(tokens, True)
             chunks = list(client.chat.completions.create(**request, seed=seed, stream=True))
             assert _reassemble(chunks) == _whole(message, "tool_calls")
+    assert num_thought >= 2
+
+
+# Last: the fixture's qwen3 server starts once, after the deepseek_r1 one has served its tests.
+@QWEN3
+def test_qwen3_without_thinking_is_constrained_from_the_first_token(reasoning_server: ServerThread) -> None:
+    """qwen3 thinks only when the answer opens the block: one that does not is held to the
+    answer's grammar (a JSON format, a required call) from its first token, with no reasoning."""
+    never = {str(THINK): -100}
+    with openai.OpenAI(base_url=reasoning_server.http_url + "/v1", api_key="x", max_retries=0, timeout=120) as client:
+        for seed in range(3):
+            out = client.chat.completions.create(model="tiny", messages=ASK, temperature=0.8, seed=seed,
+                                                 max_tokens=100, logit_bias=never, response_format=JSON_ANSWER)
+            message = out.choices[0].message
+            jsonschema.validate(json.loads(message.content), ANSWER)
+            assert message.reasoning_content is None and out.usage.completion_tokens_details.reasoning_tokens == 0
+            out = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required",
+                                                 parallel_tool_calls=False, temperature=0.8, seed=seed,
+                                                 max_tokens=150, logit_bias=never)
+            choice = out.choices[0]
+            assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+            _check_calls(choice.message.tool_calls)
+
+
+@QWEN3
+def test_qwen3_reasoning_tokens_are_the_blocks_own(reasoning_server: ServerThread) -> None:
+    """A thinking answer (steered to open and then close the block): usage counts exactly the
+    tokens between <think> and </think>, and the answer after it is constrained."""
+    request = dict(model="tiny", messages=ASK, temperature=0.8, max_tokens=200, logprobs=True,
+                   logit_bias={str(THINK): 30, str(END_THINK): 12}, response_format=JSON_ANSWER)
+    num_thought = 0
+    with openai.OpenAI(base_url=reasoning_server.http_url + "/v1", api_key="x", max_retries=0, timeout=120) as client:
+        for seed in range(3):
+            whole = client.chat.completions.create(**request, seed=seed)
+            message = whole.choices[0].message
+            tokens = [t.token for t in whole.choices[0].logprobs.content]
+            assert tokens[0] == "<think>" and "</think>" in tokens, tokens
+            assert whole.usage.completion_tokens_details.reasoning_tokens == _inside_block(tokens, False)
+            jsonschema.validate(json.loads(message.content), ANSWER)
+            num_thought += bool(message.reasoning_content)
+            chunks = list(client.chat.completions.create(**request, seed=seed, stream=True))
+            assert _reassemble(chunks) == _whole(message, "stop")
     assert num_thought >= 2
