@@ -76,7 +76,8 @@ def _peer_result(stdout: str) -> dict[str, float]:
 
 def compare(args: argparse.Namespace) -> None:
     """Each minivllm weight mode, then llama.cpp, on the same prompts, in one run; with
-    --compare-rounds N, every system stays loaded and the rounds alternate them N times."""
+    --compare-rounds N, every system stays loaded and the rounds alternate them N times, after
+    one untimed round."""
     from engine.execution.model_loader import fetch_default_gguf
 
     modes = args.compare.split(",")
@@ -97,8 +98,9 @@ def compare(args: argparse.Namespace) -> None:
     buffer = bandwidth_buffer() if num_rounds > 1 and args.num_prompts == 1 else None
     bandwidths: list[float] = []
     try:
-        for _ in range(num_rounds):
-            if buffer is not None:
+        # with rounds, a first one untimed: its first steps fault in pages and settle the threads
+        for round_index in range(-1 if num_rounds > 1 else 0, num_rounds):
+            if buffer is not None and round_index >= 0:
                 bandwidths.append(statistics.median(read_bandwidths(buffer, 2)))
             for i, mode in enumerate(modes):
                 llm = llms.get(i) or LLM(args.model, max_num_seqs=args.max_num_seqs,
@@ -108,16 +110,20 @@ def compare(args: argparse.Namespace) -> None:
                                            args.seed)
                 seconds, steps = run_minivllm(llm, prompts, args.output_len)
                 name = f"minivllm {mode}" + (f" #{modes[:i].count(mode) + 1}" if modes.count(mode) > 1 else "")
+                if num_rounds > 1:
+                    llms[i] = llm
+                if round_index < 0:
+                    continue
                 rounds.setdefault(name, []).append(
                     {"output_tok_s": args.num_prompts * args.output_len / seconds,
                      "decode_tok_s": decode_tok_s(steps) if args.num_prompts == 1 else None,
                      "weight_bytes_per_token": weight_bytes_per_token(llm)})
-                if num_rounds > 1:
-                    llms[i] = llm
                 del llm
             if python:
                 done = peer.run(gguf, prompts, args.output_len) if peer else run_llama_cpp(python, gguf, prompts,
                                                                                              args.output_len)
+                if round_index < 0:
+                    continue
                 rounds.setdefault(f"llama.cpp {gguf.name}", []).append(
                     {"output_tok_s": done["output_tokens"] / done["seconds"],
                      "decode_tok_s": done["decode_tok_s"] if args.num_prompts == 1 else None})
