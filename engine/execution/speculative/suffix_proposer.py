@@ -14,6 +14,7 @@ from collections import deque
 
 import numpy as np
 
+from engine.execution.speculative.backward_match import backward_match_lengths
 from engine.execution.speculative.proposer import Proposer
 
 _MAX_DEPTH = 24  # longest suffix matched
@@ -47,35 +48,42 @@ class SuffixProposer(Proposer):
     def propose(self, token_ids: np.ndarray) -> list[int]:
         if len(token_ids) < 2:
             return []
-        # The corpus: recent outputs, then the request itself but for its last token (whose
-        # continuation is what we look for).
-        corpus = np.concatenate((self._shared, token_ids[:-1], [_SEPARATOR]))
-        # ends: positions i whose tokens corpus[i - d .. i] equal the request's last d + 1 tokens.
-        ends = np.flatnonzero(corpus == token_ids[-1])
-        depth = 1
-        while depth < min(_MAX_DEPTH, len(token_ids)):
-            before = ends - depth
-            keep = before >= 0
-            keep[keep] = corpus[before[keep]] == token_ids[-1 - depth]
-            if not keep.any():
-                break
-            ends, depth = ends[keep], depth + 1
-        if ends.size == 0:
+        # The corpus is two sources searched apart (joining them cost a copy of the whole history
+        # per request per step): recent outputs, each followed by a separator, then the request
+        # itself but for its last token (whose continuation is what we look for), followed by an
+        # implicit one. A match or a continuation ends at a separator, so none spans the two.
+        own = token_ids[:-1]
+        last = token_ids[-1]
+        max_depth = min(_MAX_DEPTH, len(token_ids))
+        # ends: positions whose preceding tokens equal the request's longest matched suffix.
+        shared_ends = np.flatnonzero(self._shared == last)
+        own_ends = np.flatnonzero(own == last)
+        shared_lengths = backward_match_lengths(self._shared, shared_ends, token_ids, max_depth)
+        own_lengths = backward_match_lengths(own, own_ends, token_ids, max_depth)
+        if shared_ends.size + own_ends.size == 0:
             return []
+        depth = int(max(shared_lengths.max(initial=0), own_lengths.max(initial=0)))
+        # Where each match's continuation starts: [S] in the history, [O] in the request.
+        shared_next = shared_ends[shared_lengths == depth] + 1
+        own_next = own_ends[own_lengths == depth] + 1
         drafts: list[int] = []
-        positions = ends + 1  # where each match's continuation starts
         limit = min(self.num_tokens, depth)
         while len(drafts) < limit:
-            following = corpus[positions[positions < len(corpus)]]
+            # The share counts every match still followed, those that just reached a separator
+            # too. The history ends with a separator, so its continuations stay inside it; the
+            # request's own stop at its last token (the implicit separator).
+            num_matches = shared_next.size + own_next.size
+            own_next = own_next[own_next < len(own)]
+            following = np.concatenate((self._shared[shared_next], own[own_next]))
             following = following[following != _SEPARATOR]
             if following.size == 0:
                 break
             values, counts = np.unique(following, return_counts=True)
             best = int(counts.argmax())
-            if counts[best] < _MIN_AGREEMENT * positions.size:
+            if counts[best] < _MIN_AGREEMENT * num_matches:
                 break
             token = int(values[best])
             drafts.append(token)
-            positions = positions[(positions < len(corpus)) & (corpus[np.minimum(positions, len(corpus) - 1)] == token)]
-            positions = positions + 1
+            shared_next = shared_next[self._shared[shared_next] == token] + 1
+            own_next = own_next[own[own_next] == token] + 1
         return drafts
