@@ -96,6 +96,30 @@ def test_suffix_proposals_equal_the_joined_corpus_search(histories: list[list[in
             assert new.propose(token_ids[:end]) == reference.propose(token_ids[:end]), (histories, request, end)
 
 
+
+@st.composite
+def periodic(draw: st.DrawFn) -> list[int]:
+    """A repeated unit with a few tokens changed: matches as long as the search goes (24 and
+    more) beside ones a change cuts short at every length."""
+    unit = draw(st.lists(st.integers(0, 3), min_size=1, max_size=5))
+    out = (unit * 40)[: draw(st.integers(2, 120))]
+    for position in draw(st.lists(st.integers(0, len(out) - 1), max_size=4)):
+        out[position] = draw(st.integers(0, 4))
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(periodic(), max_size=4), periodic(), st.integers(1, 30))
+def test_suffix_proposals_equal_on_long_matches(histories: list[list[int]], request: list[int],
+                                                num_tokens: int) -> None:
+    new, reference = SuffixProposer(num_tokens), ReferenceSuffix(num_tokens)
+    for history in histories:
+        new.observe_finished(np.array(history, dtype=np.int64))
+        reference.observe_finished(np.array(history, dtype=np.int64))
+    token_ids = np.array(request, dtype=np.int64)
+    for end in range(1, len(token_ids) + 1):
+        assert new.propose(token_ids[:end]) == reference.propose(token_ids[:end]), (histories, request, end)
+
 def test_suffix_proposals_equal_at_a_full_history() -> None:
     """The serving shape: 32k tokens of earlier outputs (older ones evicted), repetitive enough
     that long suffixes match in both sources."""
