@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import random
 from collections import deque
+from unittest import mock
 
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.execution.speculative import NgramProposer, SuffixProposer
+from engine.execution.speculative import NgramProposer, SuffixProposer, backward_match
 from engine.execution.speculative import suffix_proposer as suffix_module
 
 SEP = -1
@@ -117,8 +118,14 @@ def test_suffix_proposals_equal_on_long_matches(histories: list[list[int]], requ
         new.observe_finished(np.array(history, dtype=np.int64))
         reference.observe_finished(np.array(history, dtype=np.int64))
     token_ids = np.array(request, dtype=np.int64)
-    for end in range(1, len(token_ids) + 1):
-        assert new.propose(token_ids[:end]) == reference.propose(token_ids[:end]), (histories, request, end)
+    # Both ways of matching: narrowing a depth at a time (forced: no window) and the one-gather
+    # window from the first depth on; and both ways of counting votes.
+    for max_rows, max_counted in ((0, 0), (10**9, 10**9)):
+        with mock.patch.object(backward_match, "_MAX_WINDOW_ROWS", max_rows), \
+                mock.patch.object(suffix_module, "_MAX_COUNTED_IN_PYTHON", max_counted):
+            for end in range(1, len(token_ids) + 1):
+                assert new.propose(token_ids[:end]) == reference.propose(token_ids[:end]), \
+                    (histories, request, end, max_rows)
 
 def test_suffix_proposals_equal_at_a_full_history() -> None:
     """The serving shape: 32k tokens of earlier outputs (older ones evicted), repetitive enough

@@ -10,17 +10,19 @@ repeating tool output and requests that restate earlier answers are what the sha
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 
 import numpy as np
 
-from engine.execution.speculative.backward_match import backward_match_lengths
+from engine.execution.speculative.backward_match import longest_backward_matches
 from engine.execution.speculative.proposer import Proposer
 
 _MAX_DEPTH = 24  # longest suffix matched
 _MIN_AGREEMENT = 0.5  # a continuation token's share of the matches needed to follow it
 _MAX_HISTORY_TOKENS = 32768  # recent outputs kept (the oldest leave first)
 _SEPARATOR = -1  # between sources in the corpus: no match runs across it
+# Matches counted with a Counter: below this many, numpy's per-call overhead costs more.
+_MAX_COUNTED_IN_PYTHON = 64
 
 
 class SuffixProposer(Proposer):
@@ -54,36 +56,47 @@ class SuffixProposer(Proposer):
         # implicit one. A match or a continuation ends at a separator, so none spans the two.
         own = token_ids[:-1]
         last = token_ids[-1]
-        max_depth = min(_MAX_DEPTH, len(token_ids))
-        # ends: positions whose preceding tokens equal the request's longest matched suffix.
         shared_ends = np.flatnonzero(self._shared == last)
         own_ends = np.flatnonzero(own == last)
-        shared_lengths = backward_match_lengths(self._shared, shared_ends, token_ids, max_depth)
-        own_lengths = backward_match_lengths(own, own_ends, token_ids, max_depth)
         if shared_ends.size + own_ends.size == 0:
             return []
-        depth = int(max(shared_lengths.max(initial=0), own_lengths.max(initial=0)))
-        # Where each match's continuation starts: [S] in the history, [O] in the request.
-        shared_next = shared_ends[shared_lengths == depth] + 1
-        own_next = own_ends[own_lengths == depth] + 1
-        drafts: list[int] = []
+        # ends: positions in either source whose tokens up to them equal the request's last
+        # `depth` tokens, the longest suffix matched anywhere.
+        depth, (shared_ends, own_ends) = longest_backward_matches([(self._shared, shared_ends), (own, own_ends)],
+                                                                  token_ids, min(_MAX_DEPTH, len(token_ids)))
         limit = min(self.num_tokens, depth)
-        while len(drafts) < limit:
-            # The share counts every match still followed, those that just reached a separator
-            # too. The history ends with a separator, so its continuations stay inside it; the
-            # request's own stop at its last token (the implicit separator).
-            num_matches = shared_next.size + own_next.size
-            own_next = own_next[own_next < len(own)]
-            following = np.concatenate((self._shared[shared_next], own[own_next]))
-            following = following[following != _SEPARATOR]
-            if following.size == 0:
+        # following: [M, limit] the tokens after each longest match, from either source. A row
+        # is followed only while it agrees with the drafts, so a row stops counting at its first
+        # separator: the history's trailing one (indices past it clip onto it) or the request's
+        # implicit one at its last token.
+        offsets = np.arange(1, limit + 1)  # [limit]
+        shared_next = shared_ends[:, None] + offsets  # [S, limit]
+        own_next = own_ends[:, None] + offsets  # [O, limit]
+        num_own = len(own)
+        following = np.concatenate((
+            self._shared[np.minimum(shared_next, len(self._shared) - 1)] if shared_next.size
+            else np.empty((0, limit), dtype=np.int64),
+            np.where(own_next < num_own, own[np.minimum(own_next, num_own - 1)], _SEPARATOR)))
+        drafts: list[int] = []
+        for column in range(limit):
+            candidates = following[:, column]  # [M]: every match still followed, at a separator or not
+            tokens = candidates[candidates != _SEPARATOR]
+            if tokens.size == 0:
                 break
-            values, counts = np.unique(following, return_counts=True)
-            best = int(counts.argmax())
-            if counts[best] < _MIN_AGREEMENT * num_matches:
+            token, count = _most_common(tokens)
+            if count < _MIN_AGREEMENT * candidates.size:
                 break
-            token = int(values[best])
             drafts.append(token)
-            shared_next = shared_next[self._shared[shared_next] == token] + 1
-            own_next = own_next[own[own_next] == token] + 1
+            following = following[candidates == token]
         return drafts
+
+
+def _most_common(tokens: np.ndarray) -> tuple[int, int]:
+    """tokens: [N], N > 0 -> the most frequent token (the smallest of a tie) and its count."""
+    if tokens.size > _MAX_COUNTED_IN_PYTHON:
+        values, counts = np.unique(tokens, return_counts=True)
+        best = int(counts.argmax())
+        return int(values[best]), int(counts[best])
+    counts = Counter(tokens.tolist())
+    count = max(counts.values())
+    return min(token for token, n in counts.items() if n == count), count
