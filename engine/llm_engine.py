@@ -56,8 +56,10 @@ class LLMEngine:
         output_tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or str(self.model_dir))
         self._decode_ids = ids_decoder(output_tokenizer)
         self.runner = ModelRunner(self.model_dir, hf_config, config)
+        # Prefix-cache events are recorded only while someone subscribes (subscribe_kv_events).
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size,
-                                          config.enable_prefix_caching, config.watermark)
+                                          config.enable_prefix_caching, config.watermark, is_recording_events=False)
+        self._num_kv_event_subscribers = 0
         # A sequence must fit the pool even with the admission watermark held back, or it
         # could wait forever.
         usable_blocks = self.block_manager.num_blocks - self.block_manager.num_watermark_blocks
@@ -148,8 +150,25 @@ class LLMEngine:
         return self.input_processor.apply_chat_template(messages, params, chat_template_kwargs)
 
     def take_kv_events(self) -> list[KvCacheEvent]:
-        """Prefix-cache changes not yet handed out (step() hands out its own in StepStats)."""
+        """Prefix-cache changes not yet handed out (step() hands out its own in StepStats); none
+        while no one subscribes."""
         return self.block_manager.take_events()
+
+    def subscribe_kv_events(self) -> None:
+        """Record prefix-cache changes from now on, for take_kv_events and each step's
+        StepStats.kv_events (engine thread). A subscriber that comes later sees the changes from
+        then on, as a late subscriber to vLLM's KV event publisher does; blocks cached before
+        are not replayed. Each call needs its unsubscribe_kv_events."""
+        self._num_kv_event_subscribers += 1
+        self.block_manager.set_recording_events(True)
+
+    def unsubscribe_kv_events(self) -> None:
+        """The end of a subscribe_kv_events: once none is left, changes are no longer recorded."""
+        if self._num_kv_event_subscribers == 0:
+            raise RuntimeError("unsubscribe_kv_events without a subscribe_kv_events")
+        self._num_kv_event_subscribers -= 1
+        if self._num_kv_event_subscribers == 0:
+            self.block_manager.set_recording_events(False)
 
     def reset_prefix_cache(self) -> bool:
         """Drop the prefix cache without preempting anything (engine thread); False, and nothing

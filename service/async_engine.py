@@ -101,7 +101,8 @@ class AsyncEngine:
                  kv_event_listeners: list[KvEventListener] | None = None) -> None:
         """engine_factory builds the engine on the engine thread (see the module's docstring);
         kv_event_listeners get prefix-cache changes made outside a step (a flush), on the engine
-        thread (a step's own changes travel in its StepStats)."""
+        thread (a step's own changes travel in its StepStats). With kv_event_listeners the
+        engine records those changes from its start; without, it records none."""
         self._engine_factory = engine_factory
         # Set on the engine thread, before start() returns. Private: the service uses this
         # class's methods, never the engine's internals (tests/test_layering.py).
@@ -321,6 +322,8 @@ class AsyncEngine:
     def _build_and_run(self, built: concurrent.futures.Future[None]) -> None:
         try:
             self._engine = self._engine_factory()
+            if self.kv_event_listeners:
+                self._engine.subscribe_kv_events()
         except BaseException as exc:  # noqa: BLE001 - handed to start(), which raises it
             self._is_dead = True
             built.set_exception(exc)

@@ -135,8 +135,11 @@ class InferenceServer:
         factory = engine_factory or (lambda: LLMEngine(self.config.engine))
         self.kv_events.bind(asyncio.get_running_loop())
         # The engine thread loads the model (off the loop) and then runs it: see AsyncEngine.
+        # Only the vLLM contract's SubscribeKvEvents streams read the prefix-cache events: without
+        # it the engine records none.
         async_engine = AsyncEngine(factory, self.stats_listeners, on_death=self._on_engine_death,
-                                   kv_event_listeners=[self.kv_events.on_kv_events])
+                                   kv_event_listeners=[self.kv_events.on_kv_events]
+                                   if "vllm" in self.config.grpc_services else [])
         await async_engine.start()
         self.vllm_servicer.files = await asyncio.to_thread(self._model_files)
         self.async_engine = async_engine

@@ -72,6 +72,7 @@ def test_reset_prefix_cache_refuses_in_use_and_forgets_everything() -> None:
 def test_engine_step_hands_out_the_events(tiny_llm: LLM) -> None:
     engine = tiny_llm.engine
     assert engine.reset_prefix_cache()
+    engine.subscribe_kv_events()  # events are recorded only while someone subscribes
     engine.take_kv_events()
     prompt = list(range(3, 3 + 4 * 6 + 1))  # six full blocks of 4 and one token
     engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=2))
@@ -84,3 +85,4 @@ def test_engine_step_hands_out_the_events(tiny_llm: LLM) -> None:
     index = CacheIndex()
     index.apply(events)
     assert set(index.blocks) == engine.block_manager.cached_block_hashes()
+    engine.unsubscribe_kv_events()

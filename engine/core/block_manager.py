@@ -18,10 +18,15 @@ A hit is trusted only after comparing tokens: a cached block remembers its own t
 parent block, and both must equal the new prompt's. The 64-bit hash only finds candidates,
 so a collision (accidental or crafted, vLLM's CVE-2025-25183) can never serve one request
 another's KV.
+
+Prefix-cache events (BlockStored, BlockRemoved, AllBlocksCleared) are recorded only while
+`is_recording_events` (the engine sets it while someone subscribes): with no subscriber a block
+store builds no event and nothing accumulates.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
+from itertools import chain
 
 from engine.core.sequence import Sequence
 from engine.outputs import AllBlocksCleared, BlockRemoved, BlockStored, KvCacheEvent
@@ -34,7 +39,7 @@ def hash_block(parent_hash: int, token_ids: list[int]) -> int:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 watermark: float = 0.0) -> None:
+                 watermark: float = 0.0, is_recording_events: bool = True) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
@@ -51,9 +56,21 @@ class BlockManager:
         self._hash_to_block: dict[int, int] = {}
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         # Prefix-cache changes since the last take_events(), for subscribers that route by what
-        # this cache holds (a gateway's cache-aware policy).
+        # this cache holds (a gateway's cache-aware policy); none while no one subscribes.
+        self._is_recording_events = is_recording_events
         self._events: list[KvCacheEvent] = []
         self._copies: list[tuple[int, int]] = []  # copy-on-writes not yet taken by the scheduler
+
+    @property
+    def is_recording_events(self) -> bool:
+        return self._is_recording_events
+
+    def set_recording_events(self, is_recording: bool) -> None:
+        """Record prefix-cache events from now on, or stop (and drop those not yet taken: no one
+        is left to take them)."""
+        self._is_recording_events = is_recording
+        if not is_recording:
+            self._events = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -181,6 +198,7 @@ class BlockManager:
         if num_full <= seq.num_registered_blocks:
             return
         self._update_hashes(seq, num_full * self.block_size)
+        is_recording = self._is_recording_events
         run: list[int] = []  # consecutive blocks published now: one BlockStored event
         for i in range(seq.num_registered_blocks, num_full):
             block, block_hash = seq.block_table[i], seq.block_hashes[i]
@@ -188,7 +206,8 @@ class BlockManager:
                 self._hash_to_block[block_hash] = block
                 self._block_hash[block] = block_hash
                 self._block_content[block] = self._content(seq, i)
-                run.append(i)
+                if is_recording:
+                    run.append(i)
             elif run:
                 self._record_stored(seq, run)
                 run = []
@@ -197,11 +216,15 @@ class BlockManager:
         seq.num_registered_blocks = num_full
 
     def _record_stored(self, seq: Sequence, indices: list[int]) -> None:
-        first, bs = indices[0], self.block_size
+        """One BlockStored for blocks just published: their tokens are the tuples the cache
+        keeps for its hit checks (_block_content), joined, not sliced from the sequence again."""
+        first = indices[0]
+        contents = [self._block_content[seq.block_table[i]][2] for i in indices]
         self._events.append(BlockStored(
             block_hashes=tuple(seq.block_hashes[i] for i in indices),
             parent_block_hash=seq.block_hashes[first - 1] if first else None,
-            token_ids=tuple(seq.token_ids_slice(first * bs, (indices[-1] + 1) * bs)), block_size=bs))
+            token_ids=contents[0] if len(contents) == 1 else tuple(chain.from_iterable(contents)),
+            block_size=self.block_size))
 
     def take_events(self) -> list[KvCacheEvent]:
         """The prefix-cache changes since the last call, oldest first."""
@@ -223,7 +246,8 @@ class BlockManager:
                 self._block_content[block] = None
                 self._generation[block] += 1
         self._hash_to_block.clear()
-        self._events.append(AllBlocksCleared())
+        if self._is_recording_events:
+            self._events.append(AllBlocksCleared())
         return True
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -242,7 +266,8 @@ class BlockManager:
         if old_hash is not None:
             if self._hash_to_block.get(old_hash) == block:
                 del self._hash_to_block[old_hash]
-                self._events.append(BlockRemoved((old_hash,)))
+                if self._is_recording_events:
+                    self._events.append(BlockRemoved((old_hash,)))
             self._block_hash[block] = None
             self._block_content[block] = None
             self._generation[block] += 1

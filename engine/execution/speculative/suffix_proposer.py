@@ -10,16 +10,19 @@ repeating tool output and requests that restate earlier answers are what the sha
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 
 import numpy as np
 
+from engine.execution.speculative.backward_match import longest_backward_matches
 from engine.execution.speculative.proposer import Proposer
 
 _MAX_DEPTH = 24  # longest suffix matched
 _MIN_AGREEMENT = 0.5  # a continuation token's share of the matches needed to follow it
 _MAX_HISTORY_TOKENS = 32768  # recent outputs kept (the oldest leave first)
 _SEPARATOR = -1  # between sources in the corpus: no match runs across it
+# Matches counted with a Counter: below this many, numpy's per-call overhead costs more.
+_MAX_COUNTED_IN_PYTHON = 64
 
 
 class SuffixProposer(Proposer):
@@ -47,35 +50,53 @@ class SuffixProposer(Proposer):
     def propose(self, token_ids: np.ndarray) -> list[int]:
         if len(token_ids) < 2:
             return []
-        # The corpus: recent outputs, then the request itself but for its last token (whose
-        # continuation is what we look for).
-        corpus = np.concatenate((self._shared, token_ids[:-1], [_SEPARATOR]))
-        # ends: positions i whose tokens corpus[i - d .. i] equal the request's last d + 1 tokens.
-        ends = np.flatnonzero(corpus == token_ids[-1])
-        depth = 1
-        while depth < min(_MAX_DEPTH, len(token_ids)):
-            before = ends - depth
-            keep = before >= 0
-            keep[keep] = corpus[before[keep]] == token_ids[-1 - depth]
-            if not keep.any():
-                break
-            ends, depth = ends[keep], depth + 1
-        if ends.size == 0:
+        # The corpus is two sources searched apart (joining them cost a copy of the whole history
+        # per request per step): recent outputs, each followed by a separator, then the request
+        # itself but for its last token (whose continuation is what we look for), followed by an
+        # implicit one. A match or a continuation ends at a separator, so none spans the two.
+        own = token_ids[:-1]
+        last = token_ids[-1]
+        shared_ends = np.flatnonzero(self._shared == last)
+        own_ends = np.flatnonzero(own == last)
+        if shared_ends.size + own_ends.size == 0:
             return []
-        drafts: list[int] = []
-        positions = ends + 1  # where each match's continuation starts
+        # ends: positions in either source whose tokens up to them equal the request's last
+        # `depth` tokens, the longest suffix matched anywhere.
+        depth, (shared_ends, own_ends) = longest_backward_matches([(self._shared, shared_ends), (own, own_ends)],
+                                                                  token_ids, min(_MAX_DEPTH, len(token_ids)))
         limit = min(self.num_tokens, depth)
-        while len(drafts) < limit:
-            following = corpus[positions[positions < len(corpus)]]
-            following = following[following != _SEPARATOR]
-            if following.size == 0:
+        # following: [M, limit] the tokens after each longest match, from either source. A row
+        # is followed only while it agrees with the drafts, so a row stops counting at its first
+        # separator: the history's trailing one (indices past it clip onto it) or the request's
+        # implicit one at its last token.
+        offsets = np.arange(1, limit + 1)  # [limit]
+        shared_next = shared_ends[:, None] + offsets  # [S, limit]
+        own_next = own_ends[:, None] + offsets  # [O, limit]
+        num_own = len(own)
+        following = np.concatenate((
+            self._shared[np.minimum(shared_next, len(self._shared) - 1)] if shared_next.size
+            else np.empty((0, limit), dtype=np.int64),
+            np.where(own_next < num_own, own[np.minimum(own_next, num_own - 1)], _SEPARATOR)))
+        drafts: list[int] = []
+        for column in range(limit):
+            candidates = following[:, column]  # [M]: every match still followed, at a separator or not
+            tokens = candidates[candidates != _SEPARATOR]
+            if tokens.size == 0:
                 break
-            values, counts = np.unique(following, return_counts=True)
-            best = int(counts.argmax())
-            if counts[best] < _MIN_AGREEMENT * positions.size:
+            token, count = _most_common(tokens)
+            if count < _MIN_AGREEMENT * candidates.size:
                 break
-            token = int(values[best])
             drafts.append(token)
-            positions = positions[(positions < len(corpus)) & (corpus[np.minimum(positions, len(corpus) - 1)] == token)]
-            positions = positions + 1
+            following = following[candidates == token]
         return drafts
+
+
+def _most_common(tokens: np.ndarray) -> tuple[int, int]:
+    """tokens: [N], N > 0 -> the most frequent token (the smallest of a tie) and its count."""
+    if tokens.size > _MAX_COUNTED_IN_PYTHON:
+        values, counts = np.unique(tokens, return_counts=True)
+        best = int(counts.argmax())
+        return int(values[best]), int(counts[best])
+    counts = Counter(tokens.tolist())
+    count = max(counts.values())
+    return min(token for token, n in counts.items() if n == count), count
