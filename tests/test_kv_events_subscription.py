@@ -10,43 +10,18 @@ from hypothesis import strategies as st
 
 from engine import LLM, BlockStored, EngineConfig, KvCacheEvent, SamplingParams
 from engine.core.block_manager import BlockManager
-from engine.core.sequence import Sequence
+from tests.block_ops import block_op_lists, run_block_ops
 from tests.helpers import fake_seq
 from tests.server_harness import ServerThread
 
 Op = tuple[str, int, int]
-ops_strategy = st.lists(st.tuples(st.sampled_from(["add", "grow", "free", "flush"]), st.integers(0, 5),
-                                  st.integers(1, 30)), max_size=50)
+ops_strategy = block_op_lists(["add", "grow", "free", "flush"], max_slot=5, max_tokens=30, max_ops=50)
 
 
-def apply(bm: BlockManager, live: dict[int, Sequence], op: Op) -> None:
-    """One block operation as the scheduler makes them (shared prefixes, growth, frees, flushes)."""
-    kind, slot, n = op
-    if kind == "add" and slot not in live:
-        seq = fake_seq(str(slot), n)
-        # Shared prefixes, and distinct tails (n varies them), so the pool of 16 fills with
-        # cached blocks and new ones evict them (BlockRemoved).
-        seq.prompt_token_ids = [1 + (i % 3) + (slot % 2) * (i > 6) + (n % 5) * (i > 10)
-                            for i in range(n)]
-        seq.num_computed_tokens = bm.allocate_cached_prefix(seq)
-        if bm.allocate(seq, seq.num_uncomputed_tokens, is_new=True):
-            seq.num_computed_tokens = seq.num_tokens
-            bm.register_computed_blocks(seq)
-            live[slot] = seq
-        else:
-            bm.free(seq)
-    elif kind == "grow" and slot in live:
-        seq = live[slot]
-        seq.output_token_ids.append(n)
-        if bm.allocate(seq, 1):
-            seq.num_computed_tokens += 1
-            bm.register_computed_blocks(seq)
-        else:
-            seq.output_token_ids.pop()
-    elif kind == "free" and slot in live:
-        bm.free(live.pop(slot))
-    elif kind == "flush":
-        bm.reset_prefix_cache()
+def prompt_tokens(slot: int, n: int) -> list[int]:
+    """Shared prefixes, and distinct tails (n varies them), so the pool of 16 fills with cached
+    blocks and new ones evict them (BlockRemoved)."""
+    return [1 + (i % 3) + (slot % 2) * (i > 6) + (n % 5) * (i > 10) for i in range(n)]
 
 
 @settings(max_examples=150, deadline=None)
@@ -55,18 +30,16 @@ def test_events_only_while_recording_and_equal_to_always_recording(ops: list[Op]
     """A twin that records all along is the reference: the switched one records nothing before
     `start` and after `start + length`, and between them exactly what the twin records."""
     always, switched = BlockManager(16, 4), BlockManager(16, 4, is_recording_events=False)
-    live_always: dict[int, Sequence] = {}
-    live_switched: dict[int, Sequence] = {}
-    for i, op in enumerate(ops):
-        if i == start:
-            switched.set_recording_events(True)
-        if i == start + length:
-            switched.set_recording_events(False)
-        apply(always, live_always, op)
-        apply(switched, live_switched, op)
+    switched.set_recording_events(start <= 0 < start + length)
+    for i, ((op, _), _) in enumerate(zip(run_block_ops(always, ops, prompt_tokens),
+                                         run_block_ops(switched, ops, prompt_tokens), strict=True)):
+        if op == "flush":
+            always.reset_prefix_cache()
+            switched.reset_prefix_cache()
         expected = always.take_events()
         assert switched.take_events() == (expected if start <= i < start + length else [])
         assert switched.cached_block_hashes() == always.cached_block_hashes()
+        switched.set_recording_events(start <= i + 1 < start + length)  # for the next op
 
 
 def test_evictions_recorded_only_while_recording() -> None:
