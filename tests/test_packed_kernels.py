@@ -448,6 +448,9 @@ def test_fused_tokens_defaults_to_the_measured_crossover(tiny_model_dir) -> None
         assert all(m.packed_weight is None for m in runner().model.modules() if hasattr(m, "packed_weight"))
     assert runner(max_fused_tokens=64).model.layers[0].qkv_proj.packed_weight is not None
     assert fused(quantization="int8") == sys.maxsize
+    # the startup line says so in words, not as sys.maxsize
+    assert runner(quantization="int8").backend.describe().endswith(", every step fused")
+    assert runner(max_fused_tokens=64).backend.describe().endswith(", fused steps up to 64 tokens")
     assert fused(max_fused_tokens=0) == 0
     with pytest.raises(ValueError, match="max_fused_tokens"):
         fused(max_fused_tokens=-1)

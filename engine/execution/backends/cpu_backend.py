@@ -131,4 +131,6 @@ class CpuBackend(Backend):
 
     def describe(self) -> str:
         isa = next(name for name, value in ISAS.items() if value == self.isa) if self.kernels else "no C++ kernels"
-        return f"{super().describe()}, {isa}, fused steps up to {self.max_fused_tokens} tokens"
+        fused = ("every step fused" if self.max_fused_tokens == sys.maxsize
+                 else f"fused steps up to {self.max_fused_tokens} tokens")
+        return f"{super().describe()}, {isa}, {fused}"
