@@ -3,6 +3,7 @@ default without a download: speed depends on shapes, not values.
 
     python -m bench.make_gguf --out /tmp/llama-1b-q4_0.gguf --type Q4_0
     python -m bench.make_gguf --out /tmp/llama-1b-q4_k_m.gguf --llama-quantize Q4_K_M --llama-cpp-python $VENV/bin/python
+    python -m bench.make_gguf --out /tmp/smollm2-q4_k.gguf --requantize-default Q4_K
 
 --llama-quantize writes the weights as F16, then has llama.cpp's own quantizer (llama-cpp-python's
 llama_model_quantize, in the peer's venv) make the mixed k-quant file that users download: the
@@ -13,6 +14,12 @@ MLP 8192, vocabulary 128256, tied embeddings); projections and the embedding hol
 weights quantized by the `gguf` package to --type, norms are float32. The tokenizer's metadata
 is the default model's (its SmolLM2 vocabulary, padded with unused tokens to the shape's size),
 so minivllm and llama.cpp both load the file.
+
+--requantize-default TYPE writes the default model's own weights (its shipped file dequantized)
+in TYPE instead: the real model in each block type, for quality checks (tests/test_gguf_real_model.py
+and `python -m bench.perplexity --model FILE --modes float32,gguf`). A matrix whose rows are not a
+multiple of the type's block (SmolLM2's 576-wide rows against the k-quants' 256) takes Q8_0, as
+llama.cpp's quantizer also falls back there; norms stay float32.
 """
 from __future__ import annotations
 
@@ -23,7 +30,9 @@ import subprocess
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
-from gguf.quants import quantize
+from gguf.quants import dequantize, quantize
+
+from bench.kquants import quantize_q4_k, quantize_q6_k
 
 logger = logging.getLogger("bench.make_gguf")
 
@@ -51,6 +60,49 @@ def _copy_tokenizer(writer: GGUFWriter, source: GGUFReader, vocab_size: int) -> 
         writer.add_key_value(field.name, value, field.types[0], sub_type=sub_type)
 
 
+# GGUF's general.file_type for a file mostly of one type (llama.h's llama_ftype)
+_FILE_TYPES = {GGMLQuantizationType.F16: 1, GGMLQuantizationType.Q4_0: 2, GGMLQuantizationType.Q4_1: 3,
+               GGMLQuantizationType.Q8_0: 7, GGMLQuantizationType.Q4_K: 14, GGMLQuantizationType.Q6_K: 18}
+_KQUANTIZERS = {GGMLQuantizationType.Q4_K: quantize_q4_k, GGMLQuantizationType.Q6_K: quantize_q6_k}
+
+
+def quantize_blocks(values: np.ndarray, quant_type: GGMLQuantizationType) -> np.ndarray:
+    """[rows, k] float -> the file's blocks of quant_type (k-quants by bench.kquants)."""
+    quantizer = _KQUANTIZERS.get(quant_type)
+    return quantizer(values) if quantizer else quantize(values, quant_type)
+
+
+def requantize_gguf(source: str, path: str, quant_type: GGMLQuantizationType) -> dict[str, GGMLQuantizationType]:
+    """source's model with every matrix requantized to quant_type (Q8_0 where its rows do not fit
+    the type's block), its metadata as it was; -> each tensor's type in the new file."""
+    reader = GGUFReader(source)
+    architecture = reader.fields["general.architecture"].contents()
+    writer = GGUFWriter(path, architecture)
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name in ("general.architecture", "general.file_type"):
+            continue
+        sub_type = field.types[-1] if len(field.types) > 1 else None
+        writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub_type)
+    writer.add_file_type(_FILE_TYPES[quant_type])
+    types: dict[str, GGMLQuantizationType] = {}
+    block = 256 if quant_type in _KQUANTIZERS else 32
+    for t in reader.tensors:
+        if len(t.shape) < 2:
+            values = np.asarray(t.data, np.float32)
+            writer.add_tensor(t.name, values)
+            types[t.name] = GGMLQuantizationType.F32
+            continue
+        values = dequantize(t.data, t.tensor_type).reshape(int(t.shape[1]), int(t.shape[0]))
+        kind = quant_type if values.shape[1] % block == 0 else GGMLQuantizationType.Q8_0
+        writer.add_tensor(t.name, quantize_blocks(values, kind), raw_dtype=kind)
+        types[t.name] = kind
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return types
+
+
 def write_random_gguf(path: str, quant_type: GGMLQuantizationType, seed: int = 0) -> None:
     from engine.execution.model_loader import fetch_default_gguf
 
@@ -68,8 +120,7 @@ def write_random_gguf(path: str, quant_type: GGMLQuantizationType, seed: int = 0
     writer.add_rope_freq_base(500000.0)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
-    writer.add_file_type({GGMLQuantizationType.F16: 1, GGMLQuantizationType.Q4_0: 2, GGMLQuantizationType.Q4_1: 3,
-                          GGMLQuantizationType.Q8_0: 7}[quant_type])
+    writer.add_file_type(_FILE_TYPES[quant_type])
     _copy_tokenizer(writer, GGUFReader(str(fetch_default_gguf())), cfg.vocab_size)
 
     def matrix(name: str, rows: int, cols: int) -> None:
@@ -121,9 +172,15 @@ def main() -> None:
     parser.add_argument("--llama-quantize", choices=sorted(_LLAMA_FTYPES),
                         help="write F16, then quantize to this mix with llama.cpp's quantizer")
     parser.add_argument("--llama-cpp-python", help="the interpreter of a venv with llama-cpp-python")
+    parser.add_argument("--requantize-default", choices=[t.name for t in _FILE_TYPES if t.name != "F16"],
+                        help="the default model's real weights in this block type, instead of random ones")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if args.llama_quantize is None:
+    if args.requantize_default is not None:
+        from engine.execution.model_loader import fetch_default_gguf
+
+        requantize_gguf(str(fetch_default_gguf()), args.out, GGMLQuantizationType[args.requantize_default])
+    elif args.llama_quantize is None:
         write_random_gguf(args.out, GGMLQuantizationType[args.type], args.seed)
     elif args.llama_cpp_python is None:
         parser.error("--llama-quantize needs --llama-cpp-python (llama.cpp's quantizer runs in the peer's venv)")
