@@ -823,12 +823,14 @@ void check_packed_weight(const torch::Tensor& w, int64_t K, int64_t N, const flo
       TORCH_CHECK(scale != nullptr, "packed_gemm: int8 weights need per-channel scales");
       TORCH_CHECK(w.size(1) == K && w.size(2) == kPanel, "packed_gemm: int8 weight must be [N/16, K, 16]");
       return;
-    case torch::kByte:
+    case torch::kByte: {
       TORCH_CHECK(scale == nullptr, "packed_gemm: GGUF block panels take no per-channel scales");
-      TORCH_CHECK(quant_type_of_record(w.size(2)) != 0, "packed_gemm: uint8 weight records of ", w.size(2),
+      const int64_t type = quant_type_of_record(w.size(2));
+      TORCH_CHECK(type != 0, "packed_gemm: uint8 weight records of ", w.size(2),
                   " bytes are no GGUF block type with kernels");
-      check_quant_weight(w, quant_type_of_record(w.size(2)), K, N, isa);
+      check_quant_weight(w, type, K, N, isa);
       return;
+    }
     default:
       TORCH_CHECK(false, "packed_gemm: weights must be float32, bfloat16, int8 or GGUF block panels (uint8)");
   }

@@ -216,12 +216,11 @@ void quant_gemm(const float* x, int64_t M, int64_t K, int64_t ldx, const QuantPa
                std::min(w.num_panels, begin + chunk));
     };
   };
-  if (team != nullptr) {
-    // Each member quantizes x for itself (a few rows: cheaper than waiting for one another).
-    thread_local ActsBuffer own;
-    return team->for_each_task(num_tasks, task_runner(own.quantize(x, M, K, ldx, isa, false)));
-  }
-  ActsBuffer acts;
+  // One buffer a thread, kept between products (no allocation and zero-fill each call). A team's
+  // members each quantize x for themselves (a few rows: cheaper than waiting for one another); a
+  // product of its own quantizes x once, before its threads fork.
+  thread_local ActsBuffer acts;
+  if (team != nullptr) return team->for_each_task(num_tasks, task_runner(acts.quantize(x, M, K, ldx, isa, false)));
   const auto run = task_runner(acts.quantize(x, M, K, ldx, isa, M >= 16));
   std::atomic<int64_t> next_task{0};
   const TeamShare forked{num_threads, &next_task};

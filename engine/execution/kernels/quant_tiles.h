@@ -26,6 +26,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 namespace minivllm {
 
@@ -92,6 +93,21 @@ void quantize_rows_avx512(const float* x, int64_t M, int64_t K, int64_t ldx, int
 // (num_records records), rows <= kMaxQuantTileRows. The vector paths need the CPU features they
 // are named for (quant_gemm.cpp checks).
 constexpr int64_t kMaxQuantTileRows = 4;
+
+// f(std::integral_constant<int64_t, T>{}) for the kernel type T that `type` names: the one switch
+// the ISA files' tiles dispatch on. A type without kernels runs nothing (check_quant_weight has
+// refused it before any product).
+template <typename F>
+inline void with_quant_type(int64_t type, const F& f) {
+  switch (type) {
+    case kQ4_0: return f(std::integral_constant<int64_t, kQ4_0>{});
+    case kQ4_1: return f(std::integral_constant<int64_t, kQ4_1>{});
+    case kQ8_0: return f(std::integral_constant<int64_t, kQ8_0>{});
+    case kQ4_K: return f(std::integral_constant<int64_t, kQ4_K>{});
+    case kQ6_K: return f(std::integral_constant<int64_t, kQ6_K>{});
+    default: return;
+  }
+}
 void quant_tile_scalar(int64_t type, int64_t rows, const QuantActs& a, int64_t m0, const uint8_t* panel,
                        int64_t num_records, float* acc);
 void quant_tile_avx2(int64_t type, int64_t rows, const QuantActs& a, int64_t m0, const uint8_t* panel,

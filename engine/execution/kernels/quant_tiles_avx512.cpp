@@ -170,13 +170,7 @@ __attribute__((target("avx512f,avx512bw"))) void quantize_rows_avx512(const floa
 
 void quant_tile_vnni(int64_t type, int64_t rows, const QuantActs& a, int64_t m0, const uint8_t* panel,
                      int64_t num_records, float* acc) {
-  switch (type) {
-    case kQ4_0: return tile_rows<kQ4_0>(rows, a, m0, panel, num_records, acc);
-    case kQ4_1: return tile_rows<kQ4_1>(rows, a, m0, panel, num_records, acc);
-    case kQ8_0: return tile_rows<kQ8_0>(rows, a, m0, panel, num_records, acc);
-    case kQ4_K: return tile_rows<kQ4_K>(rows, a, m0, panel, num_records, acc);
-    default: return tile_rows<kQ6_K>(rows, a, m0, panel, num_records, acc);
-  }
+  with_quant_type(type, [&](auto t) { tile_rows<decltype(t)::value>(rows, a, m0, panel, num_records, acc); });
 }
 
 }  // namespace minivllm
