@@ -23,6 +23,15 @@ def built_kernels() -> None:
 
 
 @pytest.fixture(scope="session")
+def kernels(built_kernels: None):
+    """The C++ kernels module: a test of them fails, not skips, where they do not build."""
+    k = load_cpu_kernels()
+    if k is None:
+        pytest.fail("the C++ kernels must build here (make test installs a compiler)")
+    return k
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 

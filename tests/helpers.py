@@ -5,6 +5,9 @@ from engine import LLMEngine, RequestOutput, SamplingParams
 from engine.core.runner_output import RunnerOutput
 from engine.core.scheduler_output import SchedulerOutput
 from engine.core.sequence import Sequence
+from engine.execution.kernels import ISAS
+
+ISA_NAMES = {level: name for name, level in ISAS.items()}  # for assertion messages
 
 
 def run_engine(engine: LLMEngine, max_steps: int = 10_000) -> tuple[dict[str, list[RequestOutput]], int]:

@@ -17,22 +17,14 @@ from engine.execution.backends.cpu_attention import CpuAttention
 from engine.execution.backends.cpu_backend import pick_isa
 from engine.execution.backends.cpu_fused import FusedLayer
 from engine.execution.backends.cpu_linear import PackedLinear
-from engine.execution.kernels import ISAS, load_cpu_kernels
+from engine.execution.kernels import ISAS
 from engine.execution.models.layers import RMSNorm
 from engine.execution.models.llama import DecoderLayer
 from engine.execution.models.model_config import ModelConfig
 from engine.execution.models.packed_weight import PackedWeight
+from tests.helpers import ISA_NAMES
 
-ISA_NAMES = {level: name for name, level in ISAS.items()}
 BF16_PRODUCTS = ISAS["avx512_bf16"]  # from here up, bf16 products: vdpbf16ps, then the AMX tiles
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    k = load_cpu_kernels()
-    if k is None:
-        pytest.fail("the C++ kernels must build here (make test installs a compiler)")
-    return k
 
 
 def _isas(kernels) -> list[int]:

@@ -10,21 +10,13 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from engine.execution.kernels import ISAS, load_cpu_kernels
+from engine.execution.kernels import ISAS
 from engine.execution.models.ggml_blocks import KERNEL_TYPES, block_size
 from engine.execution.models.quantized_weight import QuantizedWeight
 from tests.gguf_samples import random_blocks
+from tests.helpers import ISA_NAMES
 
 T = GGMLQuantizationType
-ISA_NAMES = {level: name for name, level in ISAS.items()}
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    k = load_cpu_kernels()
-    if k is None:
-        pytest.fail("the C++ kernels must build here (make test installs a compiler)")
-    return k
 
 
 def quantized_rows(x: np.ndarray) -> np.ndarray:
@@ -132,7 +124,7 @@ def test_a_teams_share_computes_what_one_call_does(kernels, m: int) -> None:
     weights = [QuantizedWeight.pack(random_blocks(t, 200, 256, rng), t, 256) for t in (T.Q4_K, T.Q4_1)]
     x = torch.randn(m, 256)
     for isa in range(kernels.best_isa() + 1):
-        out = torch.full((m * 200,), float("nan"))
-        args = [(w.data, int(w.quant_type), w.out_features, w.in_features) for w in weights]
-        assert kernels.quant_chain_seconds(x, args, 2, isa, out) > 0
-        assert torch.equal(out.view(m, 200), weights[-1].linear(x, kernels, isa)), ISA_NAMES[isa]
+        for w in weights:  # a chain of one: the chain writes each product over the last one's
+            out = torch.full((m * 200,), float("nan"))
+            kernels.quant_chain_seconds(x, [(w.data, int(w.quant_type), w.out_features, w.in_features)], 2, isa, out)
+            assert torch.equal(out.view(m, 200), w.linear(x, kernels, isa)), (w.quant_type.name, ISA_NAMES[isa])
