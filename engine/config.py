@@ -12,6 +12,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # served from its own GGUF file (model_loader)
+
 
 def _opt(default: Any, help: str) -> Any:
     """A config field whose help text the CLI shows (one source for flags, env vars and docs)."""
@@ -69,7 +71,7 @@ class EngineConfig:
                                      "kernels; CPU; unset model: the default model's own Q4_1 file)")
     max_fused_tokens: int | None = _opt(None, "steps of at most this many tokens (decode sequences + prefill "
                                               "tokens) run each layer in C++ over weights packed in 16-channel "
-                                              "panels (CPU); 0: off; unset: every step with int8 weights, in "
+                                              "panels (CPU); 0: off; unset: every step with int8 or gguf weights, in "
                                               "float32 on AVX-512 and in bfloat16 on AMX CPUs (then no oneDNN "
                                               "copy of the weights is kept), else 64 in float32 and 8 in bfloat16")
     enable_cpp_kernels: bool = field(default_factory=lambda: _env_flag_off("DISABLE_CPP_KERNELS"), metadata={
@@ -170,7 +172,7 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.quantization not in ("auto", "none", "int8", "gguf"):
             raise ValueError(f"quantization must be auto, none, int8 or gguf, got {self.quantization!r}")
-        if self.quantization == "gguf" and self.model is not None and not self.model.endswith(".gguf"):
+        if self.quantization == "gguf" and not self._names_a_gguf_file():
             raise ValueError(f"quantization gguf serves a .gguf file (or the default model's), not {self.model!r}")
         if self.quantization == "auto":
             self.quantization = "gguf" if self._serves_gguf_natively() else "none"
@@ -192,6 +194,10 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be auto, float32 or bfloat16, got {self.kv_cache_dtype!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+
+    def _names_a_gguf_file(self) -> bool:
+        """The model is a .gguf path or the default model (its own GGUF file, named or not)."""
+        return self.model is None or self.model == DEFAULT_MODEL_NAME or self.model.endswith(".gguf")
 
     def _serves_gguf_natively(self) -> bool:
         """auto: a .gguf model keeps its blocks where the CPU backend's kernels can run it (as vLLM

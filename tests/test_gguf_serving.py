@@ -227,6 +227,8 @@ def test_unsupported_architecture_and_truncated_files_fail_naming_the_problem(fa
 def test_gguf_mode_is_validated(family_gguf: tuple[Path, Path], tiny_model_dir: Path) -> None:
     with pytest.raises(ValueError, match="quantization gguf serves a .gguf file"):
         EngineConfig(model=str(tiny_model_dir), quantization="gguf")
+    # the default model by its name is its own GGUF file, as with no model at all
+    assert EngineConfig(model="SmolLM2-135M-Instruct", quantization="gguf").quantization == "gguf"
     assert EngineConfig(model=str(tiny_model_dir)).quantization == "none"
     assert EngineConfig(model="x.gguf", enable_cpp_kernels=False).quantization == "none"
     assert EngineConfig(model="x.gguf", backend="torch").quantization == "none"

