@@ -30,7 +30,7 @@ from engine.execution.models.registry import SUPPORTED_MODEL_TYPES
 logger = logging.getLogger(__name__)
 
 _FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16)
-_LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")  # llama.cpp's per-layer tensor names
 
 
 class _Truncated(Exception):
@@ -87,10 +87,6 @@ class GGUFFile:
     def arch_field(self, key: str, default: Any = None) -> Any:
         return self.field(f"{self.architecture}.{key}", default)
 
-    @property
-    def tensor_names(self) -> list[str]:
-        return [t.name for t in self._reader.tensors]
-
     def tensors(self) -> Iterator[GGUFTensor]:
         """Every tensor in file order, checked (see the module's docstring)."""
         warned: set[GGMLQuantizationType] = set()
@@ -144,7 +140,7 @@ class GGUFFile:
 
     def _check_shape(self, name: str, shape: tuple[int, ...]) -> None:
         expected = self._expected
-        layer = _LAYER.match(name)
+        layer = LAYER_TENSOR.match(name)
         want: tuple[int, ...] | None = expected.get(name)
         if layer is not None:
             index, part, kind = int(layer.group(1)), layer.group(2), layer.group(3)

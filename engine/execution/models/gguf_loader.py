@@ -16,7 +16,6 @@ own `_expected_weights` says which tensors it needs: a missing or unknown one fa
 from __future__ import annotations
 
 import logging
-import re
 
 import numpy as np
 import torch
@@ -24,7 +23,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 from torch import nn
 
-from engine.execution.gguf_file import GGUFFile, GGUFTensor
+from engine.execution.gguf_file import LAYER_TENSOR, GGUFFile, GGUFTensor
 from engine.execution.models.layers import Linear
 from engine.execution.models.model_config import ModelConfig
 from engine.execution.models.quantized_weight import QuantizedWeight
@@ -38,14 +37,13 @@ _LAYER_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_laye
                 "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 # Tensors some files carry that the model computes itself (llama 3's RoPE frequencies).
 _IGNORED = ("rope_freqs.weight",)
-_LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
 def hf_name(gguf_name: str) -> str | None:
     """llama.cpp's tensor name -> Hugging Face's; None for an unknown one."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
-    match = _LAYER.match(gguf_name)
+    match = LAYER_TENSOR.match(gguf_name)
     if match is None or match.group(2) not in _LAYER_NAMES:
         return None
     return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}.{match.group(3)}"
@@ -112,14 +110,12 @@ def load_gguf_model(model_class: type[nn.Module], model_config: ModelConfig, ggu
         bias_parts = parts(f"{module_name}.bias") if getattr(module, "bias", None) is not None else []
         bias = torch.cat([_float(t) for t in bias_parts]) if bias_parts else None
         in_features = module.weight.shape[1]
-        if any(t.is_blocks for t in weight):
-            module.quantized = _quantized(module_name, weight, in_features, bias)
-            if bias is not None:
-                _set_parameter(model, f"{module_name}.bias", bias)
-            continue
-        _set_parameter(model, f"{module_name}.weight", torch.cat([_float(t) for t in weight]))
         if bias is not None:
             _set_parameter(model, f"{module_name}.bias", bias)
+        if any(t.is_blocks for t in weight):
+            module.quantized = _quantized(module_name, weight, in_features, bias)
+        else:
+            _set_parameter(model, f"{module_name}.weight", torch.cat([_float(t) for t in weight]))
     if model_config.tie_word_embeddings:
         embedding = model.embed_tokens
         model.lm_head.weight = embedding.weight

@@ -21,8 +21,6 @@ from engine.execution.models.ggml_blocks import QK, BlockFields, dequantize_fiel
 
 PANEL = 16
 _T = GGMLQuantizationType
-# (32-k blocks a record, bytes of one 32-k block's codes): quant_tiles.h's quant_format
-_GEOMETRY = {_T.Q4_0: (1, 256), _T.Q4_1: (1, 256), _T.Q8_0: (1, 512), _T.Q4_K: (8, 256), _T.Q6_K: (8, 384)}
 
 
 def _rows_of_panels(a: np.ndarray, per_record: int) -> np.ndarray:
@@ -93,14 +91,13 @@ class QuantizedWeight:
     def from_fields(cls, f: BlockFields, bias: torch.Tensor | None = None) -> QuantizedWeight:
         n, k = f.shape
         num_panels = -(-n // PANEL)
-        blocks_per_record, _ = _GEOMETRY[f.quant_type]
 
         def padded(a: np.ndarray) -> np.ndarray:  # [N, ...] -> [P * 16, ...], zero rows after N
             out = np.zeros((num_panels * PANEL, *a.shape[1:]), dtype=a.dtype)
             out[:n] = a
             return out
 
-        records = k // (QK * blocks_per_record)
+        records = f.d.shape[1]  # a record holds one of the file's blocks (32 k; 256 for the k-quants)
         parts = [_rows_of_panels(padded(f.d), 1).view(np.uint8)]
         if f.quant_type == _T.Q4_1:
             parts.append(_rows_of_panels(padded(f.m), 1).view(np.uint8))
