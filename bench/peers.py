@@ -17,16 +17,6 @@ from bench.runs import WEIGHT_MODES, make_prompts, resolve_dir, run_minivllm
 from engine import LLM
 
 
-def run_llama_cpp(python: str, gguf: Path, prompts: list[list[int]], output_len: int) -> dict[str, float]:
-    """The workload through llama.cpp in its own environment (bench/llama_cpp_peer.py)."""
-    job = {"model_path": str(gguf), "prompts": prompts, "output_len": output_len, "threads": torch.get_num_threads()}
-    script = Path(__file__).with_name("llama_cpp_peer.py")
-    done = subprocess.run([python, str(script)], input=json.dumps(job), capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"llama.cpp run failed: {done.stderr.strip()[-2000:]}")
-    return _peer_result(done.stdout)
-
-
 class LlamaCppPeer:
     """llama.cpp kept loaded in its own process (bench/llama_cpp_peer.py's line protocol), so that
     rounds can alternate with minivllm's within seconds: a shared VM's read bandwidth swings
@@ -91,7 +81,7 @@ def compare(args: argparse.Namespace) -> None:
     # the same file minivllm's gguf mode serves: the default model's Q4_1, or the .gguf given as --model
     gguf = Path(args.model) if args.model and args.model.endswith(".gguf") else fetch_default_gguf() if python else None
     llms: dict[int, LLM] = {}
-    peer = LlamaCppPeer(python) if python and num_rounds > 1 else None
+    peer = LlamaCppPeer(python) if python else None  # one process, loaded once, for every round
     rounds: dict[str, list[dict[str, float]]] = {}
     # batch 1 over rounds: each round's read bandwidth, two sums before it, says which of the VM's
     # regimes the round saw
@@ -120,8 +110,7 @@ def compare(args: argparse.Namespace) -> None:
                      "weight_bytes_per_token": weight_bytes_per_token(llm)})
                 del llm
             if python:
-                done = peer.run(gguf, prompts, args.output_len) if peer else run_llama_cpp(python, gguf, prompts,
-                                                                                             args.output_len)
+                done = peer.run(gguf, prompts, args.output_len)
                 if round_index < 0:
                     continue
                 rounds.setdefault(f"llama.cpp {gguf.name}", []).append(
