@@ -21,6 +21,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from bench.batch1 import bandwidth_buffer, read_bandwidths
+from bench.random_blocks import random_blocks
 from engine.execution.kernels import ISAS, load_cpu_kernels
 from engine.execution.models.packed_weight import PackedWeight
 from engine.execution.models.quantized_weight import QuantizedWeight
@@ -31,7 +32,6 @@ _SETS = {"135M layer": [(576, 960), (576, 576), (576, 3072), (1536, 576)],  # (K
          "1B MLP": [(2048, 8192), (8192, 2048)]}
 _TYPES = [T.Q4_0, T.Q4_1, T.Q4_K, T.Q6_K, T.Q8_0]
 _MIN_BYTES = 320 << 20  # per chain: several times the last-level cache
-_HALF_OFFSETS = {T.Q4_0: (0,), T.Q4_1: (0,), T.Q8_0: (0,), T.Q4_K: (0, 2), T.Q6_K: (208,)}
 
 
 class ReadBandwidth:
@@ -48,15 +48,6 @@ class ReadBandwidth:
         rate = read_bandwidths(self.x, 1)[0] / 1e9
         self.best = max(self.best, rate)
         return rate
-
-
-def random_blocks(quant_type: T, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
-    """[n, row bytes]: random codes and small scales (speed depends on the shapes, not the values)."""
-    size, nbytes = GGML_QUANT_SIZES[quant_type]
-    blocks = rng.integers(0, 256, size=(n, k // size, nbytes), dtype=np.uint8)
-    for offset in _HALF_OFFSETS[quant_type]:
-        blocks[..., offset:offset + 2] = np.full((n, k // size), 0.01, np.float16).view(np.uint8).reshape(n, -1, 2)
-    return blocks.reshape(n, -1)
 
 
 def best_seconds(fn, bandwidth: ReadBandwidth, tries: int = 7) -> float:

@@ -12,9 +12,10 @@ import pytest
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
+from bench.random_blocks import random_blocks
 from engine.execution.gguf_file import GGUFFile
 from engine.execution.models.quantized_weight import QuantizedWeight
-from tests.gguf_samples import random_blocks, write_gguf
+from tests.gguf_samples import write_gguf
 
 T = GGMLQuantizationType
 HIDDEN, HEADS, KV_HEADS, FF, VOCAB = 256, 4, 2, 512, 40

@@ -10,10 +10,10 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
+from bench.random_blocks import random_blocks
 from engine.execution.kernels import ISAS
 from engine.execution.models.ggml_blocks import KERNEL_TYPES, block_size
 from engine.execution.models.quantized_weight import QuantizedWeight
-from tests.gguf_samples import random_blocks
 from tests.helpers import ISA_NAMES
 
 T = GGMLQuantizationType

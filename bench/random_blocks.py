@@ -1,0 +1,22 @@
+"""Random GGUF blocks of each type the kernels run, for the kernel benchmarks and the tests: codes
+and small integer scales take any byte; the float16 scale fields take small values, so that
+products stay finite (speed depends on the shapes, not the values)."""
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+T = GGMLQuantizationType
+# Byte offsets of each type's float16 scale fields in its block, and each field's range.
+_HALVES = {T.Q4_0: {0: (1e-3, 2e-2)}, T.Q4_1: {0: (1e-3, 2e-2), 2: (-0.1, 0.0)}, T.Q8_0: {0: (1e-3, 2e-2)},
+           T.Q4_K: {0: (1e-4, 1e-3), 2: (1e-4, 1e-3)}, T.Q6_K: {208: (1e-4, 1e-3)}}
+
+
+def random_blocks(quant_type: GGMLQuantizationType, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """[n, row bytes] uint8: n rows of k weights in random blocks of quant_type (one of _HALVES')."""
+    size, nbytes = GGML_QUANT_SIZES[quant_type]
+    blocks = rng.integers(0, 256, size=(n, k // size, nbytes), dtype=np.uint8)
+    for offset, (low, high) in _HALVES[quant_type].items():
+        values = rng.uniform(low, high, size=(n, k // size)).astype(np.float16)
+        blocks[..., offset:offset + 2] = values.view(np.uint8).reshape(n, k // size, 2)
+    return blocks.reshape(n, -1)
