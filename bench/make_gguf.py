@@ -72,21 +72,32 @@ def quantize_blocks(values: np.ndarray, quant_type: GGMLQuantizationType) -> np.
     return quantizer(values) if quantizer else quantize(values, quant_type)
 
 
-def requantize_gguf(source: str, path: str, quant_type: GGMLQuantizationType) -> dict[str, GGMLQuantizationType]:
+def requantize_gguf(source: str, path: str, quant_type: GGMLQuantizationType,
+                    only: str | None = None) -> dict[str, GGMLQuantizationType]:
     """source's model with every matrix requantized to quant_type (Q8_0 where its rows do not fit
-    the type's block), its metadata as it was; -> each tensor's type in the new file."""
+    the type's block), its metadata as it was; -> each tensor's type in the new file. only: just
+    the tensors whose names hold it (a mixed file, as llama.cpp's k-quant mixes are); the rest and
+    the file type stay as they were."""
     reader = GGUFReader(source)
     architecture = reader.fields["general.architecture"].contents()
     writer = GGUFWriter(path, architecture)
     for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name in ("general.architecture", "general.file_type"):
+        if field.name.startswith("GGUF.") or field.name == "general.architecture" or (
+                field.name == "general.file_type" and only is None):
             continue
         sub_type = field.types[-1] if len(field.types) > 1 else None
         writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub_type)
-    writer.add_file_type(_FILE_TYPES[quant_type])
+    if only is None:
+        writer.add_file_type(_FILE_TYPES[quant_type])
     types: dict[str, GGMLQuantizationType] = {}
     block = 256 if quant_type in _KQUANTIZERS else 32
     for t in reader.tensors:
+        if only is not None and only not in t.name:
+            kind = GGMLQuantizationType(t.tensor_type)
+            is_float = kind in (GGMLQuantizationType.F32, GGMLQuantizationType.F16)
+            writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=None if is_float else kind)
+            types[t.name] = kind
+            continue
         if len(t.shape) < 2:
             values = np.asarray(t.data, np.float32)
             writer.add_tensor(t.name, values)

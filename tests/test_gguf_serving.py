@@ -175,28 +175,13 @@ def test_a_fused_projection_of_mixed_block_types_is_requantized_once_and_named(t
                                                                               caplog: pytest.LogCaptureFixture) -> None:
     """Q4_K_M-like files store V in another type than Q and K: the fused QKV projection is requantized
     to Q8_0 (one type the kernels multiply), with a log line naming it; its output stays close."""
-    from gguf import GGUFReader, GGUFWriter
+    from bench.make_gguf import requantize_gguf
 
     hf_dir = build_tiny_family_model(tmp_path / "hf", _config("mistral"))
     source = write_family_gguf(hf_dir, tmp_path / "q4.gguf", tmp_path / "twin", T.Q4_0)
-    reader = GGUFReader(str(source))
     mixed = tmp_path / "mixed.gguf"
-    writer = GGUFWriter(str(mixed), "mistral")
-    for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name == "general.architecture":
-            continue
-        value = field.contents()
-        writer.add_key_value(field.name, value, field.types[0], sub_type=field.types[-1] if len(field.types) > 1 else None)
-    from gguf.quants import dequantize, quantize
-    for t in reader.tensors:
-        data, kind = np.array(t.data), T(t.tensor_type)
-        if ".attn_v." in t.name:
-            data, kind = quantize(dequantize(data, kind).reshape(t.shape[::-1].tolist()), T.Q8_0), T.Q8_0
-        writer.add_tensor(t.name, data, raw_dtype=kind if kind not in (T.F32, T.F16) else None)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    written = requantize_gguf(str(source), str(mixed), T.Q8_0, only=".attn_v.")
+    assert written["blk.0.attn_v.weight"] == T.Q8_0 and written["blk.0.attn_q.weight"] == T.Q4_0
     with caplog.at_level(logging.INFO, logger="engine.execution.models.gguf_loader"):
         llm = LLM(str(mixed), num_kv_blocks=64)
     assert "layers.0.qkv_proj" in caplog.text and "Q4_0, Q8_0" in caplog.text
