@@ -22,14 +22,14 @@ finished. Output formatting gets plain SequenceUpdate values and never calls bac
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.core.block_manager import BlockManager
 from engine.core.runner_output import RunnerOutput
-from engine.core.scheduler_output import NewRequestData, SchedulerOutput
+from engine.core.scheduler_output import SchedulerOutput
 from engine.core.sequence import Sequence, SequenceStatus
-from engine.core.step_cost_model import StepCostModel, attention_pairs
+from engine.core.step_cost_model import StepCostModel
+from engine.core.step_plan import StepPlan
 from engine.core.time_budget import TimeBudget
 from engine.errors import RequestIdInUseError
 from engine.outputs import FinishReason
@@ -146,7 +146,7 @@ class Scheduler:
 
     def schedule(self, now: float) -> SchedulerOutput:
         cfg = self.config
-        plan = _Plan(SchedulerOutput())
+        plan = StepPlan(SchedulerOutput())
         self._step += 1
         prefilling = [s for s in self.running if not s.is_decode]
         has_prefill_work = bool(self.waiting or prefilling)
@@ -173,16 +173,16 @@ class Scheduler:
         # Prefill: chunks already under way, then the waiting queue by aged priority.
         budget = cfg.max_num_batched_tokens - num_decode_tokens
         has_decodes = bool(plan.decodes or plan.verifies)
-        time_left = self.time_budget.allowance(plan.out, self._step_features(plan) if has_decodes else None,
+        time_left = self.time_budget.allowance(plan.out, plan.cost_features() if has_decodes else None,
                                                len(self.waiting), len(self.running))
         for seq in [s for s in prefilling if s.status is SequenceStatus.RUNNING]:
             if budget <= 0 or len(plan.scheduled) >= cfg.max_num_seqs:
                 break
             num_new = self.time_budget.fit(plan.out, seq.num_computed_tokens, self._chunk(seq, budget, bool(plan.prefills)),
-                                           time_left, not plan.prefills, self._pays_setup(plan))
+                                           time_left, not plan.prefills, plan.pays_setup)
             if num_new == 0 or not self._make_room(seq, num_new, plan):
                 break
-            time_left -= self.cost_model.chunk_cost(num_new, seq.num_computed_tokens, self._pays_setup(plan))
+            time_left -= self.cost_model.chunk_cost(num_new, seq.num_computed_tokens, plan.pays_setup)
             budget -= self._add_prefill(plan, seq, num_new)
 
         self.waiting.sort(key=lambda s: (self.effective_priority(s, now), s.arrival_time))
@@ -192,7 +192,7 @@ class Scheduler:
             if seq.num_preemptions == 0:
                 seq.num_cached_prompt_tokens = seq.num_computed_tokens
             num_new = self.time_budget.fit(plan.out, seq.num_computed_tokens, self._chunk(seq, budget, bool(plan.prefills)),
-                                           time_left, not plan.prefills, self._pays_setup(plan))
+                                           time_left, not plan.prefills, plan.pays_setup)
             if num_new == 0 or not self.block_manager.allocate(seq, num_new, is_new=True):
                 # Head of line stays at the head: skipping it would starve long prompts.
                 self.block_manager.free(seq)
@@ -205,17 +205,13 @@ class Scheduler:
             if seq.times.first_scheduled is None:
                 seq.times.first_scheduled = now
             self.running.append(seq)
-            time_left -= self.cost_model.chunk_cost(num_new, seq.num_computed_tokens, self._pays_setup(plan))
+            time_left -= self.cost_model.chunk_cost(num_new, seq.num_computed_tokens, plan.pays_setup)
             budget -= self._add_prefill(plan, seq, num_new)
-        return self._finalize(plan)
+        out = plan.to_output(self._removed_req_ids, self.block_manager, self.cost_model)
+        self._removed_req_ids = []
+        return out
 
-    @staticmethod
-    def _pays_setup(plan: _Plan) -> bool:
-        """Whether a chunk added now pays the chunks' set-up (the cost model counts a
-        verification as a chunk, so a step that verifies has paid it)."""
-        return not (plan.prefills or plan.verifies)
-
-    def _add_verifications(self, plan: _Plan, budget: int) -> int:
+    def _add_verifications(self, plan: StepPlan, budget: int) -> int:
         """Turn scheduled decodes that have proposals into verifications, with what the plain
         decodes left: budget tokens and free blocks (the admissions' watermark kept), never a
         preemption, so a request's speculation cannot cost another request its place. Off past
@@ -250,39 +246,6 @@ class Scheduler:
         if seq.matcher is not None:
             drafts = drafts[: seq.matcher.validate_tokens(drafts)]
         return drafts
-
-    def _finalize(self, plan: _Plan) -> SchedulerOutput:
-        """Fill the value's ids, its diffs for the runner's rows and the cost model's view."""
-        out = plan.out
-        out.decode_req_ids = [s.request_id for s in plan.decodes]
-        out.verify_req_ids = [s.request_id for s, _ in plan.verifies]
-        out.verify_draft_ids = [drafts for _, drafts in plan.verifies]
-        out.removed_req_ids, self._removed_req_ids = self._removed_req_ids, []
-        for seq in plan.prefills + [s for s, _ in plan.verifies] + plan.decodes + plan.forks:
-            if not seq.is_in_runner:
-                seq.is_in_runner = True
-                out.new_requests.append(NewRequestData(
-                    seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids), list(seq.block_table),
-                    seq.params, seq.generator, seq.matcher, seq.min_tokens_stop_ids))
-            elif seq.block_table_changed_from is not None:
-                start = seq.block_table_changed_from
-                out.block_table_updates[seq.request_id] = (start, seq.block_table[start:])
-            seq.block_table_changed_from = None
-        out.blocks_to_copy = self.block_manager.take_copies()
-        if not out.is_empty:
-            out.cost_features = self._step_features(plan)
-            if self.cost_model.num_observations:
-                out.predicted_step_time = self.cost_model.predict(*out.cost_features)
-        return out
-
-    @staticmethod
-    def _step_features(plan: _Plan) -> tuple[int, int, int, float, int]:
-        """A verification is a short chunk to the cost model: its tokens, pairs and cached tokens."""
-        chunks = list(zip(plan.prefills, plan.out.prefill_num_tokens, strict=True))
-        chunks += [(s, 1 + len(d)) for s, d in plan.verifies]
-        pairs = sum(attention_pairs(n, s.num_computed_tokens) for s, n in chunks)
-        return (len(plan.decodes), sum(s.num_tokens for s in plan.decodes), sum(n for _, n in chunks), pairs,
-                sum(s.num_computed_tokens for s, _ in chunks))
 
     def observe_step_time(self, sched: SchedulerOutput, forward_time: float, overhead_time: float) -> None:
         """Teach the cost model what the step scheduled by `sched` took."""
@@ -362,7 +325,7 @@ class Scheduler:
         # the stall the chunked mode exists to avoid (kept for the benchmark's comparison).
         return 0 if has_prefill else remaining
 
-    def _add_prefill(self, plan: _Plan, seq: Sequence, num_new: int) -> int:
+    def _add_prefill(self, plan: StepPlan, seq: Sequence, num_new: int) -> int:
         out = plan.out
         is_last = num_new == seq.num_uncomputed_tokens
         out.prefill_req_ids.append(seq.request_id)
@@ -376,7 +339,7 @@ class Scheduler:
             plan.forks += self._fork(seq, out, plan.scheduled)
         return num_new
 
-    def _make_room(self, seq: Sequence, num_new: int, plan: _Plan) -> bool:
+    def _make_room(self, seq: Sequence, num_new: int, plan: StepPlan) -> bool:
         """Allocate blocks for seq, preempting the newest unscheduled running sequences."""
         while not self.block_manager.allocate(seq, num_new):
             victim = self._pick_victim(seq, plan.scheduled)
@@ -403,15 +366,3 @@ class Scheduler:
         seq.num_preemptions += 1
         self.waiting.insert(0, seq)
         out.preempted_req_ids.append(seq.request_id)
-
-
-@dataclass(slots=True)
-class _Plan:
-    """A step being scheduled: its sequences (the value names them by id) and what is taken."""
-
-    out: SchedulerOutput
-    prefills: list[Sequence] = field(default_factory=list)
-    verifies: list[tuple[Sequence, list[int]]] = field(default_factory=list)  # decodes with their drafts
-    decodes: list[Sequence] = field(default_factory=list)
-    forks: list[Sequence] = field(default_factory=list)
-    scheduled: set[int] = field(default_factory=set)  # id() of every sequence this step runs or samples
