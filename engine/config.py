@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # served from its own GGUF file (model_loader)
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # served from its own GGUF file (weights/checkpoint.py)
 
 
 def _opt(default: Any, help: str) -> Any:

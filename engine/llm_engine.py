@@ -26,8 +26,8 @@ from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import SchedulerOutput
 from engine.core.sequence import Sequence
 from engine.errors import QueueFullError, RequestIdInUseError
-from engine.execution.model_loader import model_display_name, resolve_model
 from engine.execution.model_runner import ModelRunner
+from engine.execution.weights.checkpoint import model_display_name, resolve_model
 from engine.inputs import EngineRequest
 from engine.outputs import FinishReason, KvCacheEvent, ModelInfo, RequestOutput, StepStats
 from engine.processing.detokenizer import ids_decoder

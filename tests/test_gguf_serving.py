@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType
 
 from engine import LLM, EngineConfig, SamplingParams
 from engine.execution.backends.cpu_gguf import QuantEmbedding
-from engine.execution.models.quantized_weight import QuantizedWeight
+from engine.execution.weights.quantized_weight import QuantizedWeight
 from tests.gguf_samples import write_family_gguf
 from tests.tiny_model import build_tiny_family_model
 
@@ -182,7 +182,7 @@ def test_a_fused_projection_of_mixed_block_types_is_requantized_once_and_named(t
     mixed = tmp_path / "mixed.gguf"
     written = requantize_gguf(str(source), str(mixed), T.Q8_0, only=".attn_v.")
     assert written["blk.0.attn_v.weight"] == T.Q8_0 and written["blk.0.attn_q.weight"] == T.Q4_0
-    with caplog.at_level(logging.INFO, logger="engine.execution.models.gguf_loader"):
+    with caplog.at_level(logging.INFO, logger="engine.execution.weights.gguf_loader"):
         llm = LLM(str(mixed), num_kv_blocks=64)
     assert "layers.0.qkv_proj" in caplog.text and "Q4_0, Q8_0" in caplog.text
     qkv = llm.engine.runner.model.layers[0].qkv_proj.panels

@@ -21,14 +21,14 @@ from engine.core.runner_output import RunnerOutput
 from engine.core.scheduler_output import SchedulerOutput
 from engine.execution.attention import AttentionMetadata
 from engine.execution.backends import select_backend
-from engine.execution.gguf_file import GGUFFile
 from engine.execution.input_batch import CachedRequestState, Chunk, InputBatch, prepare_decode, prepare_prefill
-from engine.execution.model_loader import gguf_path, iter_weights
 from engine.execution.models import model_class
 from engine.execution.prompt_logprobs import prompt_logprobs
 from engine.execution.sampler import Sampler
 from engine.execution.speculative import make_proposer
 from engine.execution.speculative.speculator import Speculator
+from engine.execution.weights.checkpoint import gguf_path, iter_weights
+from engine.execution.weights.gguf_file import GGUFFile
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from engine.execution.backends.torch_attention import TorchAttention
 from engine.execution.models.model_config import ModelConfig
 
 if TYPE_CHECKING:
-    from engine.execution.gguf_file import GGUFFile
+    from engine.execution.weights.gguf_file import GGUFFile
 
 
 class Backend:

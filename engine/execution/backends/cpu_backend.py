@@ -18,12 +18,12 @@ from engine.execution.backends.cpu_attention import CpuAttention
 from engine.execution.backends.cpu_fused import FusedModel
 from engine.execution.backends.cpu_gguf import embedding_of, pack_gguf_linears
 from engine.execution.backends.cpu_linear import PanelEmbedding, can_pack_linear, pack_linears
-from engine.execution.gguf_file import GGUFFile
 from engine.execution.huge_pages import huge_page_tensor, release_free_memory
 from engine.execution.kernels import ISAS
-from engine.execution.models.gguf_loader import load_gguf_model
 from engine.execution.models.model_config import ModelConfig
-from engine.execution.models.packed_weight import place_on_huge_pages
+from engine.execution.weights.gguf_file import GGUFFile
+from engine.execution.weights.gguf_loader import load_gguf_weights
+from engine.execution.weights.packed_weight import place_on_huge_pages
 
 
 def pick_isa(kernels: ModuleType | None, wanted: str) -> int:
@@ -82,7 +82,9 @@ class CpuBackend(Backend):
             self.attention = CpuAttention(kernels, self.isa, prefill_in_cpp=self.isa >= ISAS["avx512"] and fits)
 
     def load_gguf_model(self, model_class: type[nn.Module], gguf: GGUFFile) -> nn.Module:
-        model = load_gguf_model(model_class, self.model_config, gguf).to(dtype=self.dtype)
+        with torch.device("meta"):  # the file's tensors replace every parameter: no float copy is made
+            model = model_class(self.model_config)
+        model = load_gguf_weights(model, gguf).to(dtype=self.dtype)
         packed = pack_gguf_linears(model, self.dtype, self.kernels, self.isa)
         if self.config.enable_huge_pages:  # before the fused layers take the panels' addresses
             place_on_huge_pages([m.panels for m in packed])
