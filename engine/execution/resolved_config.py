@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from types import ModuleType
+from types import MappingProxyType, ModuleType
 
 import torch
 
 from engine.config import EngineConfig, Quantization, usable_cpus
 from engine.execution import kernels as cpu_kernels
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = MappingProxyType({"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16})
 
 
 @dataclass(frozen=True, slots=True)
