@@ -27,11 +27,11 @@ RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml
  && pip install -r /tmp/requirements.txt
 
 # The default model, fetched and converted once, in a layer that only the loader's code invalidates
-# (model_loader.py needs only engine/config.py; without __init__.py files the two load as a
+# (weights/checkpoint.py needs only engine/config.py; without __init__.py files the two load as a
 # namespace package, so nothing else of the source is needed yet).
 COPY engine/config.py /tmp/loader/engine/config.py
-COPY engine/execution/model_loader.py /tmp/loader/engine/execution/model_loader.py
-RUN PYTHONPATH=/tmp/loader python -c "from engine.execution import model_loader; model_loader.resolve_model(None)" \
+COPY engine/execution/weights/checkpoint.py /tmp/loader/engine/execution/weights/checkpoint.py
+RUN PYTHONPATH=/tmp/loader python -c "from engine.execution.weights.checkpoint import resolve_model; resolve_model(None)" \
  && mkdir -p /cache/torch_extensions \
  && chown -R minivllm:minivllm /cache \
  && rm -rf /tmp/loader

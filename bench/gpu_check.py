@@ -249,7 +249,7 @@ def prepare_model(args: argparse.Namespace, work: Path) -> str:
     if args.random_weights:
         return str(random_model(Path(args.random_weights), work / "random", device=args.device))
     if args.model and args.model.endswith(".gguf"):
-        from engine.execution.model_loader import resolve_model
+        from engine.execution.weights.checkpoint import resolve_model
 
         return str(resolve_model(args.model))
     return args.model

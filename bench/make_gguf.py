@@ -115,7 +115,7 @@ def requantize_gguf(source: str, path: str, quant_type: GGMLQuantizationType,
 
 
 def write_random_gguf(path: str, quant_type: GGMLQuantizationType, seed: int = 0) -> None:
-    from engine.execution.model_loader import fetch_default_gguf
+    from engine.execution.weights.checkpoint import fetch_default_gguf
 
     cfg = llama_3_2_1b_config()
     rng = np.random.default_rng(seed)
@@ -188,7 +188,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.requantize_default is not None:
-        from engine.execution.model_loader import fetch_default_gguf
+        from engine.execution.weights.checkpoint import fetch_default_gguf
 
         requantize_gguf(str(fetch_default_gguf()), args.out, GGMLQuantizationType[args.requantize_default])
     elif args.llama_quantize is None:

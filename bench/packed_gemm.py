@@ -13,7 +13,7 @@ import time
 import torch
 
 from engine.execution.kernels import ISAS, load_cpu_kernels
-from engine.execution.models.packed_weight import PackedWeight
+from engine.execution.weights.packed_weight import PackedWeight
 
 logger = logging.getLogger(__name__)
 _SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (K, N) of SmolLM2-135M's projections

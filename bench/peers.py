@@ -68,7 +68,7 @@ def compare(args: argparse.Namespace) -> None:
     """Each minivllm weight mode, then llama.cpp, on the same prompts, in one run; with
     --compare-rounds N, every system stays loaded and the rounds alternate them N times, after
     one untimed round."""
-    from engine.execution.model_loader import fetch_default_gguf
+    from engine.execution.weights.checkpoint import fetch_default_gguf
 
     modes = args.compare.split(",")
     for mode in modes:

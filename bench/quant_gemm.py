@@ -23,8 +23,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from bench.batch1 import bandwidth_buffer, read_bandwidths
 from bench.random_blocks import random_blocks
 from engine.execution.kernels import ISAS, load_cpu_kernels
-from engine.execution.models.packed_weight import PackedWeight
-from engine.execution.models.quantized_weight import QuantizedWeight
+from engine.execution.weights.packed_weight import PackedWeight
+from engine.execution.weights.quantized_weight import QuantizedWeight
 
 logger = logging.getLogger(__name__)
 T = GGMLQuantizationType

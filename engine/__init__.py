@@ -5,7 +5,7 @@ the plain values that cross to the service. Other layers import only these names
 """
 from engine.config import EngineConfig
 from engine.errors import LimitExceededError, PromptTooLongError, QueueFullError, RequestIdInUseError
-from engine.execution.model_loader import model_display_name, resolve_model
+from engine.execution.weights.checkpoint import model_display_name, resolve_model
 from engine.inputs import EngineRequest
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine

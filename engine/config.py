@@ -9,10 +9,21 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, fields
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # served from its own GGUF file (model_loader)
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # served from its own GGUF file (weights/checkpoint.py)
+
+
+class Quantization(StrEnum):
+    """How the weights are held. EngineConfig keeps the user's word ("auto" included);
+    engine/execution/resolved_config.py settles auto once, where the backend and kernels are known."""
+
+    AUTO = "auto"
+    NONE = "none"
+    INT8 = "int8"
+    GGUF = "gguf"
 
 
 def _opt(default: Any, help: str) -> Any:
@@ -46,6 +57,11 @@ def usable_cpus(cgroup_dir: Path = Path("/sys/fs/cgroup")) -> int:
 @dataclass(slots=True)
 class EngineConfig:
     """Everything the engine needs to start. Defaults suit the CPU default model.
+
+    A plain value: validated here without I/O (beyond the environment's legacy aliases), its
+    "auto" choices left as they are. What needs the machine (the device, the dtype, the C++
+    kernels and their SIMD path, quantization auto, the kernel_isa name) is settled and refused
+    once, by engine/execution/resolved_config.py's resolve_config.
 
     `model` is None (the default SmolLM2-135M-Instruct), a local HF directory, a `.gguf`
     file, or a hub id (only where a network allows it).
@@ -170,15 +186,12 @@ class EngineConfig:
             raise ValueError(f"backend must be auto, cpu, cuda or torch, got {self.backend!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
-        if self.quantization not in ("auto", "none", "int8", "gguf"):
+        if self.quantization not in {q.value for q in Quantization}:
             raise ValueError(f"quantization must be auto, none, int8 or gguf, got {self.quantization!r}")
-        if self.quantization == "gguf" and not self._names_a_gguf_file():
+        if self.quantization == Quantization.GGUF and not self._names_a_gguf_file():
             raise ValueError(f"quantization gguf serves a .gguf file (or the default model's), not {self.model!r}")
-        if self.quantization == "auto":
-            self.quantization = "gguf" if self._serves_gguf_natively() else "none"
         if self.max_fused_tokens is not None and self.max_fused_tokens < 0:
             raise ValueError(f"max_fused_tokens must be >= 0, got {self.max_fused_tokens}")
-        isas = ("auto", "scalar", "avx2", "avx512", "avx512_bf16", "amx")
         if self.speculative_method not in ("none", "ngram", "suffix"):
             raise ValueError(f"speculative_method must be none, ngram or suffix, got {self.speculative_method!r}")
         if not 1 <= self.num_speculative_tokens <= 16:
@@ -188,8 +201,6 @@ class EngineConfig:
                              f"and {self.prompt_lookup_max}")
         if self.speculative_max_batch < 1:
             raise ValueError(f"speculative_max_batch must be >= 1, got {self.speculative_max_batch}")
-        if self.kernel_isa not in isas:
-            raise ValueError(f"kernel_isa must be one of {', '.join(isas)}, got {self.kernel_isa!r}")
         if self.kv_cache_dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"kv_cache_dtype must be auto, float32 or bfloat16, got {self.kv_cache_dtype!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -198,24 +209,6 @@ class EngineConfig:
     def _names_a_gguf_file(self) -> bool:
         """The model is a .gguf path or the default model (its own GGUF file, named or not)."""
         return self.model is None or self.model == DEFAULT_MODEL_NAME or self.model.endswith(".gguf")
-
-    def _serves_gguf_natively(self) -> bool:
-        """auto: a .gguf model keeps its blocks where the CPU backend's kernels can run it (as vLLM
-        serves a .gguf path as it is); elsewhere it is dequantized, as before."""
-        if self.model is None or not self.model.endswith(".gguf") or not self.enable_cpp_kernels:
-            return False
-        if self.backend not in ("auto", "cpu") or self.device == "cuda" or self.dtype == "float16":
-            return False
-        if self.backend == "auto" and self.device != "cpu":
-            import torch
-
-            if torch.cuda.is_available():
-                return False
-        # Where the kernels fail to build, the file is served dequantized rather than not at all
-        # (the build is cached: the backend reuses it).
-        from engine.execution.kernels import load_cpu_kernels
-
-        return load_cpu_kernels() is not None
 
     @classmethod
     def field_names(cls) -> list[str]:

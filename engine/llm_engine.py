@@ -16,18 +16,20 @@ import gc
 import itertools
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, Quantization
 from engine.core.block_manager import BlockManager
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import SchedulerOutput
 from engine.core.sequence import Sequence
 from engine.errors import QueueFullError, RequestIdInUseError
-from engine.execution.model_loader import model_display_name, resolve_model
 from engine.execution.model_runner import ModelRunner
+from engine.execution.resolved_config import resolve_config
+from engine.execution.weights.checkpoint import model_display_name, resolve_model
 from engine.inputs import EngineRequest
 from engine.outputs import FinishReason, KvCacheEvent, ModelInfo, RequestOutput, StepStats
 from engine.processing.detokenizer import ids_decoder
@@ -47,15 +49,22 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         from transformers import AutoConfig, AutoTokenizer
 
-        self.config = config
-        self.model_dir = resolve_model(config.model, native_gguf=config.quantization == "gguf")
+        # Every auto settled once, before anything is loaded; below, everything reads `resolved`.
+        resolved = resolve_config(config)
+        logger.info("%s", resolved.describe())
+        self.config = config = resolved.config  # quantization settled: what the engine serves
+        self.model_dir = resolve_model(config.model, native_gguf=resolved.quantization is Quantization.GGUF)
+        # Where the tokenizer's files are (for the service's tokenizer downloads): a tokenizer
+        # directory of its own, else the model's (a hub id is fetched into its cache, not here).
+        is_tokenizer_dir = config.tokenizer is not None and Path(config.tokenizer).is_dir()
+        self.tokenizer_dir = Path(config.tokenizer) if is_tokenizer_dir else self.model_dir
         self.model_name = model_display_name(config.model)
         hf_config = AutoConfig.from_pretrained(str(self.model_dir))
         # The engine thread's tokenizer, for detokenizing; inputs are tokenized off that thread
         # with another (tokenizers are not thread-safe).
         output_tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or str(self.model_dir))
         self._decode_ids = ids_decoder(output_tokenizer)
-        self.runner = ModelRunner(self.model_dir, hf_config, config)
+        self.runner = ModelRunner(self.model_dir, hf_config, resolved)
         # Prefix-cache events are recorded only while someone subscribes (subscribe_kv_events).
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching, config.watermark, is_recording_events=False)
@@ -107,7 +116,8 @@ class LLMEngine:
             max_num_waiting=cfg.max_num_waiting, block_size=cfg.block_size,
             num_kv_blocks=self.block_manager.num_blocks, device=str(self.runner.device), dtype=str(self.runner.dtype),
             eos_token_ids=tuple(sorted(self.eos_token_ids)), has_chat_template=self.input_processor.has_chat_template,
-            kv_cache_dtype=str(self.runner.cache_dtype))
+            kv_cache_dtype=str(self.runner.cache_dtype), model_dir=str(self.model_dir),
+            tokenizer_dir=str(self.tokenizer_dir))
 
     def reconfigure(self, **changes: Any) -> None:
         """Change scheduling options of an idle engine without reloading the model (benchmarks)."""

@@ -217,3 +217,8 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     has_chat_template: bool
     kv_cache_dtype: str
+    # Where the served files are, as the engine resolved them (the service never resolves a
+    # model itself): the model's HF directory (for a GGUF file served as its blocks, its config
+    # and tokenizer only) and the tokenizer's directory. Local paths: not part of the wire message.
+    model_dir: str
+    tokenizer_dir: str

@@ -128,4 +128,6 @@ def add_parsed(response: pb.GenerateResponse, out: RequestOutput, parsed: list[C
 
 
 def model_info_to_proto(info: ModelInfo) -> pb.ModelInfo:
-    return pb.ModelInfo(**dataclasses.asdict(info))
+    # the message's fields only: the engine's local paths (model_dir, ...) stay on this side
+    fields = pb.ModelInfo.DESCRIPTOR.fields_by_name
+    return pb.ModelInfo(**{k: v for k, v in dataclasses.asdict(info).items() if k in fields})

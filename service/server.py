@@ -14,7 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
-from engine import EngineConfig, LLMEngine, model_display_name, resolve_model
+from engine import EngineConfig, LLMEngine, ModelInfo, model_display_name
 from service.async_engine import AsyncEngine, StatsListener
 from service.chat_tools import ChatTools
 from service.http_server import HttpServer
@@ -141,19 +141,17 @@ class InferenceServer:
                                    kv_event_listeners=[self.kv_events.on_kv_events]
                                    if "vllm" in self.config.grpc_services else [])
         await async_engine.start()
-        self.vllm_servicer.files = await asyncio.to_thread(self._model_files)
+        self.vllm_servicer.files = self._model_files(async_engine.model_info())
         self.async_engine = async_engine
         self.state.set_engine(async_engine)
         await self._set_serving(True)
         logger.info("model %s loaded; serving on %s:%d", async_engine.model_info().model_name, self.config.host, self.port)
 
-    def _model_files(self) -> ModelFiles:
+    def _model_files(self, info: ModelInfo) -> ModelFiles:
         engine = self.config.engine
-        # the engine resolved it already: cached, no download
-        model_dir = resolve_model(engine.model, native_gguf=engine.quantization == "gguf")
-        tokenizer_dir = Path(engine.tokenizer) if engine.tokenizer and Path(engine.tokenizer).is_dir() else model_dir
-        return ModelFiles(engine.model or model_display_name(engine.model), model_dir, tokenizer_dir,
-                          self.config.served_model_name or model_display_name(engine.model))
+        # where the engine resolved the model: the service never resolves one itself
+        return ModelFiles(engine.model or model_display_name(engine.model), Path(info.model_dir),
+                          Path(info.tokenizer_dir), self.config.served_model_name or model_display_name(engine.model))
 
     async def drain_and_stop(self) -> None:
         """Graceful shutdown: NOT_SERVING, refuse new calls, let running streams finish."""

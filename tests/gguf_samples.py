@@ -49,7 +49,7 @@ def write_family_gguf(hf_dir: Path, path: Path, twin_dir: Path, quant_type: GGML
     from gguf.quants import dequantize, quantize
     from safetensors.torch import load_file, save_file
 
-    from engine.execution.models.gguf_loader import hf_name
+    from engine.execution.weights.gguf_loader import hf_name
 
     config = json.loads((hf_dir / "config.json").read_text())
     arch = config["model_type"]

@@ -13,8 +13,8 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from bench.random_blocks import random_blocks
-from engine.execution.gguf_file import GGUFFile
-from engine.execution.models.quantized_weight import QuantizedWeight
+from engine.execution.weights.gguf_file import GGUFFile
+from engine.execution.weights.quantized_weight import QuantizedWeight
 from tests.gguf_samples import write_gguf
 
 T = GGMLQuantizationType
@@ -56,7 +56,7 @@ def _hf_order(rows: np.ndarray, num_heads: int) -> np.ndarray:
 def test_tensors_come_back_as_their_blocks(tmp_path: Path, architecture: str, caplog) -> None:
     written = _tensors(np.random.default_rng(0))
     path = write_gguf(tmp_path / "m.gguf", architecture, METADATA, written)
-    with caplog.at_level(logging.WARNING, logger="engine.execution.gguf_file"):
+    with caplog.at_level(logging.WARNING, logger="engine.execution.weights.gguf_file"):
         tensors = {t.name: t for t in GGUFFile(path).tensors()}
     assert list(tensors) == list(written)
     warnings = [r.getMessage() for r in caplog.records]
@@ -124,7 +124,7 @@ def test_the_shipped_q4_1_file_reads_as_transformers_dequantizes_it() -> None:
     and key rows in its order."""
     from safetensors import safe_open
 
-    from engine.execution.model_loader import fetch_default_gguf, resolve_model
+    from engine.execution.weights.checkpoint import fetch_default_gguf, resolve_model
 
     converted = safe_open(str(resolve_model(None) / "model.safetensors"), framework="pt")
     file = GGUFFile(fetch_default_gguf())
@@ -139,3 +139,11 @@ def test_the_shipped_q4_1_file_reads_as_transformers_dequantizes_it() -> None:
         assert np.array_equal(np.asarray(values), converted.get_tensor(hf_name).numpy()), t.name
         seen.add(t.quant_type)
     assert seen == {T.Q4_1, T.Q8_0, T.F32}
+
+
+def test_every_architecture_the_reader_maps_has_a_model_family() -> None:
+    """weights/ keeps its own list (it never imports models/): the two must not drift apart."""
+    from engine.execution.models import SUPPORTED_MODEL_TYPES
+    from engine.execution.weights.gguf_file import GGUF_ARCHITECTURES
+
+    assert set(GGUF_ARCHITECTURES) <= set(SUPPORTED_MODEL_TYPES)

@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType
 
 from bench.workloads import GREEDY_PROMPTS
 from engine import LLM, SamplingParams
-from engine.execution.models.quantized_weight import QuantizedWeight
+from engine.execution.weights.quantized_weight import QuantizedWeight
 
 pytestmark = pytest.mark.real_model
 
@@ -95,7 +95,7 @@ _REQUANTIZED = {GGMLQuantizationType.Q8_0: "every", GGMLQuantizationType.Q4_0: "
 def test_each_block_type_costs_under_one_and_a_half_percent_perplexity(tmp_path, quant_type) -> None:
     from bench.make_gguf import requantize_gguf
     from bench.perplexity import TEXT, perplexity
-    from engine.execution.model_loader import fetch_default_gguf
+    from engine.execution.weights.checkpoint import fetch_default_gguf
 
     path = tmp_path / f"smollm2-{quant_type.name}.gguf"
     written = requantize_gguf(str(fetch_default_gguf()), str(path), quant_type)

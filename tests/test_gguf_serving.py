@@ -15,7 +15,8 @@ from gguf import GGMLQuantizationType
 
 from engine import LLM, EngineConfig, SamplingParams
 from engine.execution.backends.cpu_gguf import QuantEmbedding
-from engine.execution.models.quantized_weight import QuantizedWeight
+from engine.execution.resolved_config import resolve_config
+from engine.execution.weights.quantized_weight import QuantizedWeight
 from tests.gguf_samples import write_family_gguf
 from tests.tiny_model import build_tiny_family_model
 
@@ -161,14 +162,14 @@ def test_auto_serves_a_gguf_dequantized_where_the_kernels_do_not_build(family_gg
     import engine.execution.kernels as kernels
 
     monkeypatch.setattr(kernels, "load_cpu_kernels", lambda: None)
-    assert EngineConfig(model=str(family_gguf[0])).quantization == "none"
-    assert EngineConfig(model=str(family_gguf[0]), backend="cpu").quantization == "none"
+    assert resolve_config(EngineConfig(model=str(family_gguf[0]))).quantization == "none"
+    assert resolve_config(EngineConfig(model=str(family_gguf[0]), backend="cpu")).quantization == "none"
     llm = LLM(str(family_gguf[0]), num_kv_blocks=64)
     assert llm.engine.runner.backend.kernels is None
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True))
     assert [out.token_ids for out in outs] == twin_tokens
     monkeypatch.undo()
-    assert EngineConfig(model=str(family_gguf[0])).quantization == "gguf"
+    assert resolve_config(EngineConfig(model=str(family_gguf[0]))).quantization == "gguf"
 
 
 def test_a_fused_projection_of_mixed_block_types_is_requantized_once_and_named(tmp_path: Path,
@@ -182,7 +183,7 @@ def test_a_fused_projection_of_mixed_block_types_is_requantized_once_and_named(t
     mixed = tmp_path / "mixed.gguf"
     written = requantize_gguf(str(source), str(mixed), T.Q8_0, only=".attn_v.")
     assert written["blk.0.attn_v.weight"] == T.Q8_0 and written["blk.0.attn_q.weight"] == T.Q4_0
-    with caplog.at_level(logging.INFO, logger="engine.execution.models.gguf_loader"):
+    with caplog.at_level(logging.INFO, logger="engine.execution.weights.gguf_loader"):
         llm = LLM(str(mixed), num_kv_blocks=64)
     assert "layers.0.qkv_proj" in caplog.text and "Q4_0, Q8_0" in caplog.text
     qkv = llm.engine.runner.model.layers[0].qkv_proj.panels
@@ -214,11 +215,11 @@ def test_gguf_mode_is_validated(family_gguf: tuple[Path, Path], tiny_model_dir: 
         EngineConfig(model=str(tiny_model_dir), quantization="gguf")
     # the default model by its name is its own GGUF file, as with no model at all
     assert EngineConfig(model="SmolLM2-135M-Instruct", quantization="gguf").quantization == "gguf"
-    assert EngineConfig(model=str(tiny_model_dir)).quantization == "none"
-    assert EngineConfig(model="x.gguf", enable_cpp_kernels=False).quantization == "none"
-    assert EngineConfig(model="x.gguf", backend="torch").quantization == "none"
-    assert EngineConfig(model="x.gguf", backend="cpu").quantization == "gguf"
-    assert EngineConfig(model=None).quantization == "none"  # the default model: float32 unless asked
+    assert resolve_config(EngineConfig(model=str(tiny_model_dir))).quantization == "none"
+    assert resolve_config(EngineConfig(model="x.gguf", enable_cpp_kernels=False)).quantization == "none"
+    assert resolve_config(EngineConfig(model="x.gguf", backend="torch")).quantization == "none"
+    assert resolve_config(EngineConfig(model="x.gguf", backend="cpu")).quantization == "gguf"
+    assert resolve_config(EngineConfig(model=None)).quantization == "none"  # the default model: float32 unless asked
     with pytest.raises(ValueError, match="quantization: gguf"):
         LLM(str(family_gguf[0]), quantization="gguf", backend="torch")
 

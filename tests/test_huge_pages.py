@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.execution.huge_pages import HUGE_PAGE_BYTES, huge_page_tensor
-from engine.execution.models.packed_weight import PackedWeight, place_on_huge_pages
+from engine.execution.weights.packed_weight import PackedWeight, place_on_huge_pages
 
 
 def _thp_mode() -> str:

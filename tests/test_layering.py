@@ -1,10 +1,14 @@
 """The layers stay apart: engine/ knows nothing above it; the service and the CLI reach the
-engine only through its public names; one module moves a sequence's progress."""
+engine only through its public names; one module moves a sequence's progress; no import cycle
+anywhere in engine/, service/ or minivllm/ (function-level imports included); the weight
+formats know no model family."""
 from __future__ import annotations
 
 import ast
 from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 import engine
 
@@ -145,3 +149,114 @@ def test_engine_layers_import_one_way_down() -> None:
                 if name == "engine" or (name.startswith("engine.") and not name.startswith(allowed)):
                     offenders.append(f"{where}: {name}")
     assert not offenders, offenders
+
+
+# ---- import cycles over the whole tree ----------------------------------------------------------
+# Every import counts, those inside functions too: a lazy import hides a cycle from Python, not
+# from whoever has to move one of its modules.
+_CYCLE_PACKAGES = ("engine", "service", "minivllm")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """module -> the modules of engine/, service/ and minivllm/ it imports (anywhere in its body)."""
+    paths = {_module_name(path): path for package in _CYCLE_PACKAGES for path in sorted((ROOT / package).rglob("*.py"))
+             if "pb" not in path.relative_to(ROOT).parts}
+    graph: dict[str, set[str]] = {name: set() for name in paths}
+    for name, path in paths.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the package up level - 1
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                # `from pkg import mod` imports pkg.mod where that is a module, else a name of pkg
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in paths else base for a in node.names]
+            graph[name].update(t for t in targets if t in paths and t != name)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each as one cycle
+    through its first module: the modules to untangle, in import order."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for succ in sorted(graph[node]):
+            if succ not in index:
+                visit(succ)
+                low[node] = min(low[node], low[succ])
+            elif succ in on_stack:
+                low[node] = min(low[node], index[succ])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return [_one_cycle(graph, set(component)) for component in components]
+
+
+def _one_cycle(graph: dict[str, set[str]], component: set[str]) -> list[str]:
+    """A shortest import path from the component's first module back to it (breadth first)."""
+    start = min(component)
+    previous: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        following = []
+        for node in frontier:
+            for succ in sorted(graph[node] & component):
+                if succ == start:
+                    path = [node]
+                    while path[-1] != start:
+                        path.append(previous[path[-1]])
+                    return [start, *reversed(path[:-1]), start] if node != start else [start, start]
+                if succ not in previous:
+                    previous[succ] = node
+                    following.append(succ)
+        frontier = following
+    return sorted(component)
+
+
+@pytest.mark.parametrize("package", _CYCLE_PACKAGES)
+def test_no_import_cycles(package: str) -> None:
+    cycles = [cycle for cycle in _cycles(_import_graph()) if cycle[0].split(".")[0] == package]
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(cycle) for cycle in cycles)
+
+
+def test_weight_formats_know_no_model_family() -> None:
+    """engine/execution/weights/ reads checkpoints and GGUF files for any family: it imports
+    nothing from engine/execution/models/ (which the families' loading code may import)."""
+    offenders = [f"{module} -> {target}" for module, targets in _import_graph().items()
+                 if module.startswith("engine.execution.weights") for target in sorted(targets)
+                 if target.startswith("engine.execution.models")]
+    assert not offenders, offenders
+
+
+def test_the_cycle_finder_reports_each_cycle_as_its_modules_in_import_order() -> None:
+    graph = {"a": {"b"}, "b": {"c", "d"}, "c": {"a"}, "d": set(), "e": {"f"}, "f": {"e"}}
+    assert _cycles(graph) == [["a", "b", "c", "a"], ["e", "f", "e"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []

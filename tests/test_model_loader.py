@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.execution.model_loader import DEFAULT_MODEL_NAME, model_display_name, resolve_model
+from engine.execution.weights.checkpoint import DEFAULT_MODEL_NAME, model_display_name, resolve_model
 
 
 def test_local_directory_is_used_as_is(tiny_model_dir: Path) -> None:

@@ -225,7 +225,7 @@ def test_alertmanager_collector_and_dockerfile() -> None:
     instructions = [" ".join(parts) for parts in lines]
     users = [i for i in instructions if i.startswith("USER ")]
     assert users and users[-1] not in ("USER root", "USER 0"), "the service must not run as root"
-    order = [instructions.index(step) for step in ("COPY pyproject.toml", "COPY engine/execution/model_loader.py", "COPY engine")]
+    order = [instructions.index(step) for step in ("COPY pyproject.toml", "COPY engine/execution/weights/checkpoint.py", "COPY engine")]
     assert order == sorted(order), "dependencies, then the model, then the source"
 
 

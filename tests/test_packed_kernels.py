@@ -14,14 +14,14 @@ import torch
 
 from engine.execution.attention import AttentionMetadata
 from engine.execution.backends.cpu_attention import CpuAttention
-from engine.execution.backends.cpu_backend import pick_isa
 from engine.execution.backends.cpu_fused import FusedLayer
 from engine.execution.backends.cpu_linear import PackedLinear
 from engine.execution.kernels import ISAS
 from engine.execution.models.layers import RMSNorm
 from engine.execution.models.llama import DecoderLayer
 from engine.execution.models.model_config import ModelConfig
-from engine.execution.models.packed_weight import PackedWeight
+from engine.execution.resolved_config import pick_isa
+from engine.execution.weights.packed_weight import PackedWeight
 from tests.helpers import ISA_NAMES
 
 BF16_PRODUCTS = ISAS["avx512_bf16"]  # from here up, bf16 products: vdpbf16ps, then the AMX tiles

@@ -82,7 +82,7 @@ def test_compare_rounds_alternate_minivllm_and_the_peer(fake_llama_cpp: Path, ti
                                                        monkeypatch: pytest.MonkeyPatch,
                                                        capsys: pytest.CaptureFixture) -> None:
     from bench import offline_throughput
-    from engine.execution import model_loader
+    from engine.execution.weights import checkpoint as model_loader
 
     monkeypatch.setattr(model_loader, "fetch_default_gguf", lambda: tmp_path / "default.gguf")
     out_json = tmp_path / "result.json"

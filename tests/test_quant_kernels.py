@@ -12,8 +12,8 @@ from gguf.quants import dequantize
 
 from bench.random_blocks import random_blocks
 from engine.execution.kernels import ISAS
-from engine.execution.models.ggml_blocks import KERNEL_TYPES, block_size
-from engine.execution.models.quantized_weight import QuantizedWeight
+from engine.execution.weights.ggml_blocks import KERNEL_TYPES, block_size
+from engine.execution.weights.quantized_weight import QuantizedWeight
 from tests.helpers import ISA_NAMES
 
 T = GGMLQuantizationType

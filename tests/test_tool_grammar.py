@@ -48,7 +48,7 @@ def tiny(tiny_tool_model_dir: Path) -> Grammars:
 
 @pytest.fixture(scope="module")
 def default_model() -> Grammars:
-    from engine.execution.model_loader import resolve_model
+    from engine.execution.weights.checkpoint import resolve_model
 
     return Grammars(resolve_model(None))
 

@@ -16,33 +16,35 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.config import EngineConfig
+from engine.config import Quantization
 from engine.core.runner_output import RunnerOutput
 from engine.core.scheduler_output import SchedulerOutput
 from engine.execution.attention import AttentionMetadata
 from engine.execution.backends import select_backend
-from engine.execution.gguf_file import GGUFFile
 from engine.execution.input_batch import CachedRequestState, Chunk, InputBatch, prepare_decode, prepare_prefill
-from engine.execution.model_loader import gguf_path, iter_weights
 from engine.execution.models import model_class
 from engine.execution.prompt_logprobs import prompt_logprobs
+from engine.execution.resolved_config import ResolvedConfig
 from engine.execution.sampler import Sampler
 from engine.execution.speculative import make_proposer
 from engine.execution.speculative.speculator import Speculator
+from engine.execution.weights.checkpoint import gguf_path, iter_weights
+from engine.execution.weights.gguf_file import GGUFFile
 
 logger = logging.getLogger(__name__)
 
 
 
 class ModelRunner:
-    def __init__(self, model_dir: Path, hf_config: object, config: EngineConfig) -> None:
+    def __init__(self, model_dir: Path, hf_config: object, resolved: ResolvedConfig) -> None:
+        config = resolved.config
         cls = model_class(hf_config.model_type)
         self.model_config = cls.config_from_hf(hf_config)
-        self.backend = select_backend(config, self.model_config)
+        self.backend = select_backend(resolved, self.model_config)
         self.device, self.dtype, self.cache_dtype = self.backend.device, self.backend.dtype, self.backend.cache_dtype
         self.block_size = config.block_size
         self.batch = InputBatch()
-        if config.quantization == "gguf":
+        if resolved.quantization is Quantization.GGUF:
             self.model = self.backend.load_gguf_model(cls, GGUFFile(gguf_path(config.model)))
         else:
             self.model = self.backend.load_model(cls, iter_weights(model_dir))

@@ -16,29 +16,29 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from engine.config import EngineConfig, usable_cpus
 from engine.execution.attention import AttentionBackend, AttentionMetadata
 from engine.execution.backends.torch_attention import TorchAttention
 from engine.execution.models.model_config import ModelConfig
+from engine.execution.resolved_config import ResolvedConfig
 
 if TYPE_CHECKING:
-    from engine.execution.gguf_file import GGUFFile
+    from engine.execution.weights.gguf_file import GGUFFile
 
 
 class Backend:
     name = "torch"
 
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, device: torch.device,
+    def __init__(self, resolved: ResolvedConfig, model_config: ModelConfig, device: torch.device,
                  dtype: torch.dtype) -> None:
-        self.config, self.model_config = config, model_config
+        self.resolved, self.config, self.model_config = resolved, resolved.config, model_config
         self.device, self.dtype = device, dtype
-        self.cache_dtype = dtype if config.kv_cache_dtype == "auto" else getattr(torch, config.kv_cache_dtype)
+        self.cache_dtype = resolved.kv_cache_dtype
         self.attention: AttentionBackend = TorchAttention()
         self.kernels: ModuleType | None = None  # the C++ CPU kernels, where this backend has them
         self.max_fused_tokens = 0  # steps of at most this many tokens take the backend's fused layers
         self.max_decode_rows = 0  # decode-only steps of at most this many rows take decode_logits
         if device.type == "cpu":
-            torch.set_num_threads(config.num_threads or usable_cpus())
+            torch.set_num_threads(resolved.num_threads)
 
     def load_model(self, model_class: type[nn.Module], weights: Iterable[tuple[str, torch.Tensor]]) -> nn.Module:
         """The model built on the device (its initial values are overwritten: on a GPU that init
@@ -52,9 +52,9 @@ class Backend:
         return model
 
     def load_gguf_model(self, model_class: type[nn.Module], gguf: GGUFFile) -> nn.Module:
-        """The model with a GGUF file's quantized blocks kept as they are (quantization gguf)."""
-        raise ValueError(f"quantization: gguf runs on the CPU backend with its C++ kernels, not the {self.name} "
-                         "backend; quantization none serves the file dequantized to float")
+        """The model with a GGUF file's quantized blocks kept as they are (quantization gguf).
+        resolve_config gives quantization gguf to the CPU backend only: no user reaches this."""
+        raise NotImplementedError(f"the {self.name} backend runs no GGUF blocks")
 
     def prepare(self, model: nn.Module) -> None:
         """Pack or bind the loaded model's weights (nothing for the reference)."""

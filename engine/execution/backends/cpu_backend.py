@@ -6,41 +6,24 @@ off) it runs torch's attention over oneDNN-packed weights.
 from __future__ import annotations
 
 import sys
-from types import ModuleType
 
 import torch
 from torch import nn
 
-from engine.config import EngineConfig
+from engine.config import Quantization
 from engine.execution.attention import AttentionMetadata
 from engine.execution.backends.backend import Backend
 from engine.execution.backends.cpu_attention import CpuAttention
 from engine.execution.backends.cpu_fused import FusedModel
 from engine.execution.backends.cpu_gguf import embedding_of, pack_gguf_linears
 from engine.execution.backends.cpu_linear import PanelEmbedding, can_pack_linear, pack_linears
-from engine.execution.gguf_file import GGUFFile
 from engine.execution.huge_pages import huge_page_tensor, release_free_memory
 from engine.execution.kernels import ISAS
-from engine.execution.models.gguf_loader import load_gguf_model
 from engine.execution.models.model_config import ModelConfig
-from engine.execution.models.packed_weight import place_on_huge_pages
-
-
-def pick_isa(kernels: ModuleType | None, wanted: str) -> int:
-    """The SIMD path of the C++ kernels: the best this CPU runs, or a lower one named by
-    kernel_isa (scalar | avx2 | avx512 | avx512_bf16 | amx) to test or compare it.
-    avx512_bf16 and amx are AVX-512 whose bfloat16 panels' products run on vdpbf16ps or on the
-    AMX tiles (bf16 activations there)."""
-    if kernels is None:
-        return 0
-    best = kernels.best_isa()
-    if wanted == "auto":
-        return best
-    if wanted not in ISAS:
-        raise ValueError(f"kernel_isa (MINIVLLM_KERNEL_ISA) must be auto, {', '.join(ISAS)}, got {wanted!r}")
-    if ISAS[wanted] > best:
-        raise ValueError(f"kernel_isa (MINIVLLM_KERNEL_ISA) {wanted}: this CPU does not run it")
-    return ISAS[wanted]
+from engine.execution.resolved_config import ResolvedConfig
+from engine.execution.weights.gguf_file import GGUFFile
+from engine.execution.weights.gguf_loader import load_gguf_weights
+from engine.execution.weights.packed_weight import place_on_huge_pages
 
 
 def default_max_fused_tokens(dtype: torch.dtype, isa: int, quantized: bool) -> int:
@@ -55,16 +38,14 @@ def default_max_fused_tokens(dtype: torch.dtype, isa: int, quantized: bool) -> i
 class CpuBackend(Backend):
     name = "cpu"
 
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype,
-                 kernels: ModuleType | None) -> None:
-        super().__init__(config, model_config, torch.device("cpu"), dtype)
-        self.quantized = config.quantization == "int8"
-        self.gguf = config.quantization == "gguf"  # the GGUF file's blocks, by the integer-dot kernels
-        if (self.quantized or self.gguf) and kernels is None:
-            raise ValueError(f"quantization: {config.quantization} needs the C++ CPU kernels (a compiler, dtype "
-                             "float32 or bfloat16, enable_cpp_kernels)")
-        self.kernels = kernels
-        self.isa = pick_isa(kernels, config.kernel_isa)
+    def __init__(self, resolved: ResolvedConfig, model_config: ModelConfig) -> None:
+        super().__init__(resolved, model_config, resolved.device, resolved.dtype)
+        dtype, config = resolved.dtype, resolved.config
+        self.quantized = resolved.quantization is Quantization.INT8
+        # the GGUF file's blocks, by the integer-dot kernels (resolve_config gave both only with kernels)
+        self.gguf = resolved.quantization is Quantization.GGUF
+        self.kernels = kernels = resolved.kernels
+        self.isa = resolved.isa
         max_fused = config.max_fused_tokens
         if max_fused is None:
             max_fused = default_max_fused_tokens(dtype, self.isa, self.quantized or self.gguf)
@@ -82,7 +63,9 @@ class CpuBackend(Backend):
             self.attention = CpuAttention(kernels, self.isa, prefill_in_cpp=self.isa >= ISAS["avx512"] and fits)
 
     def load_gguf_model(self, model_class: type[nn.Module], gguf: GGUFFile) -> nn.Module:
-        model = load_gguf_model(model_class, self.model_config, gguf).to(dtype=self.dtype)
+        with torch.device("meta"):  # the file's tensors replace every parameter: no float copy is made
+            model = model_class(self.model_config)
+        model = load_gguf_weights(model, gguf).to(dtype=self.dtype)
         packed = pack_gguf_linears(model, self.dtype, self.kernels, self.isa)
         if self.config.enable_huge_pages:  # before the fused layers take the panels' addresses
             place_on_huge_pages([m.panels for m in packed])

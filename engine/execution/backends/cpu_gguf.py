@@ -1,4 +1,4 @@
-"""The CPU backend's form of a model loaded from a GGUF file (engine/execution/models/gguf_loader.py):
+"""The CPU backend's form of a model loaded from a GGUF file (engine/execution/weights/gguf_loader.py):
 each quantized projection a PackedLinear over its QuantizedWeight (the integer-dot kernels: quant_linear
 for a torch-path product, and the uint8 panels in the fused layers' and decode step's projection
 slots, which packed_gemm hands to quant_gemm), float projections in float panels, and a quantized
@@ -13,8 +13,8 @@ from torch import nn
 
 from engine.execution.backends.cpu_linear import PackedLinear
 from engine.execution.models.layers import Linear
-from engine.execution.models.packed_weight import PackedWeight
-from engine.execution.models.quantized_weight import QuantizedWeight
+from engine.execution.weights.packed_weight import PackedWeight
+from engine.execution.weights.quantized_weight import QuantizedWeight
 
 
 class QuantEmbedding(nn.Module):

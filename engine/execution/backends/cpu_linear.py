@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.execution.models.layers import Linear
-from engine.execution.models.packed_weight import PackedWeight
+from engine.execution.weights.packed_weight import PackedWeight
 
 logger = logging.getLogger(__name__)
 

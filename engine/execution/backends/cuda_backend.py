@@ -11,11 +11,11 @@ import logging
 import torch
 from torch import nn
 
-from engine.config import EngineConfig
 from engine.execution.backends.backend import Backend
 from engine.execution.backends.cuda_graphs import DecodeGraphs, decode_buckets
 from engine.execution.backends.triton_attention import TritonAttention
 from engine.execution.models.model_config import ModelConfig
+from engine.execution.resolved_config import ResolvedConfig
 
 logger = logging.getLogger(__name__)
 
@@ -27,17 +27,10 @@ _ACTIVATION_RESERVE_BYTES = 2 << 30
 class CudaBackend(Backend):
     name = "cuda"
 
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, device: torch.device,
+    def __init__(self, resolved: ResolvedConfig, model_config: ModelConfig, device: torch.device,
                  dtype: torch.dtype) -> None:
-        if dtype not in (torch.bfloat16, torch.float32):
-            raise ValueError(f"dtype: the CUDA backend runs bfloat16 or float32, not {dtype}")
-        if config.kv_cache_dtype not in ("auto", "bfloat16", "float32"):
-            raise ValueError(f"kv_cache_dtype: {config.kv_cache_dtype} has no CUDA kernel")
-        super().__init__(config, model_config, device, dtype)
-        from engine.execution import triton as triton_kernels
-
-        if not triton_kernels.is_available():
-            raise ValueError("backend: cuda needs Triton (pip install triton matching your torch)")
+        # dtype and Triton were checked by resolve_config
+        super().__init__(resolved, model_config, device, dtype)
         self.attention = TritonAttention()
         self.graphs: DecodeGraphs | None = None
 

@@ -8,8 +8,8 @@ float32, with a warning naming the type. Llama-architecture files store the quer
 projections' rows in llama.cpp's rotary order: they come back in Hugging Face's (a permutation of
 whole rows, so of whole blocks), as transformers' own GGUF loader restores them.
 
-A truncated file or an architecture without a model family here fails with a ValueError that
-says so.
+A truncated file or an architecture whose tensor layout this reader does not know fails with a
+ValueError that says so.
 """
 from __future__ import annotations
 
@@ -24,12 +24,16 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-from engine.execution.models.ggml_blocks import KERNEL_TYPES, row_bytes
-from engine.execution.models.registry import SUPPORTED_MODEL_TYPES
+from engine.execution.weights.ggml_blocks import KERNEL_TYPES, row_bytes
 
 logger = logging.getLogger(__name__)
 
 _FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16)
+# The architectures whose llama.cpp tensor names and row orders this reader and gguf_loader map to
+# Hugging Face's. A format fact, kept here rather than read from the model registry so that
+# weights/ never imports models/; a new family adds its name here once its layout is mapped
+# (tests/test_gguf_file.py checks each has a model family).
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2")
 LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")  # llama.cpp's per-layer tensor names
 
 
@@ -74,9 +78,9 @@ class GGUFFile:
         except (ValueError, KeyError) as exc:
             raise ValueError(f"model: {str(self.path)!r} is not a readable GGUF file: {exc}") from exc
         self.architecture = str(self.field("general.architecture", ""))
-        if self.architecture not in SUPPORTED_MODEL_TYPES:
+        if self.architecture not in GGUF_ARCHITECTURES:
             raise ValueError(f"model: GGUF architecture {self.architecture!r} of {self.path.name} is not supported; "
-                             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+                             f"supported: {', '.join(GGUF_ARCHITECTURES)}")
         self._expected = self.expected_shapes()
 
     def field(self, key: str, default: Any = None) -> Any:

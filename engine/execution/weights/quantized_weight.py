@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
-from engine.execution.models.ggml_blocks import QK, BlockFields, dequantize_fields, split_blocks
+from engine.execution.weights.ggml_blocks import QK, BlockFields, dequantize_fields, split_blocks
 
 PANEL = 16
 _T = GGMLQuantizationType

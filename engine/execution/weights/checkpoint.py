@@ -126,7 +126,7 @@ def write_gguf_metadata(gguf: Path, target: Path) -> None:
     directory without weights (atomically): transformers reads them from the file's metadata."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    from engine.execution.gguf_file import GGUFFile
+    from engine.execution.weights.gguf_file import GGUFFile
 
     GGUFFile(gguf)  # a truncated file or an unsupported architecture fails here, naming the problem
     logger.info("reading %s's config and tokenizer into %s (once)", gguf, target)

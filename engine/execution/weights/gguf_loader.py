@@ -1,6 +1,6 @@
 """A model's weights straight from a GGUF file: each projection keeps the file's quantized blocks.
 
-The model is built on the meta device (no float copy of a projection is ever made), then:
+The caller builds the model on the meta device (no float copy of a projection is ever made), then:
 - each Linear whose checkpoint tensors (q, k, v fused into one; gate, up into one) are blocks of
   one type with kernels gets a QuantizedWeight of them, attached as `linear.quantized` (the CPU
   backend packs it for the kernels; the Linear's own weight stays on the meta device);
@@ -23,10 +23,8 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 from torch import nn
 
-from engine.execution.gguf_file import LAYER_TENSOR, GGUFFile, GGUFTensor
-from engine.execution.models.layers import Linear
-from engine.execution.models.model_config import ModelConfig
-from engine.execution.models.quantized_weight import QuantizedWeight
+from engine.execution.weights.gguf_file import LAYER_TENSOR, GGUFFile, GGUFTensor
+from engine.execution.weights.quantized_weight import QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -72,11 +70,13 @@ def _set_parameter(model: nn.Module, name: str, value: torch.Tensor) -> None:
     setattr(model.get_submodule(module_name), attr, nn.Parameter(value, requires_grad=False))
 
 
-def load_gguf_model(model_class: type[nn.Module], model_config: ModelConfig, gguf: GGUFFile) -> nn.Module:
-    """The model of `model_class` with gguf's weights: quantized projections and embedding as
-    QuantizedWeights (`.quantized` on their modules), everything else float32."""
-    with torch.device("meta"):
-        model = model_class(model_config)
+def load_gguf_weights(model: nn.Module, gguf: GGUFFile) -> nn.Module:
+    """`model` (built on the meta device; any family: it names its tensors by `_expected_weights`
+    and says by `config.tie_word_embeddings` whether its LM head is its embedding) with gguf's
+    weights: quantized projections and embedding as QuantizedWeights (`.quantized` on their
+    modules), everything else float32. Modules are matched as torch's Linear and Embedding, so
+    this format code needs no import of the model families."""
+    tie_word_embeddings = model.config.tie_word_embeddings
     tensors: dict[str, GGUFTensor] = {}
     for t in gguf.tensors():
         name = hf_name(t.name)
@@ -85,7 +85,7 @@ def load_gguf_model(model_class: type[nn.Module], model_config: ModelConfig, ggu
                 continue
             raise ValueError(f"model: GGUF tensor {t.name!r} of {gguf.path.name} has no place in a "
                              f"{gguf.architecture} model")
-        if name == "lm_head.weight" and model_config.tie_word_embeddings:
+        if name == "lm_head.weight" and tie_word_embeddings:
             continue
         tensors[name] = t
     expected = model._expected_weights()  # our key (param or param#shard) -> its HF name
@@ -103,7 +103,7 @@ def load_gguf_model(model_class: type[nn.Module], model_config: ModelConfig, ggu
 
     done: set[int] = set()
     for module_name, module in model.named_modules():
-        if not isinstance(module, Linear | nn.Embedding) or id(module.weight) in done:
+        if not isinstance(module, nn.Linear | nn.Embedding) or id(module.weight) in done:
             continue
         done.add(id(module.weight))
         weight = parts(f"{module_name}.weight")
@@ -116,7 +116,7 @@ def load_gguf_model(model_class: type[nn.Module], model_config: ModelConfig, ggu
             module.quantized = _quantized(module_name, weight, in_features, bias)
         else:
             _set_parameter(model, f"{module_name}.weight", torch.cat([_float(t) for t in weight]))
-    if model_config.tie_word_embeddings:
+    if tie_word_embeddings:
         embedding = model.embed_tokens
         model.lm_head.weight = embedding.weight
         if hasattr(embedding, "quantized"):
