@@ -8,7 +8,7 @@ from collections.abc import Mapping
 
 from pydantic import ValidationError
 
-from service.openai_protocol import UnsupportedFieldError, field_path
+from service.openai.protocol import UnsupportedFieldError, field_path
 
 _HEAD = re.compile(r"[A-Za-z0-9_.\[\]]+")
 

@@ -7,8 +7,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from service.chat_tools import ToolRequest
-from service.tool_grammar import FunctionSpec
+from service.chat.tool_grammar import FunctionSpec
+from service.chat.tools import ToolRequest
 
 
 class FunctionIn(BaseModel):

@@ -6,10 +6,10 @@ import json
 from typing import Any
 
 from engine import ModelInfo, RequestOutput, SamplingParams, StructuredOutput
-from service.chat_output import ChoiceOutput
-from service.chat_tools import ToolRequest
+from service.chat.output import ChoiceOutput
+from service.chat.tool_grammar import FunctionSpec
+from service.chat.tools import ToolRequest
 from service.pb import inference_pb2 as pb
-from service.tool_grammar import FunctionSpec
 
 
 def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:

@@ -10,8 +10,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from service.chat_output import ChoiceDelta
-from service.tool_protocol import FlatToolIn, ToolChoiceIn
+from service.chat.output import ChoiceDelta
+from service.openai.tool_protocol import FlatToolIn, ToolChoiceIn
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 

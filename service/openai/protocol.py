@@ -4,7 +4,7 @@ Request fields follow the OpenAI API (plus vLLM's usual extras: top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, stop_token_ids, skip_special_tokens). Unknown fields
 are ignored, as OpenAI-compatible servers do, so SDK additions do not break clients; known fields
 that minivllm cannot honour yet (suffix, best_of, ...) are refused with a 400 naming
-the field rather than silently ignored. Tools: service/tool_protocol.py.
+the field rather than silently ignored. Tools: service/openai/tool_protocol.py.
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine import RequestOutput, SamplingParams, StructuredOutput
-from service.chat_tools import ToolRequest
-from service.tool_protocol import ChatToolIn, ToolCallIn, ToolChoiceIn, tool_request
+from service.chat.tools import ToolRequest
+from service.openai.tool_protocol import ChatToolIn, ToolCallIn, ToolChoiceIn, tool_request
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "stop"}
 MAX_PROMPTS = 128  # a completions batch's prompts: one call fans out to at most this many requests

@@ -19,10 +19,10 @@ from typing import Any
 
 from engine import RequestOutput, SamplingParams, StructuredOutput
 from service.async_engine import AsyncEngine
-from service.chat_output import ChoiceOutput
-from service.reasoning_parser import ReasoningParser, get_reasoning_parser
-from service.tool_grammar import FunctionSpec, LarkText, tool_call_grammar
-from service.tool_parsers import ToolParser, get_tool_parser, parser_for_template
+from service.chat.output import ChoiceOutput
+from service.chat.reasoning_parser import ReasoningParser, get_reasoning_parser
+from service.chat.tool_grammar import FunctionSpec, LarkText, tool_call_grammar
+from service.chat.tool_parsers import ToolParser, get_tool_parser, parser_for_template
 
 TOOL_CHOICES = ("none", "auto", "required")
 _FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")

@@ -27,12 +27,12 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 from engine import SamplingParams
 from service.async_engine import AsyncEngine, EngineDeadError
-from service.grpc_status import admission_status, failed_output_status
-from service.kv_event_hub import KvEventHub
-from service.request_observer import CallInfo, RequestObserver
+from service.grpc.kv_event_hub import KvEventHub
+from service.grpc.status import admission_status, failed_output_status
+from service.grpc.vllm_protocol import chunk_response, complete_response, iso_timestamp, sampling_params_from_vllm
+from service.observability.request_observer import CallInfo, RequestObserver
 from service.serving_state import EngineUnavailableError, ServingState
 from service.tokenizer_bundle import CHUNK_BYTES, build_tokenizer_zip
-from service.vllm_protocol import chunk_response, complete_response, iso_timestamp, sampling_params_from_vllm
 
 logger = logging.getLogger(__name__)
 

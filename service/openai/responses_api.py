@@ -13,21 +13,21 @@ from fastapi.responses import JSONResponse
 
 from engine import RequestOutput
 from service.async_engine import EngineDeadError
-from service.chat_tools import ChatPlan
+from service.chat.tools import ChatPlan
 from service.field_names import renamed
-from service.openai_call import AbortingStreamingResponse, until_disconnected
-from service.openai_protocol import ChatCompletionRequest, UnsupportedFieldError, error_body
-from service.request_observer import CallInfo
-from service.response_store import ResponseStore, StoredResponse
-from service.responses_protocol import (
+from service.observability.request_observer import CallInfo
+from service.openai.call import AbortingStreamingResponse, until_disconnected
+from service.openai.protocol import ChatCompletionRequest, UnsupportedFieldError, error_body
+from service.openai.response_store import ResponseStore, StoredResponse
+from service.openai.responses_protocol import (
     ResponseBuilder,
     ResponsesRequest,
     input_messages,
     output_messages,
     response_base,
 )
+from service.openai.tool_protocol import tool_request
 from service.serving_state import EngineUnavailableError
-from service.tool_protocol import tool_request
 
 # The chat request a response runs as names its fields as chat completions do; errors name the
 # Responses API's own.

@@ -10,13 +10,10 @@ import grpc
 
 from engine import LimitExceededError
 from service.async_engine import AsyncEngine
-from service.chat_output import ChoiceOutput
-from service.chat_tools import ChatTools
+from service.chat.output import ChoiceOutput
+from service.chat.tools import ChatTools
 from service.field_names import renamed
-from service.grpc_status import admission_status, failed_output_status
-from service.pb import inference_pb2 as pb
-from service.pb import inference_pb2_grpc as pb_grpc
-from service.protocol import (
+from service.grpc.minivllm_protocol import (
     add_parsed,
     logprob_token_ids,
     messages_from_proto,
@@ -25,7 +22,10 @@ from service.protocol import (
     sampling_params_from_proto,
     tools_from_proto,
 )
-from service.request_observer import CallInfo, RequestObserver
+from service.grpc.status import admission_status, failed_output_status
+from service.observability.request_observer import CallInfo, RequestObserver
+from service.pb import inference_pb2 as pb
+from service.pb import inference_pb2_grpc as pb_grpc
 from service.serving_state import EngineUnavailableError, ServingState
 
 __all__ = ["InferenceServicer", "RequestObserver"]
