@@ -167,7 +167,7 @@ class AsyncEngine:
         engine = self._engine
         max_chars = engine.config.max_prompt_chars
         if prompt is not None and len(prompt) > max_chars:
-            raise LimitExceededError(f"prompt: {len(prompt)} characters, at most {max_chars}")
+            raise LimitExceededError("prompt", f"{len(prompt)} characters, at most {max_chars}")
         work = (lambda: engine.apply_chat_template(messages, None, chat_template_kwargs)) if messages is not None else \
             (lambda: engine.tokenize(prompt, add_special_tokens))
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, work)

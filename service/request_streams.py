@@ -21,7 +21,7 @@ class RequestStreams:
     def claim(self, request_id: str) -> None:
         """Take a client's id for a new request: two live requests may not share one."""
         if request_id in self._client_ids:
-            raise RequestIdInUseError(f"request_id: {request_id!r} belongs to a request still running")
+            raise RequestIdInUseError("request_id", f"{request_id!r} belongs to a request still running")
         self._client_ids.add(request_id)
 
     def release(self, request_id: str) -> None:

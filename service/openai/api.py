@@ -21,7 +21,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from engine import LimitExceededError, QueueFullError, RequestIdInUseError, RequestOutput, SamplingParams
+from engine import FieldError, QueueFullError, RequestIdInUseError, RequestOutput, SamplingParams
 from service.async_engine import AsyncEngine, EngineDeadError
 from service.chat.tools import ChatTools
 from service.observability.request_observer import CallInfo, RequestObserver
@@ -32,11 +32,9 @@ from service.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
-    UnsupportedFieldError,
     error_body,
     field_path,
     now,
-    param_of,
 )
 from service.openai.responses_api import ResponsesApi
 from service.openai.responses_protocol import ResponsesRequest
@@ -67,10 +65,10 @@ def _admission_error(exc: Exception) -> ApiError:
         return ApiError(409, str(exc), param="request_id")
     if isinstance(exc, (EngineDeadError, EngineUnavailableError)):
         return ApiError(503, str(exc), "service_unavailable")
-    if isinstance(exc, UnsupportedFieldError):
-        return ApiError(400, str(exc), param=exc.param)
-    if isinstance(exc, (LimitExceededError, ValueError)):
-        return ApiError(400, str(exc), param=param_of(str(exc)))
+    if isinstance(exc, FieldError):  # LimitExceededError included: a request over a limit is the client's to fix
+        return ApiError(400, str(exc), param=exc.field)
+    if isinstance(exc, ValueError):
+        return ApiError(400, str(exc))
     raise exc
 
 
