@@ -18,7 +18,6 @@ _PLAIN_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams) if 
     "structured_output", "logit_bias"}
 
 
-
 def _empty() -> Mapping[str, object]:
     return MappingProxyType({})
 
@@ -29,8 +28,10 @@ class SamplingMessage:
     presence counts when set, any other always)."""
 
     constraint: str  # the structured-output oneof
-    unset: Mapping[str, object] = dataclasses.field(default_factory=_empty)  # a field with presence left unset means this
-    zero: Mapping[str, object] = dataclasses.field(default_factory=_empty)  # a field without presence at zero means this
+    # A field with presence left unset means this (else the engine's default).
+    unset: Mapping[str, object] = dataclasses.field(default_factory=_empty)
+    # A field without presence at zero means this (else zero).
+    zero: Mapping[str, object] = dataclasses.field(default_factory=_empty)
     refused: frozenset[str] = frozenset()  # constraint kinds the engine does not serve
     # The door's names for the fields this mapping's own checks name (the engine's checks name
     # theirs as the engine does; the door renames those where it calls them otherwise).

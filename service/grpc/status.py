@@ -1,5 +1,6 @@
-"""The gRPC status of a Generate call the engine refused or failed, shared by both contracts
-(minivllm.v1 and vLLM's engine service), so a refusal reads the same whichever door it came by."""
+"""The gRPC status of a call the engine refused or failed (or that finds no engine to serve it),
+shared by both contracts (minivllm.v1 and vLLM's engine service), so a refusal reads the same
+whichever door it came by."""
 from __future__ import annotations
 
 import grpc
