@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from bench.workloads import BenchRequest
-from service.client import build_request, channel_options, channel_target
+from service.grpc.minivllm_client import build_request, channel_options, channel_target
 from service.pb import inference_pb2_grpc as pb_grpc
 
 

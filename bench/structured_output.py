@@ -61,8 +61,8 @@ def main(argv: list[str] | None = None) -> None:
     free = SamplingParams(temperature=0.8, seed=1, max_tokens=args.steps + 8, ignore_eos=True)
     spec = StructuredOutput("json_schema", json.dumps(SCHEMA))
     if args.grammar != "json":
-        from service.tool_grammar import FunctionSpec, tool_call_grammar
-        from service.tool_parsers import get_tool_parser
+        from service.chat.tool_grammar import FunctionSpec, tool_call_grammar
+        from service.chat.tool_parsers import get_tool_parser
 
         function = FunctionSpec("record", "", {"type": "object", "properties": {"values": SCHEMA}, "required": ["values"]})
         spec = StructuredOutput("grammar", tool_call_grammar(get_tool_parser("hermes"), [function],

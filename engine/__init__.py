@@ -4,7 +4,7 @@ Public API: `from engine import LLM, SamplingParams` (offline), `LLMEngine` (the
 the plain values that cross to the service. Other layers import only these names.
 """
 from engine.config import EngineConfig
-from engine.errors import LimitExceededError, PromptTooLongError, QueueFullError, RequestIdInUseError
+from engine.errors import FieldError, LimitExceededError, PromptTooLongError, QueueFullError, RequestIdInUseError
 from engine.execution.weights.checkpoint import model_display_name, resolve_model
 from engine.inputs import EngineRequest
 from engine.llm import LLM
@@ -23,7 +23,7 @@ from engine.processing.sampling_params import SamplingParams
 from engine.processing.structured_output import StructuredOutput
 
 __all__ = [
-    "LLM", "AllBlocksCleared", "BlockRemoved", "BlockStored", "EngineConfig", "KvCacheEvent", "EngineRequest", "LLMEngine", "LimitExceededError", "ModelInfo", "PromptTooLongError", "QueueFullError",
+    "LLM", "AllBlocksCleared", "BlockRemoved", "BlockStored", "EngineConfig", "KvCacheEvent", "EngineRequest", "FieldError", "LLMEngine", "LimitExceededError", "ModelInfo", "PromptTooLongError", "QueueFullError",
     "RequestIdInUseError", "RequestMetrics", "RequestOutput", "SamplingParams", "StepStats", "StructuredOutput",
     "model_display_name",
     "resolve_model",

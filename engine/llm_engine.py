@@ -218,7 +218,7 @@ class LLMEngine:
         QueueFullError when it cannot wait."""
         request_id = request.request_id or f"req-{next(self._ids)}"
         if self.scheduler.get(request_id) is not None:
-            raise RequestIdInUseError(f"request_id: {request_id!r} is already in use")
+            raise RequestIdInUseError("request_id", f"{request_id!r} is already in use")
         self.check_queue()
         params, token_ids = request.params, request.prompt_token_ids
         arrival = time.monotonic() if request.arrival_time is None else request.arrival_time

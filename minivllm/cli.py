@@ -171,8 +171,8 @@ async def _serve(args: argparse.Namespace) -> int:
     # interval a busy asyncio thread (streaming hundreds of messages/s) can hold it that long.
     sys.setswitchinterval(float(os.environ.get("MINIVLLM_SWITCH_INTERVAL", "0.0005")))
     from engine import model_display_name
-    from service.observability import Observability
-    from service.security import load_tokens
+    from service.grpc.security import load_tokens
+    from service.observability.wiring import Observability
     from service.server import InferenceServer, ServerConfig
 
     engine_config = engine_config_from_args(args)
@@ -197,7 +197,7 @@ async def _serve(args: argparse.Namespace) -> int:
 
 
 def _client(args: argparse.Namespace) -> Any:
-    from service.client import InferenceClient
+    from service.grpc.minivllm_client import InferenceClient
 
     return InferenceClient(args.target, timeout=args.timeout, tls_ca_file=args.tls_ca, tls_cert_file=args.tls_cert,
                            tls_key_file=args.tls_key, token=args.token)

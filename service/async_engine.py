@@ -29,7 +29,6 @@ import os
 import queue
 import threading
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from engine import (
@@ -39,60 +38,19 @@ from engine import (
     LLMEngine,
     ModelInfo,
     QueueFullError,
-    RequestIdInUseError,
     RequestOutput,
     SamplingParams,
     StepStats,
 )
+from service.engine_commands import Abort, Add, EngineDeadError, FaultInjector, ResetPrefixCache, Stop
+from service.request_streams import RequestStreams
+
+__all__ = ["AsyncEngine", "EngineDeadError", "KvEventListener", "StatsListener"]
 
 logger = logging.getLogger(__name__)
 
 StatsListener = Callable[[StepStats], None]
 KvEventListener = Callable[[list[KvCacheEvent]], None]
-
-
-@dataclass(slots=True)
-class _Add:
-    request: EngineRequest  # named by its engine id
-    admitted: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
-
-
-@dataclass(slots=True)
-class _Abort:
-    request_id: str
-
-
-@dataclass(slots=True)
-class _ResetPrefixCache:
-    done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
-
-
-_STOP = object()
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread is gone; no request can be served."""
-
-
-class FaultInjector:
-    """Test hook, from MINIVLLM_FAULT: "raise@N" makes the forward of step N raise (that step's
-    requests fail, the engine goes on); "die@N" kills the engine thread before step N."""
-
-    def __init__(self, spec: str | None) -> None:
-        self.mode, self.step = None, 0
-        if spec:
-            mode, _, step = spec.partition("@")
-            if mode not in ("raise", "die") or not step.isdigit():
-                raise ValueError(f"MINIVLLM_FAULT: expected raise@N or die@N, got {spec!r}")
-            self.mode, self.step = mode, int(step)
-
-    def before_step(self, engine: LLMEngine, step: int) -> None:
-        if step != self.step:
-            return
-        if self.mode == "die":
-            raise SystemExit(f"injected engine death at step {step}")
-        if self.mode == "raise":
-            engine.fail_next_step(f"injected fault at step {step}")
 
 
 class AsyncEngine:
@@ -111,8 +69,7 @@ class AsyncEngine:
         self.kv_event_listeners = list(kv_event_listeners or [])
         self.on_death = on_death
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}  # by engine id
-        self._client_ids: set[str] = set()  # ids of live requests, as their clients named them
+        self._streams = RequestStreams(self.abort)
         self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -164,31 +121,28 @@ class AsyncEngine:
         """
         if self._is_dead:
             raise EngineDeadError("the engine thread is not running")
-        if request_id in self._client_ids:
-            raise RequestIdInUseError(f"request_id: {request_id!r} belongs to a request still running")
         engine = self._engine
         engine.check_request(params, request_id, priority)
         engine.check_queue()  # fail fast; admission on the engine thread checks it again, at its moment
         if self._num_tokenizing >= self._max_tokenizing:
             raise QueueFullError(f"{self._num_tokenizing} requests are being tokenized already; retry later")
-        self._client_ids.add(request_id)
+        self._streams.claim(request_id)
         engine_id = engine_id or self.new_engine_id(request_id)
         try:
             request = await self._process_inputs(params, prompt, messages, engine_id, priority, chat_template_kwargs)
-            stream: asyncio.Queue[RequestOutput] = asyncio.Queue()
-            self._streams[engine_id] = stream
-            cmd = _Add(request)
+            stream = self._streams.open(engine_id)
+            cmd = Add(request)
             self._inbox.put(cmd)
             try:
                 await asyncio.wrap_future(cmd.admitted)
             except BaseException:
-                self._streams.pop(engine_id, None)
+                self._streams.discard(engine_id)
                 self.abort(engine_id)  # cancelled while admitting: make sure it ends (no-op otherwise)
                 raise
         except BaseException:
-            self._client_ids.discard(request_id)
+            self._streams.release(request_id)
             raise
-        outputs = self._iterate(engine_id, request_id, stream, params.n)
+        outputs = self._streams.iterate(engine_id, request_id, stream, params.n)
         await anext(outputs)  # started: its aclose() now runs its cleanup, even if never read
         return outputs
 
@@ -213,7 +167,7 @@ class AsyncEngine:
         engine = self._engine
         max_chars = engine.config.max_prompt_chars
         if prompt is not None and len(prompt) > max_chars:
-            raise LimitExceededError(f"prompt: {len(prompt)} characters, at most {max_chars}")
+            raise LimitExceededError("prompt", f"{len(prompt)} characters, at most {max_chars}")
         work = (lambda: engine.apply_chat_template(messages, None, chat_template_kwargs)) if messages is not None else \
             (lambda: engine.tokenize(prompt, add_special_tokens))
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, work)
@@ -264,39 +218,15 @@ class AsyncEngine:
             self._token_texts.update(zip(missing, texts, strict=True))
         return [self._token_texts[t] for t in token_ids]
 
-    async def _iterate(self, engine_id: str, request_id: str, stream: asyncio.Queue[RequestOutput],
-                       num_samples: int = 1) -> AsyncGenerator[RequestOutput, None]:
-        """The request's outputs until every sample has finished."""
-        finished = False
-        num_finished = 0
-        try:
-            # generate() takes this first item: closing a generator that never started runs none
-            # of its code, so a request admitted and dropped unread (a batch whose next prompt was
-            # refused, a client gone before its response began) kept running with its id in use.
-            yield None  # type: ignore[misc]
-            while not finished:
-                out = await stream.get()
-                # One message for a backlog (samples of an n > 1 request interleave: not merged).
-                while num_samples == 1 and not out.is_finished and not stream.empty():
-                    out = out.merged_with(stream.get_nowait())
-                num_finished += out.is_finished
-                finished = num_finished >= num_samples or out.finish_reason == "error"
-                yield out
-        finally:
-            self._streams.pop(engine_id, None)
-            self._client_ids.discard(request_id)
-            if not finished:
-                self.abort(engine_id)  # client went away: free its KV blocks now
-
     def abort(self, request_id: str) -> None:
-        self._inbox.put(_Abort(request_id))
+        self._inbox.put(Abort(request_id))
 
     async def reset_prefix_cache(self) -> bool:
         """Drop the prefix cache between two steps, preempting nothing; False while any request
         holds blocks."""
         if self._is_dead:
             raise EngineDeadError("the engine thread is not running")
-        cmd = _ResetPrefixCache()
+        cmd = ResetPrefixCache()
         self._inbox.put(cmd)
         return await asyncio.wrap_future(cmd.done)
 
@@ -306,16 +236,10 @@ class AsyncEngine:
         return await loop.run_in_executor(None, self._idle.wait, timeout)
 
     def stop(self, timeout: float = 10.0) -> None:
-        self._inbox.put(_STOP)
+        self._inbox.put(Stop())
         if self._thread is not None and self._thread.is_alive():
             self._thread.join(timeout)
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
-
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is not None:
-                stream.put_nowait(out)
 
     # ---- engine thread -------------------------------------------------------------
 
@@ -363,7 +287,7 @@ class AsyncEngine:
                     logger.exception("engine step failed")
                     outputs, stats = engine.fail_all(f"engine error: {exc}"), None
                 if outputs:
-                    self._loop.call_soon_threadsafe(self._dispatch, outputs)
+                    self._loop.call_soon_threadsafe(self._streams.dispatch, outputs)
                 if stats is not None:
                     for listener in self.stats_listeners:
                         try:
@@ -377,7 +301,7 @@ class AsyncEngine:
             self._fail_pending_commands()
             outputs = self._engine.fail_all("engine stopped" if clean_exit else "the engine thread died")
             if outputs and self._loop is not None and not self._loop.is_closed():
-                self._loop.call_soon_threadsafe(self._dispatch, outputs)
+                self._loop.call_soon_threadsafe(self._streams.dispatch, outputs)
             self._idle.set()
             if not clean_exit and self.on_death is not None and self._loop is not None and not self._loop.is_closed():
                 self._loop.call_soon_threadsafe(self.on_death)
@@ -389,17 +313,17 @@ class AsyncEngine:
                 cmd = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            future = cmd.admitted if isinstance(cmd, _Add) else cmd.done if isinstance(cmd, _ResetPrefixCache) else None
+            future = cmd.admitted if isinstance(cmd, Add) else cmd.done if isinstance(cmd, ResetPrefixCache) else None
             if future is not None and future.set_running_or_notify_cancel():
                 future.set_exception(EngineDeadError("the engine thread is not running"))
 
     def _handle(self, cmd: Any) -> bool:
-        if cmd is _STOP:
+        if isinstance(cmd, Stop):
             return False
-        if isinstance(cmd, _Abort):
+        if isinstance(cmd, Abort):
             self._engine.abort_request(cmd.request_id)
             return True
-        if isinstance(cmd, _ResetPrefixCache):
+        if isinstance(cmd, ResetPrefixCache):
             if cmd.done.set_running_or_notify_cancel():
                 is_reset = self._engine.reset_prefix_cache()
                 events = self._engine.take_kv_events()

@@ -16,17 +16,17 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 from engine import EngineConfig, LLMEngine, ModelInfo, model_display_name
 from service.async_engine import AsyncEngine, StatsListener
-from service.chat_tools import ChatTools
-from service.http_server import HttpServer
-from service.kv_event_hub import KvEventHub
-from service.openai_api import ApiCallListener, OpenAIFrontDoor
+from service.chat.tools import ChatTools
+from service.grpc.kv_event_hub import KvEventHub
+from service.grpc.minivllm_servicer import InferenceServicer
+from service.grpc.security import TokenAuthInterceptor, server_credentials
+from service.grpc.vllm_servicer import VLLM_SERVICE_NAME, ModelFiles, VllmEngineServicer
+from service.observability.request_observer import RequestObserver
+from service.openai.api import ApiCallListener, OpenAIFrontDoor
+from service.openai.http_server import HttpServer
 from service.pb import inference_pb2 as pb
 from service.pb import inference_pb2_grpc as pb_grpc
-from service.request_observer import RequestObserver
-from service.security import TokenAuthInterceptor, server_credentials
-from service.servicer import InferenceServicer
 from service.serving_state import ServingState
-from service.vllm_servicer import VLLM_SERVICE_NAME, ModelFiles, VllmEngineServicer
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class ServerConfig:
     http_host: str = "0.0.0.0"
     http_port: int | None = None  # OpenAI-compatible HTTP; None: off, 0: a free port
     served_model_name: str | None = None  # the name clients see (OpenAI `model`); None: the model's own
-    tool_call_parser: str = "auto"  # a tool-call format's name, or auto: the chat template's (service/tool_parsers)
+    tool_call_parser: str = "auto"  # a tool-call format's name, or auto: the chat template's (service/chat/tool_parsers)
     reasoning_parser: str | None = None  # deepseek_r1 | qwen3: thinking goes to reasoning_content; None: off
     max_stored_responses: int = 1024  # /v1/responses kept for previous_response_id
     grpc_services: tuple[str, ...] = ("minivllm", "vllm")  # keys of GRPC_SERVICES, served on the one port

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from engine import EngineConfig, LLMEngine
 from service.async_engine import StatsListener
+from service.grpc.minivllm_servicer import RequestObserver
 from service.server import InferenceServer, ServerConfig
-from service.servicer import RequestObserver
 
 
 class ServerThread:

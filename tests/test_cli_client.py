@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from engine import EngineConfig, LLMEngine
-from service.client import InferenceClient
+from service.grpc.minivllm_client import InferenceClient
 from tests.server_harness import ServerThread
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,7 +16,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from service.metrics import ServiceMetrics
+from service.observability.metrics import ServiceMetrics
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "kubernetes"

@@ -14,7 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
-from service.client import build_request
+from service.grpc.minivllm_client import build_request
 from service.pb import inference_pb2 as pb
 from service.pb import inference_pb2_grpc as pb_grpc
 from tests.helpers import run_engine

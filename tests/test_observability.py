@@ -21,12 +21,12 @@ from opentelemetry.trace import SpanKind
 from prometheus_client import generate_latest
 
 from engine import EngineConfig
-from service.client import build_request
-from service.metrics import ServiceMetrics
-from service.observability import MetricsInterceptor
+from service.grpc.minivllm_client import build_request
+from service.observability.metrics import ServiceMetrics
+from service.observability.tracing import Tracing, make_provider
+from service.observability.wiring import MetricsInterceptor
 from service.pb import inference_pb2 as pb
 from service.pb import inference_pb2_grpc as pb_grpc
-from service.tracing import Tracing, make_provider
 from tests.server_harness import ServerThread
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -429,7 +429,7 @@ def test_otlp_protocol_follows_the_standard_variables(tiny_model_dir: Path, monk
 
     from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
-    from service.tracing import make_otlp_exporter
+    from service.observability.tracing import make_otlp_exporter
 
     received: list[str] = []
 

@@ -19,13 +19,13 @@ from opentelemetry.trace import SpanKind
 
 from bench.serving import main as bench_main
 from engine import EngineConfig, LLMEngine, SamplingParams
-from service.client import InferenceClient
-from service.http_server import HttpServer
-from service.metrics import ServiceMetrics
-from service.openai_api import OpenAIFrontDoor
+from service.grpc.minivllm_client import InferenceClient
+from service.observability.metrics import ServiceMetrics
+from service.observability.tracing import Tracing, make_provider
+from service.openai.api import OpenAIFrontDoor
+from service.openai.http_server import HttpServer
 from service.pb import inference_pb2 as pb
 from service.serving_state import ServingState
-from service.tracing import Tracing, make_provider
 from tests.server_harness import ServerThread, poll
 
 MODEL = "tiny"

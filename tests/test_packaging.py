@@ -34,7 +34,7 @@ def _no_torch_after(code: str, python: str = sys.executable, cwd: Path = ROOT) -
 
 
 def test_thin_client_imports_neither_torch_nor_transformers() -> None:
-    _no_torch_after("import service.client")
+    _no_torch_after("import service.grpc.minivllm_client")
     # The CLI's client commands too: `info` against nothing fails fast, with one line.
     _no_torch_after("from minivllm.cli import main\ntry:\n    main(['info', '--target', '127.0.0.1:9', "
                     "'--timeout', '2'])\nexcept SystemExit as exc:\n    assert exc.code == 1, exc.code")
@@ -81,7 +81,7 @@ def test_wheel_in_a_fresh_read_only_venv_serves_grpc_and_openai(wheel: Path, tin
         where = subprocess.check_output([python, "-c", "import service.pb.inference_pb2 as m, engine.execution.kernels as k; "
                                          "print(m.__file__); print(k.__file__)"], cwd=outside, text=True)
         assert all(line.startswith(str(site)) for line in where.split()), where
-        _no_torch_after("import service.client", python=str(python), cwd=outside)
+        _no_torch_after("import service.grpc.minivllm_client", python=str(python), cwd=outside)
         http_port = _free_port()
         server = ServerProcess(tiny_model_dir, "--http-port", str(http_port), "--served-model-name", "tiny",
                                "--num-kv-blocks", "128", command=[str(env_dir / "bin" / "minivllm")], cwd=outside,

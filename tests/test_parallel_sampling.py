@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
-from service.client import InferenceClient
+from service.grpc.minivllm_client import InferenceClient
 from tests.server_harness import ServerThread
 
 

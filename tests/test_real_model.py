@@ -137,7 +137,7 @@ def test_long_prompt_does_not_stall_running_streams_over_grpc() -> None:
     import grpc
 
     from engine import EngineConfig
-    from service.client import build_request
+    from service.grpc.minivllm_client import build_request
     from service.pb import inference_pb2_grpc as pb_grpc
     from tests.server_harness import ServerThread
 

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from engine import EngineConfig
-from service.reasoning_parser import get_reasoning_parser
+from service.chat.reasoning_parser import get_reasoning_parser
 from tests.server_harness import ServerThread
 from tests.test_tool_calling import ASK, TOOL_CALL_TOKEN, TOOLS, _check_calls, _reassemble, _whole
 
@@ -102,7 +102,7 @@ JSON_ANSWER = {"type": "json_schema", "json_schema": {"name": "a", "schema": ANS
 
 def test_grpc_uses_the_servers_reasoning_parser(reasoning_server: ServerThread) -> None:
     """gRPC chat answers are parsed with the server's options too: thinking in reasoning_text."""
-    from service.client import InferenceClient
+    from service.grpc.minivllm_client import InferenceClient
     from service.pb import inference_pb2 as pb
 
     request = pb.GenerateRequest(messages=pb.Messages(messages=[pb.ChatMessage(role="user", content="2+2?")]),

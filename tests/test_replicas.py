@@ -21,7 +21,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.client import InferenceClient
+from service.grpc.minivllm_client import InferenceClient
 from tests.server_harness import ServerProcess, poll
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,8 +13,8 @@ import openai
 import pytest
 
 from engine import EngineConfig
-from service.request_observer import RequestObserver
-from service.response_store import ResponseStore, StoredResponse
+from service.observability.request_observer import RequestObserver
+from service.openai.response_store import ResponseStore, StoredResponse
 from tests.server_harness import ServerThread
 from tests.test_reasoning import ANSWER, END_THINK, reasoning_server  # noqa: F401 - a fixture
 from tests.test_tool_calling import SCHEMAS, TOOL_CALL_TOKEN, WEATHER, tool_server  # noqa: F401 - a fixture

@@ -8,8 +8,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine import EngineConfig
-from service.client import InferenceClient
-from service.security import TokenAuthInterceptor
+from service.grpc.minivllm_client import InferenceClient
+from service.grpc.security import TokenAuthInterceptor
 from tests.server_harness import ServerThread
 
 

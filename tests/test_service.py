@@ -11,7 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
-from service.client import InferenceClient, build_request
+from service.grpc.minivllm_client import InferenceClient, build_request
 from service.pb import inference_pb2 as pb
 from service.pb import inference_pb2_grpc as pb_grpc
 from service.server import InferenceServer, ServerConfig

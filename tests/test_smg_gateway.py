@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from openai import OpenAI
 
-from service.client import InferenceClient
+from service.grpc.minivllm_client import InferenceClient
 from tests.server_harness import ServerProcess, poll
 from tests.test_observability import _has_number, _prom_query, _prom_query_ok, need
 

@@ -256,7 +256,7 @@ def test_a_served_stream_carries_an_accepted_run_in_one_message(tiny_model_dir: 
     several tokens in one message)."""
     import openai
 
-    from service.client import InferenceClient
+    from service.grpc.minivllm_client import InferenceClient
     from tests.server_harness import ServerThread
 
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -296,7 +296,7 @@ def test_reset_speculative_history_forgets_finished_requests(tiny_model_dir: Pat
 
 
 def test_vllm_contract_reports_a_samples_speculation(tiny_model_dir: Path) -> None:
-    from service.vllm_protocol import complete_response
+    from service.grpc.vllm_protocol import complete_response
 
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     reference = _generate(LLMEngine(EngineConfig(**_options(tiny_model_dir))), [PROMPT], params)

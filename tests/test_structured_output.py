@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine import LLM, EngineConfig, SamplingParams, StructuredOutput
-from service.client import InferenceClient
+from service.grpc.minivllm_client import InferenceClient
 from service.pb import inference_pb2 as pb
 from tests.server_harness import ServerThread
 

@@ -213,9 +213,9 @@ def test_multi_turn_with_a_tool_result(generic_server: ServerThread, tool_server
 
 
 def test_generic_format_renders_tools_calls_and_results(generic_server: ServerThread) -> None:
-    from service.chat_tools import generic_messages
-    from service.tool_grammar import FunctionSpec
-    from service.tool_parsers import get_tool_parser
+    from service.chat.tool_grammar import FunctionSpec
+    from service.chat.tool_parsers import get_tool_parser
+    from service.chat.tools import generic_messages
 
     history = [{"role": "system", "content": "Be brief."}, ASK[0],
                {"role": "assistant", "content": "", "tool_calls": [
@@ -267,7 +267,7 @@ def test_bad_tool_requests_name_the_field(generic_server: ServerThread, body: di
 
 
 def test_grpc_tools_and_parsed_calls(generic_server: ServerThread) -> None:
-    from service.client import InferenceClient
+    from service.grpc.minivllm_client import InferenceClient
     from service.pb import inference_pb2 as pb
 
     request = pb.GenerateRequest(

@@ -14,8 +14,8 @@ from llguidance import LLMatcher
 from llguidance.hf import from_tokenizer
 from transformers import AutoTokenizer
 
-from service.tool_grammar import FunctionSpec, LarkText, tool_call_grammar
-from service.tool_parsers import TOOL_PARSERS, get_tool_parser
+from service.chat.tool_grammar import FunctionSpec, LarkText, tool_call_grammar
+from service.chat.tool_parsers import TOOL_PARSERS, get_tool_parser
 from tests.test_tool_calling import TIME, WEATHER
 
 FUNCTIONS = [FunctionSpec("get_weather", "", WEATHER), FunctionSpec("get_time", "", TIME)]

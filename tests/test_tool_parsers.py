@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from service.tool_parsers import TOOL_PARSERS, ParsedAnswer, get_tool_parser, parser_for_template
+from service.chat.tool_parsers import TOOL_PARSERS, ParsedAnswer, get_tool_parser, parser_for_template
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
 TRICKY = '{"name": "echo", "arguments": {"s": "a \\"}\\" {[b <tool_call>", "n": -1.5e3, "ok": true, "z": null}}'

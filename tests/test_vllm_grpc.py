@@ -23,11 +23,11 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 from tokenizers import Tokenizer
 
 from engine import EngineConfig
-from service.client import build_request
-from service.metrics import ServiceMetrics
-from service.observability import MetricsInterceptor
+from service.grpc.minivllm_client import build_request
+from service.observability.metrics import ServiceMetrics
+from service.observability.tracing import Tracing, make_provider
+from service.observability.wiring import MetricsInterceptor
 from service.pb import inference_pb2_grpc as pb_grpc
-from service.tracing import Tracing, make_provider
 from tests.server_harness import ServerThread, poll
 
 VLLM = "vllm.grpc.engine.VllmEngine"

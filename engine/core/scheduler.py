@@ -79,7 +79,7 @@ class Scheduler:
         chunk that ends its prompt is scheduled."""
         for s in [seq, *(forks or [])]:
             if s.request_id in self.requests:
-                raise RequestIdInUseError(f"request_id: {s.request_id!r} is already in use")
+                raise RequestIdInUseError("request_id", f"{s.request_id!r} is already in use")
         seq.status = SequenceStatus.WAITING
         self.requests[seq.request_id] = seq
         self.waiting.append(seq)

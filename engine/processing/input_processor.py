@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.errors import LimitExceededError, PromptTooLongError
+from engine.errors import FieldError, LimitExceededError, PromptTooLongError
 from engine.processing.sampling_params import SamplingParams
 from engine.processing.structured_output import GrammarCompiler
 
@@ -41,10 +41,10 @@ class InputProcessor:
         return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
 
     def check_in_vocabulary(self, token_ids: Iterable[int], field: str) -> None:
-        """ValueError naming field and the first id outside [0, vocab_size)."""
+        """FieldError naming field and the first id outside [0, vocab_size)."""
         bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise ValueError(f"{field}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+            raise FieldError(field, f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
 
     def check_request(self, params: SamplingParams, request_id: str | None = None, priority: int = 0) -> None:
         """The cheap checks, before any tokenizing: request-size limits of the parameters, the id
@@ -52,27 +52,27 @@ class InputProcessor:
         cfg = self.config
         if request_id is not None:
             if not request_id:
-                raise ValueError("request_id: must not be empty")
+                raise FieldError("request_id", "must not be empty")
             if len(request_id) > cfg.max_request_id_chars:
-                raise LimitExceededError(f"request_id: {len(request_id)} characters, "
+                raise LimitExceededError("request_id", f"{len(request_id)} characters, "
                                          f"at most {cfg.max_request_id_chars}")
         if not -cfg.max_priority <= priority <= cfg.max_priority:
-            raise ValueError(f"priority: {priority} is outside [{-cfg.max_priority}, {cfg.max_priority}]")
+            raise FieldError("priority", f"{priority} is outside [{-cfg.max_priority}, {cfg.max_priority}]")
         if len(params.stop) > cfg.max_stop_strings:
-            raise LimitExceededError(f"stop: {len(params.stop)} strings, at most {cfg.max_stop_strings}")
+            raise LimitExceededError("stop", f"{len(params.stop)} strings, at most {cfg.max_stop_strings}")
         if params.max_stop_len > cfg.max_stop_string_chars:
-            raise LimitExceededError(f"stop: a string of {params.max_stop_len} characters, "
+            raise LimitExceededError("stop", f"a string of {params.max_stop_len} characters, "
                                      f"at most {cfg.max_stop_string_chars}")
         if len(params.stop_token_ids) > cfg.max_stop_token_ids:
-            raise LimitExceededError(f"stop_token_ids: {len(params.stop_token_ids)} ids, "
+            raise LimitExceededError("stop_token_ids", f"{len(params.stop_token_ids)} ids, "
                                      f"at most {cfg.max_stop_token_ids}")
         self.check_in_vocabulary(params.stop_token_ids, "stop_token_ids")
         if params.logit_bias is not None:
             if len(params.logit_bias) > cfg.max_logit_bias:
-                raise LimitExceededError(f"logit_bias: {len(params.logit_bias)} entries, at most {cfg.max_logit_bias}")
+                raise LimitExceededError("logit_bias", f"{len(params.logit_bias)} entries, at most {cfg.max_logit_bias}")
             self.check_in_vocabulary(params.logit_bias, "logit_bias")
         if params.max_tokens is not None and params.max_tokens >= self.max_model_len:
-            raise LimitExceededError(f"max_tokens: {params.max_tokens} does not fit the context of "
+            raise LimitExceededError("max_tokens", f"{params.max_tokens} does not fit the context of "
                                      f"{self.max_model_len} tokens")
 
     def apply_chat_template(self, messages: list[dict[str, Any]], params: SamplingParams | None = None,
@@ -82,27 +82,27 @@ class InputProcessor:
         Messages may carry more than role and content (an assistant's tool_calls, a tool
         result's tool_call_id); chat_template_kwargs go to the template (tools=..., enable_thinking=...)."""
         if not messages:
-            raise ValueError("messages: must not be empty")
+            raise FieldError("messages", "must not be empty")
         for i, m in enumerate(messages):
             if m.get("role") not in VALID_ROLES:
-                raise ValueError(f"messages[{i}].role: {m.get('role')!r} is not one of {VALID_ROLES}")
+                raise FieldError(f"messages[{i}].role", f"{m.get('role')!r} is not one of {VALID_ROLES}")
             if not isinstance(m.get("content"), str):
-                raise ValueError(f"messages[{i}].content: must be a string")
+                raise FieldError(f"messages[{i}].content", "must be a string")
         num_chars = sum(len(m["content"]) for m in messages)
         if num_chars > self.config.max_prompt_chars:
-            raise LimitExceededError(f"messages: {num_chars} characters, at most {self.config.max_prompt_chars}")
+            raise LimitExceededError("messages", f"{num_chars} characters, at most {self.config.max_prompt_chars}")
         if not self.has_chat_template:
-            raise ValueError("messages: this model has no chat template; send a prompt instead")
+            raise FieldError("messages", "this model has no chat template; send a prompt instead")
         kwargs = dict(chat_template_kwargs or {})
         reserved = sorted(_RESERVED_TEMPLATE_KWARGS & kwargs.keys())
         if reserved:
-            raise ValueError(f"chat_template_kwargs: {reserved[0]!r} is set by the server")
+            raise FieldError("chat_template_kwargs", f"{reserved[0]!r} is set by the server")
         from jinja2 import TemplateError
 
         try:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
         except TemplateError as exc:  # a template's raise_exception: the chat breaks its rules
-            raise ValueError(f"messages: the chat template refused them: {exc}") from None
+            raise FieldError("messages", f"the chat template refused them: {exc}") from None
         if params is not None:
             self._check_fits_before_tokenizing(len(text), params, "messages")
         return self.tokenizer.encode(text, add_special_tokens=False)
@@ -116,7 +116,7 @@ class InputProcessor:
             return
         min_tokens = -(-num_chars // self.max_token_chars)
         if min_tokens >= self.max_model_len:
-            raise PromptTooLongError(f"{field}: {num_chars} characters make at least {min_tokens} tokens (none is "
+            raise PromptTooLongError(field, f"{num_chars} characters make at least {min_tokens} tokens (none is "
                                      f"longer than {self.max_token_chars} characters), which do not fit the context "
                                      f"of {self.max_model_len} tokens (at least one must be generated)")
 
@@ -130,28 +130,29 @@ class InputProcessor:
             token_ids = self.apply_chat_template(messages, params, chat_template_kwargs)
         elif isinstance(prompt, str):
             if not prompt:
-                raise ValueError("prompt: must not be empty")
+                raise FieldError("prompt", "must not be empty")
             if len(prompt) > self.config.max_prompt_chars:
-                raise LimitExceededError(f"prompt: {len(prompt)} characters, at most {self.config.max_prompt_chars}")
+                raise LimitExceededError("prompt", f"{len(prompt)} characters, at most {self.config.max_prompt_chars}")
             self._check_fits_before_tokenizing(len(prompt), params)
             token_ids = self.tokenize(prompt)
         elif prompt is not None:
             token_ids = [int(t) for t in prompt]
             if not token_ids:
-                raise ValueError("prompt_token_ids: must not be empty")
+                raise FieldError("prompt_token_ids", "must not be empty")
             self.check_in_vocabulary(token_ids, "prompt_token_ids")
         else:
-            raise ValueError("prompt: a prompt, token ids or messages are required")
+            raise FieldError("prompt", "a prompt, token ids or messages are required")
         if params.truncate_prompt_tokens is not None:
             token_ids = token_ids[-params.truncate_prompt_tokens:]
         if params.structured_output is not None:
             self.grammar.compile(params.structured_output)
         if len(token_ids) >= self.max_model_len:
-            raise PromptTooLongError(f"prompt: {len(token_ids)} tokens do not fit the context of "
+            raise PromptTooLongError("prompt", f"{len(token_ids)} tokens do not fit the context of "
                                      f"{self.max_model_len} tokens (at least one must be generated)")
         if params.max_tokens is not None and len(token_ids) + params.max_tokens > self.max_model_len:
-            raise LimitExceededError(f"max_tokens: the prompt's {len(token_ids)} tokens + max_tokens "
-                                     f"{params.max_tokens} exceed the context of {self.max_model_len} tokens")
+            raise LimitExceededError("max_tokens", f"the prompt's {len(token_ids)} tokens + {{0}} "
+                                     f"{params.max_tokens} exceed the context of {self.max_model_len} tokens",
+                                     mentions=("max_tokens",))
         return token_ids
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from engine.errors import FieldError
 from engine.processing.structured_output import StructuredOutput
 
 _MAX_LOGPROBS = 20
@@ -15,7 +16,7 @@ _MAX_N = 128  # OpenAI's range: -100 bans a token, +100 all but forces it
 class SamplingParams:
     """How to pick tokens and when to stop. temperature 0 means greedy.
 
-    Bad values raise ValueError naming the field, so the service can answer INVALID_ARGUMENT.
+    Bad values raise FieldError naming the field, so the service can answer INVALID_ARGUMENT.
     """
 
     temperature: float = 1.0
@@ -54,49 +55,50 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids)
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             if not math.isfinite(getattr(self, name)):  # NaN slips through every range check below
-                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
+                raise FieldError(name, f"must be a finite number, got {getattr(self, name)}", sep=" ")
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise FieldError("temperature", f"must be >= 0, got {self.temperature}", sep=" ")
         if self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}")
+            raise FieldError("top_k", f"must be -1, 0 (disabled) or positive, got {self.top_k}", sep=" ")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise FieldError("top_p", f"must be in (0, 1], got {self.top_p}", sep=" ")
         if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise FieldError("min_p", f"must be in [0, 1], got {self.min_p}", sep=" ")
         if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+            raise FieldError("repetition_penalty", f"must be > 0, got {self.repetition_penalty}", sep=" ")
         if not -2.0 <= self.presence_penalty <= 2.0:
-            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+            raise FieldError("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}", sep=" ")
         if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+            raise FieldError("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}", sep=" ")
         if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+            raise FieldError("max_tokens", f"must be >= 1, got {self.max_tokens}", sep=" ")
         if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+            raise FieldError("min_tokens", f"must be >= 0, got {self.min_tokens}", sep=" ")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+            raise FieldError("min_tokens", f"({self.min_tokens}) must be <= {{0}} ({self.max_tokens})",
+                             mentions=("max_tokens",), sep=" ")
         if any(not s for s in self.stop):
-            raise ValueError("stop must not contain empty strings")
+            raise FieldError("stop", "must not contain empty strings", sep=" ")
         if any(t < 0 for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids must be non-negative")
+            raise FieldError("stop_token_ids", "must be non-negative", sep=" ")
         if self.logprobs is not None and not 0 <= self.logprobs <= _MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {_MAX_LOGPROBS}], got {self.logprobs}")
+            raise FieldError("logprobs", f"must be in [0, {_MAX_LOGPROBS}], got {self.logprobs}", sep=" ")
         if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+            raise FieldError("seed", f"must be in [0, 2**63), got {self.seed}", sep=" ")
         if self.logit_bias is not None:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
             for token_id, bias in self.logit_bias.items():
                 if token_id < 0:
-                    raise ValueError(f"logit_bias: token id {token_id} is negative")
+                    raise FieldError("logit_bias", f"token id {token_id} is negative")
                 if not math.isfinite(bias) or not -_MAX_LOGIT_BIAS <= bias <= _MAX_LOGIT_BIAS:
-                    raise ValueError(f"logit_bias: the bias of token {token_id} must be in "
+                    raise FieldError("logit_bias", f"the bias of token {token_id} must be in "
                                      f"[{-_MAX_LOGIT_BIAS:g}, {_MAX_LOGIT_BIAS:g}], got {bias}")
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
-            raise ValueError(f"truncate_prompt_tokens must be >= 1, got {self.truncate_prompt_tokens}")
+            raise FieldError("truncate_prompt_tokens", f"must be >= 1, got {self.truncate_prompt_tokens}", sep=" ")
         if not 1 <= self.n <= _MAX_N:
-            raise ValueError(f"n must be in [1, {_MAX_N}], got {self.n}")
+            raise FieldError("n", f"must be in [1, {_MAX_N}], got {self.n}", sep=" ")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= _MAX_LOGPROBS:
-            raise ValueError(f"prompt_logprobs must be in [0, {_MAX_LOGPROBS}], got {self.prompt_logprobs}")
+            raise FieldError("prompt_logprobs", f"must be in [0, {_MAX_LOGPROBS}], got {self.prompt_logprobs}", sep=" ")
         self.stop_token_set = frozenset(self.stop_token_ids)
         self.is_plain_greedy = (self.is_greedy and self.logprobs is None and not self.logit_bias
                                 and not self.has_penalties and self.structured_output is None)

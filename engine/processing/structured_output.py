@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from engine.errors import FieldError
+
 KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
 # JSON may be laid out freely, but one run of whitespace is bounded: a weak or sampled model can
 # otherwise spend its whole token budget on indentation inside a valid-but-endless document.
@@ -39,14 +41,14 @@ class StructuredOutput:
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
-            raise ValueError(f"structured_output: kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+            raise FieldError("structured_output", f"kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
         if self.kind != "json_object" and not self.value:
-            raise ValueError(f"structured_output.{self.kind}: must not be empty")
+            raise FieldError(f"structured_output.{self.kind}", "must not be empty")
 
     @classmethod
     def choice(cls, options: list[str]) -> StructuredOutput:
         if not options or any(not isinstance(o, str) or not o for o in options):
-            raise ValueError("structured_output.choice: a non-empty list of non-empty strings")
+            raise FieldError("structured_output.choice", "a non-empty list of non-empty strings")
         return cls("choice", json.dumps(options))
 
     @property
@@ -101,13 +103,13 @@ class GrammarCompiler:
             else:
                 grammar = grammar_from("regex" if spec.kind == "regex" else "grammar", spec.value)
         except (ValueError, TypeError) as exc:  # json.JSONDecodeError is a ValueError
-            raise ValueError(f"{spec.field}: invalid: {exc}") from None
+            raise FieldError(spec.field, f"invalid: {exc}") from None
         if spec.after:
             grammar = after_free_text(grammar, spec.after, self._token_id(spec.after), spec.after_opener,
                                       self._token_id(spec.after_opener) if spec.after_opener else None)
         error = LLMatcher.validate_grammar(grammar, self.tokenizer)
         if error and not error.startswith("WARNING"):
-            raise ValueError(f"{spec.field}: invalid: {error.strip().splitlines()[0]}")
+            raise FieldError(spec.field, f"invalid: {error.strip().splitlines()[0]}")
         with self._lock:
             self._cache[spec] = grammar
             while len(self._cache) > self._max_cached:
@@ -127,7 +129,7 @@ class GrammarCompiler:
 
         matcher = LLMatcher(self.tokenizer, self.compile(spec), log_level=0)
         if matcher.is_error():
-            raise ValueError(f"{spec.field}: {matcher.get_error()}")
+            raise FieldError(spec.field, matcher.get_error())
         return matcher
 
 

@@ -7,34 +7,37 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
+from types import MappingProxyType
 from typing import Any
 
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 
-from engine import RequestOutput
+from engine import FieldError, RequestOutput
 from service.async_engine import EngineDeadError
-from service.chat_tools import ChatPlan
-from service.field_names import renamed
-from service.openai_call import AbortingStreamingResponse, until_disconnected
-from service.openai_protocol import ChatCompletionRequest, UnsupportedFieldError, error_body
-from service.request_observer import CallInfo
-from service.response_store import ResponseStore, StoredResponse
-from service.responses_protocol import (
+from service.chat.tools import ChatPlan
+from service.observability.request_observer import CallInfo
+from service.openai.call import AbortingStreamingResponse, until_disconnected
+from service.openai.protocol import ChatCompletionRequest, UnsupportedFieldError, error_body, validation_field_error
+from service.openai.response_store import ResponseStore, StoredResponse
+from service.openai.responses_protocol import (
     ResponseBuilder,
     ResponsesRequest,
     input_messages,
     output_messages,
     response_base,
 )
+from service.openai.tool_protocol import tool_request
 from service.serving_state import EngineUnavailableError
-from service.tool_protocol import tool_request
 
 # The chat request a response runs as names its fields as chat completions do; errors name the
 # Responses API's own.
-RESPONSES_FIELDS = {"max_tokens": "max_output_tokens", "response_format": "text.format",
-                    "structured_output": "text.format", "structured_output.json_schema": "text.format.schema",
-                    "structured_output.json_object": "text.format", "messages": "input", "prompt": "input"}
-RESPONSES_WORDS = {"max_tokens": "max_output_tokens", "response_format": "text.format"}
+# Errors name the Responses API's own (FieldError.renamed: a path's leading part, and the fields a
+# message mentions).
+RESPONSES_FIELDS = MappingProxyType({
+    "max_tokens": "max_output_tokens", "response_format": "text.format", "structured_output": "text.format",
+    "structured_output.json_schema": "text.format.schema", "structured_output.json_object": "text.format",
+    "messages": "input", "prompt": "input"})
 
 
 class ResponsesApi:
@@ -65,10 +68,7 @@ class ResponsesApi:
                                             f"no stored response {body.previous_response_id!r} (unknown, not "
                                             "stored, or dropped from the store)")
             history = list(previous.conversation)
-        try:
-            return history + input_messages(body.input)
-        except ValueError as exc:
-            raise UnsupportedFieldError(str(exc).split(":", 1)[0], str(exc).split(": ", 1)[-1]) from None
+        return history + input_messages(body.input)
 
     async def create(self, body: ResponsesRequest, request: Any) -> Any:
         door = self.door
@@ -80,8 +80,10 @@ class ResponsesApi:
             chat = ChatCompletionRequest(**ResponsesRequest.chat_body(body, messages))
             tools = tool_request(body.tools, body.tool_choice, body.parallel_tool_calls)
             params = chat.sampling_params()
-        except ValueError as exc:
-            raise renamed(exc, RESPONSES_FIELDS, RESPONSES_WORDS) from None
+        except ValidationError as exc:
+            raise validation_field_error(exc).renamed(RESPONSES_FIELDS) from None
+        except FieldError as exc:
+            raise exc.renamed(RESPONSES_FIELDS) from None
         handle = door.observer.start(response_id, response_id, CallInfo("http", "/v1/responses", "chat",
                                                                         dict(request.headers), 1), params)
         try:
@@ -91,8 +93,7 @@ class ResponsesApi:
         except (ValueError, EngineDeadError, EngineUnavailableError) as exc:
             # Admission: a field the client set (400, named as this API names it), the queue (429),
             # or the server's state (503), recorded as answered.
-            error = door.admission_error(renamed(exc, RESPONSES_FIELDS, RESPONSES_WORDS)
-                                         if isinstance(exc, ValueError) else exc)
+            error = door.admission_error(exc.renamed(RESPONSES_FIELDS) if isinstance(exc, FieldError) else exc)
             door.observer.finish(handle, None, str(error.status), error.message,
                                  {"http.response.status_code": error.status})
             raise error from exc

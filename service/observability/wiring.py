@@ -12,9 +12,9 @@ from typing import Any
 import grpc
 
 from engine import StepStats
-from service.metrics import ServiceMetrics
-from service.servicer import RequestObserver
-from service.tracing import Tracing, make_provider, step_spans_enabled_by_env, tracing_enabled_by_env
+from service.observability.metrics import ServiceMetrics
+from service.observability.request_observer import RequestObserver
+from service.observability.tracing import Tracing, make_provider, step_spans_enabled_by_env, tracing_enabled_by_env
 
 logger = logging.getLogger(__name__)
 

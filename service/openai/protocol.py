@@ -4,7 +4,7 @@ Request fields follow the OpenAI API (plus vLLM's usual extras: top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, stop_token_ids, skip_special_tokens). Unknown fields
 are ignored, as OpenAI-compatible servers do, so SDK additions do not break clients; known fields
 that minivllm cannot honour yet (suffix, best_of, ...) are refused with a 400 naming
-the field rather than silently ignored. Tools: service/tool_protocol.py.
+the field rather than silently ignored. Tools: service/openai/tool_protocol.py.
 """
 from __future__ import annotations
 
@@ -13,20 +13,26 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from engine import RequestOutput, SamplingParams, StructuredOutput
-from service.chat_tools import ToolRequest
-from service.tool_protocol import ChatToolIn, ToolCallIn, ToolChoiceIn, tool_request
+from engine import FieldError, RequestOutput, SamplingParams, StructuredOutput
+from service.chat.tools import ToolRequest
+from service.openai.tool_protocol import ChatToolIn, ToolCallIn, ToolChoiceIn, tool_request
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "stop"}
 MAX_PROMPTS = 128  # a completions batch's prompts: one call fans out to at most this many requests
 
 
-class UnsupportedFieldError(ValueError):
+class UnsupportedFieldError(FieldError):
+    """A field of the OpenAI request this server refuses (or not in this form)."""
+
     def __init__(self, param: str, message: str) -> None:
-        super().__init__(f"{param}: {message}")
-        self.param = param
+        super().__init__(param, message)
+
+    @property
+    def param(self) -> str:
+        """The field, as OpenAI's error body calls it."""
+        return self.field
 
 
 class StreamOptions(BaseModel):
@@ -277,10 +283,7 @@ class ChatCompletionRequest(_SamplingRequest):
         return chat_messages(self.messages)
 
     def tool_request(self) -> ToolRequest:
-        try:
-            return tool_request(self.tools, self.tool_choice, self.parallel_tool_calls)
-        except ValueError as exc:
-            raise UnsupportedFieldError(param_of(str(exc)) or "tools", str(exc).split(": ", 1)[-1]) from None
+        return tool_request(self.tools, self.tool_choice, self.parallel_tool_calls)
 
     def sampling_params(self) -> SamplingParams:
         if self.top_logprobs and not self.logprobs:
@@ -312,10 +315,10 @@ def field_path(loc: tuple | list) -> str | None:
     return path or None
 
 
-def param_of(message: str) -> str | None:
-    """The field a ValueError names ("max_tokens must be ...", "prompt: ...")."""
-    head = message.split(":", 1)[0].split(" ", 1)[0]
-    return head if head and all(c.isalnum() or c in "_.[]" for c in head) else None
+def validation_field_error(exc: ValidationError) -> UnsupportedFieldError:
+    """A pydantic error as the field error of its first problem's field."""
+    first = exc.errors()[0] if exc.errors() else {}
+    return UnsupportedFieldError(field_path(first.get("loc", ())) or "", first.get("msg", "invalid"))
 
 
 def usage_body(outs: list[RequestOutput], num_reasoning_tokens: int | None = None) -> dict[str, Any]:

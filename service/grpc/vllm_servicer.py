@@ -15,7 +15,6 @@ import hashlib
 import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -25,14 +24,15 @@ from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
-from engine import SamplingParams
+from engine import FieldError, RequestOutput, SamplingParams
 from service.async_engine import AsyncEngine, EngineDeadError
-from service.grpc_status import admission_status, failed_output_status
-from service.kv_event_hub import KvEventHub
-from service.request_observer import CallInfo, RequestObserver
+from service.grpc.generate_stream import Admitted, GenerateIds, call_info, generate_stream
+from service.grpc.kv_event_hub import KvEventHub
+from service.grpc.status import serving_engine
+from service.grpc.vllm_protocol import chunk_response, complete_response, iso_timestamp, sampling_params_from_vllm
+from service.observability.request_observer import RequestObserver
 from service.serving_state import EngineUnavailableError, ServingState
 from service.tokenizer_bundle import CHUNK_BYTES, build_tokenizer_zip
-from service.vllm_protocol import chunk_response, complete_response, iso_timestamp, sampling_params_from_vllm
 
 logger = logging.getLogger(__name__)
 
@@ -72,10 +72,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             # NOT_SERVING), so a gateway's discovery calls wait for the model instead of failing.
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.state.loaded.wait(), context.time_remaining() or _MAX_LOAD_WAIT_S)
-        try:
-            return self.state.ready_engine() if for_new_request else self.state.loaded_engine()
-        except EngineUnavailableError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        return await serving_engine(self.state, context, for_new_request)
 
     # ---- generation -----------------------------------------------------------------------
 
@@ -83,74 +80,53 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                        ) -> AsyncIterator[vpb.GenerateResponse]:
         engine = await self._async_engine(context, for_new_request=True)
         self._last_receive_time = time.time()
-        request_id = request.request_id or f"req-{uuid.uuid4().hex}"
-        engine_id = engine.new_engine_id(request_id[:64])
-        params: SamplingParams | None = None
-        params_error: ValueError | None = None
-        try:
-            params = sampling_params_from_vllm(request.sampling_params)
-        except ValueError as exc:
-            params_error = exc
-        carrier = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
-        handle = self.observer.start(request_id, engine_id, CallInfo(PROTOCOL, "Generate", "text_completion", carrier),
-                                     params)
-        status, message, final, stream = grpc.StatusCode.OK, "", None, None
-        try:
-            try:
-                if params_error is not None:
-                    raise params_error
-                stream = await engine.generate(request_id, params, prompt=self._prompt(request), engine_id=engine_id)
-            except Exception as exc:
-                refused = admission_status(exc)
-                if refused is None:
-                    raise
-                status, message = refused, str(exc)
-                await context.abort(status, message)
-            self._live[request_id] = engine_id
+        ids = GenerateIds.of(engine, request.request_id)
+
+        async def admit(params: SamplingParams) -> Admitted[vpb.GenerateResponse]:
+            outputs = await engine.generate(ids.request_id, params, prompt=self._prompt(request),
+                                            engine_id=ids.engine_id)
+            self._live[ids.request_id] = ids.engine_id
             started: set[int] = set()
-            async for out in stream:
-                if out.finish_reason == "error":
-                    final = out
-                    status = failed_output_status(engine)
-                    message = out.error or "engine error"
-                    await context.abort(status, message)
-                if out.is_finished:
-                    final = out
+
+            async def respond(out: RequestOutput) -> AsyncIterator[vpb.GenerateResponse]:
                 if request.stream:
                     yield chunk_response(out, params, out.index not in started)
                     started.add(out.index)
                 if out.is_finished:
                     yield complete_response(out, params, request.stream)
-        except BaseException as exc:
-            if status is grpc.StatusCode.OK:
-                status, message = grpc.StatusCode.CANCELLED, type(exc).__name__
-            raise
-        finally:
-            if self._live.get(request_id) == engine_id:
-                del self._live[request_id]
-            if stream is not None:
-                await stream.aclose()  # aborts an unfinished request: its KV blocks are freed now
-            self.observer.finish(handle, final, None if status is grpc.StatusCode.OK else status.name, message,
-                                 {"rpc.grpc.status_code": status.value[0]})
+
+            def on_end() -> None:
+                if self._live.get(ids.request_id) == ids.engine_id:
+                    del self._live[ids.request_id]
+
+            return Admitted(outputs, respond, on_end)
+
+        responses = generate_stream(context, engine, self.observer, call_info(PROTOCOL, "text_completion", context),
+                                    ids, lambda: sampling_params_from_vllm(request.sampling_params), admit)
+        # aclosing: a call dropped between two messages closes the shared loop now, which closes
+        # the engine stream (its KV blocks freed) and tells the observer.
+        async with contextlib.aclosing(responses):
+            async for response in responses:
+                yield response
 
     @staticmethod
     def _prompt(request: vpb.GenerateRequest) -> str | list[int]:
         if request.HasField("mm_inputs") or request.extra_mm_inputs or request.HasField("media_refs"):
-            raise ValueError("mm_inputs: this model takes text only")
+            raise FieldError("mm_inputs", "this model takes text only")
         if request.HasField("kv_transfer_params_json") or request.HasField("kv_transfer_params"):
-            raise ValueError("kv_transfer_params: no KV connector is configured (no prefill/decode disaggregation)")
+            raise FieldError("kv_transfer_params", "no KV connector is configured (no prefill/decode disaggregation)")
         if request.HasField("data_parallel_rank") and request.data_parallel_rank != 0:
-            raise ValueError(f"data_parallel_rank: this engine has rank 0 only, got {request.data_parallel_rank}")
+            raise FieldError("data_parallel_rank", f"this engine has rank 0 only, got {request.data_parallel_rank}")
         kind = request.WhichOneof("input")
         if kind == "tokenized":
             if not request.tokenized.input_ids:
-                raise ValueError("tokenized.input_ids: must not be empty")
+                raise FieldError("tokenized.input_ids", "must not be empty")
             return list(request.tokenized.input_ids)
         if kind == "text":
             if not request.text:
-                raise ValueError("text: must not be empty")
+                raise FieldError("text", "must not be empty")
             return request.text
-        raise ValueError("input: one of tokenized or text is required")
+        raise FieldError("input", "one of tokenized or text is required")
 
     async def Abort(self, request: vpb.AbortRequest, context: grpc.aio.ServicerContext) -> vpb.AbortResponse:
         """Ends the named requests now (their streams finish with "abort"; KV blocks are freed at

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from service.tool_parsers.base import ToolCallStream, ToolParser
+from service.chat.tool_parsers.base import ToolCallStream, ToolParser
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 

@@ -7,8 +7,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from service.chat_tools import ToolRequest
-from service.tool_grammar import FunctionSpec
+from engine import FieldError
+from service.chat.tool_grammar import FunctionSpec
+from service.chat.tools import ToolRequest
 
 
 class FunctionIn(BaseModel):
@@ -72,26 +73,26 @@ class ToolCallIn(BaseModel):
 
 def tool_request(tools: list[ChatToolIn] | list[FlatToolIn] | None, tool_choice: str | ToolChoiceIn | None,
                  parallel: bool | None) -> ToolRequest:
-    """The request's tools; ValueError naming the field for a kind of tool that is not served."""
+    """The request's tools; FieldError naming the field for a kind of tool that is not served."""
     functions = []
     for i, tool in enumerate(tools or []):
         if tool.type != "function":
-            raise ValueError(f"tools[{i}].type: only function tools are supported, got {tool.type!r}")
+            raise FieldError(f"tools[{i}].type", f"only function tools are supported, got {tool.type!r}")
         spec = tool.function if isinstance(tool, ChatToolIn) else tool
         if spec is None:
-            raise ValueError(f"tools[{i}].function: is required")
+            raise FieldError(f"tools[{i}].function", "is required")
         if spec.name is None:
-            raise ValueError(f"tools[{i}].name: is required")
+            raise FieldError(f"tools[{i}].name", "is required")
         functions.append(FunctionSpec(spec.name, spec.description or "", spec.parameters, spec.strict))
     choice, is_named = "auto" if functions else "none", False
     if isinstance(tool_choice, str):
         choice = tool_choice
     elif tool_choice is not None:
         if tool_choice.type != "function":
-            raise ValueError(f"tool_choice.type: only function is supported, got {tool_choice.type!r}")
+            raise FieldError("tool_choice.type", f"only function is supported, got {tool_choice.type!r}")
         name = tool_choice.function.name if tool_choice.function is not None else tool_choice.name
         if not name:
-            raise ValueError("tool_choice: a named choice needs the function's name")
+            raise FieldError("tool_choice", "a named choice needs the function's name")
         choice, is_named = name, True
     request = ToolRequest(functions, choice, is_named, True if parallel is None else parallel)
     request.check()

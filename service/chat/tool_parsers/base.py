@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from service.tool_parsers.json_scan import CallObjectScanner
+from service.chat.tool_parsers.json_scan import CallObjectScanner
 
 
 @dataclass(slots=True)
@@ -200,7 +200,7 @@ class ToolCallStream:
 
 class ToolParser:
     """A tool-call format: how calls are written (parsed by new_stream) and the grammar that
-    makes the model write them right (service/tool_grammar.py builds it from these parts)."""
+    makes the model write them right (service/chat/tool_grammar.py builds it from these parts)."""
 
     name: ClassVar[str]
     trigger: ClassVar[str]  # the text that opens a call (or a block of calls)

@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP front door: the FastAPI app (routes, auth, errors, call metrics).
 
 Routes: POST /v1/completions, POST /v1/chat/completions (streamed as server-sent events or
-whole; tools and reasoning: service/chat_tools.py), POST /v1/responses with GET and DELETE
-/v1/responses/{id} (service/responses_api.py), GET /v1/models, GET /health, and vLLM's POST /tokenize, POST /detokenize and GET
+whole; tools and reasoning: service/chat/tools.py), POST /v1/responses with GET and DELETE
+/v1/responses/{id} (service/openai/responses_api.py), GET /v1/models, GET /health, and vLLM's POST /tokenize, POST /detokenize and GET
 /tokenizer_info (lm-evaluation-harness's remote tokenizer uses the three). Both front doors
 share the engine, the serving state (a drain or a dead engine refuses new calls on both), the
 bearer tokens, the request observer (traces) and the call metrics (`protocol="http"`). A client
@@ -21,25 +21,23 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from engine import LimitExceededError, QueueFullError, RequestIdInUseError, RequestOutput, SamplingParams
+from engine import FieldError, QueueFullError, RequestIdInUseError, RequestOutput, SamplingParams
 from service.async_engine import AsyncEngine, EngineDeadError
-from service.chat_tools import ChatTools
-from service.openai_call import AbortingStreamingResponse, OpenAICall
-from service.openai_protocol import (
+from service.chat.tools import ChatTools
+from service.observability.request_observer import CallInfo, RequestObserver
+from service.openai.call import AbortingStreamingResponse, OpenAICall
+from service.openai.output_merge import MergedOutputs
+from service.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
-    UnsupportedFieldError,
     error_body,
     field_path,
     now,
-    param_of,
 )
-from service.output_merge import MergedOutputs
-from service.request_observer import CallInfo, RequestObserver
-from service.responses_api import ResponsesApi
-from service.responses_protocol import ResponsesRequest
+from service.openai.responses_api import ResponsesApi
+from service.openai.responses_protocol import ResponsesRequest
 from service.serving_state import EngineUnavailableError, ServingState
 
 logger = logging.getLogger(__name__)
@@ -67,10 +65,10 @@ def _admission_error(exc: Exception) -> ApiError:
         return ApiError(409, str(exc), param="request_id")
     if isinstance(exc, (EngineDeadError, EngineUnavailableError)):
         return ApiError(503, str(exc), "service_unavailable")
-    if isinstance(exc, UnsupportedFieldError):
-        return ApiError(400, str(exc), param=exc.param)
-    if isinstance(exc, (LimitExceededError, ValueError)):
-        return ApiError(400, str(exc), param=param_of(str(exc)))
+    if isinstance(exc, FieldError):  # LimitExceededError included: a request over a limit is the client's to fix
+        return ApiError(400, str(exc), param=exc.field)
+    if isinstance(exc, ValueError):
+        return ApiError(400, str(exc))
     raise exc
 
 

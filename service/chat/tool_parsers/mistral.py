@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from service.tool_parsers.base import ToolCallStream, ToolParser, alphanumeric_call_id
+from service.chat.tool_parsers.base import ToolCallStream, ToolParser, alphanumeric_call_id
 
 TRIGGER = "[TOOL_CALLS]"
 

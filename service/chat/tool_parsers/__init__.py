@@ -5,10 +5,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from service.tool_parsers.base import ParsedAnswer, ParsedDelta, ToolCall, ToolCallDelta, ToolCallStream, ToolParser
-from service.tool_parsers.hermes import HermesToolParser
-from service.tool_parsers.llama3_json import Llama3JsonToolParser
-from service.tool_parsers.mistral import MistralToolParser
+from service.chat.tool_parsers.base import (
+    ParsedAnswer,
+    ParsedDelta,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallStream,
+    ToolParser,
+)
+from service.chat.tool_parsers.hermes import HermesToolParser
+from service.chat.tool_parsers.llama3_json import Llama3JsonToolParser
+from service.chat.tool_parsers.mistral import MistralToolParser
 
 TOOL_PARSERS: Mapping[str, type[ToolParser]] = MappingProxyType(
     {cls.name: cls for cls in (HermesToolParser, Llama3JsonToolParser, MistralToolParser)})

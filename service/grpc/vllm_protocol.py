@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import itertools
+from types import MappingProxyType
 
 from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
@@ -17,46 +18,25 @@ from engine import (
     KvCacheEvent,
     RequestOutput,
     SamplingParams,
-    StructuredOutput,
 )
+from service.grpc.sampling import SamplingMessage, sampling_params_from_message
 
 _U64 = 1 << 64
 
 
+# As vLLM's servicer reads the message: temperature unset is 1.0, top_p and repetition_penalty 0
+# are 1.0 (off), n 0 is 1, max_tokens unset runs to the context's end; the mapping's own errors
+# name their fields inside the request's sampling_params.
+SAMPLING = SamplingMessage(
+    constraint="constraint", unset=MappingProxyType({"temperature": 1.0, "max_tokens": None}),
+    zero=MappingProxyType({"top_p": 1.0, "repetition_penalty": 1.0, "n": 1}), refused=frozenset({"structural_tag"}),
+    names=MappingProxyType({"max_tokens": "sampling_params.max_tokens",
+                            "structural_tag": "sampling_params.structural_tag"}))
+
+
 def sampling_params_from_vllm(msg: vpb.SamplingParams) -> SamplingParams:
-    """Validated SamplingParams; ValueError names the bad field. As vLLM's servicer reads the
-    message: temperature unset is 1.0, top_p and repetition_penalty 0 are 1.0 (off), n 0 is 1,
-    max_tokens unset runs to the context's end."""
-    kwargs: dict[str, object] = {
-        "temperature": msg.temperature if msg.HasField("temperature") else 1.0,
-        "top_p": msg.top_p if msg.top_p != 0.0 else 1.0, "top_k": msg.top_k, "min_p": msg.min_p,
-        "frequency_penalty": msg.frequency_penalty, "presence_penalty": msg.presence_penalty,
-        "repetition_penalty": msg.repetition_penalty if msg.repetition_penalty != 0.0 else 1.0,
-        "max_tokens": msg.max_tokens if msg.HasField("max_tokens") else None, "min_tokens": msg.min_tokens,
-        "stop": list(msg.stop), "stop_token_ids": list(msg.stop_token_ids),
-        "skip_special_tokens": msg.skip_special_tokens, "ignore_eos": msg.ignore_eos,
-        "n": msg.n or 1, "include_stop_str_in_output": msg.include_stop_str_in_output,
-    }
-    for name in ("logprobs", "prompt_logprobs", "seed", "truncate_prompt_tokens"):
-        if msg.HasField(name):
-            kwargs[name] = getattr(msg, name)
-    if msg.logit_bias:
-        kwargs["logit_bias"] = dict(msg.logit_bias)
-    if msg.HasField("max_tokens") and msg.max_tokens == 0:
-        raise ValueError("sampling_params.max_tokens must be >= 1, got 0")
-    kind = msg.WhichOneof("constraint")
-    if kind == "choice":
-        kwargs["structured_output"] = StructuredOutput.choice(list(msg.choice.choices))
-    elif kind == "json_object":
-        if msg.json_object:
-            kwargs["structured_output"] = StructuredOutput("json_object")
-    elif kind == "json_schema":
-        kwargs["structured_output"] = StructuredOutput("json_schema", msg.json_schema)
-    elif kind in ("regex", "grammar"):
-        kwargs["structured_output"] = StructuredOutput(kind, getattr(msg, kind))
-    elif kind == "structural_tag":
-        raise ValueError("sampling_params.structural_tag: not supported by this engine")
-    return SamplingParams(**kwargs)
+    """Validated SamplingParams; FieldError names the bad field."""
+    return sampling_params_from_message(msg, SAMPLING)
 
 
 def _top(entry: dict[int, float] | None, num_top: int | None) -> vpb.TopLogProbs:

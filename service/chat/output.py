@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine import RequestOutput
-from service.reasoning_parser import ReasoningParser, ReasoningTokenCount
-from service.tool_parsers import ParsedAnswer, ParsedDelta, ToolParser
+from service.chat.reasoning_parser import ReasoningParser, ReasoningTokenCount
+from service.chat.tool_parsers import ParsedAnswer, ParsedDelta, ToolParser
 
 
 @dataclass(slots=True)

@@ -15,9 +15,10 @@ from starlette.requests import ClientDisconnect
 
 from engine import RequestOutput, SamplingParams
 from service.async_engine import AsyncEngine
-from service.chat_output import ChoiceOutput
-from service.chat_tools import ChatPlan
-from service.openai_protocol import (
+from service.chat.output import ChoiceOutput
+from service.chat.tools import ChatPlan
+from service.observability.request_observer import RequestObserver
+from service.openai.protocol import (
     ChatCompletionRequest,
     ChoiceLogprobs,
     CompletionRequest,
@@ -28,7 +29,6 @@ from service.openai_protocol import (
     ranked,
     usage_body,
 )
-from service.request_observer import RequestObserver
 
 T = TypeVar("T")
 

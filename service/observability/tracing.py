@@ -26,7 +26,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcess
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
 from engine import RequestMetrics, SamplingParams, StepStats
-from service.request_observer import CallInfo, RequestObserver
+from service.observability.request_observer import CallInfo, RequestObserver
 
 PROTOCOLS = ("grpc", "http/protobuf")
 # CallInfo.protocol of the gRPC doors -> the service they serve.

@@ -17,12 +17,12 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine import RequestOutput, SamplingParams, StructuredOutput
+from engine import FieldError, RequestOutput, SamplingParams, StructuredOutput
 from service.async_engine import AsyncEngine
-from service.chat_output import ChoiceOutput
-from service.reasoning_parser import ReasoningParser, get_reasoning_parser
-from service.tool_grammar import FunctionSpec, LarkText, tool_call_grammar
-from service.tool_parsers import ToolParser, get_tool_parser, parser_for_template
+from service.chat.output import ChoiceOutput
+from service.chat.reasoning_parser import ReasoningParser, get_reasoning_parser
+from service.chat.tool_grammar import FunctionSpec, LarkText, tool_call_grammar
+from service.chat.tool_parsers import ToolParser, get_tool_parser, parser_for_template
 
 TOOL_CHOICES = ("none", "auto", "required")
 _FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
@@ -38,24 +38,24 @@ class ToolRequest:
     is_named: bool = False
     parallel: bool = True
 
-    def check(self, field_prefix: str = "") -> None:
+    def check(self) -> None:
         seen = set()
         for i, function in enumerate(self.functions):
             if not _FUNCTION_NAME.fullmatch(function.name):
-                raise ValueError(f"{field_prefix}tools[{i}].name: {function.name!r} must be 1-64 letters, digits, "
+                raise FieldError(f"tools[{i}].name", f"{function.name!r} must be 1-64 letters, digits, "
                                  "_ . : or -")
             if function.name in seen:
-                raise ValueError(f"{field_prefix}tools[{i}].name: {function.name!r} is defined twice")
+                raise FieldError(f"tools[{i}].name", f"{function.name!r} is defined twice")
             if function.parameters is not None and not isinstance(function.parameters, dict):
-                raise ValueError(f"{field_prefix}tools[{i}].parameters: must be a JSON schema object")
+                raise FieldError(f"tools[{i}].parameters", "must be a JSON schema object")
             seen.add(function.name)
         if self.is_named and self.choice not in seen:
-            raise ValueError(f"{field_prefix}tool_choice: no function named {self.choice!r} among the tools")
+            raise FieldError("tool_choice", f"no function named {self.choice!r} among the tools")
         if not self.is_named and self.choice not in TOOL_CHOICES:
-            raise ValueError(f"{field_prefix}tool_choice: {self.choice!r} is not one of {', '.join(TOOL_CHOICES)} "
+            raise FieldError("tool_choice", f"{self.choice!r} is not one of {', '.join(TOOL_CHOICES)} "
                              "or a function")
         if self.choice == "required" and not self.functions:
-            raise ValueError(f"{field_prefix}tool_choice: required needs tools")
+            raise FieldError("tool_choice", "required needs tools")
 
     @property
     def is_active(self) -> bool:
@@ -99,7 +99,7 @@ class ChatTools:
         """The chat's plan and the parameters that carry its grammar (and keep its special trigger)."""
         if params.stop and tools.is_active and (tools.choice == "required" or tools.is_named):
             # The call is the whole answer: a stop string can only cut it short of parsing.
-            raise ValueError("stop: cannot go with tool_choice required or a named function (a stop string "
+            raise FieldError("stop", "cannot go with tool_choice required or a named function (a stop string "
                              "would cut the call)")
         plan = await self.plan(engine, messages, tools, params.structured_output, template_kwargs)
         plan.holds_calls = plan.tool_parser is not None and bool(params.stop or params.stop_token_ids)
@@ -118,10 +118,9 @@ class ChatTools:
             return await engine.generate(request_id, params, messages=plan.messages,
                                          engine_id=engine_id or request_id, chat_template_kwargs=plan.template_kwargs,
                                          priority=priority)
-        except ValueError as exc:
-            if plan.is_tool_grammar and str(exc).startswith("structured_output.grammar"):
-                raise ValueError(f"tools: a function's parameters cannot constrain the answer: "
-                                 f"{str(exc).split(': ', 1)[-1]}") from None
+        except FieldError as exc:
+            if plan.is_tool_grammar and exc.field == "structured_output.grammar":
+                raise FieldError("tools", f"a function's parameters cannot constrain the answer: {exc.message}") from None
             raise
 
     async def plan(self, engine: AsyncEngine, messages: list[dict[str, Any]], tools: ToolRequest,
@@ -142,9 +141,9 @@ class ChatTools:
         keep_special = False
         if tools.is_active:
             if structured is not None and structured.kind not in ("json_schema", "json_object"):
-                raise ValueError("tools: only a JSON response_format can go with tools")
+                raise FieldError("tools", "only a JSON {0} can go with tools", mentions=("response_format",))
             if structured is not None and tools.choice != "auto":
-                raise ValueError("response_format: tool_choice required or a named function decides the answer")
+                raise FieldError("response_format", "tool_choice required or a named function decides the answer")
             added = await engine.added_tokens()
             # llguidance never matches these as text: a grammar names them by id.
             lit = LarkText({text: i for text, (i, special) in added.items()

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from smg_grpc_proto.generated import common_pb2
 
 from engine import KvCacheEvent, StepStats
-from service.vllm_protocol import kv_event_to_proto
+from service.grpc.vllm_protocol import kv_event_to_proto
 
 # A stream's load record goes out at most this often between batches, and at least this often
 # (a heartbeat) while nothing changes.

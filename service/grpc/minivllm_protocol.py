@@ -5,43 +5,25 @@ import dataclasses
 import json
 from typing import Any
 
-from engine import ModelInfo, RequestOutput, SamplingParams, StructuredOutput
-from service.chat_output import ChoiceOutput
-from service.chat_tools import ToolRequest
+from engine import FieldError, ModelInfo, RequestOutput, SamplingParams
+from service.chat.output import ChoiceOutput
+from service.chat.tool_grammar import FunctionSpec
+from service.chat.tools import ToolRequest
+from service.grpc.sampling import SamplingMessage, sampling_params_from_message
 from service.pb import inference_pb2 as pb
-from service.tool_grammar import FunctionSpec
+
+# minivllm.v1 marks every field whose zero is a value of its own as optional: unset is the engine's default.
+SAMPLING = SamplingMessage(constraint="structured_output")
 
 
 def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
-    """Build validated SamplingParams; ValueError names the bad field."""
-    kwargs: dict[str, object] = {
-        "min_tokens": msg.min_tokens, "stop": list(msg.stop), "stop_token_ids": list(msg.stop_token_ids),
-        "ignore_eos": msg.ignore_eos, "presence_penalty": msg.presence_penalty,
-        "frequency_penalty": msg.frequency_penalty,
-    }
-    for name in ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "repetition_penalty",
-                 "logprobs", "skip_special_tokens", "truncate_prompt_tokens", "prompt_logprobs", "n"):
-        if msg.HasField(name):
-            kwargs[name] = getattr(msg, name)
-    kind = msg.WhichOneof("structured_output")
-    if kind == "choice":
-        kwargs["structured_output"] = StructuredOutput.choice(list(msg.choice.choices))
-    elif kind == "json_object":
-        if msg.json_object:
-            kwargs["structured_output"] = StructuredOutput("json_object")
-    elif kind is not None:
-        kwargs["structured_output"] = StructuredOutput(kind, getattr(msg, kind))
-    if msg.logit_bias:
-        kwargs["logit_bias"] = dict(msg.logit_bias)
-    kwargs["include_stop_str_in_output"] = msg.include_stop_str_in_output
-    if msg.HasField("max_tokens") and msg.max_tokens == 0:
-        raise ValueError("max_tokens must be >= 1, got 0")
-    return SamplingParams(**kwargs)
+    """Build validated SamplingParams; FieldError names the bad field."""
+    return sampling_params_from_message(msg, SAMPLING)
 
 
 def messages_from_proto(msg: pb.Messages) -> list[dict[str, Any]]:
     if not msg.messages:
-        raise ValueError("messages: must not be empty")
+        raise FieldError("messages", "must not be empty")
     out: list[dict[str, Any]] = []
     for m in msg.messages:
         message: dict[str, Any] = {"role": m.role, "content": m.content}
@@ -56,20 +38,20 @@ def messages_from_proto(msg: pb.Messages) -> list[dict[str, Any]]:
 
 
 def tools_from_proto(msg: pb.Messages) -> ToolRequest:
-    """The chat's tools; ValueError naming the field."""
+    """The chat's tools; FieldError naming the field as the chat planning does (the servicer renames it)."""
     functions = []
     for i, tool in enumerate(msg.tools):
         try:
             parameters = json.loads(tool.parameters) if tool.parameters else None
         except ValueError:
-            raise ValueError(f"messages.tools[{i}].parameters: not JSON") from None
+            raise FieldError(f"tools[{i}].parameters", "not JSON") from None
         functions.append(FunctionSpec(tool.name, tool.description, parameters))
     choice = msg.tool_choice or ("auto" if functions else "none")
     if msg.tool_choice_function:
         choice = msg.tool_choice_function
     request = ToolRequest(functions, choice, bool(msg.tool_choice_function),
                           msg.parallel_tool_calls if msg.HasField("parallel_tool_calls") else True)
-    request.check("messages.")
+    request.check()
     return request
 
 

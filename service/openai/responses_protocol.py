@@ -10,8 +10,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from service.chat_output import ChoiceDelta
-from service.tool_protocol import FlatToolIn, ToolChoiceIn
+from engine import FieldError
+from service.chat.output import ChoiceDelta
+from service.openai.tool_protocol import FlatToolIn, ToolChoiceIn
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
@@ -60,13 +61,13 @@ class ResponsesRequest(BaseModel):
         fmt = self.text.format if self.text is not None else None
         if fmt is not None and fmt.type == "json_schema":
             if fmt.json_schema is None:
-                raise ValueError("text.format.schema: is required for json_schema")
+                raise FieldError("text.format.schema", "is required for json_schema")
             body["response_format"] = {"type": "json_schema", "json_schema": {"name": fmt.name,
                                                                               "schema": fmt.json_schema}}
         elif fmt is not None and fmt.type == "json_object":
             body["response_format"] = {"type": "json_object"}
         elif fmt is not None and fmt.type != "text":
-            raise ValueError(f"text.format.type: {fmt.type!r} is not one of text, json_schema, json_object")
+            raise FieldError("text.format.type", f"{fmt.type!r} is not one of text, json_schema, json_object")
         return {k: v for k, v in body.items() if v is not None}
 
 
@@ -74,12 +75,12 @@ def _text_of(content: Any, field: str) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise ValueError(f"{field}: a string or a list of text parts")
+        raise FieldError(field, "a string or a list of text parts")
     parts = []
     for j, part in enumerate(content):
         if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS or not isinstance(part.get("text"), str):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise ValueError(f"{field}[{j}]: only text parts are supported, got {kind!r}")
+            raise FieldError(f"{field}[{j}]", f"only text parts are supported, got {kind!r}")
         parts.append(part["text"])
     return "".join(parts)
 
@@ -95,12 +96,12 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
-                raise ValueError(f"input[{i}].role: {role!r} is not one of user, system, developer, assistant")
+                raise FieldError(f"input[{i}].role", f"{role!r} is not one of user, system, developer, assistant")
             out.append({"role": "system" if role == "developer" else role,
                         "content": _text_of(item.get("content", ""), f"input[{i}].content")})
         elif kind == "function_call":
             if not isinstance(item.get("name"), str) or not isinstance(item.get("call_id"), str):
-                raise ValueError(f"input[{i}]: a function_call needs name and call_id")
+                raise FieldError(f"input[{i}]", "a function_call needs name and call_id")
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item.get("arguments") or "{}"}}
             if out and out[-1]["role"] == "assistant":  # what the assistant said, then its calls
@@ -110,11 +111,11 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
         elif kind == "function_call_output":
             output = item.get("output", "")
             if not isinstance(item.get("call_id"), str):
-                raise ValueError(f"input[{i}].call_id: is required")
+                raise FieldError(f"input[{i}].call_id", "is required")
             out.append({"role": "tool", "tool_call_id": item["call_id"],
                         "content": output if isinstance(output, str) else json.dumps(output)})
         elif kind != "reasoning":
-            raise ValueError(f"input[{i}].type: {kind!r} is not one of message, function_call, "
+            raise FieldError(f"input[{i}].type", f"{kind!r} is not one of message, function_call, "
                              "function_call_output, reasoning")
     return out
 

@@ -1,11 +1,13 @@
-"""The gRPC status of a Generate call the engine refused or failed, shared by both contracts
-(minivllm.v1 and vLLM's engine service), so a refusal reads the same whichever door it came by."""
+"""The gRPC status of a call the engine refused or failed (or that finds no engine to serve it),
+shared by both contracts (minivllm.v1 and vLLM's engine service), so a refusal reads the same
+whichever door it came by."""
 from __future__ import annotations
 
 import grpc
 
 from engine import LimitExceededError, QueueFullError, RequestIdInUseError
 from service.async_engine import AsyncEngine, EngineDeadError
+from service.serving_state import EngineUnavailableError, ServingState
 
 _ADMISSION_STATUS: tuple[tuple[type[Exception] | tuple[type[Exception], ...], grpc.StatusCode], ...] = (
     ((QueueFullError, LimitExceededError), grpc.StatusCode.RESOURCE_EXHAUSTED),
@@ -25,3 +27,13 @@ def failed_output_status(engine: AsyncEngine) -> grpc.StatusCode:
     """The status for an output that ended in an engine error: a dead engine is the server's
     state (retry elsewhere); a failed step is a fault."""
     return grpc.StatusCode.UNAVAILABLE if engine.is_dead else grpc.StatusCode.INTERNAL
+
+
+async def serving_engine(state: ServingState, context: grpc.aio.ServicerContext,
+                         for_new_request: bool = False) -> AsyncEngine:
+    """The engine (ready for a new request, or just loaded for a question about it), or the call
+    ends UNAVAILABLE: loading, draining or dead."""
+    try:
+        return state.ready_engine() if for_new_request else state.loaded_engine()
+    except EngineUnavailableError as exc:
+        await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))

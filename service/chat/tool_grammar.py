@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from service.tool_parsers import ToolParser
+from service.chat.tool_parsers import ToolParser
 
 # Whitespace inside arguments is free but bounded: a sampled model cannot spend its budget on it.
 ARGUMENTS_JSON_OPTIONS = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,4}"}

@@ -1,0 +1,1 @@
+"""Metrics, tracing and the request observer every door reports to."""
