@@ -3,7 +3,7 @@
     python -m bench.gpu_check --out gpu_check.json [--model DIR_OR_GGUF | --random-weights DIR]
 
 Sections (each one's result, or its error, lands in the JSON as it ends):
-- kernels: tests/test_triton_attention.py with the kernels compiled for the GPU
+- kernels: tests/engine/execution/triton/test_triton_attention.py with the kernels compiled for the GPU
   (MINIVLLM_TEST_TRITON_NATIVE=1), the same cases and references as the interpreter run on CI.
 - greedy: the engine on CUDA against transformers on CUDA for the test prompts: float32 token for
   token (prompts equal, of all), bfloat16 by the mean common prefix (the CPU's bf16 criterion).
@@ -90,7 +90,7 @@ def kernel_tests() -> dict[str, Any]:
     env = dict(os.environ, MINIVLLM_TEST_TRITON_NATIVE="1")
     workers = ["-n", "8"] if shutil.which("pytest") and _has_xdist() else []
     proc = subprocess.run([sys.executable, "-m", "pytest", "--noconftest", "-q", "-p", "no:cacheprovider", *workers,
-                           "tests/test_triton_attention.py"], cwd=ROOT, env=env, capture_output=True, text=True,
+                           "tests/engine/execution/triton/test_triton_attention.py"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=400)
     tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     return {"returncode": proc.returncode, "summary": tail, "output_tail": (proc.stdout + proc.stderr)[-2500:]}

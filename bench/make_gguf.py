@@ -16,7 +16,7 @@ is the default model's (its SmolLM2 vocabulary, padded with unused tokens to the
 so minivllm and llama.cpp both load the file.
 
 --requantize-default TYPE writes the default model's own weights (its shipped file dequantized)
-in TYPE instead: the real model in each block type, for quality checks (tests/test_gguf_real_model.py
+in TYPE instead: the real model in each block type, for quality checks (tests/engine/execution/weights/test_gguf_file.py
 and `python -m bench.perplexity --model FILE --modes float32,gguf`). A matrix whose rows are not a
 multiple of the type's block (SmolLM2's 576-wide rows against the k-quants' 256) takes Q8_0, as
 llama.cpp's quantizer also falls back there; norms stay float32.

@@ -19,7 +19,7 @@ class BenchRequest:
     ignore_eos: bool
     session: int | None = None  # requests of one session go one after another, in list order
 
-# The prompts greedy output is held to transformers' on, token for token (tests/test_real_model.py
+# The prompts greedy output is held to transformers' on, token for token (tests/engine/test_real_model.py
 # on the CPU, bench/gpu_check.py on a GPU): short and long, prose, code, lists.
 GREEDY_PROMPTS = [
     "Hello",

@@ -5,6 +5,8 @@ import asyncio
 import os
 import queue
 import re
+import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -12,10 +14,30 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from engine import EngineConfig, LLMEngine
 from service.async_engine import StatsListener
 from service.grpc.minivllm_servicer import RequestObserver
 from service.server import InferenceServer, ServerConfig
+
+IN_CI = os.environ.get("CI") == "true"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def need(tool: str) -> str:
+    path = shutil.which(tool)
+    if path is None:
+        if IN_CI:
+            pytest.fail(f"{tool} is required in CI (make test installs it)")
+        pytest.skip(f"{tool} not installed: run `make test`")
+    return path
+
 
 
 class ServerThread:

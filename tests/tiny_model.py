@@ -141,3 +141,30 @@ def build_tiny_family_model(path: Path, config: Any, seed: int = 0) -> Path:
                 param.copy_(torch.randn(param.shape, generator=gen) * std)
     model.save_pretrained(str(path))
     return path
+
+
+# A tiny random model of each family the README names (the parity and speculation tests).
+_COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5)
+
+
+def family_config(family: str):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    if family == "llama3-rope":
+        return LlamaConfig(**_COMMON, tie_word_embeddings=False, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+    if family == "qwen2-tied":
+        return Qwen2Config(**_COMMON, tie_word_embeddings=True)
+    if family == "qwen2-untied":
+        return Qwen2Config(**_COMMON, tie_word_embeddings=False)
+    if family == "qwen2-sliding":  # layer 0 full, layer 1 windowed
+        return Qwen2Config(**_COMMON, tie_word_embeddings=False, use_sliding_window=True, sliding_window=8,
+                           max_window_layers=1)
+    if family == "mistral-window":  # a window far shorter than the prompts
+        return MistralConfig(**_COMMON, tie_word_embeddings=False, sliding_window=8)
+    raise ValueError(family)
+
+
+FAMILIES = ["llama3-rope", "qwen2-tied", "qwen2-untied", "qwen2-sliding", "mistral-window"]

@@ -32,7 +32,7 @@ _FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16)
 # The architectures whose llama.cpp tensor names and row orders this reader and gguf_loader map to
 # Hugging Face's. A format fact, kept here rather than read from the model registry so that
 # weights/ never imports models/; a new family adds its name here once its layout is mapped
-# (tests/test_gguf_file.py checks each has a model family).
+# (tests/engine/execution/weights/test_gguf_file.py checks each has a model family).
 GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2")
 LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")  # llama.cpp's per-layer tensor names
 

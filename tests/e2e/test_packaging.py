@@ -1,0 +1,100 @@
+"""The package as a user installs it: a wheel built from this tree, installed into a fresh,
+read-only venv, serving through its console script; and the thin client without torch."""
+from __future__ import annotations
+
+import shutil
+import stat
+import subprocess
+import sys
+import sysconfig
+import venv
+import zipfile
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.server_harness import ServerProcess, free_port, poll
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _no_torch_after(code: str, python: str = sys.executable, cwd: Path = ROOT) -> None:
+    check = f"{code}\nimport sys\nheavy = sorted({{'torch', 'transformers'}} & set(sys.modules))\n" \
+            "assert not heavy, f'imported {heavy}'\n"
+    proc = subprocess.run([python, "-c", check], cwd=cwd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_thin_client_imports_neither_torch_nor_transformers() -> None:
+    _no_torch_after("import service.grpc.minivllm_client")
+    # The CLI's client commands too: `info` against nothing fails fast, with one line.
+    _no_torch_after("from minivllm.cli import main\ntry:\n    main(['info', '--target', '127.0.0.1:9', "
+                    "'--timeout', '2'])\nexcept SystemExit as exc:\n    assert exc.code == 1, exc.code")
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(ROOT)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (path,) = out.glob("minivllm-*.whl")
+    return path
+
+
+def test_wheel_carries_generated_grpc_code_and_kernel_source(wheel: Path) -> None:
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for name in ("service/pb/inference_pb2.py", "service/pb/inference_pb2_grpc.py", "service/pb/inference_pb2.pyi",
+                 "engine/execution/kernels/paged_attention.cpp", "minivllm/cli.py"):
+        assert name in names, f"{name} missing from {wheel.name}"
+    assert not any(n.startswith("tests/") for n in names)
+
+
+def test_wheel_in_a_fresh_read_only_venv_serves_grpc_and_openai(wheel: Path, tiny_model_dir: Path,
+                                                                  tmp_path: Path) -> None:
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, with_pip=False)
+    python = env_dir / "bin" / "python"
+    site = Path(subprocess.check_output([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                        text=True).strip())
+    # The dependencies come from this venv's site-packages (no download; a .pth line adds a
+    # directory without running its .pth files, so this tree's editable install stays out).
+    (site / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    proc = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "-q",
+                           str(wheel)], capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0 and "no such option: --python" in proc.stderr:
+        pytest.skip("pip too old for --python")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for path in [site, *site.rglob("*")]:  # read-only, as a system install would be
+        path.chmod(path.stat().st_mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
+    try:
+        outside = tmp_path / "elsewhere"  # not the source tree: imports must come from the wheel
+        outside.mkdir()
+        where = subprocess.check_output([python, "-c", "import service.pb.inference_pb2 as m, engine.execution.kernels as k; "
+                                         "print(m.__file__); print(k.__file__)"], cwd=outside, text=True)
+        assert all(line.startswith(str(site)) for line in where.split()), where
+        _no_torch_after("import service.grpc.minivllm_client", python=str(python), cwd=outside)
+        http_port = free_port()
+        server = ServerProcess(tiny_model_dir, "--http-port", str(http_port), "--served-model-name", "tiny",
+                               "--num-kv-blocks", "128", command=[str(env_dir / "bin" / "minivllm")], cwd=outside,
+                               env={"PYTHONDONTWRITEBYTECODE": "1"})
+        try:
+            assert poll(lambda: "model tiny loaded" in server.output or "loaded; serving" in server.output, 120), \
+                server.output
+            info = subprocess.run([str(env_dir / "bin" / "minivllm"), "info", "--json", "--target", server.target],
+                                  capture_output=True, text=True, timeout=60, cwd=outside)
+            assert info.returncode == 0 and '"max_model_len"' in info.stdout, info.stdout + info.stderr
+            with openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="x", max_retries=0) as client:
+                chunks = list(client.chat.completions.create(
+                    model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5, stream=True,
+                    stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+            assert chunks[-1].usage.completion_tokens == 5
+            assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        finally:
+            server.close()
+        assert "Traceback" not in server.output, server.output
+    finally:
+        for path in [site, *site.rglob("*")]:
+            path.chmod(path.stat().st_mode | stat.S_IWUSR)
+        shutil.rmtree(env_dir, ignore_errors=True)
