@@ -53,7 +53,7 @@ def reassemble(chunks: list) -> dict:
             "finish": finish}
 
 
-def whole(message: object, finish: str) -> dict:
+def whole_answer(message: object, finish: str) -> dict:
     calls = [[c.function.name, c.function.arguments] for c in message.tool_calls or []] or None
     return {"content": message.content or None, "reasoning": getattr(message, "reasoning_content", None) or None,
             "calls": calls, "finish": finish}

@@ -11,7 +11,17 @@ import pytest
 
 from service.chat.reasoning_parser import get_reasoning_parser
 from tests.server_harness import ServerThread
-from tests.service.tool_cases import ANSWER, ASK, END_THINK, THINK, TOOL_CALL_TOKEN, TOOLS, check_calls, reassemble
+from tests.service.tool_cases import (
+    ANSWER,
+    ASK,
+    END_THINK,
+    THINK,
+    TOOL_CALL_TOKEN,
+    TOOLS,
+    check_calls,
+    reassemble,
+    whole_answer,
+)
 
 EXAMPLES = [  # (parser, text, reasoning, content)
     ("deepseek_r1", "<think>\nLet me see.\n</think>\n\nThe answer is 4.", "\nLet me see.\n", "The answer is 4."),
@@ -65,7 +75,7 @@ def test_thinking_block_is_reasoning_and_the_grammar_applies_after_it(reasoning_
             tokens = [t.token for t in whole.choices[0].logprobs.content]
             assert usage.completion_tokens_details.reasoning_tokens == _inside_block(tokens, True)
             chunks = list(client.chat.completions.create(**request, seed=seed, stream=True))
-            assert reassemble(chunks) == whole(message, "stop")
+            assert reassemble(chunks) == whole_answer(message, "stop")
         unconstrained = client.chat.completions.create(model="tiny", messages=ASK, temperature=0.8, seed=0,
                                                        max_tokens=30)
     assert num_thought >= 2
@@ -112,7 +122,7 @@ def test_tools_and_reasoning_together(reasoning_server: ServerThread, choice: st
             tokens = [t.token for t in choice_out.logprobs.content]
             assert whole.usage.completion_tokens_details.reasoning_tokens == _inside_block(tokens, True)
             chunks = list(client.chat.completions.create(**request, seed=seed, stream=True))
-            assert reassemble(chunks) == whole(message, "tool_calls")
+            assert reassemble(chunks) == whole_answer(message, "tool_calls")
     assert num_thought >= 2
 
 
@@ -154,5 +164,5 @@ def test_qwen3_reasoning_tokens_are_the_blocks_own(reasoning_server: ServerThrea
             jsonschema.validate(json.loads(message.content), ANSWER)
             num_thought += bool(message.reasoning_content)
             chunks = list(client.chat.completions.create(**request, seed=seed, stream=True))
-            assert reassemble(chunks) == whole(message, "stop")
+            assert reassemble(chunks) == whole_answer(message, "stop")
     assert num_thought >= 2

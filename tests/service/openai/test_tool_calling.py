@@ -24,6 +24,7 @@ from tests.service.tool_cases import (
     check_calls,
     reassemble,
     start_server,
+    whole_answer,
 )
 
 
@@ -112,7 +113,7 @@ def test_auto_call_cut_by_a_stop_string_is_content(tool_server: ServerThread, st
             whole = client.chat.completions.create(**request)
             choice = whole.choices[0]
             chunks = list(client.chat.completions.create(**request, stream=True))
-            assert reassemble(chunks) == whole(choice.message, choice.finish_reason)
+            assert reassemble(chunks) == whole_answer(choice.message, choice.finish_reason)
             if choice.finish_reason == "tool_calls":
                 check_calls(choice.message.tool_calls)
                 num_called += 1
@@ -126,7 +127,7 @@ def test_auto_call_cut_by_a_stop_string_is_content(tool_server: ServerThread, st
 
 
 @pytest.mark.parametrize("case", ["required-parallel", "auto-steered", "auto-text"])
-def test_streamed_deltasreassemble_into_the_answer(tool_server: ServerThread, case: str) -> None:
+def test_streamed_deltas_reassemble_into_the_answer(tool_server: ServerThread, case: str) -> None:
     kwargs: dict = {"tool_choice": "required"} if case == "required-parallel" else {}
     if case == "auto-steered":
         kwargs["logit_bias"] = {str(TOOL_CALL_TOKEN): 15}
@@ -135,7 +136,7 @@ def test_streamed_deltasreassemble_into_the_answer(tool_server: ServerThread, ca
             request = dict(model="tiny", messages=ASK, tools=TOOLS, temperature=0.8, seed=seed, max_tokens=200, **kwargs)
             whole = client.chat.completions.create(**request)
             chunks = list(client.chat.completions.create(**request, stream=True))
-            assert reassemble(chunks) == whole(whole.choices[0].message, whole.choices[0].finish_reason)
+            assert reassemble(chunks) == whole_answer(whole.choices[0].message, whole.choices[0].finish_reason)
             if case != "auto-text":
                 assert whole.choices[0].message.tool_calls, "a call was meant to be in the answer"
 
