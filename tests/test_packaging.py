@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import platform
+import re
 import shutil
 import socket
 import stat
@@ -76,6 +78,24 @@ def test_wheel_carries_the_kernels_compiled_for_any_cpu_of_its_kind(wheel: Path)
 
     assert info["torch"] == torch.__version__
     assert not any(flag.startswith(("-march=native", "-mtune=native")) for flag in info["cflags"]), info
+    if shutil.which("objdump") is None or platform.machine() != "x86_64":
+        return
+    # Beyond the x86-64-v2 baseline (VEX/EVEX: AVX and up; AMX) only in the kernels' own functions, the
+    # ones with target attributes that best_isa() dispatches to: none in what an import runs (module
+    # init, static initializers) nor in torch's or pybind11's inline code.
+    (so,) = [n for n in names if n.endswith(".so")]
+    path = Path(archive.extract(so, wheel.parent / "unpacked"))
+    listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", str(path)], capture_output=True, text=True,
+                             timeout=300, check=True).stdout
+    wide, function = set(), None
+    for line in listing.splitlines():
+        if line.endswith(">:"):
+            function = line.split("<", 1)[1][:-2]
+        elif function is not None and re.match(r"\s+[0-9a-f]+:\s+(v|k[a-z]|tile|ldtilecfg|tdp)", line):
+            wide.add(function)
+    assert wide, "no AVX-512/AVX2 paths compiled in"
+    assert all("minivllm::" in f and not f.startswith(("_GLOBAL__", "PyInit")) for f in wide), \
+        sorted(f for f in wide if "minivllm::" not in f)
 
 
 def _expected_best_isa() -> str:
