@@ -1,4 +1,6 @@
-"""Optional C++ CPU kernels, compiled once on first use (torch.utils.cpp_extension).
+"""Optional C++ CPU kernels: a wheel ships them compiled (setup.py: one portable binary whose SIMD path
+is chosen at run time); a source or editable install compiles them once on first use
+(torch.utils.cpp_extension, -march=native).
 
 If the compiler or headers are missing the engine falls back to the pure-torch path, which
 gives the same results a little slower. EngineConfig.enable_cpp_kernels=False (alias
@@ -8,6 +10,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
+import json
 import logging
 import os
 import platform
@@ -85,15 +89,65 @@ def load_extension(name: str, kernel_dir: Path, sources: tuple[str, ...]) -> Mod
     build_dir, source_dir = build_sources(default_cache_dir() / "torch_extensions", kernel_dir,
                                           Path(torch.__file__).parent, torch.__version__)
     _remove_stale_lock(build_dir / "lock")
-    return cpp_extension.load(
+    # Built already (the directory is named by its sources, torch and CPU kind): load only, silently.
+    compiling = not (build_dir / f"{name}.so").exists()
+    if compiling:
+        logger.warning("compiling the C++ kernels %s with -march=native into %s: once for these sources, this torch "
+                       "and this CPU kind, a few minutes (a wheel ships them compiled)", name, build_dir)
+    start = time.monotonic()
+    module = cpp_extension.load(
         name=name, sources=[str(source_dir / source) for source in sources], build_directory=str(build_dir),
         extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+    if compiling:
+        logger.warning("compiled the C++ kernels %s in %.0f s", name, time.monotonic() - start)
+    return module
+
+
+# The kernels compiled into a wheel by setup.py, with <name>.json beside them: the torch they link
+# against and the digest of the sources they were built from.
+_SHIPPED = "_minivllm_cpu_kernels"
+
+
+def sources_digest(kernel_dir: Path) -> str:
+    """The kernel sources' digest, as setup.py's kernel_sources_digest records it."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in kernel_dir.iterdir() if p.suffix in (".cpp", ".h")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def load_shipped_kernels(kernel_dir: Path) -> ModuleType | None:
+    """The package's compiled kernels when it has them (a wheel) and they were built from these sources
+    against this torch; None otherwise (a source or editable install: they compile on first use)."""
+    try:
+        info = json.loads((kernel_dir / f"{_SHIPPED}.json").read_text())
+    except FileNotFoundError:
+        return None
+    import torch
+
+    # A C++ extension links against one torch's C++ API: another build of torch may not load it, or crash.
+    if (info["torch"], info["cxx11_abi"]) != (torch.__version__, bool(torch.compiled_with_cxx11_abi())):
+        logger.warning("the C++ kernels in this package were built for torch %s, this is torch %s: compiling them "
+                       "for it instead", info["torch"], torch.__version__)
+        return None
+    if info["sources"] != sources_digest(kernel_dir):
+        logger.warning("the C++ kernel sources changed since this package's kernels were built: compiling them")
+        return None
+    return importlib.import_module(f"{__name__}.{_SHIPPED}")
 
 
 @functools.cache
 def load_cpu_kernels() -> ModuleType | None:
+    kernel_dir = Path(__file__).parent
     try:
-        return load_extension("minivllm_cpu_kernels", Path(__file__).parent, _SOURCES)
+        shipped = load_shipped_kernels(kernel_dir)
+    except Exception as exc:  # noqa: BLE001 - an unreadable record or an import failure: build them as a checkout does
+        logger.warning("the C++ kernels in this package do not load (%s): compiling them", exc)
+        shipped = None
+    if shipped is not None:
+        return shipped
+    try:
+        return load_extension("minivllm_cpu_kernels", kernel_dir, _SOURCES)
     except Exception as exc:  # noqa: BLE001 - any build failure means: use the torch path
         logger.warning("C++ CPU kernels unavailable (%s); using the pure-torch attention path", exc)
         return None
