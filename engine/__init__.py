@@ -19,6 +19,7 @@ from engine.outputs import (
     RequestOutput,
     StepStats,
 )
+from engine.processing.json_schema_check import unmatchable_schema
 from engine.processing.sampling_params import SamplingParams
 from engine.processing.structured_output import StructuredOutput
 
@@ -27,4 +28,5 @@ __all__ = [
     "RequestIdInUseError", "RequestMetrics", "RequestOutput", "SamplingParams", "StepStats", "StructuredOutput",
     "model_display_name",
     "resolve_model",
+    "unmatchable_schema",
 ]

@@ -38,6 +38,7 @@ class InputProcessor:
         return self.tokenizer.chat_template is not None
 
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        _check_encodable(prompt, "prompt")
         return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
 
     def check_in_vocabulary(self, token_ids: Iterable[int], field: str) -> None:
@@ -88,6 +89,7 @@ class InputProcessor:
                 raise FieldError(f"messages[{i}].role", f"{m.get('role')!r} is not one of {VALID_ROLES}")
             if not isinstance(m.get("content"), str):
                 raise FieldError(f"messages[{i}].content", "must be a string")
+            _check_encodable(m["content"], f"messages[{i}].content")
         num_chars = sum(len(m["content"]) for m in messages)
         if num_chars > self.config.max_prompt_chars:
             raise LimitExceededError("messages", f"{num_chars} characters, at most {self.config.max_prompt_chars}")
@@ -103,6 +105,7 @@ class InputProcessor:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
         except TemplateError as exc:  # a template's raise_exception: the chat breaks its rules
             raise FieldError("messages", f"the chat template refused them: {exc}") from None
+        _check_encodable(text, "messages")  # a tool call's arguments, a template variable...
         if params is not None:
             self._check_fits_before_tokenizing(len(text), params, "messages")
         return self.tokenizer.encode(text, add_special_tokens=False)
@@ -154,6 +157,18 @@ class InputProcessor:
                                      f"{params.max_tokens} exceed the context of {self.max_model_len} tokens",
                                      mentions=("max_tokens",))
         return token_ids
+
+
+def _check_encodable(text: str, field: str) -> None:
+    """Refuse text the tokenizer cannot take: a lone surrogate ("\\ud800", which JSON can spell)
+    has no UTF-8 form, and the tokenizer would fail on it with a TypeError."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise FieldError(field, f"is not valid Unicode text: {exc.object[exc.start:exc.end]!a} at character "
+                         f"{exc.start} (a lone surrogate) cannot be encoded as UTF-8") from None
 
 
 def max_token_chars(tokenizer: Any) -> int | None:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from engine.errors import FieldError
+from engine.processing.json_schema_check import unmatchable_schema
 
 KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
 # JSON may be laid out freely, but one run of whitespace is bounded: a weak or sampled model can
@@ -94,6 +95,9 @@ class GrammarCompiler:
                 schema = json.loads(spec.value) if spec.kind == "json_schema" else {"type": "object"}
                 if not isinstance(schema, dict):
                     raise ValueError("a JSON schema is a JSON object")
+                problem = unmatchable_schema(schema)  # llguidance would compile it to a grammar nothing completes
+                if problem is not None:
+                    raise ValueError(problem)
                 grammar = LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
             elif spec.kind == "choice":
                 choices = json.loads(spec.value)

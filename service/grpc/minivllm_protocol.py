@@ -8,9 +8,11 @@ from typing import Any
 from engine import FieldError, ModelInfo, RequestOutput, SamplingParams
 from service.chat.output import ChoiceOutput
 from service.chat.tool_grammar import FunctionSpec
+from service.chat.tool_schema import parameters_problem
 from service.chat.tools import ToolRequest
 from service.grpc.sampling import SamplingMessage, sampling_params_from_message
 from service.pb import inference_pb2 as pb
+from service.text_check import json_text_unencodable, unencodable_path
 
 # minivllm.v1 marks every field whose zero is a value of its own as optional: unset is the engine's default.
 SAMPLING = SamplingMessage(constraint="structured_output")
@@ -25,8 +27,14 @@ def messages_from_proto(msg: pb.Messages) -> list[dict[str, Any]]:
     if not msg.messages:
         raise FieldError("messages", "must not be empty")
     out: list[dict[str, Any]] = []
-    for m in msg.messages:
+    for i, m in enumerate(msg.messages):
+        if m.role == "tool" and not m.tool_call_id:  # a result must say which call it answers
+            raise FieldError(f"messages[{i}].tool_call_id", "is required for a tool message")
         message: dict[str, Any] = {"role": m.role, "content": m.content}
+        for j, call in enumerate(m.tool_calls):  # JSON text: its escapes may spell what protobuf cannot carry
+            if json_text_unencodable(call.arguments):
+                raise FieldError(f"messages[{i}].tool_calls[{j}].arguments", "is not valid Unicode text: it holds a "
+                                 "lone surrogate (such as \\ud800), which cannot be encoded as UTF-8")
         if m.tool_calls:
             message["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name,
                                                                                    "arguments": c.arguments or "{}"}}
@@ -45,6 +53,13 @@ def tools_from_proto(msg: pb.Messages) -> ToolRequest:
             parameters = json.loads(tool.parameters) if tool.parameters else None
         except ValueError:
             raise FieldError(f"tools[{i}].parameters", "not JSON") from None
+        except RecursionError:  # nested past the interpreter's stack: a 400, not a server error
+            raise FieldError(f"tools[{i}].parameters", "JSON nested too deeply") from None
+        problem = parameters_problem(parameters) if parameters is not None else None
+        if problem is None and parameters is not None and unencodable_path(parameters) is not None:
+            problem = "holds text that is not valid Unicode (a lone surrogate such as \\ud800)"
+        if problem is not None:
+            raise FieldError(f"tools[{i}].parameters", problem)
         functions.append(FunctionSpec(tool.name, tool.description, parameters))
     choice = msg.tool_choice or ("auto" if functions else "none")
     if msg.tool_choice_function:

@@ -20,7 +20,8 @@ logger = logging.getLogger(__name__)
 
 
 class MetricsInterceptor(grpc.aio.ServerInterceptor):
-    """Counts every unary and server-streaming call by method and final status code."""
+    """Counts every unary and server-streaming call by method and final status code (a stream the
+    client cancelled is CANCELLED however it ends inside the server)."""
 
     def __init__(self, metrics: ServiceMetrics) -> None:
         self.metrics = metrics
@@ -49,8 +50,10 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
                 with observed(method, context):
                     result = inner_stream(request, context)
                     if hasattr(result, "__aiter__"):  # an async generator handler
-                        async for item in result:
-                            yield item
+                        # aclosing: a call that ends at a yield closes the handler's generator now.
+                        async with contextlib.aclosing(result):
+                            async for item in result:
+                                yield item
                     else:  # a coroutine that writes with context.write (grpc.health.v1 Watch)
                         await result
 
@@ -64,7 +67,9 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
         start, code = time.monotonic(), grpc.StatusCode.OK
         try:
             yield
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
+            # The client went away: grpc cancels the handler's task or, when a stream waits at a
+            # yield, closes its generator (GeneratorExit); which one is a race, the code is the same.
             code = grpc.StatusCode.CANCELLED
             raise
         except BaseException:

@@ -12,20 +12,21 @@ from __future__ import annotations
 
 import logging
 import secrets
-import time
 import uuid
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
 from engine import FieldError, QueueFullError, RequestIdInUseError, RequestOutput, SamplingParams
 from service.async_engine import AsyncEngine, EngineDeadError
 from service.chat.tools import ChatTools
 from service.observability.request_observer import CallInfo, RequestObserver
 from service.openai.call import AbortingStreamingResponse, OpenAICall
+from service.openai.http_guard import ApiCallListener, CallMiddleware
 from service.openai.output_merge import MergedOutputs
 from service.openai.protocol import (
     ChatCompletionRequest,
@@ -36,15 +37,12 @@ from service.openai.protocol import (
     field_path,
     now,
 )
+from service.openai.request_checks import check_text, engine_field_names
 from service.openai.responses_api import ResponsesApi
 from service.openai.responses_protocol import ResponsesRequest
 from service.serving_state import EngineUnavailableError, ServingState
 
 logger = logging.getLogger(__name__)
-
-ApiCallListener = Callable[[str, str, str, float], None]  # (protocol, method, code, seconds)
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/health", "/tokenize",
-          "/detokenize", "/tokenizer_info")
 
 
 class ApiError(Exception):
@@ -70,39 +68,6 @@ def _admission_error(exc: Exception) -> ApiError:
     if isinstance(exc, ValueError):
         return ApiError(400, str(exc))
     raise exc
-
-
-class CallMiddleware:
-    """Pure ASGI middleware: refuses bodies over the size limit, times every call to its last
-    body byte (a stream's whole life) and reports its final status (499: the client left first)."""
-
-    def __init__(self, app: Any, listener: ApiCallListener | None, max_body_bytes: int) -> None:
-        self.app, self.listener, self.max_body_bytes = app, listener, max_body_bytes
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        start, status = time.monotonic(), [0]
-        length = dict(scope.get("headers") or ()).get(b"content-length", b"")
-        app = self.app
-        if length.isdigit() and int(length) > self.max_body_bytes:
-            app = ApiError(413, f"body: {int(length)} bytes, at most {self.max_body_bytes}").response()
-
-        async def observed_send(message: dict) -> None:
-            if message["type"] == "http.response.start":
-                status[0] = message["status"]
-            await send(message)
-
-        try:
-            await app(scope, receive, observed_send)
-        except BaseException:
-            status[0] = status[0] or 500
-            raise
-        finally:
-            if self.listener is not None:
-                route = scope["path"] if scope["path"] in ROUTES else "other"
-                self.listener("http", route, str(status[0] or 499), time.monotonic() - start)
 
 
 class OpenAIFrontDoor:
@@ -141,6 +106,27 @@ class OpenAIFrontDoor:
             param = field_path(first.get("loc", ()))
             message = f"{param}: {first.get('msg', 'invalid body')}" if param else first.get("msg", "invalid body")
             return JSONResponse(error_body(message, param=param), status_code=400)
+
+        @app.exception_handler(HTTPException)
+        async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
+            # FastAPI's own refusals (a body it cannot parse, an unknown route or method) in
+            # OpenAI's shape, not {"detail": ...}; a body's problem is the whole body's (no param).
+            message, cause = str(exc.detail), exc.__cause__
+            if isinstance(cause, UnicodeDecodeError):
+                message = f"the body is not valid UTF-8 (byte {cause.object[cause.start]:#04x} at {cause.start})"
+            elif isinstance(cause, RecursionError):
+                message = "the body's JSON is nested too deeply"
+            elif isinstance(cause, ValueError):
+                message = f"the body is not valid JSON ({cause})"
+            kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+            code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+            return JSONResponse(error_body(message, kind, code=code), status_code=exc.status_code,
+                                headers=getattr(exc, "headers", None))
+
+        @app.exception_handler(Exception)
+        async def server_error(_: Request, exc: Exception) -> JSONResponse:
+            logger.exception("unhandled error in an HTTP call")
+            return JSONResponse(error_body(f"internal error ({type(exc).__name__})", "server_error"), status_code=500)
 
         auth = Depends(self._check_token)
 
@@ -187,6 +173,7 @@ class OpenAIFrontDoor:
             self._check_model(body.model)
             engine = self._loaded()
             try:
+                check_text(body)
                 messages = body.chat()
                 ids = await engine.tokenize(prompt=body.prompt, messages=messages,
                                             add_special_tokens=body.add_special_tokens)
@@ -265,6 +252,7 @@ class OpenAIFrontDoor:
                                                                       body.n), params)
         try:
             self._check_model(body.model)
+            check_text(body)
             if params_error is not None:
                 raise params_error
             engine = self.state.ready_engine()
@@ -279,7 +267,9 @@ class OpenAIFrontDoor:
             self.observer.finish(handle, None, str(exc.status), exc.message, {"http.response.status_code": exc.status})
             raise
         except (ValueError, EngineDeadError, EngineUnavailableError) as exc:
-            error = _admission_error(exc)
+            # The engine and the chat planning name fields their way; the client hears its own names.
+            error = _admission_error(exc.renamed(engine_field_names(body, is_chat)) if isinstance(exc, FieldError)
+                                     else exc)
             self.observer.finish(handle, None, str(error.status), error.message,
                                  {"http.response.status_code": error.status})
             raise error from exc

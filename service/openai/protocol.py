@@ -220,6 +220,8 @@ def chat_messages(messages: list[ChatMessageIn]) -> list[dict[str, Any]]:
     assistant's tool_calls and a tool result's tool_call_id kept (developer is system)."""
     out: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
+        if m.role == "tool" and not m.tool_call_id:  # a result must say which call it answers
+            raise UnsupportedFieldError(f"messages[{i}].tool_call_id", "is required for a tool message")
         if isinstance(m.content, list):
             parts = []
             for j, part in enumerate(m.content):

@@ -19,6 +19,7 @@ from service.chat.tools import ChatPlan
 from service.observability.request_observer import CallInfo
 from service.openai.call import AbortingStreamingResponse, until_disconnected
 from service.openai.protocol import ChatCompletionRequest, UnsupportedFieldError, error_body, validation_field_error
+from service.openai.request_checks import check_text
 from service.openai.response_store import ResponseStore, StoredResponse
 from service.openai.responses_protocol import (
     ResponseBuilder,
@@ -75,6 +76,8 @@ class ResponsesApi:
         door._check_model(body.model)
         response_id = f"resp_{uuid.uuid4().hex}"
         try:
+            check_text(body)
+            body.check_unserved()
             conversation = self._conversation(body)
             messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + conversation
             chat = ChatCompletionRequest(**ResponsesRequest.chat_body(body, messages))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -52,6 +52,17 @@ class ResponsesRequest(BaseModel):
     previous_response_id: str | None = None
     metadata: dict[str, Any] | None = None
     user: str | None = None
+    # OpenAI's fields this server does not act on are validated as OpenAI does, and refused unless
+    # they ask for what is done anyway; unknown names are ignored, as chat completions ignores them.
+    truncation: Literal["auto", "disabled"] | None = None
+    background: bool | None = None
+
+    def check_unserved(self) -> None:
+        if self.truncation == "auto":
+            raise FieldError("truncation", "only 'disabled' is served (an input that does not fit the context is "
+                             "refused, never cut)")
+        if self.background:
+            raise FieldError("background", "background responses are not served")
 
     def chat_body(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
         """The equivalent chat request's fields (sampling and response format)."""

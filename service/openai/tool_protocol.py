@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict
 
 from engine import FieldError
 from service.chat.tool_grammar import FunctionSpec
+from service.chat.tool_schema import parameters_problem
 from service.chat.tools import ToolRequest
 
 
@@ -83,6 +84,10 @@ def tool_request(tools: list[ChatToolIn] | list[FlatToolIn] | None, tool_choice:
             raise FieldError(f"tools[{i}].function", "is required")
         if spec.name is None:
             raise FieldError(f"tools[{i}].name", "is required")
+        problem = parameters_problem(spec.parameters) if spec.parameters is not None else None
+        if problem is not None:  # chat's tools nest the function; the Responses API's are flat
+            where = f"tools[{i}].function" if isinstance(tool, ChatToolIn) else f"tools[{i}]"
+            raise FieldError(f"{where}.parameters", problem)
         functions.append(FunctionSpec(spec.name, spec.description or "", spec.parameters, spec.strict))
     choice, is_named = "auto" if functions else "none", False
     if isinstance(tool_choice, str):

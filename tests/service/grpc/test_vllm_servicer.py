@@ -5,13 +5,15 @@ token-exact greedy output equal to minivllm.v1's for the same ids, KV events tha
 blocks the prefix cache holds, loads that move with load, abort and flush that free what they say."""
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import io
 import json
 import threading
 import zipfile
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -297,6 +299,60 @@ def test_metrics_and_traces_name_the_vllm_door(server: ServerThread, stub: vpb_g
                 5)
     span = next(s for s in server.spans.get_finished_spans() if s.attributes.get("gen_ai.response.id") == "traced")
     assert span.attributes["rpc.service"] == VLLM and span.attributes["gen_ai.usage.output_tokens"] == 3
+
+
+def _kv_subscriptions(metrics: ServiceMetrics, code: str) -> float:
+    return metrics.registry.get_sample_value("minivllm_api_requests_total", {
+        "model_name": "tiny", "protocol": "grpc-vllm", "method": "SubscribeKvEvents", "code": code}) or 0.0
+
+
+def test_a_kv_events_subscription_cancelled_in_its_replay_counts_as_cancelled(
+        server: ServerThread, stub: vpb_grpc.VllmEngineStub) -> None:
+    """The server-error alert counts UNKNOWN: a client's cancel is CANCELLED, whether it lands while
+    the stream waits for an event (the handler's task is cancelled) or sits at a yield in the
+    replay (its generator is closed: GeneratorExit)."""
+    for i in range(4):  # a history to replay
+        list(stub.Generate(_gen(list(range(60 + 13 * i, 100 + 13 * i)), max_tokens=4, temperature=0), timeout=60))
+    assert server.server.kv_events.last_sequence > 3
+    unknown, cancelled = _kv_subscriptions(server.metrics, "UNKNOWN"), _kv_subscriptions(server.metrics, "CANCELLED")
+    for _ in range(10):
+        call = stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(start_sequence_number=0))
+        next(call)  # the first batch of the replay
+        call.cancel()
+    assert poll(lambda: _kv_subscriptions(server.metrics, "CANCELLED") == cancelled + 10, 10)
+    assert _kv_subscriptions(server.metrics, "UNKNOWN") == unknown
+
+
+def test_the_metrics_interceptor_counts_a_stream_closed_at_a_yield_as_cancelled() -> None:
+    """What grpc does when the client cancels while a server stream waits at a yield: it closes the
+    stream's generator, so the handler sees GeneratorExit, not CancelledError."""
+    metrics = ServiceMetrics("tiny")
+    closed = []
+
+    async def batches(request: object, context: object) -> AsyncIterator[int]:
+        try:
+            for i in range(100):
+                yield i
+        finally:
+            closed.append(True)
+
+    class Context:
+        def code(self) -> None:
+            return None
+
+    async def run() -> None:
+        async def continuation(details: object) -> grpc.RpcMethodHandler:
+            return grpc.unary_stream_rpc_method_handler(batches)
+
+        details = SimpleNamespace(method=f"/{VLLM}/SubscribeKvEvents")
+        handler = await MetricsInterceptor(metrics).intercept_service(continuation, details)
+        stream = handler.unary_stream(None, Context())
+        assert await anext(stream) == 0
+        await stream.aclose()
+
+    asyncio.run(run())
+    assert _kv_subscriptions(metrics, "CANCELLED") == 1 and _kv_subscriptions(metrics, "UNKNOWN") == 0
+    assert closed == [True]  # the handler's own generator is closed at once, not left to the collector
 
 
 def test_auth_drain_and_service_choice(tiny_model_dir: Path) -> None:

@@ -209,7 +209,9 @@ def test_chat_completions_parse_with_pydantic(generic_server: ServerThread) -> N
     ({"guided_regex": "[a-z]+"}, "tools"),
     ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}],
-      "tool_choice": "required"}, "tools"),
+      "tool_choice": "required"}, "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "p": {"type": "strin"}}}}}], "tool_choice": "required"}, "tools"),  # the grammar compiler's refusal
     ({"tool_choice": "required", "stop": [","]}, "stop"),  # a stop string could only cut the call
     ({"tool_choice": {"type": "function", "function": {"name": "get_time"}}, "stop": "}"}, "stop"),
 ])
@@ -262,6 +264,11 @@ def test_grpc_tools_and_parsed_calls(generic_server: ServerThread) -> None:
             messages=[pb.ChatMessage(role="user", content="x")], tool_choice="required",
             tools=[pb.FunctionTool(name="f", parameters=json.dumps({"type": "objekt"}))]))
         with pytest.raises(grpc.RpcError) as info:
+            list(c.stub.Generate(bad_schema))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details().startswith("messages.tools[0].parameters:"), info.value.details()
+        bad_schema.messages.tools[0].parameters = json.dumps({"type": "object", "properties": {"p": {"type": "strin"}}})
+        with pytest.raises(grpc.RpcError) as info:  # the grammar compiler's refusal
             list(c.stub.Generate(bad_schema))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert info.value.details().startswith("messages.tools:"), info.value.details()
