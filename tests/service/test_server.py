@@ -13,6 +13,8 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 from engine import EngineConfig, LLMEngine
 from engine.execution.startup_phases import PACKING, StartupPhases
@@ -21,11 +23,14 @@ from tests.server_harness import ServerThread, poll
 
 
 def _health(url: str) -> tuple[int, dict]:
+    """GET /health's status and body; (0, {}) while nothing listens yet."""
     try:
         with urllib.request.urlopen(url + "/health", timeout=10) as resp:
             return resp.status, json.load(resp)
     except urllib.error.HTTPError as err:
         return err.code, json.load(err)
+    except urllib.error.URLError:
+        return 0, {}
 
 
 def test_a_loading_server_says_which_phase_it_is_in(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -48,7 +53,9 @@ def test_a_loading_server_says_which_phase_it_is_in(tiny_model_dir: Path, monkey
         assert _health(srv.http_url) == (503, {"status": "loading", "phase": "packing"})
         with grpc.insecure_channel(srv.target) as channel:
             check = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
-            assert check.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            assert check.status == health_pb2.HealthCheckResponse.NOT_SERVING  # no text in this protocol
+            vllm = vpb_grpc.VllmEngineStub(channel).HealthCheck(vpb.HealthCheckRequest(), timeout=10)
+            assert not vllm.healthy and vllm.message == "model is still loading (packing)"  # vLLM's has one
         with InferenceClient(srv.target, timeout=10) as c, pytest.raises(grpc.RpcError) as err:
             c.model_info()
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -72,6 +79,7 @@ def test_health_says_starting_before_the_engine_names_a_phase(tiny_model_dir: Pa
 
     srv = ServerThread(config, http_port=0, engine_factory=held_factory, wait_ready=False)
     try:
+        assert poll(lambda: _health(srv.http_url)[0] != 0, 30)  # the HTTP door listens before the engine starts
         assert _health(srv.http_url) == (503, {"status": "loading", "phase": "starting"})
         release.set()
         assert poll(lambda: _health(srv.http_url)[0] == 200, 60)
