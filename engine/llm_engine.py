@@ -29,6 +29,7 @@ from engine.core.sequence import Sequence
 from engine.errors import QueueFullError, RequestIdInUseError
 from engine.execution.model_runner import ModelRunner
 from engine.execution.resolved_config import resolve_config
+from engine.execution.startup_phases import TOKENIZER, PhaseListener, StartupPhases
 from engine.execution.weights.checkpoint import model_display_name, resolve_model
 from engine.inputs import EngineRequest
 from engine.outputs import FinishReason, KvCacheEvent, ModelInfo, RequestOutput, StepStats
@@ -46,25 +47,32 @@ SCHEDULING_OPTIONS = frozenset({"max_num_batched_tokens", "max_num_seqs", "max_n
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, on_phase: PhaseListener | None = None) -> None:
+        """Loads everything the engine serves, logging each slow phase of the start with its
+        duration (engine/execution/startup_phases.py); on_phase hears each phase's name as it
+        begins, on this thread (a server shows it while it loads)."""
         from transformers import AutoConfig, AutoTokenizer
 
+        phases = StartupPhases(on_phase)
         # Every auto settled once, before anything is loaded; below, everything reads `resolved`.
-        resolved = resolve_config(config)
+        resolved = resolve_config(config, phases)
         logger.info("%s", resolved.describe())
         self.config = config = resolved.config  # quantization settled: what the engine serves
-        self.model_dir = resolve_model(config.model, native_gguf=resolved.quantization is Quantization.GGUF)
+        self.model_dir = resolve_model(config.model, native_gguf=resolved.quantization is Quantization.GGUF,
+                                       phases=phases)
         # Where the tokenizer's files are (for the service's tokenizer downloads): a tokenizer
         # directory of its own, else the model's (a hub id is fetched into its cache, not here).
         is_tokenizer_dir = config.tokenizer is not None and Path(config.tokenizer).is_dir()
         self.tokenizer_dir = Path(config.tokenizer) if is_tokenizer_dir else self.model_dir
         self.model_name = model_display_name(config.model)
-        hf_config = AutoConfig.from_pretrained(str(self.model_dir))
-        # The engine thread's tokenizer, for detokenizing; inputs are tokenized off that thread
-        # with another (tokenizers are not thread-safe).
-        output_tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or str(self.model_dir))
+        with phases.phase(TOKENIZER):
+            hf_config = AutoConfig.from_pretrained(str(self.model_dir))
+            # The engine thread's tokenizer, for detokenizing; inputs are tokenized off that thread
+            # with another (tokenizers are not thread-safe).
+            output_tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or str(self.model_dir))
+            input_tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or str(self.model_dir))
         self._decode_ids = ids_decoder(output_tokenizer)
-        self.runner = ModelRunner(self.model_dir, hf_config, resolved)
+        self.runner = ModelRunner(self.model_dir, hf_config, resolved, phases)
         # Prefix-cache events are recorded only while someone subscribes (subscribe_kv_events).
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching, config.watermark, is_recording_events=False)
@@ -80,8 +88,8 @@ class LLMEngine:
         self.max_model_len = min(model_len, usable_blocks * config.block_size)
         self.vocab_size = self.runner.model_config.vocab_size
         self.eos_token_ids = load_eos_token_ids(self.model_dir, hf_config, output_tokenizer)
-        self.input_processor = InputProcessor(AutoTokenizer.from_pretrained(config.tokenizer or str(self.model_dir)),
-                                              self.vocab_size, self.max_model_len, config, self.eos_token_ids)
+        self.input_processor = InputProcessor(input_tokenizer, self.vocab_size, self.max_model_len, config,
+                                              self.eos_token_ids)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
         self.output_processor = OutputProcessor(self._decode_ids)
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
@@ -94,6 +102,7 @@ class LLMEngine:
         # too).
         gc.collect()
         gc.freeze()
+        phases.finish()
 
     # ---- requests -------------------------------------------------------------------
 

@@ -208,7 +208,7 @@ def _rpc_error_line(err: Any, target: str) -> str:
 
     code, details = err.code(), err.details() or ""
     if code is grpc.StatusCode.UNAVAILABLE and "loading" in details:
-        return f"server at {target} is still loading its model; try again shortly"
+        return f"server at {target}: {details}; try again shortly"  # details name the start-up phase
     if code is grpc.StatusCode.UNAVAILABLE:
         return f"cannot reach a serving minivllm at {target} ({details.splitlines()[0] if details else code.name})"
     if code is grpc.StatusCode.DEADLINE_EXCEEDED:

@@ -132,7 +132,8 @@ class InferenceServer:
         if self.http is not None:
             await self.http.start()
             logger.info("HTTP (OpenAI-compatible) listening on %s:%d", self.config.http_host, self.http.port)
-        factory = engine_factory or (lambda: LLMEngine(self.config.engine))
+        # The engine reports each start-up phase as it begins: /health and UNAVAILABLE's details say it.
+        factory = engine_factory or (lambda: LLMEngine(self.config.engine, on_phase=self.state.set_loading_phase))
         self.kv_events.bind(asyncio.get_running_loop())
         # The engine thread loads the model (off the loop) and then runs it: see AsyncEngine.
         # Only the vLLM contract's SubscribeKvEvents streams read the prefix-cache events: without

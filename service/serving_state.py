@@ -15,6 +15,18 @@ class ServingState:
         self.engine: AsyncEngine | None = None  # set once the model has loaded
         self.is_draining = False
         self.loaded = asyncio.Event()  # set with engine
+        # The engine's start-up phase while it loads (engine/execution/startup_phases.py's names).
+        self.loading_phase = "starting"
+
+    def set_loading_phase(self, phase: str) -> None:
+        """The engine's on_phase: called on the engine thread. A plain assignment, read by the
+        loop's thread as it is (one reference swapped under the GIL): a phase shown a moment late
+        is fine, a hop through the loop would only add latency."""
+        self.loading_phase = phase
+
+    @property
+    def loading_message(self) -> str:
+        return f"model is still loading ({self.loading_phase})"
 
     def set_engine(self, engine: AsyncEngine) -> None:
         self.engine = engine
@@ -23,7 +35,7 @@ class ServingState:
     def ready_engine(self) -> AsyncEngine:
         """The engine, if it takes new requests; EngineUnavailableError saying why not."""
         if self.engine is None:
-            raise EngineUnavailableError("model is still loading")
+            raise EngineUnavailableError(self.loading_message)
         if self.engine.is_dead:
             raise EngineUnavailableError("the engine died")
         if self.is_draining:
@@ -33,5 +45,5 @@ class ServingState:
     def loaded_engine(self) -> AsyncEngine:
         """The engine for read-only calls (model info, tokenize), also while draining."""
         if self.engine is None:
-            raise EngineUnavailableError("model is still loading")
+            raise EngineUnavailableError(self.loading_message)
         return self.engine

@@ -28,6 +28,7 @@ from engine.execution.resolved_config import ResolvedConfig
 from engine.execution.sampler import Sampler
 from engine.execution.speculative import make_proposer
 from engine.execution.speculative.speculator import Speculator
+from engine.execution.startup_phases import KV_CACHE_ALLOCATION, PACKING, WARM_UP, WEIGHT_LOADING, StartupPhases
 from engine.execution.weights.checkpoint import gguf_path, iter_weights
 from engine.execution.weights.gguf_file import GGUFFile
 
@@ -36,7 +37,11 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, model_dir: Path, hf_config: object, resolved: ResolvedConfig) -> None:
+    def __init__(self, model_dir: Path, hf_config: object, resolved: ResolvedConfig,
+                 phases: StartupPhases | None = None) -> None:
+        """Loads the weights, packs them and allocates the KV pool: phases times each (the
+        engine's start-up log; a runner built alone logs them too)."""
+        phases = phases or StartupPhases()
         config = resolved.config
         cls = model_class(hf_config.model_type)
         self.model_config = cls.config_from_hf(hf_config)
@@ -44,17 +49,25 @@ class ModelRunner:
         self.device, self.dtype, self.cache_dtype = self.backend.device, self.backend.dtype, self.backend.cache_dtype
         self.block_size = config.block_size
         self.batch = InputBatch()
-        if resolved.quantization is Quantization.GGUF:
-            self.model = self.backend.load_gguf_model(cls, GGUFFile(gguf_path(config.model)))
-        else:
-            self.model = self.backend.load_model(cls, iter_weights(model_dir))
+        with phases.phase(WEIGHT_LOADING):
+            if resolved.quantization is Quantization.GGUF:
+                self.model = self.backend.load_gguf_model(cls, GGUFFile(gguf_path(config.model)))
+            else:
+                self.model = self.backend.load_model(cls, iter_weights(model_dir))
+        with phases.phase(PACKING):
+            self.backend.prepare(self.model)
         mc = self.model_config
-        self.num_kv_blocks = config.num_kv_blocks or max(1, self.backend.kv_cache_bytes() // self._block_bytes)
-        # One pool for all layers: [layers, k/v, slots, kv_heads, head_dim].
-        self.kv_cache = self.backend.allocate_kv_cache(
-            (mc.num_layers, 2, self.num_kv_blocks * self.block_size, mc.num_kv_heads, mc.head_dim))
-        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(mc.num_layers)]
-        self.backend.bind_kv_cache(self.model, self.kv_caches, self.block_size)
+        with phases.phase(KV_CACHE_ALLOCATION):
+            # sized after packing: on a GPU the pool takes what the weights leave
+            self.num_kv_blocks = config.num_kv_blocks or max(1, self.backend.kv_cache_bytes() // self._block_bytes)
+            # One pool for all layers: [layers, k/v, slots, kv_heads, head_dim].
+            self.kv_cache = self.backend.allocate_kv_cache(
+                (mc.num_layers, 2, self.num_kv_blocks * self.block_size, mc.num_kv_heads, mc.head_dim))
+            self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(mc.num_layers)]
+            self.backend.bind_kv_cache(self.model, self.kv_caches, self.block_size)
+        if self.backend.has_warm_up:
+            with phases.phase(WARM_UP):
+                self.backend.warm_up()
         self.sampler = Sampler(self.device, config.seed, self.backend.kernels)
         proposer = make_proposer(config)
         self.speculator = Speculator(proposer, self.sampler, config.speculative_max_batch,

@@ -17,6 +17,7 @@ import torch
 
 from engine.config import EngineConfig, Quantization, usable_cpus
 from engine.execution import kernels as cpu_kernels
+from engine.execution.startup_phases import KERNELS, StartupPhases, timed
 
 _DTYPES = MappingProxyType({"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16})
 
@@ -84,10 +85,11 @@ def _check_cuda(dtype: torch.dtype) -> None:
         raise ValueError("backend: cuda needs Triton (pip install triton matching your torch)")
 
 
-def resolve_config(config: EngineConfig) -> ResolvedConfig:
+def resolve_config(config: EngineConfig, phases: StartupPhases | None = None) -> ResolvedConfig:
     """backend auto: CUDA where there is a GPU (or device=cuda), else the CPU backend (with the
     C++ kernels where they build and enable_cpp_kernels); torch: the pure-torch reference.
-    Builds the C++ kernels on first use (cached) where the CPU backend would run them."""
+    Builds the C++ kernels on first use (cached) where the CPU backend would run them (the
+    start-up phase `kernels` of phases)."""
     if config.backend == "cpu" and config.device == "cuda":
         raise ValueError("backend: cpu runs on device cpu, not cuda")
     device = pick_device({"cuda": "cuda", "cpu": "cpu"}.get(config.backend, config.device))
@@ -101,7 +103,8 @@ def resolve_config(config: EngineConfig) -> ResolvedConfig:
     kernels = None
     if backend == "cpu" and config.enable_cpp_kernels and dtype in (torch.float32, torch.bfloat16):
         # Looked up on the module at call time: a test stands in for a failed build there.
-        kernels = cpu_kernels.load_cpu_kernels()
+        with timed(phases, KERNELS):
+            kernels = cpu_kernels.load_cpu_kernels()
     isa = pick_isa(kernels, config.kernel_isa)
     quantization = asked
     if asked is Quantization.AUTO:

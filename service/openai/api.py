@@ -132,6 +132,9 @@ class OpenAIFrontDoor:
 
         @app.get("/health")
         async def health() -> JSONResponse:
+            if self.state.engine is None and not self.state.is_draining:
+                # what the start waits for: the gRPC health protocol has no field to say it
+                return JSONResponse({"status": "loading", "phase": self.state.loading_phase}, status_code=503)
             try:
                 self.state.ready_engine()
             except EngineUnavailableError as exc:

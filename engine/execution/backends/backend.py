@@ -42,22 +42,30 @@ class Backend:
 
     def load_model(self, model_class: type[nn.Module], weights: Iterable[tuple[str, torch.Tensor]]) -> nn.Module:
         """The model built on the device (its initial values are overwritten: on a GPU that init
-        takes a moment, not a CPU's minutes for a billion parameters), its weights loaded and put
-        in the form this backend runs."""
+        takes a moment, not a CPU's minutes for a billion parameters), its weights loaded in
+        this backend's dtype; prepare() then puts them in the form it runs."""
         with torch.device(self.device):
             model = model_class(self.model_config)
         model.load_weights(weights)
-        model = model.to(device=self.device, dtype=self.dtype).eval()
-        self.prepare(model)
-        return model
+        return model.to(device=self.device, dtype=self.dtype).eval()
 
     def load_gguf_model(self, model_class: type[nn.Module], gguf: GGUFFile) -> nn.Module:
-        """The model with a GGUF file's quantized blocks kept as they are (quantization gguf).
-        resolve_config gives quantization gguf to the CPU backend only: no user reaches this."""
+        """The model with a GGUF file's quantized blocks kept as they are (quantization gguf),
+        for prepare(). resolve_config gives quantization gguf to the CPU backend only: no user
+        reaches this."""
         raise NotImplementedError(f"the {self.name} backend runs no GGUF blocks")
 
     def prepare(self, model: nn.Module) -> None:
-        """Pack or bind the loaded model's weights (nothing for the reference)."""
+        """Pack or bind the loaded model's weights (nothing for the reference): apart from
+        loading, so a start can time the two."""
+
+    @property
+    def has_warm_up(self) -> bool:
+        """Whether warm_up() does anything (it is a start-up phase of its own)."""
+        return False
+
+    def warm_up(self) -> None:
+        """Once the KV pool is bound: pay now what the first steps would (CUDA graph capture)."""
 
     def kv_cache_bytes(self) -> int:
         """The KV pool's size when num_kv_blocks is unset: kv_cache_gib."""

@@ -65,17 +65,12 @@ class CpuBackend(Backend):
     def load_gguf_model(self, model_class: type[nn.Module], gguf: GGUFFile) -> nn.Module:
         with torch.device("meta"):  # the file's tensors replace every parameter: no float copy is made
             model = model_class(self.model_config)
-        model = load_gguf_weights(model, gguf).to(dtype=self.dtype)
-        packed = pack_gguf_linears(model, self.dtype, self.kernels, self.isa)
-        if self.config.enable_huge_pages:  # before the fused layers take the panels' addresses
-            place_on_huge_pages([m.panels for m in packed])
-        model.embed_tokens = embedding_of(model, self.dtype, self.kernels)
-        self.fused = FusedModel(model, self.kernels, self.isa)
-        release_free_memory()
-        return model
+        return load_gguf_weights(model, gguf).to(dtype=self.dtype)
 
     def prepare(self, model: nn.Module) -> None:
-        if self.onednn or self.panel_dtype is not None:
+        if self.gguf:
+            self._prepare_gguf(model)
+        elif self.onednn or self.panel_dtype is not None:
             packed = pack_linears(model, self.onednn, self.panel_dtype, self.kernels, self.isa, self.max_fused_tokens,
                                   keep=(model.embed_tokens,))
             if self.panel_dtype is not None:
@@ -88,6 +83,14 @@ class CpuBackend(Backend):
                     model.lm_head.drop_weight()
                 self.fused = FusedModel(model, self.kernels, self.isa)
         release_free_memory()  # the plain weights the packing replaced
+
+    def _prepare_gguf(self, model: nn.Module) -> None:
+        """The GGUF blocks into the integer-dot kernels' panels, and the fused layers over them."""
+        packed = pack_gguf_linears(model, self.dtype, self.kernels, self.isa)
+        if self.config.enable_huge_pages:  # before the fused layers take the panels' addresses
+            place_on_huge_pages([m.panels for m in packed])
+        model.embed_tokens = embedding_of(model, self.dtype, self.kernels)
+        self.fused = FusedModel(model, self.kernels, self.isa)
 
     def allocate_kv_cache(self, shape: tuple[int, ...]) -> torch.Tensor:
         if not self.config.enable_huge_pages:

