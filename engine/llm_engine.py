@@ -269,6 +269,16 @@ class LLMEngine:
         self._pending += self.output_processor.process(updates, now)[0]
         return bool(samples)
 
+    def stop_sample(self, request_id: str, index: int) -> bool:
+        """End one sample of a request now, as a stop (its reader decided the answer is over: a
+        repeated tool call), and free its blocks; the other samples go on. Its final output
+        comes from the next step; False when that sample has already finished."""
+        samples = [s for s in self.scheduler.group(request_id) if s.index == index]
+        now = time.monotonic()
+        updates = [self.scheduler.finish(seq, FinishReason.STOP, now) for seq in samples]
+        self._pending += self.output_processor.process(updates, now)[0]
+        return bool(samples)
+
     def fail_all(self, error: str) -> list[RequestOutput]:
         """End every request with an error (engine shutdown or fault)."""
         now = time.monotonic()

@@ -42,7 +42,7 @@ from engine import (
     SamplingParams,
     StepStats,
 )
-from service.engine_commands import Abort, Add, EngineDeadError, FaultInjector, ResetPrefixCache, Stop
+from service.engine_commands import Abort, Add, EngineDeadError, FaultInjector, ResetPrefixCache, Stop, StopSample
 from service.request_streams import RequestStreams
 
 __all__ = ["AsyncEngine", "EngineDeadError", "KvEventListener", "StatsListener"]
@@ -221,6 +221,11 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._inbox.put(Abort(request_id))
 
+    def stop_sample(self, engine_id: str, index: int) -> None:
+        """End one sample of a request as a stop (its answer is over: a repeated tool call); its
+        final output, with its usage, still comes through the stream. A no-op once it finished."""
+        self._inbox.put(StopSample(engine_id, index))
+
     async def reset_prefix_cache(self) -> bool:
         """Drop the prefix cache between two steps, preempting nothing; False while any request
         holds blocks."""
@@ -322,6 +327,9 @@ class AsyncEngine:
             return False
         if isinstance(cmd, Abort):
             self._engine.abort_request(cmd.request_id)
+            return True
+        if isinstance(cmd, StopSample):
+            self._engine.stop_sample(cmd.request_id, cmd.index)
             return True
         if isinstance(cmd, ResetPrefixCache):
             if cmd.done.set_running_or_notify_cancel():

@@ -20,6 +20,12 @@ class Abort:
 
 
 @dataclass(slots=True)
+class StopSample:
+    request_id: str
+    index: int
+
+
+@dataclass(slots=True)
 class ResetPrefixCache:
     done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from engine import FieldError, RequestOutput, SamplingParams, StructuredOutput
 from service.async_engine import AsyncEngine
-from service.chat.output import ChoiceOutput
+from service.chat.output import ChoiceOutput, StopSample
 from service.chat.reasoning_parser import ReasoningParser, get_reasoning_parser
 from service.chat.tool_grammar import FunctionSpec, LarkText, tool_call_grammar
 from service.chat.tool_parsers import ToolParser, get_tool_parser, parser_for_template
@@ -71,12 +71,12 @@ class ChatPlan:
     tool_parser: ToolParser | None  # None: the answer is not parsed for calls
     reasoning: ReasoningParser | None
     keep_special_tokens: bool = False  # the format's trigger is a special token: the parser must see it
-    holds_calls: bool = False  # a stop string or token may cut a call: calls go out once whole
     reasoning_marker_ids: tuple[int, int] | None = None  # <think>, </think> when each is one token
 
-    def new_output(self) -> ChoiceOutput:
-        """One sample's parse of the answer."""
-        return ChoiceOutput(self.reasoning, self.tool_parser, self.holds_calls, self.reasoning_marker_ids)
+    def new_output(self, stop_sample: StopSample | None = None) -> ChoiceOutput:
+        """One sample's parse of the answer; stop_sample (AsyncEngine.stop_sample) ends the
+        sample's generation once a repeated call has ended its answer."""
+        return ChoiceOutput(self.reasoning, self.tool_parser, self.reasoning_marker_ids, stop_sample)
 
     @property
     def is_tool_grammar(self) -> bool:
@@ -102,7 +102,6 @@ class ChatTools:
             raise FieldError("stop", "cannot go with tool_choice required or a named function (a stop string "
                              "would cut the call)")
         plan = await self.plan(engine, messages, tools, params.structured_output, template_kwargs)
-        plan.holds_calls = plan.tool_parser is not None and bool(params.stop or params.stop_token_ids)
         changes: dict[str, Any] = {}
         if plan.structured_output != params.structured_output:
             changes["structured_output"] = plan.structured_output

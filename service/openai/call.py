@@ -59,7 +59,7 @@ class OpenAICall:
         self.num_prompt_logprobs = body.prompt_logprobs
         # Chat: each choice's reasoning and tool calls parsed out of its text (a pass-through without parsers).
         self.is_reasoning = plan is not None and plan.reasoning is not None
-        self.choice_outputs = [plan.new_output() if plan else ChoiceOutput(None, None)
+        self.choice_outputs = [plan.new_output(engine.stop_sample) if plan else ChoiceOutput(None, None)
                                for _ in range(self.num_choices if self.is_chat else 0)]
 
     def _usage(self) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from engine import FieldError, RequestOutput
 from service.async_engine import EngineDeadError
-from service.chat.tools import ChatPlan
+from service.chat.output import ChoiceOutput
 from service.observability.request_observer import CallInfo
 from service.openai.call import AbortingStreamingResponse, until_disconnected
 from service.openai.protocol import ChatCompletionRequest, UnsupportedFieldError, error_body, validation_field_error
@@ -105,8 +105,8 @@ class ResponsesApi:
             raise
         tools_body = [{"type": "function", "name": f.name, "description": f.description or None,
                        "parameters": f.parameters, "strict": f.strict} for f in tools.functions]
-        call = ResponseCall(self, body, plan, stream, ResponseBuilder(response_id, response_base(
-            body, door.model_name, tools_body)), conversation, handle)
+        call = ResponseCall(self, body, plan.new_output(engine.stop_sample), stream, ResponseBuilder(
+            response_id, response_base(body, door.model_name, tools_body)), conversation, handle)
         if body.stream:
             return AbortingStreamingResponse(call.events(), media_type="text/event-stream",
                                               headers={"cache-control": "no-cache", "x-request-id": response_id})
@@ -118,12 +118,13 @@ class ResponsesApi:
 
 
 class ResponseCall:
-    def __init__(self, api: ResponsesApi, body: ResponsesRequest, plan: ChatPlan,
+    def __init__(self, api: ResponsesApi, body: ResponsesRequest, output: ChoiceOutput,
                  stream: AsyncIterator[RequestOutput], builder: ResponseBuilder, conversation: list[dict[str, Any]],
                  handle: Any) -> None:
+        """output: the answer's parse (ChatPlan.new_output)."""
         self.api, self.body, self.stream, self.builder = api, body, stream, builder
         self.conversation, self.handle = conversation, handle
-        self.output = plan.new_output()
+        self.output = output
         self.final: dict[str, Any] | None = None
         self.error: str | None = None
 
@@ -149,9 +150,10 @@ class ResponseCall:
                 for event in builder.add(self.output.feed(out)):
                     yield event
             # OpenAI's statuses: incomplete (incomplete_details says why) when max_output_tokens
-            # cut the answer, cancelled when it was aborted (a drain, an abort by id).
-            status, incomplete = {"length": ("incomplete", "max_output_tokens"),
-                                  "abort": ("cancelled", None)}.get(last.finish_reason, ("completed", None))
+            # cut the answer, cancelled when it was aborted (a drain, an abort by id); an answer a
+            # repeated call ended is complete (its calls), however the engine then stopped.
+            status, incomplete = {"length": ("incomplete", "max_output_tokens"), "abort": ("cancelled", None)}.get(
+                self.output.finish_reason(last.finish_reason) or "", ("completed", None))
             for event in builder.close(is_cut=status != "completed"):
                 yield event
             usage = {"input_tokens": last.num_prompt_tokens, "output_tokens": last.num_output_tokens,

@@ -185,29 +185,31 @@ class ResponseBuilder:
             self._open["content"][0]["text"] += delta.reasoning
             events.append(self.event("response.reasoning_text.delta", item_id=self._open["id"], output_index=index(),
                                      content_index=0, delta=delta.reasoning))
-        if delta.parsed.content:
-            if self._open is None or self._open["type"] != "message":
-                events += self._item("message", {"role": "assistant", "status": "completed", "content": [
-                    {"type": "output_text", "text": "", "annotations": [], "logprobs": []}]})
-            self._open["content"][0]["text"] += delta.parsed.content
-            events.append(self.event("response.output_text.delta", item_id=self._open["id"], output_index=index(),
-                                     content_index=0, delta=delta.parsed.content, logprobs=[]))
-        for call in delta.parsed.calls:
-            if call.id is not None:
-                events += self._item("function_call", {"call_id": call.id, "name": call.name, "arguments": "",
-                                                       "status": "completed"})
-            if call.arguments:
-                self._open["arguments"] += call.arguments
-                events.append(self.event("response.function_call_arguments.delta", item_id=self._open["id"],
-                                         output_index=index(), delta=call.arguments))
+        for piece in delta.pieces:  # in the answer's order: text after a call is a message after it
+            if piece.content:
+                if self._open is None or self._open["type"] != "message":
+                    events += self._item("message", {"role": "assistant", "status": "completed", "content": [
+                        {"type": "output_text", "text": "", "annotations": [], "logprobs": []}]})
+                self._open["content"][0]["text"] += piece.content
+                events.append(self.event("response.output_text.delta", item_id=self._open["id"],
+                                         output_index=index(), content_index=0, delta=piece.content, logprobs=[]))
+            for call in piece.calls:
+                if call.id is not None:
+                    events += self._item("function_call", {"call_id": call.id, "name": call.name, "arguments": "",
+                                                           "status": "completed"})
+                if call.arguments:
+                    self._open["arguments"] += call.arguments
+                    events.append(self.event("response.function_call_arguments.delta", item_id=self._open["id"],
+                                             output_index=index(), delta=call.arguments))
         return events
 
     def close(self, is_cut: bool = False) -> list[str]:
-        """The open item's closing events (is_cut: the answer stopped inside it: incomplete)."""
+        """The open item's closing events (is_cut: the answer stopped inside it: incomplete; a
+        function_call is always whole: a cut call's text is a message)."""
         item, self._open = self._open, None
         if item is None:
             return []
-        if is_cut and "status" in item:
+        if is_cut and "status" in item and item["type"] != "function_call":
             item["status"] = "incomplete"
         index, events = self.output.index(item), []
         if item["type"] == "reasoning":

@@ -168,6 +168,27 @@ def test_abort_frees_blocks_and_reports(tiny_llm: LLM) -> None:
     assert not engine.abort_request(rid)
 
 
+def test_stop_sample_ends_one_sample_and_frees_its_blocks(tiny_llm: LLM) -> None:
+    """A reader that decided a sample's answer is over (a repeated tool call) stops that sample
+    alone: it finishes as a stop, the others go on, and no block is left held."""
+    engine = tiny_llm.engine
+    rid = engine.add_request(list(range(1, 30)), SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=40,
+                                                                ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    used = engine.block_manager.num_used_blocks
+    assert engine.stop_sample(rid, 1)
+    assert engine.block_manager.num_used_blocks < used and engine.num_running == 2
+    assert not engine.stop_sample(rid, 1)  # already finished: a no-op
+    finals = {}
+    while engine.has_unfinished_requests():
+        outputs, _ = engine.step()
+        finals |= {o.index: o for o in outputs if o.request_id == rid and o.is_finished}
+    assert finals[1].finish_reason == "stop" and len(finals[1].token_ids) < 40
+    assert finals[0].finish_reason == finals[2].finish_reason == "length"
+    assert engine.block_manager.count_referenced_blocks() == 0
+
+
 @pytest.mark.parametrize("kwargs, field", [
     ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_k": -5}, "top_k"),
     ({"min_p": 2}, "min_p"), ({"max_tokens": 0}, "max_tokens"), ({"min_tokens": -1}, "min_tokens"),

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 
 from service.chat.tool_parsers.base import (
+    CutCall,
     ParsedAnswer,
     ParsedDelta,
     ToolCall,
@@ -42,5 +43,5 @@ def parser_for_template(template: str | None) -> str:
     return GENERIC_PARSER
 
 
-__all__ = ["GENERIC_PARSER", "TOOL_PARSERS", "ParsedAnswer", "ParsedDelta", "ToolCall", "ToolCallDelta",
+__all__ = ["GENERIC_PARSER", "TOOL_PARSERS", "CutCall", "ParsedAnswer", "ParsedDelta", "ToolCall", "ToolCallDelta",
            "ToolCallStream", "ToolParser", "get_tool_parser", "parser_for_template"]

@@ -46,6 +46,19 @@ class ParsedDelta:
                 self.calls.append(ToolCallDelta(call.index, call.id, call.name, call.arguments))
 
 
+class _RepeatedCall(Exception):
+    """A whole-calls stream met a call it already made: the parse ends there."""
+
+
+@dataclass(frozen=True, slots=True)
+class CutCall:
+    """A call that ended before its JSON did: its index (None when cut before its name) and its
+    text from the whitespace before it (the format's opening marker included where it has one)."""
+
+    index: int | None
+    text: str
+
+
 @dataclass(slots=True)
 class ToolCall:
     id: str
@@ -81,7 +94,8 @@ class ToolCallStream:
     """One answer's parse. Subclasses scan self.text from self.pos; they emit content through
     _content and calls through _call_progress. num_cut_calls: calls that ended before their JSON
     did (a stop string, a stop token or an abort cut them; max_tokens too), so their arguments
-    may not parse."""
+    may not parse; cut_calls has each one's text (named or not), for a reader that returns only
+    whole calls (service/chat/output.py)."""
 
     new_id: ClassVar[Callable[[], str]] = staticmethod(new_call_id)
 
@@ -89,7 +103,7 @@ class ToolCallStream:
         self.text = ""
         self.pos = 0
         self.is_final = False
-        self._out = ParsedDelta()
+        self._pieces: list[ParsedDelta] = []  # this feed's deltas, in order (content, then calls, each)
         self._held_space = ""  # whitespace at the end of the content so far: a call may follow
         self._skip_space = False  # just after a call: whitespace there is not content
         self._num_calls = 0
@@ -98,13 +112,72 @@ class ToolCallStream:
         self._call_sent = 0  # characters of its arguments sent
         self._call_index: int | None = None
         self.num_cut_calls = 0
+        self.cut_calls: list[CutCall] = []
+        # A reader that returns whole calls only (service/chat/output.py) sets whole_calls: a cut
+        # call's text is then also sent as content (in its place among the content), and a call
+        # identical to one already made (same name and arguments) ends the parse there.
+        self.whole_calls = False
+        self.repeated_index: int | None = None  # the repeated call that ended the parse
+        self._made: set[tuple[str, str]] = set()
+        self._has_content = False
+
+    @property
+    def open_call_index(self) -> int | None:
+        """The index of the call being written (its JSON not closed yet); None between calls."""
+        return self._call_index if self._call is not None else None
+
+    def _cut(self, end: int) -> None:
+        """The current call ended before its JSON did: its text is kept (cut_calls) and, for a
+        whole-calls reader, is content, with the whitespace before it when content came first."""
+        start = self._call_start
+        while self._has_content and start > 0 and self.text[start - 1] in " \t\r\n":
+            start -= 1
+        self.cut_calls.append(CutCall(self._call_index, self.text[start:end]))
+        self.num_cut_calls += self._call_index is not None
+        if self.whole_calls:
+            self._content(self.text[start:end])
+
+    def _is_repeat(self, call: CallObjectScanner) -> bool:
+        """Whether a finished call repeats one this answer already made (same name, same
+        arguments, whatever their layout); remembers it otherwise."""
+        try:
+            arguments = json.dumps(json.loads(call.arguments), sort_keys=True)
+        except ValueError:
+            arguments = call.arguments
+        key = (call.name or "", arguments)
+        if key in self._made:
+            return True
+        self._made.add(key)
+        return False
 
     def feed(self, text: str, is_final: bool = False) -> ParsedDelta:
+        out = ParsedDelta()
+        for piece in self.feed_in_order(text, is_final):
+            out.extend(piece)
+        return out
+
+    def feed_in_order(self, text: str, is_final: bool = False) -> list[ParsedDelta]:
+        """feed's delta as pieces in the answer's order: each piece's content comes before its
+        calls, so content after a call starts a new piece (the Responses API's items follow it)."""
         self.text += text
         self.is_final = self.is_final or is_final
-        self._scan()
-        out, self._out = self._out, ParsedDelta()
-        return out
+        if self.repeated_index is None:  # after a repeated call nothing more is read
+            try:
+                self._scan()
+            except _RepeatedCall:  # from deep inside a format's scan: it ends the answer
+                self._call = None
+        pieces, self._pieces = self._pieces, []
+        return pieces
+
+    def _content_piece(self) -> ParsedDelta:
+        if not self._pieces or self._pieces[-1].calls:
+            self._pieces.append(ParsedDelta())
+        return self._pieces[-1]
+
+    def _call_piece(self) -> ParsedDelta:
+        if not self._pieces:
+            self._pieces.append(ParsedDelta())
+        return self._pieces[-1]
 
     def _scan(self) -> None:
         raise NotImplementedError
@@ -118,16 +191,21 @@ class ToolCallStream:
                 return
             text, self._skip_space = stripped, False
         text = self._held_space + text
+        self._has_content = self._has_content or bool(text.strip())
         if before_call:
-            self._out.content += text.rstrip()
+            self._add_content(text.rstrip())
             self._held_space = ""
             return
         body = text.rstrip()
-        self._out.content += body
+        self._add_content(body)
         self._held_space = text[len(body):]
         if self.is_final:
-            self._out.content += self._held_space
+            self._add_content(self._held_space)
             self._held_space = ""
+
+    def _add_content(self, text: str) -> None:
+        if text:
+            self._content_piece().content += text
 
     def _content_until(self, marker: str) -> int | None:
         """Content from self.pos up to marker: its index when found, else None, having sent all
@@ -161,13 +239,13 @@ class ToolCallStream:
             call.finish()
             if not call.is_done and not call.is_error:  # cut off (max_tokens, a stop)
                 self._call_progress()  # what came is kept, as it was streamed; before its name, nothing
-                self.num_cut_calls += self._call_index is not None
+                self._cut(len(self.text))
                 self._call = None
                 self.pos = len(self.text)
                 return "done"
         if call.is_error or (call.is_done and call.name is None) or (self.is_final and not call.is_done):
             if self._call_index is not None:  # already streamed: ends where it broke
-                self.num_cut_calls += 1
+                self._cut(self.pos)
                 self._call = None
                 return "done"
             self._call = None
@@ -175,6 +253,9 @@ class ToolCallStream:
             return "failed"
         self._call_progress()
         if call.is_done:
+            if self.whole_calls and self._is_repeat(call):
+                self.repeated_index = self._call_index
+                raise _RepeatedCall
             self._call = None
             return "done"
         return "more"
@@ -186,11 +267,11 @@ class ToolCallStream:
         if self._call_index is None:
             self._call_index = self._num_calls
             self._num_calls += 1
-            self._out.calls.append(ToolCallDelta(self._call_index, self.new_id(), call.name))
+            self._call_piece().calls.append(ToolCallDelta(self._call_index, self.new_id(), call.name))
         if call.has_arguments:
             arguments = call.arguments
             if len(arguments) > self._call_sent:
-                self._out.extend(ParsedDelta(calls=[ToolCallDelta(self._call_index,
+                self._call_piece().extend(ParsedDelta(calls=[ToolCallDelta(self._call_index,
                                                                   arguments=arguments[self._call_sent:])]))
                 self._call_sent = len(arguments)
 
