@@ -263,19 +263,20 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> bool:
         """Stop a request (every sample of it) now and free its blocks; its final outputs come
         from the next step."""
-        samples = self.scheduler.group(request_id)
-        now = time.monotonic()
-        updates = [self.scheduler.finish(seq, FinishReason.ABORT, now) for seq in samples]
-        self._pending += self.output_processor.process(updates, now)[0]
-        return bool(samples)
+        return self._finish_samples(self.scheduler.group(request_id), FinishReason.ABORT)
 
     def stop_sample(self, request_id: str, index: int) -> bool:
         """End one sample of a request now, as a stop (its reader decided the answer is over: a
         repeated tool call), and free its blocks; the other samples go on. Its final output
         comes from the next step; False when that sample has already finished."""
-        samples = [s for s in self.scheduler.group(request_id) if s.index == index]
+        return self._finish_samples([s for s in self.scheduler.group(request_id) if s.index == index],
+                                    FinishReason.STOP)
+
+    def _finish_samples(self, samples: list[Sequence], reason: FinishReason) -> bool:
+        """Finish these samples now with reason, freeing their blocks; their outputs go out with
+        the next step. False when there were none."""
         now = time.monotonic()
-        updates = [self.scheduler.finish(seq, FinishReason.STOP, now) for seq in samples]
+        updates = [self.scheduler.finish(seq, reason, now) for seq in samples]
         self._pending += self.output_processor.process(updates, now)[0]
         return bool(samples)
 

@@ -10,18 +10,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from engine import is_encodable
+
 # Lists of these are skipped whole (a prompt of token ids), decided by a C-level pass over types.
 _SCALARS = frozenset({int, float, bool, type(None)})
-
-
-def is_encodable(text: str) -> bool:
-    if text.isascii():
-        return True
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _fields(model: Any) -> list[tuple[str, Any]]:

@@ -159,16 +159,27 @@ class InputProcessor:
         return token_ids
 
 
-def _check_encodable(text: str, field: str) -> None:
-    """Refuse text the tokenizer cannot take: a lone surrogate ("\\ud800", which JSON can spell)
-    has no UTF-8 form, and the tokenizer would fail on it with a TypeError."""
+def encoding_error(text: str) -> UnicodeEncodeError | None:
+    """Why the tokenizer cannot take text, or None: a lone surrogate ("\\ud800", which JSON can
+    spell) has no UTF-8 form, and the tokenizer would fail on it with a TypeError."""
     if text.isascii():
-        return
+        return None
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
+        return exc
+    return None
+
+
+def is_encodable(text: str) -> bool:
+    return encoding_error(text) is None
+
+
+def _check_encodable(text: str, field: str) -> None:
+    exc = encoding_error(text)
+    if exc is not None:
         raise FieldError(field, f"is not valid Unicode text: {exc.object[exc.start:exc.end]!a} at character "
-                         f"{exc.start} (a lone surrogate) cannot be encoded as UTF-8") from None
+                         f"{exc.start} (a lone surrogate) cannot be encoded as UTF-8")
 
 
 def max_token_chars(tokenizer: Any) -> int | None:
