@@ -53,11 +53,9 @@ class ChoiceOutput:
         self._pending: dict[int, ToolCallDelta] = {}  # calls being written, by the parser's index
         self._num_sent = 0  # calls sent (a dropped call leaves no gap in the indices)
         self._stop_sample = stop_sample
-        self._is_stop_asked = False
         self.answer = ParsedAnswer()
         self.reasoning = ""
         self.num_reasoning_tokens = 0
-        self.is_parsed = reasoning is not None or tools is not None
 
     @property
     def ended_on_repeat(self) -> bool:
@@ -71,9 +69,8 @@ class ChoiceOutput:
             self._token_count.feed(out.new_token_ids)
             self.num_reasoning_tokens = self._token_count.num_tokens
         delta = self.feed_text(out.new_text, len(out.new_token_ids), out.is_finished)
-        if self.ended_on_repeat and not out.is_finished and self._stop_sample is not None \
-                and not self._is_stop_asked:
-            self._is_stop_asked = True
+        # Asked once: the next feed returns early above.
+        if self.ended_on_repeat and not out.is_finished and self._stop_sample is not None:
             self._stop_sample(out.request_id, out.index)
         return delta
 

@@ -53,8 +53,6 @@ def sampling_params_from_message(msg: Message, how: SamplingMessage) -> Sampling
         if not field.has_presence and not value and name in how.zero:
             value = how.zero[name]
         kwargs[name] = list(value) if name in ("stop", "stop_token_ids") else value
-    if msg.HasField("max_tokens") and msg.max_tokens == 0:
-        raise FieldError("max_tokens", "must be >= 1, got 0", sep=" ").renamed(how.names)
     if msg.logit_bias:
         kwargs["logit_bias"] = dict(msg.logit_bias)
     kind = msg.WhichOneof(how.constraint)
@@ -67,4 +65,7 @@ def sampling_params_from_message(msg: Message, how: SamplingMessage) -> Sampling
             kwargs["structured_output"] = StructuredOutput("json_object")
     elif kind is not None:
         kwargs["structured_output"] = StructuredOutput(kind, getattr(msg, kind))
-    return SamplingParams(**kwargs)
+    try:
+        return SamplingParams(**kwargs)
+    except FieldError as exc:  # the engine's check, in this door's field names
+        raise exc.renamed(how.names) from None

@@ -92,10 +92,9 @@ class ParsedAnswer:
 
 class ToolCallStream:
     """One answer's parse. Subclasses scan self.text from self.pos; they emit content through
-    _content and calls through _call_progress. num_cut_calls: calls that ended before their JSON
-    did (a stop string, a stop token or an abort cut them; max_tokens too), so their arguments
-    may not parse; cut_calls has each one's text (named or not), for a reader that returns only
-    whole calls (service/chat/output.py)."""
+    _content and calls through _call_progress. cut_calls: each call that ended before its JSON did
+    (a stop string, a stop token, an abort or max_tokens cut it, so its arguments may not parse),
+    with its text (named or not), for a reader that returns only whole calls (service/chat/output.py)."""
 
     new_id: ClassVar[Callable[[], str]] = staticmethod(new_call_id)
 
@@ -111,7 +110,6 @@ class ToolCallStream:
         self._call_start = 0  # where the current call's text began (it is content if it fails)
         self._call_sent = 0  # characters of its arguments sent
         self._call_index: int | None = None
-        self.num_cut_calls = 0
         self.cut_calls: list[CutCall] = []
         # A reader that returns whole calls only (service/chat/output.py) sets whole_calls: a cut
         # call's text is then also sent as content (in its place among the content), and a call
@@ -133,7 +131,6 @@ class ToolCallStream:
         while self._has_content and start > 0 and self.text[start - 1] in " \t\r\n":
             start -= 1
         self.cut_calls.append(CutCall(self._call_index, self.text[start:end]))
-        self.num_cut_calls += self._call_index is not None
         if self.whole_calls:
             self._content(self.text[start:end])
 
