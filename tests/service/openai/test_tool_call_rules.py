@@ -55,9 +55,10 @@ def test_calls_cut_by_max_tokens_are_never_returned(tool_server: ServerThread, c
             assert c.finish_reason in ("tool_calls", "length", "stop"), c
             if c.finish_reason == "tool_calls":
                 assert calls
+            if choice != "auto":  # the grammar makes the answer calls: whole ones, or one cut by max_tokens
+                assert calls or c.finish_reason == "length", c
             if c.finish_reason == "length" and "<tool_call>" in (c.message.content or ""):
                 num_cut += 1  # the cut call's text came back as content
-        assert out.usage.completion_tokens <= 4 * (16 + 12 * seed)
     assert num_cut >= 4, "max_tokens was meant to cut calls"
     assert num_calls >= 4, "some calls were meant to complete"
     _no_blocks_held(tool_server)

@@ -67,6 +67,7 @@ def test_compiled_kernels_are_taken_only_for_their_torch_and_sources(tmp_path: P
     with caplog.at_level(logging.WARNING, logger="engine.execution.kernels"):
         assert load_shipped_kernels(_shipped(tmp_path / "old-torch", torch="2.12.0+cpu")) is None
         assert "built for torch 2.12.0+cpu" in caplog.text
+        caplog.clear()
         edited = _shipped(tmp_path / "edited")
         (edited / "simd_exp.h").write_text((edited / "simd_exp.h").read_text() + "\n// edited\n")
         assert load_shipped_kernels(edited) is None
