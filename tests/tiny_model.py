@@ -149,7 +149,7 @@ _COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden
 
 
 def family_config(family: str):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     if family == "llama3-rope":
         return LlamaConfig(**_COMMON, tie_word_embeddings=False, rope_parameters={
@@ -164,7 +164,16 @@ def family_config(family: str):
                            max_window_layers=1)
     if family == "mistral-window":  # a window far shorter than the prompts
         return MistralConfig(**_COMMON, tie_word_embeddings=False, sliding_window=8)
+    if family == "qwen3":  # head_dim 32 != hidden / heads (16), as Qwen3's 128 is at every size
+        return Qwen3Config(**{**_COMMON, "rms_norm_eps": 1e-6}, head_dim=32, tie_word_embeddings=True,
+                           rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    if family == "gemma3":  # layers: window, window, full; windows far shorter than the prompts
+        return Gemma3TextConfig(**{**_COMMON, "rms_norm_eps": 1e-6, "num_hidden_layers": 3}, head_dim=32,
+                                query_pre_attn_scalar=24, sliding_window=8, sliding_window_pattern=3,
+                                rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                                    "rope_theta": 1000000.0},
+                                                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
     raise ValueError(family)
 
 
-FAMILIES = ["llama3-rope", "qwen2-tied", "qwen2-untied", "qwen2-sliding", "mistral-window"]
+FAMILIES = ["llama3-rope", "qwen2-tied", "qwen2-untied", "qwen2-sliding", "mistral-window", "qwen3", "gemma3"]

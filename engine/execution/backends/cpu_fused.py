@@ -19,6 +19,15 @@ from torch import nn
 
 from engine.execution.attention import AttentionMetadata, attention
 from engine.execution.backends.cpu_gguf import kernel_args
+from engine.execution.models.model_config import ModelConfig
+
+
+def can_fuse(mc: ModelConfig) -> bool:
+    """Whether the C++ layers compute this family's layer: Llama's recipe (one rope, SiLU, two
+    norms a layer, no query/key norms, unscaled embeddings). Other families take the modules'
+    path, whose products still run on the panels."""
+    return not (mc.qk_norm or mc.sandwich_norms or mc.hidden_act != "silu" or mc.embed_scale is not None
+                or len(mc.ropes) > 1)
 
 
 @dataclass(slots=True)

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2; Mistral and Qwen2 subclass it) over a paged KV cache.
+"""Llama-family decoder (Llama 2/3, SmolLM2; Mistral, Qwen2/3 and Gemma 3 subclass it) over a paged KV cache.
 
 Follows transformers' LlamaForCausalLM numerics (RMSNorm in fp32, rotate-half RoPE, SiLU
 gated MLP) so greedy output matches `generate()` token for token, with two changes for
@@ -6,6 +6,10 @@ speed: Q/K/V and gate/up projections are fused into one GEMM each, and the whole
 works on a packed [num_tokens, hidden] batch with no padding. The model owns how checkpoint
 tensors map onto those fused weights (`load_weights`), and refuses a checkpoint with a tensor
 missing, unknown or of the wrong shape.
+
+The families differ by ModelConfig fields, not by forks of this code: per-head query/key norms
+(Qwen3, Gemma 3), Gemma's norms of the attention's and the MLP's outputs, GeGLU, scaled
+embeddings, a softmax scale of its own, and per-layer windows and ropes.
 """
 from __future__ import annotations
 
@@ -23,7 +27,9 @@ from engine.execution.models.model_config import ModelConfig
 # Checkpoint projection -> (our fused projection, its shard index).
 _STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
             "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
-_HF_MODULE = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp", "down_proj": "mlp"}
+_HF_MODULE = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp", "down_proj": "mlp",
+              "q_norm": "self_attn", "k_norm": "self_attn"}
+_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
 class DecoderLayer(nn.Module):
@@ -32,15 +38,24 @@ class DecoderLayer(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.attn_scale
         self.sliding_window = cfg.sliding_windows[layer_index]
+        self.rope_index = cfg.layer_ropes[layer_index]
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # The MLP's input norm (Llama's name for it; Gemma calls it pre_feedforward_layernorm).
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        # Gemma: the attention's and the MLP's outputs normed before their residual adds.
+        self.attn_output_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.sandwich_norms else None
+        self.mlp_output_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.sandwich_norms else None
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
         self.intermediate_size = cfg.intermediate_size
+        self.hidden_act = cfg.hidden_act
+        self.act = _ACTIVATIONS[cfg.hidden_act]
         self.eps = cfg.rms_norm_eps
 
     @property
@@ -57,16 +72,26 @@ class DecoderLayer(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         write_kv(k_cache, v_cache, k, v, attn.slot_mapping)
         o = attention(q, k, v, k_cache, v_cache, attn, self.scale, self.sliding_window)
-        h = x + self.o_proj(o.reshape(num_tokens, self.q_size))
+        o = self.o_proj(o.reshape(num_tokens, self.q_size))
+        h = x + (o if self.attn_output_norm is None else self.attn_output_norm(o))
         gate, up = self.gate_up_proj(self.post_attention_layernorm(h)).split(self.intermediate_size, dim=-1)
-        return h + self.down_proj(F.silu(gate) * up)
+        m = self.down_proj(self.act(gate) * up)
+        return h + (m if self.mlp_output_norm is None else self.mlp_output_norm(m))
 
 
 class LlamaForCausalLM(nn.Module):
+    #: Our layer-norm module -> the checkpoint's name for it, where they differ (Gemma's).
+    NORM_NAMES: dict[str, str] = {}
+    #: Added to every norm weight at load: Gemma's norms scale by (1 + weight), which the
+    #: float32 weights hold once added (the same rounding as transformers' per-step sum).
+    NORM_WEIGHT_OFFSET = 0.0
+
     @classmethod
     def config_from_hf(cls, hf: Any) -> ModelConfig:
         # Llama puts attention_bias on q/k/v and o alike.
@@ -81,41 +106,53 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        # cos / sin of every position, made on first use on the device the forward runs on: a
-        # plain attribute, not a buffer, so model.to(bfloat16) leaves it (and the frequencies it
-        # is made from) in float32.
-        self.rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None
+        # cos / sin of every position per rope, made on first use on the device the forward runs
+        # on: a plain attribute, not a buffer, so model.to(bfloat16) leaves it (and the
+        # frequencies it is made from) in float32.
+        self.rope_tables: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         for p in self.parameters():
             p.requires_grad_(False)
 
-    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [T] -> cos, sin: [T, head_dim] float32, rows of tables made once.
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids: [T] -> [T, hidden] in the embedding's dtype, scaled where the family scales
+        it (by the scale rounded to that dtype, as transformers does)."""
+        x = self.embed_tokens(input_ids)
+        if self.config.embed_scale is not None:
+            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
+        return x
+
+    def rope(self, positions: torch.Tensor, index: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T] -> cos, sin: [T, head_dim] float32 of rope `index`, rows of tables made once.
 
         Why tables: computing them per step took about 15 small ops, each slow after a batch-1
         decode's weight stream left the caches cold. Why float32: frequencies rounded to
         bfloat16 (as a buffer is by model.to) are up to 0.4 % off, so the angles drift from the
         checkpoint's, by radians at a thousand positions in absolute terms. (RoPE's scores see
         relative angles: SmolLM2-135M's perplexity did not move.)"""
-        cos_table, sin_table = self.rope_tables_on(positions.device)
+        cos_table, sin_table = self.rope_tables_on(positions.device, index)
         return cos_table[positions], sin_table[positions]
 
-    def rope_tables_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of every position: [max_positions, head_dim] float32 each, made on first use."""
-        if self.rope_tables is None or self.rope_tables[0].device != device:
+    def rope_tables_on(self, device: torch.device, index: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of every position for rope `index`: [max_positions, head_dim] float32 each,
+        made on first use."""
+        if self.rope_tables is None or self.rope_tables[0][0].device != device:
             cfg = self.config
             steps = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
-            freqs = steps.unsqueeze(1) * cfg.inv_freq.float().unsqueeze(0)  # [max_positions, head_dim / 2]
-            emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
-            self.rope_tables = ((emb.cos() * cfg.rope_scale).to(device),
-                                (emb.sin() * cfg.rope_scale).to(device))
-        return self.rope_tables
+            self.rope_tables = []
+            for rope in cfg.ropes:
+                freqs = steps.unsqueeze(1) * rope.inv_freq.float().unsqueeze(0)  # [max_positions, head_dim / 2]
+                emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
+                self.rope_tables.append(((emb.cos() * rope.scale).to(device), (emb.sin() * rope.scale).to(device)))
+        return self.rope_tables[index]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         # input_ids, positions: [T] -> hidden: [T, hidden]
-        x = self.embed_tokens(input_ids)
-        cos, sin = (t.to(x.dtype).unsqueeze(1) for t in self.rope(positions))  # [T, 1, head_dim]
+        x = self.embed(input_ids)
+        ropes = [tuple(t.to(x.dtype).unsqueeze(1) for t in self.rope(positions, i))  # [T, 1, head_dim] each
+                 for i in range(len(self.config.ropes))]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            cos, sin = ropes[layer.rope_index]
             x = layer(x, cos, sin, attn, k_cache, v_cache)
         return self.norm(x)
 
@@ -147,40 +184,41 @@ class LlamaForCausalLM(nn.Module):
             elif module in _HF_MODULE:
                 expected[name] = f"{prefix}.{module}.{kind}"
             else:
-                expected[name] = f"model.{name}"
+                expected[name] = f"model.layers.{layer}.{self.NORM_NAMES.get(module, module)}.{kind}"
         return expected
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """A checkpoint tensor's name as _expected_weights spells it; None for a tensor this model
+        ignores (Gemma 3's vision tower in a multimodal checkpoint)."""
+        return name
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors, fusing q/k/v and gate/up on the way. Raises ValueError naming
         the tensor when one is unknown, repeated, of the wrong shape, or missing."""
         params = dict(self.named_parameters())
         expected = self._expected_weights()
+        key_of = {hf: key for key, hf in expected.items()}
         loaded: set[str] = set()
         for hf_name, tensor in weights:
-            name = hf_name.removeprefix("model.")
-            if "rotary_emb" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
+            name = self.checkpoint_name(hf_name)
+            if name is None or "rotary_emb" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
                 continue
-            parts = name.split(".")
-            key, dest = name, None
-            if len(parts) == 5 and parts[0] == "layers" and parts[3] in _STACKED:
-                fused, shard = _STACKED[parts[3]]
-                param_name = f"layers.{parts[1]}.{fused}.{parts[4]}"
-                key = f"{param_name}#{shard}"
-                if param_name in params:
-                    sizes = self._shard_sizes(fused)
-                    start = sum(sizes[:shard])
-                    dest = params[param_name].data[start : start + sizes[shard]]
-            else:
-                if len(parts) == 5 and parts[0] == "layers" and parts[3] in ("o_proj", "down_proj"):
-                    key = f"layers.{parts[1]}.{parts[3]}.{parts[4]}"
-                if key in params:
-                    dest = params[key].data
-            if dest is None or key not in expected:
+            key = key_of.get(name)
+            if key is None:
                 raise ValueError(f"unexpected weight {hf_name!r} in checkpoint")
+            param_name, _, shard = key.partition("#")
+            dest = params[param_name].data
+            if shard:
+                fused = param_name.split(".")[2]
+                sizes = self._shard_sizes(fused)
+                start = sum(sizes[: int(shard)])
+                dest = dest[start : start + sizes[int(shard)]]
             if key in loaded:
                 raise ValueError(f"weight {hf_name!r} appears twice in the checkpoint")
             if tuple(tensor.shape) != tuple(dest.shape):
                 raise ValueError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+            if self.NORM_WEIGHT_OFFSET and param_name.endswith("norm.weight"):
+                tensor = tensor.float() + self.NORM_WEIGHT_OFFSET
             dest.copy_(tensor)
             loaded.add(key)
         missing = [hf for key, hf in expected.items() if key not in loaded]

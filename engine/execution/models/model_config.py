@@ -7,6 +7,15 @@ from typing import Any
 import torch
 
 
+@dataclass(frozen=True, slots=True)
+class Rope:
+    """One rotary embedding: its inverse frequencies and the attention factor some variants
+    apply to cos/sin (1.0 for most)."""
+
+    inv_freq: torch.Tensor  # [head_dim // 2] float32
+    scale: float
+
+
 @dataclass(slots=True)
 class ModelConfig:
     model_type: str
@@ -22,16 +31,40 @@ class ModelConfig:
     tie_word_embeddings: bool
     qkv_bias: bool
     o_proj_bias: bool
-    inv_freq: torch.Tensor  # [head_dim // 2]
-    rope_scale: float  # attention factor some RoPE variants apply to cos/sin
+    # The distinct rotary embeddings (Gemma 3: one for its global layers, one for its window
+    # layers) and, per layer, the index of the one it uses.
+    ropes: tuple[Rope, ...]
+    layer_ropes: tuple[int, ...]
     # Per layer: None (full causal attention) or W (a query sees itself and the W - 1 keys before it).
     sliding_windows: tuple[int | None, ...]
+    attn_scale: float = 0.0  # softmax scale of the scores; 0: head_dim ** -0.5
+    qk_norm: bool = False  # RMSNorm over each head's query and key before RoPE (Qwen3, Gemma 3)
+    # Gemma's four norms a layer: the attention's and the MLP's outputs are normed before their
+    # residual adds, besides the usual norms of their inputs.
+    sandwich_norms: bool = False
+    hidden_act: str = "silu"  # the gated MLP's activation: silu or gelu_tanh (GeGLU)
+    embed_scale: float | None = None  # Gemma multiplies the embeddings by sqrt(hidden)
+
+    def __post_init__(self) -> None:
+        if not self.attn_scale:
+            self.attn_scale = self.head_dim**-0.5
+
+    @property
+    def inv_freq(self) -> torch.Tensor:
+        """The first rope's frequencies (every layer's, in a model with one)."""
+        return self.ropes[0].inv_freq
+
+    @property
+    def rope_scale(self) -> float:
+        return self.ropes[0].scale
 
     @classmethod
-    def from_hf(cls, hf: Any, qkv_bias: bool | None = None, o_proj_bias: bool = False) -> ModelConfig:
+    def from_hf(cls, hf: Any, qkv_bias: bool | None = None, o_proj_bias: bool = False, **family: Any) -> ModelConfig:
+        """family: the fields a family sets beyond Llama's (qk_norm, sandwich_norms, hidden_act,
+        embed_scale, attn_scale)."""
         num_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
-        inv_freq, rope_scale = _rope_inv_freq(hf, head_dim)
+        ropes, layer_ropes = _ropes(hf, head_dim)
         return cls(
             model_type=hf.model_type,
             vocab_size=hf.vocab_size,
@@ -46,9 +79,10 @@ class ModelConfig:
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             qkv_bias=bool(getattr(hf, "attention_bias", False)) if qkv_bias is None else qkv_bias,
             o_proj_bias=o_proj_bias,
-            inv_freq=inv_freq,
-            rope_scale=rope_scale,
+            ropes=ropes,
+            layer_ropes=layer_ropes,
             sliding_windows=_sliding_windows(hf),
+            **family,
         )
 
 
@@ -63,16 +97,28 @@ def _sliding_windows(hf: Any) -> tuple[int | None, ...]:
     return (window or None,) * hf.num_hidden_layers
 
 
-def _rope_inv_freq(hf: Any, head_dim: int) -> tuple[torch.Tensor, float]:
+def _ropes(hf: Any, head_dim: int) -> tuple[tuple[Rope, ...], tuple[int, ...]]:
+    """The distinct ropes and each layer's. A config whose `rope_parameters` are keyed by layer
+    type (Gemma 3: full_attention, sliding_attention) has one rope per type; others one."""
+    params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+    layer_types = getattr(hf, "layer_types", None)
+    if layer_types is not None and all(kind in params for kind in set(layer_types)):
+        kinds = sorted(set(layer_types))
+        ropes = tuple(_rope(hf, head_dim, params[kind], kind) for kind in kinds)
+        return ropes, tuple(kinds.index(kind) for kind in layer_types)
+    return (_rope(hf, head_dim, params, None),), (0,) * hf.num_hidden_layers
+
+
+def _rope(hf: Any, head_dim: int, params: dict[str, Any], layer_type: str | None) -> Rope:
     """RoPE inverse frequencies. Non-default types reuse transformers' own init functions
     so scaled variants (llama3, linear, yarn...) match it exactly."""
-    params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         theta = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
         exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-        return 1.0 / (theta**exponent), 1.0
+        return Rope(1.0 / (theta**exponent), 1.0)
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf, "cpu")
-    return inv_freq.float(), float(scale)
+    kwargs = {"layer_type": layer_type} if layer_type is not None else {}
+    inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf, "cpu", **kwargs)
+    return Rope(inv_freq.float(), float(scale))

@@ -9,6 +9,9 @@ _MODELS: dict[str, tuple[str, str]] = {
     "llama": ("engine.execution.models.llama", "LlamaForCausalLM"),
     "mistral": ("engine.execution.models.mistral", "MistralForCausalLM"),
     "qwen2": ("engine.execution.models.qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("engine.execution.models.qwen3", "Qwen3ForCausalLM"),
+    "gemma3_text": ("engine.execution.models.gemma3", "Gemma3ForCausalLM"),
+    "gemma3": ("engine.execution.models.gemma3", "Gemma3ForCausalLM"),
 }
 
 SUPPORTED_MODEL_TYPES = tuple(_MODELS)
