@@ -32,6 +32,15 @@ class TextOptions(BaseModel):
     format: TextFormat | None = None
 
 
+class ReasoningOptions(BaseModel):
+    """OpenAI's reasoning options; effort "none" turns thinking off (the template's
+    enable_thinking), any other effort asks for it (how much is the model's own)."""
+    model_config = ConfigDict(extra="ignore")
+
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+
+
 class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -47,6 +56,8 @@ class ResponsesRequest(BaseModel):
     seed: int | None = None  # not OpenAI's (as chat's extras): reproducible sampling
     logit_bias: dict[str, float] | None = None  # not OpenAI's: token id -> bias, as in chat
     text: TextOptions | None = None
+    reasoning: ReasoningOptions | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # not OpenAI's: vLLM's chat extra, as in chat
     stream: bool = False
     store: bool = True
     previous_response_id: str | None = None
@@ -63,6 +74,17 @@ class ResponsesRequest(BaseModel):
                              "refused, never cut)")
         if self.background:
             raise FieldError("background", "background responses are not served")
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """chat_template_kwargs with reasoning.effort as enable_thinking (the two must agree)."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        effort = self.reasoning.effort if self.reasoning is not None else None
+        if effort is not None:
+            thinking = effort != "none"
+            if kwargs.get("enable_thinking", thinking) != thinking:
+                raise FieldError("reasoning.effort", f"{effort!r} contradicts chat_template_kwargs.enable_thinking")
+            kwargs["enable_thinking"] = thinking
+        return kwargs or None
 
     def chat_body(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
         """The equivalent chat request's fields (sampling and response format)."""
@@ -248,5 +270,5 @@ def response_base(request: ResponsesRequest, model: str, tools: list[dict[str, A
             else (choice or "auto"), "parallel_tool_calls": request.parallel_tool_calls is not False,
             "temperature": request.temperature, "top_p": request.top_p,
             "max_output_tokens": request.max_output_tokens, "previous_response_id": request.previous_response_id,
-            "store": request.store, "text": {"format": fmt}, "reasoning": None, "truncation": "disabled",
+            "store": request.store, "text": {"format": fmt}, "reasoning": request.reasoning.model_dump() if request.reasoning is not None else None, "truncation": "disabled",
             "user": request.user}
