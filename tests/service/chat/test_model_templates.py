@@ -5,8 +5,10 @@ Qwen3's tools and <think> block (enable_thinking on and off), and Gemma's templa
 no system role and no tools section.
 
 The sdist has no Gemma 3 template (llama.cpp ships Gemma 2's and Gemma 4's); Gemma 2's is the one
-here: a system message is the template's to refuse (as vLLM leaves it), and the tools block of
-the generic format goes into the first user turn, never into a system message it would refuse.
+read here: a system message is the template's to refuse (as vLLM leaves it), and the tools block
+of the generic format goes into the first user turn, never into a system message it would refuse.
+Gemma 3's way, a system message folded into the first user turn, is checked on FOLDING_TEMPLATE,
+written here to that behaviour (not Google's text).
 """
 from __future__ import annotations
 
@@ -34,6 +36,17 @@ from tests.tiny_model import GEMMA_TOKENS, QWEN_TOKENS, build_tiny_model, build_
 QWEN3 = "Qwen-Qwen3-0.6B"
 GEMMA = "google-gemma-2-2b-it"
 JSON_ANSWER = {"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER}}
+# Gemma's turns with no system turn of their own: a system message's text opens the first user
+# turn (Gemma 3's behaviour); roles must alternate, as Gemma's templates demand.
+FOLDING_TEMPLATE = (
+    "{{ bos_token }}{% set lead = namespace(text='') %}{% set turns = messages %}"
+    "{% if messages[0]['role'] == 'system' %}{% set lead.text = messages[0]['content'] ~ '\n\n' %}"
+    "{% set turns = messages[1:] %}{% endif %}"
+    "{% for m in turns %}{% if (m['role'] == 'user') != (loop.index0 is even) %}"
+    "{{ raise_exception('user and model turns must alternate') }}{% endif %}"
+    "<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+    "{% if loop.first %}{{ lead.text }}{% endif %}{{ m['content'] | trim }}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
 
 
 class _TemplateEngine:
@@ -102,6 +115,15 @@ def qwen3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThr
 @pytest.fixture(scope="module")
 def gemma_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
     model = build_tiny_model(tmp_path_factory.mktemp("gemma") / "model", chat_template=chat_template(GEMMA),
+                             tokens=GEMMA_TOKENS)
+    srv = start_server(model)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def folding_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
+    model = build_tiny_model(tmp_path_factory.mktemp("fold") / "model", chat_template=FOLDING_TEMPLATE,
                              tokens=GEMMA_TOKENS)
     srv = start_server(model)
     yield srv
@@ -312,3 +334,54 @@ def test_gemma_tools_use_the_generic_format_in_the_user_turn(gemma_server: Serve
                                                parallel_tool_calls=False, temperature=0.8, seed=1, max_tokens=200)
     assert again.choices[0].finish_reason == "tool_calls"
     check_calls(again.choices[0].message.tool_calls)
+
+
+def test_a_folded_system_message_and_tools(folding_server: ServerThread) -> None:
+    """A template that folds a system message into the first user turn (Gemma 3's way) gets the
+    client's system message as it is, and the generic tools block after it, in that same turn;
+    the chat is served and the call parses."""
+    messages = [{"role": "system", "content": "Be brief."}, *ASK]
+    assert _prompt(folding_server, messages) == (f"<bos><start_of_turn>user\nBe brief.\n\n{ASK[0]['content']}"
+                                                 "<end_of_turn>\n<start_of_turn>model\n")
+    prompt = _prompt(folding_server, messages, tools=TOOLS)
+    assert prompt.startswith("<bos><start_of_turn>user\nBe brief.\n\n# Tools\n") and "<start_of_turn>system" not in prompt
+    assert prompt.endswith(f"</tool_call>\nThe results come back in <tool_response> tags. If no function helps, just "
+                           f"answer.\n\n{ASK[0]['content']}<end_of_turn>\n<start_of_turn>model\n")
+    with _client(folding_server) as client:
+        out = client.chat.completions.create(model="tiny", messages=messages, temperature=0.8, seed=0, max_tokens=10)
+        assert out.choices[0].message.content
+        whole, streamed = _both(client, messages=messages, tools=TOOLS, tool_choice="required",
+                                parallel_tool_calls=False, temperature=0.8, seed=0, max_tokens=200)
+    check_calls(whole.choices[0].message.tool_calls)
+    assert streamed == whole_answer(whole.choices[0].message, "tool_calls")
+
+
+def test_grpc_chat_template_kwargs(qwen3_server: ServerThread) -> None:
+    """gRPC's Messages.chat_template_kwargs (JSON text) reach the template and the reasoning
+    parser as on HTTP: thinking by default, none with enable_thinking false; bad ones are
+    INVALID_ARGUMENT naming the field."""
+    import grpc
+
+    from service.grpc.minivllm_client import InferenceClient
+    from service.pb import inference_pb2 as pb
+
+    think, end_think = _ids(qwen3_server, "<think>", "</think>")
+
+    def request(kwargs: str) -> pb.GenerateRequest:
+        return pb.GenerateRequest(
+            messages=pb.Messages(messages=[pb.ChatMessage(role="user", content="2+2?")], chat_template_kwargs=kwargs),
+            sampling=pb.SamplingParams(temperature=0.8, seed=0, max_tokens=30, logit_bias={think: 30, end_think: 10}))
+
+    with InferenceClient(qwen3_server.target) as c:
+        thinking = list(c.stub.Generate(request("")))
+        off = list(c.stub.Generate(request('{"enable_thinking": false}')))
+        errors = []
+        for kwargs in ('{"enable_thinking": "no"}', "[1]", "{"):
+            with pytest.raises(grpc.RpcError) as info:
+                list(c.stub.Generate(request(kwargs)))
+            errors.append((info.value.code(), info.value.details()))
+    assert "".join(r.reasoning_text for r in thinking) and thinking[-1].usage.reasoning_tokens > 0
+    assert not "".join(r.reasoning_text for r in off) and "<think>" in "".join(r.text for r in off)
+    assert off[-1].usage.reasoning_tokens == 0
+    for code, details in errors:
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "messages.chat_template_kwargs" in details, details
