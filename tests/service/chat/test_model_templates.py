@@ -385,3 +385,34 @@ def test_grpc_chat_template_kwargs(qwen3_server: ServerThread) -> None:
     assert off[-1].usage.reasoning_tokens == 0
     for code, details in errors:
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "messages.chat_template_kwargs" in details, details
+
+
+def test_responses_replay_reasoning_items_to_the_template(qwen3_server: ServerThread) -> None:
+    """A reasoning item goes back as the reasoning_content of the assistant turn it opens (its
+    calls or its message join it), which Qwen3's template shows after the last query: the same
+    input with the item makes exactly the thought's tokens more, as /tokenize renders it."""
+    from service.openai.responses_protocol import input_messages
+
+    thought = {"type": "reasoning", "id": "rs_1", "summary": [],
+               "content": [{"type": "reasoning_text", "text": "Use the tool."}]}
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+            "arguments": json.dumps({"city": "Paris", "days": 3})}
+    result = {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}
+    items = [{"role": "user", "content": ASK[0]["content"]}, thought, call, result]
+    messages = input_messages(items)
+    assert messages[1] == {"role": "assistant", "content": "", "reasoning_content": "Use the tool.",
+                           "tool_calls": [{"id": "call_1", "type": "function",
+                                           "function": {"name": "get_weather", "arguments": call["arguments"]}}]}
+    said = input_messages([items[0], thought, {"type": "message", "role": "assistant", "content": "Sunny."}])
+    assert said[1] == {"role": "assistant", "content": "Sunny.", "reasoning_content": "Use the tool."}
+    with pytest.raises(ValueError, match=r"input\[1\]\.content"):
+        input_messages([items[0], {"type": "reasoning", "content": "not parts"}])
+    prompt = _prompt(qwen3_server, messages, tools=TOOLS)
+    assert "<|im_start|>assistant\n<think>\nUse the tool.\n</think>\n\n<tool_call>" in prompt
+    with _client(qwen3_server) as client:
+        usage = [client.responses.create(model="tiny", input=with_or_without, tools=[
+            {"type": "function", **TOOLS[0]["function"]}], max_output_tokens=5, temperature=0).usage.input_tokens
+            for with_or_without in (items, [items[0], call, result])]
+    num_thought = len(qwen3_server.engine.tokenizer.encode("<think>\nUse the tool.\n</think>\n\n",
+                                                           add_special_tokens=False))
+    assert usage[0] - usage[1] == num_thought, usage
