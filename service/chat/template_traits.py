@@ -28,16 +28,19 @@ class TemplateTraits:
     knows_tools: bool  # the template mentions tools: it gets them as tools=
     has_system_role: bool  # a system message renders (Gemma 2's template refuses one)
     writes_thinking: bool  # the template knows <think> blocks (Qwen3, DeepSeek-R1, QwQ)
-    opens_thinking: bool  # with thinking on, its generation prompt ends inside an open <think>
+    # Its generation prompt ends inside an open <think>: with no enable_thinking, and with it true
+    # (llama.cpp's DeepSeek-R1 and QwQ templates close the block unless thinking is asked for).
+    opens_thinking: bool = False
+    opens_thinking_when_asked: bool = False
 
-    @property
-    def reasoning_parser(self) -> str | None:
-        """The reasoning parser this template's answers need; None: it does not think."""
-        if self.opens_thinking:
+    def reasoning_parser(self, enable_thinking: bool | None = None) -> str | None:
+        """The reasoning parser this template's answers need, for a request's enable_thinking
+        (None: not given); None: the answer does not think."""
+        if enable_thinking is False or not self.writes_thinking:
+            return None
+        if self.opens_thinking_when_asked if enable_thinking else self.opens_thinking:
             return "deepseek_r1"  # the answer starts in thinking, with no <think> of its own
-        if self.writes_thinking:
-            return "qwen3"  # only an answer that opens <think> thinks
-        return None
+        return "qwen3"  # only an answer that opens <think> thinks
 
 
 def template_text(engine: AsyncEngine) -> str:
@@ -50,10 +53,10 @@ def template_text(engine: AsyncEngine) -> str:
 
 async def read_template_traits(engine: AsyncEngine) -> TemplateTraits:
     """Render the probes on the tokenizer thread: a system + user chat (refused or not), and a
-    user turn's generation prompt with enable_thinking on (where does it end?)."""
+    user turn's generation prompt without enable_thinking and with it true (where does it end?)."""
     template = template_text(engine)
     if not template:
-        return TemplateTraits(knows_tools=False, has_system_role=False, writes_thinking=False, opens_thinking=False)
+        return TemplateTraits(knows_tools=False, has_system_role=False, writes_thinking=False)
     try:
         await engine.tokenize(messages=[{"role": "system", "content": _PROBE_SYSTEM},
                                         {"role": "user", "content": _PROBE_USER}])
@@ -61,14 +64,13 @@ async def read_template_traits(engine: AsyncEngine) -> TemplateTraits:
     except FieldError:  # the template's raise_exception: no system role
         has_system_role = False
     writes_thinking = START in template and END in template
-    opens_thinking = False
+    opens = [False, False]
     if writes_thinking:
-        ids = await engine.tokenize(messages=[{"role": "user", "content": _PROBE_USER}],
-                                    chat_template_kwargs={"enable_thinking": True})
-        prompt = (await engine.detokenize(ids)).rstrip()
-        opens_thinking = prompt.endswith(START)
+        for i, kwargs in enumerate((None, {"enable_thinking": True})):
+            ids = await engine.tokenize(messages=[{"role": "user", "content": _PROBE_USER}],
+                                        chat_template_kwargs=kwargs)
+            opens[i] = (await engine.detokenize(ids)).rstrip().endswith(START)
     traits = TemplateTraits(knows_tools="tools" in template, has_system_role=has_system_role,
-                            writes_thinking=writes_thinking, opens_thinking=opens_thinking)
+                            writes_thinking=writes_thinking, opens_thinking=opens[0], opens_thinking_when_asked=opens[1])
     logger.info("chat template: %s", traits)
     return traits
-

@@ -106,9 +106,12 @@ class ChatTools:
             self._traits[template] = await read_template_traits(engine)
         return self._traits[template]
 
-    def reasoning_for(self, traits: TemplateTraits) -> ReasoningParser | None:
-        """The server's reasoning parser: the one it was told, or the template's under auto."""
-        name = traits.reasoning_parser if self.reasoning_parser == "auto" else self.reasoning_parser
+    def reasoning_for(self, traits: TemplateTraits, enable_thinking: bool | None = None) -> ReasoningParser | None:
+        """A request's reasoning parser: the one the server was told, or under auto the
+        template's for the request's enable_thinking; none when enable_thinking is false."""
+        if enable_thinking is False:
+            return None
+        name = traits.reasoning_parser(enable_thinking) if self.reasoning_parser == "auto" else self.reasoning_parser
         return get_reasoning_parser(name) if name else None
 
     async def prepare(self, engine: AsyncEngine, messages: list[dict[str, Any]], tools: ToolRequest,
@@ -154,8 +157,8 @@ class ChatTools:
         else:
             messages = generic_messages(messages, parser, tools.functions if tools.is_active else [],
                                         has_system_role=traits.has_system_role)
-        reasoning = self.reasoning_for(traits)
-        thinks = reasoning is not None and kwargs.get("enable_thinking") is not False
+        reasoning = self.reasoning_for(traits, kwargs.get("enable_thinking"))
+        thinks = reasoning is not None
         keep_special = False
         if tools.is_active:
             if structured is not None and structured.kind not in ("json_schema", "json_object"):

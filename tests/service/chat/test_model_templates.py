@@ -68,33 +68,41 @@ class _TemplateEngine:
         return self.tokenizer.decode(token_ids)
 
 
-# template -> (tool-call format, reasoning parser, knows tools, has a system role)
+# template -> (tool-call format, reasoning parser without enable_thinking, with it true, knows
+# tools, has a system role)
 _AUTO = {
-    QWEN3: ("hermes", "qwen3", True, True),
-    "Qwen-QwQ-32B": ("hermes", "deepseek_r1", True, True),  # its prompt opens <think>
-    "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B": ("hermes", "deepseek_r1", False, True),
-    "Qwen-Qwen2.5-7B-Instruct": ("hermes", None, True, True),
-    "meta-llama-Llama-3.1-8B-Instruct": ("llama3_json", None, True, True),
-    "mistralai-Mistral-Nemo-Instruct-2407": ("mistral", None, True, True),
-    GEMMA: ("hermes", None, False, False),  # the generic format; a system message is refused
+    QWEN3: ("hermes", "qwen3", "qwen3", True, True),
+    # llama.cpp's copies close the block in the prompt unless thinking is asked for
+    "Qwen-QwQ-32B": ("hermes", "qwen3", "deepseek_r1", True, True),
+    "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B": ("hermes", "qwen3", "deepseek_r1", False, True),
+    "Qwen-Qwen2.5-7B-Instruct": ("hermes", None, None, True, True),
+    "meta-llama-Llama-3.1-8B-Instruct": ("llama3_json", None, None, True, True),
+    "mistralai-Mistral-Nemo-Instruct-2407": ("mistral", None, None, True, True),
+    GEMMA: ("hermes", None, None, False, False),  # the generic format; a system message is refused
 }
 
 
 @pytest.mark.parametrize("name", sorted(_AUTO))
 def test_parsers_are_chosen_from_the_template(name: str, tmp_path: Path) -> None:
     """Unset (auto), the server reads the formats off the template: its call markers, whether it
-    writes <think> blocks, and whether its generation prompt already opens one."""
+    writes <think> blocks, and whether its generation prompt already opens one (with the
+    request's enable_thinking: a prompt that opens the block needs deepseek_r1, one that leaves it
+    to the answer qwen3, and enable_thinking false none at all)."""
     template = chat_template(name)
     tokens = GEMMA_TOKENS if "gemma" in name else QWEN_TOKENS
     engine = _TemplateEngine(build_tiny_tokenizer(tmp_path / "tok", template, tokens))
     traits = asyncio.run(read_template_traits(engine))
-    tool_format, reasoning, knows_tools, has_system = _AUTO[name]
+    tool_format, by_default, when_asked, knows_tools, has_system = _AUTO[name]
     assert parser_for_template(template) == tool_format
-    assert (traits.reasoning_parser, traits.knows_tools, traits.has_system_role) == (reasoning, knows_tools, has_system)
-    chosen = ChatTools().reasoning_for(traits)
-    assert (chosen.name if chosen else None) == reasoning
+    assert (traits.knows_tools, traits.has_system_role) == (knows_tools, has_system)
+    auto = ChatTools()
+    for enable_thinking, expected in ((None, by_default), (True, when_asked), (False, None)):
+        assert traits.reasoning_parser(enable_thinking) == expected
+        chosen = auto.reasoning_for(traits, enable_thinking)
+        assert (chosen.name if chosen else None) == expected
     assert ChatTools(reasoning_parser="none").reasoning_for(traits) is None  # told: off
-    assert ChatTools(reasoning_parser="deepseek_r1").reasoning_for(traits).name == "deepseek_r1"  # told: that one
+    told = ChatTools(reasoning_parser="deepseek_r1")
+    assert told.reasoning_for(traits).name == "deepseek_r1" and told.reasoning_for(traits, False) is None
 
 
 def test_unknown_reasoning_parser_is_refused_at_start() -> None:
