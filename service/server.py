@@ -50,7 +50,9 @@ class ServerConfig:
     http_port: int | None = None  # OpenAI-compatible HTTP; None: off, 0: a free port
     served_model_name: str | None = None  # the name clients see (OpenAI `model`); None: the model's own
     tool_call_parser: str = "auto"  # a tool-call format's name, or auto: the chat template's (service/chat/tool_parsers)
-    reasoning_parser: str | None = None  # deepseek_r1 | qwen3: thinking goes to reasoning_content; None: off
+    # deepseek_r1 | qwen3: thinking goes to reasoning_content; auto: the chat template's (service/chat/
+    # template_traits); None or "none": off
+    reasoning_parser: str | None = "auto"
     max_stored_responses: int = 1024  # /v1/responses kept for previous_response_id
     grpc_services: tuple[str, ...] = ("minivllm", "vllm")  # keys of GRPC_SERVICES, served on the one port
     engine: EngineConfig = field(default_factory=EngineConfig)

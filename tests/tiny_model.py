@@ -9,6 +9,7 @@ and token-for-token comparisons stay meaningful.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,30 +46,64 @@ TOOLS_CHAT_TEMPLATE = (
 TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<think>", "</think>")  # added, not special (as in Qwen's)
 
 
+@dataclass(frozen=True)
+class ChatTokens:
+    """A tokenizer's chat vocabulary: special tokens (bos, eos and pad among them), added
+    tokens that are not special (Qwen's <tool_call> and <think>), and the extra ids that end an
+    answer (Gemma's <end_of_turn>, in generation_config.json)."""
+
+    special: tuple[str, ...] = tuple(_SPECIAL)
+    added: tuple[str, ...] = ()
+    bos: str = "<|endoftext|>"
+    eos: str = "<|im_end|>"
+    pad: str = "<|endoftext|>"
+    extra_eos: tuple[str, ...] = ()
+
+
+# Qwen2.5/Qwen3's: ChatML markers special, tool-call and thinking markers plain added tokens.
+QWEN_TOKENS = ChatTokens(added=TOOL_TOKENS)
+# Gemma's: <bos> written by the template itself, turns closed by <end_of_turn> (an eos of generation).
+GEMMA_TOKENS = ChatTokens(special=("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"),
+                          bos="<bos>", eos="<eos>", pad="<pad>", extra_eos=("<end_of_turn>",))
+
+
 def _write_tokenizer(path: Path, vocab_size: int, added_tokens: tuple[str, ...] = (),
-                     chat_template: str = _CHAT_TEMPLATE) -> Any:
+                     chat_template: str = _CHAT_TEMPLATE, tokens: ChatTokens | None = None) -> Any:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
+    tokens = tokens or ChatTokens(added=added_tokens)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=_SPECIAL,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(tokens.special),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
-    if added_tokens:
-        tok.add_tokens(list(added_tokens))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>",
-                                   pad_token="<|endoftext|>", unk_token="<|endoftext|>")
+    if tokens.added:
+        tok.add_tokens(list(tokens.added))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=tokens.bos, eos_token=tokens.eos,
+                                   pad_token=tokens.pad, unk_token=tokens.pad)
     fast.chat_template = chat_template
     fast.save_pretrained(str(path))
     return tok
 
 
+def build_tiny_tokenizer(path: Path, chat_template: str, tokens: ChatTokens | None = None) -> Any:
+    """The tiny tokenizer alone, with a chat template and vocabulary of the caller's, loaded back
+    as transformers loads a model's."""
+    from transformers import AutoTokenizer
+
+    _write_tokenizer(Path(path), 512, chat_template=chat_template, tokens=tokens or ChatTokens())
+    return AutoTokenizer.from_pretrained(str(path))
+
+
 def build_tiny_model(path: Path, seed: int = 0, num_layers: int = 2, hidden_size: int = 64,
-                     vocab_size: int = 512, max_position_embeddings: int = 4096, with_tools: bool = False) -> Path:
+                     vocab_size: int = 512, max_position_embeddings: int = 4096, with_tools: bool = False,
+                     chat_template: str | None = None, tokens: ChatTokens | None = None) -> Path:
     """Write config.json, model.safetensors and tokenizer files to path (if not there yet).
-    with_tools: the tokenizer has TOOL_TOKENS as added tokens and a template that knows tools."""
+    with_tools: the tokenizer has TOOL_TOKENS as added tokens and a template that knows tools.
+    chat_template and tokens: a model's own template (a real one, read from llama.cpp's sources
+    by the tests) and the tokenizer's chat vocabulary it needs."""
     path = Path(path)
     if (path / "config.json").exists():
         return path
@@ -76,8 +111,13 @@ def build_tiny_model(path: Path, seed: int = 0, num_layers: int = 2, hidden_size
     from transformers import LlamaConfig
 
     path.mkdir(parents=True, exist_ok=True)
-    tok = _write_tokenizer(path, vocab_size, TOOL_TOKENS, TOOLS_CHAT_TEMPLATE) if with_tools else \
-        _write_tokenizer(path, vocab_size)
+    if chat_template is not None:
+        tokens = tokens or ChatTokens()
+        tok = _write_tokenizer(path, vocab_size, chat_template=chat_template, tokens=tokens)
+    else:
+        tokens = ChatTokens()
+        tok = _write_tokenizer(path, vocab_size, TOOL_TOKENS, TOOLS_CHAT_TEMPLATE) if with_tools else \
+            _write_tokenizer(path, vocab_size)
 
     num_heads, num_kv_heads = 4, 2
     head_dim = hidden_size // num_heads
@@ -85,8 +125,8 @@ def build_tiny_model(path: Path, seed: int = 0, num_layers: int = 2, hidden_size
         vocab_size=tok.get_vocab_size(), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
         head_dim=head_dim, max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-5,
-        tie_word_embeddings=True, bos_token_id=tok.token_to_id("<|endoftext|>"),
-        eos_token_id=tok.token_to_id("<|im_end|>"), pad_token_id=tok.token_to_id("<|endoftext|>"))
+        tie_word_embeddings=True, bos_token_id=tok.token_to_id(tokens.bos),
+        eos_token_id=tok.token_to_id(tokens.eos), pad_token_id=tok.token_to_id(tokens.pad))
     config.save_pretrained(str(path))
 
     gen = torch.Generator().manual_seed(seed)
@@ -111,8 +151,9 @@ def build_tiny_model(path: Path, seed: int = 0, num_layers: int = 2, hidden_size
             p + "mlp.down_proj.weight": rand(hidden_size, inter),
         }
     save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    eos = [config.eos_token_id] + [tok.token_to_id(t) for t in tokens.extra_eos]
     (path / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id}))
+        {"bos_token_id": config.bos_token_id, "eos_token_id": eos if tokens.extra_eos else config.eos_token_id}))
     return path
 
 

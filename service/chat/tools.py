@@ -21,6 +21,7 @@ from engine import FieldError, RequestOutput, SamplingParams, StructuredOutput
 from service.async_engine import AsyncEngine
 from service.chat.output import ChoiceOutput, StopSample
 from service.chat.reasoning_parser import ReasoningParser, get_reasoning_parser
+from service.chat.template_traits import TemplateTraits, read_template_traits, template_text
 from service.chat.tool_grammar import FunctionSpec, LarkText, tool_call_grammar
 from service.chat.tool_parsers import ToolParser, get_tool_parser, parser_for_template
 
@@ -85,18 +86,39 @@ class ChatPlan:
 
 class ChatTools:
     """The server's choices (tool_call_parser: a format's name or "auto", from the template;
-    reasoning_parser: a name or None) and the planning of each chat request."""
+    reasoning_parser: a name, "auto" (from the template) or None / "none" for off) and the
+    planning of each chat request."""
 
-    def __init__(self, tool_call_parser: str = "auto", reasoning_parser: str | None = None) -> None:
+    def __init__(self, tool_call_parser: str = "auto", reasoning_parser: str | None = "auto") -> None:
         if tool_call_parser != "auto":
             get_tool_parser(tool_call_parser)  # refuses an unknown name at start-up
+        if reasoning_parser not in (None, "none", "auto"):
+            get_reasoning_parser(reasoning_parser)
         self.tool_call_parser = tool_call_parser
-        self.reasoning = get_reasoning_parser(reasoning_parser) if reasoning_parser else None
+        self.reasoning_parser = None if reasoning_parser == "none" else reasoning_parser
+        self._traits: dict[str, TemplateTraits] = {}  # by template text: one probe per template
+
+    async def traits(self, engine: AsyncEngine) -> TemplateTraits:
+        """The model's template's traits, probed once (an engine restarted on another model
+        has another template, probed anew)."""
+        template = template_text(engine)
+        if template not in self._traits:
+            self._traits[template] = await read_template_traits(engine)
+        return self._traits[template]
+
+    def reasoning_for(self, traits: TemplateTraits, enable_thinking: bool | None = None) -> ReasoningParser | None:
+        """A request's reasoning parser: the one the server was told, or under auto the
+        template's for the request's enable_thinking; none when enable_thinking is false."""
+        if enable_thinking is False:
+            return None
+        name = traits.reasoning_parser(enable_thinking) if self.reasoning_parser == "auto" else self.reasoning_parser
+        return get_reasoning_parser(name) if name else None
 
     async def prepare(self, engine: AsyncEngine, messages: list[dict[str, Any]], tools: ToolRequest,
                       params: SamplingParams, template_kwargs: dict[str, Any] | None
                       ) -> tuple[ChatPlan, SamplingParams]:
         """The chat's plan and the parameters that carry its grammar (and keep its special trigger)."""
+        check_template_kwargs(template_kwargs)
         if params.stop and tools.is_active and (tools.choice == "required" or tools.is_named):
             # The call is the whole answer: a stop string can only cut it short of parsing.
             raise FieldError("stop", "cannot go with tool_choice required or a named function (a stop string "
@@ -124,19 +146,19 @@ class ChatTools:
 
     async def plan(self, engine: AsyncEngine, messages: list[dict[str, Any]], tools: ToolRequest,
                    structured: StructuredOutput | None, template_kwargs: dict[str, Any] | None) -> ChatPlan:
-        template = engine.tokenizer_info().get("chat_template")
-        template = template if isinstance(template, str) else json.dumps(template)
-        knows_tools = "tools" in template
-        name = self.tool_call_parser if self.tool_call_parser != "auto" else parser_for_template(template)
+        traits = await self.traits(engine)
+        name = self.tool_call_parser if self.tool_call_parser != "auto" else parser_for_template(template_text(engine))
         parser = get_tool_parser(name)
         kwargs = dict(template_kwargs or {})
         messages = _with_call_arguments_parsed(messages)
-        if knows_tools:
+        if traits.knows_tools:
             if tools.is_active:
                 kwargs["tools"] = [f.to_openai() for f in tools.functions]
         else:
-            messages = generic_messages(messages, parser, tools.functions if tools.is_active else [])
-        thinks = self.reasoning is not None and kwargs.get("enable_thinking") is not False
+            messages = generic_messages(messages, parser, tools.functions if tools.is_active else [],
+                                        has_system_role=traits.has_system_role)
+        reasoning = self.reasoning_for(traits, kwargs.get("enable_thinking"))
+        thinks = reasoning is not None
         keep_special = False
         if tools.is_active:
             if structured is not None and structured.kind not in ("json_schema", "json_object"):
@@ -159,15 +181,27 @@ class ChatTools:
         marker_ids = None
         if thinks:
             added = await engine.added_tokens()
-            if self.reasoning.start in added and self.reasoning.end in added:
-                marker_ids = (added[self.reasoning.start][0], added[self.reasoning.end][0])
+            if reasoning.start in added and reasoning.end in added:
+                marker_ids = (added[reasoning.start][0], added[reasoning.end][0])
         if structured is not None and thinks:
             # Only a model that may answer without thinking (qwen3) gets the block as an option.
-            opener = "" if self.reasoning.starts_in_reasoning else self.reasoning.start
-            structured = StructuredOutput(structured.kind, structured.value, after=self.reasoning.end,
+            opener = "" if reasoning.starts_in_reasoning else reasoning.start
+            structured = StructuredOutput(structured.kind, structured.value, after=reasoning.end,
                                           after_opener=opener)
         return ChatPlan(messages, kwargs or None, structured, parser if tools.is_active else None,
-                        self.reasoning if thinks else None, keep_special, reasoning_marker_ids=marker_ids)
+                        reasoning if thinks else None, keep_special, reasoning_marker_ids=marker_ids)
+
+
+def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
+    """vLLM's chat_template_kwargs: any template variables, except what the request says in
+    fields of its own (tools) and an enable_thinking that is not a boolean (a template tests it
+    with `is false`, the reasoning parser with Python's False: "false" would split them)."""
+    if not kwargs:
+        return
+    if "tools" in kwargs:
+        raise FieldError("chat_template_kwargs.tools", "send tools in the request's tools field")
+    if "enable_thinking" in kwargs and not isinstance(kwargs["enable_thinking"], bool):
+        raise FieldError("chat_template_kwargs.enable_thinking", "must be true or false")
 
 
 def _with_call_arguments_parsed(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -203,14 +237,17 @@ def generic_system_block(parser: ToolParser, functions: list[FunctionSpec]) -> s
             "The results come back in <tool_response> tags. If no function helps, just answer.")
 
 
-def generic_messages(messages: list[dict[str, Any]], parser: ToolParser,
-                     functions: list[FunctionSpec]) -> list[dict[str, Any]]:
+def generic_messages(messages: list[dict[str, Any]], parser: ToolParser, functions: list[FunctionSpec],
+                     has_system_role: bool = True) -> list[dict[str, Any]]:
     """The chat in the generic format, for a template that knows no tools: roles and plain
-    content only."""
+    content only. A template with no system role (Gemma's) gets the tools block at the start of
+    the first user turn instead (a system message of the client's own is still its to refuse)."""
     out: list[dict[str, Any]] = []
     if functions:
         block = generic_system_block(parser, functions)
-        if messages and messages[0].get("role") == "system":
+        if not has_system_role:
+            messages = _before_first_user(messages, block)
+        elif messages and messages[0].get("role") == "system":
             out.append({"role": "system", "content": f"{messages[0]['content']}\n\n{block}"})
             messages = messages[1:]
         else:
@@ -230,3 +267,14 @@ def generic_messages(messages: list[dict[str, Any]], parser: ToolParser,
         else:
             out.append({"role": role, "content": content})
     return [{"role": m["role"], "content": m["content"]} for m in out]
+
+
+def _before_first_user(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
+    """text at the start of the first user message (a user message of its own first when there
+    is none)."""
+    out = [dict(m) for m in messages]
+    for message in out:
+        if message.get("role") == "user":
+            message["content"] = f"{text}\n\n{message.get('content') or ''}"
+            return out
+    return [{"role": "user", "content": text}] + out

@@ -45,6 +45,19 @@ def messages_from_proto(msg: pb.Messages) -> list[dict[str, Any]]:
     return out
 
 
+def template_kwargs_from_proto(msg: pb.Messages) -> dict[str, Any] | None:
+    """The chat's template variables (JSON text on the wire); FieldError naming the field."""
+    if not msg.chat_template_kwargs:
+        return None
+    try:
+        kwargs = json.loads(msg.chat_template_kwargs)
+    except (ValueError, RecursionError):
+        raise FieldError("chat_template_kwargs", "not JSON") from None
+    if not isinstance(kwargs, dict):
+        raise FieldError("chat_template_kwargs", "must be a JSON object")
+    return kwargs
+
+
 def tools_from_proto(msg: pb.Messages) -> ToolRequest:
     """The chat's tools; FieldError naming the field as the chat planning does (the servicer renames it)."""
     functions = []

@@ -21,6 +21,7 @@ from service.grpc.minivllm_protocol import (
     model_info_to_proto,
     response_from_output,
     sampling_params_from_proto,
+    template_kwargs_from_proto,
     tools_from_proto,
 )
 from service.grpc.status import serving_engine
@@ -36,7 +37,8 @@ logger = logging.getLogger(__name__)
 # The chat planning names chat-completion fields; on this door they sit in the request's messages
 # and sampling (FieldError.renamed: a path's leading part, and the fields a message mentions).
 CHAT_FIELDS = MappingProxyType({"tools": "messages.tools", "tool_choice": "messages.tool_choice",
-                                "stop": "sampling.stop", "response_format": "sampling.structured_output"})
+                                "stop": "sampling.stop", "response_format": "sampling.structured_output",
+                                "chat_template_kwargs": "messages.chat_template_kwargs"})
 
 
 class MinivllmResponses:
@@ -89,7 +91,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             if messages is not None:
                 try:
                     plan, params = await self.chat_tools.prepare(engine, messages, tools_from_proto(request.messages),
-                                                                 params, None)
+                                                                 params, template_kwargs_from_proto(request.messages))
                     outputs = await self.chat_tools.generate(engine, ids.request_id, params, plan, ids.engine_id,
                                                              request.priority)
                 except FieldError as exc:

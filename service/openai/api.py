@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException
 
 from engine import FieldError, QueueFullError, RequestIdInUseError, RequestOutput, SamplingParams
 from service.async_engine import AsyncEngine, EngineDeadError
-from service.chat.tools import ChatTools
+from service.chat.tools import ChatTools, check_template_kwargs
 from service.observability.request_observer import CallInfo, RequestObserver
 from service.openai.call import AbortingStreamingResponse, OpenAICall
 from service.openai.http_guard import ApiCallListener, CallMiddleware
@@ -177,9 +177,14 @@ class OpenAIFrontDoor:
             engine = self._loaded()
             try:
                 check_text(body)
-                messages = body.chat()
+                messages, kwargs = body.chat(), None
+                if messages is not None:
+                    check_template_kwargs(body.chat_template_kwargs)
+                    plan = await self.chat_tools.plan(engine, messages, body.tool_request(), None,
+                                                      body.chat_template_kwargs)
+                    messages, kwargs = plan.messages, plan.template_kwargs
                 ids = await engine.tokenize(prompt=body.prompt, messages=messages,
-                                            add_special_tokens=body.add_special_tokens)
+                                            add_special_tokens=body.add_special_tokens, chat_template_kwargs=kwargs)
             except ValueError as exc:  # LimitExceededError included
                 raise _admission_error(exc) from exc
             out: dict[str, Any] = {"count": len(ids), "max_model_len": engine.model_info().max_model_len,

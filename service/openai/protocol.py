@@ -211,6 +211,9 @@ class ChatMessageIn(BaseModel):
     role: str
     content: str | list[ContentPart] | None = None
     tool_calls: list[ToolCallIn] | None = None  # an assistant's calls
+    # An assistant's earlier thinking (vLLM's names), for templates that replay it (Qwen3's).
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     tool_call_id: str | None = None  # a tool result's call
     name: str | None = None
 
@@ -239,6 +242,9 @@ def chat_messages(messages: list[ChatMessageIn]) -> list[dict[str, Any]]:
                                      for c in m.tool_calls]
         if m.tool_call_id is not None:
             message["tool_call_id"] = m.tool_call_id
+        thinking = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+        if thinking is not None and m.role == "assistant":
+            message["reasoning_content"] = thinking
         if m.name is not None and m.role == "tool":
             message["name"] = m.name
         out.append(message)
@@ -254,6 +260,13 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessageIn] | None = None
     add_special_tokens: bool = True  # a prompt's BOS and the like, where the tokenizer adds them
     return_token_strs: bool = False
+    # A chat's tools and template variables, as vLLM's chat tokenize takes them: the prompt is then
+    # the one a chat completion with them would get (the template's tools, or the generic format).
+    tools: list[ChatToolIn] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def tool_request(self) -> ToolRequest:
+        return tool_request(self.tools, None, None)
 
     def chat(self) -> list[dict[str, Any]] | None:
         if (self.prompt is None) == (self.messages is None):

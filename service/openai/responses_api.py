@@ -83,6 +83,7 @@ class ResponsesApi:
             chat = ChatCompletionRequest(**ResponsesRequest.chat_body(body, messages))
             tools = tool_request(body.tools, body.tool_choice, body.parallel_tool_calls)
             params = chat.sampling_params()
+            template_kwargs = body.template_kwargs()
         except ValidationError as exc:
             raise validation_field_error(exc).renamed(RESPONSES_FIELDS) from None
         except FieldError as exc:
@@ -91,7 +92,7 @@ class ResponsesApi:
                                                                         dict(request.headers), 1), params)
         try:
             engine = door.state.ready_engine()
-            plan, params = await door.chat_tools.prepare(engine, messages, tools, params, None)
+            plan, params = await door.chat_tools.prepare(engine, messages, tools, params, template_kwargs)
             stream = await door.chat_tools.generate(engine, response_id, params, plan)
         except (ValueError, EngineDeadError, EngineUnavailableError) as exc:
             # Admission: a field the client set (400, named as this API names it), the queue (429),

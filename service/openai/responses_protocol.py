@@ -32,6 +32,15 @@ class TextOptions(BaseModel):
     format: TextFormat | None = None
 
 
+class ReasoningOptions(BaseModel):
+    """OpenAI's reasoning options; effort "none" turns thinking off (the template's
+    enable_thinking), any other effort asks for it (how much is the model's own)."""
+    model_config = ConfigDict(extra="ignore")
+
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+
+
 class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -47,6 +56,8 @@ class ResponsesRequest(BaseModel):
     seed: int | None = None  # not OpenAI's (as chat's extras): reproducible sampling
     logit_bias: dict[str, float] | None = None  # not OpenAI's: token id -> bias, as in chat
     text: TextOptions | None = None
+    reasoning: ReasoningOptions | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # not OpenAI's: vLLM's chat extra, as in chat
     stream: bool = False
     store: bool = True
     previous_response_id: str | None = None
@@ -63,6 +74,17 @@ class ResponsesRequest(BaseModel):
                              "refused, never cut)")
         if self.background:
             raise FieldError("background", "background responses are not served")
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """chat_template_kwargs with reasoning.effort as enable_thinking (the two must agree)."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        effort = self.reasoning.effort if self.reasoning is not None else None
+        if effort is not None:
+            thinking = effort != "none"
+            if kwargs.get("enable_thinking", thinking) != thinking:
+                raise FieldError("reasoning.effort", f"{effort!r} contradicts chat_template_kwargs.enable_thinking")
+            kwargs["enable_thinking"] = thinking
+        return kwargs or None
 
     def chat_body(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
         """The equivalent chat request's fields (sampling and response format)."""
@@ -98,7 +120,8 @@ def _text_of(content: Any, field: str) -> str:
 
 def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Input items as chat messages: messages, function_call (joined into an assistant message's
-    tool_calls), function_call_output (a tool message); reasoning items are not replayed."""
+    tool_calls), function_call_output (a tool message), reasoning (the reasoning_content of the
+    assistant message it opens, for templates that replay thinking: Qwen3's)."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     out: list[dict[str, Any]] = []
@@ -108,8 +131,11 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
                 raise FieldError(f"input[{i}].role", f"{role!r} is not one of user, system, developer, assistant")
-            out.append({"role": "system" if role == "developer" else role,
-                        "content": _text_of(item.get("content", ""), f"input[{i}].content")})
+            content = _text_of(item.get("content", ""), f"input[{i}].content")
+            if role == "assistant" and _is_thought_alone(out):
+                out[-1]["content"] = content  # the thinking, then what was said
+            else:
+                out.append({"role": "system" if role == "developer" else role, "content": content})
         elif kind == "function_call":
             if not isinstance(item.get("name"), str) or not isinstance(item.get("call_id"), str):
                 raise FieldError(f"input[{i}]", "a function_call needs name and call_id")
@@ -125,17 +151,43 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                 raise FieldError(f"input[{i}].call_id", "is required")
             out.append({"role": "tool", "tool_call_id": item["call_id"],
                         "content": output if isinstance(output, str) else json.dumps(output)})
-        elif kind != "reasoning":
+        elif kind == "reasoning":
+            text = _reasoning_text(item, f"input[{i}]")
+            if text:
+                out.append({"role": "assistant", "content": "", "reasoning_content": text})
+        else:
             raise FieldError(f"input[{i}].type", f"{kind!r} is not one of message, function_call, "
                              "function_call_output, reasoning")
     return out
+
+
+def _is_thought_alone(out: list[dict[str, Any]]) -> bool:
+    """The last message is an assistant's thinking with nothing said or called after it yet."""
+    last = out[-1] if out else {}
+    return last.get("role") == "assistant" and "reasoning_content" in last and not last["content"] \
+        and not last.get("tool_calls")
+
+
+def _reasoning_text(item: dict[str, Any], field: str) -> str:
+    """A reasoning item's text: its reasoning_text parts (as this server writes them), else its
+    summary's text (as OpenAI's are returned)."""
+    for key, kind in (("content", "reasoning_text"), ("summary", "summary_text")):
+        parts = item.get(key) or []
+        if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str)
+                                                  for p in parts):
+            raise FieldError(f"{field}.{key}", f"a list of {kind} parts")
+        if parts:
+            return "".join(p["text"] for p in parts)
+    return ""
 
 
 def output_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """A response's output items as the chat messages a follow-up replays."""
     message: dict[str, Any] = {"role": "assistant", "content": ""}
     for item in output:
-        if item["type"] == "message":
+        if item["type"] == "reasoning":
+            message["reasoning_content"] = "".join(p["text"] for p in item["content"])
+        elif item["type"] == "message":
             message["content"] += "".join(p["text"] for p in item["content"])
         elif item["type"] == "function_call":
             message.setdefault("tool_calls", []).append({"id": item["call_id"], "type": "function", "function": {
@@ -248,5 +300,5 @@ def response_base(request: ResponsesRequest, model: str, tools: list[dict[str, A
             else (choice or "auto"), "parallel_tool_calls": request.parallel_tool_calls is not False,
             "temperature": request.temperature, "top_p": request.top_p,
             "max_output_tokens": request.max_output_tokens, "previous_response_id": request.previous_response_id,
-            "store": request.store, "text": {"format": fmt}, "reasoning": None, "truncation": "disabled",
+            "store": request.store, "text": {"format": fmt}, "reasoning": request.reasoning.model_dump() if request.reasoning is not None else None, "truncation": "disabled",
             "user": request.user}
