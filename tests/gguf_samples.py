@@ -59,9 +59,9 @@ def write_family_gguf(hf_dir: Path, path: Path, twin_dir: Path, quant_type: GGML
         for short in ("attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
                       "ffn_down"):
             for kind in ("weight", "bias"):
-                to_gguf[hf_name(f"blk.{i}.{short}.{kind}")] = f"blk.{i}.{short}.{kind}"
+                to_gguf[hf_name(f"blk.{i}.{short}.{kind}", arch)] = f"blk.{i}.{short}.{kind}"
     for name in ("token_embd.weight", "output_norm.weight", "output.weight"):
-        to_gguf[hf_name(name)] = name
+        to_gguf[hf_name(name, arch)] = name
 
     state = load_file(str(next(hf_dir.glob("*.safetensors"))))
     if config.get("tie_word_embeddings"):

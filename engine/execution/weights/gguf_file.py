@@ -6,7 +6,10 @@ the types with kernels (ggml_blocks.KERNEL_TYPES) come as their raw blocks, one 
 output channel; float types as their values; every other quantized type is dequantized once, to
 float32, with a warning naming the type. Llama-architecture files store the query and key
 projections' rows in llama.cpp's rotary order: they come back in Hugging Face's (a permutation of
-whole rows, so of whole blocks), as transformers' own GGUF loader restores them.
+whole rows, so of whole blocks), as transformers' own GGUF loader restores them. llama.cpp's
+converter permutes no other architecture's rows (qwen2, qwen3 and gemma3 rotate halves, as Hugging
+Face does). A head's width is the file's attention.key_length where it has one (Qwen3's and
+Gemma 3's heads are wider than hidden size / heads).
 
 A truncated file or an architecture whose tensor layout this reader does not know fails with a
 ValueError that says so.
@@ -33,7 +36,7 @@ _FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16)
 # Hugging Face's. A format fact, kept here rather than read from the model registry so that
 # weights/ never imports models/; a new family adds its name here once its layout is mapped
 # (tests/engine/execution/weights/test_gguf_file.py checks each has a model family).
-GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2")
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")  # llama.cpp's per-layer tensor names
 
 
@@ -48,6 +51,10 @@ class _CheckedReader(GGUFReader):
     reshape or view)."""
 
     def _get(self, offset: int, dtype: Any, count: int = 1, *args: Any, **kwargs: Any) -> np.ndarray:
+        if type(self.data) is np.memmap:
+            # the same mapped bytes as a plain array: np.memmap's bookkeeping on each of the million
+            # small slices a 150,000-token vocabulary takes made reading one ten times slower
+            self.data = self.data.view(np.ndarray)
         end = int(offset) + int(np.empty([], dtype=dtype).itemsize) * int(count)
         if end > len(self.data):
             raise _Truncated(end)
@@ -134,8 +141,12 @@ class GGUFFile:
         ff = int(self.arch_field("feed_forward_length", 0))
         vocab = self.arch_field("vocab_size") or len(self.field("tokenizer.ggml.tokens", []))
         q, kv = heads * head_dim, kv_heads * head_dim
+        # attn_q_norm / attn_k_norm: Qwen3's and Gemma 3's per-head RMSNorms of the queries and keys;
+        # post_attention_norm / post_ffw_norm: Gemma 3's norms of each sublayer's output
         shapes = {"attn_q": (q, hidden), "attn_k": (kv, hidden), "attn_v": (kv, hidden), "attn_output": (hidden, q),
-                  "attn_norm": (hidden,), "ffn_norm": (hidden,), "output_norm.weight": (hidden,)}
+                  "attn_norm": (hidden,), "ffn_norm": (hidden,), "output_norm.weight": (hidden,),
+                  "attn_q_norm": (head_dim,), "attn_k_norm": (head_dim,), "post_attention_norm": (hidden,),
+                  "post_ffw_norm": (hidden,)}
         if ff > 0:
             shapes.update(ffn_gate=(ff, hidden), ffn_up=(ff, hidden), ffn_down=(hidden, ff))
         if int(vocab) > 0:

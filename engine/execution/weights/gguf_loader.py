@@ -10,8 +10,15 @@ The caller builds the model on the meta device (no float copy of a projection is
   head, which reads the same QuantizedWeight;
 - every other tensor (norms, float projections, types without kernels, which GGUFFile has
   dequantized once) becomes a float32 parameter.
-Tensor names are mapped from llama.cpp's (blk.N.attn_q ...) to Hugging Face's, and the model's
-own `_expected_weights` says which tensors it needs: a missing or unknown one fails naming it.
+Tensor names are mapped from llama.cpp's (blk.N.attn_q ...) to Hugging Face's, per architecture
+(llama.cpp's `ffn_norm` is the norm before the MLP: Llama's post_attention_layernorm, Gemma 3's
+pre_feedforward_layernorm), and the model's own `_expected_weights` says which tensors it needs: a
+missing or unknown one fails naming it.
+
+Gemma 3's RMSNorms scale by (1 + w); llama.cpp's converter stores every one of its norm weights
+(the layers', the query / key norms and the final one) with the 1 already added. They are set on
+the model as the file holds them, 1 + w: that is the value the Gemma 3 model's own load_weights
+folds its Hugging Face checkpoint's w into, so adding 1 again here would be wrong.
 """
 from __future__ import annotations
 
@@ -33,18 +40,27 @@ _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.
 _LAYER_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
                 "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
                 "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+# Per architecture, the layer tensors beyond (or named otherwise than) llama's.
+_QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+_ARCH_LAYER_NAMES = {
+    "qwen3": _LAYER_NAMES | _QK_NORMS,
+    "gemma3": _LAYER_NAMES | _QK_NORMS | {"post_attention_norm": "post_attention_layernorm",
+                                          "ffn_norm": "pre_feedforward_layernorm",
+                                          "post_ffw_norm": "post_feedforward_layernorm"},
+}
 # Tensors some files carry that the model computes itself (llama 3's RoPE frequencies).
 _IGNORED = ("rope_freqs.weight",)
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """llama.cpp's tensor name -> Hugging Face's; None for an unknown one."""
+def hf_name(gguf_name: str, architecture: str) -> str | None:
+    """llama.cpp's tensor name in a file of `architecture` -> Hugging Face's; None for an unknown one."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    layer_names = _ARCH_LAYER_NAMES.get(architecture, _LAYER_NAMES)
     match = LAYER_TENSOR.match(gguf_name)
-    if match is None or match.group(2) not in _LAYER_NAMES:
+    if match is None or match.group(2) not in layer_names:
         return None
-    return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}.{match.group(3)}"
+    return f"model.layers.{match.group(1)}.{layer_names[match.group(2)]}.{match.group(3)}"
 
 
 def _float(t: GGUFTensor) -> torch.Tensor:
@@ -79,7 +95,7 @@ def load_gguf_weights(model: nn.Module, gguf: GGUFFile) -> nn.Module:
     tie_word_embeddings = model.config.tie_word_embeddings
     tensors: dict[str, GGUFTensor] = {}
     for t in gguf.tensors():
-        name = hf_name(t.name)
+        name = hf_name(t.name, gguf.architecture)
         if name is None:
             if t.name in _IGNORED:
                 continue
