@@ -119,28 +119,49 @@ def convert_gguf(gguf: Path, target: Path) -> None:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from engine.execution.weights.gguf_config import gguf_config
+    from engine.execution.weights.gguf_file import GGUFFile
+
     logger.info("converting %s to safetensors in %s (once)", gguf, target)
+    file = GGUFFile(gguf)  # a truncated file or an unsupported architecture fails here, naming the problem
+    config = gguf_config(file)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, config=config,
+                                                 dtype=torch.float32)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    _write_model_dir(target, model.config, model.generation_config, tokenizer,
+    _write_model_dir(target, model.config, _generation_config(file, model.config), tokenizer,
                      lambda tmp: save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"}))
 
 
 def write_gguf_metadata(gguf: Path, target: Path) -> None:
     """A GGUF file's config, generation config and tokenizer (with its chat template) as an HF
     directory without weights (atomically): transformers reads them from the file's metadata."""
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers import AutoTokenizer
 
+    from engine.execution.weights.gguf_config import gguf_config
     from engine.execution.weights.gguf_file import GGUFFile
 
-    GGUFFile(gguf)  # a truncated file or an unsupported architecture fails here, naming the problem
+    file = GGUFFile(gguf)  # a truncated file or an unsupported architecture fails here, naming the problem
     logger.info("reading %s's config and tokenizer into %s (once)", gguf, target)
-    config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    config = gguf_config(file)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    _write_model_dir(target, config, GenerationConfig.from_model_config(config), tokenizer)
+    _write_model_dir(target, config, _generation_config(file, config), tokenizer)
+
+
+def _generation_config(file: Any, config: Any) -> Any:
+    """The generation config of config, stopping where llama.cpp stops the file's model (its end of
+    text and of turn: gguf_config.gguf_eos_token_ids)."""
+    from transformers import GenerationConfig
+
+    from engine.execution.weights.gguf_config import gguf_eos_token_ids
+
+    generation_config = GenerationConfig.from_model_config(config)
+    eos = gguf_eos_token_ids(file)
+    if eos:
+        generation_config.eos_token_id = eos if len(eos) > 1 else eos[0]
+    return generation_config
 
 
 def _write_model_dir(target: Path, config: Any, generation_config: Any, tokenizer: Any,

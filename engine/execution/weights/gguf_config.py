@@ -1,0 +1,74 @@
+"""A GGUF file's model config and end-of-turn tokens, read from its metadata as llama.cpp reads them.
+
+transformers parses the metadata into its config class, but misses some of what llama.cpp's
+converter stores and llama.cpp itself assumes:
+- a head's width: the converter writes attention.key_length (Qwen3's and Gemma 3's heads are wider
+  than hidden size / heads); transformers keeps the config class's default for qwen3 (128);
+- Gemma 3's query scale: the converter stores no query_pre_attn_scalar, and llama.cpp scales by
+  1/sqrt(head width), except in the 62-layer (27B) model, by 1/sqrt(hidden / heads);
+  transformers keeps its default, 256;
+- RoPE: the sliding layers' base (rope.freq_base_swa) and a linear scaling of the others
+  (rope.scaling.type / rope.scaling.factor, Gemma 3 4B and up); another scaling type fails,
+  naming it, rather than serving positions wrongly;
+- end of turn: a chat model's turns end in a token other than its end-of-text one (Gemma's
+  <end_of_turn>); llama.cpp stops at tokenizer.ggml.eot_token_id and at the control tokens it
+  knows by their text, and so does this reading.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from engine.execution.weights.gguf_file import GGUFFile
+
+# Some of the texts llama.cpp's vocabulary loader takes for an end of turn: ChatML's (Qwen), Gemma's
+# and Llama 3's. (It stops at more, <|endoftext|> among them; those are left to the file's own eos.)
+_END_OF_TURN_TEXTS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>")
+_CONTROL = 3  # llama.cpp's token type of control tokens
+_GEMMA3_27B_LAYERS = 62
+
+
+def gguf_config(file: GGUFFile) -> Any:
+    """transformers' config of a GGUF file, completed and corrected from its metadata."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(file.path.parent), gguf_file=file.path.name)
+    head_dim = file.arch_field("attention.key_length")
+    if head_dim is not None:
+        config.head_dim = int(head_dim)
+    if file.architecture in ("qwen3", "gemma3"):
+        _set_rope(file, config)
+    if file.architecture == "gemma3":
+        if config.num_hidden_layers == _GEMMA3_27B_LAYERS:
+            config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads
+        else:
+            config.query_pre_attn_scalar = config.head_dim
+    return config
+
+
+def _set_rope(file: GGUFFile, config: Any) -> None:
+    scaling = str(file.arch_field("rope.scaling.type", "none"))
+    if scaling not in ("none", "linear"):
+        raise ValueError(f"model: GGUF file {file.path.name} scales RoPE by {scaling!r}; only linear scaling is "
+                         f"read for {file.architecture}")
+    params = config.rope_parameters
+    full = params.get("full_attention", params)  # Gemma 3: a set per layer kind
+    if scaling == "linear":
+        full.update(rope_type="linear", factor=float(file.arch_field("rope.scaling.factor")))
+    swa_theta = file.arch_field("rope.freq_base_swa")
+    if swa_theta is not None and "sliding_attention" in params:
+        params["sliding_attention"]["rope_theta"] = float(swa_theta)
+
+
+def gguf_eos_token_ids(file: GGUFFile) -> list[int]:
+    """The ids generation stops at: the file's end-of-text and end-of-turn tokens, and its control
+    tokens whose text llama.cpp takes for an end of turn."""
+    ids = [int(file.field(key)) for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
+           if file.field(key) is not None]
+    tokens = file.field("tokenizer.ggml.tokens", [])
+    types = file.field("tokenizer.ggml.token_type", [])
+    for text in _END_OF_TURN_TEXTS:
+        if text in tokens:
+            index = tokens.index(text)
+            if index < len(types) and int(types[index]) == _CONTROL:
+                ids.append(index)
+    return list(dict.fromkeys(ids))
