@@ -1,0 +1,179 @@
+"""GGUF files as the field writes them: tiny random Hugging Face checkpoints of Qwen3 and Gemma 3,
+with the tokenizers their real repositories ship (Qwen2's byte-level BPE, Gemma's SentencePiece
+model), converted by llama.cpp's own convert_hf_to_gguf.py (from llama-cpp-python's sdist, run
+unchanged in a subprocess).
+
+- Qwen3: the converter identifies a BPE tokenizer by hashing its ids for a fixed text, so a tiny
+  trained vocabulary is refused; the checkpoint gets the real Qwen2 vocabulary instead, read by
+  transformers from the sdist's models/ggml-vocab-qwen2.gguf (llama.cpp's tokenizer test file:
+  151,936 tokens, so the tiny model's embedding is 151,936 x 64), and Qwen3-0.6B's chat template.
+  That tokenizer is built once into the project's cache (it takes transformers half a minute).
+- Gemma 3: a SentencePiece BPE model trained here on tests.tiny_model's corpus, laid out as
+  Gemma's (<pad> <eos> <bos> <unk> first, <start_of_turn> / <end_of_turn>, byte fallback, no
+  dummy prefix), its tokenizer_config listing the special tokens as Gemma's repositories do (the
+  converter types them from there), and Gemma 2's chat template (the sdist has no Gemma 3 one; the
+  turn markup is the same).
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.config import default_cache_dir
+from tests.llama_cpp_sdist import chat_template, llama_cpp_sdist
+from tests.tiny_model import _CORPUS
+
+LLAMA_CPP = Path("vendor/llama.cpp")  # in the unpacked sdist
+OUTTYPES = ("f32", "f16", "bf16", "q8_0")
+
+
+def convert_hf_to_gguf(hf_dir: Path, out: Path, outtype: str) -> Path:
+    """hf_dir converted by llama.cpp's convert_hf_to_gguf.py to out, its tensors in outtype (the
+    converter keeps norms and other 1-D tensors float32). Runs with this interpreter and the sdist's
+    own gguf-py, as llama.cpp's instructions do."""
+    if outtype not in OUTTYPES:
+        raise ValueError(f"outtype: {outtype!r} is not one of {OUTTYPES}")
+    llama_cpp = llama_cpp_sdist() / LLAMA_CPP
+    env = os.environ | {"PYTHONPATH": str(llama_cpp / "gguf-py")}
+    run = subprocess.run([sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(hf_dir), "--outtype", outtype,
+                          "--outfile", str(out)], env=env, capture_output=True, text=True, timeout=600)
+    if run.returncode != 0:
+        raise RuntimeError(f"convert_hf_to_gguf.py failed on {hf_dir} ({outtype}):\n{run.stderr[-4000:]}")
+    return out
+
+
+def _random_weights(model: Any, seed: int, norm_center: float) -> None:
+    """Well-separated random weights (see tests.tiny_model); norms near norm_center, not on it, so a
+    misplaced or unshifted norm weight shows."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(norm_center + 0.1 * torch.randn(param.shape, generator=gen))
+            else:
+                param.copy_(torch.randn(param.shape, generator=gen) * (1.0 if "embed_tokens" in name else 0.25))
+
+
+def qwen2_tokenizer_dir() -> Path:
+    """The real Qwen2 / Qwen3 tokenizer (from the sdist's vocabulary test file) with Qwen3-0.6B's
+    chat template and <|im_end|> as its eos, as Qwen3's instruct repositories have them; built once."""
+    target = default_cache_dir() / "test-tokenizers" / "qwen2"
+    if (target / "tokenizer.json").exists():
+        return target
+    from transformers import AutoTokenizer
+
+    models = llama_cpp_sdist() / LLAMA_CPP / "models"
+    tokenizer = AutoTokenizer.from_pretrained(str(models), gguf_file="ggml-vocab-qwen2.gguf")
+    tokenizer.eos_token = "<|im_end|>"
+    tokenizer.chat_template = chat_template("Qwen-Qwen3-0.6B")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        tokenizer.save_pretrained(tmp)
+        try:
+            Path(tmp).rename(target)
+        except OSError:  # built meanwhile by another process
+            if not (target / "tokenizer.json").exists():
+                raise
+    return target
+
+
+def build_qwen3_checkpoint(path: Path, tie_word_embeddings: bool = False, seed: int = 0) -> Path:
+    """A 2-layer Qwen3 of hidden size 64 whose heads are 32 wide (4 x 32 = 128 != 64: the file's
+    attention.key_length matters), with the real Qwen tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
+
+    tokenizer = AutoTokenizer.from_pretrained(str(qwen2_tokenizer_dir()))
+    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
+                         rms_norm_eps=1e-6, tie_word_embeddings=tie_word_embeddings,
+                         bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+                         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+                         pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"))
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    _random_weights(model, seed, norm_center=1.0)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(path))
+    tokenizer.save_pretrained(str(path))
+    return path
+
+
+GEMMA_SPECIAL = ("<pad>", "<eos>", "<bos>", "<unk>")
+GEMMA_TURNS = ("<start_of_turn>", "<end_of_turn>")
+
+
+def build_gemma3_checkpoint(path: Path, seed: int = 0) -> Path:
+    """A 6-layer Gemma 3 (layers 0-4 sliding over 8 tokens, layer 5 global: llama.cpp takes every
+    sixth layer for global, whatever the config says) of hidden size 64, heads 32 wide, with a tiny
+    Gemma-style SentencePiece tokenizer."""
+    import sentencepiece
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig, GemmaTokenizer
+
+    path.mkdir(parents=True, exist_ok=True)
+    model_file = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(_CORPUS.splitlines() * 4), model_writer=model_file, model_type="bpe", vocab_size=400,
+        pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece="<pad>", eos_piece="<eos>", bos_piece="<bos>",
+        unk_piece="<unk>", user_defined_symbols=list(GEMMA_TURNS), byte_fallback=True, add_dummy_prefix=False,
+        remove_extra_whitespaces=False, normalization_rule_name="identity", split_digits=True,
+        allow_whitespace_only_pieces=True, character_coverage=1.0, minloglevel=2)
+    (path / "tokenizer.model").write_bytes(model_file.getvalue())
+    tokenizer = GemmaTokenizer.from_pretrained(str(path), add_bos_token=True)
+    tokenizer.chat_template = chat_template("google-gemma-2-2b-it")
+    tokenizer.save_pretrained(str(path))
+    # Gemma's repositories list their special tokens in tokenizer_config.json (transformers 5 no
+    # longer writes them there): llama.cpp's converter takes their control type from this list
+    tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
+    tokenizer_config.pop("vocab_file", None)
+    tokenizer_config["added_tokens_decoder"] = {
+        str(i): {"content": tokenizer.convert_ids_to_tokens(i), "lstrip": False, "normalized": False, "rstrip": False,
+                 "single_word": False, "special": True}
+        for i in sorted(tokenizer.convert_tokens_to_ids([*GEMMA_SPECIAL, *GEMMA_TURNS, "<mask>"]))}
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+    config = Gemma3TextConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32,
+                              sliding_window=8, max_position_embeddings=1024, rms_norm_eps=1e-6,
+                              tie_word_embeddings=True, bos_token_id=2, eos_token_id=1, pad_token_id=0)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    _random_weights(model, seed, norm_center=0.0)  # Gemma scales by 1 + w
+    model.save_pretrained(str(path))
+    return path
+
+
+def field_gguf(family: str, outtype: str) -> tuple[Path, Path]:
+    """(the GGUF file llama.cpp's converter writes of family's tiny checkpoint in outtype, that
+    checkpoint's directory), made once into the project's cache under a key of this module's own
+    text (so a change here makes them anew)."""
+    builders = {"qwen3": build_qwen3_checkpoint, "gemma3": build_gemma3_checkpoint}
+    key = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
+    root = default_cache_dir() / "field-gguf" / key
+    root.mkdir(parents=True, exist_ok=True)
+    hf_dir = root / f"{family}-hf"
+    if not (hf_dir / "config.json").exists():
+        with tempfile.TemporaryDirectory(dir=root) as tmp:
+            builders[family](Path(tmp) / "hf")
+            _publish(Path(tmp) / "hf", hf_dir)
+    out = root / f"{family}-{outtype}.gguf"
+    if not out.exists():
+        with tempfile.TemporaryDirectory(dir=root) as tmp:
+            _publish(convert_hf_to_gguf(hf_dir, Path(tmp) / out.name, outtype), out)
+    return out, hf_dir
+
+
+def _publish(made: Path, target: Path) -> None:
+    """made renamed to target, whole; another process may have put it there first."""
+    try:
+        made.rename(target)
+    except OSError:
+        if not target.exists():
+            raise
