@@ -126,3 +126,22 @@ def test_tokenizer_chat_template_and_end_of_turn_are_the_checkpoints(metadata_di
         assert eos == {source.convert_tokens_to_ids("<eos>"), source.convert_tokens_to_ids("<end_of_turn>")}
     else:
         assert eos == {source.convert_tokens_to_ids("<|im_end|>")}
+
+
+def test_gemma3_linear_rope_scaling_is_read(tmp_path: Path) -> None:
+    """Gemma 3 4B and up scale their global layers' positions linearly (factor 8): the converter
+    writes rope.scaling.type / .factor, which transformers' reading drops."""
+    import shutil
+
+    from transformers import AutoConfig
+
+    from engine.execution.weights.gguf_config import gguf_config
+    from tests.field_gguf import convert_hf_to_gguf
+
+    hf_dir = shutil.copytree(field_gguf("gemma3", "f32")[1], tmp_path / "hf")
+    config = json.loads((hf_dir / "config.json").read_text())
+    config["rope_parameters"]["full_attention"] = {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}
+    (hf_dir / "config.json").write_text(json.dumps(config))
+    ours = gguf_config(GGUFFile(convert_hf_to_gguf(hf_dir, tmp_path / "m.gguf", "f32")))
+    assert ours.rope_parameters == AutoConfig.from_pretrained(str(hf_dir)).rope_parameters
+    assert ours.rope_parameters["full_attention"]["factor"] == 8.0
