@@ -51,7 +51,7 @@ def convert_hf_to_gguf(hf_dir: Path, out: Path, outtype: str) -> Path:
     return out
 
 
-def _random_weights(model: Any, seed: int, norm_center: float) -> None:
+def _random_weights(model: Any, seed: int, norm_center: float, embed_std: float) -> None:
     """Well-separated random weights (see tests.tiny_model); norms near norm_center, not on it, so a
     misplaced or unshifted norm weight shows."""
     gen = torch.Generator().manual_seed(seed)
@@ -60,7 +60,7 @@ def _random_weights(model: Any, seed: int, norm_center: float) -> None:
             if "norm" in name:
                 param.copy_(norm_center + 0.1 * torch.randn(param.shape, generator=gen))
             else:
-                param.copy_(torch.randn(param.shape, generator=gen) * (1.0 if "embed_tokens" in name else 0.25))
+                param.copy_(torch.randn(param.shape, generator=gen) * (embed_std if "embed_tokens" in name else 0.25))
 
 
 def qwen2_tokenizer_dir() -> Path:
@@ -100,7 +100,7 @@ def build_qwen3_checkpoint(path: Path, tie_word_embeddings: bool = False, seed: 
                          pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
-    _random_weights(model, seed, norm_center=1.0)
+    _random_weights(model, seed, norm_center=1.0, embed_std=1.0)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(path))
     tokenizer.save_pretrained(str(path))
@@ -145,7 +145,10 @@ def build_gemma3_checkpoint(path: Path, seed: int = 0) -> Path:
                               tie_word_embeddings=True, bos_token_id=2, eos_token_id=1, pad_token_id=0)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
-    _random_weights(model, seed, norm_center=0.0)  # Gemma scales by 1 + w
+    # Gemma scales norms by 1 + w, and its embeddings by sqrt(hidden) = 8: an embedding of the
+    # usual scale outweighs the layers' (normed) outputs, and every prompt's greedy answer is its
+    # last token repeated (so at 1.0 and 0.5); at 1 / 8 the layers choose
+    _random_weights(model, seed, norm_center=0.0, embed_std=0.125)
     model.save_pretrained(str(path))
     return path
 

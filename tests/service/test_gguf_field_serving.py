@@ -1,0 +1,125 @@
+"""Serving Qwen3 and Gemma 3 GGUF files as llama.cpp's own converter writes them (tests.field_gguf):
+at f32 both paths, the file's own tensors (quantization gguf) and transformers' conversion of it
+(quantization none), generate transformers' greedy tokens on the source checkpoint exactly; at
+q8_0 the native blocks stay within the activation rounding of the same file dequantized (the
+bounds of test_gguf_serving); `minivllm serve --model FILE.gguf` answers a chat through the
+openai SDK with the file's chat template.
+
+Gemma 3's prompts here are longer than its 8-token window, so its sliding layers (0-4) and its
+global one (5) both shape the answer. The first load of a Qwen3 file reads a 151,936-token
+vocabulary from its metadata (about a minute); later runs find it in the cache.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.execution.weights.quantized_weight import QuantizedWeight
+from tests.field_gguf import field_gguf
+from tests.server_harness import ServerProcess, free_port, poll
+
+PROMPTS = [[5, 9, 13], list(range(10, 47)), [42] * 7 + list(range(60, 80)), list(range(100, 300, 7))]
+NUM_NEW = 16
+GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
+FAMILIES = ["qwen3", "gemma3"]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def source_tokens(family: str) -> list[list[int]]:
+    """transformers' greedy tokens on the checkpoint the files were converted from."""
+    from transformers import AutoModelForCausalLM
+
+    hf_dir = field_gguf(family, "f32")[1]
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+    with torch.no_grad():
+        return [model.generate(torch.tensor([p]), max_new_tokens=NUM_NEW, min_new_tokens=NUM_NEW, do_sample=False,
+                               pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
+
+
+@pytest.mark.parametrize("quantization", ["gguf", "none"])
+def test_an_f32_file_generates_the_source_checkpoints_tokens_exactly(family: str, quantization: str,
+                                                                     source_tokens: list[list[int]]) -> None:
+    llm = LLM(str(field_gguf(family, "f32")[0]), num_kv_blocks=64, quantization=quantization)
+    assert llm.engine.runner.model.config.model_type in (family, f"{family}_text")
+    outs = [out.token_ids for out in llm.generate(PROMPTS, GREEDY)]
+    assert outs == source_tokens
+    assert len({tuple(t) for t in outs}) == len(PROMPTS)  # the prompts shape the answers
+
+
+@pytest.fixture(scope="module")
+def q8_twin(family: str) -> LLM:
+    """The q8_0 file dequantized to float32 (transformers' conversion): the exact reference for its values."""
+    return LLM(str(field_gguf(family, "q8_0")[0]), num_kv_blocks=64, quantization="none")
+
+
+def _first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+
+
+def _top_two_margin(llm: LLM, ids: list[int]) -> float:
+    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=1, logprobs=2))[0]
+    first, second = sorted(out.logprobs[0].values(), reverse=True)[:2]
+    return first - second
+
+
+TIE_NATS = 0.5  # as test_gguf_serving: per-32 int8 activations move a product by about half a percent
+
+
+def test_a_q8_0_file_is_served_as_its_blocks_within_the_activation_rounding(family: str, q8_twin: LLM) -> None:
+    llm = LLM(str(field_gguf(family, "q8_0")[0]), num_kv_blocks=64)
+    assert llm.engine.config.quantization == "gguf"
+    model = llm.engine.runner.model
+    projections = [m for layer in model.layers for m in layer.projections] + [model.lm_head]
+    assert all(isinstance(m.panels, QuantizedWeight) for m in projections)
+    outs = [out.token_ids for out in llm.generate(PROMPTS, GREEDY)]
+    twin = [out.token_ids for out in q8_twin.generate(PROMPTS, GREEDY)]
+    same = 0
+    for prompt, mine, ref in zip(PROMPTS, outs, twin, strict=True):
+        n = _first_difference(mine, ref)
+        same += n
+        if n < len(ref):
+            assert _top_two_margin(q8_twin, prompt + ref[:n]) < TIE_NATS, (prompt, n)
+    assert same >= len(PROMPTS) * NUM_NEW // 3, same
+    ids = list(range(20, 60))
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    native = llm.generate([ids], params)[0].prompt_logprobs
+    exact = q8_twin.generate([ids], params)[0].prompt_logprobs
+    a = np.array([entry[token] for token, entry in zip(ids[1:], native[1:], strict=True)])
+    b = np.array([entry[token] for token, entry in zip(ids[1:], exact[1:], strict=True)])
+    assert np.abs(a - b).max() < 1.5 and np.abs(a - b).mean() < 0.3, (np.abs(a - b).max(), np.abs(a - b).mean())
+    assert not np.array_equal(a, b)  # the native path ran its own (integer) products
+
+
+def test_serve_answers_a_chat_through_the_openai_sdk(family: str, tmp_path: Path) -> None:
+    import openai
+    from transformers import AutoTokenizer
+
+    path, hf_dir = field_gguf(family, "q8_0")
+    http_port = free_port()
+    server = ServerProcess(path, "--http-port", str(http_port), "--num-kv-blocks", "64")
+    try:
+        assert poll(lambda: "loaded; serving" in server.output or server.proc.poll() is not None, 300), server.output
+        assert server.proc.poll() is None, server.output
+        messages = [{"role": "user", "content": "Who wrote Hamlet?"}]
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="x", max_retries=0,
+                           timeout=120) as client:
+            model = client.models.list().data[0].id
+            answer = client.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0,
+                                                    extra_body={"ignore_eos": True})
+        # the prompt is the source checkpoint's own template's rendering, token for token
+        expected = AutoTokenizer.from_pretrained(str(hf_dir)).apply_chat_template(
+            messages, tokenize=True, add_generation_prompt=True)["input_ids"]
+        assert answer.usage.prompt_tokens == len(expected)
+        assert answer.usage.completion_tokens == 6 and answer.choices[0].message.content
+    finally:
+        server.close()
+    assert "Traceback" not in server.output, server.output
