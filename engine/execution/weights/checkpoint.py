@@ -18,12 +18,15 @@ import tempfile
 import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engine.config import DEFAULT_MODEL_NAME, default_cache_dir
 from engine.execution.startup_phases import CONVERSION, MODEL_FETCH, StartupPhases, timed
+
+if TYPE_CHECKING:
+    from engine.execution.weights.gguf_file import GGUFFile
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +153,7 @@ def write_gguf_metadata(gguf: Path, target: Path) -> None:
     _write_model_dir(target, config, _generation_config(file, config), tokenizer)
 
 
-def _generation_config(file: Any, config: Any) -> Any:
+def _generation_config(file: GGUFFile, config: Any) -> Any:
     """The generation config of config, stopping where llama.cpp stops the file's model (its end of
     text and of turn: gguf_config.gguf_eos_token_ids)."""
     from transformers import GenerationConfig

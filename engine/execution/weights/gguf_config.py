@@ -7,12 +7,16 @@ converter stores and llama.cpp itself assumes:
 - Gemma 3's query scale: the converter stores no query_pre_attn_scalar, and llama.cpp scales by
   1/sqrt(head width), except in the 62-layer (27B) model, by 1/sqrt(hidden / heads);
   transformers keeps its default, 256;
+- Gemma 3's layer kinds: llama.cpp takes every sixth layer for global and the rest for sliding
+  (attention.sliding_window_pattern, a period or a flag per layer, where a file has one), and
+  every layer for global where the file has no sliding window; transformers' default pattern is
+  the same six, but its default window applies where the file has none;
 - RoPE: the sliding layers' base (rope.freq_base_swa) and a linear scaling of the others
   (rope.scaling.type / rope.scaling.factor, Gemma 3 4B and up); another scaling type fails,
   naming it, rather than serving positions wrongly;
 - end of turn: a chat model's turns end in a token other than its end-of-text one (Gemma's
-  <end_of_turn>); llama.cpp stops at tokenizer.ggml.eot_token_id and at the control tokens it
-  knows by their text, and so does this reading.
+  <end_of_turn>); llama.cpp stops at tokenizer.ggml.eot_token_id and at control tokens it knows
+  by their text, and so do the ids read here (the texts of Qwen's, Gemma's and Llama 3's turns).
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from engine.execution.weights.gguf_file import GGUFFile
 _END_OF_TURN_TEXTS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>")
 _CONTROL = 3  # llama.cpp's token type of control tokens
 _GEMMA3_27B_LAYERS = 62
+_GEMMA3_SWA_PERIOD = 6  # llama.cpp's default: layers 5, 11, ... global
 
 
 def gguf_config(file: GGUFFile) -> Any:
@@ -42,7 +47,20 @@ def gguf_config(file: GGUFFile) -> Any:
             config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads
         else:
             config.query_pre_attn_scalar = config.head_dim
+        config.layer_types = _gemma3_layer_types(file, config.num_hidden_layers)
     return config
+
+
+def _gemma3_layer_types(file: GGUFFile, num_layers: int) -> list[str]:
+    if not file.arch_field("attention.sliding_window"):
+        return ["full_attention"] * num_layers
+    pattern = file.arch_field("attention.sliding_window_pattern", _GEMMA3_SWA_PERIOD)
+    if isinstance(pattern, list):
+        is_sliding = [bool(flag) for flag in pattern[:num_layers]]
+    else:
+        period = int(pattern)
+        is_sliding = [period == 0 or i % period < period - 1 for i in range(num_layers)]
+    return ["sliding_attention" if sliding else "full_attention" for sliding in is_sliding]
 
 
 def _set_rope(file: GGUFFile, config: Any) -> None:

@@ -53,7 +53,7 @@ class _CheckedReader(GGUFReader):
     def _get(self, offset: int, dtype: Any, count: int = 1, *args: Any, **kwargs: Any) -> np.ndarray:
         if type(self.data) is np.memmap:
             # the same mapped bytes as a plain array: np.memmap's bookkeeping on each of the million
-            # small slices a 150,000-token vocabulary takes made reading one ten times slower
+            # small slices a 150,000-token vocabulary takes doubled its reading (21 s against 10 s)
             self.data = self.data.view(np.ndarray)
         end = int(offset) + int(np.empty([], dtype=dtype).itemsize) * int(count)
         if end > len(self.data):

@@ -145,3 +145,17 @@ def test_gemma3_linear_rope_scaling_is_read(tmp_path: Path) -> None:
     ours = gguf_config(GGUFFile(convert_hf_to_gguf(hf_dir, tmp_path / "m.gguf", "f32")))
     assert ours.rope_parameters == AutoConfig.from_pretrained(str(hf_dir)).rope_parameters
     assert ours.rope_parameters["full_attention"]["factor"] == 8.0
+
+
+@pytest.mark.parametrize(("metadata", "sliding"), [
+    ({"attention.sliding_window": 8}, [True] * 5 + [False] + [True] * 5 + [False]),  # llama.cpp's default: every 6th
+    ({"attention.sliding_window": 8, "attention.sliding_window_pattern": 4}, [True, True, True, False] * 3),
+    ({}, [False] * 12),  # no window: every layer global (transformers would slide over its default 4096)
+])
+def test_gemma3_layer_kinds_are_llama_cpps(tmp_path: Path, metadata: dict[str, int], sliding: list[bool]) -> None:
+    from engine.execution.weights.gguf_config import _gemma3_layer_types
+    from tests.gguf_samples import write_gguf
+
+    path = write_gguf(tmp_path / "m.gguf", "gemma3", {"block_count": 12, "embedding_length": 64,
+                                                       "attention.head_count": 4, **metadata}, {})
+    assert _gemma3_layer_types(GGUFFile(path), 12) == ["sliding_attention" if s else "full_attention" for s in sliding]
