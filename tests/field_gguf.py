@@ -33,6 +33,8 @@ from tests.llama_cpp_sdist import chat_template, llama_cpp_sdist
 from tests.tiny_model import _CORPUS
 
 LLAMA_CPP = Path("vendor/llama.cpp")  # in the unpacked sdist
+_WEIGHTS = Path(__file__).parent.parent / "engine" / "execution" / "weights"
+_KEYED_SOURCES = (Path(__file__), _WEIGHTS / "checkpoint.py", _WEIGHTS / "gguf_config.py", _WEIGHTS / "gguf_file.py")
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")
 
 
@@ -155,10 +157,12 @@ def build_gemma3_checkpoint(path: Path, seed: int = 0) -> Path:
 
 def field_gguf(family: str, outtype: str) -> tuple[Path, Path]:
     """(the GGUF file llama.cpp's converter writes of family's tiny checkpoint in outtype, that
-    checkpoint's directory), made once into the project's cache under a key of this module's own
-    text (so a change here makes them anew)."""
+    checkpoint's directory), made once into the project's cache under a key of this module's text
+    and of the code that reads GGUF metadata: the engine caches what it derives from a file by the
+    file's path and time, so a change there must come with new files, or a test would meet the
+    old code's config and tokenizer."""
     builders = {"qwen3": build_qwen3_checkpoint, "gemma3": build_gemma3_checkpoint}
-    key = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
+    key = hashlib.sha256(b"".join(path.read_bytes() for path in _KEYED_SOURCES)).hexdigest()[:12]
     root = default_cache_dir() / "field-gguf" / key
     root.mkdir(parents=True, exist_ok=True)
     hf_dir = root / f"{family}-hf"
