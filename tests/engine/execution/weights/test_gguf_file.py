@@ -250,13 +250,15 @@ def test_q4_1_perplexity_is_within_one_percent_of_float32(real_llm: LLM, gguf_ll
 
 # Perplexity of the gguf mode over the float32 dequantization of the same file, measured
 # (python -m bench.perplexity --model FILE --modes float32,gguf, FILE from bench.make_gguf
-# --requantize-default TYPE): Q8_0 x1.0052, Q4_0 x1.0101, Q4_K x1.0068, Q6_K x1.0006 (the shipped
-# Q4_1: x1.0043). Only the activations' per-32 int8 rounding separates the two, so each is bounded
+# --requantize-default TYPE): Q8_0 x1.0052, Q4_0 x1.0101, Q4_K x1.0068, Q6_K x1.0006, Q5_0 x1.0077,
+# Q5_1 x1.0015, Q5_K x1.0032 (the shipped Q4_1: x1.0043). Only the activations' per-32 int8 rounding separates the two, so each is bounded
 # at 1.5 % above (and 0.5 % below: the rounding is no bias). SmolLM2's 576-wide rows take no
-# k-quant: in the Q4_K and Q6_K files only the 30 down projections (1536 wide) hold that type,
-# the rest Q8_0.
+# k-quant: in the Q4_K, Q5_K and Q6_K files only the 30 down projections (1536 wide) hold that
+# type, the rest Q8_0.
 _REQUANTIZED = {GGMLQuantizationType.Q8_0: "every", GGMLQuantizationType.Q4_0: "every",
-                GGMLQuantizationType.Q4_K: "down", GGMLQuantizationType.Q6_K: "down"}
+                GGMLQuantizationType.Q5_0: "every", GGMLQuantizationType.Q5_1: "every",
+                GGMLQuantizationType.Q4_K: "down", GGMLQuantizationType.Q5_K: "down",
+                GGMLQuantizationType.Q6_K: "down"}
 
 
 @pytest.mark.parametrize("quant_type", list(_REQUANTIZED), ids=lambda t: t.name)
