@@ -145,7 +145,7 @@ def test_a_teams_share_computes_what_one_call_does(kernels, m: int) -> None:
     """quant_gemm with a team (DecodeModel's way: home ranges, each member quantizing x itself),
     through the benchmark's chain, gives quant_linear's floats exactly."""
     rng = np.random.default_rng(m)
-    weights = [QuantizedWeight.pack(random_blocks(t, 200, 256, rng), t, 256) for t in (T.Q4_K, T.Q4_1)]
+    weights = [QuantizedWeight.pack(random_blocks(t, 200, 256, rng), t, 256) for t in (T.Q4_K, T.Q4_1, T.Q5_0, T.Q5_K)]
     x = torch.randn(m, 256)
     for isa in range(kernels.best_isa() + 1):
         for w in weights:  # a chain of one: the chain writes each product over the last one's
