@@ -32,7 +32,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import dequantize, quantize
 
-from bench.kquants import quantize_q4_k, quantize_q6_k
+from bench.kquants import quantize_q4_k, quantize_q5_k, quantize_q6_k
 
 logger = logging.getLogger("bench.make_gguf")
 
@@ -62,8 +62,10 @@ def _copy_tokenizer(writer: GGUFWriter, source: GGUFReader, vocab_size: int) -> 
 
 # GGUF's general.file_type for a file mostly of one type (llama.h's llama_ftype)
 _FILE_TYPES = {GGMLQuantizationType.F16: 1, GGMLQuantizationType.Q4_0: 2, GGMLQuantizationType.Q4_1: 3,
-               GGMLQuantizationType.Q8_0: 7, GGMLQuantizationType.Q4_K: 14, GGMLQuantizationType.Q6_K: 18}
-_KQUANTIZERS = {GGMLQuantizationType.Q4_K: quantize_q4_k, GGMLQuantizationType.Q6_K: quantize_q6_k}
+               GGMLQuantizationType.Q8_0: 7, GGMLQuantizationType.Q5_0: 8, GGMLQuantizationType.Q5_1: 9,
+               GGMLQuantizationType.Q4_K: 14, GGMLQuantizationType.Q5_K: 16, GGMLQuantizationType.Q6_K: 18}
+_KQUANTIZERS = {GGMLQuantizationType.Q4_K: quantize_q4_k, GGMLQuantizationType.Q5_K: quantize_q5_k,
+                GGMLQuantizationType.Q6_K: quantize_q6_k}
 
 
 def quantize_blocks(values: np.ndarray, quant_type: GGMLQuantizationType) -> np.ndarray:

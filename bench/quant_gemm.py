@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 T = GGMLQuantizationType
 _SETS = {"135M layer": [(576, 960), (576, 576), (576, 3072), (1536, 576)],  # (K, N)
          "1B MLP": [(2048, 8192), (8192, 2048)]}
-_TYPES = [T.Q4_0, T.Q4_1, T.Q4_K, T.Q6_K, T.Q8_0]
+_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0]
 _MIN_BYTES = 320 << 20  # per chain: several times the last-level cache
 
 

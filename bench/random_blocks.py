@@ -9,7 +9,9 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 T = GGMLQuantizationType
 # Byte offsets of each type's float16 scale fields in its block, and each field's range.
 _HALVES = {T.Q4_0: {0: (1e-3, 2e-2)}, T.Q4_1: {0: (1e-3, 2e-2), 2: (-0.1, 0.0)}, T.Q8_0: {0: (1e-3, 2e-2)},
-           T.Q4_K: {0: (1e-4, 1e-3), 2: (1e-4, 1e-3)}, T.Q6_K: {208: (1e-4, 1e-3)}}
+           T.Q5_0: {0: (1e-3, 1e-2)}, T.Q5_1: {0: (1e-3, 1e-2), 2: (-0.1, 0.0)},
+           T.Q4_K: {0: (1e-4, 1e-3), 2: (1e-4, 1e-3)}, T.Q5_K: {0: (1e-4, 1e-3), 2: (1e-4, 1e-3)},
+           T.Q6_K: {208: (1e-4, 1e-3)}}
 
 
 def random_blocks(quant_type: GGMLQuantizationType, n: int, k: int, rng: np.random.Generator) -> np.ndarray:

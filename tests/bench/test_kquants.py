@@ -1,6 +1,6 @@
-"""bench.kquants writes Q4_K and Q6_K blocks that the `gguf` package's own dequantization reads
-back as the weights, within each format's rounding: the layouts (ggml's block_q4_K and
-block_q6_K) are the package's, bit for bit, or the values come back scrambled."""
+"""bench.kquants writes Q4_K, Q5_K and Q6_K blocks that the `gguf` package's own dequantization reads
+back as the weights, within each format's rounding: the layouts (ggml's block_q4_K,
+block_q5_K and block_q6_K) are the package's, bit for bit, or the values come back scrambled."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,14 +8,15 @@ import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
-from bench.kquants import quantize_q4_k, quantize_q6_k
+from bench.kquants import quantize_q4_k, quantize_q5_k, quantize_q6_k
 
 T = GGMLQuantizationType
 
 
 @pytest.mark.parametrize(("quant_type", "quantizer", "max_rms"), [(T.Q4_K, quantize_q4_k, 0.1),
+                                                                    (T.Q5_K, quantize_q5_k, 0.05),
                                                                     (T.Q6_K, quantize_q6_k, 0.03)],
-                         ids=["Q4_K", "Q6_K"])
+                         ids=["Q4_K", "Q5_K", "Q6_K"])
 def test_blocks_dequantize_back_to_the_weights(quant_type, quantizer, max_rms: float) -> None:
     rng = np.random.default_rng(0)
     weights = (rng.standard_normal((6, 3 * 256)) * 0.05).astype(np.float32)
@@ -39,5 +40,7 @@ def test_blocks_dequantize_back_to_the_weights(quant_type, quantizer, max_rms: f
 def test_rows_of_another_length_are_refused() -> None:
     with pytest.raises(ValueError, match="multiple of 256"):
         quantize_q4_k(np.zeros((2, 576), np.float32))
+    with pytest.raises(ValueError, match="Q5_K needs .* multiple of 256"):
+        quantize_q5_k(np.zeros((2, 576), np.float32))
     with pytest.raises(ValueError, match="multiple of 256"):
         quantize_q6_k(np.zeros((2, 576), np.float32))

@@ -34,6 +34,7 @@ int32_t code_at(int64_t type, const uint8_t* c, int64_t r, int64_t k) {
   if (type == kQ8_0) return c[(k / 4) * 64 + r * 4 + k % 4];
   const int64_t kk = k % 16, t = kk / 4, at = t * 64 + r * 4 + kk % 4;
   const int32_t low = k < 16 ? c[at] & 0x0F : c[at] >> 4;
+  if (is_5bit(type)) return low | (((c[256 + r * 4 + kk % 4] >> (k < 16 ? t : 4 + t)) & 1) << 4);
   if (type != kQ6_K) return low;
   const int32_t shift = (t % 2) * 4 + (k < 16 ? 0 : 2);
   return low | (((c[256 + (t / 2) * 64 + r * 4 + kk % 4] >> shift) & 3) << 4);
@@ -48,8 +49,11 @@ float weight_at(int64_t type, const uint8_t* rec, int64_t j, int64_t r, int64_t 
   switch (type) {
     case kQ4_0: return d * (code - 8.f);
     case kQ4_1: return d * code + half_at(rec + 32, r);
+    case kQ5_0: return d * (code - 16.f);
+    case kQ5_1: return d * code + half_at(rec + 32, r);
     case kQ8_0: return (code - 128.f) * d;
     case kQ4_K:
+    case kQ5_K:
       return d * static_cast<float>(rec[64 + 16 * j + r]) * code -
              half_at(rec + 32, r) * static_cast<float>(rec[192 + 16 * j + r]);
     default: return d * static_cast<float>(static_cast<int8_t>(rec[32 + 16 * (2 * j + k / 16) + r])) * (code - 32.f);
@@ -79,8 +83,11 @@ void quant_tile_scalar(int64_t type, int64_t rows, const QuantActs& a, int64_t m
           switch (type) {
             case kQ4_0: sum -= 8 * (x.sum_lo + x.sum_hi); break;
             case kQ4_1: minimum = half_at(w + 32, r); break;
+            case kQ5_0: sum -= 16 * (x.sum_lo + x.sum_hi); break;
+            case kQ5_1: minimum = half_at(w + 32, r); break;
             case kQ8_0: sum -= 128 * (x.sum_lo + x.sum_hi); break;
             case kQ4_K:
+            case kQ5_K:
               scale = d * static_cast<float>(w[64 + 16 * j + r]);
               minimum = -half_at(w + 32, r) * static_cast<float>(w[192 + 16 * j + r]);
               break;

@@ -3,11 +3,13 @@
 // A weight of N output channels and K inputs keeps its file's codes and scales, repacked at load
 // (engine/execution/models/quantized_weight.py) into panels of 16 output channels,
 // [ceil(N/16), records, record_bytes] uint8: a panel is one contiguous stream of records, each
-// one GGUF block (32 k: Q4_0, Q4_1, Q8_0) or super-block (256 k: Q4_K, Q6_K) of all 16 rows,
+// one GGUF block (32 k: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) or super-block (256 k: Q4_K, Q5_K, Q6_K) of all 16 rows,
 // its scales first (16 per field, row order), then its codes, 32 k at a time. A 32-k block's
 // codes are 64-byte groups, one vpdpbusd operand each: group t holds, at byte r * 4 + i, row r's
 // code of k = 4t + i, so one broadcast of 4 activation bytes multiplies all 16 rows.
 //   4-bit (Q4_0, Q4_1, Q4_K): 4 groups; the low nibble is k = 4t + i, the high one k = 16 + 4t + i.
+//   5-bit (Q5_0, Q5_1, Q5_K): the code's low 4 bits as 4-bit blocks, then 1 group of its top bits:
+//     byte r * 4 + i, bit t: k = 4t + i; bit 4 + t: k = 16 + 4t + i (t < 4).
 //   Q8_0: 8 groups of code + 128 (the file's int8 made unsigned, as vpdpbusd's first operand is).
 //   Q6_K: the 6-bit code's low 4 bits as 4-bit blocks, then 2 groups of its top 2 bits: group s,
 //     byte r * 4 + i, bits 0-1 / 2-3 / 4-5 / 6-7: k = 4(2s) + i, 16 + 4(2s) + i, 4(2s + 1) + i,
@@ -15,11 +17,13 @@
 // Record headers (f16: IEEE half as in the file):
 //   Q4_0: d f16[16]                      w = d (q - 8)
 //   Q4_1: d f16[16], m f16[16]           w = d q + m
+//   Q5_0: d f16[16]                      w = d (q - 16)
+//   Q5_1: d f16[16], m f16[16]           w = d q + m
 //   Q8_0: d f16[16]                      w = d (u - 128)
-//   Q4_K: d, dmin f16[16]; sc[8][16], mn[8][16] u8 (6-bit, per 32 k)    w = d sc q - dmin mn
-//   Q6_K: d f16[16]; sc[16][16] i8 (per 16 k)                           w = d sc (q - 32)
-// The sizes per row equal the file's, but Q4_K's 6-bit scales, kept as bytes (148 against 144
-// bytes per 256 k).
+//   Q4_K, Q5_K: d, dmin f16[16]; sc[8][16], mn[8][16] u8 (6-bit, per 32 k)    w = d sc q - dmin mn
+//   Q6_K: d f16[16]; sc[16][16] i8 (per 16 k)                                 w = d sc (q - 32)
+// The sizes per row equal the file's, but Q4_K's and Q5_K's 6-bit scales, kept as bytes (148
+// against 144, 180 against 176 bytes per 256 k).
 //
 // Activations are quantized per 32 k to int8 (x ~ scale * q, |q| <= 127, round to nearest even)
 // and the products are integer dot products of each 32-k block, scaled once per block.
@@ -31,7 +35,13 @@
 namespace minivllm {
 
 // ggml_type ids of the formats with kernels.
-enum QuantType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };
+enum QuantType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+
+// The 5-bit types: 4-bit codes plus a group of top bits a 32-k block.
+constexpr bool is_5bit(int64_t type) { return type == kQ5_0 || type == kQ5_1 || type == kQ5_K; }
+// w = d q + m (a float minimum a block) and w = d sc q - dmin mn (6-bit minimums a sub-block).
+constexpr bool has_block_min(int64_t type) { return type == kQ4_1 || type == kQ5_1; }
+constexpr bool has_sub_block_min(int64_t type) { return type == kQ4_K || type == kQ5_K; }
 
 struct QuantFormat {
   int64_t blocks_per_record = 0;  // 32-k blocks: 1, or 8 in a super-block
@@ -46,8 +56,11 @@ constexpr QuantFormat quant_format(int64_t type) {
   switch (type) {
     case kQ4_0: return {1, 32, 256};
     case kQ4_1: return {1, 64, 256};
+    case kQ5_0: return {1, 32, 320};
+    case kQ5_1: return {1, 64, 320};
     case kQ8_0: return {1, 32, 512};
     case kQ4_K: return {8, 320, 256};
+    case kQ5_K: return {8, 320, 320};
     case kQ6_K: return {8, 288, 384};
     default: return {};
   }
@@ -57,13 +70,16 @@ constexpr QuantFormat quant_format(int64_t type) {
 // own, so uint8 panels in a packed projection's slot (packed_gemm's dispatch, DecodeModel's
 // embedding) say their type by their shape. 0 for a size no type has.
 constexpr int64_t quant_type_of_record(int64_t record_bytes) {
-  constexpr int64_t kTypes[] = {kQ4_0, kQ4_1, kQ8_0, kQ4_K, kQ6_K};
+  constexpr int64_t kTypes[] = {kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ8_0, kQ4_K, kQ5_K, kQ6_K};
   for (const int64_t type : kTypes)
     if (quant_format(type).record_bytes() == record_bytes) return type;
   return 0;
 }
 static_assert(quant_type_of_record(quant_format(kQ4_0).record_bytes()) == kQ4_0 &&
                   quant_type_of_record(quant_format(kQ4_1).record_bytes()) == kQ4_1 &&
+                  quant_type_of_record(quant_format(kQ5_0).record_bytes()) == kQ5_0 &&
+                  quant_type_of_record(quant_format(kQ5_1).record_bytes()) == kQ5_1 &&
+                  quant_type_of_record(quant_format(kQ5_K).record_bytes()) == kQ5_K &&
                   quant_type_of_record(quant_format(kQ8_0).record_bytes()) == kQ8_0 &&
                   quant_type_of_record(quant_format(kQ4_K).record_bytes()) == kQ4_K &&
                   quant_type_of_record(quant_format(kQ6_K).record_bytes()) == kQ6_K,
@@ -102,8 +118,11 @@ inline void with_quant_type(int64_t type, const F& f) {
   switch (type) {
     case kQ4_0: return f(std::integral_constant<int64_t, kQ4_0>{});
     case kQ4_1: return f(std::integral_constant<int64_t, kQ4_1>{});
+    case kQ5_0: return f(std::integral_constant<int64_t, kQ5_0>{});
+    case kQ5_1: return f(std::integral_constant<int64_t, kQ5_1>{});
     case kQ8_0: return f(std::integral_constant<int64_t, kQ8_0>{});
     case kQ4_K: return f(std::integral_constant<int64_t, kQ4_K>{});
+    case kQ5_K: return f(std::integral_constant<int64_t, kQ5_K>{});
     case kQ6_K: return f(std::integral_constant<int64_t, kQ6_K>{});
     default: return;
   }

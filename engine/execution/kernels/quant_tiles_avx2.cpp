@@ -59,9 +59,15 @@ MINIVLLM_AVX2Q inline __attribute__((always_inline)) void block_dots(const uint8
     }
     return;
   }
+  const __m256i top5 = _mm256_set1_epi8(0x10);
+  const __m256i hb5 = is_5bit(T) ? half_group(c + 256 + 32 * h) : _mm256_setzero_si256();
   for (int t = 0; t < 4; ++t) {
     const __m256i v = half_group(c + 64 * t + 32 * h);
     __m256i ul = _mm256_and_si256(v, low4), uh = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+    if constexpr (is_5bit(T)) {  // bits t and 4 + t to bit 4 (shifts of at most 4 keep them in their byte)
+      ul = _mm256_or_si256(ul, _mm256_and_si256(_mm256_slli_epi16(hb5, 4 - t), top5));
+      uh = _mm256_or_si256(uh, _mm256_and_si256(_mm256_srli_epi16(hb5, t), top5));
+    }
     if constexpr (T == kQ6_K) {
       const __m256i top2 = _mm256_set1_epi8(0x30), hb = half_group(c + 256 + 64 * (t / 2) + 32 * h);
       const __m256i hl = t % 2 == 0 ? _mm256_slli_epi16(hb, 4) : hb;
@@ -99,8 +105,8 @@ MINIVLLM_AVX2Q void tile(const QuantActs& a, int64_t m0, const uint8_t* w, int64
         block_dots<MT, T>(c, h, xk, lo, hi);
         __m256 ds = halves8(w + 16 * h), dm = _mm256_setzero_ps();
         __m256i sc_lo = _mm256_setzero_si256(), sc_hi = sc_lo;
-        if constexpr (T == kQ4_1) dm = halves8(w + 32 + 16 * h);
-        if constexpr (T == kQ4_K) {
+        if constexpr (has_block_min(T)) dm = halves8(w + 32 + 16 * h);
+        if constexpr (has_sub_block_min(T)) {
           ds = _mm256_mul_ps(ds, ubytes8(w + 64 + 16 * j + 8 * h));
           dm = _mm256_mul_ps(halves8(w + 32 + 16 * h), ubytes8(w + 192 + 16 * j + 8 * h));
         }
@@ -113,14 +119,15 @@ MINIVLLM_AVX2Q void tile(const QuantActs& a, int64_t m0, const uint8_t* w, int64
           const __m256 scale = _mm256_mul_ps(ds, _mm256_set1_ps(x.scale));
           __m256i sum = _mm256_add_epi32(lo[m], hi[m]);
           if constexpr (T == kQ4_0) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(8 * (x.sum_lo + x.sum_hi)));
+          if constexpr (T == kQ5_0) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(16 * (x.sum_lo + x.sum_hi)));
           if constexpr (T == kQ6_K) {
             const __m256i a_lo = _mm256_sub_epi32(lo[m], _mm256_set1_epi32(32 * x.sum_lo));
             const __m256i a_hi = _mm256_sub_epi32(hi[m], _mm256_set1_epi32(32 * x.sum_hi));
             sum = _mm256_add_epi32(_mm256_mullo_epi32(a_lo, sc_lo), _mm256_mullo_epi32(a_hi, sc_hi));
           }
           acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, acc[m][h]);
-          if constexpr (T == kQ4_1) acc[m][h] = _mm256_fmadd_ps(dm, _mm256_set1_ps(x.scaled_sum), acc[m][h]);
-          if constexpr (T == kQ4_K) acc[m][h] = _mm256_fnmadd_ps(dm, _mm256_set1_ps(x.scaled_sum), acc[m][h]);
+          if constexpr (has_block_min(T)) acc[m][h] = _mm256_fmadd_ps(dm, _mm256_set1_ps(x.scaled_sum), acc[m][h]);
+          if constexpr (has_sub_block_min(T)) acc[m][h] = _mm256_fnmadd_ps(dm, _mm256_set1_ps(x.scaled_sum), acc[m][h]);
         }
       }
     }

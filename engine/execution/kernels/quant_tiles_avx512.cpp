@@ -66,6 +66,21 @@ MINIVLLM_VNNI inline __attribute__((always_inline)) void block_dots(const uint8_
         hi[m] = _mm512_dpbusd_epi32(hi[m], uh, bcast4(xq[m] + 16 + 4 * t));
       }
     }
+  } else if constexpr (is_5bit(T)) {
+    // The top bits of group t's low and high codes are bits t and 4 + t of one group's bytes,
+    // moved to bit 4 (16-bit shifts of at most 4: no bit that lands on a byte's bit 4 crossed bytes).
+    const __m512i low4 = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x10);
+    const __m512i h = group(c + 256);
+    for (int t = 0; t < 4; ++t) {
+      const __m512i v = group(c + 64 * t);
+      const __m512i ul = _mm512_or_si512(_mm512_and_si512(v, low4), _mm512_and_si512(_mm512_slli_epi16(h, 4 - t), top));
+      const __m512i uh = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4),
+                                         _mm512_and_si512(_mm512_srli_epi16(h, t), top));
+      for (int m = 0; m < MT; ++m) {
+        lo[m] = _mm512_dpbusd_epi32(lo[m], ul, bcast4(xq[m] + 4 * t));
+        hi[m] = _mm512_dpbusd_epi32(hi[m], uh, bcast4(xq[m] + 16 + 4 * t));
+      }
+    }
   } else {  // 4-bit: hi sums 16 q
     const __m512i low4 = _mm512_set1_epi8(0x0F), high4 = _mm512_set1_epi8(static_cast<char>(0xF0));
     for (int t = 0; t < 4; ++t) {
@@ -103,8 +118,8 @@ MINIVLLM_VNNI void tile(const QuantActs& a, int64_t m0, const uint8_t* w, int64_
       // What the block's rows share: their scale (and minimum) as floats.
       __m512 ds = d, dm = _mm512_setzero_ps();
       __m512i sc_lo = _mm512_setzero_si512(), sc_hi = sc_lo;
-      if constexpr (T == kQ4_1) dm = halves16(w + 32);
-      if constexpr (T == kQ4_K) {
+      if constexpr (has_block_min(T)) dm = halves16(w + 32);
+      if constexpr (has_sub_block_min(T)) {
         ds = _mm512_mul_ps(d, ubytes16(w + 64 + 16 * j));
         dm = _mm512_mul_ps(halves16(w + 32), ubytes16(w + 192 + 16 * j));
       }
@@ -122,13 +137,16 @@ MINIVLLM_VNNI void tile(const QuantActs& a, int64_t m0, const uint8_t* w, int64_
           const __m512i a_lo = _mm512_sub_epi32(lo[m], _mm512_set1_epi32(32 * x.sum_lo));
           const __m512i a_hi = _mm512_sub_epi32(hi[m], _mm512_set1_epi32(32 * x.sum_hi));
           sum = _mm512_add_epi32(_mm512_mullo_epi32(a_lo, sc_lo), _mm512_mullo_epi32(a_hi, sc_hi));
+        } else if constexpr (is_5bit(T)) {
+          sum = _mm512_add_epi32(lo[m], hi[m]);
+          if constexpr (T == kQ5_0) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(16 * (x.sum_lo + x.sum_hi)));
         } else {
           sum = _mm512_add_epi32(lo[m], _mm512_srai_epi32(hi[m], 4));
           if constexpr (T == kQ4_0) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(8 * (x.sum_lo + x.sum_hi)));
         }
         acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc[m]);
-        if constexpr (T == kQ4_1) acc[m] = _mm512_fmadd_ps(dm, _mm512_set1_ps(x.scaled_sum), acc[m]);
-        if constexpr (T == kQ4_K) acc[m] = _mm512_fnmadd_ps(dm, _mm512_set1_ps(x.scaled_sum), acc[m]);
+        if constexpr (has_block_min(T)) acc[m] = _mm512_fmadd_ps(dm, _mm512_set1_ps(x.scaled_sum), acc[m]);
+        if constexpr (has_sub_block_min(T)) acc[m] = _mm512_fnmadd_ps(dm, _mm512_set1_ps(x.scaled_sum), acc[m]);
       }
     }
   }

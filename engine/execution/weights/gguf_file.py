@@ -2,9 +2,10 @@
 
 Each tensor comes with its type and its shape in torch's order ([out, in] for a matrix), checked
 against the file's own metadata (hidden size, heads, feed-forward width, vocabulary). Tensors of
-the types with kernels (ggml_blocks.KERNEL_TYPES) come as their raw blocks, one row of blocks per
-output channel; float types as their values; every other quantized type is dequantized once, to
-float32, with a warning naming the type. Llama-architecture files store the query and key
+the types with kernels (ggml_blocks.KERNEL_TYPES: all a Q4_K_M or Q5_K_M download holds, the
+Q5_0 / Q5_1 / Q8_0 of rows no multiple of 256 included) come as their raw blocks, one row of blocks
+per output channel; float types as their values (bfloat16, which numpy lacks, widened to float32:
+exact); every other quantized type is dequantized once, to float32, with a warning naming the type. Llama-architecture files store the query and key
 projections' rows in llama.cpp's rotary order: they come back in Hugging Face's (a permutation of
 whole rows, so of whole blocks), as transformers' own GGUF loader restores them. llama.cpp's
 converter permutes no other architecture's rows (qwen2, qwen3 and gemma3 rotate halves, as Hugging
@@ -109,8 +110,11 @@ class GGUFFile:
                 data = np.asarray(t.data).reshape(int(np.prod(shape[:-1])), row_bytes(quant_type, shape[-1]))
             elif quant_type in _FLOAT_TYPES:
                 data = np.asarray(t.data).reshape(shape)
+            elif quant_type == GGMLQuantizationType.BF16:  # each value's float32 top half: exact
+                data = (np.asarray(t.data).view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(shape)
+                quant_type = GGMLQuantizationType.F32
             else:
-                if quant_type not in warned and quant_type != GGMLQuantizationType.BF16:
+                if quant_type not in warned:
                     logger.warning("GGUF %s: tensors of type %s (the first: %s) have no kernel here; dequantized to "
                                    "float32 once, at load", self.path.name, quant_type.name, t.name)
                     warned.add(quant_type)

@@ -1,12 +1,14 @@
 """A projection's GGUF blocks repacked for the C++ integer-dot kernels: panels of 16 output channels.
 
 Layout [ceil(N / 16), records, record bytes] uint8 (engine/execution/kernels/quant_tiles.h draws
-it): a panel is one stream of records, one per GGUF block (Q4_0, Q4_1, Q8_0: 32 k) or super-block
-(Q4_K, Q6_K: 256 k) of its 16 rows, the scales first (the file's float16s, 16 a field), then the
-codes in 64-byte groups of 4 k x 16 rows, one vpdpbusd operand each. The codes and scales are the
-file's, moved, never turned into floats and back: `dequantize()` gives exactly the floats the
-`gguf` package dequantizes the file's blocks to. Bytes per weight equal the file's, but Q4_K's
-6-bit scales, which take a byte each here (148 against 144 bytes per 256 weights).
+it): a panel is one stream of records, one per GGUF block (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: 32 k) or
+super-block (Q4_K, Q5_K, Q6_K: 256 k) of its 16 rows, the scales first (the file's float16s, 16 a
+field), then the codes in 64-byte groups of 4 k x 16 rows, one vpdpbusd operand each (5- and 6-bit
+codes: their low 4 bits as 4-bit codes, then groups of their top bits). The codes and scales are
+the file's, moved, never turned into floats and back: `dequantize()` gives exactly the floats the
+`gguf` package dequantizes the file's blocks to. Bytes per weight equal the file's, but Q4_K's and
+Q5_K's 6-bit scales, which take a byte each here (148 against 144, 180 against 176 bytes per 256
+weights).
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
-from engine.execution.weights.ggml_blocks import QK, BlockFields, dequantize_fields, split_blocks
+from engine.execution.weights.ggml_blocks import FIVE_BIT_TYPES, QK, BlockFields, dequantize_fields, split_blocks
 
 PANEL = 16
 _T = GGMLQuantizationType
@@ -47,6 +49,10 @@ def _pack_codes(codes: np.ndarray, quant_type: GGMLQuantizationType) -> np.ndarr
     c = codes.reshape(p, PANEL, nb, 2, 4, 4)  # (panel, row, block, half, t, i): k = 16 half + 4t + i
     low = (c[:, :, :, 0] & 0x0F) | ((c[:, :, :, 1] & 0x0F) << 4)  # (panel, row, block, t, i)
     low = np.ascontiguousarray(low.transpose(0, 2, 3, 1, 4)).reshape(p, nb, 256)
+    if quant_type in FIVE_BIT_TYPES:  # one group of top bits: bit 4 half + t of byte (row, i)
+        shifts = (4 * np.arange(2, dtype=np.uint8)[:, None] + np.arange(4, dtype=np.uint8)).reshape(2, 4, 1)
+        top = np.bitwise_or.reduce((c >> 4) << shifts, axis=(3, 4))  # (panel, row, block, i)
+        return np.concatenate([low, np.ascontiguousarray(top.transpose(0, 2, 1, 3)).reshape(p, nb, 64)], axis=-1)
     if quant_type != _T.Q6_K:
         return low
     top = (c >> 4).reshape(p, PANEL, nb, 2, 2, 2, 4)  # (..., half, s, t % 2, i): t = 2s + t % 2
@@ -62,6 +68,10 @@ def _unpack_codes(groups: np.ndarray, quant_type: GGMLQuantizationType) -> np.nd
         return groups.reshape(p, nb, 8, PANEL, 4).transpose(0, 3, 1, 2, 4).reshape(p * PANEL, nb * QK)
     low = groups[..., :256].reshape(p, nb, 4, PANEL, 4)  # (panel, block, t, row, i)
     c = np.stack([low & 0x0F, low >> 4], axis=2)  # (panel, block, half, t, row, i)
+    if quant_type in FIVE_BIT_TYPES:
+        top = groups[..., 256:].reshape(p, nb, 1, 1, PANEL, 4)  # (panel, block, -, -, row, i)
+        shifts = (4 * np.arange(2, dtype=np.uint8)[:, None] + np.arange(4, dtype=np.uint8)).reshape(2, 4, 1, 1)
+        c = c | (((top >> shifts) & 1) << 4)
     if quant_type == _T.Q6_K:
         top = groups[..., 256:].reshape(p, nb, 2, PANEL, 4)  # (panel, block, s, row, i)
         bits = [(top >> shift) & 3 for shift in (0, 2, 4, 6)]  # (half, t % 2): (0, 0) (1, 0) (0, 1) (1, 1)
@@ -99,9 +109,9 @@ class QuantizedWeight:
 
         records = f.d.shape[1]  # a record holds one of the file's blocks (32 k; 256 for the k-quants)
         parts = [_rows_of_panels(padded(f.d), 1).view(np.uint8)]
-        if f.quant_type == _T.Q4_1:
+        if f.quant_type in (_T.Q4_1, _T.Q5_1):
             parts.append(_rows_of_panels(padded(f.m), 1).view(np.uint8))
-        if f.quant_type == _T.Q4_K:
+        if f.quant_type in (_T.Q4_K, _T.Q5_K):
             parts += [_rows_of_panels(padded(f.dmin), 1).view(np.uint8), _rows_of_panels(padded(f.sc), 8),
                       _rows_of_panels(padded(f.mn), 8)]
         if f.quant_type == _T.Q6_K:
@@ -126,9 +136,9 @@ class QuantizedWeight:
             return values
 
         f = BlockFields(t, np.empty(0), take(1, np.float16))
-        if t == _T.Q4_1:
+        if t in (_T.Q4_1, _T.Q5_1):
             f.m = take(1, np.float16)
-        if t == _T.Q4_K:
+        if t in (_T.Q4_K, _T.Q5_K):
             f.dmin, f.sc, f.mn = take(1, np.float16), take(8, np.uint8), take(8, np.uint8)
         if t == _T.Q6_K:
             f.sc = take(16, np.int8)

@@ -1,15 +1,17 @@
 """GGUF's quantized blocks kept packed: QuantizedWeight's repacking gives back the `gguf` package's
 own dequantization float for float, and the integer-dot kernels (activations quantized per 32 k)
 match a float64 reference on odd shapes (M = 1, 3, 17, 70; N not a multiple of the 16-row panel)
-on every path this CPU runs: scalar, AVX2 (forced on AVX-512 machines) and AVX-512 VNNI."""
+on every path this CPU runs: scalar, AVX2 (forced on AVX-512 machines) and AVX-512 VNNI; the
+5-bit types (Q5_0, Q5_1, Q5_K) also from weights quantized as llama.cpp's files hold them."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
-from gguf.quants import dequantize
+from gguf.quants import dequantize, quantize
 
+from bench.kquants import quantize_q5_k
 from bench.random_blocks import random_blocks
 from engine.execution.kernels import ISAS
 from engine.execution.weights.ggml_blocks import KERNEL_TYPES, block_size
@@ -39,9 +41,31 @@ def test_dequantize_is_the_gguf_packages_dequantization(quant_type: T) -> None:
     assert weight.data.dtype == torch.uint8 and weight.data.shape[0] == 3
     expected = dequantize(blocks, quant_type).reshape(n, k)
     assert np.array_equal(weight.dequantize().numpy(), expected)  # bit for bit, no tolerance
-    # the same bytes as the file's, but Q4_K's 6-bit scales, which take a byte each
+    # the same bytes as the file's, but Q4_K's and Q5_K's 6-bit scales, which take a byte each
     file_bytes = blocks.nbytes * 48 // n
-    assert weight.num_bytes == (file_bytes * 148 // 144 if quant_type == T.Q4_K else file_bytes)
+    wider = {T.Q4_K: (148, 144), T.Q5_K: (180, 176)}.get(quant_type, (1, 1))
+    assert weight.num_bytes == file_bytes * wider[0] // wider[1]
+
+
+# What llama.cpp's quantizer writes where a matrix's rows are no multiple of 256 (Gemma-3-1B's
+# 1152-wide hidden size: Q5_0 for Q4_K, Q5_1 for Q5_K), and Q5_K_M's own type, from float weights.
+@pytest.mark.parametrize(("quant_type", "k"), [(T.Q5_0, 1152), (T.Q5_1, 1152), (T.Q5_K, 1280)],
+                         ids=lambda v: getattr(v, "name", str(v)))
+def test_five_bit_blocks_quantized_from_weights_run_as_the_gguf_package_reads_them(kernels, quant_type: T,
+                                                                                  k: int) -> None:
+    rng = np.random.default_rng(k)
+    values = (rng.standard_normal((50, k)) * 0.05).astype(np.float32)
+    blocks = quantize_q5_k(values) if quant_type == T.Q5_K else quantize(values, quant_type)
+    weight = QuantizedWeight.pack(blocks, quant_type, k)
+    expected = dequantize(blocks, quant_type).reshape(50, k)
+    assert np.array_equal(weight.dequantize().numpy(), expected)
+    assert np.abs(expected - values).max() < 0.1 * np.abs(values).max()  # the weights, 5 bits deep
+    assert len(np.unique(weight.fields().codes)) == 32  # every code, the top bit's included, in use
+    x = rng.standard_normal((2, k)).astype(np.float32)
+    exact = quantized_rows(x) @ expected.T.astype(np.float64)
+    for isa in range(kernels.best_isa() + 1):
+        out = weight.linear(torch.from_numpy(x), kernels, isa).double().numpy()
+        assert np.abs(out - exact).max() < 1e-4 * np.abs(exact).max(), ISA_NAMES[isa]
 
 
 @pytest.mark.parametrize("quant_type", KERNEL_TYPES, ids=lambda t: t.name)
@@ -89,14 +113,14 @@ def test_bad_weights_are_refused(kernels) -> None:
         QuantizedWeight.pack(blocks[:, :27], T.Q4_0, 48)
     with pytest.raises(ValueError, match=r"blocks: expected uint8 \[N, 36\]"):
         QuantizedWeight.pack(blocks[:, :18], T.Q4_0, 64)
-    with pytest.raises(ValueError, match="no kernel for Q5_K"):
-        QuantizedWeight.pack(blocks, T.Q5_K, 64)
+    with pytest.raises(ValueError, match="no kernel for Q3_K"):
+        QuantizedWeight.pack(blocks, T.Q3_K, 64)
     weight = QuantizedWeight.pack(blocks, T.Q4_0, 64)
     x = torch.randn(2, 64)
     with pytest.raises(RuntimeError, match="is not type 2 panels of K = 96"):
         kernels.quant_linear(torch.randn(2, 96), *weight.as_args(), 0)
-    with pytest.raises(RuntimeError, match="no kernel for ggml type 6"):
-        kernels.quant_linear(x, weight.data, 6, None, 20, 0)
+    with pytest.raises(RuntimeError, match="no kernel for ggml type 11"):
+        kernels.quant_linear(x, weight.data, int(T.Q3_K), None, 20, 0)
     with pytest.raises(RuntimeError, match="panels for 40 outputs"):
         kernels.quant_linear(x, weight.data, int(T.Q4_0), None, 40, 0)
     with pytest.raises(RuntimeError, match="bias must be"):
@@ -121,7 +145,7 @@ def test_a_teams_share_computes_what_one_call_does(kernels, m: int) -> None:
     """quant_gemm with a team (DecodeModel's way: home ranges, each member quantizing x itself),
     through the benchmark's chain, gives quant_linear's floats exactly."""
     rng = np.random.default_rng(m)
-    weights = [QuantizedWeight.pack(random_blocks(t, 200, 256, rng), t, 256) for t in (T.Q4_K, T.Q4_1)]
+    weights = [QuantizedWeight.pack(random_blocks(t, 200, 256, rng), t, 256) for t in (T.Q4_K, T.Q4_1, T.Q5_0, T.Q5_K)]
     x = torch.randn(m, 256)
     for isa in range(kernels.best_isa() + 1):
         for w in weights:  # a chain of one: the chain writes each product over the last one's

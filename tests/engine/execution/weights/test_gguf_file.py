@@ -1,5 +1,6 @@
 """GGUFFile on tiny GGUF files written here by the `gguf` package: every tensor's blocks come back
-as written (the types with kernels), dequantized once with a warning naming the type (the others);
+as written (the types with kernels, the 5-bit ones included), dequantized once with a warning
+naming the type (the others); float16 and bfloat16 projections as their exact values;
 llama query / key rows in Hugging Face's order; shapes checked against the metadata; a truncated
 file and an unsupported architecture refused with messages that say so.
 
@@ -32,18 +33,26 @@ METADATA = {"block_count": 1, "embedding_length": HIDDEN, "attention.head_count"
             "attention.head_count_kv": KV_HEADS, "feed_forward_length": FF, "vocab_size": VOCAB}
 
 
-def _tensors(rng: np.random.Generator) -> dict[str, tuple[np.ndarray, T]]:
-    q5 = quantize(rng.standard_normal((FF, HIDDEN)).astype(np.float32), T.Q5_0)  # a type without kernels
+def _q3_k_blocks(n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Random Q3_K blocks (a type without kernels): any bytes, but a small float16 d (its last 2)."""
+    blocks = rng.integers(0, 256, size=(n, k // 256, 110), dtype=np.uint8)
+    blocks[..., 108:] = rng.uniform(1e-4, 1e-3, size=(n, k // 256)).astype(np.float16)[..., None].view(np.uint8)
+    return blocks.reshape(n, -1)
+
+
+def _tensors(rng: np.random.Generator, up_type: T = T.F16) -> dict[str, tuple[np.ndarray, T]]:
+    up = rng.standard_normal((FF, HIDDEN)).astype(np.float32)
+    up = (up.astype(np.float16), T.F16) if up_type == T.F16 else (quantize(up, T.BF16), T.BF16)
     return {
         "token_embd.weight": (random_blocks(T.Q8_0, VOCAB, HIDDEN, rng), T.Q8_0),
         "blk.0.attn_norm.weight": (rng.standard_normal(HIDDEN).astype(np.float32), T.F32),
         "blk.0.attn_q.weight": (random_blocks(T.Q4_0, HEADS * HEAD_DIM, HIDDEN, rng), T.Q4_0),
-        "blk.0.attn_k.weight": (random_blocks(T.Q4_1, KV_HEADS * HEAD_DIM, HIDDEN, rng), T.Q4_1),
+        "blk.0.attn_k.weight": (random_blocks(T.Q5_1, KV_HEADS * HEAD_DIM, HIDDEN, rng), T.Q5_1),
         "blk.0.attn_v.weight": (random_blocks(T.Q6_K, KV_HEADS * HEAD_DIM, HIDDEN, rng), T.Q6_K),
-        "blk.0.attn_output.weight": (random_blocks(T.Q4_K, HIDDEN, HEADS * HEAD_DIM, rng), T.Q4_K),
-        "blk.0.ffn_gate.weight": (q5, T.Q5_0),
-        "blk.0.ffn_up.weight": (rng.standard_normal((FF, HIDDEN)).astype(np.float16), T.F16),
-        "blk.0.ffn_down.weight": (random_blocks(T.Q6_K, HIDDEN, FF, rng), T.Q6_K),
+        "blk.0.attn_output.weight": (random_blocks(T.Q5_K, HIDDEN, HEADS * HEAD_DIM, rng), T.Q5_K),
+        "blk.0.ffn_gate.weight": (_q3_k_blocks(FF, HIDDEN, rng), T.Q3_K),
+        "blk.0.ffn_up.weight": up,
+        "blk.0.ffn_down.weight": (quantize(rng.standard_normal((HIDDEN, FF)).astype(np.float32), T.Q5_0), T.Q5_0),
         "blk.0.ffn_norm.weight": (rng.standard_normal(HIDDEN).astype(np.float32), T.F32),
         "output_norm.weight": (rng.standard_normal(HIDDEN).astype(np.float32), T.F32),
     }
@@ -68,12 +77,12 @@ def test_tensors_come_back_as_their_blocks(tmp_path: Path, architecture: str, ca
         tensors = {t.name: t for t in GGUFFile(path).tensors()}
     assert list(tensors) == list(written)
     warnings = [r.getMessage() for r in caplog.records]
-    assert len(warnings) == 1 and "type Q5_0" in warnings[0] and "blk.0.ffn_gate.weight" in warnings[0]
+    assert len(warnings) == 1 and "type Q3_K" in warnings[0] and "blk.0.ffn_gate.weight" in warnings[0]
     for name, (data, quant_type) in written.items():
         t = tensors[name]
-        if quant_type == T.Q5_0:  # dequantized once, as the gguf package does
+        if quant_type == T.Q3_K:  # dequantized once, as the gguf package does
             assert t.quant_type == T.F32 and not t.is_blocks and t.shape == (FF, HIDDEN)
-            assert np.array_equal(t.data, dequantize(data, T.Q5_0).reshape(FF, HIDDEN))
+            assert np.array_equal(t.data, dequantize(data, T.Q3_K).reshape(FF, HIDDEN))
             continue
         assert t.quant_type == quant_type and t.is_blocks == (quant_type not in (T.F32, T.F16))
         expected = data
@@ -85,6 +94,20 @@ def test_tensors_come_back_as_their_blocks(tmp_path: Path, architecture: str, ca
     assert q.shape == (HEADS * HEAD_DIM, HIDDEN) and q.data.shape == (HEADS * HEAD_DIM, HIDDEN // 32 * 18)
     weight = QuantizedWeight.pack(q.data, q.quant_type, q.shape[1])
     assert weight.dequantize().shape == q.shape
+
+
+def test_bfloat16_and_float16_projections_read_as_their_exact_values(tmp_path: Path, caplog) -> None:
+    """Float projections are values, not blocks, with no warning: float16 as the file's halves,
+    bfloat16 (which numpy lacks) widened to float32, which is exact: each value's top 16 bits."""
+    written = _tensors(np.random.default_rng(4), up_type=T.BF16)
+    path = write_gguf(tmp_path / "m.gguf", "qwen2", METADATA, written)
+    with caplog.at_level(logging.WARNING, logger="engine.execution.weights.gguf_file"):
+        up = next(t for t in GGUFFile(path).tensors() if t.name == "blk.0.ffn_up.weight")
+    assert [r.getMessage() for r in caplog.records if "BF16" in r.getMessage()] == []
+    assert not up.is_blocks and up.shape == (FF, HIDDEN) and up.data.dtype == np.float32
+    bits = written["blk.0.ffn_up.weight"][0].view(np.uint16).reshape(FF, HIDDEN).astype(np.uint32) << 16
+    assert np.array_equal(up.data.view(np.uint32), bits)
+    assert np.array_equal(up.data, dequantize(written["blk.0.ffn_up.weight"][0], T.BF16).reshape(FF, HIDDEN))
 
 
 def test_truncated_file_is_refused_naming_the_truncation(tmp_path: Path) -> None:
@@ -227,13 +250,15 @@ def test_q4_1_perplexity_is_within_one_percent_of_float32(real_llm: LLM, gguf_ll
 
 # Perplexity of the gguf mode over the float32 dequantization of the same file, measured
 # (python -m bench.perplexity --model FILE --modes float32,gguf, FILE from bench.make_gguf
-# --requantize-default TYPE): Q8_0 x1.0052, Q4_0 x1.0101, Q4_K x1.0068, Q6_K x1.0006 (the shipped
-# Q4_1: x1.0043). Only the activations' per-32 int8 rounding separates the two, so each is bounded
+# --requantize-default TYPE): Q8_0 x1.0052, Q4_0 x1.0101, Q4_K x1.0068, Q6_K x1.0006, Q5_0 x1.0077,
+# Q5_1 x1.0015, Q5_K x1.0032 (the shipped Q4_1: x1.0043). Only the activations' per-32 int8 rounding separates the two, so each is bounded
 # at 1.5 % above (and 0.5 % below: the rounding is no bias). SmolLM2's 576-wide rows take no
-# k-quant: in the Q4_K and Q6_K files only the 30 down projections (1536 wide) hold that type,
-# the rest Q8_0.
+# k-quant: in the Q4_K, Q5_K and Q6_K files only the 30 down projections (1536 wide) hold that
+# type, the rest Q8_0.
 _REQUANTIZED = {GGMLQuantizationType.Q8_0: "every", GGMLQuantizationType.Q4_0: "every",
-                GGMLQuantizationType.Q4_K: "down", GGMLQuantizationType.Q6_K: "down"}
+                GGMLQuantizationType.Q5_0: "every", GGMLQuantizationType.Q5_1: "every",
+                GGMLQuantizationType.Q4_K: "down", GGMLQuantizationType.Q5_K: "down",
+                GGMLQuantizationType.Q6_K: "down"}
 
 
 @pytest.mark.parametrize("quant_type", list(_REQUANTIZED), ids=lambda t: t.name)
