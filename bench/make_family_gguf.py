@@ -4,6 +4,13 @@ class) converted by llama.cpp's convert_hf_to_gguf.py, then quantized by llama.c
 Speed depends on shapes and block types, not on values, so these stand in for the real models in
 the side-by-side runs against llama.cpp without a download.
 
+    # the peer, built from source without AMX (its AMX path crashed on an AMX machine) so one
+    # build serves both: AVX-512 (VNNI, BF16), AVX2, FMA, F16C
+    python3.11 -m venv /work/peers/llama-venv
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DGGML_AVX=ON \
+        -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
+        -DGGML_AVX512_VBMI=OFF -DGGML_BMI2=ON" /work/peers/llama-venv/bin/pip install --no-binary llama-cpp-python \
+        --no-cache-dir llama-cpp-python==0.3.36
     # llama.cpp's converter: from the llama-cpp-python sdist (the peer's own version)
     pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d /work/peers/sdist
     tar xzf /work/peers/sdist/llama_cpp_python-0.3.36.tar.gz -C /work/peers/sdist
