@@ -4,9 +4,12 @@ Python and reads one JSON line back. Imports nothing from minivllm, so the peer'
 only `llama-cpp-python`.
 
 stdin: one job a line, {"model_path": str, "prompts": [[token ids]], "output_len": int, "threads": int}
-stdout: a line RESULT {"seconds": float, "decode_tok_s": float, "output_tokens": int} a job. The model
-stays loaded between jobs of the same file, so `--compare-rounds` alternates short runs with
-minivllm's without reloading either.
+stdout: a line RESULT {"seconds": float, "decode_tok_s": float | None, "ttft_s": float, "output_tokens": int}
+a job (decode_tok_s: the median over prompts with two tokens or more; ttft_s: the median time to a
+prompt's first token). The model stays loaded between jobs of the same file, so `--compare-rounds`
+alternates short runs with minivllm's without reloading either. Note that llama-cpp-python reuses
+the KV of the prefix a prompt shares with the one before it (as minivllm's prefix cache does): a
+round that repeats a prompt skips most of its prefill, so `--prefill-len` gives each round a new one.
 """
 from __future__ import annotations
 
@@ -16,8 +19,8 @@ import sys
 import time
 
 
-def run_job(llm: object, prompts: list[list[int]], output_len: int) -> dict[str, float]:
-    decode_rates, total, produced = [], 0.0, 0
+def run_job(llm: object, prompts: list[list[int]], output_len: int) -> dict[str, float | None]:
+    decode_rates, first_token_times, total, produced = [], [], 0.0, 0
     for prompt in prompts:  # llama-cpp-python serves one sequence at a time
         start = time.perf_counter()
         first = start
@@ -31,9 +34,11 @@ def run_job(llm: object, prompts: list[list[int]], output_len: int) -> dict[str,
         end = time.perf_counter()
         total += end - start
         produced += count
+        first_token_times.append(first - start)
         if count > 1:
             decode_rates.append((count - 1) / (end - first))
-    return {"seconds": total, "output_tokens": produced, "decode_tok_s": statistics.median(decode_rates)}
+    return {"seconds": total, "output_tokens": produced, "ttft_s": statistics.median(first_token_times),
+            "decode_tok_s": statistics.median(decode_rates) if decode_rates else None}
 
 
 def main() -> None:

