@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.execution.backends.cpu_fused import can_fuse
 from tests.tiny_model import FAMILIES, build_tiny_family_model, family_config
 
 PROMPTS = [[5, 9, 13], list(range(10, 47)), [42] * 7 + list(range(60, 80)), list(range(100, 300, 7))]
@@ -54,9 +53,7 @@ def test_greedy_matches_transformers(family_model: tuple[str, Path], reference: 
     runner = llm.engine.runner
     assert runner.backend.name == ("torch" if decode_path == "reference" else "cpu")
     assert (runner.backend.kernels is None) == (decode_path in ("torch", "reference"))
-    # Families whose layer the C++ kernels do not compute yet take the modules' path (can_fuse).
-    fusable = can_fuse(runner.model_config)
-    assert runner.backend.max_fused_tokens == (0 if decode_path == "reference" or not fusable else fused)
+    assert runner.backend.max_fused_tokens == (0 if decode_path == "reference" else fused)
     isa = 1 if decode_path == "fused-avx2" else runner.backend.kernels.best_isa() if runner.backend.kernels else 0
     assert getattr(runner.backend, "isa", 0) == isa
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True))
