@@ -20,7 +20,6 @@ from torch import nn
 from engine.execution.attention import AttentionMetadata, attention
 from engine.execution.backends.cpu_gguf import kernel_args
 
-
 # ModelConfig.hidden_act -> the kernels' Activation (cpu_kernels.h).
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 

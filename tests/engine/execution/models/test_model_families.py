@@ -87,7 +87,7 @@ def test_bfloat16_and_int8_weights_on_the_fused_path_stay_close_to_float32(famil
     rounded = llm.generate(prompts, params)
     diffs = []
     for a, b in zip(exact, rounded, strict=True):
-        n = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), len(a.token_ids))
+        n = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=True)) if x != y), len(a.token_ids))
         diffs += [abs(pa[t] - pb[t]) for pa, pb in zip(a.prompt_logprobs[1:] + a.logprobs[:n + 1],
                                                         b.prompt_logprobs[1:] + b.logprobs[:n + 1], strict=True)
                   for t in pa.keys() & pb.keys()]

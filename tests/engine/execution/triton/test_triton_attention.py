@@ -324,7 +324,7 @@ def test_the_head_sizes_of_qwen3_and_gemma3(dim: int) -> None:
         for i, (cached, n) in enumerate(chunks):
             rows = slice(int(starts[i]), int(starts[i + 1]))
             torch.testing.assert_close(out[rows].float(), _dense(q[rows], k, v, tables[i], cached + n, 4, scale, window),
-                                       **_tol(FP32), msg=lambda m, i=i: f"chunk {chunks[i]}: {m}")
+                                       **_tol(FP32), msg=lambda m, c=chunks[i]: f"chunk {c}: {m}")
 
 
 @pytest.mark.parametrize("window", [0, 50], ids=["full", "window50"])
