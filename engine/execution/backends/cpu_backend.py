@@ -14,7 +14,7 @@ from engine.config import Quantization
 from engine.execution.attention import AttentionMetadata
 from engine.execution.backends.backend import Backend
 from engine.execution.backends.cpu_attention import CpuAttention
-from engine.execution.backends.cpu_fused import FusedModel, can_fuse
+from engine.execution.backends.cpu_fused import FusedModel
 from engine.execution.backends.cpu_gguf import embedding_of, pack_gguf_linears
 from engine.execution.backends.cpu_linear import PanelEmbedding, can_pack_linear, pack_linears
 from engine.execution.huge_pages import huge_page_tensor, release_free_memory
@@ -49,8 +49,6 @@ class CpuBackend(Backend):
         max_fused = config.max_fused_tokens
         if max_fused is None:
             max_fused = default_max_fused_tokens(dtype, self.isa, self.quantized or self.gguf)
-        if not can_fuse(model_config):
-            max_fused = 0
         self.panel_dtype = torch.int8 if self.quantized else dtype if kernels is not None and max_fused > 0 else None
         self.max_fused_tokens = max_fused if self.panel_dtype is not None else 0
         self.max_decode_rows = self.max_fused_tokens

@@ -19,64 +19,63 @@ from torch import nn
 
 from engine.execution.attention import AttentionMetadata, attention
 from engine.execution.backends.cpu_gguf import kernel_args
-from engine.execution.models.model_config import ModelConfig
+
+# ModelConfig.hidden_act -> the kernels' Activation (cpu_kernels.h).
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 
 
-def can_fuse(mc: ModelConfig) -> bool:
-    """Whether the C++ layers compute this family's layer: Llama's recipe (one rope, SiLU, two
-    norms a layer, no query/key norms, unscaled embeddings). Other families take the modules'
-    path, whose products still run on the panels."""
-    return not (mc.qk_norm or mc.sandwich_norms or mc.hidden_act != "silu" or mc.embed_scale is not None
-                or len(mc.ropes) > 1)
+def _norm_weight(norm: nn.Module | None) -> torch.Tensor | None:
+    """A norm's weight as the kernels take it ([width] float32), None for a norm the layer lacks."""
+    return None if norm is None else norm.weight.float().contiguous()
 
 
 @dataclass(slots=True)
 class FusedLayer:
-    """One decoder layer as the C++ calls take it: float32 norm weights and its four projections' panels."""
+    """One decoder layer as the C++ calls take it: its float32 norm weights and four projections'
+    panels, bound once as kernels.DecodeLayerWeights, and the shapes the calls need."""
 
-    input_norm: torch.Tensor  # [hidden] float32
-    post_attention_norm: torch.Tensor  # [hidden] float32
-    projections: tuple[Any, Any, Any, Any]  # QKV, o, gate/up, down: PackedWeight.as_args() each
+    weights: Any  # kernels.DecodeLayerWeights
     num_heads: int
     num_kv_heads: int
     head_dim: int
     window: int  # 0: none
     eps: float
     scale: float
+    act: int  # ACTIVATIONS' value
+    rope_index: int
 
     @classmethod
-    def of(cls, layer: nn.Module) -> FusedLayer:
-        """`layer` (a DecoderLayer) once its projections hold panels."""
+    def of(cls, layer: nn.Module, kernels: ModuleType) -> FusedLayer:
+        """`layer` (a DecoderLayer) once its projections hold panels: its norms (the per-head
+        q/k norms and the output norms where the family has them) and its products."""
         projections = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
-        return cls(layer.input_layernorm.weight.float().contiguous(),
-                   layer.post_attention_layernorm.weight.float().contiguous(),
-                   tuple(kernel_args(p.panels) for p in projections), layer.num_heads, layer.num_kv_heads,
-                   layer.head_dim, layer.sliding_window or 0, layer.eps, layer.scale)
-
-    def weights(self, kernels: ModuleType) -> Any:
-        """kernels.DecodeLayerWeights, as DecodeModel takes a layer."""
-        return kernels.DecodeLayerWeights(self.input_norm, self.post_attention_norm, *self.projections, self.window)
+        window = layer.sliding_window or 0
+        weights = kernels.DecodeLayerWeights(
+            _norm_weight(layer.input_layernorm), _norm_weight(layer.post_attention_layernorm),
+            *(kernel_args(p.panels) for p in projections), window, _norm_weight(layer.q_norm),
+            _norm_weight(layer.k_norm), _norm_weight(layer.attn_output_norm), _norm_weight(layer.mlp_output_norm),
+            layer.rope_index)
+        return cls(weights, layer.num_heads, layer.num_kv_heads, layer.head_dim, window, layer.eps, layer.scale,
+                   ACTIVATIONS[layer.hidden_act], layer.rope_index)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, kernels: ModuleType, isa: int) -> None:
-        """x: [T, hidden] float32, updated in place; cos, sin: [T, head_dim] float32."""
-        qkv, o, gate_up, down = self.projections
+        """x: [T, hidden] float32, updated in place; cos, sin: [T, head_dim] float32 (this layer's rope)."""
         if attn.num_prefill_tokens == 0:
-            kernels.decode_layer(x, cos, sin, self.input_norm, self.post_attention_norm, qkv, o, gate_up, down,
-                                 k_cache, v_cache, attn.slot_mapping, attn.block_tables, attn.context_lens,
-                                 self.num_heads, attn.block_size, self.eps, self.scale, self.window, isa)
+            kernels.decode_layer(x, cos, sin, self.weights, k_cache, v_cache, attn.slot_mapping, attn.block_tables,
+                                 attn.context_lens, self.num_heads, attn.block_size, self.eps, self.scale, self.act,
+                                 isa)
             return
         num_tokens = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        qkv_out = kernels.layer_attention_inputs(x, cos, sin, self.input_norm, qkv, k_cache, v_cache,
-                                                 attn.slot_mapping, self.num_heads, self.eps, isa)  # [T, q | k | v]
+        qkv_out = kernels.layer_attention_inputs(x, cos, sin, self.weights, k_cache, v_cache, attn.slot_mapping,
+                                                 self.num_heads, self.eps, isa)  # [T, q | k | v]
         q, k, v = qkv_out.split((q_size, kv_size, kv_size), dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         out = attention(q, k, v, k_cache, v_cache, attn, self.scale, self.window or None)  # [T, H, D] float32
-        kernels.layer_attention_outputs(x, out.reshape(num_tokens, q_size), self.post_attention_norm, o, gate_up,
-                                        down, self.eps, isa)
+        kernels.layer_attention_outputs(x, out.reshape(num_tokens, q_size), self.weights, self.eps, self.act, isa)
 
 
 class FusedModel:
@@ -85,18 +84,20 @@ class FusedModel:
 
     def __init__(self, model: nn.Module, kernels: ModuleType, isa: int) -> None:
         self.model, self.kernels, self.isa = model, kernels, isa
-        self.layers = [FusedLayer.of(layer) for layer in model.layers]
+        self.layers = [FusedLayer.of(layer, kernels) for layer in model.layers]
         self.final_norm = model.norm.weight.float().contiguous()  # [hidden] float32
+        self.num_ropes = len(model.config.ropes)
         self.decoder: Any = None  # kernels.DecodeModel, once bind_decode has the caches
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         # input_ids, positions: [T] -> hidden: [T, hidden]; the residual stream stays float32 across layers
-        x = self.model.embed_tokens(input_ids)
+        x = self.model.embed(input_ids)  # scaled in its dtype where the family scales it
         dtype = x.dtype
         x = x.float().contiguous()
-        cos, sin = self.model.rope(positions)  # [T, head_dim]
+        ropes = [self.model.rope(positions, i) for i in range(self.num_ropes)]  # cos, sin: [T, head_dim] each
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            cos, sin = ropes[layer.rope_index]
             layer.forward(x, cos, sin, attn, k_cache, v_cache, self.kernels, self.isa)
         return self.model.norm(x).to(dtype)
 
@@ -104,13 +105,18 @@ class FusedModel:
         """Bind what every decode-only step shares: the weights, the RoPE tables, the caches, not
         converted from Python on every call."""
         model = self.model
-        cos_table, sin_table = model.rope_tables_on(self.final_norm.device)
-        first = self.layers[0]  # the layers share heads, eps and scale (and the final norm's eps)
+        tables = [model.rope_tables_on(self.final_norm.device, i) for i in range(self.num_ropes)]
+        first = self.layers[0]  # the layers share heads, eps, scale and activation (and the final norm's eps)
         embedding = getattr(model.embed_tokens, "data", None)  # the LM head's panels, when it holds the embedding
+        embed_scale = None
+        if model.config.embed_scale is not None:  # in the dtype torch's lookup returns, as model.embed multiplies
+            dtype = model.embed_tokens(torch.zeros(1, dtype=torch.long)).dtype
+            embed_scale = torch.tensor(model.config.embed_scale, dtype=dtype)
         self.decoder = self.kernels.DecodeModel(
-            embedding if embedding is not None else model.embed_tokens.weight, cos_table, sin_table, [layer.weights(self.kernels) for layer in self.layers],
-            kv_caches, self.final_norm, kernel_args(model.lm_head.panels), first.num_heads, block_size, first.eps,
-            first.scale, self.isa)
+            embedding if embedding is not None else model.embed_tokens.weight, [cos for cos, _ in tables],
+            [sin for _, sin in tables], [layer.weights for layer in self.layers], kv_caches, self.final_norm,
+            kernel_args(model.lm_head.panels), first.num_heads, block_size, first.eps, first.scale, first.act,
+            embed_scale, self.isa)
 
     def decode_logits(self, token_ids: list[int], block_tables: list[list[int]], context_lens: list[int],
                       with_argmax: bool = False) -> tuple[torch.Tensor, list[int] | None]:

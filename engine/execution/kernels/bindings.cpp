@@ -45,16 +45,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_chain_seconds", without_gil(&minivllm::packed_chain_seconds),
         "Seconds per run of a chain of packed products on one team of threads (benchmarks)", py::arg("x"),
         py::arg("weights"), py::arg("reps"), py::arg("isa"), py::arg("out") = py::none());
-  m.def("decode_layer", without_gil(&minivllm::decode_layer), "One decoder layer of a decode step, in place on x (CPU)");
   py::class_<minivllm::DecodeLayerWeights, std::shared_ptr<minivllm::DecodeLayerWeights>>(m, "DecodeLayerWeights")
       .def(py::init<torch::Tensor, torch::Tensor, minivllm::PackedLinear, minivllm::PackedLinear,
-                    minivllm::PackedLinear, minivllm::PackedLinear, int64_t>(),  // the struct's fields, in order
-           "One layer's norms and packed projections for DecodeModel (made once)");
+                    minivllm::PackedLinear, minivllm::PackedLinear, int64_t, std::optional<torch::Tensor>,
+                    std::optional<torch::Tensor>, std::optional<torch::Tensor>, std::optional<torch::Tensor>,
+                    int64_t>(),  // the struct's fields, in order
+           "One layer's norms and packed projections for the fused layers and DecodeModel (made once)");
+  m.def("decode_layer", without_gil(&minivllm::decode_layer), "One decoder layer of a decode step, in place on x (CPU)");
   py::class_<minivllm::DecodeModel, std::shared_ptr<minivllm::DecodeModel>>(m, "DecodeModel")
-      .def(py::init<torch::Tensor, torch::Tensor, torch::Tensor,
+      .def(py::init<torch::Tensor, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                     std::vector<std::shared_ptr<minivllm::DecodeLayerWeights>>,
                     std::vector<std::tuple<torch::Tensor, torch::Tensor>>, torch::Tensor, minivllm::PackedLinear,
-                    int64_t, int64_t, double, double, int64_t>(),  // the struct's fields, in order
+                    int64_t, int64_t, double, double, int64_t, std::optional<torch::Tensor>,
+                    int64_t>(),  // the struct's fields, in order
            "A model's decode-only steps: what they share, bound once (CPU)")
       .def("step",
            [](const minivllm::DecodeModel& model, const std::vector<int64_t>& token_ids,

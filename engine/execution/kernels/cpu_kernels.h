@@ -79,12 +79,17 @@ struct TeamShare {
   int64_t part = 0;
   HomeRange* homes = nullptr;  // [num_ranks], or none: every task from next_task
   int64_t rank = 0;            // the asking member's home
+  // A team's part: run by the member that finishes its last task, before the part is marked
+  // done (a row-wise step on the whole product, such as Gemma's norm of a projection's output
+  // and its residual add, without a part of its own); nullptr: none.
+  void (*finish)(const void*) = nullptr;
+  const void* finish_arg = nullptr;
 
   template <typename F>
   void for_each_task(int64_t num_tasks, const F& f) const {
     const auto run = [&](int64_t t) {
       f(t);
-      if (progress != nullptr && num_done->fetch_add(1) + 1 == num_tasks) progress->complete(part);
+      if (progress != nullptr && num_done->fetch_add(1) + 1 == num_tasks) complete();
     };
     if (homes != nullptr && num_tasks > 0) {
       for (int64_t t; (t = take(rank, num_tasks, false)) >= 0;) run(t);
@@ -93,11 +98,16 @@ struct TeamShare {
       return;
     }
     int64_t t = next_task->fetch_add(1);
-    if (progress != nullptr && num_tasks == 0 && t == 0) progress->complete(part);  // once, by the first asker
+    if (progress != nullptr && num_tasks == 0 && t == 0) complete();  // once, by the first asker
     for (; t < num_tasks; t = next_task->fetch_add(1)) run(t);
   }
 
  private:
+  void complete() const {
+    if (finish != nullptr) finish(finish_arg);
+    progress->complete(part);
+  }
+
   // The next task of rank r's home, from its front or its back; -1 when none is left.
   int64_t take(int64_t r, int64_t num_tasks, bool from_back) const {
     const int64_t begin = r * num_tasks / num_ranks, end = (r + 1) * num_tasks / num_ranks;
@@ -214,42 +224,55 @@ double quant_chain_seconds(const torch::Tensor& x, const std::vector<std::tuple<
                            int64_t reps, int64_t isa, const std::optional<torch::Tensor>& out);
 double packed_chain_seconds(const torch::Tensor& x, const std::vector<std::tuple<PackedLinear, int64_t>>& weights,
                             int64_t reps, int64_t isa, const std::optional<torch::Tensor>& out);
-void decode_layer(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& input_norm,
-                  const torch::Tensor& post_norm, const PackedLinear& qkv, const PackedLinear& o_proj,
-                  const PackedLinear& gate_up, const PackedLinear& down, torch::Tensor k_cache, torch::Tensor v_cache,
-                  const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
-                  const torch::Tensor& context_lens, int64_t num_heads, int64_t block_size, double eps, double scale,
-                  int64_t window, int64_t isa);
-// One layer's weights for DecodeModel, made once when the weights are packed (the caches and
-// the step's tensors come with each call).
+// The gated MLP's activation: act(gate) * up (SwiGLU; Gemma's GeGLU with tanh GELU).
+enum Activation : int64_t { kActSilu = 0, kActGeluTanh = 1 };
+// One layer's weights, made once when the weights are packed (the caches and the step's tensors
+// come with each call): DecodeModel's layers, and the per-layer kernels' (decode_layer,
+// layer_attention_inputs / _outputs). The optional norms are the families' beyond Llama's.
 struct DecodeLayerWeights {
-  torch::Tensor input_norm, post_norm;  // [hidden] float32
+  torch::Tensor input_norm, post_norm;  // [hidden] float32; post_norm: the MLP's input norm
   PackedLinear qkv, o_proj, gate_up, down;
   int64_t window;  // sliding window, 0 for none
+  // RMSNorm over each head of q and of k before RoPE (Qwen3, Gemma 3): [head_dim] float32 each.
+  std::optional<torch::Tensor> q_norm, k_norm;
+  // Gemma's norms of o_proj's and down's outputs before their residual adds: [hidden] float32.
+  std::optional<torch::Tensor> attn_output_norm, mlp_output_norm;
+  int64_t rope_index;  // which of the model's RoPE tables the layer reads (DecodeModel)
 };
+void decode_layer(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin, const DecodeLayerWeights& w,
+                  torch::Tensor k_cache, torch::Tensor v_cache, const torch::Tensor& slot_mapping,
+                  const torch::Tensor& block_tables, const torch::Tensor& context_lens, int64_t num_heads,
+                  int64_t block_size, double eps, double scale, int64_t act, int64_t isa);
 // A model's decode-only steps from token ids to logits, one call each (the CPU counterpart of a
-// CUDA graph; decode_model.cpp): the embedding's rows (float32, bfloat16 or float16) and the RoPE
-// tables' rows of the positions, every layer as decode_layer computes it, the final RMSNorm, the
-// LM head's panels, all in one parallel region whose threads take each part's tasks in turn.
+// CUDA graph; decode_model.cpp): the embedding's rows (float32, bfloat16 or float16; scaled where
+// the family scales them) and each RoPE table's rows of the positions, every layer as
+// decode_layer computes it, the final RMSNorm, the LM head's panels, all in one parallel region
+// whose threads take each part's tasks in turn.
 // What every step shares is bound and checked once, not converted from Python per step (this,
 // and taking the sequences' lists as inputs, took much of a batch-1 step's host part away).
 struct DecodeModel {
   torch::Tensor embedding;           // [vocab, hidden], or the tied LM head's float32 / bfloat16 panels
-  torch::Tensor rope_cos, rope_sin;  // [max_positions, D] float32
+  std::vector<torch::Tensor> rope_cos, rope_sin;  // per rope (a layer's rope_index), [max_positions, D] float32
   std::vector<std::shared_ptr<DecodeLayerWeights>> layers;
   std::vector<std::tuple<torch::Tensor, torch::Tensor>> kv_caches;  // per layer, [slots, KVH, D] each
   torch::Tensor final_norm;          // [hidden] float32
   PackedLinear lm_head;
   int64_t num_heads, block_size;
   double eps, scale;
+  int64_t act;  // Activation
+  // Gemma's embedding scale: a 0-d tensor of the model's dtype, whose value multiplies each
+  // embedding row as it does in torch (the row in that dtype times it, rounded to it); none: unscaled.
+  std::optional<torch::Tensor> embed_scale;
   int64_t isa;
   // Derived from the above by the constructor.
   int64_t hidden, head_dim, num_kv_heads, qkv_width, intermediate;
+  bool has_output_norms;  // some layer norms its o_proj's and down's outputs (a scratch for them)
 
-  DecodeModel(torch::Tensor embedding, torch::Tensor rope_cos, torch::Tensor rope_sin,
+  DecodeModel(torch::Tensor embedding, std::vector<torch::Tensor> rope_cos, std::vector<torch::Tensor> rope_sin,
               std::vector<std::shared_ptr<DecodeLayerWeights>> layers,
               std::vector<std::tuple<torch::Tensor, torch::Tensor>> kv_caches, torch::Tensor final_norm,
-              PackedLinear lm_head, int64_t num_heads, int64_t block_size, double eps, double scale, int64_t isa);
+              PackedLinear lm_head, int64_t num_heads, int64_t block_size, double eps, double scale, int64_t act,
+              std::optional<torch::Tensor> embed_scale, int64_t isa);
 
   // token_ids, context_lens: one per sequence; block_tables: each sequence's blocks (Python
   // lists, as the sequences hold them: each token is at its context's last position) ->
@@ -279,11 +302,9 @@ struct DecodeModel {
 // The same layer in two halves around an attention computed elsewhere (steps with prefill rows:
 // engine/execution/attention.py's `attention`, whose chunks attend through the C++ prefill kernel or flash).
 torch::Tensor layer_attention_inputs(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
-                                     const torch::Tensor& input_norm, const PackedLinear& qkv, torch::Tensor k_cache,
-                                     torch::Tensor v_cache, const torch::Tensor& slot_mapping, int64_t num_heads,
-                                     double eps, int64_t isa);
-void layer_attention_outputs(torch::Tensor x, const torch::Tensor& attn_out, const torch::Tensor& post_norm,
-                             const PackedLinear& o_proj, const PackedLinear& gate_up, const PackedLinear& down,
-                             double eps, int64_t isa);
+                                     const DecodeLayerWeights& w, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     const torch::Tensor& slot_mapping, int64_t num_heads, double eps, int64_t isa);
+void layer_attention_outputs(torch::Tensor x, const torch::Tensor& attn_out, const DecodeLayerWeights& w, double eps,
+                             int64_t act, int64_t isa);
 
 }  // namespace minivllm

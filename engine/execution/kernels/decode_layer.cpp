@@ -1,6 +1,8 @@
 // One decoder layer for a decode step of a few sequences, in one call (the CPU counterpart of
-// a CUDA graph): RMSNorm, the fused QKV projection, RoPE, the KV-cache write, paged attention,
-// the output projection with its residual, RMSNorm, the gated MLP with its residual.
+// a CUDA graph): RMSNorm, the fused QKV projection, the per-head q/k norms (Qwen3, Gemma 3),
+// RoPE, the KV-cache write, paged attention, the output projection with its residual (its output
+// normed first in Gemma), RMSNorm, the gated MLP (SiLU or tanh GELU) with its residual (normed
+// first in Gemma).
 //
 // At batch 1 the torch path spends much of the step dispatching about 150 small ops per
 // token (norms, rotations, adds, casts, index copies); here they are loops over a few
@@ -43,6 +45,32 @@ __attribute__((target("avx512f,fma"))) int64_t silu_mul_avx512(const float* g, c
 }
 #endif
 
+// torch's tanh GELU: 0.5 x (1 + tanh(beta (x + kappa x^3))), its constants as ATen spells them.
+constexpr float kGeluBeta = static_cast<float>(M_SQRT2 * M_2_SQRTPI * 0.5);  // sqrt(2 / pi)
+constexpr float kGeluKappa = 0.044715f;
+
+#if defined(__x86_64__)
+// a[i] = gelu_tanh(g[i]) * u[i], 16 lanes at a time, as silu_mul_avx512: tanh(y) as
+// 1 - 2 / (1 + e^2y) on exp512 (within about an ulp of 1 of torch's tanh, which is what
+// 1 + tanh(y) sees), saturating to +-1 where e^2y overflows or exp512 clamps.
+__attribute__((target("avx512f,fma"))) int64_t gelu_tanh_mul_avx512(const float* g, const float* u, float* a,
+                                                                     int64_t n) {
+  int64_t i = 0;
+  const __m512 one = _mm512_set1_ps(1.f), two = _mm512_set1_ps(2.f), half = _mm512_set1_ps(0.5f);
+  const __m512 beta = _mm512_set1_ps(kGeluBeta), kappa = _mm512_set1_ps(kGeluKappa);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 x = _mm512_loadu_ps(g + i);
+    const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
+    const __m512 inner = _mm512_mul_ps(beta, _mm512_add_ps(x, _mm512_mul_ps(kappa, cube)));
+    const __m512 e = exp512(_mm512_mul_ps(two, inner));
+    const __m512 t = _mm512_sub_ps(one, _mm512_div_ps(two, _mm512_add_ps(one, e)));
+    const __m512 gelu = _mm512_mul_ps(_mm512_mul_ps(half, x), _mm512_add_ps(one, t));
+    _mm512_storeu_ps(a + i, _mm512_mul_ps(gelu, _mm512_loadu_ps(u + i)));
+  }
+  return i;
+}
+#endif
+
 }  // namespace
 
 void silu_mul(const float* g, const float* u, float* a, int64_t n, int64_t isa) {
@@ -53,19 +81,21 @@ void silu_mul(const float* g, const float* u, float* a, int64_t n, int64_t isa) 
   for (; i < n; ++i) a[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
 }
 
+void gelu_tanh_mul(const float* g, const float* u, float* a, int64_t n, int64_t isa) {
+  int64_t i = 0;
+#if defined(__x86_64__)
+  if (isa >= kIsaAvx512) i = gelu_tanh_mul_avx512(g, u, a, n);
+#endif
+  for (; i < n; ++i) {
+    const float x = g[i];
+    a[i] = 0.5f * x * (1.f + std::tanh(kGeluBeta * (x + kGeluKappa * (x * x * x)))) * u[i];
+  }
+}
+
 // out[m] = x[m] * rsqrt(mean(x[m]^2) + eps) * weight, as transformers' LlamaRMSNorm in float32.
 void rms_norm(const float* x, int64_t M, int64_t width, const float* weight, float eps, float* out) {
   at::parallel_for(0, M, kRowGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) {
-      const float* xm = x + m * width;
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t i = 0; i < width; ++i) sum += xm[i] * xm[i];
-      const float inv = 1.f / std::sqrt(sum / static_cast<float>(width) + eps);
-      float* om = out + m * width;
-#pragma omp simd
-      for (int64_t i = 0; i < width; ++i) om[i] = weight[i] * (xm[i] * inv);
-    }
+    for (int64_t m = begin; m < end; ++m) rms_norm_row(x + m * width, width, weight, eps, out + m * width);
   });
 }
 
@@ -101,12 +131,25 @@ LayerShapes shapes_of(const torch::Tensor& x, const torch::Tensor& k_cache, int6
   return {x.size(0), x.size(1), num_heads, num_kv_heads, head_dim, num_heads * head_dim, num_kv_heads * head_dim};
 }
 
-// Before attention: RMSNorm, QKV projection, RoPE of q and k, the new K/V written at their slots.
+// A layer's optional norm weight of `width` floats, checked; nullptr when the layer has none.
+const float* optional_norm(const std::optional<torch::Tensor>& norm, int64_t width, const char* what) {
+  if (!norm) return nullptr;
+  TORCH_CHECK(norm->scalar_type() == torch::kFloat32 && norm->is_contiguous() && norm->numel() == width,
+              "fused layer: ", what, " must be contiguous float32 of ", width, " values");
+  return norm->data_ptr<float>();
+}
+
+// Before attention: RMSNorm, QKV projection, the per-head q and k norms (where the layer has
+// them), RoPE of q and k, the new K/V written at their slots.
 // qkv_out: [M, q_size + 2 * kv_size] float32 (q | k | v per row).
 void attention_inputs(const LayerShapes& s, const float* xp, const torch::Tensor& cos, const torch::Tensor& sin,
-                      const torch::Tensor& input_norm, const LinearView& lqkv, torch::Tensor& k_cache,
+                      const DecodeLayerWeights& w, const LinearView& lqkv, torch::Tensor& k_cache,
                       torch::Tensor& v_cache, const torch::Tensor& slot_mapping, double eps, int64_t isa,
                       float* qkv_out) {
+  const torch::Tensor& input_norm = w.input_norm;
+  const float* q_norm = optional_norm(w.q_norm, s.head_dim, "q_norm");
+  const float* k_norm = optional_norm(w.k_norm, s.head_dim, "k_norm");
+  TORCH_CHECK((q_norm == nullptr) == (k_norm == nullptr), "fused layer: q_norm and k_norm come together");
   TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 && cos.is_contiguous() &&
               sin.is_contiguous() && cos.size(0) == s.M, "fused layer: cos and sin must be contiguous float32 [M, D]");
   TORCH_CHECK(input_norm.scalar_type() == torch::kFloat32, "fused layer: float32 norm weights");
@@ -126,6 +169,13 @@ void attention_inputs(const LayerShapes& s, const float* xp, const torch::Tensor
   at::parallel_for(0, s.M, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       float* row = qkv_out + m * lqkv.n;  // q | k | v
+      if (q_norm != nullptr) {
+        for (int64_t h = 0; h < s.num_heads; ++h)
+          rms_norm_row(row + h * s.head_dim, s.head_dim, q_norm, static_cast<float>(eps), row + h * s.head_dim);
+        float* k = row + s.q_size;
+        for (int64_t h = 0; h < s.num_kv_heads; ++h)
+          rms_norm_row(k + h * s.head_dim, s.head_dim, k_norm, static_cast<float>(eps), k + h * s.head_dim);
+      }
       rope(row, s.num_heads + s.num_kv_heads, s.head_dim, cos_p + m * s.head_dim, sin_p + m * s.head_dim);
       if (fp32_cache) {
         write_cache(k_cache.data_ptr<float>(), slots[m], s.kv_size, 0, row + s.q_size, s.kv_size);
@@ -138,25 +188,35 @@ void attention_inputs(const LayerShapes& s, const float* xp, const torch::Tensor
   });
 }
 
-// After attention: x += o_proj(attn_out); x += down(silu(gate) * up) of RMSNorm(x).
-// attn_out: [M, q_size]; x: [M, hidden].
+// After attention: x += o_proj(attn_out); x += down(act(gate) * up) of RMSNorm(x), each product
+// normed before its add where the layer norms it (Gemma). attn_out: [M, q_size]; x: [M, hidden].
 void attention_outputs(int64_t M, int64_t hidden, int64_t q_size, float* xp, const float* attn_out,
-                       const torch::Tensor& post_norm, const LinearView& lo, const LinearView& lgu,
-                       const LinearView& ldown, double eps, int64_t isa) {
-  TORCH_CHECK(post_norm.scalar_type() == torch::kFloat32, "fused layer: float32 norm weights");
+                       const DecodeLayerWeights& w, double eps, int64_t act, int64_t isa) {
+  TORCH_CHECK(w.post_norm.scalar_type() == torch::kFloat32, "fused layer: float32 norm weights");
+  const LinearView lo = view(w.o_proj), lgu = view(w.gate_up), ldown = view(w.down);
   TORCH_CHECK(lo.n == hidden && ldown.n == hidden, "fused layer: output projection widths");
+  TORCH_CHECK(act == kActSilu || act == kActGeluTanh, "fused layer: unknown activation ", act);
+  const float* attn_output_norm = optional_norm(w.attn_output_norm, hidden, "attn_output_norm");
+  const float* mlp_output_norm = optional_norm(w.mlp_output_norm, hidden, "mlp_output_norm");
+  const auto f_eps = static_cast<float>(eps);
   const int64_t intermediate = lgu.n / 2;
-  const auto h = scratch_floats(M * hidden), gu = scratch_floats(M * lgu.n), act = scratch_floats(M * intermediate);
-  gemm(lo, attn_out, M, q_size, xp, isa, true);
-  rms_norm(xp, M, hidden, post_norm.data_ptr<float>(), static_cast<float>(eps), h.get());
+  const auto h = scratch_floats(M * hidden), gu = scratch_floats(M * lgu.n), a = scratch_floats(M * intermediate);
+  // A product's output, and its residual add: into x directly, or normed first (then h holds it).
+  const auto add_product = [&](const LinearView& l, const float* in, int64_t K, const float* output_norm) {
+    if (output_norm == nullptr) return gemm(l, in, M, K, xp, isa, true);
+    gemm(l, in, M, K, h.get(), isa, false);
+    add_rms_normed(h.get(), M, hidden, output_norm, f_eps, xp);
+  };
+  add_product(lo, attn_out, q_size, attn_output_norm);
+  rms_norm(xp, M, hidden, w.post_norm.data_ptr<float>(), f_eps, h.get());
   gemm(lgu, h.get(), M, hidden, gu.get(), isa, false);
   at::parallel_for(0, M, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       const float* g = gu.get() + m * lgu.n;
-      silu_mul(g, g + intermediate, act.get() + m * intermediate, intermediate, isa);
+      gated_act(g, g + intermediate, a.get() + m * intermediate, intermediate, act, isa);
     }
   });
-  gemm(ldown, act.get(), M, intermediate, xp, isa, true);
+  add_product(ldown, a.get(), intermediate, mlp_output_norm);
 }
 
 }  // namespace
@@ -164,23 +224,20 @@ void attention_outputs(int64_t M, int64_t hidden, int64_t q_size, float* xp, con
 void decode_layer(torch::Tensor x,                    // [M, hidden] float32, updated in place
                   const torch::Tensor& cos,           // [M, D] float32
                   const torch::Tensor& sin,           // [M, D] float32
-                  const torch::Tensor& input_norm,    // [hidden] float32
-                  const torch::Tensor& post_norm,     // [hidden] float32
-                  const PackedLinear& qkv, const PackedLinear& o_proj, const PackedLinear& gate_up,
-                  const PackedLinear& down,
+                  const DecodeLayerWeights& w,
                   torch::Tensor k_cache,              // [slots, KVH, D]
                   torch::Tensor v_cache,              // [slots, KVH, D]
                   const torch::Tensor& slot_mapping,  // [M] int64
                   const torch::Tensor& block_tables,  // [M, max_blocks] int64
                   const torch::Tensor& context_lens,  // [M] int64
-                  int64_t num_heads, int64_t block_size, double eps, double scale, int64_t window, int64_t isa) {
-  const LinearView lqkv = view(qkv);
+                  int64_t num_heads, int64_t block_size, double eps, double scale, int64_t act, int64_t isa) {
+  const LinearView lqkv = view(w.qkv);
   const LayerShapes s = shapes_of(x, k_cache, num_heads);
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && context_lens.scalar_type() == torch::kInt64 &&
               block_tables.is_contiguous(), "decode_layer: int64 block tables and lengths");
   float* xp = x.data_ptr<float>();
   const auto qkv_out = scratch_floats(s.M * lqkv.n), attn_out = scratch_floats(s.M * s.q_size);
-  attention_inputs(s, xp, cos, sin, input_norm, lqkv, k_cache, v_cache, slot_mapping, eps, isa, qkv_out.get());
+  attention_inputs(s, xp, cos, sin, w, lqkv, k_cache, v_cache, slot_mapping, eps, isa, qkv_out.get());
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   const int64_t max_blocks = block_tables.size(1);
@@ -194,42 +251,38 @@ void decode_layer(torch::Tensor x,                    // [M, hidden] float32, up
     forked.for_each_task(tasks.size(), [&](int64_t task) {
       const auto [m, num_rows, kv_begin] = tasks[task];  // one row: no chains here
       attend_decode_row(qkv_out.get() + m * lqkv.n, cache, tables + m * max_blocks, lens[m], block_size,
-                        static_cast<float>(scale), window, num_heads, attn_out.get() + m * s.q_size, scratch,
+                        static_cast<float>(scale), w.window, num_heads, attn_out.get() + m * s.q_size, scratch,
                         kv_begin, kv_begin + tasks.heads_per_task(), isa);
     });
   });
-  attention_outputs(s.M, s.hidden, s.q_size, xp, attn_out.get(), post_norm, view(o_proj), view(gate_up), view(down),
-                    eps, isa);
+  attention_outputs(s.M, s.hidden, s.q_size, xp, attn_out.get(), w, eps, act, isa);
 }
 
 torch::Tensor layer_attention_inputs(const torch::Tensor& x,             // [M, hidden] float32
                                      const torch::Tensor& cos,           // [M, D] float32
                                      const torch::Tensor& sin,           // [M, D] float32
-                                     const torch::Tensor& input_norm,    // [hidden] float32
-                                     const PackedLinear& qkv,
+                                     const DecodeLayerWeights& w,
                                      torch::Tensor k_cache,              // [slots, KVH, D]
                                      torch::Tensor v_cache,              // [slots, KVH, D]
                                      const torch::Tensor& slot_mapping,  // [M] int64
                                      int64_t num_heads, double eps, int64_t isa) {
-  const LinearView lqkv = view(qkv);
+  const LinearView lqkv = view(w.qkv);
   const LayerShapes s = shapes_of(x, k_cache, num_heads);
   auto out = torch::empty({s.M, lqkv.n}, x.options());  // [M, q | k | v]
-  attention_inputs(s, x.data_ptr<float>(), cos, sin, input_norm, lqkv, k_cache, v_cache, slot_mapping, eps, isa,
+  attention_inputs(s, x.data_ptr<float>(), cos, sin, w, lqkv, k_cache, v_cache, slot_mapping, eps, isa,
                    out.data_ptr<float>());
   return out;
 }
 
 void layer_attention_outputs(torch::Tensor x,                  // [M, hidden] float32, updated in place
                              const torch::Tensor& attn_out,    // [M, H * D] float32
-                             const torch::Tensor& post_norm,   // [hidden] float32
-                             const PackedLinear& o_proj, const PackedLinear& gate_up, const PackedLinear& down,
-                             double eps, int64_t isa) {
+                             const DecodeLayerWeights& w, double eps, int64_t act, int64_t isa) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2,
               "fused layer: x must be contiguous float32 [M, hidden]");
   TORCH_CHECK(attn_out.scalar_type() == torch::kFloat32 && attn_out.is_contiguous() && attn_out.dim() == 2 &&
               attn_out.size(0) == x.size(0), "fused layer: attn_out must be contiguous float32 [M, H * D]");
-  attention_outputs(x.size(0), x.size(1), attn_out.size(1), x.data_ptr<float>(), attn_out.data_ptr<float>(), post_norm,
-                    view(o_proj), view(gate_up), view(down), eps, isa);
+  attention_outputs(x.size(0), x.size(1), attn_out.size(1), x.data_ptr<float>(), attn_out.data_ptr<float>(), w, eps,
+                    act, isa);
 }
 
 }  // namespace minivllm

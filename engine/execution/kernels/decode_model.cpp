@@ -156,6 +156,27 @@ torch::Tensor gathered_embedding(const torch::Tensor& table, const int64_t* inde
   return out;
 }
 
+// x *= scale as torch multiplies an embedding of scale's dtype by it: each value in that dtype
+// (a float32 gather of bfloat16 rows is exact; a GGUF row's dequantized floats are rounded to it
+// first, as the torch path's lookup returns them), times the scale, rounded to the dtype.
+template <typename T>
+void scale_rows(float* x, int64_t n, float factor) {
+  for (int64_t i = 0; i < n; ++i) x[i] = static_cast<float>(static_cast<T>(static_cast<float>(static_cast<T>(x[i])) * factor));
+}
+
+void scale_embedding(torch::Tensor& x, const torch::Tensor& scale) {
+  float* p = x.data_ptr<float>();
+  const int64_t n = x.numel();
+  switch (scale.scalar_type()) {
+    case torch::kBFloat16: return scale_rows<at::BFloat16>(p, n, static_cast<float>(scale.item<at::BFloat16>()));
+    case torch::kHalf: return scale_rows<at::Half>(p, n, static_cast<float>(scale.item<at::Half>()));
+    default: {
+      const float factor = scale.item<float>();
+      for (int64_t i = 0; i < n; ++i) p[i] *= factor;
+    }
+  }
+}
+
 // The index of row[0:n]'s first maximum, a NaN counting as one (the first NaN wins), as
 // torch.argmax. One pass, scalar: the first NaN ends it.
 int64_t first_argmax_scalar(const float* row, int64_t n) {
@@ -228,6 +249,26 @@ struct alignas(64) LayerPlan {
   ProductPlan qkv, o_proj, gate_up, down;
   KvCacheView cache;
   int64_t window;
+  int64_t rope;  // the step's RoPE rows it reads (DecodeLayerWeights' rope_index)
+  // The families' norms beyond Llama's, nullptr where the layer has none: per head of q and k
+  // ([D] each), of o_proj's and down's outputs ([hidden] each).
+  const float *q_norm, *k_norm, *attn_output_norm, *mlp_output_norm;
+};
+
+// x[m] += RMSNorm(y[m]) for the step's rows (add_rms_normed), run by the member that ends a
+// product whose output the layer norms (TeamShare::finish): Gemma's residual add, with no part
+// of its own.
+struct ResidualNorm {
+  float* y;  // [M, width]: the product; overwritten by its norm
+  int64_t M, width;
+  const float* weight;
+  float eps;
+  float* x;  // [M, width]: the residual stream
+
+  static void run(const void* self) {
+    const auto& r = *static_cast<const ResidualNorm*>(self);
+    add_rms_normed(r.y, r.M, r.width, r.weight, r.eps, r.x);
+  }
 };
 
 // Requests [p, p + bytes) into L2; a no-op off x86.
@@ -261,7 +302,9 @@ struct TeamStep {
   float* logits;   // [M, vocab]
   int64_t* ids;    // [M], or nullptr: no argmax
   float* norms;    // [num_ranks, M, hidden]: each member's own normed rows
-  const float *cos, *sin;                // [M, D] each
+  float* product;  // [M, hidden]: o_proj's or down's output where a layer norms it; else unused
+  const std::vector<const float*>& cos;  // per rope, [M, D]
+  const std::vector<const float*>& sin;
   const int64_t *tables, *lens, *slots;  // [M, max_blocks], [M], [M]
   int64_t max_blocks;
   const DecodeAttentionTasks& attention_tasks;
@@ -285,8 +328,8 @@ void attend_task(const TeamStep& s, int64_t m, int64_t kv_begin, int64_t kv_end,
   const int64_t D = model.head_dim, q_size = model.num_heads * D, kv_size = model.num_kv_heads * D;
   const int64_t group = model.num_heads / model.num_kv_heads;
   float* row = s.qkv + m * model.qkv_width;  // q | k | v
-  const float* cos = s.cos + m * D;
-  const float* sin = s.sin + m * D;
+  const float* cos = s.cos[plan.rope] + m * D;
+  const float* sin = s.sin[plan.rope] + m * D;
 #if defined(__x86_64__)
   if (s.M < kFewRows) {  // the K and V rows this task reads, all but the new one (see above)
     const int64_t element = plan.cache.element_size(), row_bytes = plan.cache.row_bytes();
@@ -306,6 +349,12 @@ void attend_task(const TeamStep& s, int64_t m, int64_t kv_begin, int64_t kv_end,
     }
   }
 #endif
+  if (plan.q_norm != nullptr) {  // this task's heads of q and k, each normed once
+    const auto eps = static_cast<float>(model.eps);
+    for (int64_t h = kv_begin * group; h < kv_end * group; ++h) rms_norm_row(row + h * D, D, plan.q_norm, eps, row + h * D);
+    for (int64_t h = kv_begin; h < kv_end; ++h)
+      rms_norm_row(row + q_size + h * D, D, plan.k_norm, eps, row + q_size + h * D);
+  }
   rope(row + kv_begin * group * D, (kv_end - kv_begin) * group, D, cos, sin);
   rope(row + q_size + kv_begin * D, kv_end - kv_begin, D, cos, sin);
   const int64_t offset = kv_begin * D, count = (kv_end - kv_begin) * D;
@@ -368,10 +417,24 @@ void run_member(TeamStep& s, int64_t rank_begin) {
     return TeamShare{s.num_ranks, &s.counters[part].next, &s.counters[part].done, &s.progress, part,
                      home_ranges ? s.homes + part * s.num_ranks : nullptr, rank_begin};
   };
-  const auto gemm = [&](const ProductPlan& l, const float* x, int64_t K, float* out, bool accumulate, int64_t part) {
-    const TeamShare team = share(part, true);
+  const auto gemm = [&](const ProductPlan& l, const float* x, int64_t K, float* out, bool accumulate, int64_t part,
+                        const ResidualNorm* finish = nullptr) {
+    TeamShare team = share(part, true);
+    if (finish != nullptr) {
+      team.finish = &ResidualNorm::run;
+      team.finish_arg = finish;
+    }
     packed_gemm(x, M, K, K, l.w, l.scale, l.bias, l.n, out, l.n, isa, accumulate, &team);
   };
+  // A product whose output joins the residual stream: added by the product itself, or (a layer
+  // that norms it) written apart, then normed and added by the member that ends the product.
+  const auto residual_gemm = [&](const ProductPlan& l, const float* x, int64_t K, const float* output_norm,
+                                 int64_t part) {
+    if (output_norm == nullptr) return gemm(l, x, K, s.x, true, part);
+    const ResidualNorm finish{s.product, M, hidden, output_norm, eps, s.x};
+    gemm(l, x, K, s.product, false, part, &finish);
+  };
+  const int64_t act_kind = model.act;
   // Below kFewRows rows (memory-bound products, short attention): as a member finishes its tasks of a
   // product it requests the start of its share of the next one, and once its tasks of a layer's
   // QKV product are done, the layer's K and V rows (after the product, not as the layer starts,
@@ -405,7 +468,7 @@ void run_member(TeamStep& s, int64_t rank_begin) {
       });
     }
     if (s.progress.wait_for(part + kOutput)) {
-      gemm(w.o_proj, s.attn, q_size, s.x, true, part + kOutput);
+      residual_gemm(w.o_proj, s.attn, q_size, w.attn_output_norm, part + kOutput);
       prefetch_next(w.gate_up);
       if (few_rows) prefetch_lines(w.post_norm, hidden * 4);
     }
@@ -419,7 +482,7 @@ void run_member(TeamStep& s, int64_t rank_begin) {
         const auto [c0, c1] = task_range(intermediate, task, silu_tasks, 16);
         for (int64_t m = 0; m < M; ++m) {
           const float* g = s.gate_up + m * 2 * intermediate;
-          silu_mul(g + c0, g + intermediate + c0, s.act + m * intermediate + c0, c1 - c0, isa);
+          gated_act(g + c0, g + intermediate + c0, s.act + m * intermediate + c0, c1 - c0, act_kind, isa);
         }
       });
     }
@@ -427,9 +490,9 @@ void run_member(TeamStep& s, int64_t rank_begin) {
       if (few_rows)
         for (int64_t m = 0; m < M; ++m) {
           const float* g = s.gate_up + m * 2 * intermediate;
-          silu_mul(g, g + intermediate, act + m * intermediate, intermediate, isa);
+          gated_act(g, g + intermediate, act + m * intermediate, intermediate, act_kind, isa);
         }
-      gemm(w.down, act, intermediate, s.x, true, part + kDown);
+      residual_gemm(w.down, act, intermediate, w.mlp_output_norm, part + kDown);
       if (layer + 1 < num_layers) {
         const LayerPlan& next = s.plan.layers[layer + 1];
         prefetch_next(next.qkv);
@@ -482,21 +545,34 @@ bool TeamProgress::wait_for(int64_t part) {
   return done == part;
 }
 
-DecodeModel::DecodeModel(torch::Tensor embedding, torch::Tensor rope_cos, torch::Tensor rope_sin,
-                         std::vector<std::shared_ptr<DecodeLayerWeights>> layers,
+DecodeModel::DecodeModel(torch::Tensor embedding, std::vector<torch::Tensor> rope_cos,
+                         std::vector<torch::Tensor> rope_sin, std::vector<std::shared_ptr<DecodeLayerWeights>> layers,
                          std::vector<std::tuple<torch::Tensor, torch::Tensor>> kv_caches, torch::Tensor final_norm,
                          PackedLinear lm_head, int64_t num_heads, int64_t block_size, double eps, double scale,
-                         int64_t isa)
+                         int64_t act, std::optional<torch::Tensor> embed_scale, int64_t isa)
     : embedding(std::move(embedding)), rope_cos(std::move(rope_cos)), rope_sin(std::move(rope_sin)),
       layers(std::move(layers)), kv_caches(std::move(kv_caches)), final_norm(std::move(final_norm)),
-      lm_head(std::move(lm_head)), num_heads(num_heads), block_size(block_size), eps(eps), scale(scale), isa(isa) {
+      lm_head(std::move(lm_head)), num_heads(num_heads), block_size(block_size), eps(eps), scale(scale), act(act),
+      embed_scale(std::move(embed_scale)), isa(isa) {
   // Everything a step's team could trip over is checked here: a member must not throw.
   TORCH_CHECK(isa <= best_isa(), "DecodeModel: this CPU lacks the requested instruction set");
   TORCH_CHECK(!this->layers.empty() && this->kv_caches.size() == this->layers.size(),
               "DecodeModel: one (K, V) cache pair per layer, at least one layer");
-  TORCH_CHECK(this->rope_cos.scalar_type() == torch::kFloat32 && this->rope_sin.scalar_type() == torch::kFloat32 &&
-              this->rope_cos.dim() == 2 && this->rope_cos.sizes() == this->rope_sin.sizes(),
-              "DecodeModel: float32 RoPE tables of one shape");
+  TORCH_CHECK(!this->rope_cos.empty() && this->rope_cos.size() == this->rope_sin.size(),
+              "DecodeModel: one cos and one sin table per rope, at least one");
+  for (size_t r = 0; r < this->rope_cos.size(); ++r) {
+    const auto &c = this->rope_cos[r], &sn = this->rope_sin[r];
+    TORCH_CHECK(c.scalar_type() == torch::kFloat32 && sn.scalar_type() == torch::kFloat32 && c.dim() == 2 &&
+                c.sizes() == sn.sizes() && c.size(1) == this->rope_cos.front().size(1),
+                "DecodeModel: float32 RoPE tables of one width, cos and sin of one shape");
+  }
+  TORCH_CHECK(act == kActSilu || act == kActGeluTanh, "DecodeModel: unknown activation ", act);
+  if (this->embed_scale) {
+    const auto type = this->embed_scale->scalar_type();
+    TORCH_CHECK(this->embed_scale->numel() == 1 &&
+                (type == torch::kFloat32 || type == torch::kBFloat16 || type == torch::kHalf),
+                "DecodeModel: embed_scale must be one float32, bfloat16 or float16 value");
+  }
   TORCH_CHECK(this->final_norm.scalar_type() == torch::kFloat && this->final_norm.dim() == 1 &&
               this->final_norm.is_contiguous(), "DecodeModel: final_norm must be [hidden] float32");
   TORCH_CHECK(num_heads > 0 && block_size > 0, "DecodeModel: num_heads and block_size must be positive");
@@ -515,7 +591,7 @@ DecodeModel::DecodeModel(torch::Tensor embedding, torch::Tensor rope_cos, torch:
   TORCH_CHECK(is_table || is_fp32_panels || is_bf16_panels || is_quant_panels,
               "DecodeModel: the embedding must be [vocab, hidden], the LM head's float32 or bfloat16 panels or GGUF "
               "block panels of hidden inputs");
-  head_dim = this->rope_cos.size(1);
+  head_dim = this->rope_cos.front().size(1);
   const auto& k0 = std::get<0>(this->kv_caches.front());
   TORCH_CHECK(k0.dim() == 3 && k0.size(2) == head_dim && k0.size(1) > 0 && num_heads % k0.size(1) == 0,
               "DecodeModel: caches must be [slots, KV heads, head_dim], the KV heads dividing num_heads");
@@ -534,6 +610,15 @@ DecodeModel::DecodeModel(torch::Tensor embedding, torch::Tensor rope_cos, torch:
     for (const auto* norm : {&l.input_norm, &l.post_norm})
       TORCH_CHECK(norm->scalar_type() == torch::kFloat32 && norm->numel() == hidden && norm->is_contiguous(),
                   "DecodeModel: layer ", i, "'s norms must be [hidden] float32");
+    for (const auto* norm : {&l.attn_output_norm, &l.mlp_output_norm})
+      TORCH_CHECK(!*norm || ((*norm)->scalar_type() == torch::kFloat32 && (*norm)->numel() == hidden &&
+                             (*norm)->is_contiguous()), "DecodeModel: layer ", i, "'s output norms must be [hidden] float32");
+    TORCH_CHECK(l.q_norm.has_value() == l.k_norm.has_value(), "DecodeModel: layer ", i, "'s q_norm and k_norm come together");
+    for (const auto* norm : {&l.q_norm, &l.k_norm})
+      TORCH_CHECK(!*norm || ((*norm)->scalar_type() == torch::kFloat32 && (*norm)->numel() == head_dim &&
+                             (*norm)->is_contiguous()), "DecodeModel: layer ", i, "'s q/k norms must be [head_dim] float32");
+    TORCH_CHECK(l.rope_index >= 0 && l.rope_index < static_cast<int64_t>(this->rope_cos.size()),
+                "DecodeModel: layer ", i, "'s rope_index ", l.rope_index, " names no RoPE table");
     TORCH_CHECK(std::get<3>(l.qkv) == qkv_width && std::get<3>(l.o_proj) == hidden &&
                 std::get<3>(l.gate_up) == 2 * intermediate && std::get<3>(l.down) == hidden,
                 "DecodeModel: layer ", i, "'s projection widths");
@@ -547,12 +632,16 @@ DecodeModel::DecodeModel(torch::Tensor embedding, torch::Tensor rope_cos, torch:
   const LinearView head = view(this->lm_head);
   check_packed_weight(head.w, hidden, head.n, head.scale, isa);
   auto plan = std::make_shared<Plan>();
+  const auto pointer = [](const std::optional<torch::Tensor>& t) { return t ? t->data_ptr<float>() : nullptr; };
+  has_output_norms = false;
   for (size_t i = 0; i < this->layers.size(); ++i) {
     const DecodeLayerWeights& l = *this->layers[i];
     const auto& [k, v] = this->kv_caches[i];
     plan->layers.push_back({l.input_norm.data_ptr<float>(), l.post_norm.data_ptr<float>(), ProductPlan::of(l.qkv),
                             ProductPlan::of(l.o_proj), ProductPlan::of(l.gate_up), ProductPlan::of(l.down),
-                            KvCacheView::of(k, v), l.window});
+                            KvCacheView::of(k, v), l.window, l.rope_index, pointer(l.q_norm), pointer(l.k_norm),
+                            pointer(l.attn_output_norm), pointer(l.mlp_output_norm)});
+    has_output_norms = has_output_norms || l.attn_output_norm || l.mlp_output_norm;
   }
   plan->head = ProductPlan::of(this->lm_head);
   plan->final_norm = this->final_norm.data_ptr<float>();
@@ -586,8 +675,15 @@ std::tuple<torch::Tensor, std::optional<std::vector<int64_t>>> DecodeModel::step
   }
   const int64_t vocab = std::get<3>(lm_head);
   auto x = gathered_embedding(embedding, token_ids.data(), M, hidden, vocab);  // [M, hidden] float32
-  const auto cos = gathered_rows(rope_cos, positions.data(), M, "RoPE table");
-  const auto sin = gathered_rows(rope_sin, positions.data(), M, "RoPE table");
+  if (embed_scale) scale_embedding(x, *embed_scale);
+  std::vector<torch::Tensor> rope_rows;  // per rope, its cos then its sin rows: [M, D] each
+  std::vector<const float*> cos, sin;
+  for (size_t r = 0; r < rope_cos.size(); ++r) {
+    rope_rows.push_back(gathered_rows(rope_cos[r], positions.data(), M, "RoPE table"));
+    rope_rows.push_back(gathered_rows(rope_sin[r], positions.data(), M, "RoPE table"));
+    cos.push_back(rope_rows[2 * r].data_ptr<float>());
+    sin.push_back(rope_rows[2 * r + 1].data_ptr<float>());
+  }
   auto logits = torch::empty({M, vocab}, x.options());  // [M, vocab] float32
   auto ids = with_argmax ? std::optional<std::vector<int64_t>>(M) : std::nullopt;  // [M]
   const int64_t num_ranks = std::max<int64_t>(1, at::get_num_threads());
@@ -595,6 +691,7 @@ std::tuple<torch::Tensor, std::optional<std::vector<int64_t>>> DecodeModel::step
   const auto gate_up = scratch_floats(M * 2 * intermediate);
   const auto act = scratch_floats((M < kFewRows ? num_ranks : 1) * M * intermediate);
   const auto norms = scratch_floats(num_ranks * M * hidden);
+  const auto product = scratch_floats(has_output_norms ? M * hidden : 0);
   // Rows of one sequence at consecutive positions (a verification's) form a chain.
   std::vector<int64_t> chains;
   for (int64_t m = 0; m < M; ++m) {
@@ -609,8 +706,7 @@ std::tuple<torch::Tensor, std::optional<std::vector<int64_t>>> DecodeModel::step
   const std::unique_ptr<HomeRange[]> homes(new HomeRange[num_parts * num_ranks]);
   std::vector<int64_t> stamps(num_parts, 0);
   TeamStep s{*this, *plan_, M, num_ranks, x.data_ptr<float>(), qkv.get(), attn.get(), gate_up.get(), act.get(),
-             logits.data_ptr<float>(), ids ? ids->data() : nullptr, norms.get(), cos.data_ptr<float>(),
-             sin.data_ptr<float>(), tables.data(), context_lens.data(), slots.data(),
+             logits.data_ptr<float>(), ids ? ids->data() : nullptr, norms.get(), product.get(), cos, sin, tables.data(), context_lens.data(), slots.data(),
              static_cast<int64_t>(max_blocks), attention_tasks, counters.get(), homes.get(),
              TeamProgress(num_ranks > usable_cpus() ? kShortSpins : kSpins, stamps.data())};
   const int64_t team_start = now_ns();

@@ -5,6 +5,7 @@
 #include "cpu_kernels.h"
 
 #include <algorithm>
+#include <cmath>
 #include <memory>
 #include <new>
 #include <numeric>
@@ -21,9 +22,40 @@ constexpr int64_t kRowGrain = 16;
 
 // a[i] = silu(g[i]) * u[i], i < n.
 void silu_mul(const float* g, const float* u, float* a, int64_t n, int64_t isa);
-// out[m] = x[m] * rsqrt(mean(x[m]^2) + eps) * weight, rows of `width`, as transformers'
-// LlamaRMSNorm in float32 (out may be x). Rows run in parallel outside a parallel region.
+// a[i] = gelu_tanh(g[i]) * u[i], i < n: torch's GELU with approximate='tanh'.
+void gelu_tanh_mul(const float* g, const float* u, float* a, int64_t n, int64_t isa);
+// The gated MLP's act(g) * u by its Activation kind.
+inline void gated_act(const float* g, const float* u, float* a, int64_t n, int64_t act, int64_t isa) {
+  if (act == kActSilu)
+    silu_mul(g, u, a, n, isa);
+  else
+    gelu_tanh_mul(g, u, a, n, isa);
+}
+
+// One row: out = x * rsqrt(mean(x^2) + eps) * weight, as transformers' LlamaRMSNorm in float32
+// (out may be x).
+inline void rms_norm_row(const float* x, int64_t width, const float* weight, float eps, float* out) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < width; ++i) sum += x[i] * x[i];
+  const float inv = 1.f / std::sqrt(sum / static_cast<float>(width) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < width; ++i) out[i] = weight[i] * (x[i] * inv);
+}
+// rms_norm_row of rows of `width` (out may be x). Rows run in parallel outside a parallel region.
 void rms_norm(const float* x, int64_t M, int64_t width, const float* weight, float eps, float* out);
+// x[m] += RMSNorm(y[m]), rows of `width`, one thread: Gemma's residual add of a normed
+// projection output. y is overwritten by its norm: stored before the add, so that no FMA fuses
+// the norm's product into the add (torch rounds the norm first).
+inline void add_rms_normed(float* y, int64_t M, int64_t width, const float* weight, float eps, float* x) {
+  for (int64_t m = 0; m < M; ++m) {
+    float* ym = y + m * width;
+    float* xm = x + m * width;
+    rms_norm_row(ym, width, weight, eps, ym);
+#pragma omp simd
+    for (int64_t i = 0; i < width; ++i) xm[i] += ym[i];
+  }
+}
 // Rotate-half RoPE of `num_heads` heads of one token in place: cos, sin [D].
 void rope(float* heads, int64_t num_heads, int64_t head_dim, const float* cos, const float* sin);
 

@@ -19,7 +19,7 @@ from engine.execution.backends.cpu_linear import PackedLinear
 from engine.execution.kernels import ISAS
 from engine.execution.models.layers import RMSNorm
 from engine.execution.models.llama import DecoderLayer
-from engine.execution.models.model_config import ModelConfig
+from engine.execution.models.model_config import ModelConfig, Rope
 from engine.execution.resolved_config import pick_isa
 from engine.execution.weights.packed_weight import PackedWeight
 from tests.helpers import ISA_NAMES
@@ -84,29 +84,39 @@ def test_isa_choice_refuses_unknown_and_unsupported_names(kernels) -> None:
         pick_isa(avx2_only, "avx512")
 
 
-def _layer_case(weight_dtype: torch.dtype, window: int | None, kernels, isa: int):
+# The layer recipes of the families (ModelConfig's fields beyond Llama's): Qwen3's per-head q/k
+# norms; Gemma 3's too, with its norms of o_proj's and down's outputs, GeGLU and its own softmax scale.
+LAYER_FAMILIES = {"llama": {}, "qwen3": {"qk_norm": True},
+                  "gemma3": {"qk_norm": True, "sandwich_norms": True, "hidden_act": "gelu_tanh", "attn_scale": 0.3}}
+
+
+def _layer_case(weight_dtype: torch.dtype, window: int | None, kernels, isa: int, family: str = "llama",
+                rope_index: int = 0):
     cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=48, intermediate_size=80, num_layers=1,
                       num_heads=6, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5, max_position_embeddings=512,
-                      tie_word_embeddings=False, qkv_bias=True, o_proj_bias=False, inv_freq=torch.ones(4),
-                      rope_scale=1.0, sliding_windows=[window])
+                      tie_word_embeddings=False, qkv_bias=True, o_proj_bias=False,
+                      ropes=(Rope(torch.ones(4), 1.0),) * (rope_index + 1), layer_ropes=(rope_index,),
+                      sliding_windows=(window,), **LAYER_FAMILIES[family])
     torch.manual_seed(1)
     layer = DecoderLayer(cfg, 0)
-    for p in layer.parameters():
-        p.data.normal_(0, 0.3)
-    layer.input_layernorm.weight.data.uniform_(0.5, 1.5)
-    layer.post_attention_layernorm.weight.data.uniform_(0.5, 1.5)
+    for name, p in layer.named_parameters():
+        if name.endswith("norm.weight"):
+            p.data.uniform_(0.5, 1.5)
+        else:
+            p.data.normal_(0, 0.3)
     for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
         proj = PackedLinear(getattr(layer, name))  # as the CPU backend swaps it in
         proj.pack_panels(weight_dtype, kernels, isa, max_panel_rows=8)
         proj.weight.data.copy_(proj.panels.dequantize())  # the torch path runs the same (quantized) weights
         setattr(layer, name, proj)
-    return cfg, layer, FusedLayer.of(layer)
+    return cfg, layer, FusedLayer.of(layer, kernels)
 
 
+@pytest.mark.parametrize("family", list(LAYER_FAMILIES))
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16, torch.int8], ids=["fp32", "bf16", "int8"])
 @pytest.mark.parametrize("window", [None, 5], ids=["full", "window5"])
 def test_decode_layer_in_one_call_matches_the_torch_layer(kernels, weight_dtype: torch.dtype,
-                                                          window: int | None) -> None:
+                                                          window: int | None, family: str) -> None:
     bs, num_blocks, batch = 4, 24, 4
     lens = torch.tensor([1, 9, 14, 6])  # tokens in the cache after this step, the new one included
     tables = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(2))[: batch * 4].view(batch, 4)
@@ -116,7 +126,7 @@ def test_decode_layer_in_one_call_matches_the_torch_layer(kernels, weight_dtype:
     # 2 threads: one attention task per (sequence, KV head); 1 thread: 4 rows fill it, one per sequence.
     for isa, threads in [(isa, t) for isa in _isas(kernels) for t in (2, 1)]:
         torch.set_num_threads(threads)
-        cfg, layer, fused = _layer_case(weight_dtype, window, kernels, isa)
+        cfg, layer, fused = _layer_case(weight_dtype, window, kernels, isa, family)
         gen = torch.Generator().manual_seed(3)
         k_cache = torch.randn(num_blocks * bs, cfg.num_kv_heads, cfg.head_dim, generator=gen)
         v_cache = torch.randn(num_blocks * bs, cfg.num_kv_heads, cfg.head_dim, generator=gen)
@@ -224,7 +234,7 @@ def test_decode_model_step_is_the_embedding_every_layer_the_norm_and_the_head(ke
                              backend=CpuAttention(kernels, 0, prefill_in_cpp=False))
     final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
     final_norm.weight.copy_(torch.rand(cfg.hidden_size, generator=gen) + 0.5)
-    weights = [layer.weights(kernels) for layer in layers]
+    weights = [layer.weights for layer in layers]
 
     def reference(threads: int) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
         # One call per layer, as mixed steps run, on as many threads: a product's task split, and so
@@ -250,9 +260,9 @@ def test_decode_model_step_is_the_embedding_every_layer_the_norm_and_the_head(ke
                     final_norm=final_norm.weight)
         args |= changes
         head = PackedWeight.pack(head_weight, None, torch.float32)
-        decoder = kernels.DecodeModel(args["embedding"], args["cos"], args["sin"], weights, args["caches"],
+        decoder = kernels.DecodeModel(args["embedding"], [args["cos"]], [args["sin"]], weights, args["caches"],
                                       args["final_norm"], head.as_args(), cfg.num_heads, bs, cfg.rms_norm_eps,
-                                      cfg.head_dim**-0.5, step_isa)
+                                      cfg.head_dim**-0.5, 0, None, step_isa)
         made_decoders.append(decoder)
         num_threads = torch.get_num_threads()
         torch.set_num_threads(threads)
@@ -327,29 +337,40 @@ def test_decode_model_step_is_the_embedding_every_layer_the_norm_and_the_head(ke
         step(head_weight, final_norm=torch.ones(3))
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16, torch.int8], ids=["fp32", "bf16", "int8"])
-def test_decode_model_step_of_few_rows_matches_the_per_layer_kernel(kernels, weight_dtype: torch.dtype) -> None:
+def test_decode_model_step_of_few_rows_matches_the_per_layer_kernel(kernels, weight_dtype: torch.dtype,
+                                                                     family: str) -> None:
     """A decode step of 1 or 3 rows (one-row tiles, each panel its own; the step requests each
     member's next weights and each layer's K and V rows ahead): the same floats as one
     decode_layer call per layer, on every ISA path and team size. Each layer's new K and V rows
     bit-equal (a wrong float in a layer's output moves the next layer's), the logits those of
-    the final norm and head; contexts of one to four blocks."""
+    the final norm and head; contexts of one to four blocks. Gemma 3's recipe besides Llama's:
+    q/k norms, output norms (added by the member that ends the product), GeGLU, two RoPE tables
+    read by layer, and the embedding scaled in its dtype (bfloat16 with bfloat16 weights)."""
     bs, num_blocks, vocab, max_positions = 4, 16, 40, 20
+    is_gemma = family == "gemma3"
     layers = []
     for i, window in enumerate((None, 5, None)):
         torch.manual_seed(20 + i)
-        cfg, layer, fused = _layer_case(weight_dtype, window, kernels, kernels.best_isa())
+        rope_index = i % 2 if is_gemma else 0
+        cfg, layer, fused = _layer_case(weight_dtype, window, kernels, kernels.best_isa(), family, rope_index)
         layers.append(fused)
     gen = torch.Generator().manual_seed(8)
-    embedding = torch.randn(vocab, cfg.hidden_size, generator=gen)
-    freqs = torch.arange(max_positions).float().unsqueeze(1) * torch.linspace(1, 0.01, cfg.head_dim // 2)
-    cos_table, sin_table = torch.cat((freqs, freqs), dim=-1).cos(), torch.cat((freqs, freqs), dim=-1).sin()
+    embed_dtype = torch.bfloat16 if is_gemma and weight_dtype == torch.bfloat16 else torch.float32
+    embedding = torch.randn(vocab, cfg.hidden_size, generator=gen).to(embed_dtype)
+    embed_scale = torch.tensor(cfg.hidden_size**0.5, dtype=embed_dtype) if is_gemma else None
+    rope_tables = []  # per rope: cos, sin [max_positions, D]
+    for speed in (1.0, 0.25)[: 2 if is_gemma else 1]:
+        freqs = torch.arange(max_positions).float().unsqueeze(1) * torch.linspace(speed, 0.01, cfg.head_dim // 2)
+        rope_tables.append((torch.cat((freqs, freqs), dim=-1).cos(), torch.cat((freqs, freqs), dim=-1).sin()))
     final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
     final_norm.weight.copy_(torch.rand(cfg.hidden_size, generator=gen) + 0.5)
     head = PackedWeight.pack(torch.randn(vocab, cfg.hidden_size, generator=gen), None, torch.float32)
     caches = [(torch.randn(num_blocks * bs, cfg.num_kv_heads, cfg.head_dim, generator=gen),
                torch.randn(num_blocks * bs, cfg.num_kv_heads, cfg.head_dim, generator=gen)) for _ in layers]
-    weights = [layer.weights(kernels) for layer in layers]
+    weights = [layer.weights for layer in layers]
+    act = layers[0].act
     num_threads = torch.get_num_threads()
     for isa, threads, lens in [(isa, t, lens) for isa in _isas(kernels) for t in (2, 1, 3)
                                for lens in ([11], [3, 16, 1])]:
@@ -362,13 +383,16 @@ def test_decode_model_step_of_few_rows_matches_the_per_layer_kernel(kernels, wei
                                  context_lens=torch.tensor(lens), backend=CpuAttention(kernels, 0, prefill_in_cpp=False))
         torch.set_num_threads(threads)
         try:
-            hidden = embedding[token_ids].clone()
+            hidden = embedding[token_ids] if embed_scale is None else embedding[token_ids] * embed_scale
+            hidden = hidden.float()
             ref_caches = [(k.clone(), v.clone()) for k, v in caches]
             for layer, (k, v) in zip(layers, ref_caches, strict=True):
+                cos_table, sin_table = rope_tables[layer.rope_index]
                 layer.forward(hidden, cos_table[positions], sin_table[positions], attn, k, v, kernels, isa)
             stepped = [(k.clone(), v.clone()) for k, v in caches]
-            decoder = kernels.DecodeModel(embedding, cos_table, sin_table, weights, stepped, final_norm.weight,
-                                          head.as_args(), cfg.num_heads, bs, cfg.rms_norm_eps, cfg.head_dim**-0.5, isa)
+            decoder = kernels.DecodeModel(embedding, [cos for cos, _ in rope_tables], [sin for _, sin in rope_tables], weights,
+                                          stepped, final_norm.weight, head.as_args(), cfg.num_heads, bs,
+                                          cfg.rms_norm_eps, cfg.attn_scale, act, embed_scale, isa)
             logits, _ = decoder.step(token_ids.tolist(), [t[: (n - 1) // bs + 1] for t, n in zip(
                 tables.tolist(), lens, strict=True)], lens, False)
         finally:
@@ -379,8 +403,9 @@ def test_decode_model_step_of_few_rows_matches_the_per_layer_kernel(kernels, wei
         assert torch.allclose(logits, kernels.packed_linear(final_norm(hidden), *head.as_args(), isa), atol=1e-4), case
 
 
+@pytest.mark.parametrize("family", list(LAYER_FAMILIES))
 @pytest.mark.parametrize("window", [None, 5], ids=["full", "window5"])
-def test_fused_layer_with_prefill_rows_matches_the_torch_layer(kernels, window: int | None) -> None:
+def test_fused_layer_with_prefill_rows_matches_the_torch_layer(kernels, window: int | None, family: str) -> None:
     """A mixed step in the two-call form: a 5-token chunk after 6 cached tokens (flash attention
     over cache and chunk), a whole 3-token prompt, then 2 decode rows (the paged C++ kernel)."""
     from engine.execution.attention import PrefillSeqMeta
@@ -395,7 +420,7 @@ def test_fused_layer_with_prefill_rows_matches_the_torch_layer(kernels, window: 
     positions = torch.cat([chunk_pos, prompt_pos, decode_lens - 1])
     metas = [PrefillSeqMeta(0, 5, 11, slots_of(tables[0], torch.arange(11))), PrefillSeqMeta(5, 3, 3, None)]
     for isa in _isas(kernels):
-        cfg, layer, fused = _layer_case(torch.float32, window, kernels, isa)
+        cfg, layer, fused = _layer_case(torch.float32, window, kernels, isa, family)
         gen = torch.Generator().manual_seed(5)
         k_cache = torch.randn(num_blocks * bs, cfg.num_kv_heads, cfg.head_dim, generator=gen)
         v_cache = torch.randn(num_blocks * bs, cfg.num_kv_heads, cfg.head_dim, generator=gen)

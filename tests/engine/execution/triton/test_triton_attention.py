@@ -301,6 +301,32 @@ def test_prefill_default_tiles_and_head_dim_24(cache_dtype: torch.dtype) -> None
                                    **_tol(cache_dtype))
 
 
+@pytest.mark.parametrize("dim", [128, 256])
+def test_the_head_sizes_of_qwen3_and_gemma3(dim: int) -> None:
+    """Qwen3's head_dim 128 and Gemma 3's 256 (with its softmax scale, query_pre_attn_scalar
+    256 ** -0.5, and a sliding window shorter than the contexts): decode over several partitions
+    and a prefill chunk after a cached context, against the dense reference."""
+    scale = 256**-0.5
+    for window in (0, 12):
+        lens = [1, 13, 40]
+        q, k, v, tables, context_lens = _decode_case(4, 2, FP32, FP32, lens, seed=dim + window, dim=dim)
+        out = torch.full_like(q, float("nan"))
+        triton_attention.decode_attention(q, k, v, tables, context_lens, 4, scale, window, out, partition_size=32,
+                                          block_n=16)
+        for b, n in enumerate(lens):
+            expected = _dense(q[b : b + 1], k, v, tables[b], n, 4, scale, window)[0]
+            torch.testing.assert_close(out[b].float(), expected, **_tol(FP32), msg=lambda m, b=b: f"seq {b}: {m}")
+        chunks = [(0, 9), (20, 5)]
+        q, k, v, tables, starts, seq_lens = _prefill_case(4, 2, FP32, FP32, chunks, seed=dim + window, dim=dim)
+        out = torch.full_like(q, float("nan"))
+        triton_attention.prefill_attention(q, k, v, tables, starts, seq_lens, 4, scale, window, out,
+                                           max_query_len=9, block_m=16)
+        for i, (cached, n) in enumerate(chunks):
+            rows = slice(int(starts[i]), int(starts[i + 1]))
+            torch.testing.assert_close(out[rows].float(), _dense(q[rows], k, v, tables[i], cached + n, 4, scale, window),
+                                       **_tol(FP32), msg=lambda m, c=chunks[i]: f"chunk {c}: {m}")
+
+
 @pytest.mark.parametrize("window", [0, 50], ids=["full", "window50"])
 def test_speculative_chunk_matches_decode_one_query_at_a_time(window: int) -> None:
     """The k + 1 = 4 query check after 100 cached tokens: query j of the chunk agrees with the
@@ -410,19 +436,24 @@ class _EagerReplay:
 
 
 @pytest.mark.skipif(IS_NATIVE, reason="the GPU check runs the CUDA backend itself")
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
 def test_the_cuda_backends_host_code_generates_what_the_reference_backend_does(
-        tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tiny_model_dir: Path, family: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The CUDA backend's own code on the CPU, its kernels interpreted: Triton prefill over packed
     chunks (chunked, beside decodes), the KV pool with its scratch block, and decode steps through
     the graphs' static buffers, padded to their bucket (3 streams in a bucket of 4), replayed by
     running the bucket's forward instead of a captured graph. Greedy tokens equal the pure-torch
-    reference backend's."""
+    reference backend's: on the tiny Llama, and on Qwen3's and Gemma 3's layers (per-head q/k
+    norms, output norms, GeGLU, scaled embeddings, windowed layers with their own rope)."""
     from engine import EngineConfig, LLMEngine, SamplingParams
     from engine.execution import model_runner
     from engine.execution.backends import cuda_graphs
     from engine.execution.backends.cuda_backend import CudaBackend
+    from tests.tiny_model import build_tiny_family_model, family_config
 
-    options = dict(model=str(tiny_model_dir), num_kv_blocks=64, block_size=4, max_num_batched_tokens=16,
+    model_dir = tiny_model_dir if family == "llama" else build_tiny_family_model(tmp_path / family,
+                                                                                 family_config(family))
+    options = dict(model=str(model_dir), num_kv_blocks=64, block_size=4, max_num_batched_tokens=16,
                    max_num_seqs=4, enable_time_budget=False)
     prompts = [[5, 9, 200, 31, 7, 11, 13], [44] * 23, list(range(3, 40))]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
