@@ -96,13 +96,14 @@ class FusedModel:
         dtype = x.dtype
         x = x.float().contiguous()
         cos, sin = self.model.rope(positions)  # [T, head_dim]
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            layer.forward(x, cos, sin, attn, k_cache, v_cache, self.kernels, self.isa)
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            layer.forward(x, cos, sin, attn.for_layer(i), k_cache, v_cache, self.kernels, self.isa)
         return self.model.norm(x).to(dtype)
 
-    def bind_decode(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int) -> None:
-        """Bind what every decode-only step shares: the weights, the RoPE tables, the caches, not
-        converted from Python on every call."""
+    def bind_decode(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
+                    layer_group: tuple[int, ...]) -> None:
+        """Bind what every decode-only step shares: the weights, the RoPE tables, the caches and
+        each layer's KV-cache group, not converted from Python on every call."""
         model = self.model
         cos_table, sin_table = model.rope_tables_on(self.final_norm.device)
         first = self.layers[0]  # the layers share heads, eps and scale (and the final norm's eps)
@@ -110,13 +111,14 @@ class FusedModel:
         self.decoder = self.kernels.DecodeModel(
             embedding if embedding is not None else model.embed_tokens.weight, cos_table, sin_table, [layer.weights(self.kernels) for layer in self.layers],
             kv_caches, self.final_norm, kernel_args(model.lm_head.panels), first.num_heads, block_size, first.eps,
-            first.scale, self.isa)
+            first.scale, self.isa, list(layer_group))
 
-    def decode_logits(self, token_ids: list[int], block_tables: list[list[int]], context_lens: list[int],
+    def decode_logits(self, token_ids: list[int], block_tables: list[list[list[int]]], context_lens: list[int],
                       with_argmax: bool = False) -> tuple[torch.Tensor, list[int] | None]:
-        """A decode-only step in one C++ call: per sequence its last token, its block table and its
-        context length (the token's position + 1) -> logits [B, vocab] float32 and, with_argmax,
-        each row's first argmax (torch.argmax's rule) as a list, else None. One call, not a dozen
+        """A decode-only step in one C++ call: per sequence its last token, its block table in each
+        KV-cache group (block_tables[group][row]) and its context length (the token's position + 1)
+        -> logits [B, vocab] float32 and, with_argmax, each row's first argmax (torch.argmax's
+        rule) as a list, else None. One call, not a dozen
         torch and numpy ops: after a batch-1 step's weight stream every such op finds the caches cold."""
         return self.decoder.step(token_ids, block_tables, context_lens, with_argmax)
 
