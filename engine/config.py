@@ -111,6 +111,8 @@ class EngineConfig:
     num_kv_blocks: int | None = _opt(None, "KV cache blocks; unset: sized from kv_cache_gib")
     kv_cache_gib: float = _opt(1.0, "KV cache size in GiB when num_kv_blocks is unset")
     max_model_len: int | None = _opt(None, "longest prompt + output in tokens; unset: the model's context length")
+    enable_hybrid_kv_cache: bool = _opt(True, "give sliding-window layers their own block tables, so they release "
+                                              "blocks before their window (off: every layer keeps every block)")
 
     # Scheduler: the token budget of one step and the policy knobs that balance
     # prefill (time to first token) against decode (streaming pace).

@@ -75,7 +75,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model_dir, hf_config, resolved, phases)
         # Prefix-cache events are recorded only while someone subscribes (subscribe_kv_events).
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size,
-                                          config.enable_prefix_caching, config.watermark, is_recording_events=False)
+                                          config.enable_prefix_caching, config.watermark, is_recording_events=False,
+                                          windows=self.runner.kv_layout.windows)
         self._num_kv_event_subscribers = 0
         # A sequence must fit the pool even with the admission watermark held back, or it
         # could wait forever.
@@ -85,7 +86,10 @@ class LLMEngine:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {max_positions} "
                              "positions (max_position_embeddings)")
         model_len = config.max_model_len or max_positions
-        self.max_model_len = min(model_len, usable_blocks * config.block_size)
+        # A chunk's blocks are held whole by every group (a window group's too): without chunking
+        # a prompt is one chunk.
+        max_chunk = config.max_num_batched_tokens if config.enable_chunked_prefill else model_len
+        self.max_model_len = min(model_len, self.block_manager.max_context_len(usable_blocks, max_chunk))
         self.vocab_size = self.runner.model_config.vocab_size
         self.eos_token_ids = load_eos_token_ids(self.model_dir, hf_config, output_tokenizer)
         self.input_processor = InputProcessor(input_tokenizer, self.vocab_size, self.max_model_len, config,

@@ -24,7 +24,7 @@ class NewRequestData:
     req_id: str
     prompt_token_ids: list[int]  # shared with the scheduler's sequence: read only
     output_token_ids: list[int]  # a copy: tokens generated before a preemption (recompute)
-    block_ids: list[int]
+    block_ids: list[list[int]]  # a block table per KV-cache group
     params: SamplingParams
     generator: torch.Generator | None
     matcher: Any  # the grammar state, shared with the scheduler's sequence (it advances it)
@@ -42,7 +42,8 @@ class SchedulerOutput:
     """
 
     new_requests: list[NewRequestData] = field(default_factory=list)
-    block_table_updates: dict[str, tuple[int, list[int]]] = field(default_factory=dict)  # id -> table[start:]
+    # id -> (start, every group's table[start:])
+    block_table_updates: dict[str, tuple[int, list[list[int]]]] = field(default_factory=dict)
     removed_req_ids: list[str] = field(default_factory=list)  # finished or preempted since the last step
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (source, copy): before the forward
     prefill_req_ids: list[str] = field(default_factory=list)

@@ -35,12 +35,13 @@ class SequenceTimes:
 class Sequence:
     """A request inside the scheduler.
 
-    Tokens [0, num_computed_tokens) have K/V in the cache at slots given by block_table;
+    Tokens [0, num_computed_tokens) have K/V in the cache at slots given by block_tables (one
+    table per KV-cache group, engine/execution/kv_cache_layout.py; block_table is the first);
     the rest still have to run through the model. A decode is the case of exactly one
     uncomputed token after at least one generated token.
 
     Owners: the Scheduler moves status, num_computed_tokens and output_token_ids; the
-    BlockManager owns block_table, block_hashes, num_registered_blocks and
+    BlockManager owns block_tables, block_hashes, num_registered_blocks and
     block_table_changed_from.
     """
 
@@ -54,11 +55,11 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     num_computed_tokens: int = 0
-    block_table: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=lambda: [[]])
     block_hashes: list[int] = field(default_factory=list)
     num_registered_blocks: int = 0  # full blocks already published to the prefix cache
-    # The first block table entry the runner has not seen yet (appended or replaced by a
-    # copy-on-write); None: the runner's copy is current.
+    # The first block table entry, in any group's table, the runner has not seen yet (appended,
+    # replaced by a copy-on-write, or released by a window group); None: the runner's copy is current.
     block_table_changed_from: int | None = 0
     is_in_runner: bool = False  # the runner holds a row for it (added, not yet removed)
     num_cached_prompt_tokens: int = 0  # prefix-cache hits at first admission
@@ -84,6 +85,11 @@ class Sequence:
         self.times = SequenceTimes(arrival=self.arrival_time)
         eos = frozenset() if self.params.ignore_eos else self.eos_token_ids
         self.min_tokens_stop_ids = self.params.stop_token_set | eos
+
+    @property
+    def block_table(self) -> list[int]:
+        """The first KV-cache group's table (the only one of a model with one kind of layer)."""
+        return self.block_tables[0]
 
     @property
     def num_prompt_tokens(self) -> int:

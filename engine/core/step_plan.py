@@ -50,11 +50,12 @@ class StepPlan:
             if not seq.is_in_runner:
                 seq.is_in_runner = True
                 out.new_requests.append(NewRequestData(
-                    seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids), list(seq.block_table),
+                    seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids),
+                    [list(table) for table in seq.block_tables],
                     seq.params, seq.generator, seq.matcher, seq.min_tokens_stop_ids))
             elif seq.block_table_changed_from is not None:
                 start = seq.block_table_changed_from
-                out.block_table_updates[seq.request_id] = (start, seq.block_table[start:])
+                out.block_table_updates[seq.request_id] = (start, [table[start:] for table in seq.block_tables])
             seq.block_table_changed_from = None
         out.blocks_to_copy = block_manager.take_copies()
         if not out.is_empty:

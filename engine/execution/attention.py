@@ -7,6 +7,12 @@ attention is computed is the backend's (engine/execution/backends/: torch's refe
 the C++ CPU kernels, Triton on CUDA), chosen once: the model calls `attention()`, which hands
 the rows to the AttentionBackend the metadata carries.
 
+KV-cache groups (engine/execution/kv_cache_layout.py): layers of different kinds (full attention,
+each window size) read their own group's block tables and slots. A step with one group has one
+AttentionMetadata; with several, the step's holds one per group (`groups`), and the model hands
+layer i `attn.for_layer(i)`. The step's own then carries no slots, so a model that skipped it
+fails at once instead of reading another group's blocks.
+
 A layer with a sliding window W lets a query at position i see keys j with i - W < j <= i
 (transformers' definition), in every backend.
 """
@@ -35,7 +41,7 @@ class PrefillSeqMeta:
 class AttentionMetadata:
     """Rows [0, num_prefill_tokens) of a step are prefill chunks, the rest one decode token each."""
 
-    slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V goes
+    slot_mapping: torch.Tensor | None  # [num_tokens] where each new token's K/V goes (None: see groups)
     num_prefill_tokens: int = 0
     prefill: list[PrefillSeqMeta] | None = None
     block_size: int = 0
@@ -50,6 +56,13 @@ class AttentionMetadata:
     seq_lens: torch.Tensor | None = None  # [num_chunks] int32: context after each chunk
     prefill_block_tables: torch.Tensor | None = None  # [num_chunks, max_blocks] int32
     max_query_len: int = 0
+    # Several KV-cache groups: each group's metadata, and each layer's group.
+    groups: list[AttentionMetadata] | None = None
+    layer_group: tuple[int, ...] = ()
+
+    def for_layer(self, layer: int) -> AttentionMetadata:
+        """What layer `layer` reads: its KV-cache group's metadata (this one with one group)."""
+        return self if self.groups is None else self.groups[self.layer_group[layer]]
 
 
 class AttentionBackend:

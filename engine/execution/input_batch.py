@@ -24,7 +24,7 @@ class CachedRequestState:
     req_id: str
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # the runner's own: it appends what it samples
-    block_table: list[int]
+    block_tables: list[list[int]]  # one per KV-cache group (engine/execution/kv_cache_layout.py)
     params: SamplingParams
     generator: torch.Generator | None
     matcher: Any
@@ -35,6 +35,11 @@ class CachedRequestState:
     spec_misses: int = 0
     spec_paused_until: int = -1
     spec_pause: int = 4
+
+    @property
+    def block_table(self) -> list[int]:
+        """The first KV-cache group's table (the only one of a model with one kind of layer)."""
+        return self.block_tables[0]
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -104,11 +109,11 @@ class DraftView:
 
 @dataclass(slots=True)
 class Chunk:
-    """Tokens of one sequence the step computes: token_ids at positions start.. of its table."""
+    """Tokens of one sequence the step computes: token_ids at positions start.. of its tables."""
 
     token_ids: list[int]
     start: int
-    block_table: list[int]
+    block_tables: list[list[int]]  # one per KV-cache group
 
 
 class InputBatch:
@@ -122,12 +127,12 @@ class InputBatch:
             self.rows.pop(req_id, None)
         for new in sched.new_requests:
             self.rows[new.req_id] = CachedRequestState(
-                new.req_id, new.prompt_token_ids, new.output_token_ids, list(new.block_ids), new.params,
+                new.req_id, new.prompt_token_ids, new.output_token_ids, [list(t) for t in new.block_ids], new.params,
                 new.generator, new.matcher, new.min_tokens_stop_ids)
         for req_id, (start, block_ids) in sched.block_table_updates.items():
-            table = self.rows[req_id].block_table
-            del table[start:]
-            table.extend(block_ids)
+            for table, tail in zip(self.rows[req_id].block_tables, block_ids, strict=True):
+                del table[start:]
+                table.extend(tail)
 
     def append_sampled(self, req_ids: list[str], token_ids: list[list[int]]) -> None:
         for req_id, tokens in zip(req_ids, token_ids, strict=True):
@@ -156,11 +161,12 @@ class DecodeInputs:
     context_lens: np.ndarray  # [B]
 
 
-def prepare_prefill(chunks: list[Chunk], block_size: int, to_device: Any, with_block_tables: bool
-                    ) -> PrefillInputs | None:
-    """The packed chunks' inputs (prompt chunks, and the verifications of proposed tokens).
-    with_block_tables: the C++ prefill kernel reads the cache by block table; otherwise torch's
-    path reads a cached context by slot (in place when its slots are consecutive)."""
+def prepare_prefill(chunks: list[Chunk], block_size: int, to_device: Any, with_block_tables: bool,
+                    group: int = 0) -> PrefillInputs | None:
+    """The packed chunks' inputs (prompt chunks, and the verifications of proposed tokens) by the
+    tables of KV-cache group `group`. with_block_tables: the C++ prefill kernel reads the cache by
+    block table; otherwise torch's path reads a cached context by slot (in place when its slots
+    are consecutive)."""
     if not chunks:
         return None
     bs = block_size
@@ -170,7 +176,7 @@ def prepare_prefill(chunks: list[Chunk], block_size: int, to_device: Any, with_b
     for chunk in chunks:
         start, n = chunk.start, len(chunk.token_ids)
         token_ids.extend(chunk.token_ids)
-        table = np.asarray(chunk.block_table, dtype=np.int64)
+        table = np.asarray(chunk.block_tables[group], dtype=np.int64)
         # By block table, only the chunk's own slots: a verification of a few tokens at a long
         # context would otherwise map the whole context every step.
         ctx_pos = np.arange(start if with_block_tables else 0, start + n, dtype=np.int64)
@@ -193,15 +199,17 @@ def prepare_prefill(chunks: list[Chunk], block_size: int, to_device: Any, with_b
                          metas, last_indices)
 
 
-def prepare_decode(rows: list[CachedRequestState], block_size: int) -> DecodeInputs | None:
+def prepare_decode(rows: list[CachedRequestState], block_size: int, group: int = 0) -> DecodeInputs | None:
+    """One token per row, by the tables of KV-cache group `group`."""
     if not rows:
         return None
     bs = block_size
     batch = len(rows)
-    max_blocks = max(len(r.block_table) for r in rows)
+    max_blocks = max(len(r.block_tables[group]) for r in rows)
     tables = np.zeros((batch, max_blocks), dtype=np.int64)  # padding reads block 0, masked
     for i, row in enumerate(rows):
-        tables[i, : len(row.block_table)] = row.block_table
+        table = row.block_tables[group]
+        tables[i, : len(table)] = table
     context_lens = np.fromiter((r.num_tokens for r in rows), dtype=np.int64, count=batch)
     positions = context_lens - 1
     slot_mapping = tables[np.arange(batch), positions // bs] * bs + positions % bs

@@ -22,6 +22,7 @@ from engine.core.scheduler_output import SchedulerOutput
 from engine.execution.attention import AttentionMetadata
 from engine.execution.backends import select_backend
 from engine.execution.input_batch import CachedRequestState, Chunk, InputBatch, prepare_decode, prepare_prefill
+from engine.execution.kv_cache_layout import KVCacheLayout
 from engine.execution.models import model_class
 from engine.execution.prompt_logprobs import prompt_logprobs
 from engine.execution.resolved_config import ResolvedConfig
@@ -57,14 +58,20 @@ class ModelRunner:
         with phases.phase(PACKING):
             self.backend.prepare(self.model)
         mc = self.model_config
+        # Which layers share block tables (full attention, each window size) and pool tensors.
+        self.kv_layout = KVCacheLayout.of(mc.sliding_windows, config.enable_hybrid_kv_cache,
+                                          config.max_model_len or mc.max_position_embeddings)
         with phases.phase(KV_CACHE_ALLOCATION):
             # sized after packing: on a GPU the pool takes what the weights leave
             self.num_kv_blocks = config.num_kv_blocks or max(1, self.backend.kv_cache_bytes() // self._block_bytes)
-            # One pool for all layers: [layers, k/v, slots, kv_heads, head_dim].
+            # One pool for all layers: [group_size, k/v, slots, kv_heads, head_dim], tensor p holding
+            # layer p of every KV-cache group (all layers with one group), and the null block past
+            # the usable ones where a window group releases blocks.
+            num_slots = (self.num_kv_blocks + self.kv_layout.has_null_block) * self.block_size
             self.kv_cache = self.backend.allocate_kv_cache(
-                (mc.num_layers, 2, self.num_kv_blocks * self.block_size, mc.num_kv_heads, mc.head_dim))
-            self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(mc.num_layers)]
-            self.backend.bind_kv_cache(self.model, self.kv_caches, self.block_size)
+                (self.kv_layout.group_size, 2, num_slots, mc.num_kv_heads, mc.head_dim))
+            self.kv_caches = [(self.kv_cache[p, 0], self.kv_cache[p, 1]) for p in self.kv_layout.layer_slot]
+            self.backend.bind_kv_cache(self.model, self.kv_caches, self.block_size, self.kv_layout.layer_group)
         if self.backend.has_warm_up:
             with phases.phase(WARM_UP):
                 self.backend.warm_up()
@@ -73,8 +80,11 @@ class ModelRunner:
         self.speculator = Speculator(proposer, self.sampler, config.speculative_max_batch,
                                      config.num_speculative_tokens) if proposer else None
         self._num_steps = 0
-        logger.info("%s; KV cache %d blocks x %d tokens (%.2f GiB)", self.backend.describe(), self.num_kv_blocks,
-                    self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**30)
+        groups = "" if self.kv_layout.is_single_group else (
+            f", {self.kv_layout.num_groups} KV-cache groups of {self.kv_layout.group_size} layers (windows "
+            f"{', '.join(str(w or 'full') for w in self.kv_layout.windows)})")
+        logger.info("%s; KV cache %d blocks x %d tokens (%.2f GiB)%s", self.backend.describe(), self.num_kv_blocks,
+                    self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**30, groups)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write of forked samples: the K/V of block src into block dst, every layer at once."""
@@ -82,8 +92,10 @@ class ModelRunner:
 
     @property
     def _block_bytes(self) -> int:
+        """A block id's memory: K and V of block_size tokens in each of group_size layers."""
         mc = self.model_config
-        return 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * torch.finfo(self.cache_dtype).bits // 8
+        return (2 * self.kv_layout.group_size * self.block_size * mc.num_kv_heads * mc.head_dim
+                * torch.finfo(self.cache_dtype).bits // 8)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
@@ -164,28 +176,37 @@ class ModelRunner:
         takes) -> logits of the sampling rows [num_sampling, vocab]."""
         rows = self.batch.rows
         prefill_rows = [rows[r] for r in sched.prefill_req_ids]
-        chunks = [Chunk(row.token_ids_slice(start, start + n), start, row.block_table) for row, start, n in zip(
+        chunks = [Chunk(row.token_ids_slice(start, start + n), start, row.block_tables) for row, start, n in zip(
             prefill_rows, sched.prefill_num_computed, sched.prefill_num_tokens, strict=True)]
         for req_id, drafts in zip(sched.verify_req_ids, sched.verify_draft_ids, strict=True):
             row = rows[req_id]  # its last token (not yet computed) and the drafts after it
-            chunks.append(Chunk([row.last_token_id, *drafts], row.num_tokens - 1, row.block_table))
-        prefill = prepare_prefill(chunks, self.block_size, self._to_device,
-                                  self.backend.attention.reads_prefill_block_tables)
-        decode = prepare_decode([rows[r] for r in sched.decode_req_ids], self.block_size)
-        num_prefill_tokens = prefill.num_tokens if prefill else 0
-        parts = [p for p in (prefill, decode) if p is not None]
+            chunks.append(Chunk([row.last_token_id, *drafts], row.num_tokens - 1, row.block_tables))
+        decode_rows = [rows[r] for r in sched.decode_req_ids]
+        # Each KV-cache group's slots and tables (the tokens and positions are every group's).
+        group_attn = []
+        for group in range(self.kv_layout.num_groups):
+            prefill = prepare_prefill(chunks, self.block_size, self._to_device,
+                                      self.backend.attention.reads_prefill_block_tables, group)
+            decode = prepare_decode(decode_rows, self.block_size, group)
+            num_prefill_tokens = prefill.num_tokens if prefill else 0
+            parts = [p for p in (prefill, decode) if p is not None]
+            attn = AttentionMetadata(slot_mapping=self._to_device(np.concatenate([p.slot_mapping for p in parts])),
+                                     num_prefill_tokens=num_prefill_tokens, prefill=prefill.metas if prefill else None,
+                                     block_size=self.block_size, backend=self.backend.attention,
+                                     is_fused=sum(len(p.token_ids) for p in parts) <= self.backend.max_fused_tokens)
+            if prefill is not None:
+                self.backend.attention.prepare_prefill(attn, [c.block_tables[group] for c in chunks],
+                                                       [c.start for c in chunks], [len(c.token_ids) for c in chunks])
+            if decode is not None:
+                self.backend.attention.prepare_decode(attn, self._to_device(decode.block_tables),
+                                                      self._to_device(decode.context_lens))
+            group_attn.append(attn)
         input_ids = torch.from_numpy(np.concatenate([p.token_ids for p in parts])).to(self.device)
         positions = self._to_device(np.concatenate([p.positions for p in parts]))
-        attn = AttentionMetadata(slot_mapping=self._to_device(np.concatenate([p.slot_mapping for p in parts])),
-                                 num_prefill_tokens=num_prefill_tokens, prefill=prefill.metas if prefill else None,
-                                 block_size=self.block_size, backend=self.backend.attention,
-                                 is_fused=len(input_ids) <= self.backend.max_fused_tokens)
-        if prefill is not None:
-            self.backend.attention.prepare_prefill(attn, [c.block_table for c in chunks], [c.start for c in chunks],
-                                                   [len(c.token_ids) for c in chunks])
-        if decode is not None:
-            self.backend.attention.prepare_decode(attn, self._to_device(decode.block_tables),
-                                                  self._to_device(decode.context_lens))
+        if len(group_attn) > 1:  # the step's: no slots of its own, each layer reads its group's
+            attn = AttentionMetadata(slot_mapping=None, num_prefill_tokens=num_prefill_tokens,
+                                     block_size=self.block_size, backend=self.backend.attention,
+                                     is_fused=attn.is_fused, groups=group_attn, layer_group=self.kv_layout.layer_group)
         rows_t = None  # a decode-only step samples every row, in order: no gather
         if prefill is not None:
             last_row = dict(zip(sched.prefill_req_ids, prefill.last_indices[: len(prefill_rows)], strict=True))
@@ -206,14 +227,18 @@ class ModelRunner:
         """A decode-only step by the backend's own path, from the rows' own lists to logits
         [rows, vocab] float32 (and, when every row is plain greedy, their argmax): the verified
         positions first (a request's consecutive), then the decodes."""
-        token_ids, block_tables, context_lens = [], [], []
+        num_groups = self.kv_layout.num_groups
+        token_ids, context_lens = [], []
+        block_tables: list[list[list[int]]] = [[] for _ in range(num_groups)]  # [groups][rows]: a table each
         for row, drafts in zip(rows, sched.verify_draft_ids, strict=False):  # the verifications lead `rows`
             token_ids += [row.last_token_id, *drafts]
-            block_tables += [row.block_table] * (1 + len(drafts))
+            for group in range(num_groups):
+                block_tables[group] += [row.block_tables[group]] * (1 + len(drafts))
             context_lens += range(row.num_tokens, row.num_tokens + 1 + len(drafts))
         decodes = rows[len(sched.verify_req_ids):]
         token_ids += [r.last_token_id for r in decodes]
-        block_tables += [r.block_table for r in decodes]
+        for group in range(num_groups):
+            block_tables[group] += [r.block_tables[group] for r in decodes]
         context_lens += [r.num_tokens for r in decodes]
         # Plain greedy rows need only the argmax, verified positions too (a request's rows all
         # count as past min_tokens when its first does: the later ones have more output).

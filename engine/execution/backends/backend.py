@@ -76,17 +76,19 @@ class Backend:
         return torch.zeros(shape, dtype=self.cache_dtype, device=self.device)
 
     def bind_kv_cache(self, model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                      block_size: int) -> None:
-        """Called once the pool exists (a backend may bind its decode path to it)."""
+                      block_size: int, layer_group: tuple[int, ...]) -> None:
+        """Called once the pool exists (a backend may bind its decode path to it); layer_group:
+        each layer's KV-cache group, whose block tables it reads."""
 
     def forward(self, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden: [T, hidden]."""
         return model(input_ids, positions, attn, kv_caches)
 
-    def decode_logits(self, token_ids: list[int], block_tables: list[list[int]], context_lens: list[int],
+    def decode_logits(self, token_ids: list[int], block_tables: list[list[list[int]]], context_lens: list[int],
                       with_argmax: bool) -> tuple[torch.Tensor, list[int] | None]:
-        """A decode-only step of at most max_decode_rows rows by the backend's own path -> logits
+        """A decode-only step of at most max_decode_rows rows (block_tables: [groups][rows], each
+        row's table in each KV-cache group) by the backend's own path -> logits
         [B, vocab] float32 and, with_argmax, each row's first argmax (else None)."""
         raise NotImplementedError(f"the {self.name} backend has no dedicated decode path")
 

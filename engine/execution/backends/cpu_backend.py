@@ -101,9 +101,9 @@ class CpuBackend(Backend):
         return huge_page_tensor(shape, self.cache_dtype).zero_()
 
     def bind_kv_cache(self, model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                      block_size: int) -> None:
+                      block_size: int, layer_group: tuple[int, ...]) -> None:
         if self.fused is not None:
-            self.fused.bind_decode(kv_caches, block_size)
+            self.fused.bind_decode(kv_caches, block_size, layer_group)
 
     def forward(self, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -111,7 +111,7 @@ class CpuBackend(Backend):
             return self.fused.forward(input_ids, positions, attn, kv_caches)
         return model(input_ids, positions, attn, kv_caches)
 
-    def decode_logits(self, token_ids: list[int], block_tables: list[list[int]], context_lens: list[int],
+    def decode_logits(self, token_ids: list[int], block_tables: list[list[list[int]]], context_lens: list[int],
                       with_argmax: bool) -> tuple[torch.Tensor, list[int] | None]:
         return self.fused.decode_logits(token_ids, block_tables, context_lens, with_argmax)
 

@@ -96,14 +96,15 @@ class FusedModel:
         dtype = x.dtype
         x = x.float().contiguous()
         ropes = [self.model.rope(positions, i) for i in range(self.num_ropes)]  # cos, sin: [T, head_dim] each
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             cos, sin = ropes[layer.rope_index]
-            layer.forward(x, cos, sin, attn, k_cache, v_cache, self.kernels, self.isa)
+            layer.forward(x, cos, sin, attn.for_layer(i), k_cache, v_cache, self.kernels, self.isa)
         return self.model.norm(x).to(dtype)
 
-    def bind_decode(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int) -> None:
-        """Bind what every decode-only step shares: the weights, the RoPE tables, the caches, not
-        converted from Python on every call."""
+    def bind_decode(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
+                    layer_group: tuple[int, ...]) -> None:
+        """Bind what every decode-only step shares: the weights, the RoPE tables, the caches and
+        each layer's KV-cache group, not converted from Python on every call."""
         model = self.model
         tables = [model.rope_tables_on(self.final_norm.device, i) for i in range(self.num_ropes)]
         first = self.layers[0]  # the layers share heads, eps, scale and activation (and the final norm's eps)
@@ -116,13 +117,14 @@ class FusedModel:
             embedding if embedding is not None else model.embed_tokens.weight, [cos for cos, _ in tables],
             [sin for _, sin in tables], [layer.weights for layer in self.layers], kv_caches, self.final_norm,
             kernel_args(model.lm_head.panels), first.num_heads, block_size, first.eps, first.scale, first.act,
-            embed_scale, self.isa)
+            embed_scale, self.isa, list(layer_group))
 
-    def decode_logits(self, token_ids: list[int], block_tables: list[list[int]], context_lens: list[int],
+    def decode_logits(self, token_ids: list[int], block_tables: list[list[list[int]]], context_lens: list[int],
                       with_argmax: bool = False) -> tuple[torch.Tensor, list[int] | None]:
-        """A decode-only step in one C++ call: per sequence its last token, its block table and its
-        context length (the token's position + 1) -> logits [B, vocab] float32 and, with_argmax,
-        each row's first argmax (torch.argmax's rule) as a list, else None. One call, not a dozen
+        """A decode-only step in one C++ call: per sequence its last token, its block table in each
+        KV-cache group (block_tables[group][row]) and its context length (the token's position + 1)
+        -> logits [B, vocab] float32 and, with_argmax, each row's first argmax (torch.argmax's
+        rule) as a list, else None. One call, not a dozen
         torch and numpy ops: after a batch-1 step's weight stream every such op finds the caches cold."""
         return self.decoder.step(token_ids, block_tables, context_lens, with_argmax)
 

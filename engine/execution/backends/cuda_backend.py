@@ -55,7 +55,7 @@ class CudaBackend(Backend):
         return pool[:, :, :slots]
 
     def bind_kv_cache(self, model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                      block_size: int) -> None:
+                      block_size: int, layer_group: tuple[int, ...]) -> None:
         if self.config.enforce_eager:
             return
         # The scratch block lies past the pool's view: index into the full storage through a view
@@ -64,7 +64,7 @@ class CudaBackend(Backend):
                    v.as_strided((v.shape[0] + block_size, *v.shape[1:]), v.stride())) for k, v in kv_caches]
         max_model_len = self.config.max_model_len or self.model_config.max_position_embeddings
         self.graphs = DecodeGraphs(model, caches, block_size, -(-max_model_len // block_size),
-                                   decode_buckets(self.config.max_num_seqs), self.num_slots, self.device)
+                                   decode_buckets(self.config.max_num_seqs), self.num_slots, self.device, layer_group)
         self.max_decode_rows = self.graphs.buckets[-1]
 
     @property
@@ -75,7 +75,7 @@ class CudaBackend(Backend):
         """Capture the decode graphs (bound by bind_kv_cache): seconds, before the first request."""
         self.graphs.capture()
 
-    def decode_logits(self, token_ids: list[int], block_tables: list[list[int]], context_lens: list[int],
+    def decode_logits(self, token_ids: list[int], block_tables: list[list[list[int]]], context_lens: list[int],
                       with_argmax: bool) -> tuple[torch.Tensor, list[int] | None]:
         return self.graphs.step(token_ids, block_tables, context_lens, with_argmax)
 

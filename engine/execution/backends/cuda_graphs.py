@@ -38,19 +38,24 @@ def bucket_for(batch: int, buckets: list[int]) -> int:
 
 class DecodeGraphs:
     def __init__(self, model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
-                 max_blocks: int, buckets: list[int], scratch_slot: int, device: torch.device) -> None:
+                 max_blocks: int, buckets: list[int], scratch_slot: int, device: torch.device,
+                 layer_group: tuple[int, ...] = (0,)) -> None:
         """max_blocks: block-table width (the longest context's blocks); scratch_slot: where
-        padded rows write their K/V."""
+        padded rows write their K/V; layer_group: each layer's KV-cache group."""
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
         self.buckets, self.max_blocks, self.scratch_slot = buckets, max_blocks, scratch_slot
+        self.layer_group = tuple(layer_group)
+        self.num_groups = num_groups = max(self.layer_group) + 1
         max_batch = buckets[-1]
-        # Static inputs: [max_batch] each, [max_batch, max_blocks] tables; pinned host twins.
+        # Static inputs: [max_batch] each, [groups, max_batch] slots, [groups, max_batch, max_blocks]
+        # tables (slot_mapping and block_tables: group 0's); pinned host twins.
         self.token_ids = torch.zeros(max_batch, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_batch, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((max_batch,), scratch_slot, dtype=torch.int64, device=device)
+        self.group_slot_mapping = torch.full((num_groups, max_batch), scratch_slot, dtype=torch.int64, device=device)
         self.context_lens = torch.zeros(max_batch, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device)
-        self._host = torch.zeros(4 * max_batch + max_batch * max_blocks, dtype=torch.int64,
+        self.group_block_tables = torch.zeros(num_groups, max_batch, max_blocks, dtype=torch.int32, device=device)
+        self.slot_mapping, self.block_tables = self.group_slot_mapping[0], self.group_block_tables[0]
+        self._host = torch.zeros((3 + num_groups) * max_batch + num_groups * max_batch * max_blocks, dtype=torch.int64,
                                  pin_memory=device.type == "cuda")  # pinned: the copy in is asynchronous
         self.attention = TritonAttention(max_context_len=max_blocks * block_size)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -59,9 +64,12 @@ class DecodeGraphs:
         self._pool = None
 
     def _forward(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        attn = AttentionMetadata(slot_mapping=self.slot_mapping[:batch], block_size=self.block_size,
-                                 backend=self.attention, block_tables=self.block_tables[:batch],
-                                 context_lens=self.context_lens[:batch])
+        groups = [AttentionMetadata(slot_mapping=self.group_slot_mapping[g, :batch], block_size=self.block_size,
+                                    backend=self.attention, block_tables=self.group_block_tables[g, :batch],
+                                    context_lens=self.context_lens[:batch]) for g in range(self.num_groups)]
+        attn = groups[0] if self.num_groups == 1 else AttentionMetadata(
+            slot_mapping=None, block_size=self.block_size, backend=self.attention, groups=groups,
+            layer_group=self.layer_group)
         hidden = self.model(self.token_ids[:batch], self.positions[:batch], attn, self.kv_caches)
         logits = self.model.compute_logits(hidden)  # [batch, vocab] float32
         return logits, logits.argmax(dim=-1)
@@ -87,31 +95,37 @@ class DecodeGraphs:
         logger.info("captured %d decode graphs (batch %s) in %.1f s", len(self.buckets), self.buckets,
                     time.monotonic() - start)
 
-    def step(self, token_ids: list[int], block_tables: list[list[int]], context_lens: list[int],
+    def step(self, token_ids: list[int], block_tables: list[list[list[int]]], context_lens: list[int],
              with_argmax: bool) -> tuple[torch.Tensor, list[int] | None]:
-        """A decode step of len(token_ids) rows -> logits [B, vocab] float32 (a view of the graph's
-        output, valid until the next step) and, with_argmax, the rows' argmax."""
+        """A decode step of len(token_ids) rows (block_tables[group][row]: each row's table in each
+        KV-cache group) -> logits [B, vocab] float32 (a view of the graph's output, valid until the
+        next step) and, with_argmax, the rows' argmax."""
         batch = len(token_ids)
         bucket = bucket_for(batch, self.buckets)
-        bs, width = self.block_size, self.max_blocks
+        bs, width, num_groups = self.block_size, self.max_blocks, self.num_groups
         host = self._host.numpy()
-        tokens, positions, slots, lens = (host[i * bucket:(i + 1) * bucket] for i in range(4))
-        tables = host[4 * bucket: 4 * bucket + bucket * width].reshape(bucket, width)
+        # Staged as [tokens | positions | lens | slots per group | tables per group], each [bucket] rows.
+        tokens, positions, lens = (host[i * bucket:(i + 1) * bucket] for i in range(3))
+        slots = host[3 * bucket: (3 + num_groups) * bucket].reshape(num_groups, bucket)
+        table_start = (3 + num_groups) * bucket
+        tables = host[table_start: table_start + num_groups * bucket * width].reshape(num_groups, bucket, width)
         tokens[:batch], tokens[batch:] = token_ids, 0
         lens[:batch], lens[batch:] = context_lens, 0
         positions[:] = np.maximum(lens - 1, 0)
         tables[:] = 0
-        for i, table in enumerate(block_tables):
-            tables[i, : len(table)] = table
-        slots[:batch] = tables[np.arange(batch), positions[:batch] // bs] * bs + positions[:batch] % bs
-        slots[batch:] = self.scratch_slot
-        staged = self._host[: 4 * bucket + bucket * width]
+        rows = np.arange(batch)
+        for group, group_tables in enumerate(block_tables):
+            for i, table in enumerate(group_tables):
+                tables[group, i, : len(table)] = table
+            slots[group, :batch] = tables[group, rows, positions[:batch] // bs] * bs + positions[:batch] % bs
+        slots[:, batch:] = self.scratch_slot
+        staged = self._host[: table_start + num_groups * bucket * width]
         pinned = staged.to(self.token_ids.device, non_blocking=True)
         self.token_ids[:bucket].copy_(pinned[:bucket])
         self.positions[:bucket].copy_(pinned[bucket: 2 * bucket])
-        self.slot_mapping[:bucket].copy_(pinned[2 * bucket: 3 * bucket])
-        self.context_lens[:bucket].copy_(pinned[3 * bucket: 4 * bucket])
-        self.block_tables[:bucket].copy_(pinned[4 * bucket:].view(bucket, width))
+        self.context_lens[:bucket].copy_(pinned[2 * bucket: 3 * bucket])
+        self.group_slot_mapping[:, :bucket].copy_(pinned[3 * bucket: table_start].view(num_groups, bucket))
+        self.group_block_tables[:, :bucket].copy_(pinned[table_start:].view(num_groups, bucket, width))
         self.graphs[bucket].replay()
         logits = self.logits[bucket][:batch]
         return logits, self.argmax[bucket][:batch].tolist() if with_argmax else None

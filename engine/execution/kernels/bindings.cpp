@@ -57,16 +57,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     std::vector<std::shared_ptr<minivllm::DecodeLayerWeights>>,
                     std::vector<std::tuple<torch::Tensor, torch::Tensor>>, torch::Tensor, minivllm::PackedLinear,
                     int64_t, int64_t, double, double, int64_t, std::optional<torch::Tensor>,
-                    int64_t>(),  // the struct's fields, in order
+                    int64_t, std::vector<int64_t>>(),  // the struct's fields, in order
            "A model's decode-only steps: what they share, bound once (CPU)")
       .def("step",
            [](const minivllm::DecodeModel& model, const std::vector<int64_t>& token_ids,
-              const std::vector<std::vector<int64_t>>& block_tables, const std::vector<int64_t>& context_lens,
-              bool with_argmax) {
+              const std::vector<std::vector<std::vector<int64_t>>>& block_tables,
+              const std::vector<int64_t>& context_lens, bool with_argmax) {
              py::gil_scoped_release no_gil;
              return model.step(token_ids, block_tables, context_lens, with_argmax);
            },
-           "One decode-only step: last tokens, block tables, context lengths -> (logits, argmax or None)")
+           "One decode-only step: last tokens, block tables [groups][tokens], context lengths -> (logits, argmax "
+           "or None)")
       .def(
           "take_part_seconds",
           [](const minivllm::DecodeModel& model) {

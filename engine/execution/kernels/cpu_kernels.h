@@ -264,23 +264,25 @@ struct DecodeModel {
   // embedding row as it does in torch (the row in that dtype times it, rounded to it); none: unscaled.
   std::optional<torch::Tensor> embed_scale;
   int64_t isa;
+  std::vector<int64_t> layer_groups;  // per layer, its KV-cache group (engine/execution/kv_cache_layout.py)
   // Derived from the above by the constructor.
-  int64_t hidden, head_dim, num_kv_heads, qkv_width, intermediate;
+  int64_t hidden, head_dim, num_kv_heads, qkv_width, intermediate, num_groups;
   bool has_output_norms;  // some layer norms its o_proj's and down's outputs (a scratch for them)
 
   DecodeModel(torch::Tensor embedding, std::vector<torch::Tensor> rope_cos, std::vector<torch::Tensor> rope_sin,
               std::vector<std::shared_ptr<DecodeLayerWeights>> layers,
               std::vector<std::tuple<torch::Tensor, torch::Tensor>> kv_caches, torch::Tensor final_norm,
               PackedLinear lm_head, int64_t num_heads, int64_t block_size, double eps, double scale, int64_t act,
-              std::optional<torch::Tensor> embed_scale, int64_t isa);
+              std::optional<torch::Tensor> embed_scale, int64_t isa, std::vector<int64_t> layer_groups);
 
-  // token_ids, context_lens: one per sequence; block_tables: each sequence's blocks (Python
-  // lists, as the sequences hold them: each token is at its context's last position) ->
+  // token_ids, context_lens: one per sequence; block_tables: [groups][sequences], each
+  // sequence's blocks in each KV-cache group (Python lists, as the sequences hold them: each
+  // token is at its context's last position) ->
   // logits [M, vocab] float32 and, with_argmax, each row's first maximum (torch.argmax's rule:
   // a greedy step's tokens) as a list for Python, not a tensor: after a batch-1 step's weight
   // stream a tensor's tolist() ran cold in the engine's host code.
   std::tuple<torch::Tensor, std::optional<std::vector<int64_t>>> step(
-      const std::vector<int64_t>& token_ids, const std::vector<std::vector<int64_t>>& block_tables,
+      const std::vector<int64_t>& token_ids, const std::vector<std::vector<std::vector<int64_t>>>& block_tables,
       const std::vector<int64_t>& context_lens, bool with_argmax) const;
 
   // The steps' wall time by kind of part, summed since the last call, and how many steps: a

@@ -253,6 +253,7 @@ struct alignas(64) LayerPlan {
   // The families' norms beyond Llama's, nullptr where the layer has none: per head of q and k
   // ([D] each), of o_proj's and down's outputs ([hidden] each).
   const float *q_norm, *k_norm, *attn_output_norm, *mlp_output_norm;
+  int64_t group;  // its KV-cache group: which of the step's block tables and slots it reads
 };
 
 // x[m] += RMSNorm(y[m]) for the step's rows (add_rms_normed), run by the member that ends a
@@ -305,7 +306,7 @@ struct TeamStep {
   float* product;  // [M, hidden]: o_proj's or down's output where a layer norms it; else unused
   const std::vector<const float*>& cos;  // per rope, [M, D]
   const std::vector<const float*>& sin;
-  const int64_t *tables, *lens, *slots;  // [M, max_blocks], [M], [M]
+  const int64_t *tables, *lens, *slots;  // [groups, M, max_blocks], [M], [groups, M]
   int64_t max_blocks;
   const DecodeAttentionTasks& attention_tasks;
   PartCounter* counters;  // [layers * kPartsPerLayer + 2]
@@ -339,7 +340,7 @@ void attend_task(const TeamStep& s, int64_t m, int64_t kv_begin, int64_t kv_end,
     // the first ones before the attention reads them.
     const int64_t bytes = (kv_end - kv_begin) * D * element;
     const int64_t cached = std::min(s.lens[m] - 1, kKvAheadBytes / 2 / bytes);
-    const int64_t* table = s.tables + m * s.max_blocks;
+    const int64_t* table = s.tables + (plan.group * s.M + m) * s.max_blocks;
     for (int64_t t = 0; t < cached; ++t) {
       const int64_t slot = paged_slot(table, model.block_size, t);
       for (int64_t line = 0; line < bytes; line += 64) {
@@ -358,9 +359,10 @@ void attend_task(const TeamStep& s, int64_t m, int64_t kv_begin, int64_t kv_end,
   rope(row + kv_begin * group * D, (kv_end - kv_begin) * group, D, cos, sin);
   rope(row + q_size + kv_begin * D, kv_end - kv_begin, D, cos, sin);
   const int64_t offset = kv_begin * D, count = (kv_end - kv_begin) * D;
-  write_cache(static_cast<cache_t*>(plan.cache.k), s.slots[m], kv_size, offset, row + q_size + offset, count);
-  write_cache(static_cast<cache_t*>(plan.cache.v), s.slots[m], kv_size, offset, row + q_size + kv_size + offset, count);
-  attend_decode_row(row, plan.cache, s.tables + m * s.max_blocks, s.lens[m], model.block_size,
+  const int64_t slot = s.slots[plan.group * s.M + m];
+  write_cache(static_cast<cache_t*>(plan.cache.k), slot, kv_size, offset, row + q_size + offset, count);
+  write_cache(static_cast<cache_t*>(plan.cache.v), slot, kv_size, offset, row + q_size + kv_size + offset, count);
+  attend_decode_row(row, plan.cache, s.tables + (plan.group * s.M + m) * s.max_blocks, s.lens[m], model.block_size,
                     static_cast<float>(model.scale), plan.window, model.num_heads, s.attn + m * q_size,
                     scratch, kv_begin, kv_end, model.isa);
 }
@@ -376,6 +378,7 @@ void prefetch_kv_rows(const TeamStep& s, int64_t layer) {
 #if defined(__x86_64__)
   const DecodeModel& model = s.model;
   const KvCacheView& cache = s.plan.layers[layer].cache;
+  const int64_t* tables = s.tables + s.plan.layers[layer].group * s.M * s.max_blocks;
   const int64_t row_bytes = cache.row_bytes();
   const char* k = static_cast<const char*>(cache.k);
   const char* v = static_cast<const char*>(cache.v);
@@ -383,7 +386,7 @@ void prefetch_kv_rows(const TeamStep& s, int64_t layer) {
   for (int64_t m = 0; m < s.M && budget > 0; ++m) {
     const int64_t cached = s.lens[m] - 1;
     for (int64_t b = 0; b * model.block_size < cached && budget > 0; ++b) {
-      const int64_t first = s.tables[m * s.max_blocks + b] * model.block_size * row_bytes;
+      const int64_t first = tables[m * s.max_blocks + b] * model.block_size * row_bytes;
       const int64_t bytes = std::min(budget, std::min(model.block_size, cached - b * model.block_size) * row_bytes);
       for (int64_t offset = 0; offset < bytes; offset += 64) {
         _mm_prefetch(k + first + offset, _MM_HINT_T1);
@@ -549,11 +552,12 @@ DecodeModel::DecodeModel(torch::Tensor embedding, std::vector<torch::Tensor> rop
                          std::vector<torch::Tensor> rope_sin, std::vector<std::shared_ptr<DecodeLayerWeights>> layers,
                          std::vector<std::tuple<torch::Tensor, torch::Tensor>> kv_caches, torch::Tensor final_norm,
                          PackedLinear lm_head, int64_t num_heads, int64_t block_size, double eps, double scale,
-                         int64_t act, std::optional<torch::Tensor> embed_scale, int64_t isa)
+                         int64_t act, std::optional<torch::Tensor> embed_scale, int64_t isa,
+                         std::vector<int64_t> layer_groups)
     : embedding(std::move(embedding)), rope_cos(std::move(rope_cos)), rope_sin(std::move(rope_sin)),
       layers(std::move(layers)), kv_caches(std::move(kv_caches)), final_norm(std::move(final_norm)),
       lm_head(std::move(lm_head)), num_heads(num_heads), block_size(block_size), eps(eps), scale(scale), act(act),
-      embed_scale(std::move(embed_scale)), isa(isa) {
+      embed_scale(std::move(embed_scale)), isa(isa), layer_groups(std::move(layer_groups)) {
   // Everything a step's team could trip over is checked here: a member must not throw.
   TORCH_CHECK(isa <= best_isa(), "DecodeModel: this CPU lacks the requested instruction set");
   TORCH_CHECK(!this->layers.empty() && this->kv_caches.size() == this->layers.size(),
@@ -572,6 +576,13 @@ DecodeModel::DecodeModel(torch::Tensor embedding, std::vector<torch::Tensor> rop
     TORCH_CHECK(this->embed_scale->numel() == 1 &&
                 (type == torch::kFloat32 || type == torch::kBFloat16 || type == torch::kHalf),
                 "DecodeModel: embed_scale must be one float32, bfloat16 or float16 value");
+  }
+  TORCH_CHECK(this->layer_groups.size() == this->layers.size(), "DecodeModel: one KV-cache group per layer");
+  num_groups = 0;
+  for (const int64_t g : this->layer_groups) {
+    TORCH_CHECK(g >= 0 && g < static_cast<int64_t>(this->layers.size()), "DecodeModel: KV-cache group ", g,
+                " out of range");
+    num_groups = std::max(num_groups, g + 1);
   }
   TORCH_CHECK(this->final_norm.scalar_type() == torch::kFloat && this->final_norm.dim() == 1 &&
               this->final_norm.is_contiguous(), "DecodeModel: final_norm must be [hidden] float32");
@@ -640,7 +651,7 @@ DecodeModel::DecodeModel(torch::Tensor embedding, std::vector<torch::Tensor> rop
     plan->layers.push_back({l.input_norm.data_ptr<float>(), l.post_norm.data_ptr<float>(), ProductPlan::of(l.qkv),
                             ProductPlan::of(l.o_proj), ProductPlan::of(l.gate_up), ProductPlan::of(l.down),
                             KvCacheView::of(k, v), l.window, l.rope_index, pointer(l.q_norm), pointer(l.k_norm),
-                            pointer(l.attn_output_norm), pointer(l.mlp_output_norm)});
+                            pointer(l.attn_output_norm), pointer(l.mlp_output_norm), this->layer_groups[i]});
     has_output_norms = has_output_norms || l.attn_output_norm || l.mlp_output_norm;
   }
   plan->head = ProductPlan::of(this->lm_head);
@@ -649,29 +660,35 @@ DecodeModel::DecodeModel(torch::Tensor embedding, std::vector<torch::Tensor> rop
 }
 
 std::tuple<torch::Tensor, std::optional<std::vector<int64_t>>> DecodeModel::step(
-    const std::vector<int64_t>& token_ids, const std::vector<std::vector<int64_t>>& block_tables,
+    const std::vector<int64_t>& token_ids, const std::vector<std::vector<std::vector<int64_t>>>& block_tables,
     const std::vector<int64_t>& context_lens, bool with_argmax) const {
   const int64_t step_start = now_ns();
   const int64_t M = static_cast<int64_t>(token_ids.size());
-  TORCH_CHECK(M > 0 && block_tables.size() == token_ids.size() && context_lens.size() == token_ids.size(),
-              "DecodeModel.step: one block table and one context length per token");
+  TORCH_CHECK(M > 0 && static_cast<int64_t>(block_tables.size()) == num_groups &&
+              context_lens.size() == token_ids.size(),
+              "DecodeModel.step: block tables for each KV-cache group, one context length per token");
+  for (const auto& group_tables : block_tables)
+    TORCH_CHECK(group_tables.size() == token_ids.size(), "DecodeModel.step: one block table per token and group");
   // The step's attention inputs, from the sequences' own lists: each token sits at its context's
   // last position; padding of shorter tables reads block 0, past the row's length.
   size_t max_blocks = 1;
-  for (const auto& table : block_tables) max_blocks = std::max(max_blocks, table.size());
+  for (const auto& group_tables : block_tables)
+    for (const auto& table : group_tables) max_blocks = std::max(max_blocks, table.size());
   const int64_t num_slots = std::get<0>(kv_caches.front()).size(0);
-  std::vector<int64_t> tables(M * max_blocks, 0), positions(M), slots(M);
+  std::vector<int64_t> tables(num_groups * M * max_blocks, 0), positions(M), slots(num_groups * M);
   for (int64_t m = 0; m < M; ++m) {
-    const auto& table = block_tables[m];
     const int64_t pos = context_lens[m] - 1;
-    TORCH_CHECK(pos >= 0 && pos / block_size < static_cast<int64_t>(table.size()),
-                "DecodeModel.step: context length ", context_lens[m], " outside its block table");
-    for (const int64_t block : table)
-      TORCH_CHECK(block >= 0 && (block + 1) * block_size <= num_slots, "DecodeModel.step: block ", block,
-                  " outside the cache");
-    std::copy(table.begin(), table.end(), tables.begin() + m * max_blocks);
     positions[m] = pos;
-    slots[m] = paged_slot(table.data(), block_size, pos);
+    for (int64_t g = 0; g < num_groups; ++g) {
+      const auto& table = block_tables[g][m];
+      TORCH_CHECK(pos >= 0 && pos / block_size < static_cast<int64_t>(table.size()),
+                  "DecodeModel.step: context length ", context_lens[m], " outside its block table");
+      for (const int64_t block : table)
+        TORCH_CHECK(block >= 0 && (block + 1) * block_size <= num_slots, "DecodeModel.step: block ", block,
+                    " outside the cache");
+      std::copy(table.begin(), table.end(), tables.begin() + (g * M + m) * max_blocks);
+      slots[g * M + m] = paged_slot(table.data(), block_size, pos);
+    }
   }
   const int64_t vocab = std::get<3>(lm_head);
   auto x = gathered_embedding(embedding, token_ids.data(), M, hidden, vocab);  // [M, hidden] float32
@@ -695,7 +712,7 @@ std::tuple<torch::Tensor, std::optional<std::vector<int64_t>>> DecodeModel::step
   // Rows of one sequence at consecutive positions (a verification's) form a chain.
   std::vector<int64_t> chains;
   for (int64_t m = 0; m < M; ++m) {
-    if (m > 0 && context_lens[m] == context_lens[m - 1] + 1 && block_tables[m] == block_tables[m - 1])
+    if (m > 0 && context_lens[m] == context_lens[m - 1] + 1 && block_tables[0][m] == block_tables[0][m - 1])
       ++chains.back();
     else
       chains.push_back(1);

@@ -151,9 +151,9 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed(input_ids)
         ropes = [tuple(t.to(x.dtype).unsqueeze(1) for t in self.rope(positions, i))  # [T, 1, head_dim] each
                  for i in range(len(self.config.ropes))]
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             cos, sin = ropes[layer.rope_index]
-            x = layer(x, cos, sin, attn, k_cache, v_cache)
+            x = layer(x, cos, sin, attn.for_layer(i), k_cache, v_cache)  # its KV-cache group's tables
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

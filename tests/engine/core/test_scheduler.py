@@ -144,14 +144,14 @@ def test_the_step_names_requests_by_id_and_sends_the_runner_only_what_changed() 
     a.params.max_tokens = 3
     sched.add(a)
     out = sched.schedule(now=0.0)
-    assert [n.req_id for n in out.new_requests] == ["a"] and out.new_requests[0].block_ids == a.block_table
+    assert [n.req_id for n in out.new_requests] == ["a"] and out.new_requests[0].block_ids == [a.block_table]
     assert out.block_table_updates == {} and out.removed_req_ids == []
     sched.update_from_output(out, sampled(out), now=0.0)  # a: 3 prompt + 1 output token, one block of 4
     out = sched.schedule(now=0.0)  # its decode fills the block: no new block yet
     assert out.new_requests == [] and out.block_table_updates == {} and out.decode_req_ids == ["a"]
     sched.update_from_output(out, sampled(out), now=0.0)
     out = sched.schedule(now=0.0)  # the next token needs a second block: only that is sent
-    assert out.new_requests == [] and out.block_table_updates == {"a": (1, [a.block_table[1]])}
+    assert out.new_requests == [] and out.block_table_updates == {"a": (1, [[a.block_table[1]]])}
     updates = sched.update_from_output(out, sampled(out), now=0.0)
     assert updates[0].finish_reason == "length"  # max_tokens=3
     out = sched.schedule(now=1.0)

@@ -125,7 +125,7 @@ def test_runner_reads_the_cache_in_place_only_for_consecutive_slots(tiny_llm) ->
     bs = runner.block_size
 
     def chunk_meta(table: list[int], with_block_tables: bool) -> PrefillSeqMeta:
-        chunk = Chunk(list(range(bs)), 4 * bs, list(table))  # a last chunk of bs tokens after 4 blocks cached
+        chunk = Chunk(list(range(bs)), 4 * bs, [list(table)])  # a last chunk of bs tokens after 4 blocks cached
         return prepare_prefill([chunk], bs, runner._to_device, with_block_tables).metas[0]
 
     meta = chunk_meta([6, 5, 7, 9, 10], with_block_tables=True)
@@ -141,8 +141,8 @@ def test_packed_chunks_map_each_token_to_its_slot_either_way() -> None:
     table (only the chunks' own slots mapped) or torch reads the context by slot."""
     from engine.execution.input_batch import Chunk, prepare_prefill
     bs = 4
-    chunks = [Chunk([1, 2, 3, 4, 5], 0, [7, 2]), Chunk(list(range(6)), 9, [3, 8, 1, 0, 4]),
-              Chunk([9, 9, 9], 37, [11 + i for i in range(10)])]
+    chunks = [Chunk([1, 2, 3, 4, 5], 0, [[7, 2]]), Chunk(list(range(6)), 9, [[3, 8, 1, 0, 4]]),
+              Chunk([9, 9, 9], 37, [[11 + i for i in range(10)]])]
     expected_positions = list(range(5)) + list(range(9, 15)) + [37, 38, 39]
     expected_slots = ([7 * bs + p for p in range(4)] + [2 * bs] + [1 * bs + 1, 1 * bs + 2, 1 * bs + 3]
                       + [0 * bs + p for p in range(3)] + [(11 + 9) * bs + p for p in (1, 2, 3)])

@@ -49,7 +49,7 @@ def _graphs(buckets: list[int]) -> DecodeGraphs:
 
 def test_a_step_is_padded_to_its_bucket_and_padding_writes_only_the_scratch_slot() -> None:
     graphs = _graphs([1, 4, 8])
-    logits, argmax = graphs.step([11, 12, 13], [[7, 2], [5], [9, 3, 1]], [6, 2, 11], with_argmax=True)
+    logits, argmax = graphs.step([11, 12, 13], [[[7, 2], [5], [9, 3, 1]]], [6, 2, 11], with_argmax=True)
     seen = graphs.graphs[4].seen[-1]
     assert seen["token_ids"].tolist() == [11, 12, 13, 0]
     assert seen["context_lens"].tolist() == [6, 2, 11, 0]  # a padded row attends to nothing
@@ -59,14 +59,14 @@ def test_a_step_is_padded_to_its_bucket_and_padding_writes_only_the_scratch_slot
     assert seen["block_tables"].tolist() == [[7, 2, 0, 0, 0], [5, 0, 0, 0, 0], [9, 3, 1, 0, 0], [0, 0, 0, 0, 0]]
     assert logits.shape == (3, 3) and torch.equal(logits, graphs.logits[4][:3])
     assert argmax == [100, 101, 102]
-    assert graphs.step([1], [[3]], [1], with_argmax=False)[1] is None
+    assert graphs.step([1], [[[3]]], [1], with_argmax=False)[1] is None
 
 
 def test_static_buffers_are_reused_and_a_smaller_step_clears_what_a_larger_left() -> None:
     graphs = _graphs([2, 8])
     pointers = [getattr(graphs, n).data_ptr() for n in ("token_ids", "block_tables", "context_lens")]
-    graphs.step([1] * 7, [[1, 2, 3, 4, 5]] * 7, [20] * 7, with_argmax=False)
-    graphs.step([4, 5], [[6], [8]], [3, 4], with_argmax=False)
+    graphs.step([1] * 7, [[[1, 2, 3, 4, 5]] * 7], [20] * 7, with_argmax=False)
+    graphs.step([4, 5], [[[6], [8]]], [3, 4], with_argmax=False)
     seen = graphs.graphs[2].seen[-1]
     assert seen["block_tables"].tolist() == [[6, 0, 0, 0, 0], [8, 0, 0, 0, 0]]
     assert seen["context_lens"].tolist() == [3, 4]

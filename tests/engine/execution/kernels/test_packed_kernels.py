@@ -262,12 +262,12 @@ def test_decode_model_step_is_the_embedding_every_layer_the_norm_and_the_head(ke
         head = PackedWeight.pack(head_weight, None, torch.float32)
         decoder = kernels.DecodeModel(args["embedding"], [args["cos"]], [args["sin"]], weights, args["caches"],
                                       args["final_norm"], head.as_args(), cfg.num_heads, bs, cfg.rms_norm_eps,
-                                      cfg.head_dim**-0.5, 0, None, step_isa)
+                                      cfg.head_dim**-0.5, 0, None, step_isa, [0] * len(weights))
         made_decoders.append(decoder)
         num_threads = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            logits, ids = decoder.step(args["token_ids"], args["tables"], args["lens"], with_argmax)
+            logits, ids = decoder.step(args["token_ids"], [args["tables"]], args["lens"], with_argmax)
         finally:
             torch.set_num_threads(num_threads)
         return logits, ids, head, args["caches"]
@@ -287,8 +287,8 @@ def test_decode_model_step_is_the_embedding_every_layer_the_norm_and_the_head(ke
     # steps counted, the kinds adding up to no more than the calls took; reading zeroes them.
     decoder = made_decoders[-1]
     assert decoder.take_part_seconds()["argmax"] == 0.0  # its one step ran no argmax
-    step_args = (token_ids.tolist(), [t[: (n - 1) // bs + 1] for t, n in zip(tables.tolist(), lens.tolist(),
-                                                                             strict=True)], lens.tolist())
+    step_args = (token_ids.tolist(), [[t[: (n - 1) // bs + 1] for t, n in zip(tables.tolist(), lens.tolist(),
+                                                                              strict=True)]], lens.tolist())
     start = time.perf_counter()
     for with_argmax in (True, True, False):
         decoder.step(*step_args, with_argmax)
@@ -331,7 +331,7 @@ def test_decode_model_step_is_the_embedding_every_layer_the_norm_and_the_head(ke
     with pytest.raises(RuntimeError, match="block 40 outside the cache"):
         step(head_weight, tables=[[40]] + [t[: (n - 1) // bs + 1] for t, n in zip(
              tables.tolist()[1:], lens.tolist()[1:], strict=True)])
-    with pytest.raises(RuntimeError, match="one block table and one context length per token"):
+    with pytest.raises(RuntimeError, match="one context length per token"):
         step(head_weight, lens=[1, 9])
     with pytest.raises(RuntimeError, match="final_norm must be"):
         step(head_weight, final_norm=torch.ones(3))
@@ -392,9 +392,9 @@ def test_decode_model_step_of_few_rows_matches_the_per_layer_kernel(kernels, wei
             stepped = [(k.clone(), v.clone()) for k, v in caches]
             decoder = kernels.DecodeModel(embedding, [cos for cos, _ in rope_tables], [sin for _, sin in rope_tables], weights,
                                           stepped, final_norm.weight, head.as_args(), cfg.num_heads, bs,
-                                          cfg.rms_norm_eps, cfg.attn_scale, act, embed_scale, isa)
-            logits, _ = decoder.step(token_ids.tolist(), [t[: (n - 1) // bs + 1] for t, n in zip(
-                tables.tolist(), lens, strict=True)], lens, False)
+                                          cfg.rms_norm_eps, cfg.attn_scale, act, embed_scale, isa, [0] * len(weights))
+            logits, _ = decoder.step(token_ids.tolist(), [[t[: (n - 1) // bs + 1] for t, n in zip(
+                tables.tolist(), lens, strict=True)]], lens, False)
         finally:
             torch.set_num_threads(num_threads)
         case = (ISA_NAMES[isa], threads, batch)
@@ -498,3 +498,56 @@ def test_a_tied_embedding_is_read_from_the_heads_panels(kernels, dtype: torch.dt
     ids = torch.tensor([0, 15, 16, 36, 7, 36])
     rows = PanelEmbedding(head, dtype)(ids)
     assert rows.dtype == dtype and torch.equal(rows, weight[ids])
+
+
+def test_decode_model_reads_each_layers_kv_cache_group_tables(kernels) -> None:
+    """DecodeModel.step with KV-cache groups (engine/execution/kv_cache_layout.py): Layer 1 in a group of its own, its blocks renumbered (block b of group 0 is block
+    perm[b] of group 1) and its cache moved to match: the same logits and the same new K/V rows
+    as one group; handed group 0's tables instead, it reads other rows and the logits differ."""
+    bs, num_blocks, vocab = 4, 40, 70
+    lens = [1, 9, 14, 3, 7]
+    isa = kernels.best_isa()
+    layers = []
+    for i, window in enumerate((None, 5, None)):
+        torch.manual_seed(10 + i)
+        layers.append(_layer_case(torch.float32, window, kernels, isa)[2])
+    cfg = _layer_case(torch.float32, None, kernels, isa)[0]
+    gen = torch.Generator().manual_seed(7)
+    tables = torch.randperm(num_blocks, generator=gen)[: len(lens) * 4].view(len(lens), 4).tolist()
+    tables = [t[: (n - 1) // bs + 1] for t, n in zip(tables, lens, strict=True)]
+    caches = [(torch.randn(num_blocks * bs, cfg.num_kv_heads, cfg.head_dim, generator=gen),
+               torch.randn(num_blocks * bs, cfg.num_kv_heads, cfg.head_dim, generator=gen)) for _ in layers]
+    perm = torch.randperm(num_blocks, generator=gen)
+    # slot s of block b in group 0 is slot perm[b] * bs + s % bs in group 1
+    slot_of = (perm[:, None] * bs + torch.arange(bs)).reshape(-1)
+    moved = [(k.clone(), v.clone()) for k, v in caches]
+    moved[1] = tuple(torch.empty_like(c).index_copy_(0, slot_of, c) for c in caches[1])
+    group1 = [[int(perm[b]) for b in t] for t in tables]
+    embedding = torch.randn(vocab, cfg.hidden_size, generator=gen)
+    freqs = torch.arange(20).float().unsqueeze(1) * torch.linspace(1, 0.01, cfg.head_dim // 2)
+    cos_table, sin_table = torch.cat((freqs, freqs), dim=-1).cos(), torch.cat((freqs, freqs), dim=-1).sin()
+    final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+    head = PackedWeight.pack(torch.randn(vocab, cfg.hidden_size, generator=gen), None, torch.float32)
+    token_ids = [5, 69, 0, 12, 33]
+
+    def step(step_caches, layer_groups, block_tables):
+        decoder = kernels.DecodeModel(embedding, cos_table, sin_table, [layer.weights(kernels) for layer in layers],
+                                      step_caches, final_norm.weight, head.as_args(), cfg.num_heads, bs,
+                                      cfg.rms_norm_eps, cfg.head_dim**-0.5, isa, layer_groups)
+        num_threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # one thread each: the same floats in the same order
+        try:
+            return decoder.step(token_ids, block_tables, lens, False)[0]
+        finally:
+            torch.set_num_threads(num_threads)
+
+    one = [(k.clone(), v.clone()) for k, v in caches]
+    expected = step(one, [0, 0, 0], [tables])
+    two = [(k.clone(), v.clone()) for k, v in moved]
+    assert torch.equal(step(two, [0, 1, 0], [tables, group1]), expected)
+    for i in (0, 2):  # the group-0 layers wrote where one group writes
+        assert torch.equal(two[i][0], one[i][0]) and torch.equal(two[i][1], one[i][1])
+    for got, want in zip(two[1], one[1], strict=True):  # layer 1 wrote its new rows at group 1's slots
+        assert torch.equal(got, torch.empty_like(want).index_copy_(0, slot_of, want))
+    wrong = [(k.clone(), v.clone()) for k, v in moved]
+    assert not torch.allclose(step(wrong, [0, 1, 0], [tables, tables]), expected)

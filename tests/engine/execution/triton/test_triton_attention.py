@@ -436,24 +436,28 @@ class _EagerReplay:
 
 
 @pytest.mark.skipif(IS_NATIVE, reason="the GPU check runs the CUDA backend itself")
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "qwen2-sliding"])
 def test_the_cuda_backends_host_code_generates_what_the_reference_backend_does(
-        tiny_model_dir: Path, family: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        family: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """The CUDA backend's own code on the CPU, its kernels interpreted: Triton prefill over packed
     chunks (chunked, beside decodes), the KV pool with its scratch block, and decode steps through
     the graphs' static buffers, padded to their bucket (3 streams in a bucket of 4), replayed by
     running the bucket's forward instead of a captured graph. Greedy tokens equal the pure-torch
     reference backend's: on the tiny Llama, and on Qwen3's and Gemma 3's layers (per-head q/k
-    norms, output norms, GeGLU, scaled embeddings, windowed layers with their own rope)."""
+    norms, output norms, GeGLU, scaled embeddings, windowed layers with their own rope; Gemma 3's
+    window and full layers are three KV-cache groups of one layer). qwen2-sliding: two KV-cache groups (a full
+    layer, a window-8 layer whose out-of-window blocks go back to the pool), each read through its
+    own tables and slots, against the reference with one group."""
     from engine import EngineConfig, LLMEngine, SamplingParams
     from engine.execution import model_runner
     from engine.execution.backends import cuda_graphs
     from engine.execution.backends.cuda_backend import CudaBackend
     from tests.tiny_model import build_tiny_family_model, family_config
 
-    model_dir = tiny_model_dir if family == "llama" else build_tiny_family_model(tmp_path / family,
-                                                                                 family_config(family))
-    options = dict(model=str(model_dir), num_kv_blocks=64, block_size=4, max_num_batched_tokens=16,
+    model = tiny_model_dir if family == "llama" else build_tiny_family_model(
+        tmp_path_factory.mktemp(family) / "model", family_config(family))
+    options = dict(model=str(model), num_kv_blocks=64, block_size=4, max_num_batched_tokens=16,
                    max_num_seqs=4, enable_time_budget=False)
     prompts = [[5, 9, 200, 31, 7, 11, 13], [44] * 23, list(range(3, 40))]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -467,7 +471,7 @@ def test_the_cuda_backends_host_code_generates_what_the_reference_backend_does(
                 outputs[out.request_id] = out.token_ids
         return [outputs[i] for i in ids], engine
 
-    reference, _ = generate(EngineConfig(backend="torch", **options))
+    reference, _ = generate(EngineConfig(backend="torch", enable_hybrid_kv_cache=False, **options))
 
     def on_the_cpu(config: EngineConfig, model_config: object) -> CudaBackend:
         return CudaBackend(config, model_config, torch.device("cpu"), torch.float32)
@@ -483,6 +487,8 @@ def test_the_cuda_backends_host_code_generates_what_the_reference_backend_does(
     monkeypatch.setattr(cuda_graphs.DecodeGraphs, "step",
                         lambda self, tokens, *a: batches.append(len(tokens)) or step(self, tokens, *a))
     ours, engine = generate(EngineConfig(**options))
+    # Gemma 3's window, window, full: groups of one layer each, as its one full layer sizes them.
+    assert engine.runner.kv_layout.num_groups == {"qwen2-sliding": 2, "gemma3": 3}.get(family, 1)
     backend = engine.runner.backend
     assert backend.name == "cuda" and backend.graphs.buckets == [1, 2, 4] and backend.max_decode_rows == 4
     assert ours == reference
