@@ -501,7 +501,8 @@ def test_a_tied_embedding_is_read_from_the_heads_panels(kernels, dtype: torch.dt
 
 
 def test_decode_model_reads_each_layers_kv_cache_group_tables(kernels) -> None:
-    """DecodeModel.step with KV-cache groups (engine/execution/kv_cache_layout.py): Layer 1 in a group of its own, its blocks renumbered (block b of group 0 is block
+    """DecodeModel.step with KV-cache groups (engine/execution/kv_cache_layout.py): layer 1 in a
+    group of its own, its blocks renumbered (block b of group 0 is block
     perm[b] of group 1) and its cache moved to match: the same logits and the same new K/V rows
     as one group; handed group 0's tables instead, it reads other rows and the logits differ."""
     bs, num_blocks, vocab = 4, 40, 70
@@ -531,9 +532,9 @@ def test_decode_model_reads_each_layers_kv_cache_group_tables(kernels) -> None:
     token_ids = [5, 69, 0, 12, 33]
 
     def step(step_caches, layer_groups, block_tables):
-        decoder = kernels.DecodeModel(embedding, cos_table, sin_table, [layer.weights(kernels) for layer in layers],
+        decoder = kernels.DecodeModel(embedding, [cos_table], [sin_table], [layer.weights for layer in layers],
                                       step_caches, final_norm.weight, head.as_args(), cfg.num_heads, bs,
-                                      cfg.rms_norm_eps, cfg.head_dim**-0.5, isa, layer_groups)
+                                      cfg.rms_norm_eps, cfg.head_dim**-0.5, layers[0].act, None, isa, layer_groups)
         num_threads = torch.get_num_threads()
         torch.set_num_threads(1)  # one thread each: the same floats in the same order
         try:
