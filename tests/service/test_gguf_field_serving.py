@@ -11,6 +11,7 @@ vocabulary from its metadata (about a minute); later runs find it in the cache.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -105,7 +106,8 @@ def test_serve_answers_a_chat_through_the_openai_sdk(family: str, tmp_path: Path
 
     path, hf_dir = field_gguf(family, "q8_0")
     http_port = free_port()
-    server = ServerProcess(path, "--http-port", str(http_port), "--num-kv-blocks", "64")
+    # 512: a chunk is held whole by each of Gemma's six KV-cache groups (its generic tools block is long)
+    server = ServerProcess(path, "--http-port", str(http_port), "--num-kv-blocks", "512")
     try:
         assert poll(lambda: "loaded; serving" in server.output or server.proc.poll() is not None, 300), server.output
         assert server.proc.poll() is None, server.output
@@ -115,11 +117,34 @@ def test_serve_answers_a_chat_through_the_openai_sdk(family: str, tmp_path: Path
             model = client.models.list().data[0].id
             answer = client.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0,
                                                     extra_body={"ignore_eos": True})
+            tools = [{"type": "function", "function": {
+                "name": "get_weather", "description": "The weather in a city",
+                "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"],
+                               "additionalProperties": False}}}]
+            called = client.chat.completions.create(model=model, messages=messages, tools=tools,
+                                                    tool_choice="required", max_tokens=200, temperature=0)
+            thinking = {}
+            if family == "qwen3":  # its template's thinking switch, through chat_template_kwargs
+                for enable in (True, False):
+                    thinking[enable] = client.chat.completions.create(
+                        model=model, messages=messages, max_tokens=4, temperature=0,
+                        extra_body={"ignore_eos": True, "chat_template_kwargs": {"enable_thinking": enable}})
         # the prompt is the source checkpoint's own template's rendering, token for token
-        expected = AutoTokenizer.from_pretrained(str(hf_dir)).apply_chat_template(
-            messages, tokenize=True, add_generation_prompt=True)["input_ids"]
+        tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
+        expected = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)["input_ids"]
         assert answer.usage.prompt_tokens == len(expected)
         assert answer.usage.completion_tokens == 6 and answer.choices[0].message.content
+        # a required call always parses, whatever the random weights prefer (200 tokens: the tiny
+        # Gemma vocabulary spells the call in short pieces; an enum: a random
+        # model's free string would run past max_tokens)
+        call = called.choices[0].message.tool_calls[0]
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Paris", "Oslo")
+        for enable, reply in thinking.items():
+            rendered = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                                     enable_thinking=enable)["input_ids"]
+            assert reply.usage.prompt_tokens == len(rendered), enable
+        if thinking:  # thinking off: the template writes an empty think block into the prompt
+            assert thinking[False].usage.prompt_tokens > thinking[True].usage.prompt_tokens
     finally:
         server.close()
     assert "Traceback" not in server.output, server.output
