@@ -21,6 +21,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.execution.weights.quantized_weight import QuantizedWeight
 from tests.field_gguf import field_gguf
+from tests.helpers import assert_parts_only_at_ties
 from tests.server_harness import ServerProcess, free_port, poll
 
 PROMPTS = [[5, 9, 13], list(range(10, 47)), [42] * 7 + list(range(60, 80)), list(range(100, 300, 7))]
@@ -62,19 +63,6 @@ def q8_twin(family: str) -> LLM:
     return LLM(str(field_gguf(family, "q8_0")[0]), num_kv_blocks=64, quantization="none")
 
 
-def _first_difference(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
-
-
-def _top_two_margin(llm: LLM, ids: list[int]) -> float:
-    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=1, logprobs=2))[0]
-    first, second = sorted(out.logprobs[0].values(), reverse=True)[:2]
-    return first - second
-
-
-TIE_NATS = 0.5  # as test_gguf_serving: per-32 int8 activations move a product by about half a percent
-
-
 def test_a_q8_0_file_is_served_as_its_blocks_within_the_activation_rounding(family: str, q8_twin: LLM) -> None:
     llm = LLM(str(field_gguf(family, "q8_0")[0]), num_kv_blocks=64)
     assert llm.engine.config.quantization == "gguf"
@@ -83,13 +71,7 @@ def test_a_q8_0_file_is_served_as_its_blocks_within_the_activation_rounding(fami
     assert all(isinstance(m.panels, QuantizedWeight) for m in projections)
     outs = [out.token_ids for out in llm.generate(PROMPTS, GREEDY)]
     twin = [out.token_ids for out in q8_twin.generate(PROMPTS, GREEDY)]
-    same = 0
-    for prompt, mine, ref in zip(PROMPTS, outs, twin, strict=True):
-        n = _first_difference(mine, ref)
-        same += n
-        if n < len(ref):
-            assert _top_two_margin(q8_twin, prompt + ref[:n]) < TIE_NATS, (prompt, n)
-    assert same >= len(PROMPTS) * NUM_NEW // 3, same
+    assert_parts_only_at_ties(q8_twin, PROMPTS, outs, twin, NUM_NEW)
     ids = list(range(20, 60))
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
     native = llm.generate([ids], params)[0].prompt_logprobs

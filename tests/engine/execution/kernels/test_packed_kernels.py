@@ -202,6 +202,15 @@ def test_a_few_row_product_splits_each_home_into_tasks_that_shrink_to_its_back(k
         kernels.tapered_split(4, 0)
 
 
+def _three_fused_layers(kernels, isa: int) -> tuple[ModelConfig, list]:
+    """A full, a window-5 and a full float32 layer (seeded), and their config."""
+    layers = []
+    for i, window in enumerate((None, 5, None)):
+        torch.manual_seed(10 + i)
+        layers.append(_layer_case(torch.float32, window, kernels, isa)[2])
+    return _layer_case(torch.float32, None, kernels, isa)[0], layers
+
+
 @pytest.mark.parametrize("embedding_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_decode_model_step_is_the_embedding_every_layer_the_norm_and_the_head(kernels, embedding_dtype) -> None:
     """The model's decode step in one call (DecodeModel.step): the embedding's and RoPE tables' rows of the tokens,
@@ -218,11 +227,7 @@ def test_decode_model_step_is_the_embedding_every_layer_the_norm_and_the_head(ke
     positions = lens - 1
     slots = tables[torch.arange(batch), positions // bs] * bs + positions % bs
     isa = kernels.best_isa()
-    layers = []
-    for i, window in enumerate((None, 5, None)):
-        torch.manual_seed(10 + i)
-        layers.append(_layer_case(torch.float32, window, kernels, isa)[2])
-    cfg = _layer_case(torch.float32, None, kernels, isa)[0]
+    cfg, layers = _three_fused_layers(kernels, isa)
     gen = torch.Generator().manual_seed(7)
     caches = [(torch.randn(num_blocks * bs, cfg.num_kv_heads, cfg.head_dim, generator=gen),
                torch.randn(num_blocks * bs, cfg.num_kv_heads, cfg.head_dim, generator=gen)) for _ in layers]
@@ -508,11 +513,7 @@ def test_decode_model_reads_each_layers_kv_cache_group_tables(kernels) -> None:
     bs, num_blocks, vocab = 4, 40, 70
     lens = [1, 9, 14, 3, 7]
     isa = kernels.best_isa()
-    layers = []
-    for i, window in enumerate((None, 5, None)):
-        torch.manual_seed(10 + i)
-        layers.append(_layer_case(torch.float32, window, kernels, isa)[2])
-    cfg = _layer_case(torch.float32, None, kernels, isa)[0]
+    cfg, layers = _three_fused_layers(kernels, isa)
     gen = torch.Generator().manual_seed(7)
     tables = torch.randperm(num_blocks, generator=gen)[: len(lens) * 4].view(len(lens), 4).tolist()
     tables = [t[: (n - 1) // bs + 1] for t, n in zip(tables, lens, strict=True)]
