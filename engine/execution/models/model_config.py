@@ -6,6 +6,8 @@ from typing import Any
 
 import torch
 
+from engine.execution.models.moe import MoeConfig
+
 
 @dataclass(frozen=True, slots=True)
 class Rope:
@@ -44,6 +46,13 @@ class ModelConfig:
     sandwich_norms: bool = False
     hidden_act: str = "silu"  # the gated MLP's activation: silu or gelu_tanh (GeGLU)
     embed_scale: float | None = None  # Gemma multiplies the embeddings by sqrt(hidden)
+    # Mixture-of-experts families: the experts' recipe, and per layer whether its MLP is the
+    # sparse one (Qwen3-MoE's decoder_sparse_step / mlp_only_layers leave some dense).
+    moe: MoeConfig | None = None
+    moe_layers: tuple[bool, ...] = ()
+
+    def is_moe_layer(self, layer_index: int) -> bool:
+        return self.moe is not None and self.moe_layers[layer_index]
 
     def __post_init__(self) -> None:
         if not self.attn_scale:
