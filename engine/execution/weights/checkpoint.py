@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -56,9 +57,50 @@ def gguf_path(model: str | None, phases: StartupPhases | None = None) -> Path:
     return path
 
 
-def _gguf_cache_key(path: Path) -> str:
+_SOURCE_FILE = "source.json"
+_MAX_TMP_AGE_S = 3600.0
+
+
+def _gguf_source(path: Path) -> dict[str, Any]:
+    """What a cache entry was made from: the GGUF file's resolved path, size and modification time."""
     stat = path.stat()
-    return hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    return {"path": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def _gguf_cache_key(path: Path) -> str:
+    source = _gguf_source(path)
+    return hashlib.sha256(f"{source['path']}:{source['size']}:{source['mtime_ns']}".encode()).hexdigest()[:16]
+
+
+def _is_stale(entry: Path) -> bool:
+    """Whether a cache entry's GGUF file is gone or has changed since (so no key will find it
+    again), or the entry predates the record of its source."""
+    try:
+        source = json.loads((entry / _SOURCE_FILE).read_text())
+        path = Path(source["path"])
+        return not path.is_file() or _gguf_source(path) != source
+    except (OSError, ValueError, KeyError):
+        return True
+
+
+def prune_gguf_cache(parent: Path) -> None:
+    """Remove the entries of a GGUF-derived cache (converted weights, metadata) whose file is gone
+    or changed, and conversions abandoned mid-way. Keys name a file's path, size and time, so an
+    entry outlives its file otherwise: files made in temporary directories (tests, benchmarks) or
+    replaced by a new download left one behind each time (43 GB after a day of test runs)."""
+    if not parent.is_dir():
+        return
+    now = time.time()
+    for entry in parent.iterdir():
+        try:
+            if not entry.is_dir():
+                continue
+            is_tmp = entry.name.startswith(".")
+            if (is_tmp and now - entry.stat().st_mtime > _MAX_TMP_AGE_S) or (not is_tmp and _is_stale(entry)):
+                logger.info("removing stale cache entry %s", entry)
+                shutil.rmtree(entry, ignore_errors=True)
+        except OSError:  # another process removed it first
+            continue
 
 
 def resolve_model(model: str | None, native_gguf: bool = False, phases: StartupPhases | None = None) -> Path:
@@ -70,6 +112,7 @@ def resolve_model(model: str | None, native_gguf: bool = False, phases: StartupP
         gguf = gguf_path(model, phases)
         target = default_cache_dir() / "gguf-meta" / f"{gguf.stem}-{_gguf_cache_key(gguf)}"
         if not (target / "config.json").exists():
+            prune_gguf_cache(target.parent)
             with timed(phases, CONVERSION):
                 write_gguf_metadata(gguf, target)
         return target
@@ -85,6 +128,7 @@ def resolve_model(model: str | None, native_gguf: bool = False, phases: StartupP
         path = gguf_path(model)
         target = default_cache_dir() / "converted" / f"{path.stem}-{_gguf_cache_key(path)}"
         if not (target / "config.json").exists():
+            prune_gguf_cache(target.parent)
             with timed(phases, CONVERSION):
                 convert_gguf(path, target)
         return target
@@ -135,7 +179,8 @@ def convert_gguf(gguf: Path, target: Path) -> None:
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     _write_model_dir(target, model.config, _generation_config(file, model.config), tokenizer,
-                     lambda tmp: save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"}))
+                     lambda tmp: save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"}),
+                     source=_gguf_source(gguf))
 
 
 def write_gguf_metadata(gguf: Path, target: Path) -> None:
@@ -150,7 +195,7 @@ def write_gguf_metadata(gguf: Path, target: Path) -> None:
     logger.info("reading %s's config and tokenizer into %s (once)", gguf, target)
     config = gguf_config(file)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    _write_model_dir(target, config, _generation_config(file, config), tokenizer)
+    _write_model_dir(target, config, _generation_config(file, config), tokenizer, source=_gguf_source(gguf))
 
 
 def _generation_config(file: GGUFFile, config: Any) -> Any:
@@ -168,10 +213,11 @@ def _generation_config(file: GGUFFile, config: Any) -> Any:
 
 
 def _write_model_dir(target: Path, config: Any, generation_config: Any, tokenizer: Any,
-                     write_weights: Callable[[Path], None] | None = None) -> None:
+                     write_weights: Callable[[Path], None] | None = None,
+                     source: dict[str, Any] | None = None) -> None:
     """An HF model directory (config without its quantization and name entries, generation
-    config, tokenizer and, given write_weights, the weights) at target, atomically: written
-    beside it, then renamed over it."""
+    config, tokenizer, given write_weights the weights, and given source the record of the file it
+    came from, for prune_gguf_cache) at target, atomically: written beside it, then renamed over it."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
     try:
@@ -183,6 +229,8 @@ def _write_model_dir(target: Path, config: Any, generation_config: Any, tokenize
         (tmp / "config.json").write_text(json.dumps(values, indent=2))
         generation_config.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
+        if source is not None:
+            (tmp / _SOURCE_FILE).write_text(json.dumps(source))
         if target.exists():
             shutil.rmtree(target)
         os.replace(tmp, target)
