@@ -3,7 +3,7 @@
 Public API: `from engine import LLM, SamplingParams` (offline), `LLMEngine` (the step API), and
 the plain values that cross to the service. Other layers import only these names.
 """
-from engine.config import EngineConfig
+from engine.config import EngineConfig, default_cache_dir
 from engine.errors import FieldError, LimitExceededError, PromptTooLongError, QueueFullError, RequestIdInUseError
 from engine.execution.weights.checkpoint import model_display_name, resolve_model
 from engine.inputs import EngineRequest
@@ -27,7 +27,7 @@ from engine.processing.structured_output import StructuredOutput
 __all__ = [
     "LLM", "AllBlocksCleared", "BlockRemoved", "BlockStored", "EngineConfig", "KvCacheEvent", "EngineRequest", "FieldError", "LLMEngine", "LimitExceededError", "ModelInfo", "PromptTooLongError", "QueueFullError",
     "RequestIdInUseError", "RequestMetrics", "RequestOutput", "SamplingParams", "StepStats", "StructuredOutput",
-    "is_encodable",
+    "default_cache_dir", "is_encodable",
     "model_display_name",
     "resolve_model",
     "unmatchable_schema",

@@ -84,12 +84,13 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
                        help="model name clients send and see (OpenAI `model`, metrics label); default: the "
                             "model's own name (env MINIVLLM_SERVED_MODEL_NAME)")
     serve.add_argument("--tool-call-parser", default=_env("tool_call_parser", "auto"),
-                       help="tool-call format: auto (from the chat template), hermes, llama3_json or mistral "
-                            "(env MINIVLLM_TOOL_CALL_PARSER)")
+                       help="tool-call format: auto (from the chat template; harmony for gpt-oss), hermes, "
+                            "llama3_json, mistral or harmony (env MINIVLLM_TOOL_CALL_PARSER)")
     serve.add_argument("--reasoning-parser", default=_env("reasoning_parser", "auto"),
                        help="move <think> blocks into reasoning_content: auto (default: from the chat template: "
                             "qwen3 for a template that writes <think> blocks, deepseek_r1 for one whose prompt "
-                            "opens one), deepseek_r1, qwen3, or none (env MINIVLLM_REASONING_PARSER)")
+                            "opens one; harmony for gpt-oss), deepseek_r1, qwen3, harmony (gpt-oss's analysis channel), or none "
+                            "(env MINIVLLM_REASONING_PARSER)")
     serve.add_argument("--max-stored-responses", type=int, default=int(_env("max_stored_responses", "1024")),
                        help="/v1/responses kept for previous_response_id, oldest dropped first "
                             "(env MINIVLLM_MAX_STORED_RESPONSES)")

@@ -7,18 +7,25 @@ The generic format (docs/openai_tools.md): a system block lists the functions as
 shows the call layout of the active parser (Hermes-style <tool_call> JSON </tool_call> unless
 the server says otherwise); earlier calls are written into their assistant messages in that
 layout, and tool results go back as user messages wrapped in <tool_response> tags.
+
+A model that speaks Harmony (gpt-oss: service/chat/harmony.py) is planned apart: openai-harmony
+renders its prompt to token ids and parses its answer (no template, no tool grammar).
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import re
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from engine import FieldError, RequestOutput, SamplingParams, StructuredOutput
 from service.async_engine import AsyncEngine
+from service.chat import harmony
+from service.chat.harmony import HarmonyFormat
 from service.chat.output import ChoiceOutput, StopSample
 from service.chat.reasoning_parser import ReasoningParser, get_reasoning_parser
 from service.chat.template_traits import TemplateTraits, read_template_traits, template_text
@@ -73,11 +80,27 @@ class ChatPlan:
     reasoning: ReasoningParser | None
     keep_special_tokens: bool = False  # the format's trigger is a special token: the parser must see it
     reasoning_marker_ids: tuple[int, int] | None = None  # <think>, </think> when each is one token
+    # Harmony (gpt-oss): the prompt as token ids, rendered by openai-harmony, and its format,
+    # which parses every answer (reasoning, content and calls come apart by channel).
+    harmony: HarmonyFormat | None = None
+    prompt_token_ids: list[int] | None = None
 
     def new_output(self, stop_sample: StopSample | None = None) -> ChoiceOutput:
         """One sample's parse of the answer; stop_sample (AsyncEngine.stop_sample) ends the
         sample's generation once a repeated call has ended its answer."""
+        if self.harmony is not None:
+            return self.harmony.new_output()
         return ChoiceOutput(self.reasoning, self.tool_parser, self.reasoning_marker_ids, stop_sample)
+
+    @property
+    def is_parsed(self) -> bool:
+        """The answer is parsed (for calls, reasoning, or Harmony's channels), not passed through."""
+        return self.tool_parser is not None or self.reasoning is not None or self.harmony is not None
+
+    @property
+    def has_reasoning(self) -> bool:
+        """The answer may think (its usage counts reasoning tokens)."""
+        return self.reasoning is not None or self.harmony is not None
 
     @property
     def is_tool_grammar(self) -> bool:
@@ -90,13 +113,33 @@ class ChatTools:
     planning of each chat request."""
 
     def __init__(self, tool_call_parser: str = "auto", reasoning_parser: str | None = "auto") -> None:
-        if tool_call_parser != "auto":
+        """harmony for either parser: gpt-oss's format, whatever the model (auto picks it for a
+        model that speaks it)."""
+        if tool_call_parser not in ("auto", harmony.NAME):
             get_tool_parser(tool_call_parser)  # refuses an unknown name at start-up
-        if reasoning_parser not in (None, "none", "auto"):
+        if reasoning_parser not in (None, "none", "auto", harmony.NAME):
             get_reasoning_parser(reasoning_parser)
         self.tool_call_parser = tool_call_parser
         self.reasoning_parser = None if reasoning_parser == "none" else reasoning_parser
         self._traits: dict[str, TemplateTraits] = {}  # by template text: one probe per template
+        self._harmony: dict[str, HarmonyFormat | None] = {}  # by tokenizer directory: loaded once
+
+    async def harmony_format(self, engine: AsyncEngine) -> HarmonyFormat | None:
+        """The Harmony format when the server was told to use it or the model speaks it (its
+        vocabulary written from the model's tokenizer once, off the event loop); else None."""
+        info = engine.model_info()
+        key = info.tokenizer_dir
+        if key not in self._harmony:
+            model_dir, tokenizer_dir = Path(info.model_dir), Path(info.tokenizer_dir)
+            told = harmony.NAME in (self.tool_call_parser, self.reasoning_parser)
+            if told or (self.tool_call_parser == "auto" and self.reasoning_parser in ("auto", None)
+                        and harmony.speaks_harmony(model_dir, template_text(engine))):
+                sources = harmony.vocabulary_sources(model_dir, tokenizer_dir)
+                self._harmony[key] = await asyncio.get_running_loop().run_in_executor(
+                    None, HarmonyFormat.load, sources)
+            else:
+                self._harmony[key] = None
+        return self._harmony[key]
 
     async def traits(self, engine: AsyncEngine) -> TemplateTraits:
         """The model's template's traits, probed once (an engine restarted on another model
@@ -129,6 +172,9 @@ class ChatTools:
             changes["structured_output"] = plan.structured_output
         if plan.keep_special_tokens:
             changes["skip_special_tokens"] = False
+        if plan.harmony is not None:
+            stops = [t for t in plan.harmony.stop_token_ids if t not in params.stop_token_ids]
+            changes["stop_token_ids"] = [*params.stop_token_ids, *stops]
         return plan, dataclasses.replace(params, **changes) if changes else params
 
     @staticmethod
@@ -136,6 +182,9 @@ class ChatTools:
                        engine_id: str | None = None, priority: int = 0) -> AsyncGenerator[RequestOutput, None]:
         """Admit a planned chat; a tool grammar the compiler refuses is the tools' fault, named so."""
         try:
+            if plan.prompt_token_ids is not None:
+                return await engine.generate(request_id, params, prompt=plan.prompt_token_ids,
+                                             engine_id=engine_id or request_id, priority=priority)
             return await engine.generate(request_id, params, messages=plan.messages,
                                          engine_id=engine_id or request_id, chat_template_kwargs=plan.template_kwargs,
                                          priority=priority)
@@ -146,6 +195,9 @@ class ChatTools:
 
     async def plan(self, engine: AsyncEngine, messages: list[dict[str, Any]], tools: ToolRequest,
                    structured: StructuredOutput | None, template_kwargs: dict[str, Any] | None) -> ChatPlan:
+        harmony_format = await self.harmony_format(engine)
+        if harmony_format is not None:
+            return self._harmony_plan(harmony_format, messages, tools, structured, template_kwargs)
         traits = await self.traits(engine)
         name = self.tool_call_parser if self.tool_call_parser != "auto" else parser_for_template(template_text(engine))
         parser = get_tool_parser(name)
@@ -190,6 +242,21 @@ class ChatTools:
                                           after_opener=opener)
         return ChatPlan(messages, kwargs or None, structured, parser if tools.is_active else None,
                         reasoning if thinks else None, keep_special, reasoning_marker_ids=marker_ids)
+
+
+    @staticmethod
+    def _harmony_plan(harmony_format: HarmonyFormat, messages: list[dict[str, Any]], tools: ToolRequest,
+                      structured: StructuredOutput | None, template_kwargs: dict[str, Any] | None) -> ChatPlan:
+        """A Harmony chat: its prompt rendered by openai-harmony. No grammar constrains the answer
+        (a call is the model's choice; tool_choice required or named and a response_format would
+        need one over Harmony's channels, which is not built)."""
+        if tools.is_active and (tools.choice == "required" or tools.is_named):
+            raise FieldError("tool_choice", "only auto or none is served with the Harmony format (gpt-oss)")
+        if structured is not None:
+            raise FieldError("response_format", "is not served with the Harmony format (gpt-oss)")
+        functions = tools.functions if tools.is_active else []
+        ids = harmony_format.render(messages, functions, template_kwargs)
+        return ChatPlan(messages, template_kwargs, None, None, None, harmony=harmony_format, prompt_token_ids=ids)
 
 
 def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:

@@ -96,7 +96,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                                                              request.priority)
                 except FieldError as exc:
                     raise exc.renamed(CHAT_FIELDS) from None
-                if plan.tool_parser is not None or plan.reasoning is not None:
+                if plan.is_parsed:
                     parsed = [plan.new_output(engine.stop_sample) for _ in range(params.n)]
             else:
                 outputs = await engine.generate(ids.request_id, params, prompt=prompt, messages=messages,

@@ -183,8 +183,12 @@ class OpenAIFrontDoor:
                     plan = await self.chat_tools.plan(engine, messages, body.tool_request(), None,
                                                       body.chat_template_kwargs)
                     messages, kwargs = plan.messages, plan.template_kwargs
-                ids = await engine.tokenize(prompt=body.prompt, messages=messages,
-                                            add_special_tokens=body.add_special_tokens, chat_template_kwargs=kwargs)
+                if messages is not None and plan.prompt_token_ids is not None:  # Harmony: rendered already
+                    ids = list(plan.prompt_token_ids)
+                else:
+                    ids = await engine.tokenize(prompt=body.prompt, messages=messages,
+                                                add_special_tokens=body.add_special_tokens,
+                                                chat_template_kwargs=kwargs)
             except ValueError as exc:  # LimitExceededError included
                 raise _admission_error(exc) from exc
             out: dict[str, Any] = {"count": len(ids), "max_model_len": engine.model_info().max_model_len,

@@ -58,7 +58,7 @@ class OpenAICall:
         # The prompt_logprobs field only when asked for (echo may ask the engine for more).
         self.num_prompt_logprobs = body.prompt_logprobs
         # Chat: each choice's reasoning and tool calls parsed out of its text (a pass-through without parsers).
-        self.is_reasoning = plan is not None and plan.reasoning is not None
+        self.is_reasoning = plan is not None and plan.has_reasoning
         self.choice_outputs = [plan.new_output(engine.stop_sample) if plan else ChoiceOutput(None, None)
                                for _ in range(self.num_choices if self.is_chat else 0)]
 

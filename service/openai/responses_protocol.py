@@ -76,7 +76,9 @@ class ResponsesRequest(BaseModel):
             raise FieldError("background", "background responses are not served")
 
     def template_kwargs(self) -> dict[str, Any] | None:
-        """chat_template_kwargs with reasoning.effort as enable_thinking (the two must agree)."""
+        """chat_template_kwargs with reasoning.effort as enable_thinking (the two must agree), and
+        as reasoning_effort where it is one gpt-oss knows (low, medium, high: its template's and
+        Harmony's variable)."""
         kwargs = dict(self.chat_template_kwargs or {})
         effort = self.reasoning.effort if self.reasoning is not None else None
         if effort is not None:
@@ -84,6 +86,8 @@ class ResponsesRequest(BaseModel):
             if kwargs.get("enable_thinking", thinking) != thinking:
                 raise FieldError("reasoning.effort", f"{effort!r} contradicts chat_template_kwargs.enable_thinking")
             kwargs["enable_thinking"] = thinking
+            if effort in ("low", "medium", "high"):
+                kwargs.setdefault("reasoning_effort", effort)
         return kwargs or None
 
     def chat_body(self, messages: list[dict[str, Any]]) -> dict[str, Any]:

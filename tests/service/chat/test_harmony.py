@@ -1,0 +1,188 @@
+"""gpt-oss's Harmony format: the o200k vocabulary written offline from a tokenizer (tokenizer.json
+or a GGUF file's token list) and checked against the published hash; prompts rendered exactly as
+openai-harmony's own renderer renders the same conversation; answers parsed by channel, streamed
+a token at a time and whole."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from engine import RequestOutput
+from service.chat import harmony_vocab
+from service.chat.harmony import HarmonyFormat, is_harmony_template, speaks_harmony
+from service.chat.harmony_vocab import VocabularyMismatchError, byte_level_decoder
+from service.chat.tool_grammar import FunctionSpec
+from tests.o200k_vocab import o200k_ranked_tokens
+
+oh = pytest.importorskip("openai_harmony")
+
+DATE = "2026-12-05"
+WEATHER = FunctionSpec("get_weather", "The weather in a city", {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
+TIME = FunctionSpec("get_time", "The time now", None)
+ANSWER = ('<|channel|>analysis<|message|>The user wants the weather; call the tool.<|end|>'
+          '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
+          '{"city": "Paris"}<|call|>'
+          '<|start|>assistant<|channel|>final<|message|>It is sunny in Paris, 21 °C.<|return|>')
+
+
+def byte_level(tokens: list[bytes]) -> list[str]:
+    encoder = {b: c for c, b in byte_level_decoder().items()}
+    return ["".join(encoder[b] for b in token) for token in tokens]
+
+
+@pytest.fixture(scope="module")
+def ranked() -> list[bytes]:
+    return o200k_ranked_tokens()
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_dir(tmp_path_factory: pytest.TempPathFactory, ranked: list[bytes]) -> Path:
+    """A gpt-oss model directory as far as the service reads one: config.json and a byte-level
+    tokenizer.json with o200k's ranked tokens and Harmony's specials after them."""
+    root = tmp_path_factory.mktemp("gpt_oss")
+    vocab = {s: i for i, s in enumerate(byte_level(ranked))}
+    vocab |= {"<|startoftext|>": 199998, "<|endoftext|>": 199999, "<|return|>": 200002, "<|call|>": 200012}
+    (root / "tokenizer.json").write_text(json.dumps({"model": {"type": "BPE", "vocab": vocab, "merges": []}}))
+    (root / "config.json").write_text(json.dumps({"model_type": "gpt_oss"}))
+    return root
+
+
+@pytest.fixture(scope="module")
+def harmony(gpt_oss_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> HarmonyFormat:
+    return HarmonyFormat.load([gpt_oss_dir], cache_dir=tmp_path_factory.mktemp("cache"))
+
+
+def test_the_vocabulary_written_from_the_tokens_has_the_published_hash(ranked: list[bytes], tmp_path: Path) -> None:
+    path = harmony_vocab.write_vocabulary(ranked, tmp_path)
+    assert path.name == "o200k_base.tiktoken"
+    assert harmony_vocab._is_published_file(path)
+    swapped = list(ranked)
+    swapped[1000], swapped[1001] = swapped[1001], swapped[1000]  # two ranks exchanged: not o200k
+    with pytest.raises(VocabularyMismatchError, match="not o200k_base's"):
+        harmony_vocab.write_vocabulary(swapped, tmp_path / "other")
+    assert not (tmp_path / "other" / "o200k_base.tiktoken").exists()
+
+
+def test_byte_level_spelling_round_trips_every_byte() -> None:
+    decoder = byte_level_decoder()
+    assert sorted(decoder.values()) == list(range(256))
+    assert decoder["Ġ"] == 0x20 and decoder["Ċ"] == 0x0A and decoder["a"] == ord("a")
+
+
+def test_vocabulary_from_a_gguf_files_token_list(ranked: list[bytes], tmp_path: Path) -> None:
+    gguf = pytest.importorskip("gguf")
+    path = tmp_path / "gpt-oss.gguf"
+    writer = gguf.GGUFWriter(str(path), "gpt-oss")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(byte_level(ranked) + ["<|startoftext|>", "<|endoftext|>"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert harmony_vocab.ranked_tokens_from_gguf(path) == ranked
+    directory = harmony_vocab.vocabulary_dir([path], cache_dir=tmp_path / "cache")
+    assert harmony_vocab._is_published_file(directory / "o200k_base.tiktoken")
+
+
+def test_another_tokenizer_is_refused_naming_the_hash(tmp_path: Path) -> None:
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {"a": 0, "b": 1}}}))
+    with pytest.raises(VocabularyMismatchError, match="0 tokens below id|2 tokens below id"):
+        harmony_vocab.vocabulary_dir([tmp_path], cache_dir=tmp_path / "cache")
+
+
+def test_which_models_speak_harmony(gpt_oss_dir: Path, tmp_path: Path) -> None:
+    assert speaks_harmony(gpt_oss_dir, None)
+    assert not speaks_harmony(tmp_path, "{{ '<|im_start|>' }}")
+    template = "{{- '<|start|>' + role }}{{- '<|channel|>analysis<|message|>' }}"
+    assert is_harmony_template(template) and speaks_harmony(tmp_path, template)
+
+
+def _expected(functions: list[FunctionSpec], effort: str | None, messages: list) -> list:
+    system = oh.SystemContent.new().with_conversation_start_date(DATE)
+    if effort is not None:
+        system = system.with_reasoning_effort(oh.ReasoningEffort(effort.capitalize()))
+    out = [oh.Message.from_role_and_content(oh.Role.SYSTEM, system)]
+    developer = oh.DeveloperContent.new().with_instructions("Answer briefly.").with_function_tools(
+        [oh.ToolDescription.new(f.name, f.description, parameters=f.parameters) for f in functions])
+    return out + [oh.Message.from_role_and_content(oh.Role.DEVELOPER, developer)] + messages
+
+
+def test_prompt_with_tools_calls_and_results_is_openai_harmonys(harmony: HarmonyFormat) -> None:
+    chat = [{"role": "system", "content": "Answer briefly."},
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": "", "reasoning_content": "Use the tool.",
+             "tool_calls": [{"id": "call_1", "type": "function",
+                             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": '{"temp_c": 21}'},
+            {"role": "assistant", "content": "Sunny, 21 °C."},
+            {"role": "user", "content": "And the time?"}]
+    ids = harmony.render(chat, [WEATHER, TIME], {"reasoning_effort": "high"}, start_date=DATE)
+    A = oh.Role.ASSISTANT
+    expected = _expected([WEATHER, TIME], "high", [
+        oh.Message.from_role_and_content(oh.Role.USER, "Weather in Paris?"),
+        oh.Message.from_role_and_content(A, "Use the tool.").with_channel("analysis"),
+        oh.Message.from_role_and_content(A, '{"city": "Paris"}').with_channel("commentary")
+        .with_recipient("functions.get_weather").with_content_type("<|constrain|>json"),
+        oh.Message.from_author_and_content(oh.Author.new(oh.Role.TOOL, "functions.get_weather"), '{"temp_c": 21}')
+        .with_channel("commentary").with_recipient("assistant"),
+        oh.Message.from_role_and_content(A, "Sunny, 21 °C.").with_channel("final"),
+        oh.Message.from_role_and_content(oh.Role.USER, "And the time?")])
+    want = harmony.encoding.render_conversation_for_completion(oh.Conversation.from_messages(expected), A)
+    assert ids == want
+    text = harmony.encoding.decode(ids)
+    assert "namespace functions" in text and "type get_weather = (_: {" in text
+    assert "to=functions.get_weather" in text and "Reasoning: high" in text and text.endswith("<|start|>assistant")
+    # Mid-turn (the tool's result just came): the turn's analysis is kept, and rendered.
+    mid = harmony.render(chat[:4], [WEATHER, TIME], {"reasoning_effort": "high"}, start_date=DATE)
+    assert mid == harmony.encoding.render_conversation_for_completion(
+        oh.Conversation.from_messages(expected[:6]), A)
+    assert "<|channel|>analysis<|message|>Use the tool.<|end|>" in harmony.encoding.decode(mid)
+    # A different conversation renders differently (the comparison can fail).
+    other = harmony.render(chat[:-1] + [{"role": "user", "content": "And the date?"}], [WEATHER, TIME],
+                           {"reasoning_effort": "high"}, start_date=DATE)
+    assert other != want
+
+
+def _outputs(harmony: HarmonyFormat, text: str, per_output: int, finish: str = "stop") -> list[RequestOutput]:
+    ids = harmony.encoding.encode(text, allowed_special="all")
+    outs = []
+    for start in range(0, len(ids), per_output):
+        new = ids[start:start + per_output]
+        last = start + per_output >= len(ids)
+        outs.append(RequestOutput("r", [1], ids[:start + len(new)], "", new, harmony.encoding.decode(new),
+                                  finish_reason=finish if last else None))
+    return outs
+
+
+@pytest.mark.parametrize("per_output", [1, 3, 1000])
+def test_answer_parses_into_reasoning_a_call_and_content(harmony: HarmonyFormat, per_output: int) -> None:
+    output = harmony.new_output()
+    deltas = [output.feed(out) for out in _outputs(harmony, ANSWER, per_output)]
+    message = output.message()
+    assert message["reasoning_content"] == "The user wants the weather; call the tool."
+    assert message["content"] == "It is sunny in Paris, 21 °C."
+    [call] = message["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+    assert call["id"].startswith("call_")
+    assert output.finish_reason("stop") == "tool_calls"
+    assert "".join(d.reasoning for d in deltas) == message["reasoning_content"]
+    assert "".join(d.parsed.content for d in deltas) == message["content"]
+    assert [c.name for d in deltas for c in d.parsed.calls] == ["get_weather"]  # sent once, whole
+    assert output.num_reasoning_tokens > 0
+
+
+def test_a_call_cut_by_max_tokens_is_content(harmony: HarmonyFormat) -> None:
+    cut = ANSWER[:ANSWER.index('"Paris"}')]
+    output = harmony.new_output()
+    for out in _outputs(harmony, cut, 2, finish="length"):
+        output.feed(out)
+    message = output.message()
+    assert "tool_calls" not in message and message["content"] == '{"city": '
+    assert output.finish_reason("length") == "length"
+
+
+def test_stop_tokens_are_return_and_call(harmony: HarmonyFormat) -> None:
+    assert sorted(harmony.stop_token_ids) == [200002, 200012]

@@ -1,0 +1,142 @@
+"""gpt-oss's Harmony answers through the official `openai` SDK: a scripted answer (an analysis
+message, a commentary call to functions.get_weather, a final message, as Harmony token ids)
+comes back as reasoning, a valid call and content, streamed and whole, on /v1/chat/completions
+and /v1/responses. The engine is a scripted test double (tests/service/scripted_engine.py); the
+prompt it was handed is openai-harmony's rendering, and its stop tokens Harmony's."""
+from __future__ import annotations
+
+import datetime
+import json
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import jsonschema
+import openai
+import pytest
+
+from service.chat.harmony import HarmonyFormat
+from service.chat.tool_grammar import FunctionSpec
+from tests.service.chat.test_harmony import ANSWER, WEATHER, gpt_oss_dir, harmony, ranked  # noqa: F401
+from tests.service.scripted_engine import ScriptedEngine, ScriptedServer
+
+pytest.importorskip("openai_harmony")
+
+THOUGHT = "The user wants the weather; call the tool."
+FINAL = "It is sunny in Paris, 21 °C."
+CHAT = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Weather in Paris?"}]
+TOOLS = [{"type": "function", "function": {"name": WEATHER.name, "description": WEATHER.description,
+                                           "parameters": WEATHER.parameters}}]
+RESPONSE_TOOLS = [{"type": "function", "name": WEATHER.name, "description": WEATHER.description,
+                   "parameters": WEATHER.parameters}]
+
+
+@pytest.fixture(scope="module")
+def server(gpt_oss_dir: Path, harmony: HarmonyFormat,  # noqa: F811
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[ScriptedServer]:
+    cache = tmp_path_factory.mktemp("minivllm-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MINIVLLM_CACHE", str(cache))  # the server writes its vocabulary file here
+        patch.delenv("TIKTOKEN_ENCODINGS_BASE", raising=False)
+        ids = harmony.encoding.encode(ANSWER, allowed_special="all")
+        engine = ScriptedEngine(gpt_oss_dir, ids, harmony.encoding.decode)
+        srv = ScriptedServer(engine)
+        yield srv
+        srv.stop()
+    assert (cache / "tiktoken" / "o200k_base.tiktoken").is_file()
+
+
+def _client(server: ScriptedServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _check_call(name: str, arguments: str) -> None:
+    assert name == "get_weather"
+    jsonschema.validate(json.loads(arguments), WEATHER.parameters)
+    assert json.loads(arguments) == {"city": "Paris"}
+
+
+def _check_admitted(server: ScriptedServer, harmony: HarmonyFormat, functions: list[FunctionSpec]) -> None:  # noqa: F811
+    admitted = server.engine.admitted[-1]
+    today = datetime.date.today().isoformat()
+    assert admitted.messages is None and admitted.prompt == harmony.render(CHAT, functions, start_date=today)
+    assert {200002, 200012} <= set(admitted.params.stop_token_ids)
+
+
+def test_chat_completion_whole(server: ScriptedServer, harmony: HarmonyFormat) -> None:  # noqa: F811
+    with _client(server) as client:
+        out = client.chat.completions.create(model="gpt-oss-scripted", messages=CHAT, tools=TOOLS)
+    _check_admitted(server, harmony, [WEATHER])
+    [choice] = out.choices
+    assert choice.message.model_extra["reasoning_content"] == THOUGHT
+    assert choice.message.content == FINAL
+    [call] = choice.message.tool_calls
+    _check_call(call.function.name, call.function.arguments)
+    assert choice.finish_reason == "tool_calls"
+    assert out.usage.completion_tokens_details.reasoning_tokens > 0
+
+
+def test_chat_completion_streamed(server: ScriptedServer) -> None:
+    reasoning, content, calls, reasons = [], [], [], []
+    with _client(server) as client:
+        for chunk in client.chat.completions.create(model="gpt-oss-scripted", messages=CHAT, tools=TOOLS,
+                                                    stream=True):
+            for choice in chunk.choices:
+                delta = choice.delta
+                reasoning.append((delta.model_extra or {}).get("reasoning_content") or "")
+                content.append(delta.content or "")
+                calls += delta.tool_calls or []
+                reasons.append(choice.finish_reason)
+    assert "".join(reasoning) == THOUGHT and "".join(content) == FINAL
+    [call] = calls
+    assert call.id.startswith("call_") and call.index == 0
+    _check_call(call.function.name, call.function.arguments)
+    assert [r for r in reasons if r] == ["tool_calls"]
+
+
+def test_chat_without_tools_renders_none(server: ScriptedServer, harmony: HarmonyFormat) -> None:  # noqa: F811
+    with _client(server) as client:
+        client.chat.completions.create(model="gpt-oss-scripted", messages=CHAT, max_tokens=5)
+    _check_admitted(server, harmony, [])
+    assert "namespace functions" not in harmony.encoding.decode(server.engine.admitted[-1].prompt)
+
+
+def test_responses_whole(server: ScriptedServer) -> None:
+    with _client(server) as client:
+        out = client.responses.create(model="gpt-oss-scripted", instructions="Answer briefly.",
+                                      input="Weather in Paris?", tools=RESPONSE_TOOLS)
+    assert [item.type for item in out.output] == ["reasoning", "function_call", "message"]
+    reasoning, call, message = out.output
+    assert "".join(p.text for p in reasoning.content) == THOUGHT
+    _check_call(call.name, call.arguments)
+    assert out.output_text == FINAL
+    assert out.usage.output_tokens_details.reasoning_tokens > 0
+
+
+def test_responses_streamed(server: ScriptedServer) -> None:
+    with _client(server) as client:
+        events = list(client.responses.create(model="gpt-oss-scripted", instructions="Answer briefly.",
+                                              input="Weather in Paris?", tools=RESPONSE_TOOLS, stream=True))
+    thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert thought == THOUGHT and text == FINAL
+    [done] = [e.item for e in events if e.type == "response.output_item.done" and e.item.type == "function_call"]
+    _check_call(done.name, done.arguments)
+    final = events[-1]
+    assert final.type == "response.completed"
+    assert [item.type for item in final.response.output] == ["reasoning", "function_call", "message"]
+
+
+def test_tokenize_gives_the_harmony_prompt(server: ScriptedServer, harmony: HarmonyFormat) -> None:  # noqa: F811
+    body = json.dumps({"messages": CHAT, "tools": TOOLS}).encode()
+    request = urllib.request.Request(server.url + "/tokenize", body, {"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        tokens = json.loads(response.read())["tokens"]
+    today = datetime.date.today().isoformat()
+    assert tokens == harmony.render(CHAT, [WEATHER], start_date=today)
+
+
+def test_required_tool_choice_is_refused_by_name(server: ScriptedServer) -> None:
+    with _client(server) as client, pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="gpt-oss-scripted", messages=CHAT, tools=TOOLS, tool_choice="required")
+    assert info.value.body["param"] == "tool_choice"
