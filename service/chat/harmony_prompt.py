@@ -7,7 +7,8 @@ system) map onto Harmony's roles and channels the way gpt-oss's own chat templat
   instructions, and the request's functions its `functions` namespace;
 - a user message is a user message;
 - an assistant message: its reasoning_content on the analysis channel, its content on the final
-  channel, each call on the commentary channel addressed to=functions.NAME with JSON arguments;
+  channel, each call on the commentary channel addressed to=functions.NAME with JSON arguments
+  (content type `json`, as gpt-oss's template writes a past call);
 - a tool result is a message from the tool (functions.NAME, found by its tool_call_id) to the
   assistant on the commentary channel.
 Earlier analysis the renderer drops itself (auto_drop_analysis: the model only sees the
@@ -77,7 +78,7 @@ def harmony_messages(messages: Sequence[dict[str, Any]], functions: Sequence[Fun
                 call_names[call.get("id") or ""] = function["name"]
                 out.append(Message.from_role_and_content(Role.ASSISTANT, _call_arguments(function.get("arguments")))
                            .with_channel("commentary").with_recipient(f"{FUNCTIONS_NAMESPACE}.{function['name']}")
-                           .with_content_type("<|constrain|>json"))
+                           .with_content_type("json"))
             if content:
                 out.append(Message.from_role_and_content(Role.ASSISTANT, content).with_channel("final"))
         elif role == "tool":

@@ -100,6 +100,35 @@ def test_which_models_speak_harmony(gpt_oss_dir: Path, tmp_path: Path) -> None:
     assert is_harmony_template(template) and speaks_harmony(tmp_path, template)
 
 
+def test_gpt_oss_official_template_is_harmonys_and_others_are_not() -> None:
+    from tests.llama_cpp_sdist import chat_template
+
+    assert is_harmony_template(chat_template("openai-gpt-oss-120b"))
+    for name in ("Qwen-Qwen3-0.6B", "meta-llama-Llama-3.1-8B-Instruct", "mistralai-Mistral-Nemo-Instruct-2407"):
+        assert not is_harmony_template(chat_template(name)), name
+
+
+def test_prompt_is_the_text_of_gpt_oss_own_template(harmony: HarmonyFormat) -> None:
+    """The official template (rendered by transformers) writes the same prompt, tools and a past
+    call included. (It differs on a tool result: it writes the result as a JSON string literal.)"""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from tests.llama_cpp_sdist import chat_template
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    chat = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": "", "reasoning_content": "Use the tool.", "tool_calls": [call]}]
+    as_template = [dict(m) for m in chat]  # the template's names: thinking, arguments as an object
+    as_template[2] = {"role": "assistant", "content": "", "thinking": "Use the tool.",
+                      "tool_calls": [dict(call, function={"name": "get_weather", "arguments": {"city": "Paris"}})]}
+    text = render_jinja_template([as_template], tools=[WEATHER.to_openai(), TIME.to_openai()],
+                                 chat_template=chat_template("openai-gpt-oss-120b"), add_generation_prompt=True,
+                                 reasoning_effort="low")[0][0]
+    # The template dates the prompt with today's date.
+    ids = harmony.render(chat, [WEATHER, TIME], {"reasoning_effort": "low"})
+    assert harmony.encoding.decode(ids) == text
+
+
 def _expected(functions: list[FunctionSpec], effort: str | None, messages: list) -> list:
     system = oh.SystemContent.new().with_conversation_start_date(DATE)
     if effort is not None:
@@ -125,7 +154,7 @@ def test_prompt_with_tools_calls_and_results_is_openai_harmonys(harmony: Harmony
         oh.Message.from_role_and_content(oh.Role.USER, "Weather in Paris?"),
         oh.Message.from_role_and_content(A, "Use the tool.").with_channel("analysis"),
         oh.Message.from_role_and_content(A, '{"city": "Paris"}').with_channel("commentary")
-        .with_recipient("functions.get_weather").with_content_type("<|constrain|>json"),
+        .with_recipient("functions.get_weather").with_content_type("json"),
         oh.Message.from_author_and_content(oh.Author.new(oh.Role.TOOL, "functions.get_weather"), '{"temp_c": 21}')
         .with_channel("commentary").with_recipient("assistant"),
         oh.Message.from_role_and_content(A, "Sunny, 21 °C.").with_channel("final"),
