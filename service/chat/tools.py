@@ -197,7 +197,9 @@ class ChatTools:
                    structured: StructuredOutput | None, template_kwargs: dict[str, Any] | None) -> ChatPlan:
         harmony_format = await self.harmony_format(engine)
         if harmony_format is not None:
-            return self._harmony_plan(harmony_format, messages, tools, structured, template_kwargs)
+            # Off the event loop: rendering tokenizes the whole chat (tens of ms for a long one).
+            return await asyncio.get_running_loop().run_in_executor(
+                None, self._harmony_plan, harmony_format, messages, tools, structured, template_kwargs)
         traits = await self.traits(engine)
         name = self.tool_call_parser if self.tool_call_parser != "auto" else parser_for_template(template_text(engine))
         parser = get_tool_parser(name)

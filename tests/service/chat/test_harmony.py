@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import openai_harmony as oh
 import pytest
 
 from engine import RequestOutput
@@ -16,7 +17,6 @@ from service.chat.harmony_vocab import VocabularyMismatchError, byte_level_decod
 from service.chat.tool_grammar import FunctionSpec
 from tests.o200k_vocab import o200k_ranked_tokens
 
-oh = pytest.importorskip("openai_harmony")
 
 DATE = "2026-12-05"
 WEATHER = FunctionSpec("get_weather", "The weather in a city", {

@@ -20,7 +20,6 @@ from service.chat.tool_grammar import FunctionSpec
 from tests.service.chat.test_harmony import ANSWER, WEATHER, gpt_oss_dir, harmony, ranked  # noqa: F401
 from tests.service.scripted_engine import ScriptedEngine, ScriptedServer
 
-pytest.importorskip("openai_harmony")
 
 THOUGHT = "The user wants the weather; call the tool."
 FINAL = "It is sunny in Paris, 21 °C."
@@ -140,3 +139,29 @@ def test_required_tool_choice_is_refused_by_name(server: ScriptedServer) -> None
     with _client(server) as client, pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="gpt-oss-scripted", messages=CHAT, tools=TOOLS, tool_choice="required")
     assert info.value.body["param"] == "tool_choice"
+
+
+def test_parser_options_choose_harmony(gpt_oss_dir: Path, tmp_path: Path,  # noqa: F811
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto: Harmony for gpt-oss only; `harmony` for either parser: Harmony for any model; another
+    format named outright: not Harmony, even for gpt-oss."""
+    import asyncio
+
+    from service.chat.tools import ChatTools
+
+    monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path / "cache"))
+    other = tmp_path / "llama"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (other / "tokenizer.json").symlink_to(gpt_oss_dir / "tokenizer.json")
+    llama, gpt_oss = ScriptedEngine(other, [], str), ScriptedEngine(gpt_oss_dir, [], str)
+
+    def chosen(tools: ChatTools, engine: ScriptedEngine) -> bool:
+        return asyncio.run(tools.harmony_format(engine)) is not None  # type: ignore[arg-type]
+
+    assert not chosen(ChatTools(), llama) and chosen(ChatTools(), gpt_oss)
+    assert chosen(ChatTools(tool_call_parser="harmony"), llama)
+    assert chosen(ChatTools(reasoning_parser="harmony"), llama)
+    assert not chosen(ChatTools(tool_call_parser="hermes"), gpt_oss)
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        ChatTools(tool_call_parser="harmonics")
