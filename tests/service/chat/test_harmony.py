@@ -17,7 +17,6 @@ from service.chat.harmony_vocab import VocabularyMismatchError, byte_level_decod
 from service.chat.tool_grammar import FunctionSpec
 from tests.o200k_vocab import o200k_ranked_tokens
 
-
 DATE = "2026-12-05"
 WEATHER = FunctionSpec("get_weather", "The weather in a city", {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})

@@ -20,7 +20,6 @@ from service.chat.tool_grammar import FunctionSpec
 from tests.service.chat.test_harmony import ANSWER, WEATHER, gpt_oss_dir, harmony, ranked  # noqa: F401
 from tests.service.scripted_engine import ScriptedEngine, ScriptedServer
 
-
 THOUGHT = "The user wants the weather; call the tool."
 FINAL = "It is sunny in Paris, 21 °C."
 CHAT = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Weather in Paris?"}]
