@@ -7,8 +7,9 @@ The same surface as ChoiceOutput (feed, message, delta, finish_reason), so chat 
 the Responses API and gRPC read both alike. As there, a call goes out whole, once its message
 has ended (<|call|>, or <|end|>); a call the answer was cut inside (max_tokens) is no call: its
 arguments' text is content and the finish reason is the engine's. Tokens that break the format
-(the parser refuses them: a model off its training) end the parse: from there the engine's text
-is content, so nothing the model wrote is lost.
+(the parser refuses them: a model off its training) end the parse: from there the tokens' text
+is content; an answer that never opened a message at all (no header the parser took) is all
+content when it ends. Nothing the model wrote is lost.
 """
 from __future__ import annotations
 
@@ -31,7 +32,10 @@ class HarmonyOutput(ChoiceOutput):
         from openai_harmony import Role, StreamableParser
 
         super().__init__(None, None)
+        self._encoding = encoding
         self._parser = StreamableParser(encoding, Role.ASSISTANT, strict=False)
+        self._token_ids: list[int] = []  # the whole answer, for one that never follows the format
+        self._has_parsed = False  # some message opened (its content began)
         # The tokens that end a message: <|end|>, <|call|>, <|return|> (the renderer's stop set).
         self._end_ids = frozenset(encoding.stop_tokens())
         self._channel: str | None = None  # the open message's, as of the last token
@@ -57,10 +61,12 @@ class HarmonyOutput(ChoiceOutput):
         if self._is_broken:
             pieces[-1].content += out.new_text
         else:
+            self._token_ids += out.new_token_ids
             # One parser step per token: Harmony's headers are tokens, so the parse is token-wise
             # (a decode step brings one token; its work is the Rust parser's).
-            for token in out.new_token_ids:
+            for i, token in enumerate(out.new_token_ids):
                 if not self._step(token, reasoning, pieces):
+                    pieces.append(ParsedDelta(self._text(out.new_token_ids[i:])))
                     break
         if out.is_finished and not self._is_broken:
             self._finish(pieces)
@@ -85,6 +91,7 @@ class HarmonyOutput(ChoiceOutput):
             return True
         self._channel, self._recipient = self._parser.current_channel, self._parser.current_recipient
         delta = self._parser.last_content_delta or ""
+        self._has_parsed = self._has_parsed or self._channel is not None or bool(delta)
         if self._channel == "analysis" and not self._is_call():
             self.num_reasoning_tokens += 1
         if not delta:
@@ -100,6 +107,7 @@ class HarmonyOutput(ChoiceOutput):
         return True
 
     def _end_message(self, pieces: list[ParsedDelta]) -> None:
+        self._has_parsed = True
         if self._is_call():
             index = len(self.answer.calls) + sum(len(p.calls) for p in pieces)
             name = self._recipient[len(_RECIPIENT_PREFIX):]
@@ -107,12 +115,19 @@ class HarmonyOutput(ChoiceOutput):
         self._channel, self._recipient, self._call_text = None, None, ""
 
     def _finish(self, pieces: list[ParsedDelta]) -> None:
-        """The answer ended: a call still open was cut (its arguments are content)."""
+        """The answer ended: a call still open was cut (its arguments are content); an answer
+        with no message in it is content as it is."""
         if self._is_call():
             self._cut.append(CutCall(None, self._call_text))
             if self._call_text:
                 pieces.append(ParsedDelta(self._call_text))
+        elif not self._has_parsed:
+            pieces.append(ParsedDelta(self._text(self._token_ids)))
         self._channel, self._recipient, self._call_text = None, None, ""
+
+    def _text(self, token_ids: list[int]) -> str:
+        """Tokens' text, Harmony's own markers (specials) left out."""
+        return self._encoding.decode([t for t in token_ids if not self._encoding.is_special_token(t)])
 
     def message(self) -> dict[str, Any]:
         message = super().message()

@@ -214,3 +214,15 @@ def test_a_call_cut_by_max_tokens_is_content(harmony: HarmonyFormat) -> None:
 
 def test_stop_tokens_are_return_and_call(harmony: HarmonyFormat) -> None:
     assert sorted(harmony.stop_token_ids) == [200002, 200012]
+
+
+@pytest.mark.parametrize(("text", "content"), [
+    ("Plain words, no header at all.", "Plain words, no header at all."),  # never in the format: all content
+    ("<|channel|>final<|message|>ok<|end|>then garbage<|return|>", "okthen garbage"),  # left it: the rest
+    ("<|message|>no channel<|return|>", "no channel"),
+])
+def test_an_answer_off_the_format_keeps_its_text(harmony: HarmonyFormat, text: str, content: str) -> None:
+    output = harmony.new_output()
+    for out in _outputs(harmony, text, 1):
+        output.feed(out)
+    assert output.message()["content"].replace("<|return|>", "") == content
