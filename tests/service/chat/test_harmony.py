@@ -15,6 +15,7 @@ from service.chat import harmony_vocab
 from service.chat.harmony import HarmonyFormat, is_harmony_template, speaks_harmony
 from service.chat.harmony_vocab import VocabularyMismatchError, byte_level_decoder
 from service.chat.tool_grammar import FunctionSpec
+from tests.o200k_gguf import gpt_oss_tokenizer_gguf
 from tests.o200k_vocab import o200k_ranked_tokens
 
 DATE = "2026-12-05"
@@ -72,18 +73,25 @@ def test_byte_level_spelling_round_trips_every_byte() -> None:
 
 
 def test_vocabulary_from_a_gguf_files_token_list(ranked: list[bytes], tmp_path: Path) -> None:
-    gguf = pytest.importorskip("gguf")
-    path = tmp_path / "gpt-oss.gguf"
-    writer = gguf.GGUFWriter(str(path), "gpt-oss")
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(byte_level(ranked) + ["<|startoftext|>", "<|endoftext|>"])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    path = gpt_oss_tokenizer_gguf()
     assert harmony_vocab.ranked_tokens_from_gguf(path) == ranked
     directory = harmony_vocab.vocabulary_dir([path], cache_dir=tmp_path / "cache")
     assert harmony_vocab._is_published_file(directory / "o200k_base.tiktoken")
+
+
+def test_vocabulary_from_a_gguf_file_as_the_engine_reads_its_tokenizer(tmp_path: Path) -> None:
+    """A GGUF model's directory holds the tokenizer transformers reads from the file
+    (engine/execution/weights/checkpoint.py: write_gguf_metadata): its tokenizer.json gives the
+    vocabulary, offline, and openai-harmony then tokenizes text as the model's tokenizer does."""
+    from transformers import AutoTokenizer
+
+    path = gpt_oss_tokenizer_gguf()
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tokenizer.save_pretrained(str(tmp_path / "meta"))
+    loaded = HarmonyFormat.load([tmp_path / "meta"], cache_dir=tmp_path / "cache")
+    assert harmony_vocab._is_published_file(tmp_path / "cache" / "tiktoken" / "o200k_base.tiktoken")
+    text = "Hello, wörld! 1234 — ünïcode, 日本語 and\n  code: x = f(y) + 2"
+    assert tokenizer.encode(text, add_special_tokens=False) == loaded.encoding.encode(text)
 
 
 def test_another_tokenizer_is_refused_naming_the_hash(tmp_path: Path) -> None:
