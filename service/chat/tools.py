@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import re
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
@@ -31,6 +32,9 @@ from service.chat.reasoning_parser import ReasoningParser, get_reasoning_parser
 from service.chat.template_traits import TemplateTraits, read_template_traits, template_text
 from service.chat.tool_grammar import FunctionSpec, LarkText, tool_call_grammar
 from service.chat.tool_parsers import ToolParser, get_tool_parser, parser_for_template
+from service.serving_state import EngineUnavailableError
+
+logger = logging.getLogger(__name__)
 
 TOOL_CHOICES = ("none", "auto", "required")
 _FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
@@ -122,11 +126,13 @@ class ChatTools:
         self.tool_call_parser = tool_call_parser
         self.reasoning_parser = None if reasoning_parser == "none" else reasoning_parser
         self._traits: dict[str, TemplateTraits] = {}  # by template text: one probe per template
-        self._harmony: dict[str, HarmonyFormat | None] = {}  # by tokenizer directory: loaded once
+        # By tokenizer directory, loaded once: the format, None (not Harmony), or why it cannot load.
+        self._harmony: dict[str, HarmonyFormat | str | None] = {}
 
     async def harmony_format(self, engine: AsyncEngine) -> HarmonyFormat | None:
         """The Harmony format when the server was told to use it or the model speaks it (its
-        vocabulary written from the model's tokenizer once, off the event loop); else None."""
+        vocabulary written from the model's tokenizer once, off the event loop); else None.
+        EngineUnavailableError (503) when its vocabulary cannot be had: no chat can be served."""
         info = engine.model_info()
         key = info.tokenizer_dir
         if key not in self._harmony:
@@ -135,11 +141,18 @@ class ChatTools:
             if told or (self.tool_call_parser == "auto" and self.reasoning_parser in ("auto", None)
                         and harmony.speaks_harmony(model_dir, template_text(engine))):
                 sources = harmony.vocabulary_sources(model_dir, tokenizer_dir)
-                self._harmony[key] = await asyncio.get_running_loop().run_in_executor(
-                    None, HarmonyFormat.load, sources)
+                try:
+                    self._harmony[key] = await asyncio.get_running_loop().run_in_executor(
+                        None, HarmonyFormat.load, sources)
+                except (OSError, ValueError) as exc:  # no vocabulary file, or not o200k's
+                    logger.error("the Harmony format cannot load: %s", exc)
+                    self._harmony[key] = f"chats need the Harmony format's o200k vocabulary, which cannot load: {exc}"
             else:
                 self._harmony[key] = None
-        return self._harmony[key]
+        found = self._harmony[key]
+        if isinstance(found, str):
+            raise EngineUnavailableError(found)
+        return found
 
     async def traits(self, engine: AsyncEngine) -> TemplateTraits:
         """The model's template's traits, probed once (an engine restarted on another model

@@ -164,3 +164,22 @@ def test_parser_options_choose_harmony(gpt_oss_dir: Path, tmp_path: Path,  # noq
     assert not chosen(ChatTools(tool_call_parser="hermes"), gpt_oss)
     with pytest.raises(ValueError, match="tool_call_parser"):
         ChatTools(tool_call_parser="harmonics")
+
+
+def test_a_gpt_oss_model_without_its_vocabulary_is_unavailable_for_chats(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gpt-oss model whose tokenizer is not o200k's: chats are refused with 503 naming the
+    vocabulary (never served with a wrong one, never downloaded)."""
+    monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("TIKTOKEN_ENCODINGS_BASE", raising=False)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_oss"}))
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {"a": 0}}}))
+    srv = ScriptedServer(ScriptedEngine(tmp_path, [], str))
+    try:
+        with _client(srv) as client:
+            for _ in range(2):  # the failure is remembered, and said again
+                with pytest.raises(openai.APIStatusError) as info:
+                    client.chat.completions.create(model="gpt-oss-scripted", messages=CHAT)
+                assert info.value.status_code == 503 and "o200k vocabulary" in info.value.message
+    finally:
+        srv.stop()
