@@ -1,6 +1,7 @@
 """A test double of AsyncEngine whose every request answers with scripted token ids, one output
 per token (a stream the parsers read as they would a model's), served by the real OpenAI front
-door over HTTP. It records what each request was admitted with (prompt ids, sampling
+door over HTTP and the real minivllm gRPC servicer. Stop conditions are not applied: the script
+is the whole answer (max_tokens cuts it, as length). It records what each request was admitted with (prompt ids, sampling
 parameters), so a test checks what the service sent the engine as well as what came back.
 
 For output formats no small real model writes on cue (gpt-oss's Harmony: a tiny random model's
@@ -14,10 +15,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
+
 from engine import ModelInfo, RequestOutput, SamplingParams
 from service.chat.tools import ChatTools
+from service.grpc.minivllm_servicer import InferenceServicer
 from service.openai.api import OpenAIFrontDoor
 from service.openai.http_server import HttpServer
+from service.pb import inference_pb2_grpc as pb_grpc
 from service.serving_state import ServingState
 
 
@@ -50,6 +55,9 @@ class ScriptedEngine:
     def stop_sample(self, engine_id: str, index: int) -> None:
         pass
 
+    def new_engine_id(self, request_id: str) -> str:
+        return f"{request_id}#{len(self.admitted)}"
+
     async def generate(self, request_id: str, params: SamplingParams, prompt: str | list[int] | None = None,
                        messages: list[dict[str, Any]] | None = None, priority: int = 0,
                        engine_id: str | None = None,
@@ -70,28 +78,38 @@ class ScriptedEngine:
 
 
 class ScriptedServer:
-    """The OpenAI front door on a ScriptedEngine, on its own event loop thread."""
+    """The OpenAI front door and the gRPC servicer on a ScriptedEngine, on their own event loop thread."""
 
     def __init__(self, engine: ScriptedEngine, chat_tools: ChatTools | None = None) -> None:
         self.engine = engine
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="scripted-server", daemon=True)
         self._thread.start()
-        self.http = asyncio.run_coroutine_threadsafe(self._start(chat_tools), self._loop).result(30)
+        self.http, self.grpc_port = asyncio.run_coroutine_threadsafe(self._start(chat_tools), self._loop).result(30)
 
-    async def _start(self, chat_tools: ChatTools | None) -> HttpServer:
+    async def _start(self, chat_tools: ChatTools | None) -> tuple[HttpServer, int]:
         state = ServingState()
-        state.set_engine(self.engine)  # type: ignore[arg-type]  # the AsyncEngine surface the front door uses
-        door = OpenAIFrontDoor(state, "gpt-oss-scripted", chat_tools=chat_tools or ChatTools())
+        state.set_engine(self.engine)  # type: ignore[arg-type]  # the AsyncEngine surface the front doors use
+        tools = chat_tools or ChatTools()
+        door = OpenAIFrontDoor(state, "gpt-oss-scripted", chat_tools=tools)
         http = HttpServer(door.asgi, "127.0.0.1", 0)
         await http.start()
-        return http
+        self._grpc = grpc.aio.server()
+        pb_grpc.add_InferenceServicer_to_server(InferenceServicer(state, chat_tools=tools), self._grpc)
+        port = self._grpc.add_insecure_port("127.0.0.1:0")
+        await self._grpc.start()
+        return http, port
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.http.port}"
 
+    @property
+    def grpc_target(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
     def stop(self) -> None:
         asyncio.run_coroutine_threadsafe(self.http.stop(), self._loop).result(30)
+        asyncio.run_coroutine_threadsafe(self._grpc.stop(None), self._loop).result(30)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)

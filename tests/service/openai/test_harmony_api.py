@@ -183,3 +183,22 @@ def test_a_gpt_oss_model_without_its_vocabulary_is_unavailable_for_chats(tmp_pat
                 assert info.value.status_code == 503 and "o200k vocabulary" in info.value.message
     finally:
         srv.stop()
+
+
+def test_grpc_generate_parses_harmony(server: ScriptedServer, harmony: HarmonyFormat) -> None:  # noqa: F811
+    from service.grpc.minivllm_client import InferenceClient
+    from service.pb import inference_pb2 as pb
+
+    request = pb.GenerateRequest(
+        messages=pb.Messages(messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in CHAT],
+                             tools=[pb.FunctionTool(name=WEATHER.name, description=WEATHER.description,
+                                                    parameters=json.dumps(WEATHER.parameters))]),
+        sampling=pb.SamplingParams(max_tokens=500))
+    with InferenceClient(server.grpc_target) as client:
+        responses = list(client.stub.Generate(request))
+    _check_admitted(server, harmony, [WEATHER])
+    assert "".join(r.reasoning_text for r in responses) == THOUGHT
+    assert "".join(r.text for r in responses) == FINAL
+    [call] = [c for r in responses for c in r.tool_calls]
+    _check_call(call.name, call.arguments)
+    assert responses[-1].finish_reason == "tool_calls"
