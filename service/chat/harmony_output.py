@@ -92,8 +92,8 @@ class HarmonyOutput(ChoiceOutput):
         self._channel, self._recipient = self._parser.current_channel, self._parser.current_recipient
         delta = self._parser.last_content_delta or ""
         self._has_parsed = self._has_parsed or self._channel is not None or bool(delta)
-        if self._channel == "analysis" and not self._is_call():
-            self.num_reasoning_tokens += 1
+        if self._channel == "analysis" and not self._is_call() and not self._encoding.is_special_token(token):
+            self.num_reasoning_tokens += 1  # the message's text, its <|message|> marker not
         if not delta:
             return True
         if self._is_call():

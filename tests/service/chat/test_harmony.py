@@ -5,6 +5,7 @@ a token at a time and whole."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import openai_harmony as oh
@@ -51,8 +52,10 @@ def gpt_oss_dir(tmp_path_factory: pytest.TempPathFactory, ranked: list[bytes]) -
 
 
 @pytest.fixture(scope="module")
-def harmony(gpt_oss_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> HarmonyFormat:
-    return HarmonyFormat.load([gpt_oss_dir], cache_dir=tmp_path_factory.mktemp("cache"))
+def harmony(gpt_oss_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[HarmonyFormat]:
+    with pytest.MonkeyPatch.context() as patch:  # loading points TIKTOKEN_ENCODINGS_BASE at its file
+        patch.delenv("TIKTOKEN_ENCODINGS_BASE", raising=False)
+        yield HarmonyFormat.load([gpt_oss_dir], cache_dir=tmp_path_factory.mktemp("cache"))
 
 
 def test_the_vocabulary_written_from_the_tokens_has_the_published_hash(ranked: list[bytes], tmp_path: Path) -> None:
@@ -94,10 +97,21 @@ def test_vocabulary_from_a_gguf_file_as_the_engine_reads_its_tokenizer(tmp_path:
     assert tokenizer.encode(text, add_special_tokens=False) == loaded.encoding.encode(text)
 
 
-def test_another_tokenizer_is_refused_naming_the_hash(tmp_path: Path) -> None:
-    (tmp_path / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {"a": 0, "b": 1}}}))
-    with pytest.raises(VocabularyMismatchError, match="0 tokens below id|2 tokens below id"):
-        harmony_vocab.vocabulary_dir([tmp_path], cache_dir=tmp_path / "cache")
+def test_another_tokenizer_is_refused_naming_the_hash(ranked: list[bytes], tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TIKTOKEN_ENCODINGS_BASE", raising=False)
+    small, swapped = tmp_path / "small", tmp_path / "swapped"
+    small.mkdir()
+    (small / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {"a": 0, "b": 1}}}))
+    with pytest.raises(VocabularyMismatchError, match="2 tokens below id 199998"):
+        harmony_vocab.vocabulary_dir([small], cache_dir=tmp_path / "cache")
+    spellings = byte_level(ranked)
+    spellings[500], spellings[501] = spellings[501], spellings[500]
+    swapped.mkdir()
+    (swapped / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {s: i for i, s in enumerate(spellings)}}}))
+    with pytest.raises(VocabularyMismatchError, match=f"hashes to [0-9a-f]{{64}}, openai-harmony expects {harmony_vocab.SHA256}"):
+        harmony_vocab.vocabulary_dir([swapped], cache_dir=tmp_path / "cache")
+    assert not (tmp_path / "cache" / "tiktoken" / "o200k_base.tiktoken").exists()
 
 
 def test_which_models_speak_harmony(gpt_oss_dir: Path, tmp_path: Path) -> None:
