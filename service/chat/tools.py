@@ -258,7 +258,6 @@ class ChatTools:
         return ChatPlan(messages, kwargs or None, structured, parser if tools.is_active else None,
                         reasoning if thinks else None, keep_special, reasoning_marker_ids=marker_ids)
 
-
     @staticmethod
     def _harmony_plan(harmony_format: HarmonyFormat, messages: list[dict[str, Any]], tools: ToolRequest,
                       structured: StructuredOutput | None, template_kwargs: dict[str, Any] | None) -> ChatPlan:
