@@ -165,9 +165,8 @@ def test_gguf_blocks_match_the_dequantized_experts(kernels, quant_type: T, activ
     exact = _reference64(reference, x, ids, weights, quantize_acts=True)
     for isa in _isas(kernels):
         out = PackedExperts.from_experts(loaded, torch.float32, kernels, isa)(x, ids, weights).double().numpy()
-        # the activations' int8 rounding is the only one the kernels add (a value at a rounding
-        # boundary of the second product's input may land one step off: 1e-3 of the largest output)
-        assert np.abs(out - exact).max() <= 1e-3 * np.abs(exact).max(), ISA_NAMES[isa]
+        # the activations' int8 rounding is the only one the kernels add (the dense kernels' 1e-5)
+        assert np.abs(out - exact).max() <= 1e-5 * np.abs(exact).max(), ISA_NAMES[isa]
         # and per-block int8 activations: a small share of each output's size (the dense kernels'
         # bound, 2 % of the largest output, once for each of the two products in a row)
         assert np.abs(out - floats).max() < 0.04 * np.abs(floats).max(), ISA_NAMES[isa]
