@@ -17,6 +17,7 @@ from engine.execution.backends.cpu_attention import CpuAttention
 from engine.execution.backends.cpu_fused import FusedModel
 from engine.execution.backends.cpu_gguf import embedding_of, pack_gguf_linears
 from engine.execution.backends.cpu_linear import PanelEmbedding, can_pack_linear, pack_linears
+from engine.execution.backends.cpu_moe import pack_moe_experts
 from engine.execution.huge_pages import huge_page_tensor, release_free_memory
 from engine.execution.kernels import ISAS
 from engine.execution.models.model_config import ModelConfig
@@ -76,6 +77,7 @@ class CpuBackend(Backend):
             if self.panel_dtype is not None:
                 if self.config.enable_huge_pages:  # before the fused layers take the panels' addresses
                     place_on_huge_pages([m.panels for m in packed])
+                pack_moe_experts(model, self.panel_dtype, self.kernels, self.isa, self.config.enable_huge_pages)
                 if model.config.tie_word_embeddings and self.panel_dtype in (torch.float32, torch.bfloat16):
                     # The LM head's panels hold the embedding's very values: the matrix is kept once.
                     # (int8 panels would round the embedding, so int8 keeps it.)
@@ -89,6 +91,7 @@ class CpuBackend(Backend):
         packed = pack_gguf_linears(model, self.dtype, self.kernels, self.isa)
         if self.config.enable_huge_pages:  # before the fused layers take the panels' addresses
             place_on_huge_pages([m.panels for m in packed])
+        pack_moe_experts(model, self.dtype, self.kernels, self.isa, self.config.enable_huge_pages)
         model.embed_tokens = embedding_of(model, self.dtype, self.kernels)
         self.fused = FusedModel(model, self.kernels, self.isa)
 

@@ -85,6 +85,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "The order one member of a team alone takes a part's tasks: its home range, then the others' from the back");
   m.def("tapered_split", &minivllm::tapered_split,
         "A team's few-row product's tasks as [begin, end) panels: each rank's home, tasks shrinking to its back");
+  py::class_<minivllm::MoeExperts, std::shared_ptr<minivllm::MoeExperts>>(m, "MoeExperts")
+      .def(py::init<std::vector<minivllm::PackedLinear>, std::vector<minivllm::PackedLinear>, int64_t, int64_t, int64_t,
+                    double, double, int64_t>(),
+           py::arg("gate_up"), py::arg("down"), py::arg("hidden"), py::arg("intermediate"), py::arg("act"),
+           py::arg("alpha"), py::arg("limit"), py::arg("isa"),
+           "A MoE layer's experts' panels, checked and bound once (CPU)")
+      .def(
+          "forward",
+          [](const minivllm::MoeExperts& experts, const torch::Tensor& x, const torch::Tensor& expert_ids,
+             const torch::Tensor& weights) {
+            py::gil_scoped_release no_gil;
+            return experts.forward(x, expert_ids, weights);
+          },
+          "x [T, hidden], expert_ids [T, k] int64, weights [T, k] -> [T, hidden] float32: each token's routed "
+          "experts' weighted outputs summed in ascending expert order")
+      .def_property_readonly("num_experts", &minivllm::MoeExperts::num_experts);
   m.def("layer_attention_inputs", without_gil(&minivllm::layer_attention_inputs),
         "A fused layer up to attention: norm, QKV, RoPE, KV write -> [M, q | k | v] float32 (CPU)");
   m.def("layer_attention_outputs", without_gil(&minivllm::layer_attention_outputs),

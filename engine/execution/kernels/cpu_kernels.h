@@ -225,7 +225,9 @@ double quant_chain_seconds(const torch::Tensor& x, const std::vector<std::tuple<
 double packed_chain_seconds(const torch::Tensor& x, const std::vector<std::tuple<PackedLinear, int64_t>>& weights,
                             int64_t reps, int64_t isa, const std::optional<torch::Tensor>& out);
 // The gated MLP's activation: act(gate) * up (SwiGLU; Gemma's GeGLU with tanh GELU).
-enum Activation : int64_t { kActSilu = 0, kActGeluTanh = 1 };
+// kActSwigluOai: gpt-oss's clamped SwiGLU, (clamp(up) + 1) * g sigmoid(alpha g), g = min(gate, limit):
+// MoeExperts' only (the dense layers' gated_act runs the first two).
+enum Activation : int64_t { kActSilu = 0, kActGeluTanh = 1, kActSwigluOai = 2 };
 // One layer's weights, made once when the weights are packed (the caches and the step's tensors
 // come with each call): DecodeModel's layers, and the per-layer kernels' (decode_layer,
 // layer_attention_inputs / _outputs). The optional norms are the families' beyond Llama's.
@@ -308,5 +310,28 @@ torch::Tensor layer_attention_inputs(const torch::Tensor& x, const torch::Tensor
                                      const torch::Tensor& slot_mapping, int64_t num_heads, double eps, int64_t isa);
 void layer_attention_outputs(torch::Tensor x, const torch::Tensor& attn_out, const DecodeLayerWeights& w, double eps,
                              int64_t act, int64_t isa);
+
+// A sparse MoE layer's E experts (moe_experts.cpp), bound once: per expert its gate_up
+// projection (K = hidden, N = 2 intermediate: the gate rows, then the up rows) and its down
+// projection (K = intermediate, N = hidden), each as a PackedLinear of float32, bfloat16 or int8
+// panels or GGUF block panels (uint8, their type by their record size), biases in the
+// PackedLinear. forward(x [T, hidden] any float, expert_ids [T, k] int64, weights [T, k]) ->
+// [T, hidden] float32: sum over each token's experts, ascending, of weight * down(act(gate_up(x))),
+// reading only the routed experts' panels, each once a call.
+struct MoeExperts {
+  MoeExperts(std::vector<PackedLinear> gate_up, std::vector<PackedLinear> down, int64_t hidden, int64_t intermediate,
+             int64_t act, double alpha, double limit, int64_t isa);
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& expert_ids, const torch::Tensor& weights) const;
+  int64_t num_experts() const;
+
+  struct Plan;  // the panels as plain values (moe_experts.cpp)
+
+ private:
+  std::vector<PackedLinear> gate_up_, down_;  // keep the panels alive
+  int64_t hidden_, intermediate_, act_;
+  double alpha_, limit_;  // kActSwigluOai's
+  int64_t isa_;
+  std::shared_ptr<const Plan> plan_;
+};
 
 }  // namespace minivllm

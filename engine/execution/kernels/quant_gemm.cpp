@@ -193,6 +193,11 @@ void run_task(const QuantActs& a, const QuantPanels& w, int64_t isa, const float
 
 }  // namespace
 
+void quant_gemm_task(const QuantActs& a, const QuantPanels& w, int64_t isa, const float* bias, int64_t N, float* out,
+                     int64_t ldo, bool accumulate, int64_t m_begin, int64_t m_end, int64_t p_begin, int64_t p_end) {
+  run_task(a, w, isa, bias, N, out, ldo, accumulate, m_begin, m_end, p_begin, p_end);
+}
+
 QuantPanels QuantPanels::of(const torch::Tensor& w, int64_t type) {
   return {w.data_ptr<uint8_t>(), type, w.size(0), w.size(1), w.size(2)};
 }

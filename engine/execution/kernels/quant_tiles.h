@@ -127,6 +127,13 @@ inline void with_quant_type(int64_t type, const F& f) {
     default: return;
   }
 }
+// quant_gemm's task: rows [m_begin, m_end) of the quantized activations against panels
+// [p_begin, p_end) of w (out's columns of those panels, N outputs in all, bias [N] or nullptr), on
+// the calling thread. For callers that quantize their rows once and split products their own way
+// (moe_experts.cpp: every routed expert's rows in one pass).
+struct QuantPanels;
+void quant_gemm_task(const QuantActs& a, const QuantPanels& w, int64_t isa, const float* bias, int64_t N, float* out,
+                     int64_t ldo, bool accumulate, int64_t m_begin, int64_t m_end, int64_t p_begin, int64_t p_end);
 void quant_tile_scalar(int64_t type, int64_t rows, const QuantActs& a, int64_t m0, const uint8_t* panel,
                        int64_t num_records, float* acc);
 void quant_tile_avx2(int64_t type, int64_t rows, const QuantActs& a, int64_t m0, const uint8_t* panel,

@@ -1,0 +1,277 @@
+// A sparse MoE layer's experts on the CPU: each token's k routed gated MLPs, weighted and summed.
+//
+// A call reads only the routed experts' panels, each once: the rows (token, slot) are grouped by
+// expert (ascending), so an expert's gate_up and down products each run over all its rows as one
+// small GEMM (the panel kernels of packed_gemm.cpp, or quant_gemm.cpp's integer-dot tiles for
+// GGUF block panels, whose activations are quantized per 32 k once per call, not per task).
+// Both products are split into tasks of (expert, row block, panel range) taken from one counter
+// by every thread, so at batch 1, where each expert is a GEMV of one row, the threads share the
+// k experts' panels instead of waiting on one expert each. Each token's outputs are then added
+// in ascending expert order, weight * output, as models/moe.py's Experts does: the sum does not
+// depend on the thread split.
+#include "cpu_kernels.h"
+#include "layer_parts.h"
+#include "quant_tiles.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <vector>
+
+namespace minivllm {
+namespace {
+
+constexpr int64_t kPanel = 16;
+constexpr int64_t kRowBlock = 64;         // rows a task keeps hot while it walks its panels
+constexpr int64_t kTasksPerThread = 8;    // per product: a late thread leaves little behind
+constexpr int64_t kParallelRows = 16;     // row-wise steps (activation, sum) below this stay on one thread
+
+// One projection of one expert: its panels as plain values (check_packed_weight accepted them).
+struct ExpertLinear {
+  PackedPanels panels;
+  const float* scale;  // int8 panels' per-channel scales, else nullptr
+  const float* bias;   // [n] or nullptr
+  int64_t panel_bytes() const { return panels.rows * panels.width * c10::elementSize(panels.dtype); }
+  bool is_quantized() const { return panels.dtype == at::kByte; }
+};
+
+ExpertLinear expert_linear(const PackedLinear& linear, int64_t K, int64_t N, int64_t isa, const char* what) {
+  const auto& [w, scale, bias, n] = linear;
+  TORCH_CHECK(n == N, "moe_experts: ", what, " has ", n, " outputs, expected ", N);
+  TORCH_CHECK(!scale || (scale->scalar_type() == torch::kFloat32 && scale->is_contiguous() &&
+                         scale->numel() >= w.size(0) * kPanel),
+              "moe_experts: ", what, " scales must be contiguous float32 [ceil(N/16) * 16]");
+  TORCH_CHECK(!bias || (bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == N),
+              "moe_experts: ", what, " bias must be contiguous float32 [", N, "]");
+  const float* s = scale ? scale->data_ptr<float>() : nullptr;
+  check_packed_weight(w, K, N, s, isa);
+  return {PackedPanels::of(w), s, bias ? bias->data_ptr<float>() : nullptr};
+}
+
+// a[i] = (clamp(u, -limit, limit) + 1) * g' * sigmoid(alpha * g'), g' = min(g, limit): gpt-oss's
+// clamped SwiGLU, each operation in torch's order (models/moe.py's `gated`).
+void swiglu_oai_mul(const float* g, const float* u, float* a, int64_t n, float alpha, float limit) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float gate = std::min(g[i], limit);
+    const float up = std::min(std::max(u[i], -limit), limit);
+    const float sigmoid = 1.f / (1.f + std::exp(-(gate * alpha)));
+    a[i] = (up + 1.f) * (gate * sigmoid);
+  }
+}
+
+// Runs f(task) for task < num_tasks on every thread, each taking the next from one counter.
+template <typename F>
+void run_tasks(int64_t num_tasks, const F& f) {
+  if (num_tasks == 0) return;
+  const int64_t num_threads = std::min<int64_t>(std::max<int64_t>(1, at::get_num_threads()), num_tasks);
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, num_threads, 1, [&](int64_t, int64_t) {
+    for (int64_t t; (t = next.fetch_add(1)) < num_tasks;) f(t);
+  });
+}
+
+// Runs f(begin, end) over rows [0, M): in parallel when there are enough of them.
+template <typename F>
+void for_rows(int64_t M, const F& f) {
+  if (M < kParallelRows) return f(0, M);
+  at::parallel_for(0, M, kParallelRows, f);
+}
+
+// x [M, K] quantized per 32 k for the integer-dot tiles, in buffers of its own.
+struct QuantizedRows {
+  std::vector<int8_t> q;
+  std::vector<BlockActs> blocks;
+  QuantActs acts{};
+
+  void quantize(const float* x, int64_t M, int64_t K, int64_t isa) {
+    const int64_t num_blocks = K / 32;
+    q.resize(M * K);
+    blocks.resize(M * num_blocks);
+    const auto quantize = isa >= kIsaAvx512 ? quantize_rows_avx512 : quantize_rows;
+    for_rows(M, [&](int64_t begin, int64_t end) {
+      quantize(x + begin * K, end - begin, K, K, q.data() + begin * K, blocks.data() + begin * num_blocks);
+    });
+    acts = {q.data(), blocks.data(), K, num_blocks};
+  }
+};
+
+// An expert's rows and a range of a projection's panels.
+struct Task {
+  int64_t expert, m_begin, m_end, p_begin, p_end;
+};
+
+}  // namespace
+
+struct MoeExperts::Plan {
+  std::vector<ExpertLinear> gate_up, down;  // per expert
+  bool any_quantized_gate_up = false, any_quantized_down = false;
+};
+
+MoeExperts::MoeExperts(std::vector<PackedLinear> gate_up, std::vector<PackedLinear> down, int64_t hidden,
+                       int64_t intermediate, int64_t act, double alpha, double limit, int64_t isa)
+    : gate_up_(std::move(gate_up)), down_(std::move(down)), hidden_(hidden), intermediate_(intermediate), act_(act),
+      alpha_(alpha), limit_(limit), isa_(isa) {
+  TORCH_CHECK(!gate_up_.empty() && gate_up_.size() == down_.size(),
+              "moe_experts: one gate_up and one down per expert, at least one expert");
+  TORCH_CHECK(act == kActSilu || act == kActSwigluOai, "moe_experts: activation must be SiLU or gpt-oss's SwiGLU");
+  TORCH_CHECK(hidden > 0 && intermediate > 0, "moe_experts: hidden and intermediate sizes must be positive");
+  auto plan = std::make_shared<Plan>();
+  for (size_t e = 0; e < gate_up_.size(); ++e) {
+    plan->gate_up.push_back(expert_linear(gate_up_[e], hidden, 2 * intermediate, isa, "gate_up"));
+    plan->down.push_back(expert_linear(down_[e], intermediate, hidden, isa, "down"));
+    plan->any_quantized_gate_up |= plan->gate_up.back().is_quantized();
+    plan->any_quantized_down |= plan->down.back().is_quantized();
+  }
+  plan_ = std::move(plan);
+}
+
+int64_t MoeExperts::num_experts() const { return static_cast<int64_t>(gate_up_.size()); }
+
+namespace {
+
+// The product of rows [t.m_begin, t.m_end) of x (rows ldx apart; `acts`, the same rows quantized,
+// for block panels) and panels [t.p_begin, t.p_end) of w (N outputs) into out's columns of those
+// panels, on the calling thread.
+void run_product_task(const Task& t, const ExpertLinear& w, const float* x, int64_t K, const QuantActs& acts,
+                      int64_t N, float* out, int64_t isa) {
+  if (w.is_quantized()) {
+    const QuantPanels q{static_cast<const uint8_t*>(w.panels.data), quant_type_of_record(w.panels.width),
+                        w.panels.num_panels, w.panels.rows, w.panels.width};
+    return quant_gemm_task(acts, q, isa, w.bias, N, out, N, false, t.m_begin, t.m_end, t.p_begin, t.p_end);
+  }
+  // The panels' range as a weight of its own (panels are contiguous), run by a team of one.
+  const int64_t n0 = t.p_begin * kPanel;
+  PackedPanels part = w.panels;
+  part.data = static_cast<const char*>(w.panels.data) + t.p_begin * w.panel_bytes();
+  part.num_panels = t.p_end - t.p_begin;
+  std::atomic<int64_t> next{0};
+  const TeamShare alone{1, &next};
+  packed_gemm(x + t.m_begin * K, t.m_end - t.m_begin, K, K, part, w.scale == nullptr ? nullptr : w.scale + n0,
+              w.bias == nullptr ? nullptr : w.bias + n0, std::min(N - n0, part.num_panels * kPanel),
+              out + t.m_begin * N + n0, N, isa, false, &alone);
+}
+
+// The tasks of one projection over every routed expert: each expert's rows in blocks of
+// kRowBlock, its panels in ranges sized so that the whole product has about kTasksPerThread
+// tasks per thread.
+std::vector<Task> product_tasks(const std::vector<int64_t>& routed, const std::vector<int64_t>& row_begin,
+                                int64_t num_panels) {
+  const int64_t num_threads = std::max<int64_t>(1, at::get_num_threads());
+  int64_t work = 0;  // panels x row blocks
+  for (const int64_t e : routed) work += num_panels * ((row_begin[e + 1] - row_begin[e] + kRowBlock - 1) / kRowBlock);
+  const int64_t chunk = std::max<int64_t>(1, work / (kTasksPerThread * num_threads));
+  std::vector<Task> tasks;
+  for (const int64_t e : routed) {
+    for (int64_t m = row_begin[e]; m < row_begin[e + 1]; m += kRowBlock) {
+      const int64_t m_end = std::min(row_begin[e + 1], m + kRowBlock);
+      for (int64_t p = 0; p < num_panels; p += chunk) tasks.push_back({e, m, m_end, p, std::min(num_panels, p + chunk)});
+    }
+  }
+  return tasks;
+}
+
+}  // namespace
+
+torch::Tensor MoeExperts::forward(const torch::Tensor& x, const torch::Tensor& expert_ids,
+                                  const torch::Tensor& weights) const {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden_, "moe_experts: x must be [T, ", hidden_, "]");
+  const int64_t T = x.size(0);
+  TORCH_CHECK(expert_ids.dim() == 2 && expert_ids.size(0) == T && expert_ids.scalar_type() == torch::kInt64,
+              "moe_experts: expert_ids must be int64 [T, k]");
+  const int64_t k = expert_ids.size(1);
+  TORCH_CHECK(weights.dim() == 2 && weights.size(0) == T && weights.size(1) == k,
+              "moe_experts: weights must be [T, k], as expert_ids");
+  const auto xf = x.to(torch::kFloat32).contiguous();
+  const auto ids_c = expert_ids.contiguous();
+  const auto w_c = weights.to(torch::kFloat32).contiguous();
+  const int64_t* ids = ids_c.data_ptr<int64_t>();
+  const float* routing_weights = w_c.data_ptr<float>();
+  const int64_t E = num_experts(), H = hidden_, I = intermediate_, R = T * k;
+  for (int64_t i = 0; i < R; ++i)
+    TORCH_CHECK(ids[i] >= 0 && ids[i] < E, "moe_experts: expert id ", ids[i], " outside ", E, " experts");
+  auto out = torch::empty({T, H}, torch::kFloat32);  // [T, H]
+  if (R == 0) return out.zero_();
+
+  // Rows grouped by expert (ascending), tokens in order within an expert: row_begin[e] .. row_begin[e + 1].
+  std::vector<int64_t> row_begin(E + 1, 0);
+  for (int64_t i = 0; i < R; ++i) ++row_begin[ids[i] + 1];
+  for (int64_t e = 0; e < E; ++e) row_begin[e + 1] += row_begin[e];
+  std::vector<int64_t> next_row(row_begin.begin(), row_begin.end() - 1);
+  std::vector<int64_t> token_rows(R);  // [T, k]: token t's rows, in ascending expert order
+  std::vector<int64_t> row_token(R);
+  std::vector<float> row_weight(R);
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t r = next_row[ids[t * k + j]]++;
+      row_token[r] = t;
+      row_weight[r] = routing_weights[t * k + j];
+    }
+  }
+  {
+    std::vector<int64_t> filled(T, 0);
+    for (int64_t r = 0; r < R; ++r) token_rows[row_token[r] * k + filled[row_token[r]]++] = r;
+  }
+  std::vector<int64_t> routed;
+  for (int64_t e = 0; e < E; ++e)
+    if (row_begin[e + 1] > row_begin[e]) routed.push_back(e);
+
+  const Plan& plan = *plan_;
+  const float* xp = xf.data_ptr<float>();
+  const ScratchFloats xs = scratch_floats(R * H), h = scratch_floats(R * 2 * I), a = scratch_floats(R * I),
+                      y = scratch_floats(R * H);
+  for_rows(R, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) std::copy_n(xp + row_token[r] * H, H, xs.get() + r * H);
+  });
+
+  // gate_up: [R, H] -> [R, 2I], each expert's rows against its panels.
+  QuantizedRows quantized;
+  if (plan.any_quantized_gate_up) quantized.quantize(xs.get(), R, H, isa_);
+  const auto gate_up_tasks = product_tasks(routed, row_begin, (2 * I + kPanel - 1) / kPanel);
+  run_tasks(static_cast<int64_t>(gate_up_tasks.size()), [&](int64_t i) {
+    const Task& t = gate_up_tasks[i];
+    run_product_task(t, plan.gate_up[t.expert], xs.get(), H, quantized.acts, 2 * I, h.get(), isa_);
+  });
+
+  // The activation: [R, 2I] (gate half, then up half) -> [R, I].
+  const auto act = static_cast<float>(alpha_), limit = static_cast<float>(limit_);
+  for_rows(R, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* g = h.get() + r * 2 * I;
+      if (act_ == kActSilu)
+        silu_mul(g, g + I, a.get() + r * I, I, isa_);
+      else
+        swiglu_oai_mul(g, g + I, a.get() + r * I, I, act, limit);
+    }
+  });
+
+  // down: [R, I] -> [R, H].
+  if (plan.any_quantized_down) quantized.quantize(a.get(), R, I, isa_);
+  const auto down_tasks = product_tasks(routed, row_begin, (H + kPanel - 1) / kPanel);
+  run_tasks(static_cast<int64_t>(down_tasks.size()), [&](int64_t i) {
+    const Task& t = down_tasks[i];
+    run_product_task(t, plan.down[t.expert], a.get(), I, quantized.acts, H, y.get(), isa_);
+  });
+
+  // out[t] = sum over t's experts, ascending, of weight * output (each product rounded, then added).
+  float* o = out.data_ptr<float>();
+  for_rows(T, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      float* ot = o + t * H;
+      std::fill(ot, ot + H, 0.f);
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t r = token_rows[t * k + j];
+        const float* yr = y.get() + r * H;
+        const float w = row_weight[r];
+        for (int64_t i = 0; i < H; ++i) {
+          const float term = yr[i] * w;
+          ot[i] += term;
+        }
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace minivllm
