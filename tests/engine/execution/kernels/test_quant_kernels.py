@@ -249,3 +249,16 @@ def test_mxfp4_checks_fail_for_a_mutated_reading(kernels, mutation) -> None:
         out = weight.linear(torch.from_numpy(x), kernels, isa).double().numpy()
         assert (np.abs(out - quantized_rows(x) @ right.T) <= 1e-5 * magnitude + 1e-6).all(), ISA_NAMES[isa]
         assert not (np.abs(out - quantized_rows(x) @ wrong.T) <= 1e-5 * magnitude + 1e-6).all(), ISA_NAMES[isa]
+
+
+def test_packed_linear_knows_mxfp4_panels_by_their_record_size(kernels) -> None:
+    """The fused layers' and decode step's entry (packed_linear, uint8 panels without a type) takes
+    MXFP4's 272-byte records for MXFP4: quant_linear's floats, no other type's."""
+    rng = np.random.default_rng(272)
+    weight = QuantizedWeight.pack(mxfp4_blocks(40, 2880, rng), T.MXFP4, 2880,
+                                  torch.from_numpy(rng.standard_normal(40).astype(np.float32)))
+    x = torch.from_numpy(rng.standard_normal((3, 2880)).astype(np.float32))
+    assert weight.data.shape[-1] == 272
+    for isa in range(kernels.best_isa() + 1):
+        out = kernels.packed_linear(x, weight.data, None, weight.bias, weight.out_features, isa)
+        assert torch.equal(out, weight.linear(x, kernels, isa)), ISA_NAMES[isa]
