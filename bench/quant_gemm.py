@@ -4,12 +4,14 @@ bound) and the int8 panel kernel on the same shapes, side by side in one run:
 
     flock -x /tmp/minivllm-bench.lock python -m bench.quant_gemm
     flock -x /tmp/minivllm-bench.lock python -m bench.quant_gemm --rows 1,8,32 --isa avx2
+    flock -x /tmp/minivllm-bench.lock python -m bench.quant_gemm --sets gpt-oss --types Q4_0,MXFP4
 
 Each shape set is a chain of products over distinct copies of its weights, more bytes than the
 caches hold, run by one team of threads that waits for each product's end as a decode step's
 members do (kernels/linear_chain.cpp): the 135M set is SmolLM2-135M's layer (QKV, O, gate/up,
-down), the 1B set Llama-3.2-1B's MLP shapes (2048 -> 8192, 8192 -> 2048). GB/s counts the
-weights' bytes as the kernels hold them.
+down), the 1B set Llama-3.2-1B's MLP shapes (2048 -> 8192, 8192 -> 2048), the gpt-oss set one
+gpt-oss-20b expert's down projection (2880 -> 2880; its MXFP4 blocks beside Q4_0's). GB/s counts
+the weights' bytes as the kernels hold them.
 """
 from __future__ import annotations
 
@@ -29,8 +31,8 @@ from engine.execution.weights.quantized_weight import QuantizedWeight
 logger = logging.getLogger(__name__)
 T = GGMLQuantizationType
 _SETS = {"135M layer": [(576, 960), (576, 576), (576, 3072), (1536, 576)],  # (K, N)
-         "1B MLP": [(2048, 8192), (8192, 2048)]}
-_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0]
+         "1B MLP": [(2048, 8192), (8192, 2048)], "gpt-oss": [(2880, 2880)]}
+_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.MXFP4]
 _MIN_BYTES = 320 << 20  # per chain: several times the last-level cache
 
 
@@ -65,6 +67,7 @@ def main() -> None:
     parser.add_argument("--rows", default="1", help="comma-separated row counts (M)")
     parser.add_argument("--isa", default="best", choices=["best", *ISAS])
     parser.add_argument("--types", default=",".join(t.name for t in _TYPES))
+    parser.add_argument("--sets", default=",".join(_SETS), help="comma-separated shape sets")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     kernels = load_cpu_kernels()
@@ -77,7 +80,11 @@ def main() -> None:
     logger.info("%d threads; kernels: %s", torch.get_num_threads(),
                 next(name for name, level in ISAS.items() if level == isa))
     results: list[tuple[str, float, float]] = []  # (what, GB/s, GFLOP/s)
-    for set_name, shapes in _SETS.items():
+    sets = args.sets.split(",")
+    unknown = [name for name in sets if name not in _SETS]
+    if unknown:
+        raise SystemExit(f"--sets: unknown {', '.join(unknown)}; known: {', '.join(_SETS)}")
+    for set_name, shapes in ((name, _SETS[name]) for name in sets):
         chains: dict[str, tuple[list, int]] = {}
         for quant_type in types:
             if any(k % GGML_QUANT_SIZES[quant_type][0] for k, _ in shapes):

@@ -83,7 +83,7 @@ class EngineConfig:
     quantization: str = _opt("auto", "weight quantization: auto (gguf for a .gguf model on the CPU where its kernels build, else none) | "
                                      "none (a .gguf file dequantized to float) | int8 (weight-only, one scale per "
                                      "output channel; CPU; activations keep dtype, the KV cache kv_cache_dtype) | "
-                                     "gguf (a GGUF file's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K blocks as they are, by integer-dot "
+                                     "gguf (a GGUF file's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K/MXFP4 blocks as they are, by integer-dot "
                                      "kernels; CPU; unset model: the default model's own Q4_1 file)")
     max_fused_tokens: int | None = _opt(None, "steps of at most this many tokens (decode sequences + prefill "
                                               "tokens) run each layer in C++ over weights packed in 16-channel "

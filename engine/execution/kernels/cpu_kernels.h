@@ -191,7 +191,7 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& w, cons
 using PackedLinear = std::tuple<torch::Tensor, std::optional<torch::Tensor>, std::optional<torch::Tensor>, int64_t>;
 // A weight of GGUF's quantized blocks, repacked in panels of 16 output channels (quant_tiles.h
 // has the layout), as plain values: data [num_panels, num_records, record_bytes] uint8 and its
-// ggml type (Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14).
+// ggml type (Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14, MXFP4 39).
 struct QuantPanels {
   const uint8_t* data = nullptr;
   int64_t type = 0;

@@ -40,11 +40,28 @@ int32_t code_at(int64_t type, const uint8_t* c, int64_t r, int64_t k) {
   return low | (((c[256 + (t / 2) * 64 + r * 4 + kk % 4] >> shift) & 3) << 4);
 }
 
+// Row r's MXFP4 scale in a record's header: 2^(e - 128).
+float e8m0_half_at(const uint8_t* rec, int64_t r) {
+  const uint32_t bits = e8m0_half_bits(rec[r]);
+  float d;
+  std::memcpy(&d, &bits, sizeof(d));
+  return d;
+}
+
+// The unsigned operand the vector tiles multiply for row r's code at k: the code itself, or
+// MXFP4's value + 12 (its table lookup).
+int32_t operand_at(int64_t type, const uint8_t* c, int64_t r, int64_t k) {
+  const int32_t code = code_at(type, c, r, k);
+  return type == kMXFP4 ? kMxfp4Values[code] + kMxfp4Offset : code;
+}
+
 // The weight of row r (< 16) at k (< 32) of 32-k block j of a record, as the gguf package
 // dequantizes it (each operation's rounding the same).
 float weight_at(int64_t type, const uint8_t* rec, int64_t j, int64_t r, int64_t k) {
   const QuantFormat f = quant_format(type);
-  const auto code = static_cast<float>(code_at(type, rec + f.header_bytes + j * f.block_bytes, r, k));
+  const int32_t raw = code_at(type, rec + f.header_bytes + j * f.block_bytes, r, k);
+  if (type == kMXFP4) return e8m0_half_at(rec, r) * static_cast<float>(kMxfp4Values[raw]);
+  const auto code = static_cast<float>(raw);
   const float d = half_at(rec, r);
   switch (type) {
     case kQ4_0: return d * (code - 8.f);
@@ -76,8 +93,8 @@ void quant_tile_scalar(int64_t type, int64_t rows, const QuantActs& a, int64_t m
         const BlockActs& x = a.blocks[(m0 + m) * a.num_blocks + b];
         for (int64_t r = 0; r < kPanel; ++r) {
           int32_t lo = 0, hi = 0;
-          for (int64_t k = 0; k < kBlock; ++k) (k < 16 ? lo : hi) += code_at(type, c, r, k) * xq[k];
-          const float d = half_at(w, r);
+          for (int64_t k = 0; k < kBlock; ++k) (k < 16 ? lo : hi) += operand_at(type, c, r, k) * xq[k];
+          const float d = type == kMXFP4 ? e8m0_half_at(w, r) : half_at(w, r);
           float scale = d, minimum = 0.f;
           int32_t sum = lo + hi;
           switch (type) {
@@ -86,6 +103,7 @@ void quant_tile_scalar(int64_t type, int64_t rows, const QuantActs& a, int64_t m
             case kQ5_0: sum -= 16 * (x.sum_lo + x.sum_hi); break;
             case kQ5_1: minimum = half_at(w + 32, r); break;
             case kQ8_0: sum -= 128 * (x.sum_lo + x.sum_hi); break;
+            case kMXFP4: sum -= kMxfp4Offset * (x.sum_lo + x.sum_hi); break;
             case kQ4_K:
             case kQ5_K:
               scale = d * static_cast<float>(w[64 + 16 * j + r]);

@@ -3,11 +3,11 @@
 // A weight of N output channels and K inputs keeps its file's codes and scales, repacked at load
 // (engine/execution/models/quantized_weight.py) into panels of 16 output channels,
 // [ceil(N/16), records, record_bytes] uint8: a panel is one contiguous stream of records, each
-// one GGUF block (32 k: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) or super-block (256 k: Q4_K, Q5_K, Q6_K) of all 16 rows,
+// one GGUF block (32 k: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4) or super-block (256 k: Q4_K, Q5_K, Q6_K) of all 16 rows,
 // its scales first (16 per field, row order), then its codes, 32 k at a time. A 32-k block's
 // codes are 64-byte groups, one vpdpbusd operand each: group t holds, at byte r * 4 + i, row r's
 // code of k = 4t + i, so one broadcast of 4 activation bytes multiplies all 16 rows.
-//   4-bit (Q4_0, Q4_1, Q4_K): 4 groups; the low nibble is k = 4t + i, the high one k = 16 + 4t + i.
+//   4-bit (Q4_0, Q4_1, Q4_K, MXFP4): 4 groups; the low nibble is k = 4t + i, the high one k = 16 + 4t + i.
 //   5-bit (Q5_0, Q5_1, Q5_K): the code's low 4 bits as 4-bit blocks, then 1 group of its top bits:
 //     byte r * 4 + i, bit t: k = 4t + i; bit 4 + t: k = 16 + 4t + i (t < 4).
 //   Q8_0: 8 groups of code + 128 (the file's int8 made unsigned, as vpdpbusd's first operand is).
@@ -22,6 +22,9 @@
 //   Q8_0: d f16[16]                      w = d (u - 128)
 //   Q4_K, Q5_K: d, dmin f16[16]; sc[8][16], mn[8][16] u8 (6-bit, per 32 k)    w = d sc q - dmin mn
 //   Q6_K: d f16[16]; sc[16][16] i8 (per 16 k)                                 w = d sc (q - 32)
+//   MXFP4: e u8[16] (E8M0)               w = 2^(e - 128) kMxfp4Values[q] (the E2M1 values doubled)
+// MXFP4's codes stay 4-bit in memory: the tiles turn them into kMxfp4Values[q] + 12 (unsigned, as
+// vpdpbusd's operand must be) by a byte shuffle, and take 12 times the activations' sum back.
 // The sizes per row equal the file's, but Q4_K's and Q5_K's 6-bit scales, kept as bytes (148
 // against 144, 180 against 176 bytes per 256 k).
 //
@@ -35,7 +38,17 @@
 namespace minivllm {
 
 // ggml_type ids of the formats with kernels.
-enum QuantType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+enum QuantType : int64_t {
+  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kMXFP4 = 39
+};
+
+// MXFP4's code -> twice its E2M1 value, integers (ggml's table), and the offset that makes them unsigned.
+constexpr int8_t kMxfp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+constexpr int32_t kMxfp4Offset = 12;
+
+// An E8M0 scale byte as a float32 halved (the table's doubling undone): 2^(e - 128), the bits
+// ggml's ggml_e8m0_to_fp32_half builds (subnormal for e < 2).
+constexpr uint32_t e8m0_half_bits(uint8_t e) { return e < 2 ? 0x00200000u << e : static_cast<uint32_t>(e - 1) << 23; }
 
 // The 5-bit types: 4-bit codes plus a group of top bits a 32-k block.
 constexpr bool is_5bit(int64_t type) { return type == kQ5_0 || type == kQ5_1 || type == kQ5_K; }
@@ -62,6 +75,7 @@ constexpr QuantFormat quant_format(int64_t type) {
     case kQ4_K: return {8, 320, 256};
     case kQ5_K: return {8, 320, 320};
     case kQ6_K: return {8, 288, 384};
+    case kMXFP4: return {1, 16, 256};
     default: return {};
   }
 }
@@ -70,7 +84,7 @@ constexpr QuantFormat quant_format(int64_t type) {
 // own, so uint8 panels in a packed projection's slot (packed_gemm's dispatch, DecodeModel's
 // embedding) say their type by their shape. 0 for a size no type has.
 constexpr int64_t quant_type_of_record(int64_t record_bytes) {
-  constexpr int64_t kTypes[] = {kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ8_0, kQ4_K, kQ5_K, kQ6_K};
+  constexpr int64_t kTypes[] = {kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ8_0, kQ4_K, kQ5_K, kQ6_K, kMXFP4};
   for (const int64_t type : kTypes)
     if (quant_format(type).record_bytes() == record_bytes) return type;
   return 0;
@@ -82,7 +96,8 @@ static_assert(quant_type_of_record(quant_format(kQ4_0).record_bytes()) == kQ4_0 
                   quant_type_of_record(quant_format(kQ5_K).record_bytes()) == kQ5_K &&
                   quant_type_of_record(quant_format(kQ8_0).record_bytes()) == kQ8_0 &&
                   quant_type_of_record(quant_format(kQ4_K).record_bytes()) == kQ4_K &&
-                  quant_type_of_record(quant_format(kQ6_K).record_bytes()) == kQ6_K,
+                  quant_type_of_record(quant_format(kQ6_K).record_bytes()) == kQ6_K &&
+                  quant_type_of_record(quant_format(kMXFP4).record_bytes()) == kMXFP4,
               "each quantized type's record size is its own");
 
 // One row's 32-k block of activations: x ~ scale * q; sums of q over its two halves; scale *
@@ -124,6 +139,7 @@ inline void with_quant_type(int64_t type, const F& f) {
     case kQ4_K: return f(std::integral_constant<int64_t, kQ4_K>{});
     case kQ5_K: return f(std::integral_constant<int64_t, kQ5_K>{});
     case kQ6_K: return f(std::integral_constant<int64_t, kQ6_K>{});
+    case kMXFP4: return f(std::integral_constant<int64_t, kMXFP4>{});
     default: return;
   }
 }

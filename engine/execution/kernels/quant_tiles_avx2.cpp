@@ -3,6 +3,7 @@
 // from vpmaddubsw (unsigned codes x int8 activations, pairs summed to int16) and vpmaddwd (pairs
 // to int32). No code is above 63 when it meets vpmaddubsw (Q8_0's int8 codes go as |q| against
 // the activations with q's sign, llama.cpp's trick, |q| <= 128), so no int16 sum saturates.
+// MXFP4's nibbles become their value + 12 (0..24) by a vpshufb table lookup.
 // Tiles of one or two rows (16 registers); more rows run as several tiles.
 #include "quant_tiles.h"
 
@@ -39,6 +40,21 @@ MINIVLLM_AVX2Q inline __m256i bcast4(const int8_t* p) {
   std::memcpy(&v, p, sizeof(v));
   return _mm256_set1_epi32(v);
 }
+// 8 E8M0 bytes -> 2^(e - 128) each (e8m0_half_bits: e - 1 in the exponent field, subnormal below 2).
+MINIVLLM_AVX2Q inline __m256 e8m0_halves8(const uint8_t* p) {
+  int64_t v;
+  std::memcpy(&v, p, sizeof(v));
+  const __m256i e = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(v));
+  const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+  const __m256i tiny = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+  return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, tiny, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)));
+}
+// kMxfp4Values + kMxfp4Offset in each 128-bit lane: vpshufb's table.
+MINIVLLM_AVX2Q inline __m256i mxfp4_table() {
+  alignas(16) int8_t t[16];
+  for (int i = 0; i < 16; ++i) t[i] = static_cast<int8_t>(kMxfp4Values[i] + kMxfp4Offset);
+  return _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(t)));
+}
 // Per 32-bit lane: the sum of its 4 (code x activation) products.
 MINIVLLM_AVX2Q inline __m256i dot4(__m256i codes, __m256i x) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x), _mm256_set1_epi16(1));
@@ -61,12 +77,17 @@ MINIVLLM_AVX2Q inline __attribute__((always_inline)) void block_dots(const uint8
   }
   const __m256i top5 = _mm256_set1_epi8(0x10);
   const __m256i hb5 = is_5bit(T) ? half_group(c + 256 + 32 * h) : _mm256_setzero_si256();
+  const __m256i table = T == kMXFP4 ? mxfp4_table() : _mm256_setzero_si256();
   for (int t = 0; t < 4; ++t) {
     const __m256i v = half_group(c + 64 * t + 32 * h);
     __m256i ul = _mm256_and_si256(v, low4), uh = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
     if constexpr (is_5bit(T)) {  // bits t and 4 + t to bit 4 (shifts of at most 4 keep them in their byte)
       ul = _mm256_or_si256(ul, _mm256_and_si256(_mm256_slli_epi16(hb5, 4 - t), top5));
       uh = _mm256_or_si256(uh, _mm256_and_si256(_mm256_srli_epi16(hb5, t), top5));
+    }
+    if constexpr (T == kMXFP4) {
+      ul = _mm256_shuffle_epi8(table, ul);
+      uh = _mm256_shuffle_epi8(table, uh);
     }
     if constexpr (T == kQ6_K) {
       const __m256i top2 = _mm256_set1_epi8(0x30), hb = half_group(c + 256 + 64 * (t / 2) + 32 * h);
@@ -103,7 +124,7 @@ MINIVLLM_AVX2Q void tile(const QuantActs& a, int64_t m0, const uint8_t* w, int64
       for (int h = 0; h < 2; ++h) {
         __m256i lo[MT], hi[MT];
         block_dots<MT, T>(c, h, xk, lo, hi);
-        __m256 ds = halves8(w + 16 * h), dm = _mm256_setzero_ps();
+        __m256 ds = T == kMXFP4 ? e8m0_halves8(w + 8 * h) : halves8(w + 16 * h), dm = _mm256_setzero_ps();
         __m256i sc_lo = _mm256_setzero_si256(), sc_hi = sc_lo;
         if constexpr (has_block_min(T)) dm = halves8(w + 32 + 16 * h);
         if constexpr (has_sub_block_min(T)) {
@@ -120,6 +141,9 @@ MINIVLLM_AVX2Q void tile(const QuantActs& a, int64_t m0, const uint8_t* w, int64
           __m256i sum = _mm256_add_epi32(lo[m], hi[m]);
           if constexpr (T == kQ4_0) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(8 * (x.sum_lo + x.sum_hi)));
           if constexpr (T == kQ5_0) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(16 * (x.sum_lo + x.sum_hi)));
+          if constexpr (T == kMXFP4) {
+            sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(kMxfp4Offset * (x.sum_lo + x.sum_hi)));
+          }
           if constexpr (T == kQ6_K) {
             const __m256i a_lo = _mm256_sub_epi32(lo[m], _mm256_set1_epi32(32 * x.sum_lo));
             const __m256i a_hi = _mm256_sub_epi32(hi[m], _mm256_set1_epi32(32 * x.sum_hi));

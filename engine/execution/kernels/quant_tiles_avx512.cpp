@@ -5,7 +5,8 @@
 // block's activation scale.
 //
 // 4-bit codes: the low nibbles are masked, the high ones kept in place (16 q), their sums shifted
-// down once a block: one instruction a group fewer than shifting every group.
+// down once a block: one instruction a group fewer than shifting every group. MXFP4's nibbles are
+// indices: vpshufb looks each up in a 16-byte table (value + 12), so both are masked down to 0..15.
 #include "quant_tiles.h"
 
 #if defined(__x86_64__)
@@ -31,6 +32,19 @@ MINIVLLM_VNNI inline __m512i sbytes16(const uint8_t* p) {
   return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 MINIVLLM_VNNI inline __m512i group(const uint8_t* p) { return _mm512_loadu_si512(p); }
+// 16 E8M0 bytes -> 2^(e - 128) each (e8m0_half_bits: e - 1 in the exponent field, subnormal below 2).
+MINIVLLM_VNNI inline __m512 e8m0_halves16(const uint8_t* p) {
+  const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+  const __m512i tiny = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
+  return _mm512_castsi512_ps(_mm512_mask_blend_epi32(_mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2)), normal, tiny));
+}
+// kMxfp4Values + kMxfp4Offset in each 128-bit lane: vpshufb's table.
+MINIVLLM_VNNI inline __m512i mxfp4_table() {
+  alignas(16) int8_t t[16];
+  for (int i = 0; i < 16; ++i) t[i] = static_cast<int8_t>(kMxfp4Values[i] + kMxfp4Offset);
+  return _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(t)));
+}
 // 4 activation bytes in every lane.
 MINIVLLM_VNNI inline __m512i bcast4(const int8_t* p) {
   int32_t v;
@@ -81,6 +95,17 @@ MINIVLLM_VNNI inline __attribute__((always_inline)) void block_dots(const uint8_
         hi[m] = _mm512_dpbusd_epi32(hi[m], uh, bcast4(xq[m] + 16 + 4 * t));
       }
     }
+  } else if constexpr (T == kMXFP4) {
+    const __m512i low4 = _mm512_set1_epi8(0x0F), table = mxfp4_table();
+    for (int t = 0; t < 4; ++t) {
+      const __m512i v = group(c + 64 * t);
+      const __m512i ul = _mm512_shuffle_epi8(table, _mm512_and_si512(v, low4));
+      const __m512i uh = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
+      for (int m = 0; m < MT; ++m) {
+        lo[m] = _mm512_dpbusd_epi32(lo[m], ul, bcast4(xq[m] + 4 * t));
+        hi[m] = _mm512_dpbusd_epi32(hi[m], uh, bcast4(xq[m] + 16 + 4 * t));
+      }
+    }
   } else {  // 4-bit: hi sums 16 q
     const __m512i low4 = _mm512_set1_epi8(0x0F), high4 = _mm512_set1_epi8(static_cast<char>(0xF0));
     for (int t = 0; t < 4; ++t) {
@@ -106,7 +131,7 @@ MINIVLLM_VNNI void tile(const QuantActs& a, int64_t m0, const uint8_t* w, int64_
     xb[m] = a.blocks + (m0 + m) * a.num_blocks;
   }
   for (int64_t rec = 0; rec < num_records; ++rec, w += f.record_bytes()) {
-    const __m512 d = halves16(w);
+    const __m512 d = T == kMXFP4 ? e8m0_halves16(w) : halves16(w);
     for (int64_t j = 0; j < f.blocks_per_record; ++j) {
       const uint8_t* c = w + f.header_bytes + j * f.block_bytes;
       for (int64_t line = 0; line < f.block_bytes; line += 64) _mm_prefetch(c + kPrefetchBytes + line, _MM_HINT_T1);
@@ -137,6 +162,8 @@ MINIVLLM_VNNI void tile(const QuantActs& a, int64_t m0, const uint8_t* w, int64_
           const __m512i a_lo = _mm512_sub_epi32(lo[m], _mm512_set1_epi32(32 * x.sum_lo));
           const __m512i a_hi = _mm512_sub_epi32(hi[m], _mm512_set1_epi32(32 * x.sum_hi));
           sum = _mm512_add_epi32(_mm512_mullo_epi32(a_lo, sc_lo), _mm512_mullo_epi32(a_hi, sc_hi));
+        } else if constexpr (T == kMXFP4) {
+          sum = _mm512_sub_epi32(_mm512_add_epi32(lo[m], hi[m]), _mm512_set1_epi32(kMxfp4Offset * (x.sum_lo + x.sum_hi)));
         } else if constexpr (is_5bit(T)) {
           sum = _mm512_add_epi32(lo[m], hi[m]);
           if constexpr (T == kQ5_0) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(16 * (x.sum_lo + x.sum_hi)));

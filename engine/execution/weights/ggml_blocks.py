@@ -1,9 +1,11 @@
-"""GGUF's quantized block formats with kernels (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K): a tensor's blocks
+"""GGUF's quantized block formats with kernels (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4): a tensor's blocks
 split into their fields, codes and scales as the file stores them, and the float32 values the
 fields stand for, computed in the `gguf` package's order of float32 operations so that both give
 the same floats (the exact reference for these weights).
 
-Codes are unsigned: 4-bit 0..15; 5-bit 0..31; Q6_K 0..63; Q8_0 the file's int8 plus 128.
+Codes are unsigned: 4-bit 0..15; 5-bit 0..31; Q6_K 0..63; Q8_0 the file's int8 plus 128. MXFP4's
+4-bit codes index the E2M1 values doubled (MXFP4_VALUES: integers) and its scale is a byte, an E8M0
+exponent e standing for 2^(e - 127), halved to undo the doubling: 2^(e - 128), subnormal for e < 2.
 """
 from __future__ import annotations
 
@@ -15,15 +17,18 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 QK = 32  # the kernels' block: activations are quantized per 32 k
 QK_K = 256  # a k-quant super-block
 _T = GGMLQuantizationType
-KERNEL_TYPES = (_T.Q4_0, _T.Q4_1, _T.Q5_0, _T.Q5_1, _T.Q8_0, _T.Q4_K, _T.Q5_K, _T.Q6_K)
+KERNEL_TYPES = (_T.Q4_0, _T.Q4_1, _T.Q5_0, _T.Q5_1, _T.Q8_0, _T.Q4_K, _T.Q5_K, _T.Q6_K, _T.MXFP4)
 FIVE_BIT_TYPES = (_T.Q5_0, _T.Q5_1, _T.Q5_K)  # 4-bit codes plus a top bit each
+# MXFP4's code -> twice its E2M1 value (0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives), as ggml's table
+MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int8)
 
 
 @dataclass(slots=True)
 class BlockFields:
     quant_type: GGMLQuantizationType
     codes: np.ndarray  # [N, K] uint8
-    d: np.ndarray  # [N, K / block] float16: the scale of each block (super-block for Q4_K, Q5_K, Q6_K)
+    # [N, K / block]: the scale of each block (super-block for Q4_K, Q5_K, Q6_K), float16; MXFP4: uint8, the E8M0 byte
+    d: np.ndarray
     m: np.ndarray | None = None  # Q4_1, Q5_1: [N, K / 32] float16, each block's minimum
     dmin: np.ndarray | None = None  # Q4_K, Q5_K: [N, K / 256] float16, the scale of the sub-blocks' minimums
     sc: np.ndarray | None = None  # Q4_K, Q5_K: [N, K / 32] uint8 (6 bits); Q6_K: [N, K / 16] int8
@@ -50,6 +55,14 @@ def _halves(b: np.ndarray, start: int) -> np.ndarray:
 def _nibbles(qs: np.ndarray) -> np.ndarray:
     """[..., n] bytes -> [..., 2n] codes: the low nibbles, then the high ones."""
     return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def e8m0_half(e: np.ndarray) -> np.ndarray:
+    """E8M0 bytes -> float32 2^(e - 128) (half the scale they stand for), bit for bit as ggml and the
+    gguf package build it: subnormal 2^-128 and 2^-127 below e = 2, 2^127 at e = 255."""
+    e = e.astype(np.uint32)
+    bits = np.where(e < 2, np.uint32(0x00200000) << e, (np.maximum(e, 1) - 1) << np.uint32(23))
+    return bits.astype(np.uint32).view(np.float32)
 
 
 def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -89,6 +102,8 @@ def split_blocks(blocks: np.ndarray, quant_type: GGMLQuantizationType, k: int) -
         return BlockFields(quant_type, codes.reshape(n, k), _halves(b, 0), m=_halves(b, 2))
     if quant_type == GGMLQuantizationType.Q8_0:
         return BlockFields(quant_type, (b[..., 2:] ^ 0x80).reshape(n, k), _halves(b, 0))
+    if quant_type == GGMLQuantizationType.MXFP4:  # e, then Q4_0's nibble order
+        return BlockFields(quant_type, _nibbles(b[..., 1:]).reshape(n, k), np.ascontiguousarray(b[..., 0]))
     if quant_type in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K):
         sc, mn = _k_scales(b[..., 4:16])  # 8 scales and 8 minimums of 6 bits in 12 bytes
         # 4 runs of 32 bytes: the low nibbles are sub-block 2c, the high ones 2c + 1
@@ -113,6 +128,9 @@ def dequantize_fields(f: BlockFields) -> np.ndarray:
     n, k = f.shape
     t = f.quant_type
     per_block = f.codes.reshape(n, k // QK, QK)
+    if t == GGMLQuantizationType.MXFP4:
+        with np.errstate(over="ignore"):  # e near 255: +-inf, as the gguf package gives
+            return (e8m0_half(f.d)[..., None] * MXFP4_VALUES[per_block].astype(np.float32)).reshape(n, k)
     d = f.d.astype(np.float32)
     if t in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q5_0):
         offset = np.int8(8 if t == GGMLQuantizationType.Q4_0 else 16)

@@ -1,10 +1,11 @@
 """A projection's GGUF blocks repacked for the C++ integer-dot kernels: panels of 16 output channels.
 
 Layout [ceil(N / 16), records, record bytes] uint8 (engine/execution/kernels/quant_tiles.h draws
-it): a panel is one stream of records, one per GGUF block (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: 32 k) or
+it): a panel is one stream of records, one per GGUF block (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4: 32 k) or
 super-block (Q4_K, Q5_K, Q6_K: 256 k) of its 16 rows, the scales first (the file's float16s, 16 a
-field), then the codes in 64-byte groups of 4 k x 16 rows, one vpdpbusd operand each (5- and 6-bit
-codes: their low 4 bits as 4-bit codes, then groups of their top bits). The codes and scales are
+field; MXFP4's E8M0 bytes), then the codes in 64-byte groups of 4 k x 16 rows, one vpdpbusd operand
+each (5- and 6-bit codes: their low 4 bits as 4-bit codes, then groups of their top bits; MXFP4's
+4-bit codes as they are, turned into values by the kernels' table lookup). The codes and scales are
 the file's, moved, never turned into floats and back: `dequantize()` gives exactly the floats the
 `gguf` package dequantizes the file's blocks to. Bytes per weight equal the file's, but Q4_K's and
 Q5_K's 6-bit scales, which take a byte each here (148 against 144, 180 against 176 bytes per 256
@@ -135,7 +136,7 @@ class QuantizedWeight:
             offset += width
             return values
 
-        f = BlockFields(t, np.empty(0), take(1, np.float16))
+        f = BlockFields(t, np.empty(0), take(1, np.uint8 if t == _T.MXFP4 else np.float16))
         if t in (_T.Q4_1, _T.Q5_1):
             f.m = take(1, np.float16)
         if t in (_T.Q4_K, _T.Q5_K):

@@ -2,7 +2,8 @@
 own dequantization float for float, and the integer-dot kernels (activations quantized per 32 k)
 match a float64 reference on odd shapes (M = 1, 3, 17, 70; N not a multiple of the 16-row panel)
 on every path this CPU runs: scalar, AVX2 (forced on AVX-512 machines) and AVX-512 VNNI; the
-5-bit types (Q5_0, Q5_1, Q5_K) also from weights quantized as llama.cpp's files hold them."""
+5-bit types (Q5_0, Q5_1, Q5_K) and MXFP4 also from weights quantized as the files hold them, and
+MXFP4's E8M0 scale bytes at their edges (subnormal, overflowing)."""
 from __future__ import annotations
 
 import numpy as np
@@ -14,7 +15,7 @@ from gguf.quants import dequantize, quantize
 from bench.kquants import quantize_q5_k
 from bench.random_blocks import random_blocks
 from engine.execution.kernels import ISAS
-from engine.execution.weights.ggml_blocks import KERNEL_TYPES, block_size
+from engine.execution.weights.ggml_blocks import KERNEL_TYPES, block_size, e8m0_half
 from engine.execution.weights.quantized_weight import QuantizedWeight
 from tests.helpers import ISA_NAMES
 
@@ -152,3 +153,112 @@ def test_a_teams_share_computes_what_one_call_does(kernels, m: int) -> None:
             out = torch.full((m * 200,), float("nan"))
             kernels.quant_chain_seconds(x, [(w.data, int(w.quant_type), w.out_features, w.in_features)], 2, isa, out)
             assert torch.equal(out.view(m, 200), w.linear(x, kernels, isa)), (w.quant_type.name, ISA_NAMES[isa])
+
+
+def mxfp4_blocks(n: int, k: int, rng: np.random.Generator, exponents: np.ndarray | None = None) -> np.ndarray:
+    """[n, k / 32 * 17] uint8 MXFP4 rows: random code bytes, the scale bytes `exponents` ([n, k / 32])
+    or random_blocks' sane range."""
+    blocks = random_blocks(T.MXFP4, n, k, rng).reshape(n, k // 32, 17)
+    if exponents is not None:
+        blocks[..., 0] = exponents
+    return blocks.reshape(n, -1)
+
+
+def test_mxfp4_dequantize_is_the_gguf_packages_at_every_scale_byte() -> None:
+    """All 256 E8M0 bytes (e = 0 and 1 subnormal, e = 255 overflowing to inf for the larger codes,
+    as the gguf package computes them) with every code: the panels give back its floats bit for bit."""
+    rng = np.random.default_rng(39)
+    n, k = 37, 7 * 32  # 3 panels, the last with 5 rows
+    exponents = np.arange(n * k // 32).reshape(n, k // 32) % 256
+    blocks = mxfp4_blocks(n, k, rng, exponents.astype(np.uint8))
+    weight = QuantizedWeight.pack(blocks, T.MXFP4, k)
+    with np.errstate(over="ignore"):
+        expected = dequantize(blocks, T.MXFP4).reshape(n, k)
+    assert np.isinf(expected).any() and (np.abs(expected[expected != 0]) < 1e-38).any()  # both edges reached
+    assert np.array_equal(weight.dequantize().numpy(), expected)
+    assert weight.data.shape == (3, 7, 16 + 256) and weight.num_bytes == blocks.nbytes * 48 // n  # 4.25 bits a weight
+    # e = 0 is 2^-128 (subnormal), e = 255 is 2^127: the table's 1 and 2 at each end (2 x 2^127: inf)
+    one = np.zeros((1, 17), dtype=np.uint8)
+    one[0, 1], one[0, 2] = 0x21, 0x01  # k = 0: code 1 (value 1), k = 16: code 2 (value 2), k = 1: code 1
+    for e, scale in ((0, 2.0 ** -128), (1, 2.0 ** -127), (2, 2.0 ** -126), (127, 0.5), (255, 2.0 ** 127)):
+        one[0, 0] = e
+        got = QuantizedWeight.pack(one, T.MXFP4, 32).dequantize().numpy()[0]
+        with np.errstate(over="ignore"):  # 2 x 2^127
+            assert got[0] == np.float32(scale) and got[16] == np.float32(2 * scale) and got[1] == np.float32(scale)
+
+
+def test_mxfp4_quantized_from_weights_runs_as_the_gguf_package_reads_it(kernels) -> None:
+    """gpt-oss-like expert rows (K = 2880) quantized by the gguf package: every path's products
+    within the other types' bound of the dequantized matrix."""
+    rng = np.random.default_rng(2880)
+    n, k = 50, 2880
+    values = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+    blocks = quantize(values, T.MXFP4)
+    weight = QuantizedWeight.pack(blocks, T.MXFP4, k)
+    expected = dequantize(blocks, T.MXFP4).reshape(n, k)
+    assert np.array_equal(weight.dequantize().numpy(), expected)
+    assert np.abs(expected - values).max() < 0.3 * np.abs(values).max()  # E2M1: 2 bits of mantissa
+    assert len(np.unique(weight.fields().codes)) == 15  # all but 8: -0, never chosen over 0
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    exact = quantized_rows(x) @ expected.T.astype(np.float64)
+    magnitude = np.abs(quantized_rows(x)) @ np.abs(expected.T.astype(np.float64))
+    for isa in range(kernels.best_isa() + 1):
+        out = weight.linear(torch.from_numpy(x), kernels, isa).double().numpy()
+        assert (np.abs(out - exact) <= 1e-5 * magnitude + 1e-6).all(), ISA_NAMES[isa]
+
+
+def test_mxfp4_vector_tiles_scale_by_every_e8m0_byte_as_the_scalar_reference(kernels) -> None:
+    """256 rows, row e scaled by E8M0 byte e (subnormal 2^-128 at e = 0, 2^127 at e = 255): one
+    block's products are one rounding of the same integer sum times the same scale on every path."""
+    rng = np.random.default_rng(255)
+    blocks = mxfp4_blocks(256, 32, rng, np.arange(256, dtype=np.uint8)[:, None])
+    weight = QuantizedWeight.pack(blocks, T.MXFP4, 32)
+    x = torch.from_numpy(rng.standard_normal((3, 32)).astype(np.float32))
+    scalar = weight.linear(x, kernels, ISAS["scalar"])
+    assert torch.isinf(scalar).any() and ((scalar != 0) & (scalar.abs() < 1e-37)).any()
+    for isa in range(ISAS["avx2"], kernels.best_isa() + 1):
+        assert torch.equal(weight.linear(x, kernels, isa), scalar), ISA_NAMES[isa]
+
+
+# MXFP4 read wrongly, [N, K] float64: the nibbles' halves swapped (k and k + 16 exchanged), or the
+# codes taken as plain 4-bit integers (Q4_0's q - 8) instead of E2M1's sign and magnitude.
+def _nibbles_swapped(blocks: np.ndarray) -> np.ndarray:
+    b = blocks.reshape(blocks.shape[0], -1, 17).copy()
+    b[..., 1:] = (b[..., 1:] >> 4) | (b[..., 1:] << 4)
+    return dequantize(b.reshape(blocks.shape), T.MXFP4).reshape(blocks.shape[0], -1).astype(np.float64)
+
+
+def _linear_table(blocks: np.ndarray) -> np.ndarray:
+    b = blocks.reshape(blocks.shape[0], -1, 17)
+    codes = np.concatenate([b[..., 1:] & 0x0F, b[..., 1:] >> 4], axis=-1).astype(np.float64) - 8
+    return (e8m0_half(b[..., 0]).astype(np.float64)[..., None] * codes).reshape(blocks.shape[0], -1)
+
+
+@pytest.mark.parametrize("mutation", [_nibbles_swapped, _linear_table], ids=lambda f: f.__name__.strip("_"))
+def test_mxfp4_checks_fail_for_a_mutated_reading(kernels, mutation) -> None:
+    """The bound the MXFP4 products are held to is tight enough to catch a wrong nibble order or a
+    wrong value table: each path's products meet it against the right matrix, not a mutated one."""
+    rng = np.random.default_rng(4)
+    n, k = 33, 160
+    blocks = mxfp4_blocks(n, k, rng)
+    weight = QuantizedWeight.pack(blocks, T.MXFP4, k)
+    right, wrong = weight.dequantize().double().numpy(), mutation(blocks)
+    x = rng.standard_normal((2, k)).astype(np.float32)
+    magnitude = np.abs(quantized_rows(x)) @ np.abs(right.T)
+    for isa in range(kernels.best_isa() + 1):
+        out = weight.linear(torch.from_numpy(x), kernels, isa).double().numpy()
+        assert (np.abs(out - quantized_rows(x) @ right.T) <= 1e-5 * magnitude + 1e-6).all(), ISA_NAMES[isa]
+        assert not (np.abs(out - quantized_rows(x) @ wrong.T) <= 1e-5 * magnitude + 1e-6).all(), ISA_NAMES[isa]
+
+
+def test_packed_linear_knows_mxfp4_panels_by_their_record_size(kernels) -> None:
+    """The fused layers' and decode step's entry (packed_linear, uint8 panels without a type) takes
+    MXFP4's 272-byte records for MXFP4: quant_linear's floats, no other type's."""
+    rng = np.random.default_rng(272)
+    weight = QuantizedWeight.pack(mxfp4_blocks(40, 2880, rng), T.MXFP4, 2880,
+                                  torch.from_numpy(rng.standard_normal(40).astype(np.float32)))
+    x = torch.from_numpy(rng.standard_normal((3, 2880)).astype(np.float32))
+    assert weight.data.shape[-1] == 272
+    for isa in range(kernels.best_isa() + 1):
+        out = kernels.packed_linear(x, weight.data, None, weight.bias, weight.out_features, isa)
+        assert torch.equal(out, weight.linear(x, kernels, isa)), ISA_NAMES[isa]
