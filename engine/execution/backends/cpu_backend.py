@@ -35,6 +35,12 @@ def default_max_fused_tokens(dtype: torch.dtype, isa: int, quantized: bool) -> i
     return sys.maxsize if every_step else 64 if dtype == torch.float32 else 8
 
 
+def fused_layers_run(model_config: ModelConfig) -> bool:
+    """Whether the fused C++ layers (decode_layer.cpp, decode_model.cpp) compute this model: not
+    gpt-oss's attention sinks."""
+    return not model_config.attn_sinks
+
+
 class CpuBackend(Backend):
     name = "cpu"
 
@@ -49,6 +55,11 @@ class CpuBackend(Backend):
         max_fused = config.max_fused_tokens
         if max_fused is None:
             max_fused = default_max_fused_tokens(dtype, self.isa, self.quantized or self.gguf)
+        if not fused_layers_run(model_config):
+            if self.quantized or self.gguf:
+                raise ValueError(f"quantization: {resolved.quantization.value} runs on the fused C++ layers, which do not "
+                                 f"run {model_config.model_type} (attention sinks); use quantization none")
+            max_fused = 0  # torch's modules with the C++ attention kernels
         self.panel_dtype = torch.int8 if self.quantized else dtype if kernels is not None and max_fused > 0 else None
         self.max_fused_tokens = max_fused if self.panel_dtype is not None else 0
         self.max_decode_rows = self.max_fused_tokens
