@@ -86,6 +86,9 @@ def _values(t: GGUFTensor) -> torch.Tensor:
 def hf_float_tensors(gguf: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of a gpt-oss file as float32 under transformers' name and in its layout
     (module docstring). Raises ValueError naming a tensor with no place in the model."""
+    if gguf.architecture != "gpt-oss":  # others' float path is transformers' (Gemma's norms, llama's rows)
+        raise ValueError(f"model: {gguf.path.name}: float tensors are read here for gpt-oss only, "
+                         f"not {gguf.architecture}")
     experts: dict[tuple[str, str, str], torch.Tensor] = {}  # (layer, part, weight | bias) -> values
     for t in gguf.tensors():
         match = LAYER_TENSOR.match(t.name)

@@ -113,6 +113,17 @@ def test_greedy_from_the_files(reference: list[list[int]]) -> None:
     assert 0 < float(np.median(diffs)) < median and max(diffs) < most, (float(np.median(diffs)), max(diffs))
 
 
+def test_quantization_auto_serves_the_file_dequantized(reference: list[list[int]]) -> None:
+    """A .gguf path keeps its blocks where the fused C++ layers run them; they do not run gpt-oss,
+    so its file is served from its values in float32 instead of refused."""
+    llm = LLM(str(field_gguf("gpt-oss", "f32")[0]), num_kv_blocks=256, block_size=4)
+    backend = llm.engine.runner.backend
+    if backend.kernels is None:
+        pytest.skip("quantization auto keeps GGUF blocks only with the C++ kernels")
+    assert llm.engine.runner.backend.gguf is False and backend.max_fused_tokens == 0
+    assert _generate(llm) == reference
+
+
 def _with_mxfp4_experts(src: Path, dst: Path) -> Path:
     """src rewritten with its experts' weights as MXFP4 blocks (gpt-oss's released type)."""
     reader = GGUFReader(str(src))
