@@ -45,9 +45,8 @@ class GptOssForCausalLM(LlamaForCausalLM):
     @classmethod
     def config_from_hf(cls, hf: Any) -> ModelConfig:
         bias = bool(getattr(hf, "attention_bias", True))
-        cfg = ModelConfig.from_hf(hf, qkv_bias=bias, o_proj_bias=bias, attn_sinks=True, moe=moe_config_from_hf(hf),
-                                  moe_layers=(True,) * hf.num_hidden_layers)
-        return cfg
+        return ModelConfig.from_hf(hf, qkv_bias=bias, o_proj_bias=bias, attn_sinks=True, moe=moe_config_from_hf(hf),
+                                   moe_layers=(True,) * hf.num_hidden_layers)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(self._our_layout(weights))
