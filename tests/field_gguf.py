@@ -109,6 +109,31 @@ def build_qwen3_checkpoint(path: Path, tie_word_embeddings: bool = False, seed: 
     return path
 
 
+def build_gpt_oss_checkpoint(path: Path, seed: int = 0) -> Path:
+    """A 4-layer gpt-oss (window 8 and full layers alternating, 4 experts with 2 a token, YaRN,
+    sinks) of hidden size 64, with the real Qwen tokenizer standing in for o200k (the converter
+    identifies a tokenizer by hashing it; the sdist has no o200k vocabulary)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GptOssConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(str(qwen2_tokenizer_dir()))
+    config = GptOssConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=32, num_hidden_layers=4,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                          num_local_experts=4, num_experts_per_tok=2, sliding_window=8, tie_word_embeddings=False,
+                          rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0,
+                                           "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                           "original_max_position_embeddings": 128},
+                          bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+                          eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+                          pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"))
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    _random_weights(model, seed, norm_center=1.0, embed_std=1.0)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(path))
+    tokenizer.save_pretrained(str(path))
+    return path
+
+
 GEMMA_SPECIAL = ("<pad>", "<eos>", "<bos>", "<unk>")
 GEMMA_TURNS = ("<start_of_turn>", "<end_of_turn>")
 
@@ -161,7 +186,7 @@ def field_gguf(family: str, outtype: str) -> tuple[Path, Path]:
     and of the code that reads GGUF metadata: the engine caches what it derives from a file by the
     file's path and time, so a change there must come with new files, or a test would meet the
     old code's config and tokenizer."""
-    builders = {"qwen3": build_qwen3_checkpoint, "gemma3": build_gemma3_checkpoint}
+    builders = {"qwen3": build_qwen3_checkpoint, "gemma3": build_gemma3_checkpoint, "gpt-oss": build_gpt_oss_checkpoint}
     key = hashlib.sha256(b"".join(path.read_bytes() for path in _KEYED_SOURCES)).hexdigest()[:12]
     root = default_cache_dir() / "field-gguf" / key
     root.mkdir(parents=True, exist_ok=True)

@@ -214,7 +214,17 @@ def family_config(family: str):
                                 rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
                                                                     "rope_theta": 1000000.0},
                                                  "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+    if family == "gpt-oss":  # layers: window, full, window, full; 8 experts, 2 a token; YaRN
+        from transformers import GptOssConfig
+
+        return GptOssConfig(**{**_COMMON, "num_hidden_layers": 4, "intermediate_size": 32}, head_dim=16,
+                            num_local_experts=8, num_experts_per_tok=2, sliding_window=8, tie_word_embeddings=False,
+                            rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0,
+                                             "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                             "original_max_position_embeddings": 64})
     raise ValueError(family)
 
 
 FAMILIES = ["llama3-rope", "qwen2-tied", "qwen2-untied", "qwen2-sliding", "mistral-window", "qwen3", "gemma3"]
+# Mixture-of-experts families: not in FAMILIES, whose tests also run the fused C++ layers (dense only).
+MOE_FAMILIES = ["gpt-oss"]

@@ -15,6 +15,11 @@ fails at once instead of reading another group's blocks.
 
 A layer with a sliding window W lets a query at position i see keys j with i - W < j <= i
 (transformers' definition), in every backend.
+
+Sinks (gpt-oss): a layer may pass `sinks` [H], one logit per query head that joins that head's
+softmax denominator and no value: probabilities exp(s_j) / (sum_j exp(s_j) + exp(sink)), so the
+output is the plain attention output times sigmoid(lse - sink). Every backend takes them; None
+(every other family) leaves each kernel's work as it was.
 """
 from __future__ import annotations
 
@@ -74,25 +79,27 @@ class AttentionBackend:
     reads_prefill_block_tables = False
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, attn: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
-        """q: [T, H, D]; k, v: [T, KVH, D] (already in the cache) -> [T, H, D] in q's dtype."""
+                v_cache: torch.Tensor, attn: AttentionMetadata, scale: float, window: int | None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, KVH, D] (already in the cache); sinks: [H] or None -> [T, H, D] in q's dtype."""
         num_prefill = attn.num_prefill_tokens
         if num_prefill == q.shape[0]:
-            return self.prefill(q, k, v, k_cache, v_cache, attn, scale, window)
+            return self.prefill(q, k, v, k_cache, v_cache, attn, scale, window, sinks)
         if num_prefill == 0:
-            return self.decode(q, k_cache, v_cache, attn, scale, window)
+            return self.decode(q, k_cache, v_cache, attn, scale, window, sinks)
         out = torch.empty_like(q)
         out[:num_prefill] = self.prefill(q[:num_prefill], k[:num_prefill], v[:num_prefill], k_cache, v_cache,
-                                         attn, scale, window)
-        out[num_prefill:] = self.decode(q[num_prefill:], k_cache, v_cache, attn, scale, window)
+                                         attn, scale, window, sinks)
+        out[num_prefill:] = self.decode(q[num_prefill:], k_cache, v_cache, attn, scale, window, sinks)
         return out
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, attn: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
+                v_cache: torch.Tensor, attn: AttentionMetadata, scale: float, window: int | None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: AttentionMetadata,
-               scale: float, window: int | None) -> torch.Tensor:
+               scale: float, window: int | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
 
     def prepare_prefill(self, attn: AttentionMetadata, block_tables: list[list[int]], num_computed: list[int],
@@ -113,6 +120,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              attn: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
-    """Both paths of one step, by the step's attention backend. q: [T, H, D] -> [T, H, D]."""
-    return attn.backend.forward(q, k, v, k_cache, v_cache, attn, scale, window)
+              attn: AttentionMetadata, scale: float, window: int | None = None,
+              sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Both paths of one step, by the step's attention backend. q: [T, H, D]; sinks: [H] or None -> [T, H, D]."""
+    return attn.backend.forward(q, k, v, k_cache, v_cache, attn, scale, window, sinks)

@@ -37,6 +37,7 @@ class Backend:
         self.kernels: ModuleType | None = None  # the C++ CPU kernels, where this backend has them
         self.max_fused_tokens = 0  # steps of at most this many tokens take the backend's fused layers
         self.max_decode_rows = 0  # decode-only steps of at most this many rows take decode_logits
+        self.gguf = False  # quantization gguf: the model keeps the file's blocks (load_gguf_model)
         if device.type == "cpu":
             torch.set_num_threads(resolved.num_threads)
 

@@ -20,9 +20,11 @@ class CpuAttention(TorchAttention):
         self.reads_prefill_block_tables = prefill_in_cpp
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, attn: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
+                v_cache: torch.Tensor, attn: AttentionMetadata, scale: float, window: int | None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         if not self.prefill_in_cpp:
-            return super().prefill(q, k, v, k_cache, v_cache, attn, scale, window)
+            return super().prefill(q, k, v, k_cache, v_cache, attn, scale, window, sinks)
+        sinks32 = None if sinks is None else sinks.float().contiguous()  # [H]
         # q: [T, H, D] -> [T, H, D]. The kernel reads q's rows where they are (a strided slice of the
         # fused QKV output) and writes each chunk's rows into the step's output: no copy of either.
         q32 = q.float()
@@ -30,15 +32,16 @@ class CpuAttention(TorchAttention):
         for meta in attn.prefill:
             rows = slice(meta.query_start, meta.query_start + meta.query_len)
             self.kernels.paged_prefill_attention(q32[rows], k_cache, v_cache, meta.block_table, meta.num_cached_tokens,
-                                                 attn.block_size, scale, window or 0, self.isa, out[rows])
+                                                 attn.block_size, scale, window or 0, self.isa, out[rows], sinks32)
         return out.to(q.dtype)
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: AttentionMetadata,
-               scale: float, window: int | None) -> torch.Tensor:
-        # q: [B, H, D] -> out: [B, H, D] in q's dtype (the fused layers' q is float32 over any cache)
+               scale: float, window: int | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        # q: [B, H, D]; sinks: [H] or None -> out: [B, H, D] in q's dtype (the fused layers' q is float32 over any cache)
+        sinks32 = None if sinks is None else sinks.float().contiguous()
         return self.kernels.paged_decode_attention(q.to(k_cache.dtype), k_cache, v_cache, attn.block_tables,
                                                    attn.context_lens, attn.block_size, scale, window or 0,
-                                                   self.isa).to(q.dtype)
+                                                   self.isa, sinks32).to(q.dtype)
 
     def prepare_decode(self, attn: AttentionMetadata, block_tables: torch.Tensor, context_lens: torch.Tensor) -> None:
         attn.block_tables, attn.context_lens = block_tables, context_lens  # the kernel walks the tables itself

@@ -5,6 +5,7 @@ off) it runs torch's attention over oneDNN-packed weights.
 """
 from __future__ import annotations
 
+import logging
 import sys
 
 import torch
@@ -26,6 +27,8 @@ from engine.execution.weights.gguf_file import GGUFFile
 from engine.execution.weights.gguf_loader import load_gguf_weights
 from engine.execution.weights.packed_weight import place_on_huge_pages
 
+logger = logging.getLogger(__name__)
+
 
 def default_max_fused_tokens(dtype: torch.dtype, isa: int, quantized: bool) -> int:
     """Steps of up to this many tokens run the fused layers, by the crossovers measured against
@@ -34,6 +37,12 @@ def default_max_fused_tokens(dtype: torch.dtype, isa: int, quantized: bool) -> i
     bfloat16 (bf16 on the FMA units loses to oneDNN past a few rows)."""
     every_step = quantized or (dtype == torch.float32 and isa >= ISAS["avx512"]) or isa >= ISAS["avx512_bf16"]
     return sys.maxsize if every_step else 64 if dtype == torch.float32 else 8
+
+
+def fused_layers_run(model_config: ModelConfig) -> bool:
+    """Whether the fused C++ layers (decode_layer.cpp, decode_model.cpp) compute this model: not
+    gpt-oss's attention sinks."""
+    return not model_config.attn_sinks
 
 
 class CpuBackend(Backend):
@@ -50,6 +59,15 @@ class CpuBackend(Backend):
         max_fused = config.max_fused_tokens
         if max_fused is None:
             max_fused = default_max_fused_tokens(dtype, self.isa, self.quantized or self.gguf)
+        if not fused_layers_run(model_config):
+            if self.quantized:
+                raise ValueError(f"quantization: int8 runs on the fused C++ layers, which do not run "
+                                 f"{model_config.model_type} (attention sinks); use quantization none")
+            if self.gguf:  # the block kernels run in the fused layers only: the file's values in float32
+                logger.info("%s: the GGUF file's blocks are dequantized to float32 (no fused C++ layers for it)",
+                            model_config.model_type)
+                self.gguf = False
+            max_fused = 0  # torch's modules with the C++ attention kernels
         self.panel_dtype = torch.int8 if self.quantized else dtype if kernels is not None and max_fused > 0 else None
         self.max_fused_tokens = max_fused if self.panel_dtype is not None else 0
         self.max_decode_rows = self.max_fused_tokens

@@ -56,7 +56,9 @@ class CudaBackend(Backend):
 
     def bind_kv_cache(self, model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                       block_size: int, layer_group: tuple[int, ...]) -> None:
-        if self.config.enforce_eager:
+        if self.config.enforce_eager or self.model_config.moe is not None:
+            # models/moe.py's experts pick their rows on the host (a sync no graph can capture):
+            # mixture-of-experts models run eager until a device-side expert kernel exists
             return
         # The scratch block lies past the pool's view: index into the full storage through a view
         # that includes it (the caches are slices of a larger tensor).

@@ -8,6 +8,9 @@ kernels do not run (an AVX2 CPU's prefill). Every other backend is tested agains
   Sliding windows and non-CPU devices take one SDPA over the context with an explicit mask.
 - decode: all contexts gathered at once through a [B, L] slot index shared by every layer,
   padded positions masked out.
+- sinks (gpt-oss): prefill by the eager form transformers' gpt-oss uses (scores, the sink logit
+  appended to each row, softmax, the sink's column dropped), decode by the same append in the
+  gathered scores.
 """
 from __future__ import annotations
 
@@ -19,14 +22,15 @@ from engine.execution.attention import AttentionBackend, AttentionMetadata, Pref
 
 class TorchAttention(AttentionBackend):
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, attn: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
+                v_cache: torch.Tensor, attn: AttentionMetadata, scale: float, window: int | None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D] -> [T, H, D] in q's dtype (the math in the cache's dtype)."""
         dtype = q.dtype
         q, k, v = (x.to(k_cache.dtype) for x in (q, k, v))
-        return _torch_prefill(q, k, v, k_cache, v_cache, attn.prefill, scale, window).to(dtype)
+        return _torch_prefill(q, k, v, k_cache, v_cache, attn.prefill, scale, window, sinks).to(dtype)
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: AttentionMetadata,
-               scale: float, window: int | None) -> torch.Tensor:
+               scale: float, window: int | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         # q: [B, H, D] -> out: [B, H, D]
         mask = attn.decode_mask.to(q.dtype)  # [B, 1, 1, L]; the scores' dtype, so softmax and P.V stay in it
         if window is not None:
@@ -34,7 +38,7 @@ class TorchAttention(AttentionBackend):
             cols = torch.arange(mask.shape[-1], device=mask.device)
             outside = cols.unsqueeze(0) < (attn.context_lens - window).unsqueeze(1)
             mask = mask.masked_fill(outside.view(mask.shape), float("-inf"))
-        return gathered_decode_attention(q, k_cache, v_cache, attn.decode_slots, mask, scale)
+        return gathered_decode_attention(q, k_cache, v_cache, attn.decode_slots, mask, scale, sinks)
 
     def prepare_decode(self, attn: AttentionMetadata, block_tables: torch.Tensor, context_lens: torch.Tensor) -> None:
         """One [B, L] slot index and additive mask for the whole step, shared by every layer."""
@@ -50,8 +54,8 @@ class TorchAttention(AttentionBackend):
 
 def _torch_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, seqs: list[PrefillSeqMeta], scale: float,
-                   window: int | None = None) -> torch.Tensor:
-    # q: [T, H, D]; k, v: [T, KVH, D] -> out: [T, H, D]
+                   window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    # q: [T, H, D]; k, v: [T, KVH, D]; sinks: [H] or None -> out: [T, H, D]
     out = torch.empty_like(q)
     for meta in seqs:
         rows = slice(meta.query_start, meta.query_start + meta.query_len)
@@ -59,7 +63,9 @@ def _torch_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: t
         # shares K/V heads itself, GQA), while 3-D [heads, n, D] input sends it to the slower
         # math path.
         q_i, k_i, v_i = (x[rows].unsqueeze(0).transpose(1, 2) for x in (q, k, v))
-        if window is not None and meta.context_len > window:
+        if sinks is not None:
+            o_i = _masked_attention(q_i, k_i, v_i, k_cache, v_cache, meta, scale, window, sinks)
+        elif window is not None and meta.context_len > window:
             o_i = _masked_attention(q_i, k_i, v_i, k_cache, v_cache, meta, scale, window)
         elif meta.num_cached_tokens == 0:
             o_i = F.scaled_dot_product_attention(q_i, k_i, v_i, is_causal=True, scale=scale, enable_gqa=True)
@@ -96,9 +102,10 @@ def _cached_then_causal(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tenso
 
 
 def _masked_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, meta: PrefillSeqMeta, scale: float, window: int | None) -> torch.Tensor:
-    """The general path (sliding windows, non-CPU devices): one SDPA over the whole context with
-    an explicit mask. q: [1, H, n, D] -> [1, H, n, D]."""
+                      v_cache: torch.Tensor, meta: PrefillSeqMeta, scale: float, window: int | None,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """The general path (sliding windows, non-CPU devices, sinks): one SDPA over the whole context
+    with an explicit mask (with sinks, the eager form). q: [1, H, n, D] -> [1, H, n, D]."""
     if meta.num_cached_tokens:
         k_ctx = torch.cat((_cached_keys(k_cache, meta), k_new), dim=2)
         v_ctx = torch.cat((_cached_keys(v_cache, meta), v_new), dim=2)
@@ -109,12 +116,34 @@ def _masked_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     mask = cols <= rows
     if window is not None:
         mask &= cols > rows - window
+    if sinks is not None:
+        return _sink_attention(q, k_ctx, v_ctx, mask, scale, sinks)
     return F.scaled_dot_product_attention(q, k_ctx, v_ctx, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
+def _sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                    sinks: torch.Tensor) -> torch.Tensor:
+    """Attention with a sink logit per head, as transformers' gpt-oss computes it (no SDPA takes
+    sinks). q: [1, H, n, D]; k, v: [1, KVH, L, D]; mask: [n, L] bool (True: visible); sinks: [H]
+    -> [1, H, n, D]."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [1, H, L, D]
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale  # [1, H, n, L]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return _softmax_with_sinks(scores, sinks.to(scores.dtype).view(1, -1, 1, 1)) @ v
+
+
+def _softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """scores: [..., L]; sinks broadcastable to [..., 1] -> the keys' probabilities [..., L],
+    the sink's share of each row left out."""
+    combined = torch.cat((scores, sinks.expand(*scores.shape[:-1], 1)), dim=-1)
+    combined = combined - combined.amax(dim=-1, keepdim=True)
+    return torch.softmax(combined, dim=-1)[..., :-1]
+
+
 def gathered_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                              mask: torch.Tensor, scale: float) -> torch.Tensor:
-    # q: [B, H, D]; slots: [B, L]; mask: [B, 1, 1, L] -> out: [B, H, D]
+                              mask: torch.Tensor, scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    # q: [B, H, D]; slots: [B, L]; mask: [B, 1, 1, L]; sinks: [H] or None -> out: [B, H, D]
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -124,5 +153,8 @@ def gathered_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     v = v_cache[slots].to(q.dtype).transpose(1, 2)  # [B, KVH, L, D]
     q = q.view(batch, num_kv_heads, group, head_dim)
     scores = torch.matmul(q, k) * scale + mask  # [B, KVH, G, L]
-    probs = torch.softmax(scores, dim=-1)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        probs = _softmax_with_sinks(scores, sinks.to(scores.dtype).view(1, num_kv_heads, group, 1))
     return torch.matmul(probs, v).view(batch, num_heads, head_dim)

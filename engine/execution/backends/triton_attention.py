@@ -37,16 +37,17 @@ class TritonAttention(AttentionBackend):
         attn.block_tables, attn.context_lens = block_tables.to(torch.int32), context_lens.to(torch.int32)
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, attn: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
-        # q: [T, H, D] -> [T, H, D] in q's dtype; k, v are in the cache already
+                v_cache: torch.Tensor, attn: AttentionMetadata, scale: float, window: int | None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        # q: [T, H, D]; sinks: [H] or None -> [T, H, D] in q's dtype; k, v are in the cache already
         out = torch.empty_like(q)
         return kernels.prefill_attention(q, k_cache, v_cache, attn.prefill_block_tables, attn.query_start_loc,
                                          attn.seq_lens, attn.block_size, scale, window or 0, out,
-                                         max_query_len=attn.max_query_len)
+                                         max_query_len=attn.max_query_len, sinks=sinks)
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: AttentionMetadata,
-               scale: float, window: int | None) -> torch.Tensor:
-        # q: [B, H, D] -> [B, H, D] in q's dtype
+               scale: float, window: int | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        # q: [B, H, D]; sinks: [H] or None -> [B, H, D] in q's dtype
         out = torch.empty_like(q)
         return kernels.decode_attention(q, k_cache, v_cache, attn.block_tables, attn.context_lens, attn.block_size,
-                                        scale, window or 0, out, max_context_len=self.max_context_len)
+                                        scale, window or 0, out, max_context_len=self.max_context_len, sinks=sinks)

@@ -29,9 +29,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("apply_token_bitmask_", without_gil(&minivllm::apply_token_bitmask_),
         "Mask logits in place by llguidance token bitmasks (CPU, fp32)");
   m.def("paged_decode_attention", without_gil(&minivllm::paged_decode_attention),
-        "Paged decode attention (CPU, fp32 or bf16, optional sliding window)");
+        "Paged decode attention (CPU, fp32 or bf16, optional sliding window and per-head sink logits)", py::arg("q"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
+        py::arg("block_size"), py::arg("scale"), py::arg("window"), py::arg("isa"), py::arg("sinks") = py::none());
   m.def("paged_prefill_attention", without_gil(&minivllm::paged_prefill_attention),
-        "Causal attention of one prefill chunk over its paged cache, chunk K/V already written, into out (CPU)");
+        "Causal attention of one prefill chunk over its paged cache, chunk K/V already written, into out (CPU)",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"), py::arg("start_pos"),
+        py::arg("block_size"), py::arg("scale"), py::arg("window"), py::arg("isa"), py::arg("out"),
+        py::arg("sinks") = py::none());
   m.def("best_isa", &minivllm::best_isa,
         "The best SIMD path this CPU runs: 0 scalar, 1 AVX2, 2 AVX-512, 3 AVX-512 + BF16, 4 AVX-512 + AMX");
   m.def("packed_linear", without_gil(&minivllm::packed_linear), "x [M, K] times panel-packed weights -> [M, n] float32");

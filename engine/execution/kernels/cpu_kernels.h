@@ -181,10 +181,10 @@ void attend_decode_row(const float* q, const KvCacheView& cache, const int64_t* 
 // The Python-facing kernels (bindings.cpp), each documented where it is defined.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
-                                     double scale, int64_t window, int64_t isa);
+                                     double scale, int64_t window, int64_t isa, std::optional<torch::Tensor> sinks);
 void paged_prefill_attention(torch::Tensor q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                              const torch::Tensor& block_table, int64_t start_pos, int64_t block_size, double scale,
-                             int64_t window, int64_t isa, torch::Tensor out);
+                             int64_t window, int64_t isa, torch::Tensor out, std::optional<torch::Tensor> sinks);
 void apply_token_bitmask_(torch::Tensor logits, const torch::Tensor& bitmask, const torch::Tensor& rows);
 torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& w, const std::optional<torch::Tensor>& scale,
                             const std::optional<torch::Tensor>& bias, int64_t n, int64_t isa);

@@ -185,10 +185,11 @@ MINIVLLM_AVX512 inline void score_tokens(const float* q, const cache_t* k, const
 
 // One KV head's softmax over its G query heads' scores [G, ctx_stride] (overwritten with the
 // unnormalised probabilities), then the weighted sum of V (v: the head's columns) -> out [G, D],
-// the normalisation folded in.
+// the normalisation folded in. sinks: the G heads' sink logits (in each denominator, with no
+// value), or null.
 template <int G, bool kSplit, typename cache_t>
 MINIVLLM_AVX512 void softmax_values(float* scores, int64_t ctx_stride, const cache_t* v, const int64_t* offsets,
-                                    int64_t ctx, int64_t head_dim, float* out) {
+                                    int64_t ctx, int64_t head_dim, float* out, const float* sinks) {
   alignas(64) float inv_sum[G];
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int g = 0; g < G; ++g) {
@@ -198,7 +199,8 @@ MINIVLLM_AVX512 void softmax_values(float* scores, int64_t ctx_stride, const cac
       const __mmask16 m = static_cast<__mmask16>(ctx - t >= 16 ? 0xFFFF : (1u << (ctx - t)) - 1u);
       mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(neg_inf, m, sg + t));
     }
-    const __m512 vmax = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    const float row_max = sinks ? std::max(_mm512_reduce_max_ps(mx), sinks[g]) : _mm512_reduce_max_ps(mx);
+    const __m512 vmax = _mm512_set1_ps(row_max);
     __m512 sum = _mm512_setzero_ps();
     for (int64_t t = 0; t < ctx; t += 16) {
       const __mmask16 m = static_cast<__mmask16>(ctx - t >= 16 ? 0xFFFF : (1u << (ctx - t)) - 1u);
@@ -206,7 +208,8 @@ MINIVLLM_AVX512 void softmax_values(float* scores, int64_t ctx_stride, const cac
       _mm512_storeu_ps(sg + t, e);
       sum = _mm512_add_ps(sum, e);
     }
-    inv_sum[g] = 1.f / _mm512_reduce_add_ps(sum);
+    const float total = _mm512_reduce_add_ps(sum);
+    inv_sum[g] = 1.f / (sinks ? total + std::exp(sinks[g] - row_max) : total);
   }
   // 64 columns at a time, then the rest by 16 (by 32 when split: head_dim is a multiple of 32).
   constexpr int kTail = kSplit ? 2 : 1;
@@ -222,7 +225,7 @@ MINIVLLM_AVX512 void softmax_values(float* scores, int64_t ctx_stride, const cac
 template <int G, bool kSplit, typename cache_t>
 MINIVLLM_AVX512 void attend_heads_apart(const float* q, const cache_t* k, const cache_t* v, const int64_t* offsets,
                                         int64_t ctx, int64_t num_kv, int64_t head_dim, __m512 vscale,
-                                        int64_t ctx_stride, float* scratch, float* out) {
+                                        int64_t ctx_stride, float* scratch, float* out, const float* sinks) {
   alignas(64) float q_split[kSplit ? 8 * 256 : 1];  // G <= 8, D <= 256 where split (is_split_width)
   for (int64_t h = 0; h < num_kv; ++h) {
     const float* qh = q + h * G * head_dim;
@@ -233,17 +236,19 @@ MINIVLLM_AVX512 void attend_heads_apart(const float* q, const cache_t* k, const 
     for (int64_t t0 = 0; t0 < ctx; t0 += 16)
       score_tokens<G, kSplit>(qh, k + h * head_dim, v + h * head_dim, offsets, ctx, t0, head_dim, vscale, ctx_stride,
                               scratch);
-    softmax_values<G, kSplit>(scratch, ctx_stride, v + h * head_dim, offsets, ctx, head_dim, out + h * G * head_dim);
+    softmax_values<G, kSplit>(scratch, ctx_stride, v + h * head_dim, offsets, ctx, head_dim, out + h * G * head_dim,
+                              sinks ? sinks + h * G : nullptr);
   }
 }
 
 // KV heads [0, num_kv) of one sequence, G query heads each (q: [num_kv, G, D], unscaled), over
 // their K and V rows (token t's at k + offsets[t] and v + offsets[t]; head h's columns start
-// h D further) -> out [num_kv, G, D]. scratch: num_kv G round_up(ctx, 16) scores.
+// h D further) -> out [num_kv, G, D]. scratch: num_kv G round_up(ctx, 16) scores. sinks: the
+// num_kv G heads' sink logits, or null.
 template <int G, typename cache_t>
 MINIVLLM_AVX512 void attend_kv_heads_avx512(const float* q, const cache_t* k, const cache_t* v, const int64_t* offsets,
                                             int64_t ctx, int64_t num_kv, int64_t head_dim, float scale, float* scratch,
-                                            float* out) {
+                                            float* out, const float* sinks) {
   const int64_t ctx_stride = (ctx + 15) / 16 * 16, head_size = G * head_dim;
   const __m512 vscale = _mm512_set1_ps(scale);
   if constexpr (std::is_same_v<cache_t, float>) {
@@ -256,11 +261,11 @@ MINIVLLM_AVX512 void attend_kv_heads_avx512(const float* q, const cache_t* k, co
                                vscale, ctx_stride, scratch + h * G * ctx_stride);
     for (int64_t h = 0; h < num_kv; ++h)
       softmax_values<G, false>(scratch + h * G * ctx_stride, ctx_stride, v + h * head_dim, offsets, ctx, head_dim,
-                               out + h * head_size);
+                               out + h * head_size, sinks ? sinks + h * G : nullptr);
   } else if (is_split_width(head_dim)) {
-    attend_heads_apart<G, true>(q, k, v, offsets, ctx, num_kv, head_dim, vscale, ctx_stride, scratch, out);
+    attend_heads_apart<G, true>(q, k, v, offsets, ctx, num_kv, head_dim, vscale, ctx_stride, scratch, out, sinks);
   } else {
-    attend_heads_apart<G, false>(q, k, v, offsets, ctx, num_kv, head_dim, vscale, ctx_stride, scratch, out);
+    attend_heads_apart<G, false>(q, k, v, offsets, ctx, num_kv, head_dim, vscale, ctx_stride, scratch, out, sinks);
   }
 }
 
@@ -268,7 +273,8 @@ MINIVLLM_AVX512 void attend_kv_heads_avx512(const float* q, const cache_t* k, co
 template <typename cache_t>
 bool attend_one_avx512(const float* qb, const cache_t* kp, const cache_t* vp, const int64_t* table, int64_t first,
                        int64_t ctx, int64_t block_size, float scale, int64_t num_heads, int64_t num_kv_heads,
-                       int64_t head_dim, float* ob, std::vector<float>& scratch, int64_t kv_begin, int64_t kv_end) {
+                       int64_t head_dim, float* ob, std::vector<float>& scratch, int64_t kv_begin, int64_t kv_end,
+                       const float* sinks) {
   const int64_t group = num_heads / num_kv_heads, slot_stride = num_kv_heads * head_dim;
   if (head_dim % 16 != 0 || group > 8 || ctx <= 0) return false;
   const int64_t num_kv = kv_end - kv_begin, ctx_stride = (ctx + 15) / 16 * 16;
@@ -282,10 +288,11 @@ bool attend_one_avx512(const float* qb, const cache_t* kp, const cache_t* vp, co
   float* o = ob + kv_begin * group * head_dim;
   const cache_t* k = kp + kv_begin * head_dim;
   const cache_t* v = vp + kv_begin * head_dim;
+  const float* s = sinks ? sinks + kv_begin * group : nullptr;
   switch (group) {
 #define MINIVLLM_GROUP(G)                                                                                  \
   case G:                                                                                                 \
-    attend_kv_heads_avx512<G>(q, k, v, offsets.data(), ctx, num_kv, head_dim, scale, scratch.data(), o); \
+    attend_kv_heads_avx512<G>(q, k, v, offsets.data(), ctx, num_kv, head_dim, scale, scratch.data(), o, s); \
     break;
     MINIVLLM_GROUP(1) MINIVLLM_GROUP(2) MINIVLLM_GROUP(3) MINIVLLM_GROUP(4) MINIVLLM_GROUP(5) MINIVLLM_GROUP(6)
     MINIVLLM_GROUP(7) MINIVLLM_GROUP(8)
@@ -297,12 +304,13 @@ bool attend_one_avx512(const float* qb, const cache_t* kp, const cache_t* vp, co
 
 // One sequence, math in float32 whatever the storage type (float32 or bfloat16): q [H, D] ->
 // out [H, D], for the query heads of KV heads [kv_begin, kv_end) (all of them by default).
-// scratch holds the scores and one widened cache row.
+// scratch holds the scores and one widened cache row. sinks: every query head's sink logit [H]
+// (gpt-oss), or null.
 template <typename cache_t>
 void attend_one(const float* qb, const cache_t* kp, const cache_t* vp, const int64_t* table, int64_t len,
                 int64_t block_size, float scale, int64_t window, int64_t num_heads, int64_t num_kv_heads,
                 int64_t head_dim, float* ob, std::vector<float>& scratch, int64_t isa, int64_t kv_begin = 0,
-                int64_t kv_end = -1) {
+                int64_t kv_end = -1, const float* sinks = nullptr) {
   const int64_t group = num_heads / num_kv_heads, slot_stride = num_kv_heads * head_dim;
   if (kv_end < 0) kv_end = num_kv_heads;
   const int64_t h_begin = kv_begin * group, h_end = kv_end * group;
@@ -311,7 +319,7 @@ void attend_one(const float* qb, const cache_t* kp, const cache_t* vp, const int
   const int64_t ctx = len - first;
 #if defined(__x86_64__)
   if (isa >= kIsaAvx512 && attend_one_avx512(qb, kp, vp, table, first, ctx, block_size, scale, num_heads, num_kv_heads,
-                                             head_dim, ob, scratch, kv_begin, kv_end))
+                                             head_dim, ob, scratch, kv_begin, kv_end, sinks))
     return;
 #endif
   scratch.resize(num_heads * ctx + slot_stride);
@@ -344,7 +352,8 @@ void attend_one(const float* qb, const cache_t* kp, const cache_t* vp, const int
     float* sh = scores + h * ctx;
     float mx = sh[0];
     for (int64_t t = 1; t < ctx; ++t) mx = std::max(mx, sh[t]);
-    float sum = 0.f;
+    if (sinks) mx = std::max(mx, sinks[h]);
+    float sum = sinks ? std::exp(sinks[h] - mx) : 0.f;
     for (int64_t t = 0; t < ctx; ++t) {
       sh[t] = std::exp(sh[t] - mx);
       sum += sh[t];
@@ -370,7 +379,7 @@ void attend_one(const float* qb, const cache_t* kp, const cache_t* vp, const int
 template <typename scalar_t>
 void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                    const torch::Tensor& block_tables, const torch::Tensor& context_lens, int64_t block_size,
-                   double scale, int64_t window, int64_t isa, torch::Tensor& out) {
+                   double scale, int64_t window, int64_t isa, const float* sinks, torch::Tensor& out) {
   const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = k_cache.size(1);
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_decode_attention: contiguous cache");
@@ -386,7 +395,7 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
       for (int64_t i = 0; i < width; ++i) qf[i] = static_cast<float>(qp[b * width + i]);
       attend_one(qf.data(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), bt + b * max_blocks, lens[b],
                  block_size, static_cast<float>(scale), window, num_heads, num_kv_heads, head_dim, acc.data(), scratch,
-                 isa);
+                 isa, 0, -1, sinks);
       for (int64_t i = 0; i < width; ++i) op[b * width + i] = static_cast<scalar_t>(acc[i]);
     }
   });
@@ -425,18 +434,28 @@ torch::Tensor paged_decode_attention(torch::Tensor q,             // [B, H, D]
                                      torch::Tensor context_lens,  // [B] int64
                                      int64_t block_size, double scale,
                                      int64_t window,               // 0: none, else the last `window` tokens
-                                     int64_t isa) {
+                                     int64_t isa,
+                                     std::optional<torch::Tensor> sinks) {  // [H] float32: each head's sink logit
+
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
               "paged_decode_attention: q and cache dtypes differ");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && context_lens.scalar_type() == torch::kInt64,
               "paged_decode_attention: int64 block tables and lengths");
   TORCH_CHECK(isa <= best_isa(), "paged_decode_attention: this CPU lacks the requested instruction set");
   q = q.contiguous();
+  const float* sink_logits = nullptr;
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->scalar_type() == torch::kFloat32 && sinks->is_contiguous() && sinks->numel() == q.size(1),
+                "paged_decode_attention: sinks must be float32 [H], contiguous");
+    sink_logits = sinks->data_ptr<float>();
+  }
   auto out = torch::empty_like(q);
   if (q.scalar_type() == torch::kFloat32) {
-    decode_kernel<float>(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, window, isa, out);
+    decode_kernel<float>(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, window, isa, sink_logits,
+                         out);
   } else if (q.scalar_type() == torch::kBFloat16) {
-    decode_kernel<at::BFloat16>(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, window, isa, out);
+    decode_kernel<at::BFloat16>(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, window, isa,
+                                sink_logits, out);
   } else {
     TORCH_CHECK(false, "paged_decode_attention: float32 or bfloat16 only");
   }

@@ -158,13 +158,22 @@ void init_tile(TileState<R>& t, int64_t rows, const float* q, int64_t row_begin,
   t.lo = window > 0 ? std::max<int64_t>(first_key, t.pos[0] - window + 1) : first_key;
 }
 
+// sinks: every query head's sink logit [H] (gpt-oss), or null: it joins each row's denominator
+// here, once, with no value (m and l are in log2 units when is_log2, as the AVX-512 tiles keep them).
 template <int R>
 void finish_tile(const TileState<R>& t, int64_t rows, int64_t row_begin, int64_t group, int64_t kv_head,
-                 const RowStrides& strides, int64_t head_dim, float* out) {
+                 const RowStrides& strides, int64_t head_dim, float* out, const float* sinks, bool is_log2) {
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t row = row_begin + r, token = row / group, h = kv_head * group + row % group;
     float* dst = out + token * strides.out_token + h * strides.out_head;
-    const float inv = 1.f / t.l[r];
+    float inv = 1.f / t.l[r];
+    if (sinks) {  // o / (l + e^(sink - m)), both terms taken relative to the larger of m and the sink
+      const float sink = is_log2 ? sinks[h] * 1.44269504088896341f : sinks[h];
+      const float top = std::max(t.m[r], sink);
+      const float keys = is_log2 ? std::exp2(t.m[r] - top) : std::exp(t.m[r] - top);
+      const float rest = is_log2 ? std::exp2(sink - top) : std::exp(sink - top);
+      inv = keys / (t.l[r] * keys + rest);
+    }
     for (int64_t d = 0; d < head_dim; ++d) dst[d] = t.o[r][d] * inv;
   }
 }
@@ -172,7 +181,7 @@ void finish_tile(const TileState<R>& t, int64_t rows, int64_t row_begin, int64_t
 // One tile by the portable loop: rows [row_begin, row_end) of one KV head.
 void attend_tile(const float* q, int64_t row_begin, int64_t row_end, int64_t group, int64_t kv_head,
                  const RowStrides& strides, int64_t head_dim, int64_t start_pos, int64_t first_key, int64_t window,
-                 float scale, const float* k_panels, const float* v_rows, float* out) {
+                 float scale, const float* k_panels, const float* v_rows, float* out, const float* sinks) {
   const int64_t R = row_end - row_begin;
   TileState<kRows> t;
   init_tile(t, R, q, row_begin, group, kv_head, strides, head_dim, start_pos, first_key, window, scale);
@@ -226,7 +235,7 @@ void attend_tile(const float* q, int64_t row_begin, int64_t row_end, int64_t gro
       }
     }
   }
-  finish_tile(t, R, row_begin, group, kv_head, strides, head_dim, out);
+  finish_tile(t, R, row_begin, group, kv_head, strides, head_dim, out, sinks, false);
 }
 
 #if defined(__x86_64__)
@@ -480,7 +489,8 @@ template <int R, typename E>
 MINIVLLM_AVX512 void attend_tiles_avx512(const float* q, int64_t row_begin, int64_t num_tiles, int64_t group,
                                          int64_t kv_head, const RowStrides& strides, int64_t head_dim,
                                          int64_t start_pos, int64_t first_key, int64_t window, float scale,
-                                         const E* k_panels, const ValueRows<E>& values, float* out) {
+                                         const E* k_panels, const ValueRows<E>& values, float* out,
+                                         const float* sinks) {
   constexpr int64_t kMaxTiles = 8;
   TORCH_CHECK(num_tiles <= kMaxTiles, "prefill attention: too many tiles");
   TileState<R> tiles[kMaxTiles];
@@ -513,7 +523,7 @@ MINIVLLM_AVX512 void attend_tiles_avx512(const float* q, int64_t row_begin, int6
   }
   for (int64_t i = 0; i < num_tiles; ++i) {
     for (int r = 0; r < R; ++r) tiles[i].l[r] = _mm512_reduce_add_ps(_mm512_load_ps(tiles[i].l_lanes[r]));
-    finish_tile(tiles[i], R, row_begin + i * R, group, kv_head, strides, head_dim, out);
+    finish_tile(tiles[i], R, row_begin + i * R, group, kv_head, strides, head_dim, out, sinks, true);
   }
 }
 
@@ -615,12 +625,12 @@ template <typename E>
 bool run_tiles_avx512(int64_t rows, const float* q, int64_t row_begin, int64_t num_tiles, int64_t group,
                       int64_t kv_head, const RowStrides& strides, int64_t head_dim, int64_t start_pos,
                       int64_t first_key, int64_t window, float scale, const E* k_panels,
-                      const ValueRows<E>& values, float* out) {
+                      const ValueRows<E>& values, float* out, const float* sinks) {
   if (head_dim % 16 != 0) return false;
 #define MINIVLLM_TILE(R)                                                                                         \
   case R:                                                                                                        \
     attend_tiles_avx512<R, E>(q, row_begin, num_tiles, group, kv_head, strides, head_dim, start_pos, first_key,  \
-                              window, scale, k_panels, values, out);                                             \
+                              window, scale, k_panels, values, out, sinks);                                      \
     return true;
   switch (rows) {
     MINIVLLM_TILE(1) MINIVLLM_TILE(2) MINIVLLM_TILE(3) MINIVLLM_TILE(4) MINIVLLM_TILE(5) MINIVLLM_TILE(6)
@@ -637,7 +647,7 @@ template <typename E, typename cache_t>
 void attend_chunk(const float* q, int64_t num_tokens, int64_t num_heads, const RowStrides& strides,
                   const cache_t* k_cache, const cache_t* v_cache, int64_t num_kv_heads, int64_t head_dim,
                   const int64_t* table, int64_t block_size, int64_t start_pos, float scale, int64_t window,
-                  int64_t isa, float* out) {
+                  int64_t isa, float* out, const float* sinks) {
   const int64_t group = num_heads / num_kv_heads, slot_stride = num_kv_heads * head_dim;
   const int64_t num_ctx = start_pos + num_tokens;  // keys [0, num_ctx), the chunk's own included
   // With a window, no query sees keys before its first token's window.
@@ -713,14 +723,14 @@ void attend_chunk(const float* q, int64_t num_tokens, int64_t num_heads, const R
 #if defined(__x86_64__)
       const ValueRows<E> values{v_blocks.get() + h * num_blocks, is_values_in_place ? slot_stride : head_dim};
       if (isa >= kIsaAvx512 && run_tiles_avx512(rows, q, row_begin, num_tiles, group, h, strides, head_dim,
-                                                start_pos, first_key, window, scale, kp, values, out))
+                                                start_pos, first_key, window, scale, kp, values, out, sinks))
         continue;
 #endif
       const E* vr = v_rows.get() + h * head_elements;  // not in place: the portable loop runs only where the tiles do not
       if constexpr (std::is_same_v<E, float>) {
         for (int64_t i = 0; i < num_tiles; ++i)
           attend_tile(q, row_begin + i * rows, row_begin + (i + 1) * rows, group, h, strides, head_dim, start_pos,
-                      first_key, window, scale, kp, vr, out);
+                      first_key, window, scale, kp, vr, out, sinks);
       }
     }
   });
@@ -730,18 +740,18 @@ template <typename cache_t>
 void chunk_kernel(const float* q, int64_t num_tokens, int64_t num_heads, const RowStrides& strides,
                   const cache_t* k_cache, const cache_t* v_cache, int64_t num_kv_heads, int64_t head_dim,
                   const int64_t* table, int64_t block_size, int64_t start_pos, float scale, int64_t window,
-                  int64_t isa, float* out) {
+                  int64_t isa, float* out, const float* sinks) {
 #if defined(MINIVLLM_HAS_AVX512_BF16)
   if constexpr (std::is_same_v<cache_t, at::BFloat16>) {
     if (isa >= kIsaAvx512Bf16 && head_dim % 16 == 0) {
       attend_chunk<Bf16Pair>(q, num_tokens, num_heads, strides, k_cache, v_cache, num_kv_heads, head_dim, table,
-                             block_size, start_pos, scale, window, isa, out);
+                             block_size, start_pos, scale, window, isa, out, sinks);
       return;
     }
   }
 #endif
   attend_chunk<float>(q, num_tokens, num_heads, strides, k_cache, v_cache, num_kv_heads, head_dim, table,
-                      block_size, start_pos, scale, window, isa, out);
+                      block_size, start_pos, scale, window, isa, out, sinks);
 }
 
 }  // namespace
@@ -752,7 +762,8 @@ void paged_prefill_attention(torch::Tensor q,                            // [n, 
                              const torch::Tensor& block_table,  // [max_blocks] int64
                              int64_t start_pos,                 // cached tokens before the chunk
                              int64_t block_size, double scale, int64_t window, int64_t isa,
-                             torch::Tensor out) {               // [n, H, D] float32, D contiguous: written
+                             torch::Tensor out,                 // [n, H, D] float32, D contiguous: written
+                             std::optional<torch::Tensor> sinks) {  // [H] float32: each head's sink logit
   TORCH_CHECK(isa <= best_isa(), "paged_prefill_attention: this CPU lacks the requested instruction set");
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32, "paged_prefill_attention: q must be float32 [n, H, D]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type(),
@@ -770,14 +781,21 @@ void paged_prefill_attention(torch::Tensor q,                            // [n, 
   const RowStrides strides{q.stride(0), q.stride(1), out.stride(0), out.stride(1)};
   const int64_t* table = block_table.data_ptr<int64_t>();
   const float s = static_cast<float>(scale);
+  const float* sink_logits = nullptr;
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->scalar_type() == torch::kFloat32 && sinks->is_contiguous() && sinks->numel() == num_heads,
+                "paged_prefill_attention: sinks must be float32 [H], contiguous");
+    sink_logits = sinks->data_ptr<float>();
+  }
   if (k_cache.scalar_type() == torch::kFloat32) {
     chunk_kernel(q.data_ptr<float>(), num_tokens, num_heads, strides, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-                 num_kv_heads, head_dim, table, block_size, start_pos, s, window, isa, out.data_ptr<float>());
+                 num_kv_heads, head_dim, table, block_size, start_pos, s, window, isa, out.data_ptr<float>(),
+                 sink_logits);
   } else {
     TORCH_CHECK(k_cache.scalar_type() == torch::kBFloat16, "paged_prefill_attention: float32 or bfloat16 cache");
     chunk_kernel(q.data_ptr<float>(), num_tokens, num_heads, strides, k_cache.data_ptr<at::BFloat16>(),
                  v_cache.data_ptr<at::BFloat16>(), num_kv_heads, head_dim, table, block_size, start_pos, s, window, isa,
-                 out.data_ptr<float>());
+                 out.data_ptr<float>(), sink_logits);
   }
 }
 

@@ -23,6 +23,7 @@ from torch import nn
 from engine.execution.attention import AttentionMetadata, attention, write_kv
 from engine.execution.models.layers import Linear, RMSNorm, rotate_half
 from engine.execution.models.model_config import ModelConfig
+from engine.execution.models.moe import SparseMoe
 
 # Checkpoint projection -> (our fused projection, its shard index).
 _STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -51,8 +52,13 @@ class DecoderLayer(nn.Module):
         self.mlp_output_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.sandwich_norms else None
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+        # gpt-oss: each head's sink logit, in the softmax's denominator (engine/execution/attention.py).
+        self.sinks = nn.Parameter(torch.zeros(cfg.num_heads), requires_grad=False) if cfg.attn_sinks else None
+        # A mixture-of-experts layer's MLP is the sparse one; the dense projections are then absent.
+        self.moe = SparseMoe(cfg.moe, cfg.hidden_size) if cfg.is_moe_layer(layer_index) else None
+        if self.moe is None:
+            self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
+            self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
         self.intermediate_size = cfg.intermediate_size
         self.hidden_act = cfg.hidden_act
         self.act = _ACTIVATIONS[cfg.hidden_act]
@@ -77,11 +83,14 @@ class DecoderLayer(nn.Module):
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         write_kv(k_cache, v_cache, k, v, attn.slot_mapping)
-        o = attention(q, k, v, k_cache, v_cache, attn, self.scale, self.sliding_window)
+        o = attention(q, k, v, k_cache, v_cache, attn, self.scale, self.sliding_window, self.sinks)
         o = self.o_proj(o.reshape(num_tokens, self.q_size))
         h = x + (o if self.attn_output_norm is None else self.attn_output_norm(o))
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(h)).split(self.intermediate_size, dim=-1)
-        m = self.down_proj(self.act(gate) * up)
+        if self.moe is not None:
+            m = self.moe(self.post_attention_layernorm(h))
+        else:
+            gate, up = self.gate_up_proj(self.post_attention_layernorm(h)).split(self.intermediate_size, dim=-1)
+            m = self.down_proj(self.act(gate) * up)
         return h + (m if self.mlp_output_norm is None else self.mlp_output_norm(m))
 
 
@@ -175,7 +184,7 @@ class LlamaForCausalLM(nn.Module):
             if parts[0] != "layers":
                 expected[name] = f"model.{name}" if name != "lm_head.weight" else name
                 continue
-            layer, module, kind = parts[1], parts[2], parts[3]
+            layer, module, kind = parts[1], parts[2], parts[-1]
             prefix = f"model.layers.{layer}.{_HF_MODULE.get(module)}"
             if module in ("qkv_proj", "gate_up_proj"):
                 for hf_proj, (fused, shard) in _STACKED.items():
@@ -183,8 +192,8 @@ class LlamaForCausalLM(nn.Module):
                         expected[f"{name}#{shard}"] = f"{prefix}.{hf_proj}.{kind}"
             elif module in _HF_MODULE:
                 expected[name] = f"{prefix}.{module}.{kind}"
-            else:
-                expected[name] = f"model.layers.{layer}.{self.NORM_NAMES.get(module, module)}.{kind}"
+            else:  # norms, and what a family's layer holds beyond Llama's (sinks, a sparse MLP's parts)
+                expected[name] = ".".join(["model.layers", layer, self.NORM_NAMES.get(module, module), *parts[3:]])
         return expected
 
     def checkpoint_name(self, name: str) -> str | None:

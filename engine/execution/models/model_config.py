@@ -50,6 +50,9 @@ class ModelConfig:
     # sparse one (Qwen3-MoE's decoder_sparse_step / mlp_only_layers leave some dense).
     moe: MoeConfig | None = None
     moe_layers: tuple[bool, ...] = ()
+    # gpt-oss: a learned logit per query head that joins each softmax's denominator (a "sink" the
+    # head can put weight on instead of any key), held by the layer as `sinks` [num_heads].
+    attn_sinks: bool = False
 
     def is_moe_layer(self, layer_index: int) -> bool:
         return self.moe is not None and self.moe_layers[layer_index]

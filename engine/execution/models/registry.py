@@ -12,6 +12,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "qwen3": ("engine.execution.models.qwen3", "Qwen3ForCausalLM"),
     "gemma3_text": ("engine.execution.models.gemma3", "Gemma3ForCausalLM"),
     "gemma3": ("engine.execution.models.gemma3", "Gemma3ForCausalLM"),
+    "gpt_oss": ("engine.execution.models.gpt_oss", "GptOssForCausalLM"),
 }
 
 SUPPORTED_MODEL_TYPES = tuple(_MODELS)

@@ -48,7 +48,7 @@ def is_available() -> bool:
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, block_size: int, scale: float, window: int, out: torch.Tensor,
                      max_context_len: int | None = None, partition_size: int | None = None, block_n: int = 64,
-                     num_warps: int = 4) -> torch.Tensor:
+                     num_warps: int = 4, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence over its paged context, into out; returns out.
 
     q: [B, H, D] float32 or bfloat16; k_cache, v_cache: [num_slots, KVH, D], one dtype (float32 or
@@ -60,17 +60,18 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     partition doubled while there would be more than 128; a context beyond the bound is still
     attended in full, by its last partition. partition_size: keys per partition, a power of two
     >= block_n (default: decode.default_partition_size, from the grid and the GPU's SM count);
-    block_n: keys per tile (a power of two >= 16)."""
+    block_n: keys per tile (a power of two >= 16). sinks: [H], each head's sink logit in its
+    softmax's denominator (gpt-oss), or None."""
     from engine.execution.triton import decode
 
     return decode.decode_attention(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, window, out,
-                                   max_context_len, partition_size, block_n, num_warps)
+                                   max_context_len, partition_size, block_n, num_warps, sinks)
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_size: int, scale: float,
                       window: int, out: torch.Tensor, max_query_len: int, block_m: int | None = None,
-                      block_n: int = 64, num_warps: int = 4) -> torch.Tensor:
+                      block_n: int = 64, num_warps: int = 4, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of packed chunks over their paged contexts, into out; returns out.
 
     q: [T, H, D] float32 or bfloat16, the chunks packed: sequence i owns rows
@@ -82,8 +83,9 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     max_query_len bounds every query_len and sizes the grid. block_m: rows (tokens x group) per
     program, a power of two >= 16 and >= the group (default from max_query_len); block_n: keys per
     tile. The defaults, 64-row tiles of 64 keys on 4 warps, beat 128-row tiles and 32-key tiles
-    on a GPU, on long prompts and on short checks after a long cached context."""
+    on a GPU, on long prompts and on short checks after a long cached context. sinks: as
+    decode_attention's."""
     from engine.execution.triton import prefill
 
     return prefill.prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, block_size, scale,
-                                     window, out, max_query_len, block_m, block_n, num_warps)
+                                     window, out, max_query_len, block_m, block_n, num_warps, sinks)

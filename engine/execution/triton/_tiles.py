@@ -65,3 +65,12 @@ def softmax_step(scores: tl.tensor, m_i: tl.tensor, l_i: tl.tensor, acc: tl.tens
     # P is rounded to V's dtype for the second product, as flash attention does
     acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, IS_FP32, EMULATE_BF16)
     return m_new, l_i, acc
+
+
+@triton.jit
+def fold_sink(m_i: tl.tensor, l_i: tl.tensor, acc: tl.tensor, sink: tl.tensor) -> tuple[tl.tensor, tl.tensor]:
+    """A sink logit per row ([M], log2 units: gpt-oss) joins each row's denominator with no value:
+    -> l_i and acc relative to max(m_i, sink), so acc / l_i is the output with the sink's share left out."""
+    m_new = tl.maximum(m_i, sink)
+    alpha = tl.exp2(m_i - m_new)  # 0 for a row that saw no key (m_i = -inf)
+    return l_i * alpha + tl.exp2(sink - m_new), acc * alpha[:, None]

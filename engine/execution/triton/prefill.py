@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from engine.execution.triton._checks import check_attention_common, check_int, check_pow2, check_tensor, next_pow2
-from engine.execution.triton._tiles import load_k_t, load_v, mma, softmax_step, tile_slots
+from engine.execution.triton._tiles import fold_sink, load_k_t, load_v, mma, softmax_step, tile_slots
 
 LOG2E = 1.4426950408889634
 
@@ -25,16 +25,17 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _prefill_kernel(
     q_ptr: tl.tensor, k_cache_ptr: tl.tensor, v_cache_ptr: tl.tensor, block_tables_ptr: tl.tensor,
-    query_start_loc_ptr: tl.tensor, seq_lens_ptr: tl.tensor, out_ptr: tl.tensor,
+    query_start_loc_ptr: tl.tensor, seq_lens_ptr: tl.tensor, out_ptr: tl.tensor, sinks_ptr: tl.tensor,
     scale_log2: float, window: int,
     stride_qt: int, stride_qh: int, stride_ks: int, stride_kh: int, stride_vs: int, stride_vh: int,
     stride_tb: int, stride_ot: int, stride_oh: int,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    IS_FP32: tl.constexpr, EMULATE_BF16: tl.constexpr,
+    IS_FP32: tl.constexpr, EMULATE_BF16: tl.constexpr, HAS_SINKS: tl.constexpr,
 ) -> None:
     """One (sequence, tile of BLOCK_Q query tokens, KV head). q, out: [T, H, D]; caches:
-    [num_slots, KVH, D]; block_tables: [B, max_blocks]; query_start_loc: [B + 1]; seq_lens: [B]."""
+    [num_slots, KVH, D]; block_tables: [B, max_blocks]; query_start_loc: [B + 1]; seq_lens: [B];
+    sinks: [H] float32 (read only when HAS_SINKS)."""
     seq = tl.program_id(0)
     q_tile = tl.program_id(1)
     kv_head = tl.program_id(2)
@@ -80,6 +81,9 @@ def _prefill_kernel(
         scores = tl.where(visible, scores, float("-inf"))
         m_i, l_i, acc = softmax_step(scores, m_i, l_i, acc, v, IS_FP32, EMULATE_BF16)
 
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        l_i, acc = fold_sink(m_i, l_i, acc, sink)
     # every real row sees at least its own key (l > 0); padded rows are not stored
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_rows = (q_start + token).to(tl.int64) * stride_ot + head * stride_oh
@@ -102,7 +106,7 @@ def default_block_m(group: int, max_query_len: int) -> int:
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_size: int, scale: float,
                       window: int, out: torch.Tensor, max_query_len: int, block_m: int | None = None,
-                      block_n: int = 64, num_warps: int = 4) -> torch.Tensor:
+                      block_n: int = 64, num_warps: int = 4, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """See engine.execution.triton.prefill_attention."""
     num_seqs = seq_lens.shape[0] if isinstance(seq_lens, torch.Tensor) and seq_lens.dim() == 1 else -1
     check_tensor("seq_lens", seq_lens, 1, (torch.int32,))
@@ -124,14 +128,24 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         raise ValueError(f"block_m: {block_m} rows cannot hold one token's {group} query heads")
     if num_seqs == 0 or max_query_len == 0 or q.shape[0] == 0:
         return out
+    sinks = _checked_sinks(sinks, num_heads, q.device)
     block_q = block_m // group
     grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, out if sinks is None else sinks,
         float(scale) * LOG2E, window,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=max(16, next_pow2(head_dim)),
         BLOCK_N=block_n, BLOCK_SIZE=block_size, HAS_WINDOW=window > 0, IS_FP32=k_cache.dtype == torch.float32,
-        EMULATE_BF16=_emulate_bf16(_prefill_kernel), num_warps=num_warps)
+        EMULATE_BF16=_emulate_bf16(_prefill_kernel), HAS_SINKS=sinks is not None, num_warps=num_warps)
     return out
+
+
+def _checked_sinks(sinks: torch.Tensor | None, num_heads: int, device: torch.device) -> torch.Tensor | None:
+    """sinks as the kernels read them: [H] float32, contiguous, on q's device (None: none)."""
+    if sinks is None:
+        return None
+    if sinks.shape != (num_heads,) or sinks.device != device:
+        raise ValueError(f"sinks: expected shape ({num_heads},) on {device}, got {tuple(sinks.shape)} on {sinks.device}")
+    return sinks.float().contiguous()

@@ -164,7 +164,7 @@ def fetch_default_gguf(phases: StartupPhases | None = None) -> Path:
 def convert_gguf(gguf: Path, target: Path) -> None:
     """Dequantize a GGUF file to an fp32 safetensors directory (atomically)."""
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from engine.execution.weights.gguf_config import gguf_config
     from engine.execution.weights.gguf_file import GGUFFile
@@ -172,13 +172,19 @@ def convert_gguf(gguf: Path, target: Path) -> None:
     logger.info("converting %s to safetensors in %s (once)", gguf, target)
     file = GGUFFile(gguf)  # a truncated file or an unsupported architecture fails here, naming the problem
     config = gguf_config(file)
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, config=config,
-                                                 dtype=torch.float32)
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if model.config.tie_word_embeddings:
+    tokenizer = _gguf_tokenizer(file)
+    if file.architecture == "gpt-oss":  # transformers 5.25's GGUF reader fails on gpt-oss files
+        from engine.execution.weights.gguf_loader import hf_float_tensors
+
+        state = dict(hf_float_tensors(file))
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, config=config,
+                                                     dtype=torch.float32)
+        config = model.config
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    _write_model_dir(target, model.config, _generation_config(file, model.config), tokenizer,
+    _write_model_dir(target, config, _generation_config(file, config), tokenizer,
                      lambda tmp: save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"}),
                      source=_gguf_source(gguf))
 
@@ -186,7 +192,6 @@ def convert_gguf(gguf: Path, target: Path) -> None:
 def write_gguf_metadata(gguf: Path, target: Path) -> None:
     """A GGUF file's config, generation config and tokenizer (with its chat template) as an HF
     directory without weights (atomically): transformers reads them from the file's metadata."""
-    from transformers import AutoTokenizer
 
     from engine.execution.weights.gguf_config import gguf_config
     from engine.execution.weights.gguf_file import GGUFFile
@@ -194,8 +199,18 @@ def write_gguf_metadata(gguf: Path, target: Path) -> None:
     file = GGUFFile(gguf)  # a truncated file or an unsupported architecture fails here, naming the problem
     logger.info("reading %s's config and tokenizer into %s (once)", gguf, target)
     config = gguf_config(file)
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    _write_model_dir(target, config, _generation_config(file, config), tokenizer, source=_gguf_source(gguf))
+    _write_model_dir(target, config, _generation_config(file, config), _gguf_tokenizer(file),
+                     source=_gguf_source(gguf))
+
+
+def _gguf_tokenizer(file: GGUFFile) -> Any:
+    """The tokenizer transformers reads from a GGUF file's metadata. gpt-oss's through the fast
+    tokenizer class itself: AutoTokenizer reads the file's config first, which transformers 5.25
+    fails on for gpt-oss (its rope.scaling metadata), while the tokenizer reader alone does not."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    loader = PreTrainedTokenizerFast if file.architecture == "gpt-oss" else AutoTokenizer
+    return loader.from_pretrained(str(file.path.parent), gguf_file=file.path.name)
 
 
 def _generation_config(file: GGUFFile, config: Any) -> Any:

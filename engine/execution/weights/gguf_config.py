@@ -14,6 +14,10 @@ converter stores and llama.cpp itself assumes:
 - RoPE: the sliding layers' base (rope.freq_base_swa) and a linear scaling of the others
   (rope.scaling.type / rope.scaling.factor, Gemma 3 4B and up); another scaling type fails,
   naming it, rather than serving positions wrongly;
+- gpt-oss: transformers 5.25's GGUF reader fails on the file's rope.scaling metadata, so its
+  config is built here from the metadata as llama.cpp reads it (YaRN from rope.scaling.*, the
+  experts' width from expert_feed_forward_length, window and full layers alternating, window
+  first); the converter stores no YaRN `truncate`, and the released checkpoints' False is taken;
 - end of turn: a chat model's turns end in a token other than its end-of-text one (Gemma's
   <end_of_turn>); llama.cpp stops at tokenizer.ggml.eot_token_id and at control tokens it knows
   by their text, and so do the ids read here (the texts of Qwen's, Gemma's and Llama 3's turns).
@@ -36,6 +40,8 @@ def gguf_config(file: GGUFFile) -> Any:
     """transformers' config of a GGUF file, completed and corrected from its metadata."""
     from transformers import AutoConfig
 
+    if file.architecture == "gpt-oss":
+        return _gpt_oss_config(file)
     config = AutoConfig.from_pretrained(str(file.path.parent), gguf_file=file.path.name)
     head_dim = file.arch_field("attention.key_length")
     if head_dim is not None:
@@ -49,6 +55,46 @@ def gguf_config(file: GGUFFile) -> Any:
             config.query_pre_attn_scalar = config.head_dim
         config.layer_types = _gemma3_layer_types(file, config.num_hidden_layers)
     return config
+
+
+def _gpt_oss_config(file: GGUFFile) -> Any:
+    from transformers import GptOssConfig
+
+    def number(key: str, default: Any = None) -> Any:
+        value = file.arch_field(key, default)
+        if value is None:
+            raise ValueError(f"model: GGUF file {file.path.name} lacks gpt-oss.{key}")
+        return value
+
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(number("rope.freq_base", 150000.0))}
+    scaling = str(file.arch_field("rope.scaling.type", "none"))
+    if scaling == "yarn":
+        rope.update(rope_type="yarn", factor=float(number("rope.scaling.factor")),
+                    original_max_position_embeddings=int(number("rope.scaling.original_context_length")),
+                    beta_fast=float(number("rope.scaling.yarn_beta_fast", 32.0)),
+                    beta_slow=float(number("rope.scaling.yarn_beta_slow", 1.0)), truncate=False)
+        attn_factor = file.arch_field("rope.scaling.yarn_attn_factor")
+        if attn_factor is not None:
+            rope["attention_factor"] = float(attn_factor)
+    elif scaling != "none":
+        raise ValueError(f"model: GGUF file {file.path.name} scales RoPE by {scaling!r}; gpt-oss reads yarn only")
+    names = {name for name in file.tensor_names()}
+    tokens = file.field("tokenizer.ggml.tokens", [])
+    heads = int(number("attention.head_count"))
+    hidden = int(number("embedding_length"))
+    special = {key: file.field(f"tokenizer.ggml.{key}_token_id") for key in ("bos", "eos", "padding")}
+    return GptOssConfig(
+        vocab_size=int(file.arch_field("vocab_size") or len(tokens)), hidden_size=hidden,
+        intermediate_size=int(file.arch_field("expert_feed_forward_length") or number("feed_forward_length")),
+        num_hidden_layers=int(number("block_count")), num_attention_heads=heads,
+        num_key_value_heads=int(file.arch_field("attention.head_count_kv", heads)),
+        head_dim=int(file.arch_field("attention.key_length", hidden // heads)),
+        max_position_embeddings=int(number("context_length")),
+        rms_norm_eps=float(number("attention.layer_norm_rms_epsilon")),
+        num_local_experts=int(number("expert_count")), num_experts_per_tok=int(number("expert_used_count")),
+        sliding_window=int(number("attention.sliding_window")), rope_parameters=rope,
+        tie_word_embeddings="output.weight" not in names,
+        bos_token_id=special["bos"], eos_token_id=special["eos"], pad_token_id=special["padding"])
 
 
 def _gemma3_layer_types(file: GGUFFile, num_layers: int) -> list[str]:

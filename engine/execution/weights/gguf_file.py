@@ -37,7 +37,7 @@ _FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16)
 # Hugging Face's. A format fact, kept here rather than read from the model registry so that
 # weights/ never imports models/; a new family adds its name here once its layout is mapped
 # (tests/engine/execution/weights/test_gguf_file.py checks each has a model family).
-GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "gpt-oss")
 LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")  # llama.cpp's per-layer tensor names
 
 
@@ -99,6 +99,9 @@ class GGUFFile:
     def arch_field(self, key: str, default: Any = None) -> Any:
         return self.field(f"{self.architecture}.{key}", default)
 
+    def tensor_names(self) -> list[str]:
+        return [t.name for t in self._reader.tensors]
+
     def tensors(self) -> Iterator[GGUFTensor]:
         """Every tensor in file order, checked (see the module's docstring)."""
         warned: set[GGMLQuantizationType] = set()
@@ -150,9 +153,12 @@ class GGUFFile:
         shapes = {"attn_q": (q, hidden), "attn_k": (kv, hidden), "attn_v": (kv, hidden), "attn_output": (hidden, q),
                   "attn_norm": (hidden,), "ffn_norm": (hidden,), "output_norm.weight": (hidden,),
                   "attn_q_norm": (head_dim,), "attn_k_norm": (head_dim,), "post_attention_norm": (hidden,),
-                  "post_ffw_norm": (hidden,)}
+                  "post_ffw_norm": (hidden,), "attn_sinks": (heads,)}
         if ff > 0:
             shapes.update(ffn_gate=(ff, hidden), ffn_up=(ff, hidden), ffn_down=(hidden, ff))
+        num_experts = int(self.arch_field("expert_count", 0))
+        if num_experts > 0:  # the router; the stacked experts' 3-D tensors are checked by the model's shapes
+            shapes.update(ffn_gate_inp=(num_experts, hidden))
         if int(vocab) > 0:
             shapes.update({"token_embd.weight": (int(vocab), hidden), "output.weight": (int(vocab), hidden)})
         return shapes

@@ -15,6 +15,12 @@ Tensor names are mapped from llama.cpp's (blk.N.attn_q ...) to Hugging Face's, p
 pre_feedforward_layernorm), and the model's own `_expected_weights` says which tensors it needs: a
 missing or unknown one fails naming it.
 
+gpt-oss files are read as float (hf_float_tensors, for the dequantized path; MXFP4 and other
+expert blocks dequantized by the gguf package): llama.cpp's converter splits transformers' experts
+into ffn_gate_exps / ffn_up_exps [E, I, H] (the interleaved gate and up columns taken apart) and
+ffn_down_exps [E, H, I], with biases; they are put back into transformers' layout
+(mlp.experts.gate_up_proj [E, H, 2I] interleaved, down_proj [E, I, H]).
+
 Gemma 3's RMSNorms scale by (1 + w); llama.cpp's converter stores every one of its norm weights
 (the layers', the query / key norms and the final one) with the 1 already added. They are set on
 the model as the file holds them, 1 + w: that is the value the Gemma 3 model's own load_weights
@@ -23,6 +29,7 @@ folds its Hugging Face checkpoint's w into, so adding 1 again here would be wron
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -47,7 +54,11 @@ _ARCH_LAYER_NAMES = {
     "gemma3": _LAYER_NAMES | _QK_NORMS | {"post_attention_norm": "post_attention_layernorm",
                                           "ffn_norm": "pre_feedforward_layernorm",
                                           "post_ffw_norm": "post_feedforward_layernorm"},
+    "gpt-oss": _LAYER_NAMES | {"post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks",
+                               "ffn_gate_inp": "mlp.router"},
 }
+# gpt-oss's experts: llama.cpp's stacked tensors -> transformers' (hf_float_tensors joins gate and up).
+_GPT_OSS_EXPERTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 # Tensors some files carry that the model computes itself (llama 3's RoPE frequencies).
 _IGNORED = ("rope_freqs.weight",)
 
@@ -60,7 +71,51 @@ def hf_name(gguf_name: str, architecture: str) -> str | None:
     match = LAYER_TENSOR.match(gguf_name)
     if match is None or match.group(2) not in layer_names:
         return None
+    if match.group(2) == "attn_sinks":  # a bare parameter in transformers, not a module's weight
+        return f"model.layers.{match.group(1)}.self_attn.sinks"
     return f"model.layers.{match.group(1)}.{layer_names[match.group(2)]}.{match.group(3)}"
+
+
+def _values(t: GGUFTensor) -> torch.Tensor:
+    """A tensor's float32 values, blocks dequantized."""
+    if t.is_blocks:
+        return torch.from_numpy(np.ascontiguousarray(dequantize(t.data, t.quant_type)).reshape(t.shape))
+    return _float(t)
+
+
+def hf_float_tensors(gguf: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of a gpt-oss file as float32 under transformers' name and in its layout
+    (module docstring). Raises ValueError naming a tensor with no place in the model."""
+    if gguf.architecture != "gpt-oss":  # others' float path is transformers' (Gemma's norms, llama's rows)
+        raise ValueError(f"model: {gguf.path.name}: float tensors are read here for gpt-oss only, "
+                         f"not {gguf.architecture}")
+    experts: dict[tuple[str, str, str], torch.Tensor] = {}  # (layer, part, weight | bias) -> values
+    for t in gguf.tensors():
+        match = LAYER_TENSOR.match(t.name)
+        if match is not None and match.group(2) in _GPT_OSS_EXPERTS:
+            experts[match.groups()] = _values(t)
+            continue
+        name = hf_name(t.name, gguf.architecture)
+        if name is None:
+            if t.name in _IGNORED:
+                continue
+            raise ValueError(f"model: GGUF tensor {t.name!r} of {gguf.path.name} has no place in a "
+                             f"{gguf.architecture} model")
+        yield name, _values(t)
+    for layer in sorted({key[0] for key in experts}, key=int):
+        prefix = f"model.layers.{layer}.mlp.experts"
+        for kind, suffix in (("weight", ""), ("bias", "_bias")):
+            parts = [experts.get((layer, part, kind)) for part in _GPT_OSS_EXPERTS]
+            if any(p is None for p in parts):
+                raise ValueError(f"model: GGUF file {gguf.path.name} lacks blk.{layer}'s expert {kind}s "
+                                 f"({', '.join(_GPT_OSS_EXPERTS)})")
+            gate, up, down = parts
+            # [E, I, H] each (weights) or [E, I] (biases) -> gate and up alternating along I
+            gate_up = torch.stack((gate, up), dim=2).flatten(1, 2)
+            if kind == "weight":
+                gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)  # [E, H, 2I], [E, I, H]
+            yield f"{prefix}.gate_up_proj{suffix}", gate_up.contiguous()
+            yield f"{prefix}.down_proj{suffix}", down.contiguous()
 
 
 def _float(t: GGUFTensor) -> torch.Tensor:

@@ -136,10 +136,11 @@ def _tables(seq_lens: list[int], block_size: int, max_blocks: int, gen: torch.Ge
 
 
 def _dense(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, seq_len: int,
-           block_size: int, scale: float, window: int) -> torch.Tensor:
+           block_size: int, scale: float, window: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One sequence's last q.shape[0] positions over its whole context, gathered densely: causal
-    and window mask, softmax in float32. q: [n, H, D] -> [n, H, D] float32. q is rounded to the
-    cache's dtype first, as the kernels multiply in it."""
+    and window mask, softmax in float32 (with sinks [H]: each head's sink logit one more column of
+    the softmax, with no value). q: [n, H, D] -> [n, H, D] float32. q is rounded to the cache's
+    dtype first, as the kernels multiply in it."""
     n, heads, dim = q.shape
     group = heads // k_cache.shape[1]
     positions = torch.arange(seq_len)
@@ -151,7 +152,10 @@ def _dense(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table:
     visible = positions.unsqueeze(0) <= rows
     if window:
         visible &= positions.unsqueeze(0) > rows - window
-    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat((scores, sinks.float().view(heads, 1, 1).expand(heads, n, 1)), dim=-1)
+    probs = torch.softmax(scores, dim=-1)[..., :seq_len]
     return (probs @ v).transpose(0, 1)
 
 
@@ -339,6 +343,50 @@ def test_speculative_chunk_matches_decode_one_query_at_a_time(window: int) -> No
                                       torch.arange(101, 105, dtype=torch.int32), 4, 0.25, window, decoded,
                                       partition_size=32, block_n=16)
     torch.testing.assert_close(out, decoded, atol=2e-5, rtol=2e-5)
+
+
+def _sinks(heads: int, seed: int) -> torch.Tensor:
+    """[H] sink logits around the scores' scale (gpt-oss): some heads give the sink most of their weight."""
+    return torch.randn(heads, generator=torch.Generator().manual_seed(seed)) * 2.0 + 1.0
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("window", [0, 20], ids=["full", "window20"])
+def test_sinks_in_decode_and_prefill(cache_dtype: torch.dtype, window: int) -> None:
+    """Per-head sink logits (gpt-oss) in the softmax's denominator: decode split into partitions
+    (the merge adds the sink once) and direct (the partition kernel adds it), and packed prefill
+    chunks, against the dense reference and the C++ kernels; the same calls without the sinks
+    differ by far more than the tolerance, so a dropped sink fails."""
+    lens = [1, 13, 50, 97]
+    q, k, v, tables, context_lens = _decode_case(4, 3, cache_dtype, cache_dtype, lens, seed=21)
+    sinks = _sinks(q.shape[1], seed=21)
+    scale = q.shape[-1] ** -0.5
+    expected = torch.stack([_dense(q[b : b + 1], k, v, tables[b], n, 4, scale, window, sinks)[0]
+                            for b, n in enumerate(lens)])
+    plain = torch.stack([_dense(q[b : b + 1], k, v, tables[b], n, 4, scale, window)[0] for b, n in enumerate(lens)])
+    assert (expected - plain).abs().max() > 0.1
+    for partition in (32, None):
+        out = torch.full_like(q, float("nan"))
+        triton_attention.decode_attention(q, k, v, tables, context_lens, 4, scale, window, out,
+                                          partition_size=partition, block_n=16, sinks=sinks)
+        torch.testing.assert_close(out.float(), expected, **_tol(cache_dtype),
+                                   msg=lambda m, p=partition: f"partition {p}: {m}")
+    q, k, v, tables, starts, seq_lens = _prefill_case(4, 3, cache_dtype, cache_dtype, CHUNKS, seed=22)
+    out = torch.full_like(q, float("nan"))
+    triton_attention.prefill_attention(q, k, v, tables, starts, seq_lens, 4, scale, window, out,
+                                       max_query_len=max(n for _, n in CHUNKS), block_m=16, sinks=sinks)
+    for i, (cached, n) in enumerate(CHUNKS):
+        rows = slice(int(starts[i]), int(starts[i + 1]))
+        torch.testing.assert_close(out[rows].float(), _dense(q[rows], k, v, tables[i], cached + n, 4, scale, window,
+                                                             sinks), **_tol(cache_dtype),
+                                   msg=lambda m, i=i: f"chunk {CHUNKS[i]}: {m}")
+    kernels = _cpp_kernels()
+    cpp = torch.empty(q.shape, dtype=torch.float32)
+    for i, (cached, n) in enumerate(CHUNKS):
+        rows = slice(int(starts[i]), int(starts[i + 1]))
+        kernels.paged_prefill_attention(q[rows].float(), k, v, tables[i].long(), cached, 4, scale, window,
+                                        kernels.best_isa(), cpp[rows], sinks)
+    torch.testing.assert_close(out.float(), cpp.to(q.dtype).float(), **_tol(cache_dtype))
 
 
 def test_default_partition_fills_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
