@@ -204,6 +204,9 @@ class LlamaForCausalLM(nn.Module):
             if name is None or "rotary_emb" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
                 continue
             key = key_of.get(name)
+            if key is None and not name.startswith("model."):
+                # A base model's checkpoint (sentence-transformers saves Qwen3-Embedding's as Qwen3Model: no "model.")
+                key = key_of.get(f"model.{name}")
             if key is None:
                 raise ValueError(f"unexpected weight {hf_name!r} in checkpoint")
             param_name, _, shard = key.partition("#")
