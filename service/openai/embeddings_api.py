@@ -9,16 +9,14 @@ request, freeing their blocks.
 """
 from __future__ import annotations
 
-import asyncio
 import uuid
-from collections.abc import AsyncGenerator
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from engine import FieldError, RequestOutput
-from service.async_engine import AsyncEngine, EngineDeadError
+from service.async_engine import EngineDeadError
+from service.embedding_batch import EmbeddingBatch, failed_output
 from service.observability.request_observer import CallInfo
 from service.openai.call import until_disconnected
 from service.openai.embeddings_protocol import EmbeddingRequest
@@ -37,7 +35,6 @@ class EmbeddingsApi:
         request_id = f"embd-{uuid.uuid4().hex}"
         handle = door.observer.start(request_id, request_id, CallInfo("http", ROUTE, "embeddings",
                                                                       dict(request.headers)), None)
-        streams: list[AsyncGenerator[RequestOutput, None]] = []
         try:
             door._check_model(body.model)
             prompts = body.inputs()
@@ -48,46 +45,24 @@ class EmbeddingsApi:
                 raise door.api_error(400, f"this server's model is served for {task!r}, not embeddings "
                                      "(serve an embedding model, or this one with --task embed)", param="model",
                                      code="model_not_supported")
-            for i, prompt in enumerate(prompts):
-                try:
-                    streams.append(await engine.generate(f"{request_id}-{i}", params, prompt=prompt,
-                                                         priority=body.priority, engine_id=f"{request_id}-{i}"))
-                except FieldError as exc:
-                    field = body.input_field(i, len(prompts))
-                    raise exc.renamed({"prompt": field, "prompt_token_ids": field}) from exc
+            batch = EmbeddingBatch(engine, request_id)
+            await batch.admit(params, prompts, body.priority, lambda i: body.input_field(i, len(prompts)))
         except (ValueError, EngineDeadError, EngineUnavailableError, door.api_error) as exc:
-            await _close(streams)
             error = exc if isinstance(exc, door.api_error) else door.admission_error(exc)
             door.observer.finish(handle, None, str(error.status), error.message,
                                  {"http.response.status_code": error.status})
             raise error from exc
         try:
-            outputs = await until_disconnected(_finals(engine, streams), request.receive)
+            outputs = await until_disconnected(batch.finals(), request.receive)
         finally:
-            await _close(streams)
+            await batch.aclose()
         if outputs is None:  # the client left: every input's request is aborted
             door.observer.finish(handle, None, "499", "client disconnected", {"http.response.status_code": 499})
             return JSONResponse({}, status_code=499)
-        failed = next((out for out in outputs if out.embedding is None), None)
+        failed = failed_output(outputs)
         if failed is not None:
             message = failed.error or f"the request ended without an embedding ({failed.finish_reason})"
             door.observer.finish(handle, failed, "500", message, {"http.response.status_code": 500})
             raise door.api_error(500, message, "server_error")
         door.observer.finish(handle, outputs[-1], None, attributes={"http.response.status_code": 200})
         return JSONResponse(body.answer(door.model_name, outputs), headers={"x-request-id": request_id})
-
-
-async def _finals(engine: AsyncEngine, streams: list[AsyncGenerator[RequestOutput, None]]) -> list[RequestOutput]:
-    """Each stream's final output, in order (read together: they run in the same steps)."""
-    async def final(stream: AsyncGenerator[RequestOutput, None]) -> RequestOutput:
-        last = None
-        async for out in stream:
-            last = out
-        return last
-
-    return list(await asyncio.gather(*(final(s) for s in streams)))
-
-
-async def _close(streams: list[AsyncGenerator[RequestOutput, None]]) -> None:
-    for stream in streams:
-        await stream.aclose()
