@@ -176,3 +176,41 @@ def test_pooling_config_both_spellings(tmp_path: Path) -> None:
         load_pooler_config(tmp_path)
     (tmp_path / "modules.json").unlink()
     assert load_pooler_config(tmp_path) is None
+
+
+def test_preempted_pooling_request_pools_again_from_scratch(embedding_dirs: dict[str, Path]) -> None:
+    """A KV pool too small for everything at once: mean-pooling requests mid-prompt are
+    preempted (recompute) and still finish with the vectors they have alone."""
+    model_dir = embedding_dirs["mean"]
+    alone = np.array([o.embedding for o in LLM(str(model_dir), num_kv_blocks=64, block_size=4).embed(TEXTS)])
+    llm = LLM(str(model_dir), num_kv_blocks=24, block_size=4, max_num_batched_tokens=8, enable_prefix_caching=False)
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    engine = llm.engine
+    free_before = engine.block_manager.num_free_blocks
+    stream_ids = [engine.add_request(p, greedy) for p in ["Once upon a time", "The capital of"]]
+    embed_ids = [engine.add_request(t, PoolingParams()) for t in TEXTS]
+    finals, num_preemptions = {}, 0
+    while engine.has_unfinished_requests():
+        outputs, stats = engine.step()
+        num_preemptions += stats.num_preemptions
+        finals.update({o.request_id: o for o in outputs if o.is_finished})
+    assert num_preemptions > 0
+    assert sum(finals[r].metrics.num_preemptions for r in embed_ids) > 0  # an embedding itself was preempted
+    got = np.array([finals[r].embedding for r in embed_ids])
+    assert _cosines(got, alone).min() >= 0.9999
+    assert all(len(finals[r].token_ids) == 40 for r in stream_ids)
+    assert engine.block_manager.num_free_blocks == free_before
+
+
+def test_last_token_pooling_reuses_a_cached_prefix(embedding_dirs: dict[str, Path]) -> None:
+    """Last-token pooling may start from the prefix cache (its last token is always computed);
+    mean pooling never does (it reads every position)."""
+    long_text = TEXTS[1]
+    last = LLM(str(embedding_dirs["lasttoken"]), num_kv_blocks=64, block_size=4)
+    first, again = last.embed([long_text]), last.embed([long_text])
+    assert first[0].num_cached_tokens == 0 and again[0].num_cached_tokens > 0
+    assert _cosines(np.array([again[0].embedding]), np.array([first[0].embedding])).min() >= 0.9999
+    mean = LLM(str(embedding_dirs["mean"]), num_kv_blocks=64, block_size=4)
+    first, again = mean.embed([long_text]), mean.embed([long_text])
+    assert again[0].num_cached_tokens == 0
+    assert _cosines(np.array([again[0].embedding]), np.array([first[0].embedding])).min() >= 0.9999
