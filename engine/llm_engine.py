@@ -83,6 +83,10 @@ class LLMEngine:
         logger.info("task %s (pooling: %s, normalize %s)", self.task, self.pooler_config.pooling_type.value,
                     self.pooler_config.normalize)
         self.runner = ModelRunner(self.model_dir, hf_config, resolved, phases)
+        self.can_generate = getattr(self.runner.model, "has_lm_head", True)
+        if not self.can_generate and self.task != "embed":
+            raise ValueError(f"{self.model_dir} has no LM head (a base model's weights, as sentence-transformers "
+                             "saves an embedder): it can only embed; serve it with --task embed")
         # Prefix-cache events are recorded only while someone subscribes (subscribe_kv_events).
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching, config.watermark, is_recording_events=False,
@@ -226,6 +230,8 @@ class LLMEngine:
     def check_request(self, params: SamplingParams | PoolingParams, request_id: str | None = None,
                       priority: int = 0) -> None:
         """The cheap checks (limits, the client's id, priority): ValueError naming the field."""
+        if isinstance(params, SamplingParams) and not self.can_generate:
+            raise ValueError("this model has no LM head (a base model's weights): it can only embed")
         self.input_processor.check_request(params, request_id, priority)
 
     def process_inputs(self, params: SamplingParams | PoolingParams, prompt: str | list[int] | None = None,

@@ -214,3 +214,21 @@ def test_last_token_pooling_reuses_a_cached_prefix(embedding_dirs: dict[str, Pat
     first, again = mean.embed([long_text]), mean.embed([long_text])
     assert again[0].num_cached_tokens == 0
     assert _cosines(np.array([again[0].embedding]), np.array([first[0].embedding])).min() >= 0.9999
+
+
+def test_untied_base_checkpoint_embeds_and_cannot_generate(tmp_path: Path) -> None:
+    """An embedder whose causal LM had an untied head, saved by sentence-transformers as the base
+    model (Qwen3-Embedding-8B's case: no lm_head.weight at all): it loads and embeds; asked to
+    generate, it says why not."""
+    from sentence_transformers import SentenceTransformer
+
+    model_dir = build_tiny_embedding_model(tmp_path / "untied", pooling_mode="lasttoken", family="qwen2-untied")
+    expected = SentenceTransformer(str(model_dir), device="cpu").encode(TEXTS)
+    llm = LLM(str(model_dir), num_kv_blocks=64, block_size=4)
+    assert not llm.engine.can_generate
+    got = np.array([o.embedding for o in llm.embed(TEXTS)])
+    assert _cosines(got, expected).min() >= 0.9999
+    with pytest.raises(ValueError, match="only embed"):
+        llm.generate("hello", SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="--task embed"):
+        LLM(str(model_dir), num_kv_blocks=64, block_size=4, task="generate")
