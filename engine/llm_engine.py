@@ -387,5 +387,6 @@ class LLMEngine:
 
 def _prefill_only() -> SamplingParams:
     """The sampling side of a pooling request (the scheduler's and the output side's common
-    view of a request): it never samples, so only its prompt checks read it."""
-    return SamplingParams(max_tokens=1)
+    view of a request): it never samples, so only its prompt checks read it (no max_tokens: a
+    prompt may fill the whole context)."""
+    return SamplingParams(max_tokens=None)

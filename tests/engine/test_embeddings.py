@@ -232,3 +232,13 @@ def test_untied_base_checkpoint_embeds_and_cannot_generate(tmp_path: Path) -> No
         llm.generate("hello", SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match="--task embed"):
         LLM(str(model_dir), num_kv_blocks=64, block_size=4, task="generate")
+
+
+def test_a_prompt_may_fill_the_context(embedding_dirs: dict[str, Path]) -> None:
+    """Nothing is generated after an embedding's prompt: max_model_len tokens fit, one more does not."""
+    llm = LLM(str(embedding_dirs["lasttoken"]), num_kv_blocks=64, block_size=4, max_model_len=40)
+    (out,) = llm.embed([list(range(3, 43))])
+    assert len(out.prompt_token_ids) == 40 and len(out.embedding) == 64
+    with pytest.raises(FieldError) as err:
+        llm.embed([list(range(3, 44))])
+    assert err.value.field == "prompt" and "41 tokens" in str(err.value)
