@@ -69,6 +69,9 @@ class EngineConfig:
 
     model: str | None = _opt(None, "a local HF directory, a .gguf file or a hub id; unset: SmolLM2-135M-Instruct")
     tokenizer: str | None = _opt(None, "tokenizer directory or id; unset: the model's")
+    task: str = _opt("auto", "generate | embed (serve /v1/embeddings: the model's pooled hidden states) | auto "
+                             "(embed when the model directory has sentence-transformers' modules.json with a "
+                             "Pooling module, else generate); vLLM's --task / --runner pooling")
     device: str = _opt("auto", "auto | cpu | cuda")
     backend: str = _opt("auto", "auto (cuda with a GPU, else cpu) | cpu (C++ kernels, oneDNN) | cuda (Triton "
                                 "attention, CUDA graphs) | torch (the pure-torch reference, on `device`)")
@@ -186,6 +189,8 @@ class EngineConfig:
             raise ValueError(f"aging_s must be positive, got {self.aging_s}")
         if self.backend not in ("auto", "cpu", "cuda", "torch"):
             raise ValueError(f"backend must be auto, cpu, cuda or torch, got {self.backend!r}")
+        if self.task not in ("auto", "generate", "embed"):
+            raise ValueError(f"task must be auto, generate or embed, got {self.task!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.quantization not in {q.value for q in Quantization}:

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.processing.pooling_params import PoolingParams
 from engine.processing.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)
 class EngineRequest:
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams | PoolingParams  # PoolingParams (resolved): an embedding request, prefill only
     request_id: str | None = None  # None: the engine names it (req-N)
     priority: int = 0  # lower runs first
     arrival_time: float | None = None  # time.monotonic(); None: when admitted

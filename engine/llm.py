@@ -7,6 +7,7 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
+from engine.processing.pooling_params import PoolingParams
 from engine.processing.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -33,6 +34,14 @@ class LLM:
             prompts = [prompts]
         return self._run(list(prompts), params)
 
+    def embed(self, prompts: Prompt | Seq[Prompt],
+              params: PoolingParams | Seq[PoolingParams] | None = None) -> list[RequestOutput]:
+        """Embed prompts (strings or token-id lists): prefill only, each output's `embedding` its
+        pooled vector (the model's pooling and normalisation unless params say otherwise)."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        return self._run(list(prompts), params or PoolingParams())
+
     def chat(self, conversations: list[dict[str, str]] | Seq[list[dict[str, str]]],
              params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
         """Generate replies to chat conversations, each formatted by the model's chat template."""
@@ -40,8 +49,9 @@ class LLM:
             conversations = [conversations]
         return self._run([self.engine.apply_chat_template(list(c)) for c in conversations], params)
 
-    def _run(self, prompts: list[Prompt], params: SamplingParams | Seq[SamplingParams] | None) -> list[RequestOutput]:
-        if params is None or isinstance(params, SamplingParams):
+    def _run(self, prompts: list[Prompt], params: SamplingParams | PoolingParams | Seq[SamplingParams | PoolingParams]
+             | None) -> list[RequestOutput]:
+        if params is None or isinstance(params, SamplingParams | PoolingParams):
             params_list = [params or SamplingParams()] * len(prompts)
         else:
             params_list = list(params)
@@ -56,7 +66,8 @@ class LLM:
                 self.engine.abort_request(request_id)
             self.engine.step()
             raise
-        num_samples = {request_id: p.n for request_id, p in zip(ids, params_list, strict=True)}
+        num_samples = {request_id: p.n if isinstance(p, SamplingParams) else 1
+                       for request_id, p in zip(ids, params_list, strict=True)}
         finals: dict[str, dict[int, RequestOutput]] = {request_id: {} for request_id in ids}
         prompt_logprobs: dict[str, list] = {}  # they come with a request's first output only
         while any(len(finals[i]) < num_samples[i] for i in ids):

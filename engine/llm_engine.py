@@ -31,11 +31,13 @@ from engine.execution.model_runner import ModelRunner
 from engine.execution.resolved_config import resolve_config
 from engine.execution.startup_phases import TOKENIZER, PhaseListener, StartupPhases
 from engine.execution.weights.checkpoint import model_display_name, resolve_model
+from engine.execution.weights.pooling_config import load_pooler_config
 from engine.inputs import EngineRequest
 from engine.outputs import FinishReason, KvCacheEvent, ModelInfo, RequestOutput, StepStats
 from engine.processing.detokenizer import ids_decoder
 from engine.processing.input_processor import InputProcessor, load_eos_token_ids
 from engine.processing.output_processor import OutputProcessor
+from engine.processing.pooling_params import PoolerConfig, PoolingParams
 from engine.processing.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -72,7 +74,19 @@ class LLMEngine:
             output_tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or str(self.model_dir))
             input_tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or str(self.model_dir))
         self._decode_ids = ids_decoder(output_tokenizer)
+        # Embedding requests pool by the model's sentence-transformers recipe where it has one (else
+        # the last token, normalised, as vLLM's decoder embedders); the task decides what the doors
+        # serve. The engine itself runs both kinds of request on any model.
+        pooler_config = load_pooler_config(self.model_dir)
+        self.pooler_config = pooler_config or PoolerConfig()
+        self.task = config.task if config.task != "auto" else "embed" if pooler_config is not None else "generate"
+        logger.info("task %s (pooling: %s, normalize %s)", self.task, self.pooler_config.pooling_type.value,
+                    self.pooler_config.normalize)
         self.runner = ModelRunner(self.model_dir, hf_config, resolved, phases)
+        self.can_generate = getattr(self.runner.model, "has_lm_head", True)
+        if not self.can_generate and self.task != "embed":
+            raise ValueError(f"{self.model_dir} has no LM head (a base model's weights, as sentence-transformers "
+                             "saves an embedder): it can only embed; serve it with --task embed")
         # Prefix-cache events are recorded only while someone subscribes (subscribe_kv_events).
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching, config.watermark, is_recording_events=False,
@@ -130,7 +144,8 @@ class LLMEngine:
             num_kv_blocks=self.block_manager.num_blocks, device=str(self.runner.device), dtype=str(self.runner.dtype),
             eos_token_ids=tuple(sorted(self.eos_token_ids)), has_chat_template=self.input_processor.has_chat_template,
             kv_cache_dtype=str(self.runner.cache_dtype), model_dir=str(self.model_dir),
-            tokenizer_dir=str(self.tokenizer_dir))
+            tokenizer_dir=str(self.tokenizer_dir), task=self.task,
+            hidden_size=self.runner.model_config.hidden_size)
 
     def reconfigure(self, **changes: Any) -> None:
         """Change scheduling options of an idle engine without reloading the model (benchmarks)."""
@@ -212,18 +227,27 @@ class LLMEngine:
 
     # ---- admission: check_request, process_inputs (off the engine thread), admit ------------
 
-    def check_request(self, params: SamplingParams, request_id: str | None = None, priority: int = 0) -> None:
+    def check_request(self, params: SamplingParams | PoolingParams, request_id: str | None = None,
+                      priority: int = 0) -> None:
         """The cheap checks (limits, the client's id, priority): ValueError naming the field."""
+        if isinstance(params, SamplingParams) and not self.can_generate:
+            raise ValueError("this model has no LM head (a base model's weights): it can only embed")
         self.input_processor.check_request(params, request_id, priority)
 
-    def process_inputs(self, params: SamplingParams, prompt: str | list[int] | None = None,
+    def process_inputs(self, params: SamplingParams | PoolingParams, prompt: str | list[int] | None = None,
                        messages: list[dict[str, Any]] | None = None, request_id: str | None = None,
                        priority: int = 0, arrival_time: float | None = None,
                        chat_template_kwargs: dict[str, Any] | None = None) -> EngineRequest:
         """Tokenize (or apply the chat template, with chat_template_kwargs such as tools=), check the
         prompt against the context and compile a grammar: the costly part of admission, on the
-        caller's thread (check_request first)."""
-        token_ids = self.input_processor.prompt_token_ids(params, prompt, messages, chat_template_kwargs)
+        caller's thread (check_request first). PoolingParams: an embedding request, its unset
+        fields filled from the model's pooling config (FieldError for dimensions it lacks)."""
+        if isinstance(params, PoolingParams):
+            params = params.resolved(self.pooler_config, self.runner.model_config.hidden_size)
+            token_ids = self.input_processor.prompt_token_ids(_prefill_only(), prompt, messages, chat_template_kwargs,
+                                                              is_pooling=True)
+        else:
+            token_ids = self.input_processor.prompt_token_ids(params, prompt, messages, chat_template_kwargs)
         return EngineRequest(token_ids, params, request_id, priority, arrival_time)
 
     def admit(self, request: EngineRequest) -> str:
@@ -235,6 +259,12 @@ class LLMEngine:
         self.check_queue()
         params, token_ids = request.params, request.prompt_token_ids
         arrival = time.monotonic() if request.arrival_time is None else request.arrival_time
+        if isinstance(params, PoolingParams):
+            seq = Sequence(request_id=request_id, prompt_token_ids=token_ids, params=_prefill_only(),
+                           arrival_time=arrival, priority=request.priority, pooling_params=params)
+            self.scheduler.add(seq)
+            self.output_processor.add_request(request_id, request_id, 0, token_ids, seq.params, arrival, task="embed")
+            return request_id
         matcher = None
         if params.structured_output is not None:  # compiled already: a matcher is cheap
             matcher = self.input_processor.grammar.matcher(params.structured_output)
@@ -248,7 +278,7 @@ class LLMEngine:
             self.output_processor.add_request(seq.request_id, request_id, seq.index, token_ids, params, arrival)
         return request_id
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+    def add_request(self, prompt: str | list[int], params: SamplingParams | PoolingParams | None = None,
                     request_id: str | None = None, priority: int = 0, arrival_time: float | None = None) -> str:
         """check_request, process_inputs and admit in one call (offline use); returns the id."""
         params = params or SamplingParams()
@@ -353,3 +383,10 @@ class LLMEngine:
         stats.num_generated_tokens = sum(len(o.new_token_ids) for o in outputs)
         stats.finished = [o.metrics for o in outputs if o.metrics is not None]
         stats.kv_events = self.take_kv_events()
+
+
+def _prefill_only() -> SamplingParams:
+    """The sampling side of a pooling request (the scheduler's and the output side's common
+    view of a request): it never samples, so only its prompt checks read it (no max_tokens: a
+    prompt may fill the whole context)."""
+    return SamplingParams(max_tokens=None)

@@ -32,6 +32,7 @@ class RequestMetrics:
     finished_time: float
     num_draft_tokens: int = 0  # speculative decoding: tokens proposed and verified
     num_accepted_tokens: int = 0  # of those, accepted
+    task: str = "generate"  # generate | embed (a pooling request: prefill only, no output tokens)
 
     @property
     def queue_time(self) -> float | None:
@@ -86,6 +87,7 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     index: int = 0  # which sample of an n > 1 request (request_id is the request's)
     samples: list[RequestOutput] | None = None  # offline LLM, n > 1: every sample's final output
+    embedding: list[float] | None = None  # a pooling request's vector, on its final output
 
     @property
     def is_finished(self) -> bool:
@@ -222,3 +224,5 @@ class ModelInfo:
     # and tokenizer only) and the tokenizer's directory. Local paths: not part of the wire message.
     model_dir: str
     tokenizer_dir: str
+    task: str = "generate"  # what the model is served for: generate | embed (EngineConfig.task, settled)
+    hidden_size: int = 0  # an embedding's dimensions at most

@@ -37,6 +37,7 @@ from engine import (
     LimitExceededError,
     LLMEngine,
     ModelInfo,
+    PoolingParams,
     QueueFullError,
     RequestOutput,
     SamplingParams,
@@ -109,7 +110,8 @@ class AsyncEngine:
         """An id unique for the server's life, for routing (the client's id stays readable in it)."""
         return f"{request_id}#{next(self._ids)}"
 
-    async def generate(self, request_id: str, params: SamplingParams, prompt: str | list[int] | None = None,
+    async def generate(self, request_id: str, params: SamplingParams | PoolingParams,
+                       prompt: str | list[int] | None = None,
                        messages: list[dict[str, Any]] | None = None, priority: int = 0,
                        engine_id: str | None = None,
                        chat_template_kwargs: dict[str, Any] | None = None) -> AsyncGenerator[RequestOutput, None]:
@@ -117,7 +119,8 @@ class AsyncEngine:
 
         request_id is the client's; engine_id (from new_engine_id, made here when not given)
         routes it. Admission errors (ValueError and subclasses) raise here, before any output, so
-        the caller can answer with the right status code.
+        the caller can answer with the right status code. PoolingParams: an embedding request,
+        whose one output carries the vector.
         """
         if self._is_dead:
             raise EngineDeadError("the engine thread is not running")
@@ -142,11 +145,12 @@ class AsyncEngine:
         except BaseException:
             self._streams.release(request_id)
             raise
-        outputs = self._streams.iterate(engine_id, request_id, stream, params.n)
+        num_samples = params.n if isinstance(params, SamplingParams) else 1
+        outputs = self._streams.iterate(engine_id, request_id, stream, num_samples)
         await anext(outputs)  # started: its aclose() now runs its cleanup, even if never read
         return outputs
 
-    async def _process_inputs(self, params: SamplingParams, prompt: str | list[int] | None,
+    async def _process_inputs(self, params: SamplingParams | PoolingParams, prompt: str | list[int] | None,
                               messages: list[dict[str, Any]] | None, engine_id: str, priority: int,
                               chat_template_kwargs: dict[str, Any] | None = None) -> EngineRequest:
         def work() -> EngineRequest:

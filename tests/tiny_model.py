@@ -228,3 +228,26 @@ def family_config(family: str):
 FAMILIES = ["llama3-rope", "qwen2-tied", "qwen2-untied", "qwen2-sliding", "mistral-window", "qwen3", "gemma3"]
 # Mixture-of-experts families: not in FAMILIES, whose tests also run the fused C++ layers (dense only).
 MOE_FAMILIES = ["gpt-oss"]
+
+
+def build_tiny_embedding_model(path: Path, pooling_mode: str = "lasttoken", normalize: bool = True,
+                               family: str = "qwen3") -> Path:
+    """A tiny random decoder embedder as sentence-transformers saves one (Qwen3-Embedding's layout:
+    the base model's weights, modules.json, 1_Pooling/config.json and, when normalize, a Normalize
+    module), built around build_tiny_family_model's model of `family`."""
+    path = Path(path)
+    if (path / "modules.json").exists():
+        return path
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+
+    source = build_tiny_family_model(path.with_name(path.name + "-causal"), family_config(family))
+    # Without a chat template: sentence-transformers 6 renders plain text through a tokenizer's chat
+    # template when it has one, where an embedding server embeds the text's own tokens.
+    (source / "chat_template.jinja").unlink(missing_ok=True)
+    transformer = Transformer(str(source))
+    modules = [transformer, Pooling(transformer.get_embedding_dimension(), pooling_mode=pooling_mode)]
+    if normalize:
+        modules.append(Normalize())
+    SentenceTransformer(modules=modules, device="cpu").save(str(path))
+    return path

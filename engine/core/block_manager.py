@@ -196,8 +196,8 @@ class BlockManager:
         if any(seq.block_tables):
             raise RuntimeError(f"sequence {seq.request_id} already owns blocks")
         self._ensure_tables(seq)
-        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
-            return 0  # prompt logprobs need every prompt position computed
+        if not self.enable_prefix_caching or seq.needs_every_prompt_position:
+            return 0  # prompt logprobs, mean and CLS pooling need every prompt position computed
         max_blocks = (seq.num_tokens - 1) // self.block_size
         self._update_hashes(seq, max_blocks * self.block_size)
         if self.num_groups == 1 and self.windows[0] is None:  # the single-table cache

@@ -275,7 +275,8 @@ class Scheduler:
                   if seq.matcher is not None and len(tokens) == 1]
         if single:
             self._grammar.consume(single)
-        updates = []
+        updates = [self._finish_pooled(self.requests[req_id], embedding, now)
+                   for req_id, embedding in zip(out.pooled_req_ids, out.embeddings, strict=True)]
         for seq, tokens, logprobs in zip(seqs, out.sampled_token_ids, out.logprobs, strict=True):
             reason = stop_reason = None
             for i, token_id in enumerate(tokens):
@@ -302,6 +303,18 @@ class Scheduler:
                 seq.spec_token_ids = out.draft_token_ids.get(seq.request_id, [])
             updates.append(self._update(seq, tokens, logprobs, reason, stop_reason))
         return updates
+
+    def _finish_pooled(self, seq: Sequence, embedding: list[float], now: float) -> SequenceUpdate:
+        """A pooling request's prompt is done and pooled: it ends here, its blocks freed at once
+        (the full ones stay revivable in the prefix cache, as any finished request's)."""
+        seq.status, seq.finish_reason, seq.times.finished = SequenceStatus.FINISHED, FinishReason.STOP, now
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        self._drop_row(seq)
+        del self.requests[seq.request_id]
+        update = self._update(seq, [], None, FinishReason.STOP, None)
+        update.embedding = embedding
+        return update
 
     @staticmethod
     def _count_acceptance(seq: Sequence, num_drafts: int, num_accepted: int) -> None:
@@ -332,6 +345,7 @@ class Scheduler:
         out.prefill_num_tokens.append(num_new)
         out.prefill_num_computed.append(seq.num_computed_tokens)
         out.prefill_is_last_chunk.append(is_last)
+        out.prefill_is_pooling.append(seq.is_pooling)
         plan.prefills.append(seq)
         plan.scheduled.add(id(seq))
         seq.last_scheduled_step = self._step

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from engine.processing.pooling_params import PoolingParams
 from engine.processing.sampling_params import SamplingParams
 
 
@@ -29,6 +30,7 @@ class NewRequestData:
     generator: torch.Generator | None
     matcher: Any  # the grammar state, shared with the scheduler's sequence (it advances it)
     min_tokens_stop_ids: frozenset[int]
+    pooling_params: PoolingParams | None = None  # an embedding request (resolved): pooled, never sampled
 
 
 @dataclass(slots=True)
@@ -37,7 +39,8 @@ class SchedulerOutput:
 
     Chunk i of prefill_req_ids computes prefill_num_tokens[i] tokens starting at position
     prefill_num_computed[i]; it samples only if that chunk reaches the end of its tokens
-    (prefill_is_last_chunk[i]). Every decode samples. A fork samples from its parent's logits
+    (prefill_is_last_chunk[i]) and is not a pooling request's (prefill_is_pooling[i]: its last
+    chunk is pooled instead, and the request ends there). Every decode samples. A fork samples from its parent's logits
     row (the parent's last prefill chunk in this step) without computing anything.
     """
 
@@ -50,6 +53,8 @@ class SchedulerOutput:
     prefill_num_tokens: list[int] = field(default_factory=list)
     prefill_num_computed: list[int] = field(default_factory=list)
     prefill_is_last_chunk: list[bool] = field(default_factory=list)  # the chunk ends the prompt: it samples
+    # The chunk belongs to a pooling request: it never samples; its last chunk returns the pooled vector.
+    prefill_is_pooling: list[bool] = field(default_factory=list)
     decode_req_ids: list[str] = field(default_factory=list)
     # Decodes that verify proposed tokens: request i computes its last token and its drafts
     # (1 + len(verify_draft_ids[i]) tokens from position num_tokens - 1) and samples at each.
@@ -88,7 +93,14 @@ class SchedulerOutput:
     @property
     def prefill_sample_rows(self) -> list[int]:
         """Indices into prefill_req_ids of the chunks that sample a token."""
-        return [i for i, is_last in enumerate(self.prefill_is_last_chunk) if is_last]
+        return [i for i, (is_last, is_pooling) in enumerate(zip(self.prefill_is_last_chunk, self.prefill_is_pooling,
+                                                                   strict=True)) if is_last and not is_pooling]
+
+    @property
+    def pooled_req_ids(self) -> list[str]:
+        """The pooling requests whose prompt this step finishes: the runner returns their vectors."""
+        return [r for r, is_last, is_pooling in zip(self.prefill_req_ids, self.prefill_is_last_chunk,
+                                                    self.prefill_is_pooling, strict=True) if is_last and is_pooling]
 
     @property
     def sampling_req_ids(self) -> list[str]:

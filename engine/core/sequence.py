@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from engine.outputs import FinishReason
+from engine.processing.pooling_params import PoolingParams, PoolingType
 from engine.processing.sampling_params import SamplingParams
 
 
@@ -76,6 +77,8 @@ class Sequence:
     spec_token_ids: list[int] = field(default_factory=list)
     num_draft_tokens: int = 0  # proposed and verified, over the request
     num_accepted_tokens: int = 0
+    # An embedding request (resolved): prefill only, pooled by the runner as its prompt ends.
+    pooling_params: PoolingParams | None = None
     times: SequenceTimes = field(init=False)
     # Token ids min_tokens holds off (stop ids, and EOS unless ignored): built once, used per step.
     min_tokens_stop_ids: frozenset[int] = field(init=False)
@@ -115,6 +118,18 @@ class Sequence:
     def needs_fork(self) -> bool:
         """Sample 0 of an n > 1 request before its first token: the others fork from it."""
         return self.params.n > 1 and self.index == 0 and self.num_output_tokens == 0
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.pooling_params is not None
+
+    @property
+    def needs_every_prompt_position(self) -> bool:
+        """Prompt logprobs, and mean or CLS pooling, read every prompt position's hidden state:
+        a cached prefix would skip them."""
+        if self.pooling_params is not None:
+            return self.pooling_params.pooling_type is not PoolingType.LAST
+        return self.params.prompt_logprobs is not None
 
     @property
     def is_decode(self) -> bool:

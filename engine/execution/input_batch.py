@@ -13,6 +13,7 @@ import torch
 
 from engine.core.scheduler_output import SchedulerOutput
 from engine.execution.attention import PrefillSeqMeta
+from engine.processing.pooling_params import PoolingParams
 from engine.processing.sampling_params import SamplingParams
 
 
@@ -35,6 +36,10 @@ class CachedRequestState:
     spec_misses: int = 0
     spec_paused_until: int = -1
     spec_pause: int = 4
+    # A pooling request (resolved params) and what its chunks have pooled so far (mean: the sum of
+    # their hidden states; cls: the first token's), [hidden] float32.
+    pooling_params: PoolingParams | None = None
+    pooled: torch.Tensor | None = None
 
     @property
     def block_table(self) -> list[int]:
@@ -128,7 +133,7 @@ class InputBatch:
         for new in sched.new_requests:
             self.rows[new.req_id] = CachedRequestState(
                 new.req_id, new.prompt_token_ids, new.output_token_ids, [list(t) for t in new.block_ids], new.params,
-                new.generator, new.matcher, new.min_tokens_stop_ids)
+                new.generator, new.matcher, new.min_tokens_stop_ids, pooling_params=new.pooling_params)
         for req_id, (start, block_ids) in sched.block_table_updates.items():
             for table, tail in zip(self.rows[req_id].block_tables, block_ids, strict=True):
                 del table[start:]

@@ -24,6 +24,7 @@ from engine.execution.backends import select_backend
 from engine.execution.input_batch import CachedRequestState, Chunk, InputBatch, prepare_decode, prepare_prefill
 from engine.execution.kv_cache_layout import KVCacheLayout
 from engine.execution.models import model_class
+from engine.execution.pooler import pool_prefill
 from engine.execution.prompt_logprobs import prompt_logprobs
 from engine.execution.resolved_config import ResolvedConfig
 from engine.execution.sampler import Sampler
@@ -134,6 +135,9 @@ class ModelRunner:
             logits, greedy_ids = self._execute_modules(sched, t0, out), None
         t1 = time.perf_counter()
         out.forward_time = t1 - t0 - out.prepare_time
+        if not req_ids:  # only pooling chunks ran: nothing samples
+            out.sample_time = time.perf_counter() - t1
+            return out
         if sched.verify_req_ids:
             out.sampled_token_ids, out.logprobs = self._sample_with_verification(sched, logits, rows, greedy_ids)
         else:
@@ -223,6 +227,10 @@ class ModelRunner:
         hidden = self.backend.forward(self.model, input_ids, positions, attn, self.kv_caches)  # [T, hidden]
         if prefill is not None:
             out.prompt_logprobs = prompt_logprobs(self.model, sched, prefill_rows, prefill.metas, hidden)
+            if any(sched.prefill_is_pooling):
+                out.pooled_req_ids, out.embeddings = pool_prefill(sched, prefill_rows, prefill.metas, hidden)
+        if rows_t is not None and rows_t.numel() == 0:  # pooling chunks alone: no logits to make
+            return hidden.new_empty((0, self.model_config.vocab_size), dtype=torch.float32)
         return self.model.compute_logits(hidden if rows_t is None else hidden[rows_t])
 
     def _execute_backend_decode(self, sched: SchedulerOutput, rows: list[CachedRequestState], t0: float,

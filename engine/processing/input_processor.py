@@ -11,6 +11,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.errors import FieldError, LimitExceededError, PromptTooLongError
+from engine.processing.pooling_params import PoolingParams
 from engine.processing.sampling_params import SamplingParams
 from engine.processing.structured_output import GrammarCompiler
 
@@ -47,7 +48,8 @@ class InputProcessor:
         if bad is not None:
             raise FieldError(field, f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
 
-    def check_request(self, params: SamplingParams, request_id: str | None = None, priority: int = 0) -> None:
+    def check_request(self, params: SamplingParams | PoolingParams, request_id: str | None = None,
+                      priority: int = 0) -> None:
         """The cheap checks, before any tokenizing: request-size limits of the parameters, the id
         and the priority (the client's id; None for the engine's own)."""
         cfg = self.config
@@ -59,6 +61,8 @@ class InputProcessor:
                                          f"at most {cfg.max_request_id_chars}")
         if not -cfg.max_priority <= priority <= cfg.max_priority:
             raise FieldError("priority", f"{priority} is outside [{-cfg.max_priority}, {cfg.max_priority}]")
+        if isinstance(params, PoolingParams):
+            return  # validated at construction; its dimensions against the model as it is resolved
         if len(params.stop) > cfg.max_stop_strings:
             raise LimitExceededError("stop", f"{len(params.stop)} strings, at most {cfg.max_stop_strings}")
         if params.max_stop_len > cfg.max_stop_string_chars:
@@ -125,7 +129,7 @@ class InputProcessor:
 
     def prompt_token_ids(self, params: SamplingParams, prompt: str | list[int] | None = None,
                          messages: list[dict[str, Any]] | None = None,
-                         chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                         chat_template_kwargs: dict[str, Any] | None = None, is_pooling: bool = False) -> list[int]:
         """The prompt's (or the chat's) token ids, checked against the limits, the vocabulary and
         the context length; a structured-output spec is compiled (and cached) here too, off the
         engine thread. The parameters' own checks (check_request) come first, once."""
@@ -149,9 +153,10 @@ class InputProcessor:
             token_ids = token_ids[-params.truncate_prompt_tokens:]
         if params.structured_output is not None:
             self.grammar.compile(params.structured_output)
-        if len(token_ids) >= self.max_model_len:
+        if len(token_ids) > self.max_model_len - (not is_pooling):  # a pooling request generates nothing
             raise PromptTooLongError("prompt", f"{len(token_ids)} tokens do not fit the context of "
-                                     f"{self.max_model_len} tokens (at least one must be generated)")
+                                     f"{self.max_model_len} tokens" + ("" if is_pooling else
+                                                                       " (at least one must be generated)"))
         if params.max_tokens is not None and len(token_ids) + params.max_tokens > self.max_model_len:
             raise LimitExceededError("max_tokens", f"the prompt's {len(token_ids)} tokens + {{0}} "
                                      f"{params.max_tokens} exceed the context of {self.max_model_len} tokens",

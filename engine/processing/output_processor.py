@@ -41,6 +41,7 @@ class RequestState:
     num_emitted_chars: int = 0
     first_token_time: float | None = None
     last_token_time: float | None = None
+    task: str = "generate"  # embed: a pooling request (its one output carries the vector)
 
     @property
     def text(self) -> str:
@@ -54,10 +55,10 @@ class OutputProcessor:
         self.states: dict[str, RequestState] = {}
 
     def add_request(self, request_id: str, group_id: str, index: int, prompt_token_ids: list[int],
-                    params: SamplingParams, arrival_time: float) -> None:
+                    params: SamplingParams, arrival_time: float, task: str = "generate") -> None:
         self.states[request_id] = RequestState(
             request_id, group_id, index, prompt_token_ids, params, arrival_time,
-            IncrementalDetokenizer(self._decode_ids, prompt_token_ids, params.skip_special_tokens))
+            IncrementalDetokenizer(self._decode_ids, prompt_token_ids, params.skip_special_tokens), task=task)
 
     def add_prompt_logprobs(self, request_id: str, first_position: int, entries: list[Logprobs]) -> None:
         """Record one chunk's prompt logprobs; a chunk recomputed after preemption adds nothing."""
@@ -151,7 +152,8 @@ class OutputProcessor:
                 arrival_time=state.arrival_time, first_scheduled_time=update.first_scheduled_time,
                 first_token_time=state.first_token_time,
                 finished_time=update.finished_time if update.finished_time is not None else now,
-                num_draft_tokens=update.num_draft_tokens, num_accepted_tokens=update.num_accepted_tokens)
+                num_draft_tokens=update.num_draft_tokens, num_accepted_tokens=update.num_accepted_tokens,
+                task=state.task)
         logprobs = new_logprobs if new_token_ids else None
         return RequestOutput(
             request_id=state.group_id, index=state.index, prompt_token_ids=state.prompt_token_ids,
@@ -159,4 +161,4 @@ class OutputProcessor:
             new_token_ids=new_token_ids, new_text=new_text,
             finish_reason=reason.value if reason is not None else None, stop_reason=stop_reason,
             new_logprobs=logprobs, logprobs=state.output_logprobs if state.params.logprobs is not None else None,
-            metrics=metrics, error=error)
+            metrics=metrics, error=error, embedding=update.embedding)

@@ -128,6 +128,17 @@ class InferenceClient:
         return list(self.stub.Tokenize(pb.TokenizeRequest(prompt=prompt), timeout=self.timeout,
                                        metadata=self.metadata).token_ids)
 
+    def embed(self, inputs: Sequence[str | list[int]], dimensions: int = 0, normalize: bool | None = None,
+              pooling_type: str = "", request_id: str = "") -> list[list[float]]:
+        """The embeddings of texts or token-id lists, in order (an embedding model's server)."""
+        items = [pb.EmbedInput(prompt=x) if isinstance(x, str) else pb.EmbedInput(prompt_token_ids=pb.TokenIds(ids=x))
+                 for x in inputs]
+        request = pb.EmbedRequest(request_id=request_id, inputs=items, dimensions=dimensions, pooling_type=pooling_type)
+        if normalize is not None:
+            request.normalize = normalize
+        response = self.stub.Embed(request, timeout=self.timeout, metadata=self.metadata)
+        return [list(e.values) for e in response.embeddings]
+
     def close(self) -> None:
         self.channel.close()
 

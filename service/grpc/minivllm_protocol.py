@@ -5,7 +5,7 @@ import dataclasses
 import json
 from typing import Any
 
-from engine import FieldError, ModelInfo, RequestOutput, SamplingParams
+from engine import FieldError, ModelInfo, PoolingParams, RequestOutput, SamplingParams
 from service.chat.output import ChoiceOutput
 from service.chat.tool_grammar import FunctionSpec
 from service.chat.tool_schema import parameters_problem
@@ -141,3 +141,40 @@ def model_info_to_proto(info: ModelInfo) -> pb.ModelInfo:
     # the message's fields only: the engine's local paths (model_dir, ...) stay on this side
     fields = pb.ModelInfo.DESCRIPTOR.fields_by_name
     return pb.ModelInfo(**{k: v for k, v in dataclasses.asdict(info).items() if k in fields})
+
+
+def embed_inputs_from_proto(msg: pb.EmbedRequest) -> list[str | list[int]]:
+    """Each input's prompt text or token ids; FieldError names the input (inputs[i].prompt...)."""
+    if not msg.inputs:
+        raise FieldError("inputs", "must not be empty")
+    prompts: list[str | list[int]] = []
+    for i, item in enumerate(msg.inputs):
+        kind = item.WhichOneof("input")
+        if kind == "prompt":
+            prompt: str | list[int] = item.prompt
+        elif kind == "prompt_token_ids":
+            prompt = list(item.prompt_token_ids.ids)
+        else:
+            raise FieldError(f"inputs[{i}]", "one of prompt or prompt_token_ids is required")
+        if not prompt:
+            raise FieldError(f"inputs[{i}].{kind}", "must not be empty")
+        prompts.append(prompt)
+    return prompts
+
+
+def embed_input_field(msg: pb.EmbedRequest, index: int) -> str:
+    """Where input index's prompt is, as the engine's prompt errors are renamed to."""
+    return f"inputs[{index}].{msg.inputs[index].WhichOneof('input')}"
+
+
+def pooling_params_from_proto(msg: pb.EmbedRequest) -> PoolingParams:
+    """Zero and empty fields are the model's defaults; FieldError names a bad field."""
+    return PoolingParams(pooling_type=msg.pooling_type or None,
+                         normalize=msg.normalize if msg.HasField("normalize") else None,
+                         dimensions=msg.dimensions or None)
+
+
+def embed_response(request_id: str, outputs: list[RequestOutput]) -> pb.EmbedResponse:
+    return pb.EmbedResponse(request_id=request_id,
+                            embeddings=[pb.Embedding(values=out.embedding) for out in outputs],
+                            usage=pb.Usage(prompt_tokens=sum(len(out.prompt_token_ids) for out in outputs)))

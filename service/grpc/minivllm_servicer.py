@@ -13,19 +13,24 @@ from engine import FieldError, LimitExceededError, RequestOutput, SamplingParams
 from service.async_engine import AsyncEngine
 from service.chat.output import ChoiceOutput
 from service.chat.tools import ChatTools
+from service.embedding_batch import EmbeddingBatch, failed_output
 from service.grpc.generate_stream import Admitted, GenerateIds, call_info, generate_stream
 from service.grpc.minivllm_protocol import (
     add_parsed,
+    embed_input_field,
+    embed_inputs_from_proto,
+    embed_response,
     logprob_token_ids,
     messages_from_proto,
     model_info_to_proto,
+    pooling_params_from_proto,
     response_from_output,
     sampling_params_from_proto,
     template_kwargs_from_proto,
     tools_from_proto,
 )
-from service.grpc.status import serving_engine
-from service.observability.request_observer import RequestObserver
+from service.grpc.status import admission_status, failed_output_status, serving_engine
+from service.observability.request_observer import CallInfo, RequestObserver
 from service.pb import inference_pb2 as pb
 from service.pb import inference_pb2_grpc as pb_grpc
 from service.serving_state import ServingState
@@ -148,3 +153,44 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return pb.TokenizeResponse(token_ids=ids, count=len(ids),
                                    max_model_len=engine.model_info().max_model_len)
+
+    async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
+        engine = await serving_engine(self.state, context, for_new_request=True)
+        ids = GenerateIds.of(engine, request.request_id)
+        carrier = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+        handle = self.observer.start(ids.request_id, ids.engine_id, CallInfo("grpc", "Embed", "embeddings", carrier),
+                                     None)
+        status, message, outputs = grpc.StatusCode.OK, "", None
+        batch = EmbeddingBatch(engine, ids.engine_id)
+        try:
+            try:
+                task = engine.model_info().task
+                if task != "embed":  # the RPC is not enabled for this model
+                    status, message = grpc.StatusCode.UNIMPLEMENTED, (
+                        f"this server's model is served for {task!r}, not embeddings (serve an embedding model, "
+                        "or this one with --task embed)")
+                    await context.abort(status, message)
+                prompts = embed_inputs_from_proto(request)
+                await batch.admit(pooling_params_from_proto(request), prompts, request.priority,
+                                  lambda i: embed_input_field(request, i))
+            except Exception as exc:  # noqa: BLE001 - a refusal's status, or re-raised
+                status = admission_status(exc)
+                if status is None:
+                    raise
+                message = str(exc)
+                await context.abort(status, message)
+            outputs = await batch.finals()
+            failed = failed_output(outputs)
+            if failed is not None:
+                status, message = failed_output_status(engine), failed.error or "engine error"
+                await context.abort(status, message)
+            return embed_response(ids.request_id, outputs)
+        except BaseException as exc:
+            if status is grpc.StatusCode.OK:
+                status, message = grpc.StatusCode.CANCELLED, type(exc).__name__
+            raise
+        finally:
+            await batch.aclose()
+            self.observer.finish(handle, outputs[-1] if outputs else None,
+                                 None if status is grpc.StatusCode.OK else status.name, message,
+                                 {"rpc.grpc.status_code": status.value[0]})

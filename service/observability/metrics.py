@@ -102,9 +102,22 @@ class ServiceMetrics:
                                             label + ["method"], registry=reg)
         self.spec_accepted_length = hist("minivllm_spec_decode_accepted_length",
                                          "Proposed tokens accepted per verification", TOKEN_BUCKETS[:6])
+        # Pooling requests (embeddings: prefill only, no output tokens) apart from generation's, so
+        # neither's latency and token histograms mix the two kinds of work.
+        self.pooling_finished = Counter("minivllm_pooling_requests_finished_total",
+                                        "Finished pooling (embedding) requests by finish reason",
+                                        label + ["finish_reason"], registry=reg)
+        self.pooling_prompt_tokens = Counter("minivllm_pooling_prompt_tokens_total",
+                                             "Prompt tokens of finished pooling (embedding) requests", label,
+                                             registry=reg)
+        self.pooling_e2e = hist("minivllm_pooling_request_latency_seconds",
+                                "Arrival to finish of a pooling (embedding) request", LATENCY_BUCKETS)
+        self.pooling_queue_time = hist("minivllm_pooling_request_queue_time_seconds",
+                                       "Arrival to first scheduled of a pooling (embedding) request", LATENCY_BUCKETS)
         m = model_name
         for reason in FINISH_REASONS:  # every reason is a series from the start, even at zero
             self.finished.labels(m, reason)
+            self.pooling_finished.labels(m, reason)
         for phase in ("prefill", "decode", "mixed", "overhead"):
             self.step_duration.labels(m, phase)
 
@@ -151,6 +164,13 @@ class ServiceMetrics:
 
     def on_finished(self, req: RequestMetrics) -> None:
         m = self.model_name
+        if req.task == "embed":
+            self.pooling_finished.labels(m, req.finish_reason).inc()
+            self.pooling_prompt_tokens.labels(m).inc(req.num_prompt_tokens)
+            self.pooling_e2e.labels(m).observe(req.e2e_latency)
+            if req.queue_time is not None:
+                self.pooling_queue_time.labels(m).observe(req.queue_time)
+            return
         self.finished.labels(m, req.finish_reason).inc()
         self.prompt_tokens.labels(m).inc(req.num_prompt_tokens)
         self.request_prompt_tokens.labels(m).observe(req.num_prompt_tokens)

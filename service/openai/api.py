@@ -2,7 +2,8 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (streamed as server-sent events or
 whole; tools and reasoning: service/chat/tools.py), POST /v1/responses with GET and DELETE
-/v1/responses/{id} (service/openai/responses_api.py), GET /v1/models, GET /health, and vLLM's POST /tokenize, POST /detokenize and GET
+/v1/responses/{id} (service/openai/responses_api.py), POST /v1/embeddings (service/openai/embeddings_api.py),
+GET /v1/models, GET /health, and vLLM's POST /tokenize, POST /detokenize and GET
 /tokenizer_info (lm-evaluation-harness's remote tokenizer uses the three). Both front doors
 share the engine, the serving state (a drain or a dead engine refuses new calls on both), the
 bearer tokens, the request observer (traces) and the call metrics (`protocol="http"`). A client
@@ -26,6 +27,8 @@ from service.async_engine import AsyncEngine, EngineDeadError
 from service.chat.tools import ChatTools, check_template_kwargs
 from service.observability.request_observer import CallInfo, RequestObserver
 from service.openai.call import AbortingStreamingResponse, OpenAICall
+from service.openai.embeddings_api import EmbeddingsApi
+from service.openai.embeddings_protocol import EmbeddingRequest
 from service.openai.http_guard import ApiCallListener, CallMiddleware
 from service.openai.output_merge import MergedOutputs
 from service.openai.protocol import (
@@ -71,7 +74,8 @@ def _admission_error(exc: Exception) -> ApiError:
 
 
 class OpenAIFrontDoor:
-    admission_error = staticmethod(_admission_error)  # for the Responses API's own admission
+    admission_error = staticmethod(_admission_error)  # for the Responses and embeddings APIs' own admission
+    api_error = ApiError
 
     def __init__(self, state: ServingState, model_name: str, observer: RequestObserver | None = None,
                  auth_tokens: list[str] | None = None, max_body_bytes: int = 4 * 1024 * 1024,
@@ -80,6 +84,7 @@ class OpenAIFrontDoor:
         self.state = state
         self.chat_tools = chat_tools or ChatTools()
         self.responses = ResponsesApi(self, max_stored_responses)
+        self.embeddings = EmbeddingsApi(self)
         self.model_name = model_name
         self.observer = observer or RequestObserver()
         self.auth_tokens = list(auth_tokens or [])
@@ -155,6 +160,10 @@ class OpenAIFrontDoor:
         @app.post("/v1/chat/completions", dependencies=[auth])
         async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
             return await self._serve(body, request, "chat", "/v1/chat/completions")
+
+        @app.post("/v1/embeddings", dependencies=[auth])
+        async def embeddings(body: EmbeddingRequest, request: Request) -> Any:
+            return await self.embeddings.create(body, request)
 
         @app.post("/v1/responses", dependencies=[auth])
         async def responses(body: ResponsesRequest, request: Request) -> Any:
@@ -268,6 +277,9 @@ class OpenAIFrontDoor:
             if params_error is not None:
                 raise params_error
             engine = self.state.ready_engine()
+            if engine.model_info().task != "generate":
+                raise ApiError(400, f"this server's model is served for {engine.model_info().task!r}, not "
+                               f"{route} (serve it with --task generate)", param="model", code="model_not_supported")
             plan = None
             if is_chat:
                 plan, params = await self.chat_tools.prepare(engine, body.chat_messages(), body.tool_request(),

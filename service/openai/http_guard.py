@@ -21,8 +21,8 @@ from fastapi.responses import JSONResponse
 from service.openai.protocol import error_body
 
 ApiCallListener = Callable[[str, str, str, float], None]  # (protocol, method, code, seconds)
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/health", "/tokenize",
-          "/detokenize", "/tokenizer_info")
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/v1/models", "/health",
+          "/tokenize", "/detokenize", "/tokenizer_info")
 MAX_JSON_DEPTH = 128  # objects and arrays inside each other; serde_json's default limit too
 
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)

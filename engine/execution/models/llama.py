@@ -119,6 +119,9 @@ class LlamaForCausalLM(nn.Module):
         # on: a plain attribute, not a buffer, so model.to(bfloat16) leaves it (and the
         # frequencies it is made from) in float32.
         self.rope_tables: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        # False for a base model's checkpoint without an untied LM head (sentence-transformers saves
+        # Qwen3-Embedding-8B so): it embeds, it cannot generate (its lm_head is zeros).
+        self.has_lm_head = True
         for p in self.parameters():
             p.requires_grad_(False)
 
@@ -208,11 +211,17 @@ class LlamaForCausalLM(nn.Module):
         expected = self._expected_weights()
         key_of = {hf: key for key, hf in expected.items()}
         loaded: set[str] = set()
+        is_base_model = True  # every name without the causal LM's "model." (and no lm_head)
         for hf_name, tensor in weights:
             name = self.checkpoint_name(hf_name)
+            if name is not None and (name.startswith("model.") or name == "lm_head.weight"):
+                is_base_model = False
             if name is None or "rotary_emb" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
                 continue
             key = key_of.get(name)
+            if key is None and not name.startswith("model."):
+                # A base model's checkpoint (sentence-transformers saves Qwen3-Embedding's as Qwen3Model: no "model.")
+                key = key_of.get(f"model.{name}")
             if key is None:
                 raise ValueError(f"unexpected weight {hf_name!r} in checkpoint")
             param_name, _, shard = key.partition("#")
@@ -231,6 +240,10 @@ class LlamaForCausalLM(nn.Module):
             dest.copy_(tensor)
             loaded.add(key)
         missing = [hf for key, hf in expected.items() if key not in loaded]
+        if missing == ["lm_head.weight"] and is_base_model:
+            self.has_lm_head = False
+            self.lm_head.weight.data.zero_()
+            missing = []
         if missing:
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
             raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:5])}{more}")

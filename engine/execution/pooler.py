@@ -1,0 +1,58 @@
+"""Pooling: a step's prefill hidden states -> the embeddings of the pooling requests whose
+prompt ends in it.
+
+A pooling request's chunks run through the model like any prompt's; the final-normed hidden
+states of its tokens are folded into its row as each chunk finishes (mean: their sum; CLS: the
+first token's), so a prompt chunked over several steps pools exactly as one forward would, and
+its last chunk yields the vector (last-token pooling reads that chunk's last row). A preempted
+request's row is dropped and rebuilt, so its sum starts again with its recompute.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.core.scheduler_output import SchedulerOutput
+from engine.execution.attention import PrefillSeqMeta
+from engine.execution.input_batch import CachedRequestState
+from engine.processing.pooling_params import PoolingParams, PoolingType
+
+
+def pool_prefill(sched: SchedulerOutput, rows: list[CachedRequestState], metas: list[PrefillSeqMeta],
+                 hidden: torch.Tensor) -> tuple[list[str], list[list[float]]]:
+    """rows, metas: the step's prefill chunks in `sched.prefill_req_ids` order; hidden: [T, hidden]
+    the step's final-normed hidden states. Returns the ids of the pooling requests whose prompt
+    ended this step (`sched.pooled_req_ids` order) and their finished vectors."""
+    req_ids, vectors = [], []
+    for i, (row, meta) in enumerate(zip(rows, metas, strict=False)):
+        params = row.pooling_params
+        if params is None:
+            continue
+        states = hidden[meta.query_start : meta.query_start + meta.query_len]  # [chunk, hidden]
+        is_first = sched.prefill_num_computed[i] == 0
+        if params.pooling_type is PoolingType.MEAN:
+            chunk_sum = states.sum(dim=0, dtype=torch.float32)  # [hidden]
+            row.pooled = chunk_sum if is_first or row.pooled is None else row.pooled + chunk_sum
+        elif params.pooling_type is PoolingType.CLS and is_first:
+            row.pooled = states[0].float()
+        if not sched.prefill_is_last_chunk[i]:
+            continue
+        if params.pooling_type is PoolingType.LAST:
+            vector = states[-1].float()
+        elif params.pooling_type is PoolingType.MEAN:
+            vector = row.pooled / row.num_prompt_tokens
+        else:
+            vector = row.pooled
+        req_ids.append(row.req_id)
+        vectors.append(finish_vector(vector, params).cpu().tolist())
+    return req_ids, vectors
+
+
+def finish_vector(vector: torch.Tensor, params: PoolingParams) -> torch.Tensor:
+    """Matryoshka truncation to params.dimensions, then L2 normalisation when asked (after the
+    cut, so a truncated vector is a unit vector too). vector: [hidden] float32."""
+    if params.dimensions is not None:
+        vector = vector[: params.dimensions]
+    if params.normalize:
+        vector = F.normalize(vector, p=2.0, dim=-1)
+    return vector
