@@ -58,6 +58,10 @@ class CudaBackend(Backend):
                       block_size: int, layer_group: tuple[int, ...]) -> None:
         if self.config.enforce_eager:
             return
+        if self.model_config.moe is not None:
+            # The experts' loop picks its experts on the host from each step's routing: no graph holds it.
+            logger.info("model with mixture-of-experts layers: decode steps run eagerly (no CUDA graphs)")
+            return
         # The scratch block lies past the pool's view: index into the full storage through a view
         # that includes it (the caches are slices of a larger tensor).
         caches = [(k.as_strided((k.shape[0] + block_size, *k.shape[1:]), k.stride()),

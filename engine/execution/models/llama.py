@@ -23,6 +23,7 @@ from torch import nn
 from engine.execution.attention import AttentionMetadata, attention, write_kv
 from engine.execution.models.layers import Linear, RMSNorm, rotate_half
 from engine.execution.models.model_config import ModelConfig
+from engine.execution.models.moe import SparseMoe
 
 # Checkpoint projection -> (our fused projection, its shard index).
 _STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -51,16 +52,22 @@ class DecoderLayer(nn.Module):
         self.mlp_output_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.sandwich_norms else None
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+        # A mixture-of-experts layer (cfg.is_moe_layer) has the sparse MLP in place of the dense one.
+        self.moe = SparseMoe(cfg.moe, cfg.hidden_size) if cfg.is_moe_layer(layer_index) else None
+        if self.moe is None:
+            self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
+            self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
         self.intermediate_size = cfg.intermediate_size
         self.hidden_act = cfg.hidden_act
         self.act = _ACTIVATIONS[cfg.hidden_act]
         self.eps = cfg.rms_norm_eps
 
     @property
-    def projections(self) -> tuple[Linear, Linear, Linear, Linear]:
-        """QKV, output, gate/up and down: the order a decode step reads them."""
+    def projections(self) -> tuple[Linear, ...]:
+        """QKV, output, gate/up and down: the order a decode step reads them (a MoE layer: QKV,
+        output and its router; its experts are the `moe.experts` module's)."""
+        if self.moe is not None:
+            return self.qkv_proj, self.o_proj, self.moe.router
         return self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata,
@@ -80,8 +87,11 @@ class DecoderLayer(nn.Module):
         o = attention(q, k, v, k_cache, v_cache, attn, self.scale, self.sliding_window)
         o = self.o_proj(o.reshape(num_tokens, self.q_size))
         h = x + (o if self.attn_output_norm is None else self.attn_output_norm(o))
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(h)).split(self.intermediate_size, dim=-1)
-        m = self.down_proj(self.act(gate) * up)
+        if self.moe is not None:
+            m = self.moe(self.post_attention_layernorm(h))
+        else:
+            gate, up = self.gate_up_proj(self.post_attention_layernorm(h)).split(self.intermediate_size, dim=-1)
+            m = self.down_proj(self.act(gate) * up)
         return h + (m if self.mlp_output_norm is None else self.mlp_output_norm(m))
 
 
@@ -176,6 +186,9 @@ class LlamaForCausalLM(nn.Module):
                 expected[name] = f"model.{name}" if name != "lm_head.weight" else name
                 continue
             layer, module, kind = parts[1], parts[2], parts[3]
+            if module == "moe":
+                expected |= self._moe_weights(name, int(layer))
+                continue
             prefix = f"model.layers.{layer}.{_HF_MODULE.get(module)}"
             if module in ("qkv_proj", "gate_up_proj"):
                 for hf_proj, (fused, shard) in _STACKED.items():
@@ -186,6 +199,25 @@ class LlamaForCausalLM(nn.Module):
             else:
                 expected[name] = f"model.layers.{layer}.{self.NORM_NAMES.get(module, module)}.{kind}"
         return expected
+
+    def _moe_weights(self, name: str, layer: int) -> dict[str, str]:
+        """A MoE layer's parameter `name` (layers.N.moe.router.weight, layers.N.moe.experts.gate_up,
+        ...) -> its checkpoint tensors, keyed as _expected_weights keys them (an expert's part of a
+        stacked tensor as a shard: see _shard). Each family with experts names its own."""
+        raise NotImplementedError(f"{type(self).__name__} names no mixture-of-experts weights")
+
+    def _shard(self, param_name: str, dest: torch.Tensor, shard: int) -> torch.Tensor:
+        """The slice of parameter `param_name` (its data: dest) that checkpoint shard `shard` fills:
+        q, k, v or gate, up of a fused projection; of stacked experts, expert e's gate rows (shard
+        2e) and up rows (2e + 1) of gate_up [E, 2I, H], its down [H, I] (shard e) of down [E, H, I]."""
+        if param_name.endswith("experts.gate_up"):
+            num_experts, rows, cols = dest.shape
+            return dest.view(2 * num_experts, rows // 2, cols)[shard]
+        if param_name.endswith("experts.down"):
+            return dest[shard]
+        sizes = self._shard_sizes(param_name.split(".")[2])
+        start = sum(sizes[:shard])
+        return dest[start : start + sizes[shard]]
 
     def checkpoint_name(self, name: str) -> str | None:
         """A checkpoint tensor's name as _expected_weights spells it; None for a tensor this model
@@ -209,10 +241,7 @@ class LlamaForCausalLM(nn.Module):
             param_name, _, shard = key.partition("#")
             dest = params[param_name].data
             if shard:
-                fused = param_name.split(".")[2]
-                sizes = self._shard_sizes(fused)
-                start = sum(sizes[: int(shard)])
-                dest = dest[start : start + sizes[int(shard)]]
+                dest = self._shard(param_name, dest, int(shard))
             if key in loaded:
                 raise ValueError(f"weight {hf_name!r} appears twice in the checkpoint")
             if tuple(tensor.shape) != tuple(dest.shape):
