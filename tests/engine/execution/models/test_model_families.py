@@ -162,3 +162,31 @@ def test_unsupported_model_type_is_refused(tiny_model_dir: Path, tmp_path: Path)
     (other / "config.json").write_text((other / "config.json").read_text().replace('"llama"', '"gpt2"'))
     with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
         LLM(str(other), num_kv_blocks=16)
+
+
+def test_a_missing_expert_fails_loading_and_names_it(tmp_path: Path) -> None:
+    path = build_tiny_family_model(tmp_path / "moe", family_config("qwen3-moe"))
+    name = "model.layers.3.mlp.experts.5.up_proj.weight"
+    broken = _rewrite_checkpoint(path, tmp_path / "m", lambda w: w.pop(name))
+    with pytest.raises(ValueError, match=f"missing weights: {name}"):
+        LLM(str(broken), num_kv_blocks=16)
+
+
+def test_fused_expert_tensors_load_as_the_per_expert_ones(tmp_path: Path) -> None:
+    """transformers' own state_dict stacks each layer's experts (mlp.experts.gate_up_proj [E, 2I, H],
+    down_proj [E, H, I]; what a GGUF file converted by transformers holds): the same model."""
+    path = build_tiny_family_model(tmp_path / "moe", family_config("qwen3-moe"))
+
+    def fuse(w: dict) -> None:
+        for layer in (1, 3):
+            prefix = f"model.layers.{layer}.mlp.experts"
+            experts = [[w.pop(f"{prefix}.{e}.{p}.weight") for p in ("gate_proj", "up_proj", "down_proj")]
+                       for e in range(8)]
+            w[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([gate, up]) for gate, up, _ in experts])
+            w[f"{prefix}.down_proj"] = torch.stack([down for _, _, down in experts])
+
+    fused = _rewrite_checkpoint(path, tmp_path / "fused", fuse)
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
+    a = LLM(str(path), backend="torch", num_kv_blocks=128, block_size=4).generate(PROMPTS, params)
+    b = LLM(str(fused), backend="torch", num_kv_blocks=128, block_size=4).generate(PROMPTS, params)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
