@@ -8,7 +8,7 @@ openai SDK with the file's chat template.
 Gemma 3's prompts here are longer than its 8-token window, so its sliding layers (0-4) and its
 global one (5) both shape the answer. The first load of a Qwen3 file reads a 151,936-token
 vocabulary from its metadata (about a minute); later runs find it in the cache. Qwen3-MoE's file
-is served through the model's modules (its quantized experts expert by expert), not the fused layers.
+is served through the model's modules (its experts' blocks by the MoeExperts op), not the fused layers.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from engine import LLM, SamplingParams
-from engine.execution.backends.cpu_gguf import QuantizedExperts
+from engine.execution.backends.cpu_moe import PackedExperts
 from engine.execution.weights.quantized_weight import QuantizedWeight
 from tests.field_gguf import field_gguf
 from tests.helpers import assert_parts_only_at_ties
@@ -75,8 +75,9 @@ def test_a_q8_0_file_is_served_as_its_blocks_within_the_activation_rounding(fami
     for layer in model.layers:  # Qwen3-MoE: each expert's q8_0 blocks (the converter keeps the router float32)
         if layer.moe is not None:
             experts = layer.moe.experts
-            assert isinstance(experts, QuantizedExperts) and len(experts.gate_up) == len(experts.down) == 8
-            assert all(w.quant_type == GGMLQuantizationType.Q8_0 for w in experts.gate_up + experts.down)
+            assert isinstance(experts, PackedExperts)
+            panels = experts.gate_up_panels + experts.down_panels
+            assert len(panels) == 16 and all(w.quant_type == GGMLQuantizationType.Q8_0 for w in panels)
     outs = [out.token_ids for out in llm.generate(PROMPTS, GREEDY)]
     twin = [out.token_ids for out in q8_twin.generate(PROMPTS, GREEDY)]
     assert_parts_only_at_ties(q8_twin, PROMPTS, outs, twin, NUM_NEW)

@@ -16,7 +16,7 @@ from engine.execution.attention import AttentionMetadata
 from engine.execution.backends.backend import Backend
 from engine.execution.backends.cpu_attention import CpuAttention
 from engine.execution.backends.cpu_fused import FusedModel
-from engine.execution.backends.cpu_gguf import embedding_of, pack_gguf_linears, swap_quantized_experts
+from engine.execution.backends.cpu_gguf import embedding_of, pack_gguf_linears
 from engine.execution.backends.cpu_linear import PanelEmbedding, can_pack_linear, pack_linears
 from engine.execution.backends.cpu_moe import pack_moe_experts
 from engine.execution.huge_pages import huge_page_tensor, release_free_memory
@@ -58,12 +58,12 @@ class CpuBackend(Backend):
         # PackedLinear alone where there are none).
         self.max_panel_rows = max_fused if self.panel_dtype is not None else 0
         # The fused layers and the one-call decode step know dense MLPs only: a model with experts
-        # runs every step through its modules (the experts by the torch loop, or the GGUF blocks'
-        # per-expert products), its projections still on the panels.
+        # runs every step through its modules, its projections and experts (PackedExperts, the
+        # MoeExperts op) still on the panels.
         self.is_moe = model_config.moe is not None
         if self.is_moe:
             logger.info("model with mixture-of-experts layers: the CPU backend runs every step through the model's "
-                        "modules (panel or oneDNN projections, per-expert products), not its fused layers")
+                        "modules (panel or oneDNN projections, the experts' op), not its fused layers")
         self.max_fused_tokens = 0 if self.is_moe else self.max_panel_rows
         self.max_decode_rows = self.max_fused_tokens
         # oneDNN's copy of the weights only where some step runs the torch path.
@@ -107,9 +107,7 @@ class CpuBackend(Backend):
             place_on_huge_pages([m.panels for m in packed])
         pack_moe_experts(model, self.dtype, self.kernels, self.isa, self.config.enable_huge_pages)
         model.embed_tokens = embedding_of(model, self.dtype, self.kernels)
-        if self.is_moe:
-            swap_quantized_experts(model, self.kernels, self.isa)
-        else:
+        if not self.is_moe:
             self.fused = FusedModel(model, self.kernels, self.isa)
 
     def allocate_kv_cache(self, shape: tuple[int, ...]) -> torch.Tensor:

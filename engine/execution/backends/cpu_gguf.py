@@ -2,8 +2,7 @@
 each quantized projection a PackedLinear over its QuantizedWeight (the integer-dot kernels: quant_linear
 for a torch-path product, and the uint8 panels in the fused layers' and decode step's projection
 slots, which packed_gemm hands to quant_gemm), float projections in float panels, and a quantized
-embedding read row by row from its blocks (quant_rows; the decode step gathers the same panels);
-a mixture-of-experts layer's quantized experts run expert by expert on quant_linear (QuantizedExperts).
+embedding read row by row from its blocks (quant_rows; the decode step gathers the same panels).
 """
 from __future__ import annotations
 
@@ -14,7 +13,6 @@ from torch import nn
 
 from engine.execution.backends.cpu_linear import PackedLinear
 from engine.execution.models.layers import Linear
-from engine.execution.models.moe import Experts, SparseMoe, gated
 from engine.execution.weights.packed_weight import PackedWeight
 from engine.execution.weights.quantized_weight import QuantizedWeight
 
@@ -73,38 +71,3 @@ def kernel_args(panels: PackedWeight | QuantizedWeight) -> tuple:
     if isinstance(panels, QuantizedWeight):
         return panels.data, None, panels.bias, panels.out_features
     return panels.as_args()
-
-
-class QuantizedExperts(nn.Module):
-    """A mixture-of-experts layer's experts kept in the file's blocks (the GGUF loader's
-    `quantized_gate_up` / `quantized_down` of an Experts module, one QuantizedWeight per expert):
-    each routed expert's gate/up and down products by the integer-dot kernels, expert by expert
-    in ascending order as Experts adds them. An interim form: one kernel call per expert and
-    projection, until the grouped expert kernels take over."""
-
-    def __init__(self, experts: Experts, kernels: ModuleType, isa: int) -> None:
-        super().__init__()
-        self.cfg, self.kernels, self.isa = experts.cfg, kernels, isa
-        self.gate_up: list[QuantizedWeight] = experts.quantized_gate_up
-        self.down: list[QuantizedWeight] = experts.quantized_down
-
-    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        # x: [T, H]; expert_ids: [T, k] int64; weights: [T, k] in x's dtype -> [T, H]
-        out = torch.zeros_like(x)
-        for expert in expert_ids.unique().tolist():
-            token, slot = torch.where(expert_ids == expert)
-            gate_up = self.gate_up[expert].linear(x[token], self.kernels, self.isa)  # [n, 2I] float32
-            y = self.down[expert].linear(gated(gate_up, self.cfg).to(x.dtype), self.kernels, self.isa)  # [n, H]
-            out.index_add_(0, token, y.to(x.dtype) * weights[token, slot, None])
-        return out
-
-
-def swap_quantized_experts(model: nn.Module, kernels: ModuleType, isa: int) -> int:
-    """Every Experts module the GGUF loader gave blocks swapped for a QuantizedExperts over them
-    (float experts keep the torch loop); returns how many were swapped."""
-    swapped = 0
-    for module in model.modules():
-        if isinstance(module, SparseMoe) and hasattr(module.experts, "quantized_gate_up"):
-            module.experts = QuantizedExperts(module.experts, kernels, isa)
-            swapped += 1
-    return swapped

@@ -27,8 +27,8 @@ folds its Hugging Face checkpoint's w into, so adding 1 again here would be wron
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 import re
+from collections.abc import Callable
 
 import numpy as np
 import torch
