@@ -1,4 +1,4 @@
-"""GGUF files as the field writes them: tiny random Hugging Face checkpoints of Qwen3 and Gemma 3,
+"""GGUF files as the field writes them: tiny random Hugging Face checkpoints of Qwen3, Qwen3-MoE and Gemma 3,
 with the tokenizers their real repositories ship (Qwen2's byte-level BPE, Gemma's SentencePiece
 model), converted by llama.cpp's own convert_hf_to_gguf.py (from llama-cpp-python's sdist, run
 unchanged in a subprocess).
@@ -88,18 +88,10 @@ def qwen2_tokenizer_dir() -> Path:
     return target
 
 
-def build_qwen3_checkpoint(path: Path, tie_word_embeddings: bool = False, seed: int = 0) -> Path:
-    """A 2-layer Qwen3 of hidden size 64 whose heads are 32 wide (4 x 32 = 128 != 64: the file's
-    attention.key_length matters), with the real Qwen tokenizer."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
+def _save_random_checkpoint(config: Any, tokenizer: Any, path: Path, seed: int) -> Path:
+    """A checkpoint of config's model with random weights (norms near 1) and tokenizer at path."""
+    from transformers import AutoModelForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(str(qwen2_tokenizer_dir()))
-    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
-                         rms_norm_eps=1e-6, tie_word_embeddings=tie_word_embeddings,
-                         bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
-                         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-                         pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     _random_weights(model, seed, norm_center=1.0, embed_std=1.0)
@@ -109,11 +101,26 @@ def build_qwen3_checkpoint(path: Path, tie_word_embeddings: bool = False, seed: 
     return path
 
 
+def build_qwen3_checkpoint(path: Path, tie_word_embeddings: bool = False, seed: int = 0) -> Path:
+    """A 2-layer Qwen3 of hidden size 64 whose heads are 32 wide (4 x 32 = 128 != 64: the file's
+    attention.key_length matters), with the real Qwen tokenizer."""
+    from transformers import AutoTokenizer, Qwen3Config
+
+    tokenizer = AutoTokenizer.from_pretrained(str(qwen2_tokenizer_dir()))
+    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
+                         rms_norm_eps=1e-6, tie_word_embeddings=tie_word_embeddings,
+                         bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+                         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+                         pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"))
+    return _save_random_checkpoint(config, tokenizer, path, seed)
+
+
 def build_gpt_oss_checkpoint(path: Path, seed: int = 0) -> Path:
     """A 4-layer gpt-oss (window 8 and full layers alternating, 4 experts with 2 a token, YaRN,
     sinks) of hidden size 64, with the real Qwen tokenizer standing in for o200k (the converter
     identifies a tokenizer by hashing it; the sdist has no o200k vocabulary)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GptOssConfig
+    from transformers import AutoTokenizer, GptOssConfig
 
     tokenizer = AutoTokenizer.from_pretrained(str(qwen2_tokenizer_dir()))
     config = GptOssConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=32, num_hidden_layers=4,
@@ -125,13 +132,24 @@ def build_gpt_oss_checkpoint(path: Path, seed: int = 0) -> Path:
                           bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
                           eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
                           pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"))
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
-    _random_weights(model, seed, norm_center=1.0, embed_std=1.0)
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(path))
-    tokenizer.save_pretrained(str(path))
-    return path
+    return _save_random_checkpoint(config, tokenizer, path, seed)
+
+
+def build_qwen3moe_checkpoint(path: Path, seed: int = 0) -> Path:
+    """A 2-layer Qwen3-MoE (both layers sparse, as llama.cpp's qwen3moe runs every layer: 8 experts
+    of width 32, 2 a token, their weights renormalised as the released checkpoints and llama.cpp do)
+    of hidden size 64, heads 32 wide, with the real Qwen tokenizer."""
+    from transformers import AutoTokenizer, Qwen3MoeConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(str(qwen2_tokenizer_dir()))
+    config = Qwen3MoeConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                            num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                            max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                            bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+                            eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+                            pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"))
+    return _save_random_checkpoint(config, tokenizer, path, seed)
 
 
 GEMMA_SPECIAL = ("<pad>", "<eos>", "<bos>", "<unk>")
@@ -186,7 +204,8 @@ def field_gguf(family: str, outtype: str) -> tuple[Path, Path]:
     and of the code that reads GGUF metadata: the engine caches what it derives from a file by the
     file's path and time, so a change there must come with new files, or a test would meet the
     old code's config and tokenizer."""
-    builders = {"qwen3": build_qwen3_checkpoint, "gemma3": build_gemma3_checkpoint, "gpt-oss": build_gpt_oss_checkpoint}
+    builders = {"qwen3": build_qwen3_checkpoint, "qwen3moe": build_qwen3moe_checkpoint,
+                "gemma3": build_gemma3_checkpoint, "gpt-oss": build_gpt_oss_checkpoint}
     key = hashlib.sha256(b"".join(path.read_bytes() for path in _KEYED_SOURCES)).hexdigest()[:12]
     root = default_cache_dir() / "field-gguf" / key
     root.mkdir(parents=True, exist_ok=True)

@@ -69,7 +69,17 @@ class CpuBackend(Backend):
                 self.gguf = False
             max_fused = 0  # torch's modules with the C++ attention kernels
         self.panel_dtype = torch.int8 if self.quantized else dtype if kernels is not None and max_fused > 0 else None
-        self.max_fused_tokens = max_fused if self.panel_dtype is not None else 0
+        # Steps of up to max_panel_rows rows multiply on the panels (the fused layers, or each
+        # PackedLinear alone where there are none).
+        self.max_panel_rows = max_fused if self.panel_dtype is not None else 0
+        # The fused layers and the one-call decode step know dense MLPs only: a model with experts
+        # runs every step through its modules, its projections and experts (PackedExperts, the
+        # MoeExperts op) still on the panels.
+        self.is_moe = model_config.moe is not None
+        if self.is_moe:
+            logger.info("model with mixture-of-experts layers: the CPU backend runs every step through the model's "
+                        "modules (panel or oneDNN projections, the experts' op), not its fused layers")
+        self.max_fused_tokens = 0 if self.is_moe else self.max_panel_rows
         self.max_decode_rows = self.max_fused_tokens
         # oneDNN's copy of the weights only where some step runs the torch path.
         is_every_step_fused = self.panel_dtype is not None and max_fused == sys.maxsize
@@ -90,7 +100,7 @@ class CpuBackend(Backend):
         if self.gguf:
             self._prepare_gguf(model)
         elif self.onednn or self.panel_dtype is not None:
-            packed = pack_linears(model, self.onednn, self.panel_dtype, self.kernels, self.isa, self.max_fused_tokens,
+            packed = pack_linears(model, self.onednn, self.panel_dtype, self.kernels, self.isa, self.max_panel_rows,
                                   keep=(model.embed_tokens,))
             if self.panel_dtype is not None:
                 if self.config.enable_huge_pages:  # before the fused layers take the panels' addresses
@@ -101,7 +111,8 @@ class CpuBackend(Backend):
                     # (int8 panels would round the embedding, so int8 keeps it.)
                     model.embed_tokens = PanelEmbedding(model.lm_head, self.dtype)
                     model.lm_head.drop_weight()
-                self.fused = FusedModel(model, self.kernels, self.isa)
+                if not self.is_moe:
+                    self.fused = FusedModel(model, self.kernels, self.isa)
         release_free_memory()  # the plain weights the packing replaced
 
     def _prepare_gguf(self, model: nn.Module) -> None:
@@ -111,7 +122,8 @@ class CpuBackend(Backend):
             place_on_huge_pages([m.panels for m in packed])
         pack_moe_experts(model, self.dtype, self.kernels, self.isa, self.config.enable_huge_pages)
         model.embed_tokens = embedding_of(model, self.dtype, self.kernels)
-        self.fused = FusedModel(model, self.kernels, self.isa)
+        if not self.is_moe:
+            self.fused = FusedModel(model, self.kernels, self.isa)
 
     def allocate_kv_cache(self, shape: tuple[int, ...]) -> torch.Tensor:
         if not self.config.enable_huge_pages:
@@ -138,6 +150,6 @@ class CpuBackend(Backend):
 
     def describe(self) -> str:
         isa = next(name for name, value in ISAS.items() if value == self.isa) if self.kernels else "no C++ kernels"
-        fused = ("every step fused" if self.max_fused_tokens == sys.maxsize
-                 else f"fused steps up to {self.max_fused_tokens} tokens")
+        fused = ("no fused steps (mixture of experts)" if self.is_moe else "every step fused"
+                 if self.max_fused_tokens == sys.maxsize else f"fused steps up to {self.max_fused_tokens} tokens")
         return f"{super().describe()}, {isa}, {fused}"

@@ -60,6 +60,10 @@ class CudaBackend(Backend):
             # models/moe.py's experts pick their rows on the host (a sync no graph can capture):
             # mixture-of-experts models run eager until a device-side expert kernel exists
             return
+        if self.model_config.moe is not None:
+            # The experts' loop picks its experts on the host from each step's routing: no graph holds it.
+            logger.info("model with mixture-of-experts layers: decode steps run eagerly (no CUDA graphs)")
+            return
         # The scratch block lies past the pool's view: index into the full storage through a view
         # that includes it (the caches are slices of a larger tensor).
         caches = [(k.as_strided((k.shape[0] + block_size, *k.shape[1:]), k.stride()),

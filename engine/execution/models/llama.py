@@ -54,7 +54,7 @@ class DecoderLayer(nn.Module):
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         # gpt-oss: each head's sink logit, in the softmax's denominator (engine/execution/attention.py).
         self.sinks = nn.Parameter(torch.zeros(cfg.num_heads), requires_grad=False) if cfg.attn_sinks else None
-        # A mixture-of-experts layer's MLP is the sparse one; the dense projections are then absent.
+        # A mixture-of-experts layer (cfg.is_moe_layer) has the sparse MLP in place of the dense one.
         self.moe = SparseMoe(cfg.moe, cfg.hidden_size) if cfg.is_moe_layer(layer_index) else None
         if self.moe is None:
             self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
@@ -65,8 +65,11 @@ class DecoderLayer(nn.Module):
         self.eps = cfg.rms_norm_eps
 
     @property
-    def projections(self) -> tuple[Linear, Linear, Linear, Linear]:
-        """QKV, output, gate/up and down: the order a decode step reads them."""
+    def projections(self) -> tuple[Linear, ...]:
+        """QKV, output, gate/up and down: the order a decode step reads them (a MoE layer: QKV,
+        output and its router; its experts are the `moe.experts` module's)."""
+        if self.moe is not None:
+            return self.qkv_proj, self.o_proj, self.moe.router
         return self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata,
@@ -188,6 +191,9 @@ class LlamaForCausalLM(nn.Module):
                 expected[name] = f"model.{name}" if name != "lm_head.weight" else name
                 continue
             layer, module, kind = parts[1], parts[2], parts[-1]
+            if module == "moe":
+                expected |= self._moe_weights(name, int(layer))
+                continue
             prefix = f"model.layers.{layer}.{_HF_MODULE.get(module)}"
             if module in ("qkv_proj", "gate_up_proj"):
                 for hf_proj, (fused, shard) in _STACKED.items():
@@ -198,6 +204,27 @@ class LlamaForCausalLM(nn.Module):
             else:  # norms, and what a family's layer holds beyond Llama's (sinks, a sparse MLP's parts)
                 expected[name] = ".".join(["model.layers", layer, self.NORM_NAMES.get(module, module), *parts[3:]])
         return expected
+
+    def _moe_weights(self, name: str, layer: int) -> dict[str, str]:
+        """A MoE layer's parameter `name` (layers.N.moe.router.weight, layers.N.moe.experts.gate_up,
+        ...) -> its checkpoint tensors, keyed as _expected_weights keys them (an expert's part of a
+        stacked tensor as a shard: see _shard). By default the checkpoint holds them under our own
+        names (a family whose layout differs, as gpt-oss's, converts it in load_weights); Qwen3-MoE
+        names each expert's tensors."""
+        return {name: f"model.layers.{layer}.{name.split('.', 2)[2]}"}
+
+    def _shard(self, param_name: str, dest: torch.Tensor, shard: int) -> torch.Tensor:
+        """The slice of parameter `param_name` (its data: dest) that checkpoint shard `shard` fills:
+        q, k, v or gate, up of a fused projection; of stacked experts, expert e's gate rows (shard
+        2e) and up rows (2e + 1) of gate_up [E, 2I, H], its down [H, I] (shard e) of down [E, H, I]."""
+        if param_name.endswith("experts.gate_up"):
+            num_experts, rows, cols = dest.shape
+            return dest.view(2 * num_experts, rows // 2, cols)[shard]
+        if param_name.endswith("experts.down"):
+            return dest[shard]
+        sizes = self._shard_sizes(param_name.split(".")[2])
+        start = sum(sizes[:shard])
+        return dest[start : start + sizes[shard]]
 
     def checkpoint_name(self, name: str) -> str | None:
         """A checkpoint tensor's name as _expected_weights spells it; None for a tensor this model
@@ -227,10 +254,7 @@ class LlamaForCausalLM(nn.Module):
             param_name, _, shard = key.partition("#")
             dest = params[param_name].data
             if shard:
-                fused = param_name.split(".")[2]
-                sizes = self._shard_sizes(fused)
-                start = sum(sizes[: int(shard)])
-                dest = dest[start : start + sizes[int(shard)]]
+                dest = self._shard(param_name, dest, int(shard))
             if key in loaded:
                 raise ValueError(f"weight {hf_name!r} appears twice in the checkpoint")
             if tuple(tensor.shape) != tuple(dest.shape):

@@ -10,6 +10,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "mistral": ("engine.execution.models.mistral", "MistralForCausalLM"),
     "qwen2": ("engine.execution.models.qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("engine.execution.models.qwen3", "Qwen3ForCausalLM"),
+    "qwen3_moe": ("engine.execution.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "gemma3_text": ("engine.execution.models.gemma3", "Gemma3ForCausalLM"),
     "gemma3": ("engine.execution.models.gemma3", "Gemma3ForCausalLM"),
     "gpt_oss": ("engine.execution.models.gpt_oss", "GptOssForCausalLM"),

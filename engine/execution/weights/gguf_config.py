@@ -11,6 +11,8 @@ converter stores and llama.cpp itself assumes:
   (attention.sliding_window_pattern, a period or a flag per layer, where a file has one), and
   every layer for global where the file has no sliding window; transformers' default pattern is
   the same six, but its default window applies where the file has none;
+- Qwen3-MoE's experts (_set_experts): their width, the renormalised top-k weights llama.cpp
+  always uses, and which layers are sparse;
 - RoPE: the sliding layers' base (rope.freq_base_swa) and a linear scaling of the others
   (rope.scaling.type / rope.scaling.factor, Gemma 3 4B and up); another scaling type fails,
   naming it, rather than serving positions wrongly;
@@ -46,8 +48,10 @@ def gguf_config(file: GGUFFile) -> Any:
     head_dim = file.arch_field("attention.key_length")
     if head_dim is not None:
         config.head_dim = int(head_dim)
-    if file.architecture in ("qwen3", "gemma3"):
+    if file.architecture in ("qwen3", "qwen3moe", "gemma3"):
         _set_rope(file, config)
+    if file.architecture == "qwen3moe":
+        _set_experts(file, config)
     if file.architecture == "gemma3":
         if config.num_hidden_layers == _GEMMA3_27B_LAYERS:
             config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads
@@ -95,6 +99,22 @@ def _gpt_oss_config(file: GGUFFile) -> Any:
         sliding_window=int(number("attention.sliding_window")), rope_parameters=rope,
         tie_word_embeddings="output.weight" not in names,
         bos_token_id=special["bos"], eos_token_id=special["eos"], pad_token_id=special["padding"])
+
+
+def _set_experts(file: GGUFFile, config: Any) -> None:
+    """Qwen3-MoE's experts as llama.cpp runs them: each expert's width from
+    expert_feed_forward_length (transformers leaves its class default), the chosen k weights
+    always renormalised (llama.cpp's qwen3moe graph passes norm_w = true; the file stores no
+    flag), and every layer sparse that has a router (llama.cpp's files: all of them)."""
+    expert_ff = file.arch_field("expert_feed_forward_length")
+    if expert_ff is not None:
+        config.moe_intermediate_size = int(expert_ff)
+    config.num_experts = int(file.arch_field("expert_count"))
+    config.num_experts_per_tok = int(file.arch_field("expert_used_count"))
+    config.norm_topk_prob = True
+    routed = set(file.tensor_names())
+    config.decoder_sparse_step = 1
+    config.mlp_only_layers = [i for i in range(config.num_hidden_layers) if f"blk.{i}.ffn_gate_inp.weight" not in routed]
 
 
 def _gemma3_layer_types(file: GGUFFile, num_layers: int) -> list[str]:

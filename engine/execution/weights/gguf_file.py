@@ -8,7 +8,7 @@ per output channel; float types as their values (bfloat16, which numpy lacks, wi
 exact); every other quantized type is dequantized once, to float32, with a warning naming the type. Llama-architecture files store the query and key
 projections' rows in llama.cpp's rotary order: they come back in Hugging Face's (a permutation of
 whole rows, so of whole blocks), as transformers' own GGUF loader restores them. llama.cpp's
-converter permutes no other architecture's rows (qwen2, qwen3 and gemma3 rotate halves, as Hugging
+converter permutes no other architecture's rows (qwen2, qwen3, qwen3moe and gemma3 rotate halves, as Hugging
 Face does). A head's width is the file's attention.key_length where it has one (Qwen3's and
 Gemma 3's heads are wider than hidden size / heads).
 
@@ -37,7 +37,7 @@ _FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16)
 # Hugging Face's. A format fact, kept here rather than read from the model registry so that
 # weights/ never imports models/; a new family adds its name here once its layout is mapped
 # (tests/engine/execution/weights/test_gguf_file.py checks each has a model family).
-GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "gpt-oss")
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe", "gemma3", "gpt-oss")
 LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")  # llama.cpp's per-layer tensor names
 
 
@@ -100,6 +100,7 @@ class GGUFFile:
         return self.field(f"{self.architecture}.{key}", default)
 
     def tensor_names(self) -> list[str]:
+        """Every tensor's name in file order, nothing read."""
         return [t.name for t in self._reader.tensors]
 
     def tensors(self) -> Iterator[GGUFTensor]:
@@ -156,9 +157,14 @@ class GGUFFile:
                   "post_ffw_norm": (hidden,), "attn_sinks": (heads,)}
         if ff > 0:
             shapes.update(ffn_gate=(ff, hidden), ffn_up=(ff, hidden), ffn_down=(hidden, ff))
+        # mixture of experts: the router (ffn_gate_inp) and every expert's projections stacked, [E, ...]
         num_experts = int(self.arch_field("expert_count", 0))
-        if num_experts > 0:  # the router; the stacked experts' 3-D tensors are checked by the model's shapes
-            shapes.update(ffn_gate_inp=(num_experts, hidden))
+        expert_ff = int(self.arch_field("expert_feed_forward_length", 0))
+        if num_experts > 0:
+            shapes["ffn_gate_inp"] = (num_experts, hidden)
+            if expert_ff > 0:
+                shapes.update(ffn_gate_exps=(num_experts, expert_ff, hidden), ffn_up_exps=(num_experts, expert_ff, hidden),
+                              ffn_down_exps=(num_experts, hidden, expert_ff))
         if int(vocab) > 0:
             shapes.update({"token_embd.weight": (int(vocab), hidden), "output.weight": (int(vocab), hidden)})
         return shapes
@@ -173,8 +179,8 @@ class GGUFFile:
             if index >= num_layers:
                 raise ValueError(f"model: GGUF tensor {name} is past the file's {num_layers} layers")
             want = expected.get(part)
-            if want is not None and kind == "bias":
-                want = want[:1]
+            if want is not None and kind == "bias":  # one per output row: [N] of [N, K], [E, N] of experts' [E, N, K]
+                want = want[:-1]
         if want is not None and shape != want:
             raise ValueError(f"model: GGUF tensor {name} has shape {list(shape)}, expected {list(want)} from the "
                              f"file's metadata")

@@ -6,6 +6,10 @@ The caller builds the model on the meta device (no float copy of a projection is
   backend packs it for the kernels; the Linear's own weight stays on the meta device);
 - a fused projection whose parts mix block types (Q4_K_M files store V in Q6_K beside Q4_K) is
   requantized once to Q8_0, the closest type the kernels share, with a log line naming it;
+- a mixture-of-experts layer's stacked experts (ffn_gate_exps / ffn_up_exps / ffn_down_exps, [E, ...])
+  are split by expert; where they are blocks each expert gets QuantizedWeights of its own
+  (`experts.quantized_gate_up`: its gate rows then its up rows; `experts.quantized_down`), the
+  stacked float parameters left on the meta device; the router (ffn_gate_inp) is a Linear as any;
 - a quantized embedding keeps its blocks too (`embed_tokens.quantized`), and so does a tied LM
   head, which reads the same QuantizedWeight;
 - every other tensor (norms, float projections, types without kernels, which GGUFFile has
@@ -29,7 +33,8 @@ folds its Hugging Face checkpoint's w into, so adding 1 again here would be wron
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+import re
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -49,8 +54,13 @@ _LAYER_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_laye
                 "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 # Per architecture, the layer tensors beyond (or named otherwise than) llama's.
 _QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+# A mixture-of-experts layer's router, and its experts' projections stacked in one tensor each
+# ([E, ...]; the loader splits them into Hugging Face's per-expert names, mlp.experts.N.gate_proj).
+_EXPERTS = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
+            "ffn_down_exps": "mlp.experts.down_proj"}
 _ARCH_LAYER_NAMES = {
     "qwen3": _LAYER_NAMES | _QK_NORMS,
+    "qwen3moe": _LAYER_NAMES | _QK_NORMS | _EXPERTS,
     "gemma3": _LAYER_NAMES | _QK_NORMS | {"post_attention_norm": "post_attention_layernorm",
                                           "ffn_norm": "pre_feedforward_layernorm",
                                           "post_ffw_norm": "post_feedforward_layernorm"},
@@ -61,6 +71,7 @@ _ARCH_LAYER_NAMES = {
 _GPT_OSS_EXPERTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 # Tensors some files carry that the model computes itself (llama 3's RoPE frequencies).
 _IGNORED = ("rope_freqs.weight",)
+_STACKED_EXPERTS = re.compile(r"(.*\.experts)\.(\w+)\.(weight|bias)$")  # a stacked tensor's HF name
 
 
 def hf_name(gguf_name: str, architecture: str) -> str | None:
@@ -118,6 +129,19 @@ def hf_float_tensors(gguf: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]:
             yield f"{prefix}.down_proj{suffix}", down.contiguous()
 
 
+def _split_experts(name: str, t: GGUFTensor) -> dict[str, GGUFTensor]:
+    """A stacked experts tensor ([E, ...]) as each expert's, by Hugging Face's per-expert names:
+    model.layers.N.mlp.experts.gate_proj.weight -> ...experts.0.gate_proj.weight, ... (blocks: each
+    expert's rows of blocks; floats: its slice)."""
+    match = _STACKED_EXPERTS.match(name)
+    prefix, proj, kind = match.group(1), match.group(2), match.group(3)
+    num_experts, shape = t.shape[0], t.shape[1:]
+    rows = int(np.prod(shape[:-1]))
+    data = t.data.reshape(num_experts, rows, -1) if t.is_blocks else t.data.reshape(t.shape)
+    return {f"{prefix}.{e}.{proj}.{kind}": GGUFTensor(f"{t.name}[{e}]", t.quant_type, shape, data[e])
+            for e in range(num_experts)}
+
+
 def _float(t: GGUFTensor) -> torch.Tensor:
     return torch.from_numpy(np.array(t.data, dtype=np.float32).reshape(t.shape))
 
@@ -158,7 +182,10 @@ def load_gguf_weights(model: nn.Module, gguf: GGUFFile) -> nn.Module:
                              f"{gguf.architecture} model")
         if name == "lm_head.weight" and tie_word_embeddings:
             continue
-        tensors[name] = t
+        if _STACKED_EXPERTS.match(name):
+            tensors |= _split_experts(name, t)
+        else:
+            tensors[name] = t
     expected = model._expected_weights()  # our key (param or param#shard) -> its HF name
     missing = [hf for hf in expected.values() if hf not in tensors]
     if missing:
@@ -169,11 +196,15 @@ def load_gguf_weights(model: nn.Module, gguf: GGUFFile) -> nn.Module:
         raise ValueError(f"model: GGUF file {gguf.path.name} has tensors this model does not use: {', '.join(unknown[:5])}")
 
     def parts(param: str) -> list[GGUFTensor]:
-        keys = sorted(key for key in expected if key == param or key.startswith(f"{param}#"))
+        keys = sorted((key for key in expected if key == param or key.startswith(f"{param}#")),
+                      key=lambda key: int(key.partition("#")[2] or -1))  # shards in order, 10 after 9
         return [tensors[expected[key]] for key in keys]
 
     done: set[int] = set()
     for module_name, module in model.named_modules():
+        if _is_experts(module):
+            _load_experts(model, module_name, module, parts)
+            continue
         if not isinstance(module, nn.Linear | nn.Embedding) or id(module.weight) in done:
             continue
         done.add(id(module.weight))
@@ -193,6 +224,35 @@ def load_gguf_weights(model: nn.Module, gguf: GGUFFile) -> nn.Module:
         if hasattr(embedding, "quantized"):
             model.lm_head.quantized = embedding.quantized
     for name, param in list(model.named_parameters()):
-        if param.is_meta and not hasattr(model.get_submodule(name.rpartition(".")[0]), "quantized"):
+        owner = model.get_submodule(name.rpartition(".")[0])
+        if param.is_meta and not hasattr(owner, "quantized") and not _is_experts(owner):
             _set_parameter(model, name, _float(tensors[expected[name]]))
     return model.eval()
+
+
+def _is_experts(module: nn.Module) -> bool:
+    """A mixture-of-experts module's stacked experts (models/moe.py's Experts: gate_up [E, 2I, H],
+    down [E, H, I]), recognised by its parameters so this format code imports no model code."""
+    gate_up, down = getattr(module, "gate_up", None), getattr(module, "down", None)
+    return isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and gate_up.dim() == 3
+
+
+def _load_experts(model: nn.Module, module_name: str, experts: nn.Module,
+                  parts: Callable[[str], list[GGUFTensor]]) -> None:
+    """The experts' weights: where the file has blocks, one QuantizedWeight per expert
+    (`quantized_gate_up`: its gate rows then its up rows, as a dense gate_up_proj;
+    `quantized_down`), the float parameters left on the meta device; else float parameters."""
+    gate_up, down = parts(f"{module_name}.gate_up"), parts(f"{module_name}.down")  # gate_0, up_0, gate_1, ...; down_e
+    num_experts, hidden = experts.gate_up.shape[0], experts.gate_up.shape[2]
+    for kind in ("gate_up_bias", "down_bias"):
+        if getattr(experts, kind, None) is not None:
+            raise ValueError(f"model: GGUF experts with biases ({module_name}.{kind}) are not read yet")
+    if any(t.is_blocks for t in gate_up + down):
+        experts.quantized_gate_up = [_quantized(f"{module_name}[{e}].gate_up", gate_up[2 * e : 2 * e + 2], hidden, None)
+                                     for e in range(num_experts)]
+        experts.quantized_down = [_quantized(f"{module_name}[{e}].down", [down[e]], experts.down.shape[2], None)
+                                  for e in range(num_experts)]
+        return
+    stacked = torch.stack([torch.cat([_float(gate_up[2 * e]), _float(gate_up[2 * e + 1])]) for e in range(num_experts)])
+    _set_parameter(model, f"{module_name}.gate_up", stacked)
+    _set_parameter(model, f"{module_name}.down", torch.stack([_float(t) for t in down]))

@@ -1,6 +1,7 @@
 """Every model family the README names is token-exact (greedy) against transformers, on a tiny
 random-weight model of that family built offline, through both decode-attention paths and with
-chunked prefill over a cached context. Weight loading refuses incomplete checkpoints."""
+chunked prefill over a cached context (Qwen3-MoE: with sparse and dense layers, the k routing
+weights renormalised or not). Weight loading refuses incomplete checkpoints."""
 from __future__ import annotations
 
 import shutil
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from tests.tiny_model import FAMILIES, build_tiny_family_model, family_config
+from tests.tiny_model import FAMILIES, MOE_FAMILIES, build_tiny_family_model, family_config
 
 PROMPTS = [[5, 9, 13], list(range(10, 47)), [42] * 7 + list(range(60, 80)), list(range(100, 300, 7))]
 NUM_NEW = 24
@@ -47,7 +48,8 @@ def test_greedy_matches_transformers(family_model: tuple[str, Path], reference: 
         monkeypatch.setenv("MINIVLLM_KERNEL_ISA", "avx2")  # the lower SIMD path, on any x86-64 CI machine
     # 16: the chunked runs take every step (chunks beside decodes, chunks over a cached context,
     # sliding windows) through the fused layers, the whole-prefill runs only their decode steps.
-    fused = 0 if decode_path in ("cpp", "torch", "reference") else 16
+    # (Mixture-of-experts models have no fused layers yet: every step runs through their modules.)
+    fused = 0 if decode_path in ("cpp", "torch", "reference") or family in MOE_FAMILIES else 16
     backend = "torch" if decode_path == "reference" else "auto"  # the pure-torch reference backend
     llm = LLM(str(path), num_kv_blocks=256, block_size=4, max_num_batched_tokens=budget, max_fused_tokens=fused,
               backend=backend)
@@ -75,7 +77,8 @@ def test_bfloat16_and_int8_weights_on_the_fused_path_stay_close_to_float32(famil
     and decodes) against the pure-torch reference backend in float32: the log-probabilities of
     the prompts (teacher-forced) and of the greedy continuations' common prefix move by
     rounding's worth, not by a layer computed wrong (these random models' logits span tens of
-    nats). Greedy tokens may part: the random models' margins are often narrower than bf16's rounding."""
+    nats). Greedy tokens may part: the random models' margins are often narrower than bf16's rounding.
+    (Mixture-of-experts families run without fused layers: their projections' panels, each alone.)"""
     family, path = family_model
     options = dict(num_kv_blocks=256, block_size=4, max_num_batched_tokens=16)
     params = SamplingParams(temperature=0, max_tokens=8, logprobs=2, prompt_logprobs=2, ignore_eos=True)
@@ -83,7 +86,7 @@ def test_bfloat16_and_int8_weights_on_the_fused_path_stay_close_to_float32(famil
     exact = LLM(str(path), backend="torch", **options).generate(prompts, params)
     weights = {"dtype": "bfloat16"} if mode == "bfloat16" else {"quantization": "int8"}
     llm = LLM(str(path), max_fused_tokens=16, **options, **weights)
-    assert llm.engine.runner.backend.max_fused_tokens == 16
+    assert llm.engine.runner.backend.max_fused_tokens == (0 if family in MOE_FAMILIES else 16)
     rounded = llm.generate(prompts, params)
     diffs = []
     for a, b in zip(exact, rounded, strict=True):
@@ -92,8 +95,13 @@ def test_bfloat16_and_int8_weights_on_the_fused_path_stay_close_to_float32(famil
                                                         b.prompt_logprobs[1:] + b.logprobs[:n + 1], strict=True)
                   for t in pa.keys() & pb.keys()]
     median, most = _ROUNDING_BOUNDS[mode]
-    assert len(diffs) > 100 and statistics.median(diffs) < median and max(diffs) < most, \
-        (family, statistics.median(diffs), max(diffs))
+    # A mixture of experts' routing is discontinuous: a rounded router input that swaps one of a
+    # token's k experts near a tie moves that position by a whole expert's output (measured: 2 of
+    # 85 int8 positions of qwen3-moe-unnormed, by 4 and 8 nats). Those few may pass `most`.
+    num_outliers = 3 * len(diffs) // 100 if family in MOE_FAMILIES else 0
+    outliers = sum(d >= most for d in diffs)
+    assert len(diffs) > 100 and statistics.median(diffs) < median and outliers <= num_outliers, \
+        (family, statistics.median(diffs), sorted(diffs)[-5:])
 
 
 def test_the_sliding_window_changes_the_output(tmp_path: Path) -> None:
@@ -154,3 +162,31 @@ def test_unsupported_model_type_is_refused(tiny_model_dir: Path, tmp_path: Path)
     (other / "config.json").write_text((other / "config.json").read_text().replace('"llama"', '"gpt2"'))
     with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
         LLM(str(other), num_kv_blocks=16)
+
+
+def test_a_missing_expert_fails_loading_and_names_it(tmp_path: Path) -> None:
+    path = build_tiny_family_model(tmp_path / "moe", family_config("qwen3-moe"))
+    name = "model.layers.3.mlp.experts.5.up_proj.weight"
+    broken = _rewrite_checkpoint(path, tmp_path / "m", lambda w: w.pop(name))
+    with pytest.raises(ValueError, match=f"missing weights: {name}"):
+        LLM(str(broken), num_kv_blocks=16)
+
+
+def test_fused_expert_tensors_load_as_the_per_expert_ones(tmp_path: Path) -> None:
+    """transformers' own state_dict stacks each layer's experts (mlp.experts.gate_up_proj [E, 2I, H],
+    down_proj [E, H, I]; what a GGUF file converted by transformers holds): the same model."""
+    path = build_tiny_family_model(tmp_path / "moe", family_config("qwen3-moe"))
+
+    def fuse(w: dict) -> None:
+        for layer in (1, 3):
+            prefix = f"model.layers.{layer}.mlp.experts"
+            experts = [[w.pop(f"{prefix}.{e}.{p}.weight") for p in ("gate_proj", "up_proj", "down_proj")]
+                       for e in range(8)]
+            w[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([gate, up]) for gate, up, _ in experts])
+            w[f"{prefix}.down_proj"] = torch.stack([down for _, _, down in experts])
+
+    fused = _rewrite_checkpoint(path, tmp_path / "fused", fuse)
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
+    a = LLM(str(path), backend="torch", num_kv_blocks=128, block_size=4).generate(PROMPTS, params)
+    b = LLM(str(fused), backend="torch", num_kv_blocks=128, block_size=4).generate(PROMPTS, params)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]

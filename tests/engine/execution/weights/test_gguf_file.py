@@ -177,7 +177,7 @@ def test_every_architecture_the_reader_maps_has_a_model_family() -> None:
     from engine.execution.models import SUPPORTED_MODEL_TYPES
     from engine.execution.weights.gguf_file import GGUF_ARCHITECTURES
 
-    model_type = {"gpt-oss": "gpt_oss"}  # llama.cpp's architecture names where they differ from model_type
+    model_type = {"gpt-oss": "gpt_oss", "qwen3moe": "qwen3_moe"}  # llama.cpp's names where they differ from model_type
     assert {model_type.get(arch, arch) for arch in GGUF_ARCHITECTURES} <= set(SUPPORTED_MODEL_TYPES)
 
 
