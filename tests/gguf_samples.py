@@ -36,12 +36,14 @@ def _llama_cpp_rows(data: np.ndarray, num_heads: int) -> np.ndarray:
     return np.ascontiguousarray(data.reshape(num_heads, 2, half, *data.shape[1:]).swapaxes(1, 2)).reshape(data.shape)
 
 
-def write_family_gguf(hf_dir: Path, path: Path, twin_dir: Path, quant_type: GGMLQuantizationType) -> Path:
+def write_family_gguf(hf_dir: Path, path: Path, twin_dir: Path, quant_type: GGMLQuantizationType,
+                      tensor_types: dict[str, GGMLQuantizationType] | None = None) -> Path:
     """A GGUF file of the HF model in hf_dir (llama, mistral or qwen2), as llama.cpp's converter
     lays it out: its projections and embedding quantized to quant_type by the `gguf` package, norms
     and biases float32, the config and the tokenizer (byte-level BPE, chat template) as metadata.
     twin_dir gets its safetensors twin: the same weights dequantized to float32 (the exact
-    reference for the file's values), with hf_dir's config and tokenizer."""
+    reference for the file's values), with hf_dir's config and tokenizer. tensor_types: another
+    type for the matrices whose GGUF names hold a key (".attn_v.": a k-quant mix's V)."""
     import json
     import shutil
 
@@ -104,9 +106,10 @@ def write_family_gguf(hf_dir: Path, path: Path, twin_dir: Path, quant_type: GGML
         values = tensor.float().numpy()
         gguf_name = to_gguf[name]
         is_matrix = values.ndim == 2
+        matrix_type = next((t for key, t in (tensor_types or {}).items() if key in gguf_name), quant_type)
         if is_matrix:
-            blocks = quantize(values, quant_type)
-            values = dequantize(blocks, quant_type).reshape(values.shape).astype(np.float32)
+            blocks = quantize(values, matrix_type)
+            values = dequantize(blocks, matrix_type).reshape(values.shape).astype(np.float32)
             stored = blocks
         else:
             stored = values
@@ -114,7 +117,7 @@ def write_family_gguf(hf_dir: Path, path: Path, twin_dir: Path, quant_type: GGML
         if arch == "llama" and (".attn_q." in gguf_name or ".attn_k." in gguf_name):
             stored = _llama_cpp_rows(stored, heads if ".attn_q." in gguf_name else kv_heads)
         if is_matrix:
-            writer.add_tensor(gguf_name, stored, raw_dtype=quant_type)
+            writer.add_tensor(gguf_name, stored, raw_dtype=matrix_type)
         else:
             writer.add_tensor(gguf_name, stored)
     writer.write_header_to_file()

@@ -1,7 +1,8 @@
 """The CPU backend's form of a model loaded from a GGUF file (engine/execution/weights/gguf_loader.py):
-each quantized projection a PackedLinear over its QuantizedWeight (the integer-dot kernels: quant_linear
-for a torch-path product, and the uint8 panels in the fused layers' and decode step's projection
-slots, which packed_gemm hands to quant_gemm), float projections in float panels, and a quantized
+each quantized projection a PackedLinear over its QuantizedWeight or, for a fused projection of
+mixed block types, its QuantizedParts (the integer-dot kernels: quant_linear, or packed_linear for
+parts, in a torch-path product, and the uint8 panels in the fused layers' and decode step's
+projection slots, which packed_gemm hands to quant_gemm), float projections in float panels, and a quantized
 embedding read row by row from its blocks (quant_rows; the decode step gathers the same panels).
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ from torch import nn
 from engine.execution.backends.cpu_linear import PackedLinear
 from engine.execution.models.layers import Linear
 from engine.execution.weights.packed_weight import PackedWeight
+from engine.execution.weights.quantized_parts import QuantizedParts
 from engine.execution.weights.quantized_weight import QuantizedWeight
 
 
@@ -65,9 +67,10 @@ def embedding_of(model: nn.Module, dtype: torch.dtype, kernels: ModuleType) -> n
     return model.embed_tokens if quantized is None else QuantEmbedding(quantized, dtype, kernels)
 
 
-def kernel_args(panels: PackedWeight | QuantizedWeight) -> tuple:
+def kernel_args(panels: PackedWeight | QuantizedWeight | QuantizedParts) -> tuple:
     """A projection's panels as the fused layers and the decode step take them: (data, scale,
-    bias, out_features); GGUF block panels are uint8 data without a scale."""
-    if isinstance(panels, QuantizedWeight):
+    bias, out_features); GGUF block panels (one type's, or mixed types' parts with their header)
+    are uint8 data without a scale."""
+    if isinstance(panels, QuantizedWeight | QuantizedParts):
         return panels.data, None, panels.bias, panels.out_features
     return panels.as_args()

@@ -131,6 +131,18 @@ std::vector<int64_t> team_task_order(int64_t num_tasks, int64_t num_ranks, int64
 // ends in empty ones): packed_gemm.cpp's TaperedSplit, for tests.
 std::vector<std::pair<int64_t, int64_t>> tapered_split(int64_t num_panels, int64_t num_ranks);
 
+// A fused projection whose parts are GGUF blocks of different types (a Q4_K_M file's q and k in
+// Q4_K, v in Q6_K): row segments of whole panels, each of one type, kept in the file's types
+// rather than requantized to one. One uint8 tensor [kQuantPartsHeaderBytes + panels' bytes]: a
+// header of int32s, the number of segments and each one's (ggml type, panels, records), then each
+// segment's panels (quant_tiles.h's layout) in row order. Its products walk the panels of all
+// segments as one run, each panel by its own segment's tiles, so the threads split the whole.
+constexpr int64_t kMaxQuantParts = 3;  // q, k, v
+constexpr int64_t kQuantPartsHeaderBytes = 64;  // keeps the first segment on the tensor's 64-byte line
+struct QuantPart {
+  int32_t type = 0, num_panels = 0, num_records = 0;
+};
+
 // A packed weight's panels as plain values. A step's team reads these rather than the tensor:
 // a tensor's data pointer is a chain of dependent loads (the handle, its impl, the storage)
 // that each batch-1 step's weight stream has evicted from every cache since the step before.
@@ -138,7 +150,13 @@ struct PackedPanels {
   const void* data = nullptr;
   at::ScalarType dtype = at::kFloat;
   int64_t num_panels = 0, rows = 0, width = 0;  // the tensor's [num_panels, rows, width]
+  // GGUF parts of mixed types (data: the first segment's panels, past the header; rows, width 0;
+  // num_panels: all segments'); 0 for any other weight.
+  int64_t num_parts = 0;
+  std::array<QuantPart, kMaxQuantParts> parts{};
   static PackedPanels of(const torch::Tensor& w);  // w as check_packed_weight accepts it
+  // Where panel p starts, in bytes from data.
+  int64_t panel_offset(int64_t p) const;
 };
 
 // out[m, n] = sum_k x[m, k] * W[n, k] * scale[n] + bias[n], for m < M, n < N.
@@ -199,12 +217,19 @@ struct QuantPanels {
   static QuantPanels of(const torch::Tensor& w, int64_t type);  // w as check_quant_weight accepts it
 };
 void check_quant_weight(const torch::Tensor& w, int64_t type, int64_t K, int64_t N, int64_t isa);
+// The same for mixed-type parts (the uint8 tensor with its header, above): N outputs of K inputs.
+void check_quant_parts(const torch::Tensor& w, int64_t K, int64_t N, int64_t isa);
 // out[m, n] = sum_k x[m, k] * W[n, k] + bias[n], for m < M, n < N: packed_gemm's contract for
 // quantized panels, x quantized per 32 k to int8 on the way in. isa: kIsaAvx512 and up run
 // AVX-512 VNNI (AVX2 on a CPU without VNNI), kIsaAvx2 AVX2, kIsaScalar plain C++. A team's
 // members must not throw: its owner checks w with check_quant_weight.
 void quant_gemm(const float* x, int64_t M, int64_t K, int64_t ldx, const QuantPanels& w, const float* bias, int64_t N,
                 float* out, int64_t ldo, int64_t isa, bool accumulate, const TeamShare* team);
+// The same over num_parts row segments of whole panels (mixed types), in row order: their panels
+// are one run the threads split, each run by its segment's tiles into its own output columns.
+void quant_gemm(const float* x, int64_t M, int64_t K, int64_t ldx, const QuantPanels* parts, int64_t num_parts,
+                const float* bias, int64_t N, float* out, int64_t ldo, int64_t isa, bool accumulate,
+                const TeamShare* team);
 // x: [M, K] (any float dtype) -> [M, n] float32 (Python's entry, like packed_linear).
 torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t type,
                            const std::optional<torch::Tensor>& bias, int64_t n, int64_t isa);

@@ -807,6 +807,10 @@ int64_t best_isa() {
 
 void check_packed_weight(const torch::Tensor& w, int64_t K, int64_t N, const float* scale, int64_t isa) {
   TORCH_CHECK(isa <= best_isa(), "packed_gemm: this CPU lacks the requested instruction set");
+  if (w.scalar_type() == torch::kByte && w.dim() == 1) {  // GGUF parts of mixed block types
+    TORCH_CHECK(scale == nullptr, "packed_gemm: GGUF block panels take no per-channel scales");
+    return check_quant_parts(w, K, N, isa);
+  }
   TORCH_CHECK(w.dim() == 3 && w.size(0) * kPanel >= N && w.is_contiguous(),
               "packed_gemm: weight must be [ceil(N/16), K, 16] (bfloat16: [ceil(N/16), Kp/2, 32])");
   switch (w.scalar_type()) {
@@ -845,17 +849,39 @@ std::vector<std::pair<int64_t, int64_t>> tapered_split(int64_t num_panels, int64
 }
 
 PackedPanels PackedPanels::of(const torch::Tensor& w) {
-  return {w.data_ptr(), w.scalar_type(), w.size(0), w.size(1), w.size(2)};
+  if (w.dim() != 1) return {w.data_ptr(), w.scalar_type(), w.size(0), w.size(1), w.size(2)};
+  const auto* bytes = static_cast<const uint8_t*>(w.data_ptr());  // mixed-type parts: their header
+  int32_t header[kQuantPartsHeaderBytes / 4];
+  std::memcpy(header, bytes, sizeof(header));
+  PackedPanels p{bytes + kQuantPartsHeaderBytes, w.scalar_type(), 0, 0, 0, header[0]};
+  for (int64_t i = 0; i < p.num_parts; ++i) {
+    p.parts[i] = {header[1 + 3 * i], header[2 + 3 * i], header[3 + 3 * i]};
+    p.num_panels += p.parts[i].num_panels;
+  }
+  return p;
+}
+
+int64_t PackedPanels::panel_offset(int64_t p) const {
+  if (num_parts == 0) return p * rows * width * static_cast<int64_t>(c10::elementSize(dtype));
+  int64_t offset = 0;
+  for (int64_t i = 0; i < num_parts; ++i) {
+    const int64_t panel_bytes = parts[i].num_records * quant_format(parts[i].type).record_bytes();
+    if (p < parts[i].num_panels) return offset + p * panel_bytes;
+    offset += parts[i].num_panels * panel_bytes;
+    p -= parts[i].num_panels;
+  }
+  return offset;  // p past the last panel: the end
 }
 
 void prefetch_team_home(const PackedPanels& w, int64_t num_ranks, int64_t rank, int64_t max_bytes) {
 #if defined(__x86_64__)
-  const int64_t num_panels = w.num_panels, panel_bytes = w.rows * w.width * c10::elementSize(w.dtype);
+  const int64_t num_panels = w.num_panels;
   // Its first task's first panel. The AMX path keeps even tasks (gemm_amx), whose homes can start
   // a few panels off this: the request then covers part of the right run (speed, not floats).
   const int64_t first = TaperedSplit::home_begin(num_panels, num_ranks, rank);
-  const char* start = static_cast<const char*>(w.data) + first * panel_bytes;
-  const int64_t bytes = std::min(max_bytes, (num_panels - first) * panel_bytes);
+  const int64_t begin = w.panel_offset(first);
+  const char* start = static_cast<const char*>(w.data) + begin;
+  const int64_t bytes = std::min(max_bytes, w.panel_offset(num_panels) - begin);
   for (int64_t offset = 0; offset < bytes; offset += 64) _mm_prefetch(start + offset, _MM_HINT_T1);
 #endif
 }
@@ -890,6 +916,17 @@ void packed_gemm(const float* x, int64_t M, int64_t K, int64_t ldx, const Packed
       return gemm_vector(x, M, ldx, data, panel_size, K, scale, bias, N, out, ldo, isa, accumulate, team);
     }
     case torch::kByte: {  // GGUF blocks: the integer-dot kernels
+      if (w.num_parts > 0) {  // mixed types: each part's panels after the one before's
+        std::array<QuantPanels, kMaxQuantParts> parts;
+        const auto* data = static_cast<const uint8_t*>(w.data);
+        for (int64_t i = 0; i < w.num_parts; ++i) {
+          const QuantPart& part = w.parts[i];
+          const int64_t record_bytes = quant_format(part.type).record_bytes();
+          parts[i] = {data, part.type, part.num_panels, part.num_records, record_bytes};
+          data += part.num_panels * part.num_records * record_bytes;
+        }
+        return quant_gemm(x, M, K, ldx, parts.data(), w.num_parts, bias, N, out, ldo, isa, accumulate, team);
+      }
       const QuantPanels q{static_cast<const uint8_t*>(w.data), quant_type_of_record(w.width), w.num_panels, w.rows,
                           w.width};
       return quant_gemm(x, M, K, ldx, q, bias, N, out, ldo, isa, accumulate, team);

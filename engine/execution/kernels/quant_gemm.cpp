@@ -193,17 +193,20 @@ inline void store_tile(const float* acc, int64_t rows, int64_t m0, int64_t n0, i
   }
 }
 
-// One task's rows [m_begin, m_end) against panels [p_begin, p_end).
-void run_task(const QuantActs& a, const QuantPanels& w, int64_t isa, const float* bias, int64_t N, float* out,
+// One task's rows [m_begin, m_end) against panels [p_begin, p_end) of the parts' run (a part's
+// panels follow the part before's: panel p holds outputs [16 p, 16 p + 16) whichever part it is in).
+void run_task(const QuantActs& a, const QuantPanels* parts, int64_t isa, const float* bias, int64_t N, float* out,
               int64_t ldo, bool accumulate, int64_t m_begin, int64_t m_end, int64_t p_begin, int64_t p_end) {
   alignas(64) float acc[kMaxQuantTileRows * kPanel];
-  const int64_t panel_bytes = w.num_records * w.record_bytes;
+  const QuantPanels* w = parts;
+  int64_t first = 0;  // w's first panel in the run
   for (int64_t p = p_begin; p < p_end; ++p) {
-    const uint8_t* panel = w.data + p * panel_bytes;
+    while (p >= first + w->num_panels) first += (w++)->num_panels;
+    const uint8_t* panel = w->data + (p - first) * w->num_records * w->record_bytes;
     const int64_t n0 = p * kPanel, width = std::min(kPanel, N - n0);
     for (int64_t m0 = m_begin; m0 < m_end; m0 += kMaxQuantTileRows) {
       const int64_t rows = std::min(kMaxQuantTileRows, m_end - m0);
-      run_tile(w.type, isa, rows, a, m0, panel, w.num_records, acc);
+      run_tile(w->type, isa, rows, a, m0, panel, w->num_records, acc);
       store_tile(acc, rows, m0, n0, width, bias, out, ldo, accumulate);
     }
   }
@@ -213,7 +216,7 @@ void run_task(const QuantActs& a, const QuantPanels& w, int64_t isa, const float
 
 void quant_gemm_task(const QuantActs& a, const QuantPanels& w, int64_t isa, const float* bias, int64_t N, float* out,
                      int64_t ldo, bool accumulate, int64_t m_begin, int64_t m_end, int64_t p_begin, int64_t p_end) {
-  run_task(a, w, isa, bias, N, out, ldo, accumulate, m_begin, m_end, p_begin, p_end);
+  run_task(a, &w, isa, bias, N, out, ldo, accumulate, m_begin, m_end, p_begin, p_end);
 }
 
 QuantPanels QuantPanels::of(const torch::Tensor& w, int64_t type) {
@@ -232,18 +235,51 @@ void check_quant_weight(const torch::Tensor& w, int64_t type, int64_t K, int64_t
               w.size(1), ", ", w.size(2), "] is not type ", type, " panels of K = ", K);
 }
 
+void check_quant_parts(const torch::Tensor& w, int64_t K, int64_t N, int64_t isa) {
+  TORCH_CHECK(isa <= best_isa(), "quant_gemm: this CPU lacks the requested instruction set");
+  TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.dim() == 1 && w.is_contiguous() &&
+                  w.numel() >= kQuantPartsHeaderBytes,
+              "quant_gemm: mixed-type parts must be contiguous uint8 [header + panels]");
+  int32_t header[kQuantPartsHeaderBytes / 4];
+  std::memcpy(header, w.data_ptr<uint8_t>(), sizeof(header));
+  const int64_t num_parts = header[0];
+  TORCH_CHECK(num_parts >= 1 && num_parts <= kMaxQuantParts, "quant_gemm: ", num_parts, " parts (1 to ",
+              kMaxQuantParts, ")");
+  int64_t num_panels = 0, num_bytes = kQuantPartsHeaderBytes;
+  for (int64_t i = 0; i < num_parts; ++i) {
+    const int64_t type = header[1 + 3 * i], panels = header[2 + 3 * i], records = header[3 + 3 * i];
+    const QuantFormat f = quant_format(type);
+    TORCH_CHECK(f.blocks_per_record > 0, "quant_gemm: part ", i, ": no kernel for ggml type ", type);
+    TORCH_CHECK(panels > 0 && records * f.record_k() == K, "quant_gemm: part ", i, " of ", panels, " panels of ",
+                records, " records is not type ", type, " panels of K = ", K);
+    num_panels += panels;
+    num_bytes += panels * records * f.record_bytes();
+  }
+  TORCH_CHECK(num_bytes == w.numel(), "quant_gemm: parts of ", num_bytes, " bytes in a tensor of ", w.numel());
+  TORCH_CHECK(num_panels * kPanel >= N && num_panels * kPanel < N + kPanel, "quant_gemm: ", num_panels,
+              " panels for ", N, " outputs");
+}
+
 void quant_gemm(const float* x, int64_t M, int64_t K, int64_t ldx, const QuantPanels& w, const float* bias, int64_t N,
                 float* out, int64_t ldo, int64_t isa, bool accumulate, const TeamShare* team) {
+  quant_gemm(x, M, K, ldx, &w, 1, bias, N, out, ldo, isa, accumulate, team);
+}
+
+void quant_gemm(const float* x, int64_t M, int64_t K, int64_t ldx, const QuantPanels* parts, int64_t num_parts,
+                const float* bias, int64_t N, float* out, int64_t ldo, int64_t isa, bool accumulate,
+                const TeamShare* team) {
+  int64_t num_panels = 0;
+  for (int64_t i = 0; i < num_parts; ++i) num_panels += parts[i].num_panels;
   const int64_t num_threads = team != nullptr ? team->num_ranks : std::max<int64_t>(1, at::get_num_threads());
-  const int64_t chunk = std::max<int64_t>(1, (w.num_panels + kTasksPerThread * num_threads - 1) /
+  const int64_t chunk = std::max<int64_t>(1, (num_panels + kTasksPerThread * num_threads - 1) /
                                                  (kTasksPerThread * num_threads));
-  const int64_t num_chunks = (w.num_panels + chunk - 1) / chunk;
+  const int64_t num_chunks = (num_panels + chunk - 1) / chunk;
   const int64_t num_tasks = num_chunks * ((M + kRowBlock - 1) / kRowBlock);
   const auto task_runner = [&](const QuantActs& a) {
     return [&, a](int64_t task) {
       const int64_t m_begin = (task / num_chunks) * kRowBlock, begin = (task % num_chunks) * chunk;
-      run_task(a, w, isa, bias, N, out, ldo, accumulate, m_begin, std::min(M, m_begin + kRowBlock), begin,
-               std::min(w.num_panels, begin + chunk));
+      run_task(a, parts, isa, bias, N, out, ldo, accumulate, m_begin, std::min(M, m_begin + kRowBlock), begin,
+               std::min(num_panels, begin + chunk));
     };
   };
   // One buffer a thread, kept between products (no allocation and zero-fill each call). A team's

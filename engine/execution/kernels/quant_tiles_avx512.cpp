@@ -119,6 +119,39 @@ MINIVLLM_VNNI inline __attribute__((always_inline)) void block_dots(const uint8_
   }
 }
 
+// One Q4_K / Q5_K super-block of a panel into acc: w = d sc q - dmin mn. A block's integer sum
+// times its 6-bit scale stays an integer (< 2^23: exact as a float), so a block costs one
+// multiply, one conversion and one FMA by its activation scale, and the minimums one FMA by
+// their block's scaled sum; d and dmin multiply the record's two sums once, not each block's.
+template <int MT, int64_t T>
+MINIVLLM_VNNI inline __attribute__((always_inline)) void sub_block_record(const uint8_t* w, const int8_t* const* xq,
+                                                                         const BlockActs* const* xb, int64_t rec,
+                                                                         __m512 d, __m512* acc) {
+  constexpr QuantFormat f = quant_format(T);
+  __m512 acc_scaled[MT], acc_min[MT];
+  for (int m = 0; m < MT; ++m) acc_scaled[m] = acc_min[m] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < f.blocks_per_record; ++j) {
+    const uint8_t* c = w + f.header_bytes + j * f.block_bytes;
+    for (int64_t line = 0; line < f.block_bytes; line += 64) _mm_prefetch(c + kPrefetchBytes + line, _MM_HINT_T1);
+    const int64_t b = rec * f.blocks_per_record + j;
+    __m512i lo[MT], hi[MT];
+    const int8_t* xk[MT];
+    for (int m = 0; m < MT; ++m) xk[m] = xq[m] + 32 * b;
+    block_dots<MT, T>(c, xk, lo, hi);
+    const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 64 + 16 * j)));
+    const __m512 mn = ubytes16(w + 192 + 16 * j);
+    for (int m = 0; m < MT; ++m) {
+      const BlockActs& x = xb[m][b];
+      const __m512i sum = T == kQ4_K ? _mm512_add_epi32(lo[m], _mm512_srai_epi32(hi[m], 4)) : _mm512_add_epi32(lo[m], hi[m]);
+      acc_scaled[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_mullo_epi32(sum, sc)), _mm512_set1_ps(x.scale),
+                                      acc_scaled[m]);
+      acc_min[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(x.scaled_sum), acc_min[m]);
+    }
+  }
+  const __m512 dmin = halves16(w + 32);
+  for (int m = 0; m < MT; ++m) acc[m] = _mm512_fnmadd_ps(dmin, acc_min[m], _mm512_fmadd_ps(d, acc_scaled[m], acc[m]));
+}
+
 template <int MT, int64_t T>
 MINIVLLM_VNNI void tile(const QuantActs& a, int64_t m0, const uint8_t* w, int64_t num_records, float* out) {
   constexpr QuantFormat f = quant_format(T);
@@ -132,6 +165,10 @@ MINIVLLM_VNNI void tile(const QuantActs& a, int64_t m0, const uint8_t* w, int64_
   }
   for (int64_t rec = 0; rec < num_records; ++rec, w += f.record_bytes()) {
     const __m512 d = T == kMXFP4 ? e8m0_halves16(w) : halves16(w);
+    if constexpr (has_sub_block_min(T)) {
+      sub_block_record<MT, T>(w, xq, xb, rec, d, acc);
+      continue;
+    }
     for (int64_t j = 0; j < f.blocks_per_record; ++j) {
       const uint8_t* c = w + f.header_bytes + j * f.block_bytes;
       for (int64_t line = 0; line < f.block_bytes; line += 64) _mm_prefetch(c + kPrefetchBytes + line, _MM_HINT_T1);
@@ -144,10 +181,6 @@ MINIVLLM_VNNI void tile(const QuantActs& a, int64_t m0, const uint8_t* w, int64_
       __m512 ds = d, dm = _mm512_setzero_ps();
       __m512i sc_lo = _mm512_setzero_si512(), sc_hi = sc_lo;
       if constexpr (has_block_min(T)) dm = halves16(w + 32);
-      if constexpr (has_sub_block_min(T)) {
-        ds = _mm512_mul_ps(d, ubytes16(w + 64 + 16 * j));
-        dm = _mm512_mul_ps(halves16(w + 32), ubytes16(w + 192 + 16 * j));
-      }
       if constexpr (T == kQ6_K) {
         sc_lo = sbytes16(w + 32 + 16 * (2 * j));
         sc_hi = sbytes16(w + 32 + 16 * (2 * j + 1));
@@ -173,7 +206,6 @@ MINIVLLM_VNNI void tile(const QuantActs& a, int64_t m0, const uint8_t* w, int64_
         }
         acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc[m]);
         if constexpr (has_block_min(T)) acc[m] = _mm512_fmadd_ps(dm, _mm512_set1_ps(x.scaled_sum), acc[m]);
-        if constexpr (has_sub_block_min(T)) acc[m] = _mm512_fnmadd_ps(dm, _mm512_set1_ps(x.scaled_sum), acc[m]);
       }
     }
   }

@@ -4,8 +4,11 @@ The caller builds the model on the meta device (no float copy of a projection is
 - each Linear whose checkpoint tensors (q, k, v fused into one; gate, up into one) are blocks of
   one type with kernels gets a QuantizedWeight of them, attached as `linear.quantized` (the CPU
   backend packs it for the kernels; the Linear's own weight stays on the meta device);
-- a fused projection whose parts mix block types (Q4_K_M files store V in Q6_K beside Q4_K) is
-  requantized once to Q8_0, the closest type the kernels share, with a log line naming it;
+- a fused projection whose parts mix block types (Q4_K_M files store V in Q6_K beside Q4_K) keeps
+  each run of one type in its own blocks (a QuantizedParts: q and k Q4_K panels, then v's Q6_K
+  ones) where each run but the last fills whole 16-row panels; otherwise (or with a part in a
+  type without kernels) it is requantized once to Q8_0, the closest type the kernels share,
+  with a log line naming it and why;
 - a mixture-of-experts layer's stacked experts (ffn_gate_exps / ffn_up_exps / ffn_down_exps, [E, ...])
   are split by expert; where they are blocks each expert gets QuantizedWeights of its own
   (`experts.quantized_gate_up`: its gate rows then its up rows; `experts.quantized_down`), the
@@ -43,7 +46,8 @@ from gguf.quants import dequantize, quantize
 from torch import nn
 
 from engine.execution.weights.gguf_file import LAYER_TENSOR, GGUFFile, GGUFTensor
-from engine.execution.weights.quantized_weight import QuantizedWeight
+from engine.execution.weights.quantized_parts import MAX_PARTS, QuantizedParts
+from engine.execution.weights.quantized_weight import PANEL, QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -146,14 +150,36 @@ def _float(t: GGUFTensor) -> torch.Tensor:
     return torch.from_numpy(np.array(t.data, dtype=np.float32).reshape(t.shape))
 
 
-def _quantized(name: str, parts: list[GGUFTensor], in_features: int, bias: torch.Tensor | None) -> QuantizedWeight:
-    """One projection from its checkpoint parts' blocks, stacked by rows (q, k, v; gate, up)."""
+def _runs_of_one_type(parts: list[GGUFTensor]) -> list[list[GGUFTensor]]:
+    """Consecutive parts grouped by block type (Q4_K_M's q, k | v)."""
+    runs: list[list[GGUFTensor]] = []
+    for t in parts:
+        if runs and runs[-1][0].quant_type == t.quant_type:
+            runs[-1].append(t)
+        else:
+            runs.append([t])
+    return runs
+
+
+def _quantized(name: str, parts: list[GGUFTensor], in_features: int, bias: torch.Tensor | None,
+               can_mix: bool = True) -> QuantizedWeight | QuantizedParts:
+    """One projection from its checkpoint parts' blocks, stacked by rows (q, k, v; gate, up).
+    can_mix: whether the caller runs QuantizedParts (an expert's gate_up is run by the experts op,
+    which takes one type a product: mixed, it is requantized)."""
     types = {t.quant_type for t in parts}
     if len(types) == 1 and all(t.is_blocks for t in parts):
         blocks = np.concatenate([t.data for t in parts], axis=0)
         return QuantizedWeight.pack(blocks, parts[0].quant_type, in_features, bias)
-    logger.info("GGUF %s: its parts are of types %s; requantized once to Q8_0 (the kernels' common type)", name,
-                ", ".join(sorted(t.name for t in types)))
+    runs = _runs_of_one_type(parts)
+    run_rows = [sum(t.shape[0] for t in run) for run in runs]
+    if can_mix and all(t.is_blocks for t in parts) and QuantizedParts.fits(run_rows):
+        return QuantizedParts.of([QuantizedWeight.pack(np.concatenate([t.data for t in run], axis=0), run[0].quant_type,
+                                                       in_features) for run in runs], bias)
+    why = ("some are not block types with kernels" if not all(t.is_blocks for t in parts)
+           else "the experts op takes one type a product" if not can_mix
+           else f"their runs of one type have {run_rows} rows, not up to {MAX_PARTS} runs of whole {PANEL}-row panels")
+    logger.info("GGUF %s: its parts are of types %s and %s; requantized once to Q8_0 (the kernels' common type)",
+                name, ", ".join(sorted(t.name for t in types)), why)
     values = np.concatenate([dequantize(t.data, t.quant_type).reshape(t.shape) if t.is_blocks
                              else np.asarray(t.data, np.float32).reshape(t.shape) for t in parts], axis=0)
     return QuantizedWeight.pack(quantize(values.astype(np.float32), GGMLQuantizationType.Q8_0),
@@ -248,7 +274,8 @@ def _load_experts(model: nn.Module, module_name: str, experts: nn.Module,
         if getattr(experts, kind, None) is not None:
             raise ValueError(f"model: GGUF experts with biases ({module_name}.{kind}) are not read yet")
     if any(t.is_blocks for t in gate_up + down):
-        experts.quantized_gate_up = [_quantized(f"{module_name}[{e}].gate_up", gate_up[2 * e : 2 * e + 2], hidden, None)
+        experts.quantized_gate_up = [_quantized(f"{module_name}[{e}].gate_up", gate_up[2 * e : 2 * e + 2], hidden, None,
+                                                can_mix=False)
                                      for e in range(num_experts)]
         experts.quantized_down = [_quantized(f"{module_name}[{e}].down", [down[e]], experts.down.shape[2], None)
                                   for e in range(num_experts)]
