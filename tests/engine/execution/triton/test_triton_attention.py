@@ -382,7 +382,7 @@ def test_sinks_in_decode_and_prefill(cache_dtype: torch.dtype, window: int) -> N
                                    msg=lambda m, i=i: f"chunk {CHUNKS[i]}: {m}")
     kernels = _cpp_kernels()
     cpp = torch.empty(q.shape, dtype=torch.float32)
-    for i, (cached, n) in enumerate(CHUNKS):
+    for i, (cached, _) in enumerate(CHUNKS):
         rows = slice(int(starts[i]), int(starts[i + 1]))
         kernels.paged_prefill_attention(q[rows].float(), k, v, tables[i].long(), cached, 4, scale, window,
                                         kernels.best_isa(), cpp[rows], sinks)

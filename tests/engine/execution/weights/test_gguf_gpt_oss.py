@@ -21,7 +21,6 @@ from engine.execution.weights.gguf_config import gguf_config
 from engine.execution.weights.gguf_file import GGUFFile
 from engine.execution.weights.gguf_loader import hf_float_tensors
 from tests.field_gguf import field_gguf
-from tests.helpers import assert_parts_only_at_ties
 
 T = GGMLQuantizationType
 PROMPTS = [[5, 9, 13], list(range(1000, 1037)), [42] * 7 + list(range(600, 620))]
