@@ -10,6 +10,15 @@ class EngineUnavailableError(RuntimeError):
     """No new request can be taken now (loading, draining or a dead engine); retry elsewhere or later."""
 
 
+class TaskNotServedError(ValueError):
+    """The model is served for another task than the request's (`--task`): a generation request
+    to an embedding server, or an embedding request to a generation server."""
+
+    def __init__(self, served: str, asked: str) -> None:
+        super().__init__(f"model: this server's model is served for {served!r}, not {asked!r} requests "
+                         f"(serve it with --task {asked})")
+
+
 class ServingState:
     def __init__(self) -> None:
         self.engine: AsyncEngine | None = None  # set once the model has loaded
@@ -32,14 +41,18 @@ class ServingState:
         self.engine = engine
         self.loaded.set()
 
-    def ready_engine(self) -> AsyncEngine:
-        """The engine, if it takes new requests; EngineUnavailableError saying why not."""
+    def ready_engine(self, task: str | None = None) -> AsyncEngine:
+        """The engine, if it takes new requests (of `task`: generate or embed, every door's route
+        or RPC for one); EngineUnavailableError saying why not, TaskNotServedError for another task."""
         if self.engine is None:
             raise EngineUnavailableError(self.loading_message)
         if self.engine.is_dead:
             raise EngineUnavailableError("the engine died")
         if self.is_draining:
             raise EngineUnavailableError("server is draining")
+        served = self.engine.model_info().task
+        if task is not None and served != task:
+            raise TaskNotServedError(served, task)
         return self.engine
 
     def loaded_engine(self) -> AsyncEngine:

@@ -25,6 +25,8 @@ from engine import FieldError
 from service.chat.tool_grammar import FunctionSpec
 
 REASONING_EFFORTS = ("low", "medium", "high")
+# Harmony's developer message holds the instructions: a chat's system and developer messages alike.
+_INSTRUCTION_ROLES = ("system", "developer")
 FUNCTIONS_NAMESPACE = "functions"
 
 
@@ -54,7 +56,7 @@ def harmony_messages(messages: Sequence[dict[str, Any]], functions: Sequence[Fun
     if reasoning_effort is not None:
         system = system.with_reasoning_effort(ReasoningEffort(reasoning_effort.capitalize()))
     out = [Message.from_role_and_content(Role.SYSTEM, system)]
-    instructions = "\n\n".join(m.get("content") or "" for m in messages if m.get("role") == "system")
+    instructions = "\n\n".join(m.get("content") or "" for m in messages if m.get("role") in _INSTRUCTION_ROLES)
     if instructions or functions:
         developer = DeveloperContent.new()
         if instructions:
@@ -65,7 +67,7 @@ def harmony_messages(messages: Sequence[dict[str, Any]], functions: Sequence[Fun
     call_names: dict[str, str] = {}  # tool_call_id -> the function it called
     for i, message in enumerate(messages):
         role, content = message.get("role"), message.get("content") or ""
-        if role == "system":
+        if role in _INSTRUCTION_ROLES:
             continue
         if role == "user":
             out.append(Message.from_role_and_content(Role.USER, content))

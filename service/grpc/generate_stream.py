@@ -39,10 +39,10 @@ class Admitted(Generic[M]):
     on_end: Callable[[], None] | None = None  # the door's own bookkeeping, once the call ends
 
 
-def call_info(protocol: str, operation: str, context: grpc.aio.ServicerContext) -> CallInfo:
-    """The observer's view of a Generate call (its metadata carries the trace context)."""
+def call_info(protocol: str, operation: str, context: grpc.aio.ServicerContext, method: str = "Generate") -> CallInfo:
+    """The observer's view of a call (its metadata carries the trace context)."""
     carrier = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
-    return CallInfo(protocol, "Generate", operation, carrier)
+    return CallInfo(protocol, method, operation, carrier)
 
 
 async def generate_stream(context: grpc.aio.ServicerContext, engine: AsyncEngine, observer: RequestObserver,

@@ -30,7 +30,7 @@ from service.grpc.minivllm_protocol import (
     tools_from_proto,
 )
 from service.grpc.status import admission_status, failed_output_status, serving_engine
-from service.observability.request_observer import CallInfo, RequestObserver
+from service.observability.request_observer import RequestObserver
 from service.pb import inference_pb2 as pb
 from service.pb import inference_pb2_grpc as pb_grpc
 from service.serving_state import ServingState
@@ -86,7 +86,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[pb.GenerateResponse]:
-        engine = await serving_engine(self.state, context, for_new_request=True)
+        engine = await serving_engine(self.state, context, for_new_request=True, task="generate")
         ids = GenerateIds.of(engine, request.request_id)
         operation = "chat" if request.WhichOneof("input") == "messages" else "text_completion"
 
@@ -155,21 +155,14 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                                    max_model_len=engine.model_info().max_model_len)
 
     async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
-        engine = await serving_engine(self.state, context, for_new_request=True)
+        engine = await serving_engine(self.state, context, for_new_request=True, task="embed")
         ids = GenerateIds.of(engine, request.request_id)
-        carrier = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
-        handle = self.observer.start(ids.request_id, ids.engine_id, CallInfo("grpc", "Embed", "embeddings", carrier),
+        handle = self.observer.start(ids.request_id, ids.engine_id, call_info("grpc", "embeddings", context, "Embed"),
                                      None)
         status, message, outputs = grpc.StatusCode.OK, "", None
         batch = EmbeddingBatch(engine, ids.engine_id)
         try:
             try:
-                task = engine.model_info().task
-                if task != "embed":  # the RPC is not enabled for this model
-                    status, message = grpc.StatusCode.UNIMPLEMENTED, (
-                        f"this server's model is served for {task!r}, not embeddings (serve an embedding model, "
-                        "or this one with --task embed)")
-                    await context.abort(status, message)
                 prompts = embed_inputs_from_proto(request)
                 await batch.admit(pooling_params_from_proto(request), prompts, request.priority,
                                   lambda i: embed_input_field(request, i))

@@ -7,9 +7,10 @@ import grpc
 
 from engine import LimitExceededError, QueueFullError, RequestIdInUseError
 from service.async_engine import AsyncEngine, EngineDeadError
-from service.serving_state import EngineUnavailableError, ServingState
+from service.serving_state import EngineUnavailableError, ServingState, TaskNotServedError
 
 _ADMISSION_STATUS: tuple[tuple[type[Exception] | tuple[type[Exception], ...], grpc.StatusCode], ...] = (
+    (TaskNotServedError, grpc.StatusCode.UNIMPLEMENTED),  # the RPC is not enabled for this model
     ((QueueFullError, LimitExceededError), grpc.StatusCode.RESOURCE_EXHAUSTED),
     (RequestIdInUseError, grpc.StatusCode.ALREADY_EXISTS),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
@@ -30,10 +31,12 @@ def failed_output_status(engine: AsyncEngine) -> grpc.StatusCode:
 
 
 async def serving_engine(state: ServingState, context: grpc.aio.ServicerContext,
-                         for_new_request: bool = False) -> AsyncEngine:
-    """The engine (ready for a new request, or just loaded for a question about it), or the call
-    ends UNAVAILABLE: loading, draining or dead."""
+                         for_new_request: bool = False, task: str | None = None) -> AsyncEngine:
+    """The engine (ready for a new request of `task`, or just loaded for a question about it), or
+    the call ends UNAVAILABLE (loading, draining or dead) or UNIMPLEMENTED (served for another task)."""
     try:
-        return state.ready_engine() if for_new_request else state.loaded_engine()
+        return state.ready_engine(task) if for_new_request else state.loaded_engine()
     except EngineUnavailableError as exc:
         await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+    except TaskNotServedError as exc:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, str(exc))

@@ -66,19 +66,20 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         self._last_receive_time = 0.0
         self._tokenizer_zip: tuple[bytes, str] | None = None
 
-    async def _async_engine(self, context: grpc.aio.ServicerContext, for_new_request: bool = False) -> AsyncEngine:
+    async def _async_engine(self, context: grpc.aio.ServicerContext, for_new_request: bool = False,
+                            task: str | None = None) -> AsyncEngine:
         if not for_new_request and self.state.engine is None:
             # vLLM's server listens once its model is loaded; ours listens at once (probes see
             # NOT_SERVING), so a gateway's discovery calls wait for the model instead of failing.
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.state.loaded.wait(), context.time_remaining() or _MAX_LOAD_WAIT_S)
-        return await serving_engine(self.state, context, for_new_request)
+        return await serving_engine(self.state, context, for_new_request, task)
 
     # ---- generation -----------------------------------------------------------------------
 
     async def Generate(self, request: vpb.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[vpb.GenerateResponse]:
-        engine = await self._async_engine(context, for_new_request=True)
+        engine = await self._async_engine(context, for_new_request=True, task="generate")
         self._last_receive_time = time.time()
         ids = GenerateIds.of(engine, request.request_id)
 

@@ -43,7 +43,7 @@ from service.openai.protocol import (
 from service.openai.request_checks import check_text, engine_field_names
 from service.openai.responses_api import ResponsesApi
 from service.openai.responses_protocol import ResponsesRequest
-from service.serving_state import EngineUnavailableError, ServingState
+from service.serving_state import EngineUnavailableError, ServingState, TaskNotServedError
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +66,8 @@ def _admission_error(exc: Exception) -> ApiError:
         return ApiError(409, str(exc), param="request_id")
     if isinstance(exc, (EngineDeadError, EngineUnavailableError)):
         return ApiError(503, str(exc), "service_unavailable")
+    if isinstance(exc, TaskNotServedError):
+        return ApiError(400, str(exc), param="model", code="model_not_supported")
     if isinstance(exc, FieldError):  # LimitExceededError included: a request over a limit is the client's to fix
         return ApiError(400, str(exc), param=exc.field)
     if isinstance(exc, ValueError):
@@ -276,10 +278,7 @@ class OpenAIFrontDoor:
             check_text(body)
             if params_error is not None:
                 raise params_error
-            engine = self.state.ready_engine()
-            if engine.model_info().task != "generate":
-                raise ApiError(400, f"this server's model is served for {engine.model_info().task!r}, not "
-                               f"{route} (serve it with --task generate)", param="model", code="model_not_supported")
+            engine = self.state.ready_engine(task="generate")
             plan = None
             if is_chat:
                 plan, params = await self.chat_tools.prepare(engine, body.chat_messages(), body.tool_request(),

@@ -39,12 +39,7 @@ class EmbeddingsApi:
             door._check_model(body.model)
             prompts = body.inputs()
             params = body.pooling_params()
-            engine = door.state.ready_engine()
-            task = engine.model_info().task
-            if task != "embed":
-                raise door.api_error(400, f"this server's model is served for {task!r}, not embeddings "
-                                     "(serve an embedding model, or this one with --task embed)", param="model",
-                                     code="model_not_supported")
+            engine = door.state.ready_engine(task="embed")
             batch = EmbeddingBatch(engine, request_id)
             await batch.admit(params, prompts, body.priority, lambda i: body.input_field(i, len(prompts)))
         except (ValueError, EngineDeadError, EngineUnavailableError, door.api_error) as exc:

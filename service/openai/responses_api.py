@@ -91,7 +91,7 @@ class ResponsesApi:
         handle = door.observer.start(response_id, response_id, CallInfo("http", "/v1/responses", "chat",
                                                                         dict(request.headers), 1), params)
         try:
-            engine = door.state.ready_engine()
+            engine = door.state.ready_engine(task="generate")
             plan, params = await door.chat_tools.prepare(engine, messages, tools, params, template_kwargs)
             stream = await door.chat_tools.generate(engine, response_id, params, plan)
         except (ValueError, EngineDeadError, EngineUnavailableError) as exc:

@@ -11,6 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine import FieldError
+from service.chat.harmony_prompt import REASONING_EFFORTS
 from service.chat.output import ChoiceDelta
 from service.openai.tool_protocol import FlatToolIn, ToolChoiceIn
 
@@ -86,7 +87,7 @@ class ResponsesRequest(BaseModel):
             if kwargs.get("enable_thinking", thinking) != thinking:
                 raise FieldError("reasoning.effort", f"{effort!r} contradicts chat_template_kwargs.enable_thinking")
             kwargs["enable_thinking"] = thinking
-            if effort in ("low", "medium", "high"):
+            if effort in REASONING_EFFORTS:
                 kwargs.setdefault("reasoning_effort", effort)
         return kwargs or None
 

@@ -20,6 +20,7 @@ from tests.o200k_gguf import gpt_oss_tokenizer_gguf
 from tests.o200k_vocab import o200k_ranked_tokens
 
 DATE = "2026-12-05"
+NUM_ORDINARY_TOKENS = 199_998  # o200k's ranked tokens; Harmony's special tokens come after
 WEATHER = FunctionSpec("get_weather", "The weather in a city", {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
 TIME = FunctionSpec("get_time", "The time now", None)
@@ -185,6 +186,9 @@ def test_prompt_with_tools_calls_and_results_is_openai_harmonys(harmony: Harmony
     text = harmony.encoding.decode(ids)
     assert "namespace functions" in text and "type get_weather = (_: {" in text
     assert "to=functions.get_weather" in text and "Reasoning: high" in text and text.endswith("<|start|>assistant")
+    # the tool's result as Harmony writes it (not only as the mirror above builds it)
+    assert ('<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>{"temp_c": 21}<|end|>'
+            in text), text
     # Mid-turn (the tool's result just came): the turn's analysis is kept, and rendered.
     mid = harmony.render(chat[:4], [WEATHER, TIME], {"reasoning_effort": "high"}, start_date=DATE)
     assert mid == harmony.encoding.render_conversation_for_completion(
@@ -202,7 +206,9 @@ def _outputs(harmony: HarmonyFormat, text: str, per_output: int, finish: str = "
     for start in range(0, len(ids), per_output):
         new = ids[start:start + per_output]
         last = start + per_output >= len(ids)
-        outs.append(RequestOutput("r", [1], ids[:start + len(new)], "", new, harmony.encoding.decode(new),
+        # the engine's text skips special tokens, as it decodes with skip_special_tokens
+        text = harmony.encoding.decode([t for t in new if t < NUM_ORDINARY_TOKENS])
+        outs.append(RequestOutput("r", [1], ids[:start + len(new)], "", new, text,
                                   finish_reason=finish if last else None))
     return outs
 
@@ -218,8 +224,8 @@ def test_answer_parses_into_reasoning_a_call_and_content(harmony: HarmonyFormat,
     assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {"city": "Paris"}
     assert call["id"].startswith("call_")
     assert output.finish_reason("stop") == "tool_calls"
-    assert "".join(d.reasoning for d in deltas) == message["reasoning_content"]
-    assert "".join(d.parsed.content for d in deltas) == message["content"]
+    assert "".join(d.reasoning for d in deltas) == "The user wants the weather; call the tool."
+    assert "".join(d.parsed.content for d in deltas) == "It is sunny in Paris, 21 °C."
     assert [c.name for d in deltas for c in d.parsed.calls] == ["get_weather"]  # sent once, whole
     assert output.num_reasoning_tokens > 0
 
@@ -247,4 +253,14 @@ def test_an_answer_off_the_format_keeps_its_text(harmony: HarmonyFormat, text: s
     output = harmony.new_output()
     for out in _outputs(harmony, text, 1):
         output.feed(out)
-    assert output.message()["content"].replace("<|return|>", "") == content
+    assert output.message()["content"] == content
+
+
+def test_a_developer_message_is_instructions_as_a_system_one(harmony: HarmonyFormat) -> None:
+    """gRPC passes the role through (HTTP folds it into system first): both give the instructions."""
+    user = {"role": "user", "content": "Weather in Paris?"}
+    as_system = harmony.render([{"role": "system", "content": "Answer briefly."}, user], [WEATHER], None,
+                               start_date=DATE)
+    as_developer = harmony.render([{"role": "developer", "content": "Answer briefly."}, user], [WEATHER], None,
+                                  start_date=DATE)
+    assert as_developer == as_system and "Answer briefly." in harmony.encoding.decode(as_developer)

@@ -79,3 +79,19 @@ def test_generation_model_refuses_embed(tiny_model_dir: Path) -> None:
         assert err.value.code() is grpc.StatusCode.UNIMPLEMENTED and "--task embed" in err.value.details()
     finally:
         srv.stop()
+
+
+def test_embedding_model_refuses_generate(server: ServerThread) -> None:
+    """The other direction, on both contracts' Generate: the RPC is not enabled for this model."""
+    from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
+    from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
+
+    with InferenceClient(server.target, timeout=60) as client, pytest.raises(grpc.RpcError) as err:
+        client.complete("hello", max_tokens=4)
+    assert err.value.code() is grpc.StatusCode.UNIMPLEMENTED and "--task generate" in err.value.details()
+    with grpc.insecure_channel(server.target) as channel, pytest.raises(grpc.RpcError) as err:
+        stub = vpb_grpc.VllmEngineStub(channel)
+        request = vpb.GenerateRequest(request_id="r", stream=True, tokenized=vpb.TokenizedInput(input_ids=[5, 6, 7]),
+                                      sampling_params=vpb.SamplingParams(max_tokens=4))
+        list(stub.Generate(request, timeout=60))
+    assert err.value.code() is grpc.StatusCode.UNIMPLEMENTED and "--task generate" in err.value.details()

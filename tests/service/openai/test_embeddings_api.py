@@ -131,9 +131,16 @@ def test_token_ids_out_of_vocabulary_in_a_batch(server: ServerThread) -> None:
 
 
 def test_generation_refused_on_an_embedding_model(client: openai.OpenAI) -> None:
-    with pytest.raises(openai.BadRequestError) as err:
-        client.completions.create(model=MODEL, prompt="hello", max_tokens=4)
-    assert err.value.body["param"] == "model" and "embed" in err.value.body["message"]
+    """Every generation route, the Responses API's too (its model would generate from a tied head)."""
+    calls = [lambda: client.completions.create(model=MODEL, prompt="hello", max_tokens=4),
+             lambda: client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                    max_tokens=4),
+             lambda: client.responses.create(model=MODEL, input="hi", max_output_tokens=4)]
+    for call in calls:
+        with pytest.raises(openai.BadRequestError) as err:
+            call()
+        assert err.value.body["param"] == "model" and "--task generate" in err.value.body["message"]
+        assert err.value.body["code"] == "model_not_supported"
 
 
 def test_pooling_metrics_apart_from_generation(server: ServerThread, client: openai.OpenAI) -> None:
