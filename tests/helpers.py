@@ -1,7 +1,13 @@
 """Small helpers shared by tests."""
 from __future__ import annotations
 
+import shutil
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+import numpy as np
+import torch
 
 from engine import LLMEngine, RequestOutput, SamplingParams
 from engine.core.runner_output import RunnerOutput
@@ -62,3 +68,36 @@ def assert_parts_only_at_ties(twin: Any, prompts: list[list[int]], outs: list[li
             assert first - second < TIE_NATS, (prompt, n)
     assert same >= len(prompts) * num_new // 3, same
 
+
+
+def transformers_greedy(model_dir: Path, prompts: list[list[int]], num_new: int, **load: Any) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt, num_new tokens whatever eos says: the
+    reference the exactness tests compare with. load: from_pretrained's options (dtype, attention)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), **load).eval()
+    refs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = model.generate(torch.tensor([prompt]), max_new_tokens=num_new, min_new_tokens=num_new, do_sample=False)
+            refs.append(ids[0, len(prompt):].tolist())
+    return refs
+
+
+def rewrite_checkpoint(src: Path, dst: Path, edit: Callable[[dict[str, torch.Tensor]], Any]) -> Path:
+    """A copy of checkpoint src at dst whose tensors `edit` changed in place (a missing or altered weight)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    weights = load_file(str(dst / "model.safetensors"))
+    edit(weights)
+    save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def token_logprobs(llm: Any, sequences: list[list[int]]) -> np.ndarray:
+    """Each token's log-probability given the tokens before it, teacher-forced through `llm`
+    (prompt log-probabilities; the first token of each sequence left out), concatenated."""
+    outs = llm.generate(sequences, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0, ignore_eos=True))
+    return np.array([entry[token] for out, seq in zip(outs, sequences, strict=True)
+                     for entry, token in zip(out.prompt_logprobs[1:], seq[1:], strict=True)])

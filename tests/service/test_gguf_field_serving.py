@@ -24,7 +24,7 @@ from engine import LLM, SamplingParams
 from engine.execution.backends.cpu_moe import PackedExperts
 from engine.execution.weights.quantized_weight import QuantizedWeight
 from tests.field_gguf import field_gguf
-from tests.helpers import assert_parts_only_at_ties
+from tests.helpers import assert_parts_only_at_ties, token_logprobs, transformers_greedy
 from tests.server_harness import ServerProcess, free_port, poll
 
 PROMPTS = [[5, 9, 13], list(range(10, 47)), [42] * 7 + list(range(60, 80)), list(range(100, 300, 7))]
@@ -41,13 +41,7 @@ def family(request: pytest.FixtureRequest) -> str:
 @pytest.fixture(scope="module")
 def source_tokens(family: str) -> list[list[int]]:
     """transformers' greedy tokens on the checkpoint the files were converted from."""
-    from transformers import AutoModelForCausalLM
-
-    hf_dir = field_gguf(family, "f32")[1]
-    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
-    with torch.no_grad():
-        return [model.generate(torch.tensor([p]), max_new_tokens=NUM_NEW, min_new_tokens=NUM_NEW, do_sample=False,
-                               pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
+    return transformers_greedy(field_gguf(family, "f32")[1], PROMPTS, NUM_NEW, dtype=torch.float32)
 
 
 @pytest.mark.parametrize("quantization", ["gguf", "none"])
@@ -82,11 +76,7 @@ def test_a_q8_0_file_is_served_as_its_blocks_within_the_activation_rounding(fami
     twin = [out.token_ids for out in q8_twin.generate(PROMPTS, GREEDY)]
     assert_parts_only_at_ties(q8_twin, PROMPTS, outs, twin, NUM_NEW)
     ids = list(range(20, 60))
-    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
-    native = llm.generate([ids], params)[0].prompt_logprobs
-    exact = q8_twin.generate([ids], params)[0].prompt_logprobs
-    a = np.array([entry[token] for token, entry in zip(ids[1:], native[1:], strict=True)])
-    b = np.array([entry[token] for token, entry in zip(ids[1:], exact[1:], strict=True)])
+    a, b = token_logprobs(llm, [ids]), token_logprobs(q8_twin, [ids])
     assert np.abs(a - b).max() < 1.5 and np.abs(a - b).mean() < 0.3, (np.abs(a - b).max(), np.abs(a - b).mean())
     assert not np.array_equal(a, b)  # the native path ran its own (integer) products
 

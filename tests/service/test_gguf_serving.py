@@ -19,7 +19,7 @@ from engine.execution.resolved_config import resolve_config
 from engine.execution.weights.quantized_parts import QuantizedParts
 from engine.execution.weights.quantized_weight import QuantizedWeight
 from tests.gguf_samples import write_family_gguf
-from tests.helpers import assert_parts_only_at_ties
+from tests.helpers import assert_parts_only_at_ties, token_logprobs
 from tests.tiny_model import build_tiny_family_model
 
 T = GGMLQuantizationType
@@ -96,11 +96,8 @@ def test_each_family_gguf_generates_its_dequantized_twins_tokens(family_gguf: tu
 def test_gguf_logits_equal_the_dequantized_twins_within_the_activation_rounding(
         family_gguf: tuple[Path, Path]) -> None:
     ids = list(range(20, 60))
-    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
-    native = LLM(str(family_gguf[0]), num_kv_blocks=64).generate([ids], params)[0].prompt_logprobs
-    twin = LLM(str(family_gguf[1]), num_kv_blocks=64).generate([ids], params)[0].prompt_logprobs
-    a = np.array([entry[token] for token, entry in zip(ids[1:], native[1:], strict=True)])
-    b = np.array([entry[token] for token, entry in zip(ids[1:], twin[1:], strict=True)])
+    a = token_logprobs(LLM(str(family_gguf[0]), num_kv_blocks=64), [ids])
+    b = token_logprobs(LLM(str(family_gguf[1]), num_kv_blocks=64), [ids])
     # against logits spanning tens of nats; a product's relative error is about half a percent
     assert np.abs(a - b).max() < 1.5 and np.abs(a - b).mean() < 0.3, (np.abs(a - b).max(), np.abs(a - b).mean())
     assert not np.array_equal(a, b)  # the native path did run its own (integer) products
@@ -183,11 +180,7 @@ def test_a_fused_projection_of_mixed_block_types_is_served_in_the_files_types(
     outs = [out.token_ids for out in llm.generate(PROMPTS, params)]
     assert_parts_only_at_ties(twin, PROMPTS, outs, [out.token_ids for out in twin.generate(PROMPTS, params)], NUM_NEW)
     ids = list(range(20, 60))
-    logprob_params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
-    native = llm.generate([ids], logprob_params)[0].prompt_logprobs
-    exact = twin.generate([ids], logprob_params)[0].prompt_logprobs
-    a = np.array([entry[token] for token, entry in zip(ids[1:], native[1:], strict=True)])
-    b = np.array([entry[token] for token, entry in zip(ids[1:], exact[1:], strict=True)])
+    a, b = token_logprobs(llm, [ids]), token_logprobs(twin, [ids])
     assert np.abs(a - b).max() < 1.5 and np.abs(a - b).mean() < 0.3, (np.abs(a - b).max(), np.abs(a - b).mean())
 
 

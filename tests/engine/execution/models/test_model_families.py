@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from tests.helpers import rewrite_checkpoint, transformers_greedy
 from tests.tiny_model import FAMILIES, MOE_FAMILIES, build_tiny_family_model, family_config
 
 PROMPTS = [[5, 9, 13], list(range(10, 47)), [42] * 7 + list(range(60, 80)), list(range(100, 300, 7))]
@@ -26,15 +27,7 @@ def family_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
 
 @pytest.fixture(scope="module")
 def reference(family_model: tuple[str, Path]) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(str(family_model[1]), attn_implementation="eager").eval()
-    refs = []
-    for prompt in PROMPTS:
-        with torch.inference_mode():
-            ids = hf.generate(torch.tensor([prompt]), max_new_tokens=NUM_NEW, min_new_tokens=NUM_NEW, do_sample=False)
-        refs.append(ids[0, len(prompt):].tolist())
-    return refs
+    return transformers_greedy(family_model[1], PROMPTS, NUM_NEW, attn_implementation="eager")
 
 
 @pytest.mark.parametrize("decode_path", ["fused", "fused-avx2", "cpp", "torch", "reference"])
@@ -118,32 +111,22 @@ def test_the_sliding_window_changes_the_output(tmp_path: Path) -> None:
     assert [o.token_ids for o in a] != [o.token_ids for o in b]
 
 
-def _rewrite_checkpoint(src: Path, dst: Path, edit) -> Path:
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dst)
-    weights = load_file(str(dst / "model.safetensors"))
-    edit(weights)
-    save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    return dst
-
-
 def test_a_missing_fused_part_fails_loading_and_names_it(tiny_model_dir: Path, tmp_path: Path) -> None:
     name = "model.layers.1.self_attn.k_proj.weight"
-    broken = _rewrite_checkpoint(tiny_model_dir, tmp_path / "m", lambda w: w.pop(name))
+    broken = rewrite_checkpoint(tiny_model_dir, tmp_path / "m", lambda w: w.pop(name))
     with pytest.raises(ValueError, match=f"missing weights: {name}"):
         LLM(str(broken), num_kv_blocks=16)
 
 
 def test_a_missing_plain_tensor_fails_loading_and_names_it(tiny_model_dir: Path, tmp_path: Path) -> None:
     name = "model.layers.0.post_attention_layernorm.weight"
-    broken = _rewrite_checkpoint(tiny_model_dir, tmp_path / "m", lambda w: w.pop(name))
+    broken = rewrite_checkpoint(tiny_model_dir, tmp_path / "m", lambda w: w.pop(name))
     with pytest.raises(ValueError, match=f"missing weights: {name}"):
         LLM(str(broken), num_kv_blocks=16)
 
 
 def test_unexpected_and_misshapen_tensors_fail_loading(tiny_model_dir: Path, tmp_path: Path) -> None:
-    extra = _rewrite_checkpoint(tiny_model_dir, tmp_path / "extra",
+    extra = rewrite_checkpoint(tiny_model_dir, tmp_path / "extra",
                                 lambda w: w.update({"model.layers.0.mlp.extra_proj.weight": torch.zeros(2, 2)}))
     with pytest.raises(ValueError, match="unexpected weight 'model.layers.0.mlp.extra_proj.weight'"):
         LLM(str(extra), num_kv_blocks=16)
@@ -151,7 +134,7 @@ def test_unexpected_and_misshapen_tensors_fail_loading(tiny_model_dir: Path, tmp
     def shrink(w: dict) -> None:
         w["model.layers.0.mlp.up_proj.weight"] = w["model.layers.0.mlp.up_proj.weight"][:-1]
 
-    small = _rewrite_checkpoint(tiny_model_dir, tmp_path / "small", shrink)
+    small = rewrite_checkpoint(tiny_model_dir, tmp_path / "small", shrink)
     with pytest.raises(ValueError, match="'model.layers.0.mlp.up_proj.weight' has shape"):
         LLM(str(small), num_kv_blocks=16)
 
@@ -167,7 +150,7 @@ def test_unsupported_model_type_is_refused(tiny_model_dir: Path, tmp_path: Path)
 def test_a_missing_expert_fails_loading_and_names_it(tmp_path: Path) -> None:
     path = build_tiny_family_model(tmp_path / "moe", family_config("qwen3-moe"))
     name = "model.layers.3.mlp.experts.5.up_proj.weight"
-    broken = _rewrite_checkpoint(path, tmp_path / "m", lambda w: w.pop(name))
+    broken = rewrite_checkpoint(path, tmp_path / "m", lambda w: w.pop(name))
     with pytest.raises(ValueError, match=f"missing weights: {name}"):
         LLM(str(broken), num_kv_blocks=16)
 
@@ -185,7 +168,7 @@ def test_fused_expert_tensors_load_as_the_per_expert_ones(tmp_path: Path) -> Non
             w[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([gate, up]) for gate, up, _ in experts])
             w[f"{prefix}.down_proj"] = torch.stack([down for _, _, down in experts])
 
-    fused = _rewrite_checkpoint(path, tmp_path / "fused", fuse)
+    fused = rewrite_checkpoint(path, tmp_path / "fused", fuse)
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
     a = LLM(str(path), backend="torch", num_kv_blocks=128, block_size=4).generate(PROMPTS, params)
     b = LLM(str(fused), backend="torch", num_kv_blocks=128, block_size=4).generate(PROMPTS, params)

@@ -25,6 +25,7 @@ from engine import LLM, SamplingParams
 from engine.execution.weights.gguf_file import GGUFFile
 from engine.execution.weights.quantized_weight import QuantizedWeight
 from tests.gguf_samples import write_gguf
+from tests.helpers import token_logprobs
 
 T = GGMLQuantizationType
 HIDDEN, HEADS, KV_HEADS, FF, VOCAB = 256, 4, 2, 512, 40
@@ -207,12 +208,7 @@ def test_logits_equal_the_float32_dequantization_within_the_activation_rounding(
     from bench.perplexity import TEXT
 
     ids = real_llm.tokenizer.encode(TEXT.read_text())
-    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
-    native = gguf_llm.generate([ids], params)[0].prompt_logprobs
-    exact = real_llm.generate([ids], params)[0].prompt_logprobs
-    a = np.array([entry[t] for t, entry in zip(ids[1:], native[1:], strict=True)])
-    b = np.array([entry[t] for t, entry in zip(ids[1:], exact[1:], strict=True)])
-    diff = np.abs(a - b)
+    diff = np.abs(token_logprobs(gguf_llm, [ids]) - token_logprobs(real_llm, [ids]))
     assert diff.max() < 1.0 and diff.mean() < 0.08, (diff.max(), diff.mean())
     assert diff.mean() > 0  # the native path ran its own (integer) products
 

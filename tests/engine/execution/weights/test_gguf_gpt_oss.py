@@ -21,6 +21,7 @@ from engine.execution.weights.gguf_config import gguf_config
 from engine.execution.weights.gguf_file import GGUFFile
 from engine.execution.weights.gguf_loader import hf_float_tensors
 from tests.field_gguf import field_gguf
+from tests.helpers import token_logprobs, transformers_greedy
 
 T = GGMLQuantizationType
 PROMPTS = [[5, 9, 13], list(range(1000, 1037)), [42] * 7 + list(range(600, 620))]
@@ -66,28 +67,13 @@ def test_the_config_is_the_checkpoints() -> None:
 
 @pytest.fixture(scope="module")
 def reference() -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
     _, hf_dir = field_gguf("gpt-oss", "f32")
-    hf = AutoModelForCausalLM.from_pretrained(str(hf_dir), attn_implementation="eager").eval()
-    refs = []
-    for prompt in PROMPTS:
-        with torch.inference_mode():
-            ids = hf.generate(torch.tensor([prompt]), max_new_tokens=NUM_NEW, min_new_tokens=NUM_NEW, do_sample=False)
-        refs.append(ids[0, len(prompt):].tolist())
-    return refs
+    return transformers_greedy(hf_dir, PROMPTS, NUM_NEW, attn_implementation="eager")
 
 
 def _generate(llm: LLM) -> list[list[int]]:
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True))
     return [o.token_ids for o in outs]
-
-
-def _teacher_forced_logprobs(llm: LLM, sequences: list[list[int]]) -> list[float]:
-    """Each token's log-probability given the tokens before it (the first token of each left out)."""
-    outs = llm.generate(sequences, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0, ignore_eos=True))
-    return [entry[token] for out, seq in zip(outs, sequences, strict=True)
-            for entry, token in zip(out.prompt_logprobs[1:], seq[1:], strict=True)]
 
 
 # Median and largest move of a token's log-probability from the float32 file to the Q8_0 one,
@@ -106,8 +92,8 @@ def test_greedy_from_the_files(reference: list[list[int]]) -> None:
     assert _generate(exact) == reference
     quantized = LLM(str(field_gguf("gpt-oss", "q8_0")[0]), **options)
     sequences = [prompt + ref for prompt, ref in zip(PROMPTS, reference, strict=True)]
-    diffs = [abs(a - b) for a, b in zip(_teacher_forced_logprobs(exact, sequences),
-                                        _teacher_forced_logprobs(quantized, sequences), strict=True)]
+    diffs = [abs(a - b) for a, b in zip(token_logprobs(exact, sequences),
+                                        token_logprobs(quantized, sequences), strict=True)]
     median, most = _Q8_BOUNDS
     assert 0 < float(np.median(diffs)) < median and max(diffs) < most, (float(np.median(diffs)), max(diffs))
 
