@@ -91,6 +91,16 @@ def hf_name(gguf_name: str, architecture: str) -> str | None:
     return f"model.layers.{match.group(1)}.{layer_names[match.group(2)]}.{match.group(3)}"
 
 
+def _mapped_name(t: GGUFTensor, gguf: GGUFFile) -> str | None:
+    """t's Hugging Face name; None for a tensor the model computes itself (_IGNORED). Raises
+    ValueError naming a tensor with no place in the file's architecture."""
+    name = hf_name(t.name, gguf.architecture)
+    if name is None and t.name not in _IGNORED:
+        raise ValueError(f"model: GGUF tensor {t.name!r} of {gguf.path.name} has no place in a "
+                         f"{gguf.architecture} model")
+    return name
+
+
 def _values(t: GGUFTensor) -> torch.Tensor:
     """A tensor's float32 values, blocks dequantized."""
     if t.is_blocks:
@@ -110,13 +120,9 @@ def hf_float_tensors(gguf: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]:
         if match is not None and match.group(2) in _GPT_OSS_EXPERTS:
             experts[match.groups()] = _values(t)
             continue
-        name = hf_name(t.name, gguf.architecture)
-        if name is None:
-            if t.name in _IGNORED:
-                continue
-            raise ValueError(f"model: GGUF tensor {t.name!r} of {gguf.path.name} has no place in a "
-                             f"{gguf.architecture} model")
-        yield name, _values(t)
+        name = _mapped_name(t, gguf)
+        if name is not None:
+            yield name, _values(t)
     for layer in sorted({key[0] for key in experts}, key=int):
         prefix = f"model.layers.{layer}.mlp.experts"
         for kind, suffix in (("weight", ""), ("bias", "_bias")):
@@ -180,9 +186,8 @@ def _quantized(name: str, parts: list[GGUFTensor], in_features: int, bias: torch
            else f"their runs of one type have {run_rows} rows, not up to {MAX_PARTS} runs of whole {PANEL}-row panels")
     logger.info("GGUF %s: its parts are of types %s and %s; requantized once to Q8_0 (the kernels' common type)",
                 name, ", ".join(sorted(t.name for t in types)), why)
-    values = np.concatenate([dequantize(t.data, t.quant_type).reshape(t.shape) if t.is_blocks
-                             else np.asarray(t.data, np.float32).reshape(t.shape) for t in parts], axis=0)
-    return QuantizedWeight.pack(quantize(values.astype(np.float32), GGMLQuantizationType.Q8_0),
+    values = torch.cat([_values(t) for t in parts]).numpy()
+    return QuantizedWeight.pack(quantize(values, GGMLQuantizationType.Q8_0),
                                 GGMLQuantizationType.Q8_0, in_features, bias)
 
 
@@ -200,13 +205,8 @@ def load_gguf_weights(model: nn.Module, gguf: GGUFFile) -> nn.Module:
     tie_word_embeddings = model.config.tie_word_embeddings
     tensors: dict[str, GGUFTensor] = {}
     for t in gguf.tensors():
-        name = hf_name(t.name, gguf.architecture)
-        if name is None:
-            if t.name in _IGNORED:
-                continue
-            raise ValueError(f"model: GGUF tensor {t.name!r} of {gguf.path.name} has no place in a "
-                             f"{gguf.architecture} model")
-        if name == "lm_head.weight" and tie_word_embeddings:
+        name = _mapped_name(t, gguf)
+        if name is None or (name == "lm_head.weight" and tie_word_embeddings):
             continue
         if _STACKED_EXPERTS.match(name):
             tensors |= _split_experts(name, t)
@@ -221,9 +221,14 @@ def load_gguf_weights(model: nn.Module, gguf: GGUFFile) -> nn.Module:
     if unknown:
         raise ValueError(f"model: GGUF file {gguf.path.name} has tensors this model does not use: {', '.join(unknown[:5])}")
 
+    # param -> its checkpoint keys (param, or param#shard: shards in order, 10 after 9), indexed once:
+    # a Qwen3-MoE file has a key per expert projection, tens of thousands
+    keys_of: dict[str, list[str]] = {}
+    for key in expected:
+        keys_of.setdefault(key.partition("#")[0], []).append(key)
+
     def parts(param: str) -> list[GGUFTensor]:
-        keys = sorted((key for key in expected if key == param or key.startswith(f"{param}#")),
-                      key=lambda key: int(key.partition("#")[2] or -1))  # shards in order, 10 after 9
+        keys = sorted(keys_of.get(param, ()), key=lambda key: int(key.partition("#")[2] or -1))
         return [tensors[expected[key]] for key in keys]
 
     done: set[int] = set()
