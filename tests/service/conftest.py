@@ -1,13 +1,17 @@
 """Fixtures of the service tests: the tiny tool model's servers (tools; a reasoning parser),
-one per test module that asks."""
+one per test module that asks; gpt-oss's vocabulary, model directory and Harmony format."""
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from engine import EngineConfig
+from service.chat.harmony import HarmonyFormat
+from tests.harmony_data import byte_level
+from tests.o200k_vocab import o200k_ranked_tokens
 from tests.server_harness import ServerThread
 from tests.service.tool_cases import END_THINK, THINK, TOOL_CALL_TOKEN, start_server
 
@@ -32,3 +36,26 @@ def reasoning_server(request: pytest.FixtureRequest, tiny_tool_model_dir: Path) 
     yield srv
     srv.stop()
 
+
+@pytest.fixture(scope="module")
+def ranked() -> list[bytes]:
+    return o200k_ranked_tokens()
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_dir(tmp_path_factory: pytest.TempPathFactory, ranked: list[bytes]) -> Path:
+    """A gpt-oss model directory as far as the service reads one: config.json and a byte-level
+    tokenizer.json with o200k's ranked tokens and Harmony's specials after them."""
+    root = tmp_path_factory.mktemp("gpt_oss")
+    vocab = {s: i for i, s in enumerate(byte_level(ranked))}
+    vocab |= {"<|startoftext|>": 199998, "<|endoftext|>": 199999, "<|return|>": 200002, "<|call|>": 200012}
+    (root / "tokenizer.json").write_text(json.dumps({"model": {"type": "BPE", "vocab": vocab, "merges": []}}))
+    (root / "config.json").write_text(json.dumps({"model_type": "gpt_oss"}))
+    return root
+
+
+@pytest.fixture(scope="module")
+def harmony(gpt_oss_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[HarmonyFormat]:
+    with pytest.MonkeyPatch.context() as patch:  # loading points TIKTOKEN_ENCODINGS_BASE at its file
+        patch.delenv("TIKTOKEN_ENCODINGS_BASE", raising=False)
+        yield HarmonyFormat.load([gpt_oss_dir], cache_dir=tmp_path_factory.mktemp("cache"))

@@ -5,7 +5,6 @@ a token at a time and whole."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import openai_harmony as oh
@@ -16,47 +15,8 @@ from service.chat import harmony_vocab
 from service.chat.harmony import HarmonyFormat, is_harmony_template, speaks_harmony
 from service.chat.harmony_vocab import VocabularyMismatchError, byte_level_decoder
 from service.chat.tool_grammar import FunctionSpec
+from tests.harmony_data import ANSWER, DATE, NUM_ORDINARY_TOKENS, TIME, WEATHER, byte_level
 from tests.o200k_gguf import gpt_oss_tokenizer_gguf
-from tests.o200k_vocab import o200k_ranked_tokens
-
-DATE = "2026-12-05"
-NUM_ORDINARY_TOKENS = 199_998  # o200k's ranked tokens; Harmony's special tokens come after
-WEATHER = FunctionSpec("get_weather", "The weather in a city", {
-    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
-TIME = FunctionSpec("get_time", "The time now", None)
-ANSWER = ('<|channel|>analysis<|message|>The user wants the weather; call the tool.<|end|>'
-          '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
-          '{"city": "Paris"}<|call|>'
-          '<|start|>assistant<|channel|>final<|message|>It is sunny in Paris, 21 °C.<|return|>')
-
-
-def byte_level(tokens: list[bytes]) -> list[str]:
-    encoder = {b: c for c, b in byte_level_decoder().items()}
-    return ["".join(encoder[b] for b in token) for token in tokens]
-
-
-@pytest.fixture(scope="module")
-def ranked() -> list[bytes]:
-    return o200k_ranked_tokens()
-
-
-@pytest.fixture(scope="module")
-def gpt_oss_dir(tmp_path_factory: pytest.TempPathFactory, ranked: list[bytes]) -> Path:
-    """A gpt-oss model directory as far as the service reads one: config.json and a byte-level
-    tokenizer.json with o200k's ranked tokens and Harmony's specials after them."""
-    root = tmp_path_factory.mktemp("gpt_oss")
-    vocab = {s: i for i, s in enumerate(byte_level(ranked))}
-    vocab |= {"<|startoftext|>": 199998, "<|endoftext|>": 199999, "<|return|>": 200002, "<|call|>": 200012}
-    (root / "tokenizer.json").write_text(json.dumps({"model": {"type": "BPE", "vocab": vocab, "merges": []}}))
-    (root / "config.json").write_text(json.dumps({"model_type": "gpt_oss"}))
-    return root
-
-
-@pytest.fixture(scope="module")
-def harmony(gpt_oss_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[HarmonyFormat]:
-    with pytest.MonkeyPatch.context() as patch:  # loading points TIKTOKEN_ENCODINGS_BASE at its file
-        patch.delenv("TIKTOKEN_ENCODINGS_BASE", raising=False)
-        yield HarmonyFormat.load([gpt_oss_dir], cache_dir=tmp_path_factory.mktemp("cache"))
 
 
 def test_the_vocabulary_written_from_the_tokens_has_the_published_hash(ranked: list[bytes], tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ import pytest
 
 from service.chat.harmony import HarmonyFormat
 from service.chat.tool_grammar import FunctionSpec
-from tests.service.chat.test_harmony import ANSWER, WEATHER, gpt_oss_dir, harmony, ranked  # noqa: F401
+from tests.harmony_data import ANSWER, WEATHER
 from tests.service.scripted_engine import ScriptedEngine, ScriptedServer
 
 THOUGHT = "The user wants the weather; call the tool."
@@ -30,7 +30,7 @@ RESPONSE_TOOLS = [{"type": "function", "name": WEATHER.name, "description": WEAT
 
 
 @pytest.fixture(scope="module")
-def server(gpt_oss_dir: Path, harmony: HarmonyFormat,  # noqa: F811
+def server(gpt_oss_dir: Path, harmony: HarmonyFormat,
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[ScriptedServer]:
     cache = tmp_path_factory.mktemp("minivllm-cache")
     with pytest.MonkeyPatch.context() as patch:
@@ -54,14 +54,14 @@ def _check_call(name: str, arguments: str) -> None:
     assert json.loads(arguments) == {"city": "Paris"}
 
 
-def _check_admitted(server: ScriptedServer, harmony: HarmonyFormat, functions: list[FunctionSpec]) -> None:  # noqa: F811
+def _check_admitted(server: ScriptedServer, harmony: HarmonyFormat, functions: list[FunctionSpec]) -> None:
     admitted = server.engine.admitted[-1]
     today = datetime.date.today().isoformat()
     assert admitted.messages is None and admitted.prompt == harmony.render(CHAT, functions, start_date=today)
     assert {200002, 200012} <= set(admitted.params.stop_token_ids)
 
 
-def test_chat_completion_whole(server: ScriptedServer, harmony: HarmonyFormat) -> None:  # noqa: F811
+def test_chat_completion_whole(server: ScriptedServer, harmony: HarmonyFormat) -> None:
     with _client(server) as client:
         out = client.chat.completions.create(model="gpt-oss-scripted", messages=CHAT, tools=TOOLS)
     _check_admitted(server, harmony, [WEATHER])
@@ -92,7 +92,7 @@ def test_chat_completion_streamed(server: ScriptedServer) -> None:
     assert [r for r in reasons if r] == ["tool_calls"]
 
 
-def test_chat_without_tools_renders_none(server: ScriptedServer, harmony: HarmonyFormat) -> None:  # noqa: F811
+def test_chat_without_tools_renders_none(server: ScriptedServer, harmony: HarmonyFormat) -> None:
     with _client(server) as client:
         client.chat.completions.create(model="gpt-oss-scripted", messages=CHAT, max_tokens=5)
     _check_admitted(server, harmony, [])
@@ -125,7 +125,7 @@ def test_responses_streamed(server: ScriptedServer) -> None:
     assert [item.type for item in final.response.output] == ["reasoning", "function_call", "message"]
 
 
-def test_tokenize_gives_the_harmony_prompt(server: ScriptedServer, harmony: HarmonyFormat) -> None:  # noqa: F811
+def test_tokenize_gives_the_harmony_prompt(server: ScriptedServer, harmony: HarmonyFormat) -> None:
     body = json.dumps({"messages": CHAT, "tools": TOOLS}).encode()
     request = urllib.request.Request(server.url + "/tokenize", body, {"content-type": "application/json"})
     with urllib.request.urlopen(request, timeout=30) as response:
@@ -140,7 +140,7 @@ def test_required_tool_choice_is_refused_by_name(server: ScriptedServer) -> None
     assert info.value.body["param"] == "tool_choice"
 
 
-def test_parser_options_choose_harmony(gpt_oss_dir: Path, tmp_path: Path,  # noqa: F811
+def test_parser_options_choose_harmony(gpt_oss_dir: Path, tmp_path: Path,
                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """auto: Harmony for gpt-oss only; `harmony` for either parser: Harmony for any model; another
     format named outright: not Harmony, even for gpt-oss."""
@@ -185,7 +185,7 @@ def test_a_gpt_oss_model_without_its_vocabulary_is_unavailable_for_chats(tmp_pat
         srv.stop()
 
 
-def test_grpc_generate_parses_harmony(server: ScriptedServer, harmony: HarmonyFormat) -> None:  # noqa: F811
+def test_grpc_generate_parses_harmony(server: ScriptedServer, harmony: HarmonyFormat) -> None:
     from service.grpc.minivllm_client import InferenceClient
     from service.pb import inference_pb2 as pb
 
