@@ -119,6 +119,22 @@ MINIVLLM_VNNI inline __attribute__((always_inline)) void block_dots(const uint8_
   }
 }
 
+// Block j of record rec (w: the record): its integer dots with each row's activations into lo /
+// hi, the block's lines prefetched ahead. Returns the block's index in the row (its activations').
+template <int MT, int64_t T>
+MINIVLLM_VNNI inline __attribute__((always_inline)) int64_t record_block_dots(const uint8_t* w, const int8_t* const* xq,
+                                                                            int64_t rec, int64_t j, __m512i* lo,
+                                                                            __m512i* hi) {
+  constexpr QuantFormat f = quant_format(T);
+  const uint8_t* c = w + f.header_bytes + j * f.block_bytes;
+  for (int64_t line = 0; line < f.block_bytes; line += 64) _mm_prefetch(c + kPrefetchBytes + line, _MM_HINT_T1);
+  const int64_t b = rec * f.blocks_per_record + j;
+  const int8_t* xk[MT];
+  for (int m = 0; m < MT; ++m) xk[m] = xq[m] + 32 * b;
+  block_dots<MT, T>(c, xk, lo, hi);
+  return b;
+}
+
 // One Q4_K / Q5_K super-block of a panel into acc: w = d sc q - dmin mn. A block's integer sum
 // times its 6-bit scale stays an integer (< 2^23: exact as a float), so a block costs one
 // multiply, one conversion and one FMA by its activation scale, and the minimums one FMA by
@@ -131,13 +147,8 @@ MINIVLLM_VNNI inline __attribute__((always_inline)) void sub_block_record(const 
   __m512 acc_scaled[MT], acc_min[MT];
   for (int m = 0; m < MT; ++m) acc_scaled[m] = acc_min[m] = _mm512_setzero_ps();
   for (int64_t j = 0; j < f.blocks_per_record; ++j) {
-    const uint8_t* c = w + f.header_bytes + j * f.block_bytes;
-    for (int64_t line = 0; line < f.block_bytes; line += 64) _mm_prefetch(c + kPrefetchBytes + line, _MM_HINT_T1);
-    const int64_t b = rec * f.blocks_per_record + j;
     __m512i lo[MT], hi[MT];
-    const int8_t* xk[MT];
-    for (int m = 0; m < MT; ++m) xk[m] = xq[m] + 32 * b;
-    block_dots<MT, T>(c, xk, lo, hi);
+    const int64_t b = record_block_dots<MT, T>(w, xq, rec, j, lo, hi);
     const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 64 + 16 * j)));
     const __m512 mn = ubytes16(w + 192 + 16 * j);
     for (int m = 0; m < MT; ++m) {
@@ -170,13 +181,8 @@ MINIVLLM_VNNI void tile(const QuantActs& a, int64_t m0, const uint8_t* w, int64_
       continue;
     }
     for (int64_t j = 0; j < f.blocks_per_record; ++j) {
-      const uint8_t* c = w + f.header_bytes + j * f.block_bytes;
-      for (int64_t line = 0; line < f.block_bytes; line += 64) _mm_prefetch(c + kPrefetchBytes + line, _MM_HINT_T1);
-      const int64_t b = rec * f.blocks_per_record + j;
       __m512i lo[MT], hi[MT];
-      const int8_t* xk[MT];
-      for (int m = 0; m < MT; ++m) xk[m] = xq[m] + 32 * b;
-      block_dots<MT, T>(c, xk, lo, hi);
+      const int64_t b = record_block_dots<MT, T>(w, xq, rec, j, lo, hi);
       // What the block's rows share: their scale (and minimum) as floats.
       __m512 ds = d, dm = _mm512_setzero_ps();
       __m512i sc_lo = _mm512_setzero_si512(), sc_hi = sc_lo;
