@@ -307,12 +307,7 @@ class Scheduler:
     def _finish_pooled(self, seq: Sequence, embedding: list[float], now: float) -> SequenceUpdate:
         """A pooling request's prompt is done and pooled: it ends here, its blocks freed at once
         (the full ones stay revivable in the prefix cache, as any finished request's)."""
-        seq.status, seq.finish_reason, seq.times.finished = SequenceStatus.FINISHED, FinishReason.STOP, now
-        self.running.remove(seq)
-        self.block_manager.free(seq)
-        self._drop_row(seq)
-        del self.requests[seq.request_id]
-        update = self._update(seq, [], None, FinishReason.STOP, None)
+        update = self.finish(seq, FinishReason.STOP, now)
         update.embedding = embedding
         return update
 

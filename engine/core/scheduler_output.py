@@ -97,12 +97,6 @@ class SchedulerOutput:
                                                                    strict=True)) if is_last and not is_pooling]
 
     @property
-    def pooled_req_ids(self) -> list[str]:
-        """The pooling requests whose prompt this step finishes: the runner returns their vectors."""
-        return [r for r, is_last, is_pooling in zip(self.prefill_req_ids, self.prefill_is_last_chunk,
-                                                    self.prefill_is_pooling, strict=True) if is_last and is_pooling]
-
-    @property
     def sampling_req_ids(self) -> list[str]:
         """The requests that get tokens this step, in the order the runner returns them (prefill
         chunks that end their prompt, verifying decodes, decodes, then forks)."""

@@ -22,8 +22,9 @@ def pool_prefill(sched: SchedulerOutput, rows: list[CachedRequestState], metas: 
                  hidden: torch.Tensor) -> tuple[list[str], list[list[float]]]:
     """rows, metas: the step's prefill chunks in `sched.prefill_req_ids` order; hidden: [T, hidden]
     the step's final-normed hidden states. Returns the ids of the pooling requests whose prompt
-    ended this step (`sched.pooled_req_ids` order) and their finished vectors."""
-    req_ids, vectors = [], []
+    ended this step (in prefill order) and their finished vectors."""
+    req_ids: list[str] = []
+    vectors: list[torch.Tensor] = []
     for i, (row, meta) in enumerate(zip(rows, metas, strict=False)):
         params = row.pooling_params
         if params is None:
@@ -32,7 +33,7 @@ def pool_prefill(sched: SchedulerOutput, rows: list[CachedRequestState], metas: 
         is_first = sched.prefill_num_computed[i] == 0
         if params.pooling_type is PoolingType.MEAN:
             chunk_sum = states.sum(dim=0, dtype=torch.float32)  # [hidden]
-            row.pooled = chunk_sum if is_first or row.pooled is None else row.pooled + chunk_sum
+            row.pooled = chunk_sum if is_first else row.pooled + chunk_sum
         elif params.pooling_type is PoolingType.CLS and is_first:
             row.pooled = states[0].float()
         if not sched.prefill_is_last_chunk[i]:
@@ -44,8 +45,12 @@ def pool_prefill(sched: SchedulerOutput, rows: list[CachedRequestState], metas: 
         else:
             vector = row.pooled
         req_ids.append(row.req_id)
-        vectors.append(finish_vector(vector, params).cpu().tolist())
-    return req_ids, vectors
+        vectors.append(finish_vector(vector, params))
+    if not vectors:
+        return [], []
+    # one copy to the host for the step's vectors (a device sync each, apart)
+    host = torch.cat(vectors).cpu().split([len(v) for v in vectors])
+    return req_ids, [v.tolist() for v in host]
 
 
 def finish_vector(vector: torch.Tensor, params: PoolingParams) -> torch.Tensor:

@@ -39,12 +39,6 @@ def default_max_fused_tokens(dtype: torch.dtype, isa: int, quantized: bool) -> i
     return sys.maxsize if every_step else 64 if dtype == torch.float32 else 8
 
 
-def fused_layers_run(model_config: ModelConfig) -> bool:
-    """Whether the fused C++ layers (decode_layer.cpp, decode_model.cpp) compute this model: not
-    gpt-oss's attention sinks."""
-    return not model_config.attn_sinks
-
-
 class CpuBackend(Backend):
     name = "cpu"
 
@@ -59,26 +53,25 @@ class CpuBackend(Backend):
         max_fused = config.max_fused_tokens
         if max_fused is None:
             max_fused = default_max_fused_tokens(dtype, self.isa, self.quantized or self.gguf)
-        if not fused_layers_run(model_config):
+        if model_config.attn_sinks:  # gpt-oss
             if self.quantized:
-                raise ValueError(f"quantization: int8 runs on the fused C++ layers, which do not run "
-                                 f"{model_config.model_type} (attention sinks); use quantization none")
-            if self.gguf:  # the block kernels run in the fused layers only: the file's values in float32
-                logger.info("%s: the GGUF file's blocks are dequantized to float32 (no fused C++ layers for it)",
-                            model_config.model_type)
+                raise ValueError(f"quantization: int8 is not tested on {model_config.model_type} (attention sinks); "
+                                 "use quantization none")
+            if self.gguf:  # its experts' biases are not read from blocks yet: the file's values in float32
+                logger.info("%s: the GGUF file's blocks are dequantized to float32", model_config.model_type)
                 self.gguf = False
-            max_fused = 0  # torch's modules with the C++ attention kernels
         self.panel_dtype = torch.int8 if self.quantized else dtype if kernels is not None and max_fused > 0 else None
         # Steps of up to max_panel_rows rows multiply on the panels (the fused layers, or each
         # PackedLinear alone where there are none).
         self.max_panel_rows = max_fused if self.panel_dtype is not None else 0
-        # The fused layers and the one-call decode step know dense MLPs only: a model with experts
-        # runs every step through its modules, its projections and experts (PackedExperts, the
-        # MoeExperts op) still on the panels.
-        self.is_moe = model_config.moe is not None
+        # The fused layers and the one-call decode step know dense MLPs without attention sinks: a
+        # model with experts or sinks runs every step through its modules, its projections and
+        # experts (PackedExperts, the MoeExperts op) still on the panels.
+        self.is_moe = model_config.moe is not None or model_config.attn_sinks
         if self.is_moe:
-            logger.info("model with mixture-of-experts layers: the CPU backend runs every step through the model's "
-                        "modules (panel or oneDNN projections, the experts' op), not its fused layers")
+            logger.info("model with mixture-of-experts layers or attention sinks: the CPU backend runs every step "
+                        "through the model's modules (panel or oneDNN projections, the experts' op), not its "
+                        "fused layers")
         self.max_fused_tokens = 0 if self.is_moe else self.max_panel_rows
         self.max_decode_rows = self.max_fused_tokens
         # oneDNN's copy of the weights only where some step runs the torch path.

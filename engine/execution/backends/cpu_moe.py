@@ -14,14 +14,12 @@ import dataclasses
 from collections.abc import Sequence
 from types import ModuleType
 
-import numpy as np
 import torch
 from torch import nn
 
 from engine.execution.backends.cpu_gguf import kernel_args
 from engine.execution.models.moe import Experts, MoeConfig, SparseMoe
-from engine.execution.weights.ggml_blocks import BlockFields
-from engine.execution.weights.packed_weight import PANEL, PackedWeight, place_on_huge_pages
+from engine.execution.weights.packed_weight import PackedWeight, place_on_huge_pages
 from engine.execution.weights.quantized_weight import QuantizedWeight
 
 # moe.py's activation names as the kernel's Activation codes (cpu_kernels.h).
@@ -39,29 +37,6 @@ def _with_bias(weight: QuantizedWeight, bias: torch.Tensor | None) -> QuantizedW
     if weight.bias is not None or bias is None:
         return weight
     return dataclasses.replace(weight, bias=bias.detach().float().contiguous().clone())
-
-
-def gate_up_of(gate: QuantizedWeight, up: QuantizedWeight) -> QuantizedWeight:
-    """One expert's gate_up blocks from a file's separate gate and up tensors (ffn_gate_exps,
-    ffn_up_exps): gate's rows, then up's, the codes and scales moved, not requantized."""
-    if gate.quant_type != up.quant_type or gate.in_features != up.in_features:
-        raise ValueError(f"gate_up: gate ({gate.quant_type.name}, K {gate.in_features}) and up "
-                         f"({up.quant_type.name}, K {up.in_features}) must share a block type and K")
-    if (gate.bias is None) != (up.bias is None):
-        raise ValueError("gate_up: gate and up must both have a bias or neither")
-    bias = None if gate.bias is None else torch.cat([gate.bias, up.bias])
-    n = gate.out_features + up.out_features
-    if gate.out_features % PANEL == 0:  # up's panels start on a panel of their own: the panels as they are
-        data = torch.cat([gate.data, up.data])
-        return QuantizedWeight(data, gate.quant_type, bias, n, gate.in_features)
-    a, b = gate.fields(), up.fields()
-
-    def rows(x: np.ndarray | None, y: np.ndarray | None) -> np.ndarray | None:
-        return None if x is None else np.concatenate([x, y])
-
-    fields = BlockFields(a.quant_type, rows(a.codes, b.codes), rows(a.d, b.d), rows(a.m, b.m), rows(a.dmin, b.dmin),
-                         rows(a.sc, b.sc), rows(a.mn, b.mn))
-    return QuantizedWeight.from_fields(fields, bias)
 
 
 class PackedExperts(nn.Module):

@@ -56,12 +56,11 @@ class CudaBackend(Backend):
 
     def bind_kv_cache(self, model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                       block_size: int, layer_group: tuple[int, ...]) -> None:
-        if self.config.enforce_eager or self.model_config.moe is not None:
-            # models/moe.py's experts pick their rows on the host (a sync no graph can capture):
-            # mixture-of-experts models run eager until a device-side expert kernel exists
+        if self.config.enforce_eager:
             return
         if self.model_config.moe is not None:
-            # The experts' loop picks its experts on the host from each step's routing: no graph holds it.
+            # models/moe.py's experts group their rows on the host (a sync a layer no graph can
+            # capture): mixture-of-experts models run eager until a device-side expert kernel exists.
             logger.info("model with mixture-of-experts layers: decode steps run eagerly (no CUDA graphs)")
             return
         # The scratch block lies past the pool's view: index into the full storage through a view

@@ -75,8 +75,17 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         # x: [T, H]; expert_ids: [T, k] int64; weights: [T, k] in x's dtype -> [T, H]
         out = torch.zeros_like(x)
-        for expert in expert_ids.unique().tolist():  # ascending, as transformers adds them
-            token, slot = torch.where(expert_ids == expert)
+        k = expert_ids.shape[1]
+        # The (token, slot) pairs grouped by expert, tokens ascending within each: one host sync a
+        # layer (the group sizes), not one an expert.
+        order = expert_ids.flatten().argsort(stable=True)  # [T * k]
+        counts = torch.bincount(expert_ids.flatten(), minlength=self.cfg.num_experts).tolist()
+        start = 0
+        for expert, count in enumerate(counts):  # ascending, as transformers adds them
+            if count == 0:
+                continue
+            pairs, start = order[start : start + count], start + count
+            token, slot = pairs // k, pairs % k
             gate_up = F.linear(x[token], self.gate_up[expert],
                                None if self.gate_up_bias is None else self.gate_up_bias[expert])
             y = F.linear(gated(gate_up, self.cfg), self.down[expert],

@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from bench.random_blocks import random_blocks
-from engine.execution.backends.cpu_moe import PackedExperts, gate_up_of, pack_moe_experts
+from engine.execution.backends.cpu_moe import PackedExperts, pack_moe_experts
 from engine.execution.kernels import ISAS
 from engine.execution.models.moe import Experts, MoeConfig, SparseMoe, gated
 from engine.execution.weights.quantized_weight import QuantizedWeight
@@ -236,17 +236,3 @@ def test_pack_moe_experts_swaps_every_sparse_moe(kernels) -> None:
     assert len(packed) == 2 and all(isinstance(moe.experts, PackedExperts) for moe in model)
     for moe, want in zip(model, expected, strict=True):
         torch.testing.assert_close(moe(x), want, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("quant_type", [T.Q4_0, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
-@pytest.mark.parametrize("rows", [32, 20], ids=["whole-panels", "partial-panel"])
-def test_gate_up_of_separate_tensors_holds_gate_then_up(quant_type: T, rows: int) -> None:
-    rng = np.random.default_rng(rows)
-    gate, up = (QuantizedWeight.pack(random_blocks(quant_type, rows, 256, rng), quant_type, 256,
-                                     torch.randn(rows)) for _ in range(2))
-    gate_up = gate_up_of(gate, up)
-    assert gate_up.out_features == 2 * rows and gate_up.data.shape[0] == -(-2 * rows // 16)
-    assert torch.equal(gate_up.dequantize(), torch.cat([gate.dequantize(), up.dequantize()]))
-    assert torch.equal(gate_up.bias, torch.cat([gate.bias, up.bias]))
-    with pytest.raises(ValueError, match="block type"):
-        gate_up_of(gate, QuantizedWeight.pack(random_blocks(T.Q8_0, rows, 256, rng), T.Q8_0, 256))

@@ -7,13 +7,14 @@ layers' refusal are checked apart."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.execution.backends.cpu_moe import PackedExperts
+from tests.helpers import rewrite_checkpoint, transformers_greedy
 from tests.tiny_model import build_tiny_family_model, family_config
 
 PROMPTS = [[5, 9, 13], list(range(10, 47)), [42] * 7 + list(range(60, 80)), list(range(100, 300, 7))]
@@ -27,15 +28,7 @@ def gpt_oss_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(gpt_oss_model: Path) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(str(gpt_oss_model), attn_implementation="eager").eval()
-    refs = []
-    for prompt in PROMPTS:
-        with torch.inference_mode():
-            ids = hf.generate(torch.tensor([prompt]), max_new_tokens=NUM_NEW, min_new_tokens=NUM_NEW, do_sample=False)
-        refs.append(ids[0, len(prompt):].tolist())
-    return refs
+    return transformers_greedy(gpt_oss_model, PROMPTS, NUM_NEW, attn_implementation="eager")
 
 
 def _generate(path: Path, budget: int = 512, **options) -> list[list[int]]:
@@ -55,19 +48,12 @@ def test_greedy_matches_transformers(gpt_oss_model: Path, reference: list[list[i
     backend = llm.engine.runner.backend
     assert (backend.kernels is None) == (path_kind != "cpp")
     assert backend.max_fused_tokens == 0  # gpt-oss runs the model's modules, never the fused layers
+    experts = [layer.moe.experts for layer in llm.engine.runner.model.layers]
+    # with the C++ kernels its experts run on the experts op (biases and the clamped SwiGLU), not torch's loop
+    assert all(isinstance(e, PackedExperts) for e in experts) == (path_kind == "cpp")
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True))
     for prompt, out, ref in zip(PROMPTS, outs, reference, strict=True):
         assert out.token_ids == ref, f"prompt of {len(prompt)} tokens diverged"
-
-
-def _rewrite(src: Path, dst: Path, edit) -> Path:
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dst)
-    weights = load_file(str(dst / "model.safetensors"))
-    edit(weights)
-    save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    return dst
 
 
 def test_the_sinks_and_the_expert_layout_change_the_output(gpt_oss_model: Path, reference: list[list[int]],
@@ -86,7 +72,7 @@ def test_the_sinks_and_the_expert_layout_change_the_output(gpt_oss_model: Path, 
             w[name] = torch.stack((t[..., :half], t[..., half:]), dim=-1).flatten(-2).contiguous()
 
     for edit in (drop_sinks, halves):
-        changed = _rewrite(gpt_oss_model, tmp_path / edit.__name__, edit)
+        changed = rewrite_checkpoint(gpt_oss_model, tmp_path / edit.__name__, edit)
         assert _generate(changed, backend="torch") != reference, edit.__name__
 
 
@@ -97,7 +83,7 @@ def test_quantized_fused_layers_refuse_gpt_oss(gpt_oss_model: Path) -> None:
 
 def test_a_missing_expert_tensor_fails_loading_and_names_it(gpt_oss_model: Path, tmp_path: Path) -> None:
     name = "model.layers.1.mlp.experts.down_proj_bias"
-    broken = _rewrite(gpt_oss_model, tmp_path / "m", lambda w: w.pop(name))
+    broken = rewrite_checkpoint(gpt_oss_model, tmp_path / "m", lambda w: w.pop(name))
     # named as the stacked experts hold it (the loader renames transformers' experts on the way)
     with pytest.raises(ValueError, match="missing weights: model.layers.1.moe.experts.down_bias"):
         LLM(str(broken), num_kv_blocks=16, backend="torch")
