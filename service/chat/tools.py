@@ -206,6 +206,15 @@ class ChatTools:
                 raise FieldError("tools", f"a function's parameters cannot constrain the answer: {exc.message}") from None
             raise
 
+    async def prompt_ids(self, engine: AsyncEngine, messages: list[dict[str, Any]], tools: ToolRequest,
+                         template_kwargs: dict[str, Any] | None) -> list[int]:
+        """A chat's prompt ids as a generation of it sees them: Harmony's rendering, or the chat
+        template's over the plan's messages (both doors' tokenize)."""
+        plan = await self.plan(engine, messages, tools, None, template_kwargs)
+        if plan.prompt_token_ids is not None:  # Harmony: rendered already
+            return list(plan.prompt_token_ids)
+        return await engine.tokenize(messages=plan.messages, chat_template_kwargs=plan.template_kwargs)
+
     async def plan(self, engine: AsyncEngine, messages: list[dict[str, Any]], tools: ToolRequest,
                    structured: StructuredOutput | None, template_kwargs: dict[str, Any] | None) -> ChatPlan:
         harmony_format = await self.harmony_format(engine)

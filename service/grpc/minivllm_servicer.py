@@ -143,8 +143,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 if not request.prompt:
                     raise FieldError("prompt", "must not be empty")
                 ids = await engine.tokenize(prompt=request.prompt)
-            elif kind == "messages":
-                ids = await engine.tokenize(messages=messages_from_proto(request.messages))
+            elif kind == "messages":  # as Generate renders them (tools, template kwargs, Harmony)
+                ids = await self.chat_tools.prompt_ids(engine, messages_from_proto(request.messages),
+                                                       tools_from_proto(request.messages),
+                                                       template_kwargs_from_proto(request.messages))
             else:
                 raise FieldError("input", "one of prompt or messages is required")
         except LimitExceededError as exc:

@@ -188,18 +188,13 @@ class OpenAIFrontDoor:
             engine = self._loaded()
             try:
                 check_text(body)
-                messages, kwargs = body.chat(), None
+                messages = body.chat()
                 if messages is not None:
                     check_template_kwargs(body.chat_template_kwargs)
-                    plan = await self.chat_tools.plan(engine, messages, body.tool_request(), None,
-                                                      body.chat_template_kwargs)
-                    messages, kwargs = plan.messages, plan.template_kwargs
-                if messages is not None and plan.prompt_token_ids is not None:  # Harmony: rendered already
-                    ids = list(plan.prompt_token_ids)
+                    ids = await self.chat_tools.prompt_ids(engine, messages, body.tool_request(),
+                                                           body.chat_template_kwargs)
                 else:
-                    ids = await engine.tokenize(prompt=body.prompt, messages=messages,
-                                                add_special_tokens=body.add_special_tokens,
-                                                chat_template_kwargs=kwargs)
+                    ids = await engine.tokenize(prompt=body.prompt, add_special_tokens=body.add_special_tokens)
             except ValueError as exc:  # LimitExceededError included
                 raise _admission_error(exc) from exc
             out: dict[str, Any] = {"count": len(ids), "max_model_len": engine.model_info().max_model_len,

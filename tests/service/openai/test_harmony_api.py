@@ -202,3 +202,16 @@ def test_grpc_generate_parses_harmony(server: ScriptedServer, harmony: HarmonyFo
     [call] = [c for r in responses for c in r.tool_calls]
     _check_call(call.name, call.arguments)
     assert responses[-1].finish_reason == "tool_calls"
+
+
+def test_grpc_tokenize_gives_what_grpc_generate_renders(server: ScriptedServer, harmony: HarmonyFormat) -> None:
+    """Tokenize's chat ids are Generate's prompt: Harmony's rendering with the tools, not the template's."""
+    from service.grpc.minivllm_client import InferenceClient
+    from service.pb import inference_pb2 as pb
+
+    messages = pb.Messages(messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in CHAT],
+                           tools=[pb.FunctionTool(name=WEATHER.name, description=WEATHER.description,
+                                                  parameters=json.dumps(WEATHER.parameters))])
+    with InferenceClient(server.grpc_target) as client:
+        ids = list(client.stub.Tokenize(pb.TokenizeRequest(messages=messages)).token_ids)
+    assert ids == harmony.render(CHAT, [WEATHER], start_date=datetime.date.today().isoformat())
