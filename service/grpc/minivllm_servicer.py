@@ -13,7 +13,6 @@ from engine import FieldError, LimitExceededError, RequestOutput, SamplingParams
 from service.async_engine import AsyncEngine
 from service.chat.output import ChoiceOutput
 from service.chat.tools import ChatTools
-from service.embedding_batch import EmbeddingBatch, failed_output
 from service.grpc.generate_stream import Admitted, GenerateIds, call_info, generate_stream
 from service.grpc.minivllm_protocol import (
     add_parsed,
@@ -33,6 +32,7 @@ from service.grpc.status import admission_status, failed_output_status, serving_
 from service.observability.request_observer import RequestObserver
 from service.pb import inference_pb2 as pb
 from service.pb import inference_pb2_grpc as pb_grpc
+from service.pooling_batch import PoolingBatch, failed_output
 from service.serving_state import ServingState
 
 __all__ = ["InferenceServicer", "RequestObserver"]
@@ -162,7 +162,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         handle = self.observer.start(ids.request_id, ids.engine_id, call_info("grpc", "embeddings", context, "Embed"),
                                      None)
         status, message, outputs = grpc.StatusCode.OK, "", None
-        batch = EmbeddingBatch(engine, ids.engine_id)
+        batch = PoolingBatch(engine, ids.engine_id)
         try:
             try:
                 prompts = embed_inputs_from_proto(request)
