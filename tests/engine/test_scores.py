@@ -33,10 +33,15 @@ def reranker_lm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_reranker_lm(tmp_path_factory.mktemp("reranker") / "qwen3-lm")
 
 
-def test_sequence_classifier_scores_equal_transformers(classifier_dir: Path) -> None:
-    """task auto is score for a *ForSequenceClassification; each pair's logit equals transformers'
+@pytest.mark.parametrize("family", ["qwen3", "qwen2-untied"])
+def test_sequence_classifier_scores_equal_transformers(classifier_dir: Path, tmp_path: Path, family: str) -> None:
+    """task auto is score for a *ForSequenceClassification (Qwen3's, and Qwen2's with q/k/v biases
+    and an untied config: no LM head in either checkpoint); each pair's logit equals transformers'
     (its tokenizer's pair encoding, chunked 16 tokens a step), and every block is free after."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    if family != "qwen3":
+        classifier_dir = build_tiny_sequence_classifier(tmp_path / family, family=family)
 
     tokenizer = AutoTokenizer.from_pretrained(str(classifier_dir))
     reference = AutoModelForSequenceClassification.from_pretrained(str(classifier_dir), dtype=torch.float32).eval()

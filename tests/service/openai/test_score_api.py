@@ -215,3 +215,42 @@ def test_score_requests_counted_under_their_task(server: ServerThread) -> None:
     assert value("minivllm_pooling_prompt_tokens_total", task="score") - before[1] == answer["usage"]["prompt_tokens"]
     assert value("minivllm_pooling_request_latency_seconds_count", task="embed") == before[2]
     assert value("minivllm_requests_finished_total", finish_reason="stop") == before[3]
+
+
+def test_token_types_travel_with_each_pair(classifier_dir: Path) -> None:
+    """For a model that reads token types, each pair's types come from its tokenizer's pair
+    encoding and reach the forward with their tokens (the Qwen3 classifier is made to claim it
+    reads them; the recording forward passes them by)."""
+    from transformers import AutoTokenizer
+
+    from engine import LLMEngine
+
+    config = EngineConfig(model=str(classifier_dir), num_kv_blocks=128, block_size=4, max_num_batched_tokens=16)
+    seen: list[tuple[int, int]] = []
+
+    def factory() -> LLMEngine:
+        engine = LLMEngine(config)
+        engine.uses_token_types = engine.runner.uses_token_types = True
+        forward = engine.runner.backend.forward
+
+        def recording_forward(model, input_ids, positions, attn, kv_caches, token_type_ids=None):
+            types = [0] * len(input_ids) if token_type_ids is None else token_type_ids.tolist()
+            seen.extend(zip(input_ids.tolist(), types, strict=True))
+            return forward(model, input_ids, positions, attn, kv_caches)
+
+        engine.runner.backend.forward = recording_forward
+        return engine
+
+    srv = ServerThread(config, engine_factory=factory, http_port=0, served_model_name=MODEL)
+    try:
+        status, answer = _post(srv, "/score", {"text_1": QUERY, "text_2": DOCUMENTS[:3]})
+        assert status == 200, answer
+    finally:
+        srv.stop()
+    tokenizer = AutoTokenizer.from_pretrained(str(classifier_dir))
+    expected = []
+    for document in DOCUMENTS[:3]:
+        encoded = tokenizer(QUERY, document, return_token_type_ids=True)
+        expected += zip(encoded["input_ids"], encoded["token_type_ids"], strict=True)
+    assert any(t for _, t in expected)  # the documents' tokens are segment 1
+    assert sorted(seen) == sorted(expected)  # every token once, with its type (no prefix reuse across types)
