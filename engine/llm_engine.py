@@ -85,15 +85,8 @@ class LLMEngine:
         self.is_classifier = is_classifier = is_sequence_classifier(hf_config)
         self.task = config.task if config.task != "auto" else "score" if is_classifier else \
             "embed" if pooler_config is not None else "generate"
-        self.score_label_tokens: tuple[str, ...] = ()
-        score_token_ids: tuple[int, ...] = ()
-        if self.task == "score" and not is_classifier:
-            self.score_label_tokens = config.label_tokens or ("no", "yes")
-            score_token_ids = label_token_ids(output_tokenizer, self.score_label_tokens)
-        elif config.score_label_tokens is not None:
-            raise ValueError("score_label_tokens scores a causal LM by its LM head (--task score); this model is "
-                             + ("a sequence classifier, scored by its own head" if is_classifier
-                                else f"served for {self.task}"))
+        self.score_label_tokens = settle_score_label_tokens(config, self.task, hf_config)
+        score_token_ids = label_token_ids(output_tokenizer, self.score_label_tokens)
         logger.info("task %s (pooling: %s, normalize %s%s)", self.task, self.pooler_config.pooling_type.value,
                     self.pooler_config.normalize,
                     f"; score: logits of {', '.join(self.score_label_tokens)}" if self.score_label_tokens else "")
@@ -105,13 +98,8 @@ class LLMEngine:
         # the first (a BERT cross-encoder's [CLS], which its pooler and classifier take).
         self.score_pooling_type = getattr(model, "score_pooling_type", PoolingType.CLS) \
             if is_classifier or score_token_ids else None
-        if self.task == "score":
-            num_labels = getattr(hf_config, "num_labels", 1) if is_classifier else 1
-            if num_labels != 1:
-                raise ValueError(f"{self.model_dir} classifies into {num_labels} labels; --task score serves "
-                                 "one-label cross-encoders and rerankers")
-            if score_token_ids and not getattr(model, "has_lm_head", True):
-                raise ValueError(f"{self.model_dir} has no LM head to score its label tokens with")
+        if score_token_ids and not getattr(model, "has_lm_head", True):
+            raise ValueError(f"{self.model_dir} has no LM head to score its label tokens with")
         if not self.can_generate and self.task == "generate":
             what = "a sequence classifier: serve it with --task score" if is_classifier else \
                 "a base model's weights, as sentence-transformers saves an embedder: it can only embed; " \
@@ -434,6 +422,26 @@ class LLMEngine:
         stats.num_generated_tokens = sum(len(o.new_token_ids) for o in outputs)
         stats.finished = [o.metrics for o in outputs if o.metrics is not None]
         stats.kv_events = self.take_kv_events()
+
+
+def settle_score_label_tokens(config: EngineConfig, task: str, hf_config: Any) -> tuple[str, ...]:
+    """The label tokens a causal LM served for scores is scored by (config.score_label_tokens, or
+    Qwen3-Reranker's no, yes); none for a sequence classifier, which has its own head, or for
+    another task. ValueError for label tokens where none apply, or a classifier of more than one
+    label (a score is one logit's sigmoid)."""
+    is_classifier = is_sequence_classifier(hf_config)
+    if config.score_label_tokens is not None and (task != "score" or is_classifier):
+        raise ValueError("score_label_tokens scores a causal LM by its LM head (--task score); this model is "
+                         + ("a sequence classifier, scored by its own head" if is_classifier else f"served for {task}"))
+    if task != "score":
+        return ()
+    if is_classifier:
+        num_labels = getattr(hf_config, "num_labels", 1)
+        if num_labels != 1:
+            raise ValueError(f"the model classifies into {num_labels} labels; --task score serves one-label "
+                             "cross-encoders and rerankers")
+        return ()
+    return config.label_tokens or ("no", "yes")
 
 
 def label_token_ids(tokenizer: Any, tokens: tuple[str, ...]) -> tuple[int, ...]:

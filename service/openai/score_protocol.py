@@ -30,8 +30,11 @@ class RerankDocument(BaseModel):
 
 
 def relevance(output: RequestOutput) -> float:
-    """A pair's score: the sigmoid of its one logit."""
-    return 1.0 / (1.0 + math.exp(-output.scores[0]))
+    """A pair's score: the sigmoid of its one logit (in the form whose exp cannot overflow)."""
+    logit = output.scores[0]
+    if logit >= 0:
+        return 1.0 / (1.0 + math.exp(-logit))
+    return math.exp(logit) / (1.0 + math.exp(logit))
 
 
 def _usage(outputs: list[RequestOutput]) -> dict[str, int]:

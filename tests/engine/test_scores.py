@@ -176,7 +176,8 @@ def test_decoder_models_never_see_token_types(classifier_dir: Path) -> None:
     assert calls == [{}]
 
 
-def test_bad_score_requests_and_options(classifier_dir: Path, reranker_lm_dir: Path, tiny_llm: LLM) -> None:
+def test_bad_score_requests_and_options(classifier_dir: Path, reranker_lm_dir: Path, tiny_llm: LLM,
+                                        tmp_path: Path) -> None:
     with pytest.raises(FieldError) as err:
         PoolingParams(task="rank")
     assert err.value.field == "task"
@@ -194,3 +195,6 @@ def test_bad_score_requests_and_options(classifier_dir: Path, reranker_lm_dir: P
         LLM(str(classifier_dir), score_label_tokens="no,yes", num_kv_blocks=16)
     with pytest.raises(ValueError, match="score_label_tokens"):
         LLM(str(reranker_lm_dir), task="score", score_label_tokens="a,b,c", num_kv_blocks=16)
+    two_labels = build_tiny_sequence_classifier(tmp_path / "two-labels", num_labels=2)
+    with pytest.raises(ValueError, match="2 labels"):
+        LLM(str(two_labels), num_kv_blocks=16)
