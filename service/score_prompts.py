@@ -13,9 +13,12 @@ pair is the two texts' tokens, joined.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from service.async_engine import AsyncEngine
+
+MAX_DOCUMENTS = 1000  # documents (pairs) per call at most: Cohere's rerank limit
 
 QWEN3_RERANKER_PREFIX = ("<|im_start|>system\nJudge whether the Document meets the requirements based on the Query "
                          "and the Instruct provided. Note that the answer can only be \"yes\" or \"no\".<|im_end|>\n"
@@ -23,6 +26,15 @@ QWEN3_RERANKER_PREFIX = ("<|im_start|>system\nJudge whether the Document meets t
 QWEN3_RERANKER_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
 DEFAULT_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
 _FORMATTED_MARK = "<|im_start|>"
+
+
+def relevance_score(logits: list[float]) -> float:
+    """A pair's score: the sigmoid of its one logit (sentence-transformers' CrossEncoder.predict),
+    in the form whose exp cannot overflow."""
+    logit = logits[0]
+    if logit >= 0:
+        return 1.0 / (1.0 + math.exp(-logit))
+    return math.exp(logit) / (1.0 + math.exp(logit))
 
 
 def reranker_user_turn(query: str, document: str, instruction: str | None = None) -> str:

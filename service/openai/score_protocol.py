@@ -12,15 +12,13 @@ reranker's task) and `priority`.
 """
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
 from engine import RequestOutput
 from service.openai.protocol import UnsupportedFieldError, now
-
-MAX_DOCUMENTS = 1000  # Cohere's limit of documents per rerank call
+from service.score_prompts import MAX_DOCUMENTS, relevance_score
 
 
 class RerankDocument(BaseModel):
@@ -30,11 +28,7 @@ class RerankDocument(BaseModel):
 
 
 def relevance(output: RequestOutput) -> float:
-    """A pair's score: the sigmoid of its one logit (in the form whose exp cannot overflow)."""
-    logit = output.scores[0]
-    if logit >= 0:
-        return 1.0 / (1.0 + math.exp(-logit))
-    return math.exp(logit) / (1.0 + math.exp(logit))
+    return relevance_score(output.scores)
 
 
 def _usage(outputs: list[RequestOutput]) -> dict[str, int]:
