@@ -55,7 +55,9 @@ def test_score_equals_transformers_and_rerank(server: ServerThread, classifier_d
     request = urllib.request.Request(server.http_url + "/rerank", data=body, headers={"content-type": "application/json"})
     with urllib.request.urlopen(request, timeout=60) as resp:
         results = json.load(resp)["results"]
-    assert {r["index"]: r["relevance_score"] for r in results} == dict(enumerate(got))
+    by_index = {r["index"]: r["relevance_score"] for r in results}
+    # the same pairs' scores (up to float sums in another order: a cached prefix, other step packings)
+    np.testing.assert_allclose([by_index[i] for i in range(len(DOCUMENTS))], got, atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize(("request_fields", "field", "code"), [
