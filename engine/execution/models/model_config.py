@@ -53,6 +53,12 @@ class ModelConfig:
     # gpt-oss: a learned logit per query head that joins each softmax's denominator (a "sink" the
     # head can put weight on instead of any key), held by the layer as `sinks` [num_heads].
     attn_sinks: bool = False
+    # A reranker's score head (`score_head`, on the last token's final-normed state): a sequence
+    # classifier's `score` projection of num_labels rows (its checkpoint's `score.weight`, in place
+    # of an LM head), or, for a causal LM served with --task score, the LM head's logits of
+    # score_token_ids (Qwen3-Reranker's no, yes: one label, logit(yes) - logit(no)).
+    num_labels: int = 0
+    score_token_ids: tuple[int, ...] = ()
 
     def is_moe_layer(self, layer_index: int) -> bool:
         return self.moe is not None and self.moe_layers[layer_index]
@@ -94,8 +100,14 @@ class ModelConfig:
             ropes=ropes,
             layer_ropes=layer_ropes,
             sliding_windows=_sliding_windows(hf),
+            num_labels=hf.num_labels if is_sequence_classifier(hf) else 0,
             **family,
         )
+
+
+def is_sequence_classifier(hf: Any) -> bool:
+    """The checkpoint is a *ForSequenceClassification (a cross-encoder or a converted reranker)."""
+    return any(name.endswith("ForSequenceClassification") for name in getattr(hf, "architectures", None) or ())
 
 
 def _sliding_windows(hf: Any) -> tuple[int | None, ...]:
