@@ -18,6 +18,17 @@ class Rope:
     scale: float
 
 
+@dataclass(frozen=True, slots=True)
+class EncoderConfig:
+    """What a BERT-family encoder adds to the shared facts: learned absolute positions (RoBERTa's
+    start past its padding id), segment (token type) embeddings and, for a cross-encoder, the
+    classifier's labels. Its attention is bidirectional over the whole prompt."""
+
+    type_vocab_size: int
+    position_offset: int = 0  # the first token's position id (RoBERTa: padding_idx + 1)
+    num_labels: int = 0  # a sequence classifier's outputs (a cross-encoder); 0: an embedder
+
+
 @dataclass(slots=True)
 class ModelConfig:
     model_type: str
@@ -53,6 +64,15 @@ class ModelConfig:
     # gpt-oss: a learned logit per query head that joins each softmax's denominator (a "sink" the
     # head can put weight on instead of any key), held by the layer as `sinks` [num_heads].
     attn_sinks: bool = False
+    # An encoder (BERT): bidirectional attention over the whole prompt, so a prompt cannot be
+    # split over steps and keeps no KV after its step; None for every decoder.
+    encoder: EncoderConfig | None = None
+
+    @property
+    def is_causal(self) -> bool:
+        """Whether a token attends only to those before it: a prompt may then be prefilled in
+        chunks (and its K/V reused); an encoder's cannot."""
+        return self.encoder is None
 
     def is_moe_layer(self, layer_index: int) -> bool:
         return self.moe is not None and self.moe_layers[layer_index]
