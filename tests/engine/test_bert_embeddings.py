@@ -1,7 +1,7 @@
 """BERT embedders in the engine: bidirectional attention over whole prompts, batched in one step.
 
 Tiny random BertModels saved by sentence-transformers (tests/tiny_bert.py: CLS pooling with
-Normalize, mean pooling without) are the reference: the engine's vectors equal its encode() for
+Normalize, mean pooling without; an XLM-RoBERTa with mean pooling) are the reference: the engine's vectors equal its encode() for
 prompts of different lengths run together. An encoder's prompt is never split over steps (the
 scheduler's can_chunk_prefill), never starts from the prefix cache, and one longer than a step's
 token budget is refused naming the field.
@@ -19,14 +19,15 @@ from tests.tiny_bert import build_tiny_bert_embedder
 
 TEXTS = ["hello world", "The quick brown fox jumps over the lazy dog. " * 2, "a",
          "What is the capital of France? Paris is.", "Numbers: 0 1 2 3"]
-VARIANTS = {"cls": ("cls", True), "mean": ("mean", False)}  # pooling mode, Normalize module
+# pooling mode, Normalize module, family
+VARIANTS = {"cls": ("cls", True, "bert"), "mean": ("mean", False, "bert"), "xlm-roberta": ("mean", True, "xlm-roberta")}
 
 
 @pytest.fixture(scope="module")
 def bert_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("bert-embedders")
-    return {name: build_tiny_bert_embedder(root / name, pooling_mode=mode, normalize=normalize)
-            for name, (mode, normalize) in VARIANTS.items()}
+    return {name: build_tiny_bert_embedder(root / name, pooling_mode=mode, normalize=normalize, family=family)
+            for name, (mode, normalize, family) in VARIANTS.items()}
 
 
 def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -44,11 +45,12 @@ def test_one_step_of_prompts_equals_sentence_transformers(bert_dirs: dict[str, P
     """Every prompt, of five different lengths, in one step: equal to encode(), normalised as the
     model's modules say; nothing held after."""
     model_dir = bert_dirs[variant]
-    mode, normalize = VARIANTS[variant]
+    mode, normalize, _ = VARIANTS[variant]
     expected = _encode(model_dir, TEXTS)
     llm = LLM(str(model_dir), block_size=4, max_num_batched_tokens=128)
     engine = llm.engine
     assert engine.task == "embed" and not engine.is_causal and not engine.can_generate
+    assert engine.max_model_len == 128  # XLM-R's table holds 130 positions, its first at 2
     assert engine.pooler_config == PoolerConfig(PoolingType(mode), normalize)
     prompts = [llm.tokenizer.encode(t) for t in TEXTS]
     assert len({len(p) for p in prompts}) == len(TEXTS) and sum(map(len, prompts)) <= 128

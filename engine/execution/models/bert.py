@@ -130,9 +130,9 @@ class BertModel(nn.Module):
     default_pooling_type = PoolingType.CLS
     #: The checkpoint's prefix of the encoder's tensors in a task model (bert.*); a base model's have none.
     BASE_PREFIX = "bert."
-    #: Whether the checkpoint's pooler (dense + tanh over [CLS]) runs: a classifier's part, which an
-    #: embedder's checkpoint carries unused.
-    _runs_pooler = False
+    #: A task head's checkpoint modules -> ours (none for the bare encoder, whose checkpoint may
+    #: carry BERT's pooler unused).
+    HEAD_NAMES: dict[str, str] = {}
 
     @classmethod
     def config_from_hf(cls, hf: Any) -> ModelConfig:
@@ -146,17 +146,21 @@ class BertModel(nn.Module):
         if hf.hidden_act not in _ACTIVATIONS:
             raise ValueError(f"model: hidden_act {hf.hidden_act!r} is not supported; use one of {list(_ACTIVATIONS)}")
         num_heads, num_layers = hf.num_attention_heads, hf.num_hidden_layers
+        encoder = EncoderConfig(type_vocab_size=hf.type_vocab_size, position_offset=cls._position_offset(hf),
+                                num_labels=hf.num_labels if cls.HEAD_NAMES else 0)
         return ModelConfig(
             model_type=hf.model_type, vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
             intermediate_size=hf.intermediate_size, num_layers=num_layers, num_heads=num_heads,
             num_kv_heads=num_heads, head_dim=hf.hidden_size // num_heads, rms_norm_eps=hf.layer_norm_eps,
-            max_position_embeddings=hf.max_position_embeddings, tie_word_embeddings=False, qkv_bias=True,
-            o_proj_bias=True, ropes=(), layer_ropes=(0,) * num_layers, sliding_windows=(None,) * num_layers,
-            hidden_act=hf.hidden_act, encoder=cls._encoder_config(hf))
+            # the prompt's longest length: the table's rows past the offset
+            max_position_embeddings=hf.max_position_embeddings - encoder.position_offset, tie_word_embeddings=False,
+            qkv_bias=True, o_proj_bias=True, ropes=(), layer_ropes=(0,) * num_layers,
+            sliding_windows=(None,) * num_layers, hidden_act=hf.hidden_act, encoder=encoder)
 
     @classmethod
-    def _encoder_config(cls, hf: Any) -> EncoderConfig:
-        return EncoderConfig(type_vocab_size=hf.type_vocab_size)
+    def _position_offset(cls, hf: Any) -> int:
+        """The first token's position id: 0 (BERT counts from the start)."""
+        return 0
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -164,7 +168,7 @@ class BertModel(nn.Module):
         encoder = cfg.encoder
         # embed_tokens: every family's name for the word embeddings (the backends look it up)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+        self.position_embeddings = nn.Embedding(cfg.max_position_embeddings + encoder.position_offset, cfg.hidden_size)
         self.token_type_embeddings = nn.Embedding(encoder.type_vocab_size, cfg.hidden_size)
         self.embed_norm = LayerNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.num_layers))
@@ -207,13 +211,15 @@ class BertModel(nn.Module):
             for hf, (ours, shard) in _LAYER_NAMES.items():
                 for kind in ("weight", "bias"):
                     expected[f"encoder.layer.{i}.{hf}.{kind}"] = (f"layers.{i}.{ours}.{kind}", shard)
+        for hf, ours in self.HEAD_NAMES.items():
+            expected |= {f"{hf}.{kind}": (f"{ours}.{kind}", None) for kind in ("weight", "bias")}
         return expected
 
     def checkpoint_name(self, name: str) -> str | None:
         """A checkpoint tensor's name as _expected_weights spells it (the task model's prefix
         off, TF-era gamma/beta as weight/bias); None for one this model does not run."""
         name = name.removeprefix(self.BASE_PREFIX)
-        if name.startswith(_IGNORED_PREFIXES) or (name.startswith("pooler.") and not self._runs_pooler):
+        if name.startswith(_IGNORED_PREFIXES) or (name.startswith("pooler.") and "pooler.dense" not in self.HEAD_NAMES):
             return None
         for old, new in ((".gamma", ".weight"), (".beta", ".bias")):
             if name.endswith(old) and "LayerNorm" in name:
@@ -250,14 +256,11 @@ class BertModel(nn.Module):
 
 
 class BertForSequenceClassification(BertModel):
-    """A cross-encoder (ms-marco-MiniLM, bge-reranker-base's layout): the encoder over a
-    (query, document) pair told apart by token types, then score_head on its [CLS] state."""
+    """A cross-encoder (ms-marco-MiniLM's layout): the encoder over a (query, document) pair told
+    apart by token types, then score_head on its [CLS] state."""
 
-    _runs_pooler = True
-
-    @classmethod
-    def _encoder_config(cls, hf: Any) -> EncoderConfig:
-        return EncoderConfig(type_vocab_size=hf.type_vocab_size, num_labels=hf.num_labels)
+    # BERT's pooler sits inside the encoder's prefix (bert.pooler), the classifier beside it
+    HEAD_NAMES = {"pooler.dense": "pooler", "classifier": "classifier"}
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
@@ -267,15 +270,7 @@ class BertForSequenceClassification(BertModel):
             p.requires_grad_(False)
 
     def score_head(self, pooled: torch.Tensor) -> torch.Tensor:
-        """pooled: [n, hidden] the [CLS] states -> [n, num_labels] float32 raw logits: BERT's pooler
-        (dense + tanh), then the classifier (the caller applies a sigmoid or softmax)."""
+        """pooled: [n, hidden] the [CLS] states -> [n, num_labels] float32 raw logits: a dense layer
+        and tanh (BERT's pooler), then the classifier (the caller applies a sigmoid or softmax)."""
         x = torch.tanh(self.pooler(pooled.to(self.embed_tokens.weight.dtype)))
         return self.classifier.forward_float(x)
-
-    def _expected_weights(self) -> dict[str, tuple[str, int | None]]:
-        expected = super()._expected_weights()
-        for kind in ("weight", "bias"):
-            expected[f"pooler.dense.{kind}"] = (f"pooler.{kind}", None)
-            # the classifier sits beside the encoder, outside its prefix: named so by checkpoint_name
-            expected[f"classifier.{kind}"] = (f"classifier.{kind}", None)
-        return expected

@@ -16,11 +16,15 @@ _MODELS: dict[str, tuple[str, str]] = {
     "gemma3": ("engine.execution.models.gemma3", "Gemma3ForCausalLM"),
     "gpt_oss": ("engine.execution.models.gpt_oss", "GptOssForCausalLM"),
     "bert": ("engine.execution.models.bert", "BertModel"),
+    "roberta": ("engine.execution.models.roberta", "RobertaModel"),
+    "xlm-roberta": ("engine.execution.models.roberta", "RobertaModel"),
 }
 # A checkpoint whose config.architectures names one of these runs that class instead of its
 # model_type's (a BERT cross-encoder: the encoder plus its classification head).
 _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "BertForSequenceClassification": ("engine.execution.models.bert", "BertForSequenceClassification"),
+    "RobertaForSequenceClassification": ("engine.execution.models.roberta", "RobertaForSequenceClassification"),
+    "XLMRobertaForSequenceClassification": ("engine.execution.models.roberta", "RobertaForSequenceClassification"),
 }
 
 SUPPORTED_MODEL_TYPES = tuple(_MODELS)

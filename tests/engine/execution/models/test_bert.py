@@ -16,6 +16,7 @@ import torch
 from engine.execution.attention import AttentionMetadata, PrefillSeqMeta
 from engine.execution.models import model_class
 from engine.execution.models.bert import BertForSequenceClassification, BertModel
+from engine.execution.models.roberta import RobertaForSequenceClassification, RobertaModel
 from engine.execution.weights.checkpoint import iter_weights
 from tests.tiny_bert import build_tiny_bert_cross_encoder, build_tiny_bert_embedder
 
@@ -27,14 +28,29 @@ PAIRS = [("what is the capital of france?", "Paris is the capital and largest ci
          ("numbers", "0 1 2 3")]
 
 
-@pytest.fixture(scope="module")
-def embedder_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_bert_embedder(tmp_path_factory.mktemp("bert") / "cls")
+FAMILIES = ["bert", "xlm-roberta"]
 
 
 @pytest.fixture(scope="module")
-def cross_encoder_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_bert_cross_encoder(tmp_path_factory.mktemp("bert") / "cross-encoder")
+def embedder_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("encoders")
+    return {family: build_tiny_bert_embedder(root / family, family=family) for family in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def cross_encoder_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("cross-encoders")
+    return {family: build_tiny_bert_cross_encoder(root / family, family=family) for family in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def embedder_dir(embedder_dirs: dict[str, Path]) -> Path:
+    return embedder_dirs["bert"]
+
+
+@pytest.fixture(scope="module")
+def cross_encoder_dir(cross_encoder_dirs: dict[str, Path]) -> Path:
+    return cross_encoder_dirs["bert"]
 
 
 def _load(model_dir: Path) -> torch.nn.Module:
@@ -59,16 +75,22 @@ def _packed_step(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, 
     return input_ids, positions, attn, starts
 
 
-def test_registry_picks_the_task_head_by_architecture(embedder_dir: Path, cross_encoder_dir: Path) -> None:
-    assert type(_load(embedder_dir)) is BertModel
-    assert type(_load(cross_encoder_dir)) is BertForSequenceClassification
+def test_registry_picks_the_task_head_by_architecture(embedder_dirs: dict[str, Path],
+                                                     cross_encoder_dirs: dict[str, Path]) -> None:
+    assert type(_load(embedder_dirs["bert"])) is BertModel
+    assert type(_load(cross_encoder_dirs["bert"])) is BertForSequenceClassification
+    assert type(_load(embedder_dirs["xlm-roberta"])) is RobertaModel
+    assert type(_load(cross_encoder_dirs["xlm-roberta"])) is RobertaForSequenceClassification
 
 
-def test_packed_prompts_equal_transformers_each_alone(embedder_dir: Path) -> None:
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_prompts_equal_transformers_each_alone(embedder_dirs: dict[str, Path], family: str) -> None:
     """Four prompts of different lengths in one step (bidirectional within each, nothing across):
-    every token's hidden state equals transformers' on that prompt alone."""
+    every token's hidden state equals transformers' on that prompt alone (XLM-R's positions
+    counted from past its padding id)."""
     from transformers import AutoModel, AutoTokenizer
 
+    embedder_dir = embedder_dirs[family]
     tokenizer = AutoTokenizer.from_pretrained(str(embedder_dir))
     prompts = [tokenizer.encode(t) for t in TEXTS]
     assert len({len(p) for p in prompts}) == len(prompts) and prompts[0][0] == tokenizer.cls_token_id
@@ -85,20 +107,28 @@ def test_packed_prompts_equal_transformers_each_alone(embedder_dir: Path) -> Non
         torch.testing.assert_close(alone, hidden[starts[1] : starts[1] + len(prompts[1])], atol=1e-5, rtol=1e-5)
 
 
-def test_cross_encoder_scores_equal_transformers_and_sentence_transformers(cross_encoder_dir: Path) -> None:
-    """(query, document) pairs packed in one step with their token types: score_head over each
-    [CLS] state equals transformers' logits, and after a sigmoid CrossEncoder.predict()."""
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cross_encoder_scores_equal_transformers_and_sentence_transformers(cross_encoder_dirs: dict[str, Path],
+                                                                          family: str) -> None:
+    """(query, document) pairs packed in one step with their token types (BERT's; XLM-R has a
+    single segment): score_head over each [CLS] state equals transformers' logits, and after a
+    sigmoid CrossEncoder.predict()."""
     from sentence_transformers import CrossEncoder
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+    cross_encoder_dir = cross_encoder_dirs[family]
     tokenizer = AutoTokenizer.from_pretrained(str(cross_encoder_dir))
     encoded = [tokenizer(q, d) for q, d in PAIRS]
     prompts = [e["input_ids"] for e in encoded]
-    token_types = torch.tensor([t for e in encoded for t in e["token_type_ids"]])
-    assert token_types.any() and not token_types.all()  # both segments present
     model = _load(cross_encoder_dir)
-    assert model.uses_token_types
     input_ids, positions, attn, starts = _packed_step(prompts)
+    token_types = None
+    if family == "bert":
+        assert model.uses_token_types
+        token_types = torch.tensor([t for e in encoded for t in e["token_type_ids"]])
+        assert token_types.any() and not token_types.all()  # both segments present
+    else:
+        assert not model.uses_token_types and "token_type_ids" not in encoded[0]
     with torch.inference_mode():
         hidden = model(input_ids, positions, attn, [], token_type_ids=token_types)
         scores = model.score_head(hidden[starts].float())  # [pairs, 1]
@@ -108,7 +138,8 @@ def test_cross_encoder_scores_equal_transformers_and_sentence_transformers(cross
     with torch.inference_mode():
         logits = torch.cat([reference(**tokenizer(q, d, return_tensors="pt")).logits for q, d in PAIRS])
     torch.testing.assert_close(scores, logits, atol=1e-5, rtol=0)
-    assert (without_types - logits).abs().max() > 1e-3  # the token types matter
+    if family == "bert":
+        assert (without_types - logits).abs().max() > 1e-3  # the token types matter
     predicted = CrossEncoder(str(cross_encoder_dir), device="cpu").predict(PAIRS)
     np.testing.assert_allclose(torch.sigmoid(scores[:, 0]).numpy(), predicted, atol=1e-5, rtol=0)
 
