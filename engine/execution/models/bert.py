@@ -146,8 +146,7 @@ class BertModel(nn.Module):
         if hf.hidden_act not in _ACTIVATIONS:
             raise ValueError(f"model: hidden_act {hf.hidden_act!r} is not supported; use one of {list(_ACTIVATIONS)}")
         num_heads, num_layers = hf.num_attention_heads, hf.num_hidden_layers
-        encoder = EncoderConfig(type_vocab_size=hf.type_vocab_size, position_offset=cls._position_offset(hf),
-                                num_labels=hf.num_labels if cls.HEAD_NAMES else 0)
+        encoder = EncoderConfig(type_vocab_size=hf.type_vocab_size, position_offset=cls._position_offset(hf))
         return ModelConfig(
             model_type=hf.model_type, vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
             intermediate_size=hf.intermediate_size, num_layers=num_layers, num_heads=num_heads,
@@ -155,7 +154,8 @@ class BertModel(nn.Module):
             # the prompt's longest length: the table's rows past the offset
             max_position_embeddings=hf.max_position_embeddings - encoder.position_offset, tie_word_embeddings=False,
             qkv_bias=True, o_proj_bias=True, ropes=(), layer_ropes=(0,) * num_layers,
-            sliding_windows=(None,) * num_layers, hidden_act=hf.hidden_act, encoder=encoder)
+            sliding_windows=(None,) * num_layers, hidden_act=hf.hidden_act, encoder=encoder,
+            num_labels=hf.num_labels if cls.HEAD_NAMES else 0)
 
     @classmethod
     def _position_offset(cls, hf: Any) -> int:
@@ -265,7 +265,7 @@ class BertForSequenceClassification(BertModel):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
         self.pooler = Linear(cfg.hidden_size, cfg.hidden_size, bias=True)
-        self.classifier = Linear(cfg.hidden_size, cfg.encoder.num_labels, bias=True)
+        self.classifier = Linear(cfg.hidden_size, cfg.num_labels, bias=True)
         for p in self.parameters():
             p.requires_grad_(False)
 

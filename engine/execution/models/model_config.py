@@ -21,12 +21,11 @@ class Rope:
 @dataclass(frozen=True, slots=True)
 class EncoderConfig:
     """What a BERT-family encoder adds to the shared facts: learned absolute positions (RoBERTa's
-    start past its padding id), segment (token type) embeddings and, for a cross-encoder, the
-    classifier's labels. Its attention is bidirectional over the whole prompt."""
+    start past its padding id) and segment (token type) embeddings. Its attention is
+    bidirectional over the whole prompt."""
 
     type_vocab_size: int
     position_offset: int = 0  # the first token's position id (RoBERTa: padding_idx + 1)
-    num_labels: int = 0  # a sequence classifier's outputs (a cross-encoder); 0: an embedder
 
 
 @dataclass(slots=True)
@@ -67,6 +66,8 @@ class ModelConfig:
     # An encoder (BERT): bidirectional attention over the whole prompt, so a prompt cannot be
     # split over steps and keeps no KV after its step; None for every decoder.
     encoder: EncoderConfig | None = None
+    # A sequence classifier's outputs (a cross-encoder's score head); 0 for every other model.
+    num_labels: int = 0
 
     @property
     def is_causal(self) -> bool:
