@@ -89,10 +89,13 @@ class PackedSequences:
         """q, k, v: [T, H, D] -> [T, H, D]: each prompt's tokens attend to all of its own, none of
         another's."""
         if self.index is None:
-            out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                                 scale=scale)  # [H, T, D]
-            return out.transpose(0, 1)
-        # [B, L, H, D] -> [B, H, L, D]; padded queries see real keys only, so no row is all -inf
+            # [1, H, T, D] strided views: SDPA's flash kernel reads them (3-D input takes its math path)
+            q, k, v = (t.unsqueeze(0).transpose(1, 2) for t in (q, k, v))
+            return F.scaled_dot_product_attention(q, k, v, scale=scale)[0].transpose(0, 1)
+        # [B, L, H, D] -> [B, H, L, D]; padded queries see real keys only, so no row is all -inf.
+        # One call for the step: per prompt, unpadded, computes fewer pairs (2.4x fewer for lengths
+        # spread over 64-512) but measured no faster on the CPU (flash kernel, head_dim 32), and
+        # its strided copies back cost more.
         q, k, v = (t[self.index].transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.key_mask, scale=scale)
         return out.transpose(1, 2)[self.valid]  # [T, H, D] in packed order
