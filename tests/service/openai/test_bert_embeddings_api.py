@@ -1,17 +1,19 @@
-"""POST /v1/embeddings on a BERT embedder through the official `openai` SDK: a batch of texts of
-different lengths (run whole, together) and token ids equal sentence-transformers' encode() on a
-tiny random BertModel with CLS pooling and Normalize; a text over the step's token budget is
-refused naming the input."""
+"""A BERT embedder's doors: POST /v1/embeddings through the official `openai` SDK and gRPC's
+Embed on the same server. A batch of texts of different lengths (run whole, together) and token
+ids equal sentence-transformers' encode() on a tiny random BertModel with CLS pooling and
+Normalize; a text over the step's token budget is refused naming the input."""
 from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import numpy as np
 import openai
 import pytest
 
 from engine import EngineConfig
+from service.grpc.minivllm_client import InferenceClient
 from tests.server_harness import ServerThread
 from tests.tiny_bert import build_tiny_bert_embedder
 
@@ -62,3 +64,16 @@ def test_a_text_longer_than_a_step_is_refused(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as err:
         client.embeddings.create(model=MODEL, input=["ok", "The quick brown fox jumps over the lazy dog. " * 8])
     assert err.value.body["param"] == "input[1]" and "max_num_batched_tokens" in err.value.body["message"]
+
+
+def test_grpc_embed_equals_sentence_transformers(server: ServerThread, bert_dir: Path) -> None:
+    from sentence_transformers import SentenceTransformer
+
+    expected = SentenceTransformer(str(bert_dir), device="cpu").encode(TEXTS)
+    with InferenceClient(server.target, timeout=60) as client:
+        assert client.model_info().task == "embed"
+        assert _cosines(np.array(client.embed(TEXTS)), expected).min() >= 0.9999
+        with pytest.raises(grpc.RpcError) as err:
+            client.embed(["ok", "The quick brown fox jumps over the lazy dog. " * 8])
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # a prompt longer than the model
+    assert "inputs[1]" in err.value.details() and "max_num_batched_tokens" in err.value.details()
