@@ -141,3 +141,24 @@ def test_no_prefix_reuse_and_no_generation(bert_dirs: dict[str, Path]) -> None:
     assert _cosines(np.array([first[0].embedding]), np.array([again[0].embedding])).min() >= 0.99999
     with pytest.raises(ValueError, match="only embed"):
         llm.generate("hello", SamplingParams(max_tokens=2))
+
+
+def test_bare_bert_directory_pools_at_cls(bert_dirs: dict[str, Path]) -> None:
+    """A BertModel directory without sentence-transformers' files (the embedder's source): task
+    auto cannot generate with it and says so; --task embed pools at [CLS], normalised."""
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    bare = bert_dirs["mean"].with_name("mean-hf")
+    assert not (bare / "modules.json").exists()
+    with pytest.raises(ValueError, match="--task embed"):
+        LLM(str(bare), block_size=4)
+    llm = LLM(str(bare), block_size=4, task="embed")
+    assert llm.engine.pooler_config == PoolerConfig(PoolingType.CLS, normalize=True)
+    tokenizer, reference = AutoTokenizer.from_pretrained(str(bare)), AutoModel.from_pretrained(str(bare)).eval()
+    with torch.inference_mode():
+        expected = np.array([reference(**tokenizer(t, return_tensors="pt")).last_hidden_state[0, 0].numpy()
+                             for t in TEXTS])
+    got = np.array([o.embedding for o in llm.embed(TEXTS)])
+    assert _cosines(got, expected).min() >= 0.9999
+    np.testing.assert_allclose(np.linalg.norm(got, axis=-1), 1.0, atol=1e-5)
