@@ -21,13 +21,13 @@ from engine.outputs import (
 )
 from engine.processing.input_processor import is_encodable
 from engine.processing.json_schema_check import unmatchable_schema
-from engine.processing.pooling_params import PoolingParams, PoolingType
+from engine.processing.pooling_params import PoolingParams, PoolingTask, PoolingType
 from engine.processing.sampling_params import SamplingParams
 from engine.processing.structured_output import StructuredOutput
 
 __all__ = [
     "LLM", "AllBlocksCleared", "BlockRemoved", "BlockStored", "EngineConfig", "KvCacheEvent", "EngineRequest", "FieldError", "LLMEngine", "LimitExceededError", "ModelInfo", "PromptTooLongError", "QueueFullError",
-    "PoolingParams", "PoolingType", "RequestIdInUseError", "RequestMetrics", "RequestOutput", "SamplingParams",
+    "PoolingParams", "PoolingTask", "PoolingType", "RequestIdInUseError", "RequestMetrics", "RequestOutput", "SamplingParams",
     "StepStats", "StructuredOutput", "default_cache_dir", "is_encodable",
     "model_display_name",
     "resolve_model",

@@ -69,9 +69,15 @@ class EngineConfig:
 
     model: str | None = _opt(None, "a local HF directory, a .gguf file or a hub id; unset: SmolLM2-135M-Instruct")
     tokenizer: str | None = _opt(None, "tokenizer directory or id; unset: the model's")
-    task: str = _opt("auto", "generate | embed (serve /v1/embeddings: the model's pooled hidden states) | auto "
-                             "(embed when the model directory has sentence-transformers' modules.json with a "
-                             "Pooling module, else generate); vLLM's --task / --runner pooling")
+    task: str = _opt("auto", "generate | embed (serve /v1/embeddings: the model's pooled hidden states) | score "
+                             "(serve /rerank and /score: a cross-encoder's or reranker's score of each query and "
+                             "document pair) | auto (score when config.json's architectures name a "
+                             "*ForSequenceClassification, embed when the model directory has sentence-transformers' "
+                             "modules.json with a Pooling module, else generate); vLLM's --task / --runner pooling")
+    score_label_tokens: str | None = _opt(None, "task score on a causal LM (Qwen3-Reranker): the label tokens "
+                                                "whose logits score a pair, comma-separated; two: the second's "
+                                                "logit minus the first's, one: its logit; unset: no,yes "
+                                                "(vLLM's hf_overrides classifier_from_token)")
     device: str = _opt("auto", "auto | cpu | cuda")
     backend: str = _opt("auto", "auto (cuda with a GPU, else cpu) | cpu (C++ kernels, oneDNN) | cuda (Triton "
                                 "attention, CUDA graphs) | torch (the pure-torch reference, on `device`)")
@@ -189,8 +195,13 @@ class EngineConfig:
             raise ValueError(f"aging_s must be positive, got {self.aging_s}")
         if self.backend not in ("auto", "cpu", "cuda", "torch"):
             raise ValueError(f"backend must be auto, cpu, cuda or torch, got {self.backend!r}")
-        if self.task not in ("auto", "generate", "embed"):
-            raise ValueError(f"task must be auto, generate or embed, got {self.task!r}")
+        if self.task not in ("auto", "generate", "embed", "score"):
+            raise ValueError(f"task must be auto, generate, embed or score, got {self.task!r}")
+        if self.score_label_tokens is not None:
+            tokens = self.label_tokens
+            if not 1 <= len(tokens) <= 2 or not all(tokens):
+                raise ValueError(f"score_label_tokens must name one or two tokens, comma-separated, got "
+                                 f"{self.score_label_tokens!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.quantization not in {q.value for q in Quantization}:
@@ -212,6 +223,13 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be auto, float32 or bfloat16, got {self.kv_cache_dtype!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+
+    @property
+    def label_tokens(self) -> tuple[str, ...] | None:
+        """score_label_tokens as a tuple (None when unset)."""
+        if self.score_label_tokens is None:
+            return None
+        return tuple(token.strip() for token in self.score_label_tokens.split(","))
 
     def _names_a_gguf_file(self) -> bool:
         """The model is a .gguf path or the default model (its own GGUF file, named or not)."""

@@ -20,3 +20,6 @@ class EngineRequest:
     request_id: str | None = None  # None: the engine names it (req-N)
     priority: int = 0  # lower runs first
     arrival_time: float | None = None  # time.monotonic(); None: when admitted
+    # Each prompt token's segment (a cross-encoder's pair), for a model that reads token types
+    # (None otherwise, or when the request has none).
+    token_type_ids: list[int] | None = None

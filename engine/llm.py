@@ -42,6 +42,14 @@ class LLM:
             prompts = [prompts]
         return self._run(list(prompts), params or PoolingParams())
 
+    def score(self, prompts: Prompt | Seq[Prompt]) -> list[RequestOutput]:
+        """Score prompts (each a pair already put together: a cross-encoder's pair encoding, a
+        reranker's template): prefill only, each output's `scores` the model's score-head logits
+        [num_labels] (a sigmoid of a one-label logit is CrossEncoder.predict's score)."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        return self._run(list(prompts), PoolingParams(task="score"))
+
     def chat(self, conversations: list[dict[str, str]] | Seq[list[dict[str, str]]],
              params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
         """Generate replies to chat conversations, each formatted by the model's chat template."""

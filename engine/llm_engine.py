@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from engine.config import EngineConfig, Quantization
@@ -26,9 +27,10 @@ from engine.core.block_manager import BlockManager
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import SchedulerOutput
 from engine.core.sequence import Sequence
-from engine.errors import QueueFullError, RequestIdInUseError
+from engine.errors import FieldError, QueueFullError, RequestIdInUseError
 from engine.execution.model_runner import ModelRunner
 from engine.execution.models import model_class
+from engine.execution.models.model_config import is_sequence_classifier
 from engine.execution.resolved_config import resolve_config
 from engine.execution.startup_phases import TOKENIZER, PhaseListener, StartupPhases
 from engine.execution.weights.checkpoint import model_display_name, resolve_model
@@ -77,19 +79,35 @@ class LLMEngine:
         self._decode_ids = ids_decoder(output_tokenizer)
         # Embedding requests pool by the model's sentence-transformers recipe where it has one (else
         # the last token, normalised, as vLLM's decoder embedders); the task decides what the doors
-        # serve. The engine itself runs both kinds of request on any model.
+        # serve. The engine itself runs embedding requests on any model, score requests on one with
+        # a score head: a sequence classifier's, or a causal LM's label tokens (--task score).
         pooler_config = load_pooler_config(self.model_dir)
         # Without one: the family's own position (an encoder's [CLS], a decoder's last token).
         family = model_class(hf_config.model_type, getattr(hf_config, "architectures", None))
         self.pooler_config = pooler_config or PoolerConfig(getattr(family, "default_pooling_type", PoolingType.LAST))
-        self.task = config.task if config.task != "auto" else "embed" if pooler_config is not None else "generate"
-        logger.info("task %s (pooling: %s, normalize %s)", self.task, self.pooler_config.pooling_type.value,
-                    self.pooler_config.normalize)
-        self.runner = ModelRunner(self.model_dir, hf_config, resolved, phases)
-        self.can_generate = getattr(self.runner.model, "has_lm_head", True)
-        if not self.can_generate and self.task != "embed":
-            raise ValueError(f"{self.model_dir} has no LM head (a base model's weights, as sentence-transformers "
-                             "saves an embedder): it can only embed; serve it with --task embed")
+        self.is_classifier = is_classifier = is_sequence_classifier(hf_config)
+        self.task = config.task if config.task != "auto" else "score" if is_classifier else \
+            "embed" if pooler_config is not None else "generate"
+        self.score_label_tokens = settle_score_label_tokens(config, self.task, hf_config)
+        score_token_ids = label_token_ids(output_tokenizer, self.score_label_tokens)
+        logger.info("task %s (pooling: %s, normalize %s%s)", self.task, self.pooler_config.pooling_type.value,
+                    self.pooler_config.normalize,
+                    f"; score: logits of {', '.join(self.score_label_tokens)}" if self.score_label_tokens else "")
+        self.runner = ModelRunner(self.model_dir, hf_config, resolved, phases, score_token_ids)
+        model = self.runner.model
+        self.can_generate = getattr(model, "has_lm_head", True) and not is_classifier
+        self.uses_token_types = bool(getattr(model, "uses_token_types", False))
+        # Where a score request's state is read: a decoder's last token (its class says so), else
+        # the first (a BERT cross-encoder's [CLS], which its pooler and classifier take).
+        self.score_pooling_type = getattr(model, "score_pooling_type", PoolingType.CLS) \
+            if is_classifier or score_token_ids else None
+        if score_token_ids and not getattr(model, "has_lm_head", True):
+            raise ValueError(f"{self.model_dir} has no LM head to score its label tokens with")
+        if not self.can_generate and self.task == "generate":
+            what = "a sequence classifier: serve it with --task score" if is_classifier else \
+                "a base model's weights, as sentence-transformers saves an embedder: it can only embed; " \
+                "serve it with --task embed"
+            raise ValueError(f"{self.model_dir} has no LM head ({what})")
         # An encoder (bidirectional attention) runs each prompt whole in one step and keeps no K/V
         # after it: no prefix to reuse, no chunks.
         self.is_causal = self.runner.model_config.is_causal
@@ -157,7 +175,8 @@ class LLMEngine:
             eos_token_ids=tuple(sorted(self.eos_token_ids)), has_chat_template=self.input_processor.has_chat_template,
             kv_cache_dtype=str(self.runner.cache_dtype), model_dir=str(self.model_dir),
             tokenizer_dir=str(self.tokenizer_dir), task=self.task,
-            hidden_size=self.runner.model_config.hidden_size)
+            hidden_size=self.runner.model_config.hidden_size, uses_token_types=self.uses_token_types,
+            score_label_tokens=self.score_label_tokens)
 
     def reconfigure(self, **changes: Any) -> None:
         """Change scheduling options of an idle engine without reloading the model (benchmarks)."""
@@ -195,6 +214,14 @@ class LLMEngine:
 
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         return self.input_processor.tokenize(prompt, add_special_tokens)
+
+    def tokenize_texts(self, texts: list[str]) -> list[list[int]]:
+        return self.input_processor.tokenize_texts(texts)
+
+    def encode_pairs(self, pairs: list[tuple[str, str]]) -> list[tuple[list[int], list[int] | None]]:
+        """Each pair's ids by the tokenizer's pair encoding, with its token types when the model
+        reads them (else None)."""
+        return self.input_processor.encode_pairs(pairs, self.uses_token_types)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], params: SamplingParams | None = None,
                             chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
@@ -244,24 +271,33 @@ class LLMEngine:
                       priority: int = 0) -> None:
         """The cheap checks (limits, the client's id, priority): ValueError naming the field."""
         if isinstance(params, SamplingParams) and not self.can_generate:
-            raise ValueError("this model has no LM head (a base model's weights): it can only embed")
+            raise ValueError("this model has no LM head (" + ("a sequence classifier): it cannot generate, only score"
+                                                              if self.is_classifier else
+                                                              "a base model's weights): it can only embed"))
         self.input_processor.check_request(params, request_id, priority)
 
     def process_inputs(self, params: SamplingParams | PoolingParams, prompt: str | list[int] | None = None,
                        messages: list[dict[str, Any]] | None = None, request_id: str | None = None,
                        priority: int = 0, arrival_time: float | None = None,
-                       chat_template_kwargs: dict[str, Any] | None = None) -> EngineRequest:
+                       chat_template_kwargs: dict[str, Any] | None = None,
+                       token_type_ids: list[int] | None = None) -> EngineRequest:
         """Tokenize (or apply the chat template, with chat_template_kwargs such as tools=), check the
         prompt against the context and compile a grammar: the costly part of admission, on the
-        caller's thread (check_request first). PoolingParams: an embedding request, its unset
-        fields filled from the model's pooling config (FieldError for dimensions it lacks)."""
+        caller's thread (check_request first). PoolingParams: an embedding or score request, its
+        unset fields filled from the model's pooling config (FieldError for dimensions it lacks, or
+        a score asked of a model without a score head). token_type_ids: each prompt token's
+        segment (checked against the prompt's length), kept for a model that reads token types."""
         if isinstance(params, PoolingParams):
-            params = params.resolved(self.pooler_config, self.runner.model_config.hidden_size)
+            params = params.resolved(self.pooler_config, self.runner.model_config.hidden_size,
+                                     self.score_pooling_type)
             token_ids = self.input_processor.prompt_token_ids(_prefill_only(), prompt, messages, chat_template_kwargs,
                                                               is_pooling=True)
         else:
             token_ids = self.input_processor.prompt_token_ids(params, prompt, messages, chat_template_kwargs)
-        return EngineRequest(token_ids, params, request_id, priority, arrival_time)
+        if token_type_ids is not None:
+            check_token_type_ids(token_type_ids, len(token_ids))
+        return EngineRequest(token_ids, params, request_id, priority, arrival_time,
+                             token_type_ids if self.uses_token_types else None)
 
     def admit(self, request: EngineRequest) -> str:
         """Queue a processed request (engine thread); returns its id. RequestIdInUseError or
@@ -273,10 +309,13 @@ class LLMEngine:
         params, token_ids = request.params, request.prompt_token_ids
         arrival = time.monotonic() if request.arrival_time is None else request.arrival_time
         if isinstance(params, PoolingParams):
+            types = None if request.token_type_ids is None else np.asarray(request.token_type_ids, dtype=np.int64)
             seq = Sequence(request_id=request_id, prompt_token_ids=token_ids, params=_prefill_only(),
-                           arrival_time=arrival, priority=request.priority, pooling_params=params)
+                           arrival_time=arrival, priority=request.priority, pooling_params=params,
+                           token_type_ids=types)
             self.scheduler.add(seq)
-            self.output_processor.add_request(request_id, request_id, 0, token_ids, seq.params, arrival, task="embed")
+            self.output_processor.add_request(request_id, request_id, 0, token_ids, seq.params, arrival,
+                                              task=params.task.value)
             return request_id
         matcher = None
         if params.structured_output is not None:  # compiled already: a matcher is cheap
@@ -396,6 +435,47 @@ class LLMEngine:
         stats.num_generated_tokens = sum(len(o.new_token_ids) for o in outputs)
         stats.finished = [o.metrics for o in outputs if o.metrics is not None]
         stats.kv_events = self.take_kv_events()
+
+
+def settle_score_label_tokens(config: EngineConfig, task: str, hf_config: Any) -> tuple[str, ...]:
+    """The label tokens a causal LM served for scores is scored by (config.score_label_tokens, or
+    Qwen3-Reranker's no, yes); none for a sequence classifier, which has its own head, or for
+    another task. ValueError for label tokens where none apply, or a classifier of more than one
+    label (a score is one logit's sigmoid)."""
+    is_classifier = is_sequence_classifier(hf_config)
+    if config.score_label_tokens is not None and (task != "score" or is_classifier):
+        raise ValueError("score_label_tokens scores a causal LM by its LM head (--task score); this model is "
+                         + ("a sequence classifier, scored by its own head" if is_classifier else f"served for {task}"))
+    if task != "score":
+        return ()
+    if is_classifier:
+        num_labels = getattr(hf_config, "num_labels", 1)
+        if num_labels != 1:
+            raise ValueError(f"the model classifies into {num_labels} labels; --task score serves one-label "
+                             "cross-encoders and rerankers")
+        return ()
+    return config.label_tokens or ("no", "yes")
+
+
+def label_token_ids(tokenizer: Any, tokens: tuple[str, ...]) -> tuple[int, ...]:
+    """The vocabulary ids of a score's label tokens (one: its logit; two: the second's logit minus
+    the first's), as tokens, not texts (Qwen3-Reranker's card: convert_tokens_to_ids("yes"))."""
+    ids = []
+    for token in tokens:
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        if token_id is None or (token_id == tokenizer.unk_token_id and token != tokenizer.unk_token):
+            raise ValueError(f"score_label_tokens: {token!r} is not a token of the model's vocabulary")
+        ids.append(int(token_id))
+    return tuple(ids)
+
+
+def check_token_type_ids(token_type_ids: list[int], num_tokens: int) -> None:
+    """A prompt's token types: one non-negative integer per prompt token (FieldError naming them)."""
+    if len(token_type_ids) != num_tokens:
+        raise FieldError("token_type_ids", f"{len(token_type_ids)} values for a prompt of {num_tokens} tokens")
+    for i, value in enumerate(token_type_ids):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise FieldError(f"token_type_ids[{i}]", f"{value!r} is not a non-negative integer")
 
 
 def _prefill_only() -> SamplingParams:

@@ -32,7 +32,7 @@ class RequestMetrics:
     finished_time: float
     num_draft_tokens: int = 0  # speculative decoding: tokens proposed and verified
     num_accepted_tokens: int = 0  # of those, accepted
-    task: str = "generate"  # generate | embed (a pooling request: prefill only, no output tokens)
+    task: str = "generate"  # generate | embed | score (embed, score: a pooling request, prefill only, no output tokens)
 
     @property
     def queue_time(self) -> float | None:
@@ -87,7 +87,8 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     index: int = 0  # which sample of an n > 1 request (request_id is the request's)
     samples: list[RequestOutput] | None = None  # offline LLM, n > 1: every sample's final output
-    embedding: list[float] | None = None  # a pooling request's vector, on its final output
+    embedding: list[float] | None = None  # an embed request's vector, on its final output
+    scores: list[float] | None = None  # a score request's raw logits [num_labels], on its final output
 
     @property
     def is_finished(self) -> bool:
@@ -224,5 +225,9 @@ class ModelInfo:
     # and tokenizer only) and the tokenizer's directory. Local paths: not part of the wire message.
     model_dir: str
     tokenizer_dir: str
-    task: str = "generate"  # what the model is served for: generate | embed (EngineConfig.task, settled)
+    task: str = "generate"  # what the model is served for: generate | embed | score (EngineConfig.task, settled)
     hidden_size: int = 0  # an embedding's dimensions at most
+    uses_token_types: bool = False  # the model reads each token's segment (a BERT cross-encoder's pair)
+    # Task score on a causal LM: the label tokens its LM head scores by (Qwen3-Reranker's no, yes),
+    # whose pairs the doors wrap in that reranker's prompt; empty for a sequence classifier.
+    score_label_tokens: tuple[str, ...] = ()

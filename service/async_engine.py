@@ -114,13 +114,15 @@ class AsyncEngine:
                        prompt: str | list[int] | None = None,
                        messages: list[dict[str, Any]] | None = None, priority: int = 0,
                        engine_id: str | None = None,
-                       chat_template_kwargs: dict[str, Any] | None = None) -> AsyncGenerator[RequestOutput, None]:
+                       chat_template_kwargs: dict[str, Any] | None = None,
+                       token_type_ids: list[int] | None = None) -> AsyncGenerator[RequestOutput, None]:
         """Admit a request, then return its output stream (outputs carry engine_id).
 
         request_id is the client's; engine_id (from new_engine_id, made here when not given)
         routes it. Admission errors (ValueError and subclasses) raise here, before any output, so
-        the caller can answer with the right status code. PoolingParams: an embedding request,
-        whose one output carries the vector.
+        the caller can answer with the right status code. PoolingParams: an embedding or score
+        request, whose one output carries the vector or the scores; token_type_ids: its prompt's
+        token types (a cross-encoder's pair, from encode_pairs).
         """
         if self._is_dead:
             raise EngineDeadError("the engine thread is not running")
@@ -132,7 +134,8 @@ class AsyncEngine:
         self._streams.claim(request_id)
         engine_id = engine_id or self.new_engine_id(request_id)
         try:
-            request = await self._process_inputs(params, prompt, messages, engine_id, priority, chat_template_kwargs)
+            request = await self._process_inputs(params, prompt, messages, engine_id, priority, chat_template_kwargs,
+                                                 token_type_ids)
             stream = self._streams.open(engine_id)
             cmd = Add(request)
             self._inbox.put(cmd)
@@ -152,10 +155,12 @@ class AsyncEngine:
 
     async def _process_inputs(self, params: SamplingParams | PoolingParams, prompt: str | list[int] | None,
                               messages: list[dict[str, Any]] | None, engine_id: str, priority: int,
-                              chat_template_kwargs: dict[str, Any] | None = None) -> EngineRequest:
+                              chat_template_kwargs: dict[str, Any] | None = None,
+                              token_type_ids: list[int] | None = None) -> EngineRequest:
         def work() -> EngineRequest:
             return self._engine.process_inputs(params, prompt, messages, request_id=engine_id, priority=priority,
-                                               chat_template_kwargs=chat_template_kwargs)
+                                               chat_template_kwargs=chat_template_kwargs,
+                                               token_type_ids=token_type_ids)
 
         self._num_tokenizing += 1
         try:
@@ -175,6 +180,21 @@ class AsyncEngine:
         work = (lambda: engine.apply_chat_template(messages, None, chat_template_kwargs)) if messages is not None else \
             (lambda: engine.tokenize(prompt, add_special_tokens))
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, work)
+
+    async def tokenize_texts(self, texts: list[str]) -> list[list[int]]:
+        """Each text's token ids without special tokens (the parts of a prompt put together
+        elsewhere, as a reranker's template), in one pass on the tokenizer thread."""
+        engine = self._engine
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool,
+                                                                lambda: engine.tokenize_texts(texts))
+
+    async def encode_pairs(self, pairs: list[tuple[str, str]]) -> list[tuple[list[int], list[int] | None]]:
+        """Each (text, text_pair) by the tokenizer's pair encoding (a cross-encoder's input: its
+        special tokens and separators), with its token types where the model reads them, in one
+        pass on the tokenizer thread."""
+        engine = self._engine
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool,
+                                                                lambda: engine.encode_pairs(pairs))
 
     async def detokenize(self, token_ids: list[int]) -> str:
         """The text of token ids (special tokens kept), on the tokenizer thread."""

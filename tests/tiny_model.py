@@ -157,17 +157,17 @@ def build_tiny_model(path: Path, seed: int = 0, num_layers: int = 2, hidden_size
     return path
 
 
-def build_tiny_family_model(path: Path, config: Any, seed: int = 0) -> Path:
+def build_tiny_family_model(path: Path, config: Any, seed: int = 0, tokens: ChatTokens | None = None) -> Path:
     """Save a transformers model of `config`'s family (LlamaConfig, Qwen2Config, MistralConfig...)
-    with random, well-separated weights and the tiny tokenizer. config.vocab_size must be at
-    least the tokenizer's (about 500)."""
+    with random, well-separated weights and the tiny tokenizer (tokens: its chat vocabulary, the
+    default's unless given). config.vocab_size must be at least the tokenizer's (about 500)."""
     from transformers import AutoModelForCausalLM
 
     path = Path(path)
     if (path / "config.json").exists():
         return path
     path.mkdir(parents=True, exist_ok=True)
-    tok = _write_tokenizer(path, 512)
+    tok = _write_tokenizer(path, 512, tokens=tokens)
     config.bos_token_id = config.pad_token_id = tok.token_to_id("<|endoftext|>")
     config.eos_token_id = tok.token_to_id("<|im_end|>")
     torch.manual_seed(seed)
@@ -264,3 +264,43 @@ def build_tiny_embedding_model(path: Path, pooling_mode: str = "lasttoken", norm
         modules.append(Normalize())
     SentenceTransformer(modules=modules, device="cpu").save(str(path))
     return path
+
+
+def build_tiny_sequence_classifier(path: Path, family: str = "qwen3", num_labels: int = 1, seed: int = 0) -> Path:
+    """A tiny random decoder cross-encoder as transformers saves a *ForSequenceClassification of
+    `family` (a converted reranker's layout: the base model's weights and a `score` projection of
+    num_labels rows, no LM head), with the tiny tokenizer (no chat template)."""
+    from transformers import AutoModelForSequenceClassification
+
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    tok = _write_tokenizer(path, 512)
+    (path / "chat_template.jinja").unlink(missing_ok=True)
+    config = family_config(family)
+    config.num_labels = num_labels
+    config.bos_token_id = config.pad_token_id = tok.token_to_id("<|endoftext|>")
+    config.eos_token_id = tok.token_to_id("<|im_end|>")
+    torch.manual_seed(seed)
+    model = AutoModelForSequenceClassification.from_config(config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
+            else:  # the score rows scaled down, so a pair's logit lands where a sigmoid still tells them apart
+                std = 1.0 if "embed_tokens" in name else 0.1 if name.startswith("score") else 0.25
+                param.copy_(torch.randn(param.shape, generator=gen) * std)
+    model.save_pretrained(str(path))
+    return path
+
+
+# Qwen3-Reranker's label tokens, added to the tiny vocabulary (its BPE corpus has neither word).
+RERANKER_TOKENS = ChatTokens(added=("yes", "no"))
+
+
+def build_tiny_reranker_lm(path: Path, seed: int = 0) -> Path:
+    """A tiny random Qwen3 causal LM whose vocabulary has the tokens "yes" and "no": the original
+    Qwen3-Reranker's layout (a plain Qwen3ForCausalLM scored by those two logits)."""
+    return build_tiny_family_model(path, family_config("qwen3"), seed, tokens=RERANKER_TOKENS)

@@ -21,10 +21,11 @@ class RunnerOutput:
     # (request, first prompt position, entries) of the chunks that asked for prompt logprobs:
     # entry k scores prompt token first + k.
     prompt_logprobs: list[tuple[str, int, list[Logprobs]]] = field(default_factory=list)
-    # The pooling requests whose prompt ended this step (SchedulerOutput.pooled_req_ids order) and
-    # their vectors: pooled, truncated to their dimensions and normalised as each asked.
+    # The pooling requests whose prompt ended this step (in prefill order) and their outputs: an
+    # embed request's vector (pooled, truncated to its dimensions and normalised as it asked), a
+    # score request's score-head logits [num_labels].
     pooled_req_ids: list[str] = field(default_factory=list)
-    embeddings: list[list[float]] = field(default_factory=list)
+    pooled: list[list[float]] = field(default_factory=list)
     prepare_time: float = 0.0  # seconds of host-side input building
     forward_time: float = 0.0  # seconds of the model forward and the logits
     sample_time: float = 0.0  # seconds of sampling

@@ -279,8 +279,8 @@ class Scheduler:
                   if seq.matcher is not None and len(tokens) == 1]
         if single:
             self._grammar.consume(single)
-        updates = [self._finish_pooled(self.requests[req_id], embedding, now)
-                   for req_id, embedding in zip(out.pooled_req_ids, out.embeddings, strict=True)]
+        updates = [self._finish_pooled(self.requests[req_id], pooled, now)
+                   for req_id, pooled in zip(out.pooled_req_ids, out.pooled, strict=True)]
         for seq, tokens, logprobs in zip(seqs, out.sampled_token_ids, out.logprobs, strict=True):
             reason = stop_reason = None
             for i, token_id in enumerate(tokens):
@@ -308,11 +308,11 @@ class Scheduler:
             updates.append(self._update(seq, tokens, logprobs, reason, stop_reason))
         return updates
 
-    def _finish_pooled(self, seq: Sequence, embedding: list[float], now: float) -> SequenceUpdate:
+    def _finish_pooled(self, seq: Sequence, pooled: list[float], now: float) -> SequenceUpdate:
         """A pooling request's prompt is done and pooled: it ends here, its blocks freed at once
         (the full ones stay revivable in the prefix cache, as any finished request's)."""
         update = self.finish(seq, FinishReason.STOP, now)
-        update.embedding = embedding
+        update.pooled = pooled
         return update
 
     @staticmethod

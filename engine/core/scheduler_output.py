@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from engine.processing.pooling_params import PoolingParams
@@ -30,7 +31,8 @@ class NewRequestData:
     generator: torch.Generator | None
     matcher: Any  # the grammar state, shared with the scheduler's sequence (it advances it)
     min_tokens_stop_ids: frozenset[int]
-    pooling_params: PoolingParams | None = None  # an embedding request (resolved): pooled, never sampled
+    pooling_params: PoolingParams | None = None  # an embedding or score request (resolved): pooled, never sampled
+    token_type_ids: np.ndarray | None = None  # [num_prompt_tokens] int64: each prompt token's segment
 
 
 @dataclass(slots=True)

@@ -9,6 +9,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from engine.outputs import FinishReason
@@ -77,8 +78,11 @@ class Sequence:
     spec_token_ids: list[int] = field(default_factory=list)
     num_draft_tokens: int = 0  # proposed and verified, over the request
     num_accepted_tokens: int = 0
-    # An embedding request (resolved): prefill only, pooled by the runner as its prompt ends.
+    # An embedding or score request (resolved): prefill only, pooled by the runner as its prompt ends.
     pooling_params: PoolingParams | None = None
+    # Each prompt token's segment (a BERT cross-encoder's pair: 0 the query's, 1 the document's),
+    # [num_prompt_tokens] int64; only for a model that reads token types.
+    token_type_ids: np.ndarray | None = None
     times: SequenceTimes = field(init=False)
     # Token ids min_tokens holds off (stop ids, and EOS unless ignored): built once, used per step.
     min_tokens_stop_ids: frozenset[int] = field(init=False)
@@ -126,7 +130,10 @@ class Sequence:
     @property
     def needs_every_prompt_position(self) -> bool:
         """Prompt logprobs, and mean or CLS pooling, read every prompt position's hidden state:
-        a cached prefix would skip them."""
+        a cached prefix would skip them. A prompt with token types computes every position too: the
+        prefix cache is keyed by token ids alone."""
+        if self.token_type_ids is not None:
+            return True
         if self.pooling_params is not None:
             return self.pooling_params.pooling_type is not PoolingType.LAST
         return self.params.prompt_logprobs is not None

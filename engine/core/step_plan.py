@@ -52,7 +52,8 @@ class StepPlan:
                 out.new_requests.append(NewRequestData(
                     seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids),
                     [list(table) for table in seq.block_tables],
-                    seq.params, seq.generator, seq.matcher, seq.min_tokens_stop_ids, seq.pooling_params))
+                    seq.params, seq.generator, seq.matcher, seq.min_tokens_stop_ids, seq.pooling_params,
+                    seq.token_type_ids))
             elif seq.block_table_changed_from is not None:
                 start = seq.block_table_changed_from
                 out.block_table_updates[seq.request_id] = (start, [table[start:] for table in seq.block_tables])

@@ -40,6 +40,7 @@ class CachedRequestState:
     # their hidden states; cls: the first token's), [hidden] float32.
     pooling_params: PoolingParams | None = None
     pooled: torch.Tensor | None = None
+    token_type_ids: np.ndarray | None = None  # [num_prompt_tokens] int64, for a model that reads them
 
     @property
     def block_table(self) -> list[int]:
@@ -133,7 +134,8 @@ class InputBatch:
         for new in sched.new_requests:
             self.rows[new.req_id] = CachedRequestState(
                 new.req_id, new.prompt_token_ids, new.output_token_ids, [list(t) for t in new.block_ids], new.params,
-                new.generator, new.matcher, new.min_tokens_stop_ids, pooling_params=new.pooling_params)
+                new.generator, new.matcher, new.min_tokens_stop_ids, pooling_params=new.pooling_params,
+                token_type_ids=new.token_type_ids)
         for req_id, (start, block_ids) in sched.block_table_updates.items():
             for table, tail in zip(self.rows[req_id].block_tables, block_ids, strict=True):
                 del table[start:]

@@ -9,6 +9,7 @@ backend runs the step.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -41,13 +42,16 @@ logger = logging.getLogger(__name__)
 
 class ModelRunner:
     def __init__(self, model_dir: Path, hf_config: object, resolved: ResolvedConfig,
-                 phases: StartupPhases | None = None) -> None:
+                 phases: StartupPhases | None = None, score_token_ids: tuple[int, ...] = ()) -> None:
         """Loads the weights, packs them and allocates the KV pool: phases times each (the
-        engine's start-up log; a runner built alone logs them too)."""
+        engine's start-up log; a runner built alone logs them too). score_token_ids: a causal LM
+        served for scores, the tokens whose logits its score head reads."""
         phases = phases or StartupPhases()
         config = resolved.config
         cls = model_class(hf_config.model_type, getattr(hf_config, "architectures", None))
         self.model_config = cls.config_from_hf(hf_config)
+        if score_token_ids:
+            self.model_config = dataclasses.replace(self.model_config, score_token_ids=score_token_ids)
         self.backend = select_backend(resolved, self.model_config)
         self.device, self.dtype, self.cache_dtype = self.backend.device, self.backend.dtype, self.backend.cache_dtype
         self.block_size = config.block_size
@@ -93,6 +97,9 @@ class ModelRunner:
         self.speculator = Speculator(proposer, self.sampler, config.speculative_max_batch,
                                      config.num_speculative_tokens) if proposer else None
         self._num_steps = 0
+        # A model that reads token types (a BERT cross-encoder) gets them with every forward;
+        # others never see the keyword, nor pay for building it.
+        self.uses_token_types = bool(getattr(self.model, "uses_token_types", False))
         groups = "" if self.kv_layout.is_single_group else (
             f", {self.kv_layout.num_groups} KV-cache groups of {self.kv_layout.group_size} layers (windows "
             f"{', '.join(str(w or 'full') for w in self.kv_layout.windows)})")
@@ -232,15 +239,35 @@ class ModelRunner:
             sample_rows += range(num_prefill_tokens, num_prefill_tokens + len(sched.decode_req_ids))
             sample_rows += [last_row[parent] for parent in sched.fork_parent_ids]  # forks: their parent's row
             rows_t = self._to_device(np.asarray(sample_rows, dtype=np.int64))
+        model_inputs = {}
+        if self.uses_token_types:
+            model_inputs["token_type_ids"] = self._token_type_ids(prefill_rows, sched, len(input_ids))
         out.prepare_time = time.perf_counter() - t0
-        hidden = self.backend.forward(self.model, input_ids, positions, attn, self.kv_caches)  # [T, hidden]
+        hidden = self.backend.forward(self.model, input_ids, positions, attn, self.kv_caches,
+                                      **model_inputs)  # [T, hidden]
         if prefill is not None:
             out.prompt_logprobs = prompt_logprobs(self.model, sched, prefill_rows, prefill.metas, hidden)
             if any(sched.prefill_is_pooling):
-                out.pooled_req_ids, out.embeddings = pool_prefill(sched, prefill_rows, prefill.metas, hidden)
+                out.pooled_req_ids, out.pooled = pool_prefill(sched, prefill_rows, prefill.metas, hidden,
+                                                              getattr(self.model, "score_head", None))
         if rows_t is not None and rows_t.numel() == 0:  # pooling chunks alone: no logits to make
             return hidden.new_empty((0, self.model_config.vocab_size), dtype=torch.float32)
         return self.model.compute_logits(hidden if rows_t is None else hidden[rows_t])
+
+    def _token_type_ids(self, prefill_rows: list[CachedRequestState], sched: SchedulerOutput,
+                        num_tokens: int) -> torch.Tensor | None:
+        """The step's token types aligned with its packed input ids, [num_tokens] int64: each
+        prefill chunk's slice of its prompt's types (0 where a request has none, and for the
+        verified and decoded rows after the chunks); None when no chunk has any."""
+        if not any(row.token_type_ids is not None for row in prefill_rows):
+            return None
+        types = np.zeros(num_tokens, dtype=np.int64)
+        offset = 0
+        for row, start, n in zip(prefill_rows, sched.prefill_num_computed, sched.prefill_num_tokens, strict=True):
+            if row.token_type_ids is not None:
+                types[offset : offset + n] = row.token_type_ids[start : start + n]
+            offset += n
+        return self._to_device(types)
 
     def _execute_backend_decode(self, sched: SchedulerOutput, rows: list[CachedRequestState], t0: float,
                                 out: RunnerOutput) -> tuple[torch.Tensor, list[int] | None]:

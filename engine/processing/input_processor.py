@@ -45,6 +45,27 @@ class InputProcessor:
         _check_encodable(prompt, "prompt")
         return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
 
+    def tokenize_texts(self, texts: list[str]) -> list[list[int]]:
+        """Each text's ids without special tokens, in one batch call."""
+        for text in texts:
+            _check_encodable(text, "prompt")
+        return self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+
+    def encode_pairs(self, pairs: list[tuple[str, str]], with_token_types: bool) -> list[tuple[list[int], list[int] | None]]:
+        """Each (text, text_pair)'s ids by the tokenizer's pair encoding (its special tokens and
+        separators: a cross-encoder's input), with the token types it assigns when asked (zeros
+        where the tokenizer has none), in one batch call."""
+        if not pairs:
+            return []
+        for first, second in pairs:
+            _check_encodable(first, "prompt")
+            _check_encodable(second, "prompt")
+        encoded = self.tokenizer([p[0] for p in pairs], [p[1] for p in pairs], return_token_type_ids=with_token_types)
+        ids = encoded["input_ids"]
+        if not with_token_types:
+            return [(row, None) for row in ids]
+        return list(zip(ids, encoded.get("token_type_ids") or [[0] * len(row) for row in ids], strict=True))
+
     def check_in_vocabulary(self, token_ids: Iterable[int], field: str) -> None:
         """FieldError naming field and the first id outside [0, vocab_size)."""
         bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)

@@ -41,7 +41,7 @@ class RequestState:
     num_emitted_chars: int = 0
     first_token_time: float | None = None
     last_token_time: float | None = None
-    task: str = "generate"  # embed: a pooling request (its one output carries the vector)
+    task: str = "generate"  # embed | score: a pooling request (its one output carries the vector or the scores)
 
     @property
     def text(self) -> str:
@@ -161,4 +161,5 @@ class OutputProcessor:
             new_token_ids=new_token_ids, new_text=new_text,
             finish_reason=reason.value if reason is not None else None, stop_reason=stop_reason,
             new_logprobs=logprobs, logprobs=state.output_logprobs if state.params.logprobs is not None else None,
-            metrics=metrics, error=error, embedding=update.embedding)
+            metrics=metrics, error=error, embedding=update.pooled if state.task == "embed" else None,
+            scores=update.pooled if state.task == "score" else None)

@@ -24,4 +24,4 @@ class SequenceUpdate:
     finished_time: float | None = None
     num_draft_tokens: int = 0  # speculative decoding, over the request so far
     num_accepted_tokens: int = 0
-    embedding: list[float] | None = None  # a pooling request's vector, as it finishes
+    pooled: list[float] | None = None  # a pooling request's output (vector or score logits), as it finishes

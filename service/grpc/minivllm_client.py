@@ -139,6 +139,12 @@ class InferenceClient:
         response = self.stub.Embed(request, timeout=self.timeout, metadata=self.metadata)
         return [list(e.values) for e in response.embeddings]
 
+    def score(self, query: str, documents: Sequence[str], instruction: str = "", request_id: str = "") -> list[float]:
+        """Each document's relevance to the query, in order (a score model's server)."""
+        request = pb.ScoreRequest(request_id=request_id, query=query, documents=list(documents),
+                                  instruction=instruction)
+        return list(self.stub.Score(request, timeout=self.timeout, metadata=self.metadata).scores)
+
     def close(self) -> None:
         self.channel.close()
 

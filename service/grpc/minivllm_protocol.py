@@ -5,13 +5,14 @@ import dataclasses
 import json
 from typing import Any
 
-from engine import FieldError, ModelInfo, PoolingParams, RequestOutput, SamplingParams
+from engine import FieldError, LimitExceededError, ModelInfo, PoolingParams, RequestOutput, SamplingParams
 from service.chat.output import ChoiceOutput
 from service.chat.tool_grammar import FunctionSpec
 from service.chat.tool_schema import parameters_problem
 from service.chat.tools import ToolRequest
 from service.grpc.sampling import SamplingMessage, sampling_params_from_message
 from service.pb import inference_pb2 as pb
+from service.score_prompts import MAX_DOCUMENTS, relevance_score
 from service.text_check import json_text_unencodable, unencodable_path
 
 # minivllm.v1 marks every field whose zero is a value of its own as optional: unset is the engine's default.
@@ -172,6 +173,25 @@ def pooling_params_from_proto(msg: pb.EmbedRequest) -> PoolingParams:
     return PoolingParams(pooling_type=msg.pooling_type or None,
                          normalize=msg.normalize if msg.HasField("normalize") else None,
                          dimensions=msg.dimensions or None)
+
+
+def score_pairs_from_proto(msg: pb.ScoreRequest) -> list[tuple[str, str]]:
+    """The query against each document, in order; FieldError names a bad field."""
+    if not msg.query:
+        raise FieldError("query", "must not be empty")
+    if not msg.documents:
+        raise FieldError("documents", "must not be empty")
+    if len(msg.documents) > MAX_DOCUMENTS:
+        raise LimitExceededError("documents", f"{len(msg.documents)} documents, at most {MAX_DOCUMENTS}")
+    empty = next((i for i, document in enumerate(msg.documents) if not document), None)
+    if empty is not None:
+        raise FieldError(f"documents[{empty}]", "must not be empty")
+    return [(msg.query, document) for document in msg.documents]
+
+
+def score_response(request_id: str, outputs: list[RequestOutput]) -> pb.ScoreResponse:
+    return pb.ScoreResponse(request_id=request_id, scores=[relevance_score(out.scores) for out in outputs],
+                            usage=pb.Usage(prompt_tokens=sum(len(out.prompt_token_ids) for out in outputs)))
 
 
 def embed_response(request_id: str, outputs: list[RequestOutput]) -> pb.EmbedResponse:

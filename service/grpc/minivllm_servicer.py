@@ -3,17 +3,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from types import MappingProxyType
 from typing import Any
 
 import grpc
 
-from engine import FieldError, LimitExceededError, RequestOutput, SamplingParams
+from engine import FieldError, LimitExceededError, PoolingParams, RequestOutput, SamplingParams
 from service.async_engine import AsyncEngine
 from service.chat.output import ChoiceOutput
 from service.chat.tools import ChatTools
-from service.embedding_batch import EmbeddingBatch, failed_output
 from service.grpc.generate_stream import Admitted, GenerateIds, call_info, generate_stream
 from service.grpc.minivllm_protocol import (
     add_parsed,
@@ -26,6 +25,8 @@ from service.grpc.minivllm_protocol import (
     pooling_params_from_proto,
     response_from_output,
     sampling_params_from_proto,
+    score_pairs_from_proto,
+    score_response,
     template_kwargs_from_proto,
     tools_from_proto,
 )
@@ -33,6 +34,8 @@ from service.grpc.status import admission_status, failed_output_status, serving_
 from service.observability.request_observer import RequestObserver
 from service.pb import inference_pb2 as pb
 from service.pb import inference_pb2_grpc as pb_grpc
+from service.pooling_batch import PoolingBatch, failed_output
+from service.score_prompts import score_prompts
 from service.serving_state import ServingState
 
 __all__ = ["InferenceServicer", "RequestObserver"]
@@ -157,17 +160,37 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                                    max_model_len=engine.model_info().max_model_len)
 
     async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
-        engine = await serving_engine(self.state, context, for_new_request=True, task="embed")
+        async def admit(engine: AsyncEngine, batch: PoolingBatch) -> None:
+            await batch.admit(pooling_params_from_proto(request), embed_inputs_from_proto(request), request.priority,
+                              lambda i: embed_input_field(request, i))
+
+        return await self._pooling_call(request, context, "embed", "embeddings", "Embed", admit, embed_response)
+
+    async def Score(self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
+        """Each document against the query as one score request (service/score_prompts.py puts the
+        pair together as the model reads it), as /rerank's are."""
+        async def admit(engine: AsyncEngine, batch: PoolingBatch) -> None:
+            prompts = await score_prompts(engine, score_pairs_from_proto(request), request.instruction or None)
+            await batch.admit(PoolingParams(task="score"), [p.token_ids for p in prompts], request.priority,
+                              lambda i: f"documents[{i}]", [p.token_type_ids for p in prompts])
+
+        return await self._pooling_call(request, context, "score", "rerank", "Score", admit, score_response)
+
+    async def _pooling_call(self, request: Any, context: grpc.aio.ServicerContext, task: str, operation: str,
+                            method: str, admit: Callable[[AsyncEngine, PoolingBatch], Awaitable[None]],
+                            response: Callable[[str, list[RequestOutput]], Any]) -> Any:
+        """One call's inputs as pooling requests of `task` (admit puts them in the batch), read to
+        their finals together and answered by response(request_id, outputs); a refusal's status
+        names the field, a failed input fails the call."""
+        engine = await serving_engine(self.state, context, for_new_request=True, task=task)
         ids = GenerateIds.of(engine, request.request_id)
-        handle = self.observer.start(ids.request_id, ids.engine_id, call_info("grpc", "embeddings", context, "Embed"),
+        handle = self.observer.start(ids.request_id, ids.engine_id, call_info("grpc", operation, context, method),
                                      None)
         status, message, outputs = grpc.StatusCode.OK, "", None
-        batch = EmbeddingBatch(engine, ids.engine_id)
+        batch = PoolingBatch(engine, ids.engine_id)
         try:
             try:
-                prompts = embed_inputs_from_proto(request)
-                await batch.admit(pooling_params_from_proto(request), prompts, request.priority,
-                                  lambda i: embed_input_field(request, i))
+                await admit(engine, batch)
             except Exception as exc:  # noqa: BLE001 - a refusal's status, or re-raised
                 status = admission_status(exc)
                 if status is None:
@@ -179,7 +202,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             if failed is not None:
                 status, message = failed_output_status(engine), failed.error or "engine error"
                 await context.abort(status, message)
-            return embed_response(ids.request_id, outputs)
+            return response(ids.request_id, outputs)
         except BaseException as exc:
             if status is grpc.StatusCode.OK:
                 status, message = grpc.StatusCode.CANCELLED, type(exc).__name__

@@ -24,6 +24,7 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15
 TOKEN_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
 FINISH_REASONS = ("stop", "length", "abort", "error")
+POOLING_TASKS = ("embed", "score")  # the pooling requests' tasks (RequestMetrics.task): prefill only
 
 
 class ServiceMetrics:
@@ -102,22 +103,24 @@ class ServiceMetrics:
                                             label + ["method"], registry=reg)
         self.spec_accepted_length = hist("minivllm_spec_decode_accepted_length",
                                          "Proposed tokens accepted per verification", TOKEN_BUCKETS[:6])
-        # Pooling requests (embeddings: prefill only, no output tokens) apart from generation's, so
-        # neither's latency and token histograms mix the two kinds of work.
+        # Pooling requests (embeddings and scores: prefill only, no output tokens) apart from
+        # generation's, so neither's latency and token histograms mix the two kinds of work; by task.
         self.pooling_finished = Counter("minivllm_pooling_requests_finished_total",
-                                        "Finished pooling (embedding) requests by finish reason",
-                                        label + ["finish_reason"], registry=reg)
+                                        "Finished pooling requests by task (embed, score) and finish reason",
+                                        label + ["task", "finish_reason"], registry=reg)
         self.pooling_prompt_tokens = Counter("minivllm_pooling_prompt_tokens_total",
-                                             "Prompt tokens of finished pooling (embedding) requests", label,
+                                             "Prompt tokens of finished pooling requests by task", label + ["task"],
                                              registry=reg)
         self.pooling_e2e = hist("minivllm_pooling_request_latency_seconds",
-                                "Arrival to finish of a pooling (embedding) request", LATENCY_BUCKETS)
+                                "Arrival to finish of a pooling request, by task", LATENCY_BUCKETS, ["task"])
         self.pooling_queue_time = hist("minivllm_pooling_request_queue_time_seconds",
-                                       "Arrival to first scheduled of a pooling (embedding) request", LATENCY_BUCKETS)
+                                       "Arrival to first scheduled of a pooling request, by task", LATENCY_BUCKETS,
+                                       ["task"])
         m = model_name
         for reason in FINISH_REASONS:  # every reason is a series from the start, even at zero
             self.finished.labels(m, reason)
-            self.pooling_finished.labels(m, reason)
+            for task in POOLING_TASKS:
+                self.pooling_finished.labels(m, task, reason)
         for phase in ("prefill", "decode", "mixed", "overhead"):
             self.step_duration.labels(m, phase)
 
@@ -164,12 +167,12 @@ class ServiceMetrics:
 
     def on_finished(self, req: RequestMetrics) -> None:
         m = self.model_name
-        if req.task == "embed":
-            self.pooling_finished.labels(m, req.finish_reason).inc()
-            self.pooling_prompt_tokens.labels(m).inc(req.num_prompt_tokens)
-            self.pooling_e2e.labels(m).observe(req.e2e_latency)
+        if req.task in POOLING_TASKS:
+            self.pooling_finished.labels(m, req.task, req.finish_reason).inc()
+            self.pooling_prompt_tokens.labels(m, req.task).inc(req.num_prompt_tokens)
+            self.pooling_e2e.labels(m, req.task).observe(req.e2e_latency)
             if req.queue_time is not None:
-                self.pooling_queue_time.labels(m).observe(req.queue_time)
+                self.pooling_queue_time.labels(m, req.task).observe(req.queue_time)
             return
         self.finished.labels(m, req.finish_reason).inc()
         self.prompt_tokens.labels(m).inc(req.num_prompt_tokens)

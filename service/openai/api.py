@@ -3,6 +3,7 @@
 Routes: POST /v1/completions, POST /v1/chat/completions (streamed as server-sent events or
 whole; tools and reasoning: service/chat/tools.py), POST /v1/responses with GET and DELETE
 /v1/responses/{id} (service/openai/responses_api.py), POST /v1/embeddings (service/openai/embeddings_api.py),
+POST /rerank (/v1/rerank, /v2/rerank) and /score (/v1/score) (service/openai/score_api.py),
 GET /v1/models, GET /health, and vLLM's POST /tokenize, POST /detokenize and GET
 /tokenizer_info (lm-evaluation-harness's remote tokenizer uses the three). Both front doors
 share the engine, the serving state (a drain or a dead engine refuses new calls on both), the
@@ -43,6 +44,8 @@ from service.openai.protocol import (
 from service.openai.request_checks import check_text, engine_field_names
 from service.openai.responses_api import ResponsesApi
 from service.openai.responses_protocol import ResponsesRequest
+from service.openai.score_api import ScoreApi
+from service.openai.score_protocol import RerankRequest, ScoreRequest
 from service.serving_state import EngineUnavailableError, ServingState, TaskNotServedError
 
 logger = logging.getLogger(__name__)
@@ -87,6 +90,7 @@ class OpenAIFrontDoor:
         self.chat_tools = chat_tools or ChatTools()
         self.responses = ResponsesApi(self, max_stored_responses)
         self.embeddings = EmbeddingsApi(self)
+        self.scores = ScoreApi(self)
         self.model_name = model_name
         self.observer = observer or RequestObserver()
         self.auth_tokens = list(auth_tokens or [])
@@ -167,6 +171,11 @@ class OpenAIFrontDoor:
         async def embeddings(body: EmbeddingRequest, request: Request) -> Any:
             return await self.embeddings.create(body, request)
 
+        for route in ("/rerank", "/v1/rerank", "/v2/rerank"):
+            app.post(route, dependencies=[auth])(self._rerank_route(route))
+        for route in ("/score", "/v1/score"):
+            app.post(route, dependencies=[auth])(self._score_route(route))
+
         @app.post("/v1/responses", dependencies=[auth])
         async def responses(body: ResponsesRequest, request: Request) -> Any:
             try:
@@ -217,6 +226,18 @@ class OpenAIFrontDoor:
                 raise _admission_error(exc) from exc
 
         return app
+
+    def _rerank_route(self, route: str) -> Any:
+        async def rerank(body: RerankRequest, request: Request) -> Any:
+            return await self.scores.create(body, request, route)
+
+        return rerank
+
+    def _score_route(self, route: str) -> Any:
+        async def score(body: ScoreRequest, request: Request) -> Any:
+            return await self.scores.create(body, request, route)
+
+        return score
 
     def _check_model(self, model: str | None) -> None:
         if model not in (None, "", self.model_name):

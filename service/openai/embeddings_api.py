@@ -16,10 +16,10 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from service.async_engine import EngineDeadError
-from service.embedding_batch import EmbeddingBatch, failed_output
 from service.observability.request_observer import CallInfo
 from service.openai.call import until_disconnected
 from service.openai.embeddings_protocol import EmbeddingRequest
+from service.pooling_batch import PoolingBatch, failed_output
 from service.serving_state import EngineUnavailableError
 
 ROUTE = "/v1/embeddings"
@@ -40,7 +40,7 @@ class EmbeddingsApi:
             prompts = body.inputs()
             params = body.pooling_params()
             engine = door.state.ready_engine(task="embed")
-            batch = EmbeddingBatch(engine, request_id)
+            batch = PoolingBatch(engine, request_id)
             await batch.admit(params, prompts, body.priority, lambda i: body.input_field(i, len(prompts)))
         except (ValueError, EngineDeadError, EngineUnavailableError, door.api_error) as exc:
             error = exc if isinstance(exc, door.api_error) else door.admission_error(exc)

@@ -82,9 +82,10 @@ class Backend:
         each layer's KV-cache group, whose block tables it reads."""
 
     def forward(self, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """input_ids, positions: [T] -> hidden: [T, hidden]."""
-        return model(input_ids, positions, attn, kv_caches)
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], **model_inputs: torch.Tensor | None) -> torch.Tensor:
+        """input_ids, positions: [T] -> hidden: [T, hidden]. model_inputs: what a model reads beyond
+        them, as keywords of its forward (token_type_ids [T] for a model with uses_token_types)."""
+        return model(input_ids, positions, attn, kv_caches, **model_inputs)
 
     def decode_logits(self, token_ids: list[int], block_tables: list[list[list[int]]], context_lens: list[int],
                       with_argmax: bool) -> tuple[torch.Tensor, list[int] | None]:

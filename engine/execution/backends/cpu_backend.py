@@ -135,10 +135,10 @@ class CpuBackend(Backend):
             self.fused.bind_decode(kv_caches, block_size, layer_group)
 
     def forward(self, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        if attn.is_fused:
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], **model_inputs: torch.Tensor | None) -> torch.Tensor:
+        if attn.is_fused and not model_inputs:  # the fused layers are the Llama family's: no other inputs
             return self.fused.forward(input_ids, positions, attn, kv_caches)
-        return model(input_ids, positions, attn, kv_caches)
+        return model(input_ids, positions, attn, kv_caches, **model_inputs)
 
     def decode_logits(self, token_ids: list[int], block_tables: list[list[list[int]]], context_lens: list[int],
                       with_argmax: bool) -> tuple[torch.Tensor, list[int] | None]:

@@ -24,6 +24,7 @@ from engine.execution.attention import AttentionMetadata, attention, write_kv
 from engine.execution.models.layers import Linear, RMSNorm, rotate_half
 from engine.execution.models.model_config import ModelConfig
 from engine.execution.models.moe import SparseMoe
+from engine.processing.pooling_params import PoolingType
 
 # Checkpoint projection -> (our fused projection, its shard index).
 _STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -103,6 +104,9 @@ class LlamaForCausalLM(nn.Module):
     #: Added to every norm weight at load: Gemma's norms scale by (1 + weight), which the
     #: float32 weights hold once added (the same rounding as transformers' per-step sum).
     NORM_WEIGHT_OFFSET = 0.0
+    #: Where score_head reads: the last token's state, as transformers' *ForSequenceClassification
+    #: of a decoder pools (its last non-padding token).
+    score_pooling_type = PoolingType.LAST
 
     @classmethod
     def config_from_hf(cls, hf: Any) -> ModelConfig:
@@ -118,13 +122,16 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # A sequence classifier's head (a plain nn.Linear: the backends pack only the Linear
+        # projections, and [num_labels, hidden] is too small to gain from it).
+        self.score = nn.Linear(cfg.hidden_size, cfg.num_labels, bias=False) if cfg.num_labels else None
         # cos / sin of every position per rope, made on first use on the device the forward runs
         # on: a plain attribute, not a buffer, so model.to(bfloat16) leaves it (and the
         # frequencies it is made from) in float32.
         self.rope_tables: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         # False for a base model's checkpoint without an untied LM head (sentence-transformers saves
         # Qwen3-Embedding-8B so): it embeds, it cannot generate (its lm_head is zeros).
-        self.has_lm_head = True
+        self.has_lm_head = not cfg.num_labels  # a classifier's checkpoint holds its score head instead
         for p in self.parameters():
             p.requires_grad_(False)
 
@@ -175,6 +182,20 @@ class LlamaForCausalLM(nn.Module):
         # hidden: [N, hidden] -> logits: [N, vocab] in fp32 for the sampler
         return self.lm_head.forward_float(hidden)
 
+    def score_head(self, pooled: torch.Tensor) -> torch.Tensor:
+        """pooled: [n, hidden] final-normed states of each request's last token -> raw logits
+        [n, num_labels] float32: the classifier's `score` projection, or the LM head's logits of
+        config.score_token_ids (of two, the second's minus the first's: its sigmoid is the
+        softmax over the pair's probability of the second, as Qwen3-Reranker's card computes)."""
+        if self.score is not None:
+            return F.linear(pooled.to(self.score.weight.dtype), self.score.weight).float()
+        token_ids = self.config.score_token_ids
+        if not token_ids:
+            raise RuntimeError("this model has no score head (not a sequence classifier, and no score tokens)")
+        logits = self.compute_logits(pooled)  # [n, vocab] float32
+        chosen = logits[:, list(token_ids)]  # [n, len(token_ids)]
+        return chosen[:, 1:] - chosen[:, :1] if len(token_ids) == 2 else chosen
+
     def _shard_sizes(self, fused: str) -> list[int]:
         cfg = self.config
         if fused == "qkv_proj":
@@ -187,8 +208,10 @@ class LlamaForCausalLM(nn.Module):
         expected = {}
         for name in dict(self.named_parameters()):  # a tied lm_head is not listed again
             parts = name.split(".")
+            if name == "lm_head.weight" and self.score is not None:
+                continue  # a classifier's checkpoint has its score head instead
             if parts[0] != "layers":
-                expected[name] = f"model.{name}" if name != "lm_head.weight" else name
+                expected[name] = f"model.{name}" if name not in ("lm_head.weight", "score.weight") else name
                 continue
             layer, module, kind = parts[1], parts[2], parts[-1]
             if module == "moe":
@@ -264,6 +287,8 @@ class LlamaForCausalLM(nn.Module):
             dest.copy_(tensor)
             loaded.add(key)
         missing = [hf for key, hf in expected.items() if key not in loaded]
+        if self.score is not None and not self.config.tie_word_embeddings:
+            self.lm_head.weight.data.zero_()  # not in the checkpoint: never read, but not left as noise
         if missing == ["lm_head.weight"] and is_base_model:
             self.has_lm_head = False
             self.lm_head.weight.data.zero_()

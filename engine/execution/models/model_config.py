@@ -66,8 +66,13 @@ class ModelConfig:
     # An encoder (BERT): bidirectional attention over the whole prompt, so a prompt cannot be
     # split over steps and keeps no KV after its step; None for every decoder.
     encoder: EncoderConfig | None = None
-    # A sequence classifier's outputs (a cross-encoder's score head); 0 for every other model.
+    # A reranker's score head (`score_head`, on the pooled final-normed state): a sequence
+    # classifier's projection of num_labels rows (a decoder's `score.weight` in place of an LM head
+    # on its last token; a BERT cross-encoder's pooler and classifier on its [CLS]), or, for a
+    # causal LM served with --task score, the LM head's logits of score_token_ids (Qwen3-Reranker's
+    # no, yes: one label, logit(yes) - logit(no)).
     num_labels: int = 0
+    score_token_ids: tuple[int, ...] = ()
 
     @property
     def is_causal(self) -> bool:
@@ -115,8 +120,14 @@ class ModelConfig:
             ropes=ropes,
             layer_ropes=layer_ropes,
             sliding_windows=_sliding_windows(hf),
+            num_labels=hf.num_labels if is_sequence_classifier(hf) else 0,
             **family,
         )
+
+
+def is_sequence_classifier(hf: Any) -> bool:
+    """The checkpoint is a *ForSequenceClassification (a cross-encoder or a converted reranker)."""
+    return any(name.endswith("ForSequenceClassification") for name in getattr(hf, "architectures", None) or ())
 
 
 def _sliding_windows(hf: Any) -> tuple[int | None, ...]:

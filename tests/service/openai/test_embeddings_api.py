@@ -147,16 +147,16 @@ def test_pooling_metrics_apart_from_generation(server: ServerThread, client: ope
     def value(name: str, **labels: str) -> float:
         return server.metrics.registry.get_sample_value(name, {"model_name": MODEL, **labels}) or 0.0
 
-    before = (value("minivllm_pooling_requests_finished_total", finish_reason="stop"),
-              value("minivllm_pooling_prompt_tokens_total"),
-              value("minivllm_pooling_request_latency_seconds_count"),
+    before = (value("minivllm_pooling_requests_finished_total", task="embed", finish_reason="stop"),
+              value("minivllm_pooling_prompt_tokens_total", task="embed"),
+              value("minivllm_pooling_request_latency_seconds_count", task="embed"),
               value("minivllm_requests_finished_total", finish_reason="stop"))
     result = client.embeddings.create(model=MODEL, input=TEXTS)
     # the step's stats reach the listeners on the engine thread, beside the outputs' delivery
-    assert poll(lambda: value("minivllm_pooling_request_latency_seconds_count") - before[2] >= len(TEXTS), 10)
-    after = (value("minivllm_pooling_requests_finished_total", finish_reason="stop"),
-             value("minivllm_pooling_prompt_tokens_total"),
-             value("minivllm_pooling_request_latency_seconds_count"),
+    assert poll(lambda: value("minivllm_pooling_request_latency_seconds_count", task="embed") - before[2] >= len(TEXTS), 10)
+    after = (value("minivllm_pooling_requests_finished_total", task="embed", finish_reason="stop"),
+             value("minivllm_pooling_prompt_tokens_total", task="embed"),
+             value("minivllm_pooling_request_latency_seconds_count", task="embed"),
              value("minivllm_requests_finished_total", finish_reason="stop"))
     assert after[0] - before[0] == len(TEXTS)
     assert after[1] - before[1] == result.usage.prompt_tokens
