@@ -62,7 +62,6 @@ class PackedSequences:
     longest prompt; key_mask: [B, 1, 1, L] True on real keys; valid: [B, L] True on real
     positions, row-major in packed order. All None with one sequence (no padding)."""
 
-    num_tokens: int
     index: torch.Tensor | None = None
     key_mask: torch.Tensor | None = None
     valid: torch.Tensor | None = None
@@ -77,13 +76,13 @@ class PackedSequences:
             raise RuntimeError("an encoder runs whole prompts only: the step has decode rows or a chunk after "
                                "cached tokens")
         if len(metas) == 1:
-            return cls(num_tokens)
+            return cls()
         starts = torch.tensor([m.query_start for m in metas], dtype=torch.int64)
         lengths = torch.tensor([m.query_len for m in metas], dtype=torch.int64)
         offsets = torch.arange(int(lengths.max()), dtype=torch.int64)
         valid = offsets.unsqueeze(0) < lengths.unsqueeze(1)  # [B, L]
         index = torch.where(valid, starts.unsqueeze(1) + offsets, 0)
-        return cls(num_tokens, index.to(device), valid[:, None, None, :].to(device), valid.to(device))
+        return cls(index.to(device), valid[:, None, None, :].to(device), valid.to(device))
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """q, k, v: [T, H, D] -> [T, H, D]: each prompt's tokens attend to all of its own, none of
@@ -153,6 +152,7 @@ class BertModel(nn.Module):
         return ModelConfig(
             model_type=hf.model_type, vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
             intermediate_size=hf.intermediate_size, num_layers=num_layers, num_heads=num_heads,
+            # rms_norm_eps: the norms' epsilon (LayerNorms here)
             num_kv_heads=num_heads, head_dim=hf.hidden_size // num_heads, rms_norm_eps=hf.layer_norm_eps,
             # the prompt's longest length: the table's rows past the offset
             max_position_embeddings=hf.max_position_embeddings - encoder.position_offset, tie_word_embeddings=False,
