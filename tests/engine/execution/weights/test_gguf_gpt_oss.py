@@ -130,13 +130,13 @@ def test_quantization_auto_serves_the_float_file_token_exact(reference: list[lis
     assert _generate(llm) == reference
 
 
-@pytest.mark.parametrize(("family", "outtype", "expert_type"), [("gpt-oss-mxfp4", "f32", T.MXFP4),
-                                                               ("gpt-oss", "q8_0", T.Q8_0)],
+@pytest.mark.parametrize(("family", "outtype", "expert_type", "attention_type"),
+                         [("gpt-oss-mxfp4", "f32", T.MXFP4, None), ("gpt-oss", "q8_0", T.Q8_0, T.Q8_0)],
                          ids=["mxfp4-experts", "q8_0"])
-def test_a_block_file_serves_its_experts_as_blocks(family: str, outtype: str, expert_type: T,
+def test_a_block_file_serves_its_experts_as_blocks(family: str, outtype: str, expert_type: T, attention_type: T | None,
                                                    dequantized: Callable[[str, str], LLM]) -> None:
     """Every layer's experts are the file's blocks on the experts op (with their biases), no float
-    expert tensor left; teacher-forced on the dequantized file's greedy answers, log-probabilities
+    expert tensor left, its attention projections the file's blocks (or float panels) with their biases; teacher-forced on the dequantized file's greedy answers, log-probabilities
     within the Q8_0 file's bounds of that file's (measured: median 0.06 and largest 1.1 nats with
     MXFP4 experts, 0.19 and 1.9 with every projection in Q8_0: the kernels' int8 activations are the
     only rounding added); greedy answers repeat, and do not depend on the batch."""
@@ -146,6 +146,10 @@ def test_a_block_file_serves_its_experts_as_blocks(family: str, outtype: str, ex
         pytest.skip("quantization auto keeps GGUF blocks only with the C++ kernels")
     model = blocks.engine.runner.model
     for layer in model.layers:
+        for projection in (layer.qkv_proj, layer.o_proj):
+            panels = projection.panels
+            assert (panels.quant_type if isinstance(panels, QuantizedWeight) else None) == attention_type
+            assert panels.bias is not None
         experts = layer.moe.experts
         assert isinstance(experts, PackedExperts)
         for panels in experts.gate_up_panels + experts.down_panels:
