@@ -5,8 +5,7 @@ models/moe.py's torch Experts loop, on real layer shapes with random weights:
     flock -x /tmp/minivllm-bench.lock python -m bench.moe_experts --shapes qwen3-30b-a3b --rows 1 --isa avx2
 
 - qwen3-30b-a3b: H 2048, I 768, 128 experts, 8 a token, in Q4_K;
-- gpt-oss-20b: H 2880, I 2880, 32 experts, 4 a token, in Q8_0 and Q4_0 (the file's MXFP4 has no
-  kernel yet).
+- gpt-oss-20b: H 2880, I 2880, 32 experts, 4 a token, in MXFP4 (its files' experts), Q8_0 and Q4_0.
 Each call routes its rows to random experts (distinct per row), drawn anew each call from all E
 experts, so a call's experts are mostly out of the caches as in a model's step (E experts' blocks
 are many times the last-level cache). A row prints the median seconds per call, the bytes of the
@@ -37,7 +36,7 @@ from engine.execution.weights.quantized_weight import QuantizedWeight
 logger = logging.getLogger(__name__)
 T = GGMLQuantizationType
 # name: (hidden, intermediate, experts, experts per token, block types)
-SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8, [T.Q4_K]), "gpt-oss-20b": (2880, 2880, 32, 4, [T.Q8_0, T.Q4_0])}
+SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8, [T.Q4_K]), "gpt-oss-20b": (2880, 2880, 32, 4, [T.MXFP4, T.Q8_0, T.Q4_0])}
 
 
 def random_routes(num_rows: int, k: int, num_experts: int, rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,6 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from engine.config import default_cache_dir
@@ -135,6 +136,44 @@ def build_gpt_oss_checkpoint(path: Path, seed: int = 0) -> Path:
     return _save_random_checkpoint(config, tokenizer, path, seed)
 
 
+def openai_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [..., K] (K a multiple of 32) as OpenAI's MXFP4 checkpoint tensors: blocks [..., K / 32, 16]
+    uint8 (two E2M1 codes a byte, the even k in the low nibble) and scales [..., K / 32] uint8 (E8M0
+    exponents, 2^(e - 127)). The codes and exponents are the gguf package's MXFP4 quantization of
+    weight, moved from ggml's block (the exponent, then k and k + 16 in a byte's low and high nibble)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    *lead, k = weight.shape
+    ggml = quantize(weight.float().reshape(-1, k).numpy(), GGMLQuantizationType.MXFP4).reshape(*lead, k // 32, 17)
+    qs = ggml[..., 1:]
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # [..., 32]: the block's k in order
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return torch.from_numpy(np.ascontiguousarray(blocks)), torch.from_numpy(np.ascontiguousarray(ggml[..., 0]))
+
+
+def build_gpt_oss_mxfp4_checkpoint(path: Path, seed: int = 0) -> Path:
+    """build_gpt_oss_checkpoint's model with its experts' weights in MXFP4 as OpenAI released gpt-oss:
+    mlp.experts.gate_up_proj_blocks / _scales ([E, 2I, H / 32, ...]: the rows transformers' [E, H, 2I]
+    holds as columns, gate and up alternating) and down_proj_blocks / _scales ([E, H, I / 32, ...]),
+    quantization_config mxfp4; the rest (biases included) as before. llama.cpp's converter keeps
+    such experts' blocks as GGUF MXFP4 (it writes no MXFP4 from float weights)."""
+    from safetensors.torch import load_file, save_file
+
+    build_gpt_oss_checkpoint(path, seed)
+    state = load_file(str(path / "model.safetensors"))
+    for name in [n for n in state if n.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))]:
+        blocks, scales = openai_mxfp4(state.pop(name).transpose(1, 2))  # [E, out, in]: a row per output
+        state[f"{name}_blocks"], state[f"{name}_scales"] = blocks, scales
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4",
+                                     "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                                "model.embed_tokens", "lm_head"]}
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
 def build_qwen3moe_checkpoint(path: Path, seed: int = 0) -> Path:
     """A 2-layer Qwen3-MoE (both layers sparse, as llama.cpp's qwen3moe runs every layer: 8 experts
     of width 32, 2 a token, their weights renormalised as the released checkpoints and llama.cpp do)
@@ -205,7 +244,8 @@ def field_gguf(family: str, outtype: str) -> tuple[Path, Path]:
     file's path and time, so a change there must come with new files, or a test would meet the
     old code's config and tokenizer."""
     builders = {"qwen3": build_qwen3_checkpoint, "qwen3moe": build_qwen3moe_checkpoint,
-                "gemma3": build_gemma3_checkpoint, "gpt-oss": build_gpt_oss_checkpoint}
+                "gemma3": build_gemma3_checkpoint, "gpt-oss": build_gpt_oss_checkpoint,
+                "gpt-oss-mxfp4": build_gpt_oss_mxfp4_checkpoint}
     key = hashlib.sha256(b"".join(path.read_bytes() for path in _KEYED_SOURCES)).hexdigest()[:12]
     root = default_cache_dir() / "field-gguf" / key
     root.mkdir(parents=True, exist_ok=True)

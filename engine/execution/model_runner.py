@@ -34,7 +34,6 @@ from engine.execution.speculative.speculator import Speculator
 from engine.execution.startup_phases import KV_CACHE_ALLOCATION, PACKING, WARM_UP, WEIGHT_LOADING, StartupPhases
 from engine.execution.weights.checkpoint import gguf_path, iter_weights
 from engine.execution.weights.gguf_file import GGUFFile
-from engine.execution.weights.gguf_loader import hf_float_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -57,10 +56,8 @@ class ModelRunner:
         self.block_size = config.block_size
         self.batch = InputBatch()
         with phases.phase(WEIGHT_LOADING):
-            if resolved.quantization is Quantization.GGUF and self.backend.gguf:
+            if resolved.quantization is Quantization.GGUF:
                 self.model = self.backend.load_gguf_model(cls, GGUFFile(gguf_path(config.model)))
-            elif resolved.quantization is Quantization.GGUF:  # a family the block kernels do not run (gpt-oss)
-                self.model = self.backend.load_model(cls, hf_float_tensors(GGUFFile(gguf_path(config.model))))
             else:
                 self.model = self.backend.load_model(cls, iter_weights(model_dir))
         with phases.phase(PACKING):

@@ -53,13 +53,9 @@ class CpuBackend(Backend):
         max_fused = config.max_fused_tokens
         if max_fused is None:
             max_fused = default_max_fused_tokens(dtype, self.isa, self.quantized or self.gguf)
-        if model_config.attn_sinks:  # gpt-oss
-            if self.quantized:
-                raise ValueError(f"quantization: int8 is not tested on {model_config.model_type} (attention sinks); "
-                                 "use quantization none")
-            if self.gguf:  # its experts' biases are not read from blocks yet: the file's values in float32
-                logger.info("%s: the GGUF file's blocks are dequantized to float32", model_config.model_type)
-                self.gguf = False
+        if model_config.attn_sinks and self.quantized:  # gpt-oss
+            raise ValueError(f"quantization: int8 is not tested on {model_config.model_type} (attention sinks); "
+                             "use quantization none")
         self.panel_dtype = torch.int8 if self.quantized else dtype if kernels is not None and max_fused > 0 else None
         # Steps of up to max_panel_rows rows multiply on the panels (the fused layers, or each
         # PackedLinear alone where there are none).

@@ -24,7 +24,7 @@ _VISION_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.", "visi
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
-    NORM_NAMES = {"post_attention_layernorm": "pre_feedforward_layernorm",
+    PART_NAMES = {"post_attention_layernorm": "pre_feedforward_layernorm",
                   "attn_output_norm": "post_attention_layernorm", "mlp_output_norm": "post_feedforward_layernorm"}
     NORM_WEIGHT_OFFSET = 1.0
 

@@ -99,8 +99,9 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    #: Our layer-norm module -> the checkpoint's name for it, where they differ (Gemma's).
-    NORM_NAMES: dict[str, str] = {}
+    #: A layer's norm (or other part beyond Llama's) -> the checkpoint's name for it, where they
+    #: differ (Gemma's norms, gpt-oss's sinks).
+    PART_NAMES: dict[str, str] = {}
     #: Added to every norm weight at load: Gemma's norms scale by (1 + weight), which the
     #: float32 weights hold once added (the same rounding as transformers' per-step sum).
     NORM_WEIGHT_OFFSET = 0.0
@@ -225,7 +226,7 @@ class LlamaForCausalLM(nn.Module):
             elif module in _HF_MODULE:
                 expected[name] = f"{prefix}.{module}.{kind}"
             else:  # norms, and what a family's layer holds beyond Llama's (sinks, a sparse MLP's parts)
-                expected[name] = ".".join(["model.layers", layer, self.NORM_NAMES.get(module, module), *parts[3:]])
+                expected[name] = ".".join(["model.layers", layer, self.PART_NAMES.get(module, module), *parts[3:]])
         return expected
 
     def _moe_weights(self, name: str, layer: int) -> dict[str, str]:
@@ -239,11 +240,12 @@ class LlamaForCausalLM(nn.Module):
     def _shard(self, param_name: str, dest: torch.Tensor, shard: int) -> torch.Tensor:
         """The slice of parameter `param_name` (its data: dest) that checkpoint shard `shard` fills:
         q, k, v or gate, up of a fused projection; of stacked experts, expert e's gate rows (shard
-        2e) and up rows (2e + 1) of gate_up [E, 2I, H], its down [H, I] (shard e) of down [E, H, I]."""
-        if param_name.endswith("experts.gate_up"):
-            num_experts, rows, cols = dest.shape
-            return dest.view(2 * num_experts, rows // 2, cols)[shard]
-        if param_name.endswith("experts.down"):
+        2e) and up rows (2e + 1) of gate_up [E, 2I, H], its down [H, I] (shard e) of down [E, H, I],
+        and their biases' likewise (gate_up_bias [E, 2I], down_bias [E, H])."""
+        if param_name.endswith(("experts.gate_up", "experts.gate_up_bias")):
+            num_experts, rows, *cols = dest.shape
+            return dest.view(2 * num_experts, rows // 2, *cols)[shard]
+        if param_name.endswith(("experts.down", "experts.down_bias")):
             return dest[shard]
         sizes = self._shard_sizes(param_name.split(".")[2])
         start = sum(sizes[:shard])

@@ -59,6 +59,26 @@ def gated(gate_up: torch.Tensor, cfg: MoeConfig) -> torch.Tensor:
     return (up + 1) * (gate * torch.sigmoid(gate * cfg.swiglu_alpha))
 
 
+# A stacked experts parameter -> each expert's projections in a checkpoint that names them one by
+# one (Hugging Face's mlp.experts.N.gate_proj.weight ...), in the shards' order: expert e's gate
+# (shard 2e) and up (2e + 1) rows of gate_up, its down (shard e).
+_PER_EXPERT = {"gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
+
+
+def per_expert_names(param: str, experts_prefix: str, num_experts: int) -> dict[str, str]:
+    """Stacked parameter `param` (...experts.gate_up, .down, .gate_up_bias or .down_bias) -> its
+    shard keys (param#shard) and each expert's checkpoint tensor under experts_prefix
+    (model.layers.N.mlp.experts): expert e's gate and up for gate_up's shards 2e and 2e + 1, its
+    down for down's shard e; weights or biases as the parameter is."""
+    stacked = param.rpartition(".")[2]
+    kind = "bias" if stacked.endswith("_bias") else "weight"
+    projections = _PER_EXPERT.get(stacked.removesuffix("_bias"))
+    if projections is None:
+        raise ValueError(f"model: {param!r} is not a stacked experts parameter")
+    return {f"{param}#{len(projections) * e + s}": f"{experts_prefix}.{e}.{proj}.{kind}"
+            for e in range(num_experts) for s, proj in enumerate(projections)}
+
+
 class Experts(nn.Module):
     """E gated MLPs stacked; forward runs each token through its k routed experts."""
 

@@ -24,7 +24,7 @@ import torch
 
 from engine.execution.models.llama import LlamaForCausalLM
 from engine.execution.models.model_config import ModelConfig
-from engine.execution.models.moe import MoeConfig
+from engine.execution.models.moe import MoeConfig, per_expert_names
 
 _FUSED_EXPERTS = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)(\.weight)?$")
 
@@ -69,12 +69,8 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
         part = name.split(".", 3)[3]  # router.weight, experts.gate_up or experts.down
         if part == "router.weight":
             return {name: f"{prefix}.gate.weight"}
-        num_experts = self.config.moe.num_experts
-        if part == "experts.gate_up":
-            return {f"{name}#{2 * e + s}": f"{prefix}.experts.{e}.{proj}.weight"
-                    for e in range(num_experts) for s, proj in enumerate(("gate_proj", "up_proj"))}
-        if part == "experts.down":
-            return {f"{name}#{e}": f"{prefix}.experts.{e}.down_proj.weight" for e in range(num_experts)}
+        if part in ("experts.gate_up", "experts.down"):
+            return per_expert_names(name, f"{prefix}.experts", self.config.moe.num_experts)
         raise ValueError(f"model: Qwen3-MoE has no parameter {name!r}")
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

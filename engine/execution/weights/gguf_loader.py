@@ -10,9 +10,11 @@ The caller builds the model on the meta device (no float copy of a projection is
   type without kernels) it is requantized once to Q8_0, the closest type the kernels share,
   with a log line naming it and why;
 - a mixture-of-experts layer's stacked experts (ffn_gate_exps / ffn_up_exps / ffn_down_exps, [E, ...])
-  are split by expert; where they are blocks each expert gets QuantizedWeights of its own
-  (`experts.quantized_gate_up`: its gate rows then its up rows; `experts.quantized_down`), the
-  stacked float parameters left on the meta device; the router (ffn_gate_inp) is a Linear as any;
+  are split by expert; where they are blocks (Qwen3-MoE's K-quants, gpt-oss's MXFP4) each expert
+  gets QuantizedWeights of its own (`experts.quantized_gate_up`: its gate rows then its up rows;
+  `experts.quantized_down`), the stacked float parameters left on the meta device, no float copy
+  made; their biases (gpt-oss's, float in the file) become the experts' float bias parameters;
+  the router (ffn_gate_inp, with gpt-oss's bias) is a Linear as any;
 - a quantized embedding keeps its blocks too (`embed_tokens.quantized`), and so does a tied LM
   head, which reads the same QuantizedWeight;
 - every other tensor (norms, float projections, types without kernels, which GGUFFile has
@@ -22,11 +24,13 @@ Tensor names are mapped from llama.cpp's (blk.N.attn_q ...) to Hugging Face's, p
 pre_feedforward_layernorm), and the model's own `_expected_weights` says which tensors it needs: a
 missing or unknown one fails naming it.
 
-gpt-oss files are read as float (hf_float_tensors, for the dequantized path; MXFP4 and other
-expert blocks dequantized by the gguf package): llama.cpp's converter splits transformers' experts
-into ffn_gate_exps / ffn_up_exps [E, I, H] (the interleaved gate and up columns taken apart) and
-ffn_down_exps [E, H, I], with biases; they are put back into transformers' layout
-(mlp.experts.gate_up_proj [E, H, 2I] interleaved, down_proj [E, I, H]).
+gpt-oss's experts: llama.cpp's converter splits transformers' into ffn_gate_exps / ffn_up_exps
+[E, I, H] (the interleaved gate and up columns taken apart) and ffn_down_exps [E, H, I], with
+biases, so they load as any file's. For quantization none, whose conversion to a safetensors
+directory reads other families' files with transformers (which fails on gpt-oss's),
+hf_float_tensors reads a gpt-oss file as float32 (blocks dequantized by the gguf package) in
+transformers' layout: gate and up put back together (mlp.experts.gate_up_proj [E, H, 2I]
+interleaved, down_proj [E, I, H]).
 
 Gemma 3's RMSNorms scale by (1 + w); llama.cpp's converter stores every one of its norm weights
 (the layers', the query / key norms and the final one) with the 1 already added. They are set on
@@ -68,10 +72,10 @@ _ARCH_LAYER_NAMES = {
     "gemma3": _LAYER_NAMES | _QK_NORMS | {"post_attention_norm": "post_attention_layernorm",
                                           "ffn_norm": "pre_feedforward_layernorm",
                                           "post_ffw_norm": "post_feedforward_layernorm"},
-    "gpt-oss": _LAYER_NAMES | {"post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks",
-                               "ffn_gate_inp": "mlp.router"},
+    "gpt-oss": _LAYER_NAMES | _EXPERTS | {"post_attention_norm": "post_attention_layernorm",
+                                          "attn_sinks": "self_attn.sinks", "ffn_gate_inp": "mlp.router"},
 }
-# gpt-oss's experts: llama.cpp's stacked tensors -> transformers' (hf_float_tensors joins gate and up).
+# gpt-oss's experts as hf_float_tensors joins them into transformers' tensors.
 _GPT_OSS_EXPERTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 # Tensors some files carry that the model computes itself (llama 3's RoPE frequencies).
 _IGNORED = ("rope_freqs.weight",)
@@ -272,12 +276,14 @@ def _load_experts(model: nn.Module, module_name: str, experts: nn.Module,
                   parts: Callable[[str], list[GGUFTensor]]) -> None:
     """The experts' weights: where the file has blocks, one QuantizedWeight per expert
     (`quantized_gate_up`: its gate rows then its up rows, as a dense gate_up_proj;
-    `quantized_down`), the float parameters left on the meta device; else float parameters."""
+    `quantized_down`), the float parameters left on the meta device; else float parameters.
+    Their biases (gpt-oss's), float32 [E, 2I] (each expert's gate's, then its up's) and [E, H]."""
     gate_up, down = parts(f"{module_name}.gate_up"), parts(f"{module_name}.down")  # gate_0, up_0, gate_1, ...; down_e
     num_experts, hidden = experts.gate_up.shape[0], experts.gate_up.shape[2]
     for kind in ("gate_up_bias", "down_bias"):
         if getattr(experts, kind, None) is not None:
-            raise ValueError(f"model: GGUF experts with biases ({module_name}.{kind}) are not read yet")
+            rows = [_float(t) for t in parts(f"{module_name}.{kind}")]  # gate_up: gate_0, up_0, gate_1, ...
+            _set_parameter(model, f"{module_name}.{kind}", torch.cat(rows).view(num_experts, -1))
     if any(t.is_blocks for t in gate_up + down):
         experts.quantized_gate_up = [_quantized(f"{module_name}[{e}].gate_up", gate_up[2 * e : 2 * e + 2], hidden, None,
                                                 can_mix=False)

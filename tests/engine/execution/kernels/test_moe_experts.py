@@ -1,8 +1,8 @@
 """The C++ MoE experts op (PackedExperts) against models/moe.py's torch Experts on random shapes:
-float32 panels within 1e-5 of it, bfloat16 and int8 panels and GGUF blocks (Q4_0, Q8_0, Q4_K, Q6_K)
-against their dequantized float weights, both activations, with and without biases, on every SIMD
-path this CPU runs (scalar, AVX2 forced on AVX-512 machines, AVX-512). An unrouted expert's panels
-are never read: filled with NaN, the output stays finite."""
+float32 panels within 1e-5 of it, bfloat16 and int8 panels and GGUF blocks (Q4_0, Q8_0, Q4_K, Q6_K
+and gpt-oss's MXFP4) against their dequantized float weights, both activations, with and without
+biases, on every SIMD path this CPU runs (scalar, AVX2 forced on AVX-512 machines, AVX-512). An
+unrouted expert's panels are never read: filled with NaN, the output stays finite."""
 from __future__ import annotations
 
 import numpy as np
@@ -148,7 +148,7 @@ def _quantized_experts(cfg: MoeConfig, hidden: int, quant_type: T, seed: int) ->
     return reference, loaded
 
 
-@pytest.mark.parametrize("quant_type", [T.Q4_0, T.Q8_0, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("quant_type", [T.Q4_0, T.Q8_0, T.Q4_K, T.Q6_K, T.MXFP4], ids=lambda t: t.name)
 @pytest.mark.parametrize("activation", ["silu", "swiglu_oai"])
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 @pytest.mark.parametrize("route", [(1, 4), (3, 2), (17, 3)], ids=lambda r: "T{}-k{}".format(*r))
