@@ -82,11 +82,17 @@ def _gguf_cache_key(path: Path) -> str:
 
 def _is_stale(entry: Path) -> bool:
     """Whether a cache entry's GGUF file is gone or has changed since (so no key will find it
-    again), or the entry predates the record of its source or is of another format."""
+    again), or the entry predates the record of its source or is of an older format. A newer
+    format's entry is left to the newer code that made it (two versions sharing a cache would
+    otherwise remove each other's entries at every conversion)."""
     try:
         source = json.loads((entry / _SOURCE_FILE).read_text())
         path = Path(source["path"])
-        return not path.is_file() or _gguf_source(path) != source
+        if not path.is_file():
+            return True
+        current = _gguf_source(path)
+        is_changed = any(source[key] != current[key] for key in ("path", "size", "mtime_ns"))
+        return is_changed or source.get("format", 1) < _CACHE_FORMAT
     except (OSError, ValueError, KeyError):
         return True
 

@@ -50,14 +50,21 @@ def test_a_written_recipe_reads_back(tmp_path: Path, pooling_type: PoolingType, 
     assert json.loads((tmp_path / "1_Pooling" / "config.json").read_text())["word_embedding_dimension"] == 64
 
 
-def test_an_entry_of_an_older_format_is_stale(tmp_path: Path) -> None:
-    """Entries made before the pooling recipe was written lack it: another key, and pruned."""
+def test_an_entry_of_an_older_format_is_stale_a_newer_ones_is_kept(tmp_path: Path) -> None:
+    """Entries made before the pooling recipe was written lack it: another key, and pruned. A newer
+    format's entry (a newer version sharing the cache) is kept while its file is unchanged."""
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
     entry = tmp_path / "entry"
     entry.mkdir()
     source = checkpoint._gguf_source(gguf)
-    (entry / "source.json").write_text(json.dumps(source))
-    assert not checkpoint._is_stale(entry)
-    (entry / "source.json").write_text(json.dumps({k: v for k, v in source.items() if k != "format"}))
-    assert checkpoint._is_stale(entry)
+
+    def is_stale(record: dict) -> bool:
+        (entry / "source.json").write_text(json.dumps(record))
+        return checkpoint._is_stale(entry)
+
+    assert not is_stale(source)
+    assert is_stale({k: v for k, v in source.items() if k != "format"})
+    assert is_stale(source | {"format": source["format"] - 1})
+    assert not is_stale(source | {"format": source["format"] + 1})
+    assert is_stale(source | {"format": source["format"] + 1, "size": 5})
