@@ -89,9 +89,24 @@ def gemma3_1b_config(**overrides: object) -> object:
     return Gemma3TextConfig(**options)
 
 
+def qwen3_30b_a3b_config(**overrides: object) -> object:
+    """Qwen3-30B-A3B's shape (every layer sparse: 128 experts of 768, 8 active, renormalised);
+    overrides (num_hidden_layers=24 for the first half, smaller sizes for tests)."""
+    from transformers import Qwen3MoeConfig
+
+    options = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                   num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                   num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+                   mlp_only_layers=[], max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                   rope_parameters={"rope_type": "default", "rope_theta": 1e6}, bos_token_id=1, eos_token_id=2,
+                   architectures=["Qwen3MoeForCausalLM"])
+    return Qwen3MoeConfig(**options | overrides)
+
+
 # family -> (config, the norms hold weight - 1, tokenizer writer name)
 FAMILIES: dict[str, tuple[Callable[..., object], bool, str]] = {
     "qwen3-4b": (qwen3_4b_config, False, "bpe"),
+    "qwen3-30b-a3b": (qwen3_30b_a3b_config, False, "bpe"),
     "gemma3-1b": (gemma3_1b_config, True, "sentencepiece"),
 }
 
@@ -228,6 +243,8 @@ def main() -> None:
     parser.add_argument("--mix", default="Q4_K_M", choices=sorted(_LLAMA_FTYPES), help="llama.cpp's quantization mix")
     parser.add_argument("--work-dir", default=None, help="where the intermediates go (default: beside --out)")
     parser.add_argument("--keep-intermediates", action="store_true")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="the first N layers only (the 30B-A3B shape's 24 of 48 where memory is short)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -235,7 +252,8 @@ def main() -> None:
     work = Path(args.work_dir) if args.work_dir else out.parent
     model_dir, bf16 = work / f"{args.family}-shape-hf", work / f"{args.family}-shape-bf16.gguf"
     try:
-        write_checkpoint(args.family, model_dir, args.seed)
+        overrides = {} if args.layers is None else {"num_hidden_layers": args.layers}
+        write_checkpoint(args.family, model_dir, args.seed, **overrides)
         convert(Path(args.converter), model_dir, bf16)
         if not args.keep_intermediates:
             shutil.rmtree(model_dir)

@@ -11,6 +11,11 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
+
+# Run as a script, this file's folder (bench/) leads sys.path, and its bench/kernels package would
+# stand in for the `kernels` package transformers probes for: drop it.
+sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 
 def main() -> None:

@@ -29,6 +29,7 @@ from engine.core.scheduler_output import SchedulerOutput
 from engine.core.sequence import Sequence
 from engine.errors import FieldError, QueueFullError, RequestIdInUseError
 from engine.execution.model_runner import ModelRunner
+from engine.execution.models import model_class
 from engine.execution.models.model_config import is_sequence_classifier
 from engine.execution.resolved_config import resolve_config
 from engine.execution.startup_phases import TOKENIZER, PhaseListener, StartupPhases
@@ -81,7 +82,9 @@ class LLMEngine:
         # serve. The engine itself runs embedding requests on any model, score requests on one with
         # a score head: a sequence classifier's, or a causal LM's label tokens (--task score).
         pooler_config = load_pooler_config(self.model_dir)
-        self.pooler_config = pooler_config or PoolerConfig()
+        # Without one: the family's own position (an encoder's [CLS], a decoder's last token).
+        family = model_class(hf_config.model_type, getattr(hf_config, "architectures", None))
+        self.pooler_config = pooler_config or PoolerConfig(getattr(family, "default_pooling_type", PoolingType.LAST))
         self.is_classifier = is_classifier = is_sequence_classifier(hf_config)
         self.task = config.task if config.task != "auto" else "score" if is_classifier else \
             "embed" if pooler_config is not None else "generate"
@@ -105,10 +108,13 @@ class LLMEngine:
                 "a base model's weights, as sentence-transformers saves an embedder: it can only embed; " \
                 "serve it with --task embed"
             raise ValueError(f"{self.model_dir} has no LM head ({what})")
+        # An encoder (bidirectional attention) runs each prompt whole in one step and keeps no K/V
+        # after it: no prefix to reuse, no chunks.
+        self.is_causal = self.runner.model_config.is_causal
         # Prefix-cache events are recorded only while someone subscribes (subscribe_kv_events).
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size,
-                                          config.enable_prefix_caching, config.watermark, is_recording_events=False,
-                                          windows=self.runner.kv_layout.windows)
+                                          config.enable_prefix_caching and self.is_causal, config.watermark,
+                                          is_recording_events=False, windows=self.runner.kv_layout.windows)
         self._num_kv_event_subscribers = 0
         # A sequence must fit the pool even with the admission watermark held back, or it
         # could wait forever.
@@ -118,15 +124,21 @@ class LLMEngine:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {max_positions} "
                              "positions (max_position_embeddings)")
         model_len = config.max_model_len or max_positions
+        context_note = ""
+        if not self.is_causal and config.max_num_batched_tokens < model_len:
+            # an encoder's prompt cannot be split: it must fit one step's token budget
+            model_len = config.max_num_batched_tokens
+            context_note = (f" (max_num_batched_tokens: an encoder's prompt runs whole in one step; the model's "
+                            f"max_position_embeddings is {max_positions})")
         # A chunk's blocks are held whole by every group (a window group's too): without chunking
         # a prompt is one chunk.
-        max_chunk = config.max_num_batched_tokens if config.enable_chunked_prefill else model_len
+        max_chunk = config.max_num_batched_tokens if config.enable_chunked_prefill and self.is_causal else model_len
         self.max_model_len = min(model_len, self.block_manager.max_context_len(usable_blocks, max_chunk))
         self.vocab_size = self.runner.model_config.vocab_size
         self.eos_token_ids = load_eos_token_ids(self.model_dir, hf_config, output_tokenizer)
         self.input_processor = InputProcessor(input_tokenizer, self.vocab_size, self.max_model_len, config,
-                                              self.eos_token_ids)
-        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
+                                              self.eos_token_ids, context_note)
+        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, can_chunk_prefill=self.is_causal)
         self.output_processor = OutputProcessor(self._decode_ids)
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
         self._ids = itertools.count()
@@ -175,7 +187,8 @@ class LLMEngine:
             raise RuntimeError("reconfigure needs an idle engine")
         self.config = dataclasses.replace(self.config, **changes)  # validates
         cost_model = self.scheduler.cost_model  # what was learned about this machine still holds
-        self.scheduler = Scheduler(self.config, self.block_manager, self.max_model_len)
+        self.scheduler = Scheduler(self.config, self.block_manager, self.max_model_len,
+                                   can_chunk_prefill=self.is_causal)
         self.scheduler.cost_model = cost_model
 
     # ---- the facade the service uses (any thread unless said) ---------------------------

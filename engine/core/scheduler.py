@@ -40,10 +40,14 @@ from engine.processing.structured_output import GrammarExecutor
 class Scheduler:
     BURST_QUEUE_SLACK = TimeBudget.BURST_QUEUE_SLACK
 
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int = sys.maxsize) -> None:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int = sys.maxsize,
+                 can_chunk_prefill: bool = True) -> None:
+        """can_chunk_prefill: False for a model whose attention is bidirectional (an encoder): each
+        prompt is then prefilled whole in one step, never split by the token or time budget."""
         self.config = config
         self.block_manager = block_manager
         self.max_model_len = max_model_len
+        self.can_chunk_prefill = can_chunk_prefill
         self.requests: dict[str, Sequence] = {}  # every unfinished request, by id
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []  # in admission order: oldest first
@@ -179,7 +183,7 @@ class Scheduler:
             if budget <= 0 or len(plan.scheduled) >= cfg.max_num_seqs:
                 break
             num_new = self.time_budget.fit(plan.out, seq.num_computed_tokens, self._chunk(seq, budget, bool(plan.prefills)),
-                                           time_left, not plan.prefills, plan.pays_setup)
+                                           time_left, not plan.prefills, plan.pays_setup, self.can_chunk_prefill)
             if num_new == 0 or not self._make_room(seq, num_new, plan):
                 break
             time_left -= self.cost_model.chunk_cost(num_new, seq.num_computed_tokens, plan.pays_setup)
@@ -192,7 +196,7 @@ class Scheduler:
             if seq.num_preemptions == 0:
                 seq.num_cached_prompt_tokens = seq.num_computed_tokens
             num_new = self.time_budget.fit(plan.out, seq.num_computed_tokens, self._chunk(seq, budget, bool(plan.prefills)),
-                                           time_left, not plan.prefills, plan.pays_setup)
+                                           time_left, not plan.prefills, plan.pays_setup, self.can_chunk_prefill)
             if num_new == 0 or not self.block_manager.allocate(seq, num_new, is_new=True):
                 # Head of line stays at the head: skipping it would starve long prompts.
                 self.block_manager.free(seq)
@@ -332,10 +336,12 @@ class Scheduler:
         remaining = seq.num_uncomputed_tokens
         if remaining <= budget:
             return remaining
-        if self.config.enable_chunked_prefill:
+        if self.config.enable_chunked_prefill and self.can_chunk_prefill:
             return budget
         # Without chunking a prompt over the budget runs whole, alone with the decodes:
-        # the stall the chunked mode exists to avoid (kept for the benchmark's comparison).
+        # the stall the chunked mode exists to avoid (kept for the benchmark's comparison). An
+        # encoder's prompts never exceed the budget (the engine's context is at most it): one
+        # that does not fit what is left waits for the next step.
         return 0 if has_prefill else remaining
 
     def _add_prefill(self, plan: StepPlan, seq: Sequence, num_new: int) -> int:

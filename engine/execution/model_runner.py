@@ -48,7 +48,7 @@ class ModelRunner:
         served for scores, the tokens whose logits its score head reads."""
         phases = phases or StartupPhases()
         config = resolved.config
-        cls = model_class(hf_config.model_type)
+        cls = model_class(hf_config.model_type, getattr(hf_config, "architectures", None))
         self.model_config = cls.config_from_hf(hf_config)
         if score_token_ids:
             self.model_config = dataclasses.replace(self.model_config, score_token_ids=score_token_ids)
@@ -70,14 +70,23 @@ class ModelRunner:
         self.kv_layout = KVCacheLayout.of(mc.sliding_windows, config.enable_hybrid_kv_cache,
                                           config.max_model_len or mc.max_position_embeddings)
         with phases.phase(KV_CACHE_ALLOCATION):
-            # sized after packing: on a GPU the pool takes what the weights leave
-            self.num_kv_blocks = config.num_kv_blocks or max(1, self.backend.kv_cache_bytes() // self._block_bytes)
-            # One pool for all layers: [group_size, k/v, slots, kv_heads, head_dim], tensor p holding
-            # layer p of every KV-cache group (all layers with one group), and the null block past
-            # the usable ones where a window group releases blocks.
-            num_slots = (self.num_kv_blocks + self.kv_layout.has_null_block) * self.block_size
-            self.kv_cache = self.backend.allocate_kv_cache(
-                (self.kv_layout.group_size, 2, num_slots, mc.num_kv_heads, mc.head_dim))
+            if mc.is_causal:
+                # sized after packing: on a GPU the pool takes what the weights leave
+                self.num_kv_blocks = config.num_kv_blocks or max(1, self.backend.kv_cache_bytes() // self._block_bytes)
+                # One pool for all layers: [group_size, k/v, slots, kv_heads, head_dim], tensor p holding
+                # layer p of every KV-cache group (all layers with one group), and the null block past
+                # the usable ones where a window group releases blocks.
+                num_slots = (self.num_kv_blocks + self.kv_layout.has_null_block) * self.block_size
+                self.kv_cache = self.backend.allocate_kv_cache(
+                    (self.kv_layout.group_size, 2, num_slots, mc.num_kv_heads, mc.head_dim))
+            else:
+                # An encoder keeps no K/V after its step: its blocks only count a step's tokens for
+                # admission, so they take no memory (an empty pool: a write to it would fail loudly).
+                # Enough for two full steps of whole prompts, each wasting at most a block's tail.
+                self.num_kv_blocks = config.num_kv_blocks or 2 * (
+                    -(-config.max_num_batched_tokens // self.block_size) + config.max_num_seqs)
+                self.kv_cache = torch.empty((self.kv_layout.group_size, 2, 0, mc.num_kv_heads, mc.head_dim),
+                                            dtype=self.cache_dtype, device=self.device)
             self.kv_caches = [(self.kv_cache[p, 0], self.kv_cache[p, 1]) for p in self.kv_layout.layer_slot]
             self.backend.bind_kv_cache(self.model, self.kv_caches, self.block_size, self.kv_layout.layer_group)
         if self.backend.has_warm_up:

@@ -26,10 +26,13 @@ class InputProcessor:
     here can run on a worker thread without sharing one (not thread-safe) tokenizer."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, config: EngineConfig,
-                 eos_token_ids: frozenset[int] = frozenset()) -> None:
+                 eos_token_ids: frozenset[int] = frozenset(), context_note: str = "") -> None:
+        """context_note: why the context is max_model_len, where that is not the model's plain
+        length (an encoder's prompt must fit one step), said when a prompt does not fit."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.context_note = context_note
         self.config = config
         self.grammar = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
         self.max_token_chars = max_token_chars(tokenizer)
@@ -176,8 +179,8 @@ class InputProcessor:
             self.grammar.compile(params.structured_output)
         if len(token_ids) > self.max_model_len - (not is_pooling):  # a pooling request generates nothing
             raise PromptTooLongError("prompt", f"{len(token_ids)} tokens do not fit the context of "
-                                     f"{self.max_model_len} tokens" + ("" if is_pooling else
-                                                                       " (at least one must be generated)"))
+                                     f"{self.max_model_len} tokens{self.context_note}" + (
+                                         "" if is_pooling else " (at least one must be generated)"))
         if params.max_tokens is not None and len(token_ids) + params.max_tokens > self.max_model_len:
             raise LimitExceededError("max_tokens", f"the prompt's {len(token_ids)} tokens + {{0}} "
                                      f"{params.max_tokens} exceed the context of {self.max_model_len} tokens",

@@ -64,15 +64,18 @@ class CpuBackend(Backend):
         # Steps of up to max_panel_rows rows multiply on the panels (the fused layers, or each
         # PackedLinear alone where there are none).
         self.max_panel_rows = max_fused if self.panel_dtype is not None else 0
-        # The fused layers and the one-call decode step know dense MLPs without attention sinks: a
-        # model with experts or sinks runs every step through its modules, its projections and
-        # experts (PackedExperts, the MoeExperts op) still on the panels.
+        # The fused layers and the one-call decode step know causal decoders with dense MLPs and no
+        # attention sinks: a model with experts or sinks, or an encoder (BERT: bidirectional, no
+        # KV cache), runs every step through its modules, its projections and experts
+        # (PackedExperts, the MoeExperts op) still on the panels.
         self.is_moe = model_config.moe is not None or model_config.attn_sinks
-        if self.is_moe:
-            logger.info("model with mixture-of-experts layers or attention sinks: the CPU backend runs every step "
-                        "through the model's modules (panel or oneDNN projections, the experts' op), not its "
-                        "fused layers")
-        self.max_fused_tokens = 0 if self.is_moe else self.max_panel_rows
+        self.is_encoder = not model_config.is_causal
+        self.can_fuse = not (self.is_moe or self.is_encoder)
+        if not self.can_fuse:
+            kind = "an encoder" if self.is_encoder else "a model with mixture-of-experts layers or attention sinks"
+            logger.info("%s: the CPU backend runs every step through the model's modules (panel or oneDNN "
+                        "projections%s), not its fused layers", kind, "" if self.is_encoder else ", the experts' op")
+        self.max_fused_tokens = self.max_panel_rows if self.can_fuse else 0
         self.max_decode_rows = self.max_fused_tokens
         # oneDNN's copy of the weights only where some step runs the torch path.
         is_every_step_fused = self.panel_dtype is not None and max_fused == sys.maxsize
@@ -104,7 +107,7 @@ class CpuBackend(Backend):
                     # (int8 panels would round the embedding, so int8 keeps it.)
                     model.embed_tokens = PanelEmbedding(model.lm_head, self.dtype)
                     model.lm_head.drop_weight()
-                if not self.is_moe:
+                if self.can_fuse:
                     self.fused = FusedModel(model, self.kernels, self.isa)
         release_free_memory()  # the plain weights the packing replaced
 
@@ -115,7 +118,7 @@ class CpuBackend(Backend):
             place_on_huge_pages([m.panels for m in packed])
         pack_moe_experts(model, self.dtype, self.kernels, self.isa, self.config.enable_huge_pages)
         model.embed_tokens = embedding_of(model, self.dtype, self.kernels)
-        if not self.is_moe:
+        if self.can_fuse:
             self.fused = FusedModel(model, self.kernels, self.isa)
 
     def allocate_kv_cache(self, shape: tuple[int, ...]) -> torch.Tensor:
@@ -143,6 +146,7 @@ class CpuBackend(Backend):
 
     def describe(self) -> str:
         isa = next(name for name, value in ISAS.items() if value == self.isa) if self.kernels else "no C++ kernels"
-        fused = ("no fused steps (mixture of experts)" if self.is_moe else "every step fused"
+        fused = ("no fused steps (encoder)" if self.is_encoder else "no fused steps (mixture of experts)"
+                 if self.is_moe else "every step fused"
                  if self.max_fused_tokens == sys.maxsize else f"fused steps up to {self.max_fused_tokens} tokens")
         return f"{super().describe()}, {isa}, {fused}"

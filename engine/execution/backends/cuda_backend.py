@@ -58,6 +58,8 @@ class CudaBackend(Backend):
                       block_size: int, layer_group: tuple[int, ...]) -> None:
         if self.config.enforce_eager:
             return
+        if not self.model_config.is_causal:  # an encoder never decodes: whole prompts, eager
+            return
         if self.model_config.moe is not None:
             # models/moe.py's experts group their rows on the host (a sync a layer no graph can
             # capture): mixture-of-experts models run eager until a device-side expert kernel exists.

@@ -18,6 +18,16 @@ class Rope:
     scale: float
 
 
+@dataclass(frozen=True, slots=True)
+class EncoderConfig:
+    """What a BERT-family encoder adds to the shared facts: learned absolute positions (RoBERTa's
+    start past its padding id) and segment (token type) embeddings. Its attention is
+    bidirectional over the whole prompt."""
+
+    type_vocab_size: int
+    position_offset: int = 0  # the first token's position id (RoBERTa: padding_idx + 1)
+
+
 @dataclass(slots=True)
 class ModelConfig:
     model_type: str
@@ -53,12 +63,22 @@ class ModelConfig:
     # gpt-oss: a learned logit per query head that joins each softmax's denominator (a "sink" the
     # head can put weight on instead of any key), held by the layer as `sinks` [num_heads].
     attn_sinks: bool = False
-    # A reranker's score head (`score_head`, on the last token's final-normed state): a sequence
-    # classifier's `score` projection of num_labels rows (its checkpoint's `score.weight`, in place
-    # of an LM head), or, for a causal LM served with --task score, the LM head's logits of
-    # score_token_ids (Qwen3-Reranker's no, yes: one label, logit(yes) - logit(no)).
+    # An encoder (BERT): bidirectional attention over the whole prompt, so a prompt cannot be
+    # split over steps and keeps no KV after its step; None for every decoder.
+    encoder: EncoderConfig | None = None
+    # A reranker's score head (`score_head`, on the pooled final-normed state): a sequence
+    # classifier's projection of num_labels rows (a decoder's `score.weight` in place of an LM head
+    # on its last token; a BERT cross-encoder's pooler and classifier on its [CLS]), or, for a
+    # causal LM served with --task score, the LM head's logits of score_token_ids (Qwen3-Reranker's
+    # no, yes: one label, logit(yes) - logit(no)).
     num_labels: int = 0
     score_token_ids: tuple[int, ...] = ()
+
+    @property
+    def is_causal(self) -> bool:
+        """Whether a token attends only to those before it: a prompt may then be prefilled in
+        chunks (and its K/V reused); an encoder's cannot."""
+        return self.encoder is None
 
     def is_moe_layer(self, layer_index: int) -> bool:
         return self.moe is not None and self.moe_layers[layer_index]
