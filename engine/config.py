@@ -73,7 +73,8 @@ class EngineConfig:
                              "(serve /rerank and /score: a cross-encoder's or reranker's score of each query and "
                              "document pair) | auto (score when config.json's architectures name a "
                              "*ForSequenceClassification, embed when the model directory has sentence-transformers' "
-                             "modules.json with a Pooling module, else generate); vLLM's --task / --runner pooling")
+                             "modules.json with a Pooling module or a .gguf file a pooling_type of mean, cls or "
+                             "last, else generate); vLLM's --task / --runner pooling")
     score_label_tokens: str | None = _opt(None, "task score on a causal LM (Qwen3-Reranker): the label tokens "
                                                 "whose logits score a pair, comma-separated; two: the second's "
                                                 "logit minus the first's, one: its logit; unset: no,yes "

@@ -1,4 +1,5 @@
-"""GGUF files as the field writes them: tiny random Hugging Face checkpoints of Qwen3, Qwen3-MoE and Gemma 3,
+"""GGUF files as the field writes them: tiny random Hugging Face checkpoints of Qwen3, Qwen3-MoE and Gemma 3
+(and a Qwen3 embedder as sentence-transformers saves one: the converter writes its pooling_type),
 with the tokenizers their real repositories ship (Qwen2's byte-level BPE, Gemma's SentencePiece
 model), converted by llama.cpp's own convert_hf_to_gguf.py (from llama-cpp-python's sdist, run
 unchanged in a subprocess).
@@ -35,7 +36,8 @@ from tests.tiny_model import _CORPUS
 
 LLAMA_CPP = Path("vendor/llama.cpp")  # in the unpacked sdist
 _WEIGHTS = Path(__file__).parent.parent / "engine" / "execution" / "weights"
-_KEYED_SOURCES = (Path(__file__), _WEIGHTS / "checkpoint.py", _WEIGHTS / "gguf_config.py", _WEIGHTS / "gguf_file.py")
+_KEYED_SOURCES = (Path(__file__), _WEIGHTS / "checkpoint.py", _WEIGHTS / "gguf_config.py", _WEIGHTS / "gguf_file.py",
+                  _WEIGHTS / "pooling_config.py")
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")
 
 
@@ -115,6 +117,35 @@ def build_qwen3_checkpoint(path: Path, tie_word_embeddings: bool = False, seed: 
                          eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
                          pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"))
     return _save_random_checkpoint(config, tokenizer, path, seed)
+
+
+def build_qwen3_embedder_checkpoint(path: Path, seed: int = 0) -> Path:
+    """A 2-layer Qwen3 embedder as sentence-transformers saves one (Qwen3-Embedding's layout: the
+    base model's weights, tied embeddings, modules.json, last-token pooling, Normalize), of hidden
+    size 64 with heads 32 wide and the real Qwen tokenizer without a chat template
+    (sentence-transformers renders a text through one where the tokenizer has it)."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3Model
+
+    tokenizer = AutoTokenizer.from_pretrained(str(qwen2_tokenizer_dir()))
+    tokenizer.chat_template = None
+    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
+                         rms_norm_eps=1e-6, tie_word_embeddings=True,
+                         bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+                         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+                         pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"))
+    torch.manual_seed(seed)
+    model = Qwen3Model(config)
+    _random_weights(model, seed, norm_center=1.0, embed_std=1.0)
+    base = path.with_name(path.name + "-base")
+    model.save_pretrained(str(base))
+    tokenizer.save_pretrained(str(base))
+    transformer = Transformer(str(base))
+    modules = [transformer, Pooling(transformer.get_embedding_dimension(), pooling_mode="lasttoken"), Normalize()]
+    SentenceTransformer(modules=modules, device="cpu").save(str(path))
+    return path
 
 
 def build_gpt_oss_checkpoint(path: Path, seed: int = 0) -> Path:
@@ -243,9 +274,9 @@ def field_gguf(family: str, outtype: str) -> tuple[Path, Path]:
     and of the code that reads GGUF metadata: the engine caches what it derives from a file by the
     file's path and time, so a change there must come with new files, or a test would meet the
     old code's config and tokenizer."""
-    builders = {"qwen3": build_qwen3_checkpoint, "qwen3moe": build_qwen3moe_checkpoint,
-                "gemma3": build_gemma3_checkpoint, "gpt-oss": build_gpt_oss_checkpoint,
-                "gpt-oss-mxfp4": build_gpt_oss_mxfp4_checkpoint}
+    builders = {"qwen3": build_qwen3_checkpoint, "qwen3-embed": build_qwen3_embedder_checkpoint,
+                "qwen3moe": build_qwen3moe_checkpoint, "gemma3": build_gemma3_checkpoint,
+                "gpt-oss": build_gpt_oss_checkpoint, "gpt-oss-mxfp4": build_gpt_oss_mxfp4_checkpoint}
     key = hashlib.sha256(b"".join(path.read_bytes() for path in _KEYED_SOURCES)).hexdigest()[:12]
     root = default_cache_dir() / "field-gguf" / key
     root.mkdir(parents=True, exist_ok=True)

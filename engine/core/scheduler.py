@@ -178,7 +178,7 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens - num_decode_tokens
         has_decodes = bool(plan.decodes or plan.verifies)
         time_left = self.time_budget.allowance(plan.out, plan.cost_features() if has_decodes else None,
-                                               len(self.waiting), len(self.running))
+                                               self._num_generating(self.waiting), self._num_generating(self.running))
         for seq in [s for s in prefilling if s.status is SequenceStatus.RUNNING]:
             if budget <= 0 or len(plan.scheduled) >= cfg.max_num_seqs:
                 break
@@ -214,6 +214,11 @@ class Scheduler:
         out = plan.to_output(self._removed_req_ids, self.block_manager, self.cost_model)
         self._removed_req_ids = []
         return out
+
+    @staticmethod
+    def _num_generating(seqs: list[Sequence]) -> int:
+        """The generation requests among seqs (pooling requests never join the decode batch)."""
+        return sum(not seq.is_pooling for seq in seqs)
 
     def _add_verifications(self, plan: StepPlan, budget: int) -> int:
         """Turn scheduled decodes that have proposals into verifications, with what the plain

@@ -27,8 +27,10 @@ class TimeBudget:
         """Seconds of this step the prefill chunks may take: unbounded unless sequences decode
         (then the streams wait for the whole step, so it is held to the step-time target).
         decode_features: the cost model's features of the step's decodes and verifications (a
-        verification is a short chunk to it), None when nothing decodes. Sets the value's
-        budget_source and step_time_target when it holds the step."""
+        verification is a short chunk to it), None when nothing decodes. num_waiting,
+        num_running: the generation requests waiting and running (a burst's measure; pooling
+        requests are not counted, see below). Sets the value's budget_source and
+        step_time_target when it holds the step."""
         cfg = self.config
         if not (cfg.enable_time_budget and cfg.enable_chunked_prefill and decode_features is not None):
             return float("inf")
@@ -49,6 +51,9 @@ class TimeBudget:
         # streams doubled the target, and those steps were the streams' worst gaps. Not a
         # floor on the batch instead (counting a batch as at least 8 streams): while a served
         # burst ramps up (3-4 streams, 28 behind them) that held the target to about half.
+        # Pooling requests (embeddings, scores) are no part of a burst: they never join the batch,
+        # so they buy it no throughput, and twelve embeddings queued beside 8 streams had slowed
+        # every stream's steps past the promised step_time_ratio (by 1 + (12 - 3) / 8).
         backlog = 1.0 + max(0, num_waiting - self.BURST_QUEUE_SLACK) / max(1, num_running)
         target = cfg.max_step_ms / 1e3 if cfg.max_step_ms is not None else cfg.step_time_ratio * pace * backlog
         out.budget_source, out.step_time_target = "time", target

@@ -25,6 +25,8 @@ import torch
 
 from engine.config import DEFAULT_MODEL_NAME, default_cache_dir
 from engine.execution.startup_phases import CONVERSION, MODEL_FETCH, StartupPhases, timed
+from engine.execution.weights.pooling_config import write_pooler_config
+from engine.processing.pooling_params import PoolerConfig
 
 if TYPE_CHECKING:
     from engine.execution.weights.gguf_file import GGUFFile
@@ -59,26 +61,38 @@ def gguf_path(model: str | None, phases: StartupPhases | None = None) -> Path:
 
 _SOURCE_FILE = "source.json"
 _MAX_TMP_AGE_S = 3600.0
+# What an entry holds, by version: 2 added an embedding file's pooling recipe (modules.json). An
+# entry of another version is another key's, and stale (pruned), so no file is served from an
+# entry that lacks what this code writes.
+_CACHE_FORMAT = 2
 
 
 def _gguf_source(path: Path) -> dict[str, Any]:
-    """What a cache entry was made from: the GGUF file's resolved path, size and modification time."""
+    """What a cache entry was made from: the GGUF file's resolved path, size and modification time,
+    and the entry's format."""
     stat = path.stat()
-    return {"path": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    return {"path": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "format": _CACHE_FORMAT}
 
 
 def _gguf_cache_key(path: Path) -> str:
     source = _gguf_source(path)
-    return hashlib.sha256(f"{source['path']}:{source['size']}:{source['mtime_ns']}".encode()).hexdigest()[:16]
+    text = f"{source['path']}:{source['size']}:{source['mtime_ns']}:{source['format']}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _is_stale(entry: Path) -> bool:
     """Whether a cache entry's GGUF file is gone or has changed since (so no key will find it
-    again), or the entry predates the record of its source."""
+    again), or the entry predates the record of its source or is of an older format. A newer
+    format's entry is left to the newer code that made it (two versions sharing a cache would
+    otherwise remove each other's entries at every conversion)."""
     try:
         source = json.loads((entry / _SOURCE_FILE).read_text())
         path = Path(source["path"])
-        return not path.is_file() or _gguf_source(path) != source
+        if not path.is_file():
+            return True
+        current = _gguf_source(path)
+        is_changed = any(source[key] != current[key] for key in ("path", "size", "mtime_ns"))
+        return is_changed or source.get("format", 1) < _CACHE_FORMAT
     except (OSError, ValueError, KeyError):
         return True
 
@@ -166,11 +180,12 @@ def convert_gguf(gguf: Path, target: Path) -> None:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    from engine.execution.weights.gguf_config import gguf_config
+    from engine.execution.weights.gguf_config import gguf_config, gguf_pooler_config
     from engine.execution.weights.gguf_file import GGUFFile
 
     logger.info("converting %s to safetensors in %s (once)", gguf, target)
     file = GGUFFile(gguf)  # a truncated file or an unsupported architecture fails here, naming the problem
+    pooler = gguf_pooler_config(file)
     config = gguf_config(file)
     tokenizer = _gguf_tokenizer(file)
     if file.architecture == "gpt-oss":  # transformers 5.25's GGUF reader fails on gpt-oss files
@@ -186,21 +201,23 @@ def convert_gguf(gguf: Path, target: Path) -> None:
         state.pop("lm_head.weight", None)
     _write_model_dir(target, config, _generation_config(file, config), tokenizer,
                      lambda tmp: save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"}),
-                     source=_gguf_source(gguf))
+                     source=_gguf_source(gguf), pooler=pooler)
 
 
 def write_gguf_metadata(gguf: Path, target: Path) -> None:
-    """A GGUF file's config, generation config and tokenizer (with its chat template) as an HF
-    directory without weights (atomically): transformers reads them from the file's metadata."""
+    """A GGUF file's config, generation config, tokenizer (with its chat template) and pooling
+    recipe (an embedding file's) as an HF directory without weights (atomically): transformers
+    reads the first three from the file's metadata."""
 
-    from engine.execution.weights.gguf_config import gguf_config
+    from engine.execution.weights.gguf_config import gguf_config, gguf_pooler_config
     from engine.execution.weights.gguf_file import GGUFFile
 
     file = GGUFFile(gguf)  # a truncated file or an unsupported architecture fails here, naming the problem
     logger.info("reading %s's config and tokenizer into %s (once)", gguf, target)
+    pooler = gguf_pooler_config(file)
     config = gguf_config(file)
     _write_model_dir(target, config, _generation_config(file, config), _gguf_tokenizer(file),
-                     source=_gguf_source(gguf))
+                     source=_gguf_source(gguf), pooler=pooler)
 
 
 def _gguf_tokenizer(file: GGUFFile) -> Any:
@@ -229,10 +246,11 @@ def _generation_config(file: GGUFFile, config: Any) -> Any:
 
 def _write_model_dir(target: Path, config: Any, generation_config: Any, tokenizer: Any,
                      write_weights: Callable[[Path], None] | None = None,
-                     source: dict[str, Any] | None = None) -> None:
+                     source: dict[str, Any] | None = None, pooler: PoolerConfig | None = None) -> None:
     """An HF model directory (config without its quantization and name entries, generation
-    config, tokenizer, given write_weights the weights, and given source the record of the file it
-    came from, for prune_gguf_cache) at target, atomically: written beside it, then renamed over it."""
+    config, tokenizer, given write_weights the weights, given source the record of the file it
+    came from, for prune_gguf_cache, and given pooler an embedder's pooling recipe, as
+    sentence-transformers writes one) at target, atomically: written beside it, then renamed over it."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
     try:
@@ -244,6 +262,8 @@ def _write_model_dir(target: Path, config: Any, generation_config: Any, tokenize
         (tmp / "config.json").write_text(json.dumps(values, indent=2))
         generation_config.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
+        if pooler is not None:
+            write_pooler_config(tmp, pooler, config.hidden_size)
         if source is not None:
             (tmp / _SOURCE_FILE).write_text(json.dumps(source))
         if target.exists():

@@ -22,13 +22,18 @@ converter stores and llama.cpp itself assumes:
   first); the converter stores no YaRN `truncate`, and the released checkpoints' False is taken;
 - end of turn: a chat model's turns end in a token other than its end-of-text one (Gemma's
   <end_of_turn>); llama.cpp stops at tokenizer.ggml.eot_token_id and at control tokens it knows
-  by their text, and so do the ids read here (the texts of Qwen's, Gemma's and Llama 3's turns).
+  by their text, and so do the ids read here (the texts of Qwen's, Gemma's and Llama 3's turns);
+- pooling (gguf_pooler_config): the converter writes <arch>.pooling_type for an embedding model
+  (from a sentence-transformers directory's Pooling module: mean, cls or lasttoken) and rank for
+  a reranker; llama.cpp's server normalises a pooled embedding (Euclidean, its default
+  embd_normalize 2), whatever the file, and refuses OpenAI's embeddings for pooling none.
 """
 from __future__ import annotations
 
 from typing import Any
 
 from engine.execution.weights.gguf_file import GGUFFile
+from engine.processing.pooling_params import PoolerConfig, PoolingType
 
 # Some of the texts llama.cpp's vocabulary loader takes for an end of turn: ChatML's (Qwen), Gemma's
 # and Llama 3's. (It stops at more, <|endoftext|> among them; those are left to the file's own eos.)
@@ -36,6 +41,10 @@ _END_OF_TURN_TEXTS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>")
 _CONTROL = 3  # llama.cpp's token type of control tokens
 _GEMMA3_27B_LAYERS = 62
 _GEMMA3_SWA_PERIOD = 6  # llama.cpp's default: layers 5, 11, ... global
+# llama.cpp's pooling types (enum llama_pooling_type; gguf-py's PoolingType) -> ours. 0, none, and
+# no key at all: a model that pools nothing (a generator's file).
+_POOLING_NONE, _POOLING_RANK = 0, 4
+_POOLING_TYPES = {1: PoolingType.MEAN, 2: PoolingType.CLS, 3: PoolingType.LAST}
 
 
 def gguf_config(file: GGUFFile) -> Any:
@@ -156,3 +165,20 @@ def gguf_eos_token_ids(file: GGUFFile) -> list[int]:
             if index < len(types) and int(types[index]) == _CONTROL:
                 ids.append(index)
     return list(dict.fromkeys(ids))
+
+
+def gguf_pooler_config(file: GGUFFile) -> PoolerConfig | None:
+    """The pooling an embedding file asks for (<arch>.pooling_type), normalised as llama.cpp's
+    server normalises it; None for a file that pools nothing. ValueError for a reranker's file
+    (rank: its score is a head the converter cut from the LM head's yes / no rows, not read here)
+    or a type llama.cpp does not define."""
+    value = file.arch_field("pooling_type")
+    if value is None or int(value) == _POOLING_NONE:
+        return None
+    if int(value) == _POOLING_RANK:
+        raise ValueError(f"model: GGUF file {file.path.name} is a reranker (pooling_type rank); its scores are not "
+                         "served from a GGUF file: serve the reranker's Hugging Face checkpoint with --task score")
+    if int(value) not in _POOLING_TYPES:
+        raise ValueError(f"model: GGUF file {file.path.name} has pooling_type {value}, which llama.cpp does not define "
+                         "(0 none, 1 mean, 2 cls, 3 last, 4 rank)")
+    return PoolerConfig(_POOLING_TYPES[int(value)], normalize=True)

@@ -5,9 +5,10 @@ import random
 
 import pytest
 
-from engine import EngineConfig
+from engine import EngineConfig, PoolingParams, SamplingParams
 from engine.core.block_manager import BlockManager
 from engine.core.scheduler import Scheduler
+from engine.core.sequence import Sequence
 from engine.core.step_cost_model import StepCostModel, attention_pairs
 from tests.helpers import fake_seq, sampled
 
@@ -274,3 +275,46 @@ def test_learns_what_a_chunk_pays_per_cached_token() -> None:
         forward(2, 16, 1000) - forward(2, 16, 0), rel=0.1)
     # So the chunk that fits a time slice shrinks with the context it reads, by that much.
     assert model.max_chunk(0.03, 1000, limit=512) < model.max_chunk(0.03, 0, limit=512) - 10
+
+
+def test_a_burst_of_embeddings_keeps_eight_streams_at_their_promised_pace() -> None:
+    """Twelve 400-token embedding requests arrive at once while 8 streams decode, on the made-up
+    machine: every stream gets its token in every step, and each such step is held to
+    step_time_ratio x the streams' decode-only step, its true time within it. A burst of
+    generation requests would be granted slower steps (the backlog); pooling requests never join
+    the batch, so they are no burst (counted as one, they had raised the target by 1 + 9 / 8).
+    The embeddings are chunked in over many steps, and every one is pooled."""
+    sched = _time_scheduler(step_time_ratio=2.0)
+    for _ in range(300):  # the streams' decode-only steps: their pace is known
+        sched.cost_model.observe(8, 400, 0, 0.0, 0, true_forward(8, 400, 0, 0.0), OVERHEAD)
+    streams = SamplingParams(max_tokens=None, ignore_eos=True)
+    for i in range(8):
+        sched.add(fake_seq(f"d{i}", 40, num_output=1, params=streams))
+    sched.update_from_output(first := sched.schedule(now=0.0), sampled(first), now=0.0)
+    embeddings = PoolingParams(pooling_type="last", normalize=True)
+    for i in range(12):
+        sched.add(Sequence(request_id=f"e{i}", prompt_token_ids=list(range(1, 401)), params=SamplingParams(),
+                           arrival_time=1.0, pooling_params=embeddings))
+    pooled: list[str] = []
+    num_steps = 0
+    while len(pooled) < 12:
+        out = sched.schedule(now=2.0)
+        num_steps += 1
+        assert len(out.decode_req_ids) == 8 and out.budget_source == "time"
+        ctx = sum(sched.get(r).num_tokens for r in out.decode_req_ids)
+        pace = true_forward(8, ctx, 0, 0.0) + OVERHEAD
+        assert out.step_time_target == pytest.approx(2.0 * pace, rel=0.05)
+        pairs = sum(attention_pairs(n, done) for n, done in zip(out.prefill_num_tokens, out.prefill_num_computed,
+                                                                strict=True))
+        forward = true_forward(8, ctx, sum(out.prefill_num_tokens), pairs)
+        assert forward + OVERHEAD <= out.step_time_target
+        ended = [r for r, last, is_pooling in zip(out.prefill_req_ids, out.prefill_is_last_chunk,
+                                                  out.prefill_is_pooling, strict=True) if last and is_pooling]
+        runner = sampled(out)
+        runner.pooled_req_ids, runner.pooled = ended, [[1.0]] * len(ended)
+        sched.update_from_output(out, runner, now=2.0)
+        sched.observe_step_time(out, forward, OVERHEAD)
+        pooled += ended
+    assert sorted(pooled) == sorted(f"e{i}" for i in range(12))
+    assert num_steps > 100  # chunked in by the time budget (the token budget alone takes 10 steps)
+    assert sched.num_running == 8
