@@ -21,6 +21,7 @@ from engine.core.runner_output import RunnerOutput
 from engine.core.scheduler_output import SchedulerOutput
 from engine.execution.attention import AttentionMetadata
 from engine.execution.backends import select_backend
+from engine.execution.host_memory import HostMemory
 from engine.execution.input_batch import CachedRequestState, Chunk, InputBatch, prepare_decode, prepare_prefill
 from engine.execution.kv_cache_layout import KVCacheLayout
 from engine.execution.models import model_class
@@ -52,19 +53,17 @@ class ModelRunner:
         self.device, self.dtype, self.cache_dtype = self.backend.device, self.backend.dtype, self.backend.cache_dtype
         self.block_size = config.block_size
         self.batch = InputBatch()
-        with phases.phase(WEIGHT_LOADING):
-            if resolved.quantization is Quantization.GGUF and self.backend.gguf:
-                self.model = self.backend.load_gguf_model(cls, GGUFFile(gguf_path(config.model)))
-            elif resolved.quantization is Quantization.GGUF:  # a family the block kernels do not run (gpt-oss)
-                self.model = self.backend.load_model(cls, hf_float_tensors(GGUFFile(gguf_path(config.model))))
-            else:
-                self.model = self.backend.load_model(cls, iter_weights(model_dir))
-        with phases.phase(PACKING):
-            self.backend.prepare(self.model)
         mc = self.model_config
         # Which layers share block tables (full attention, each window size) and pool tensors.
         self.kv_layout = KVCacheLayout.of(mc.sliding_windows, config.enable_hybrid_kv_cache,
                                           config.max_model_len or mc.max_position_embeddings)
+        with phases.phase(WEIGHT_LOADING):
+            if resolved.quantization is Quantization.GGUF:
+                self.model = self._load_gguf(cls, gguf_path(config.model))
+            else:
+                self.model = self.backend.load_model(cls, iter_weights(model_dir))
+        with phases.phase(PACKING):
+            self.backend.prepare(self.model)
         with phases.phase(KV_CACHE_ALLOCATION):
             # sized after packing: on a GPU the pool takes what the weights leave
             self.num_kv_blocks = config.num_kv_blocks or max(1, self.backend.kv_cache_bytes() // self._block_bytes)
@@ -89,6 +88,28 @@ class ModelRunner:
             f"{', '.join(str(w or 'full') for w in self.kv_layout.windows)})")
         logger.info("%s; KV cache %d blocks x %d tokens (%.2f GiB)%s", self.backend.describe(), self.num_kv_blocks,
                     self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**30, groups)
+
+    def _load_gguf(self, cls: type[torch.nn.Module], path: Path) -> torch.nn.Module:
+        """The model from a GGUF file (refused first where it cannot fit): its blocks kept where
+        the backend runs them, else dequantized (a family the block kernels do not run: gpt-oss).
+        The file's reader (its header's Python objects: 170 MB for a 150,000-token vocabulary)
+        is dropped on return, before packing returns freed memory to the OS."""
+        gguf = GGUFFile(path)
+        self._refuse_what_cannot_fit(gguf)
+        if self.backend.gguf:
+            return self.backend.load_gguf_model(cls, gguf)
+        return self.backend.load_model(cls, hf_float_tensors(gguf))
+
+    def _refuse_what_cannot_fit(self, gguf: GGUFFile) -> None:
+        """On the CPU, a file whose weights and KV pool exceed the memory available is refused
+        before a byte of it is read (engine/execution/host_memory.py says why)."""
+        if self.device.type != "cpu" or (memory := HostMemory.read()) is None:
+            return
+        itemsize = torch.finfo(self.dtype).bits // 8
+        weights = gguf.resident_bytes(itemsize, keep_blocks=self.backend.gguf)
+        num_blocks = self.backend.config.num_kv_blocks or max(1, self.backend.kv_cache_bytes() // self._block_bytes)
+        kv_cache = (num_blocks + self.kv_layout.has_null_block) * self._block_bytes
+        memory.check_fits(f"GGUF file {gguf.path.name}", weights, kv_cache)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write of forked samples: the K/V of block src into block dst, every layer at once."""

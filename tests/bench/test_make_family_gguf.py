@@ -14,7 +14,7 @@ _SMALL = {"vocab_size": 300, "hidden_size": 64, "intermediate_size": 128, "num_h
           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", ["gemma3-1b", "qwen3-4b"])
 def test_the_random_checkpoint_loads_as_the_familys_model(family: str, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -30,6 +30,20 @@ def test_the_random_checkpoint_loads_as_the_familys_model(family: str, tmp_path:
     norm = layer.input_layernorm.weight
     assert abs(norm.mean().item() - (0.0 if norm_offset else 1.0)) < 0.01  # Gemma stores its norms as weight - 1
     assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)  # tied, as the real models are
+
+
+def test_the_moe_checkpoint_loads_with_its_experts_and_an_untied_head(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    config = FAMILIES["qwen3-30b-a3b"][0](**_SMALL, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
+    config.save_pretrained(str(tmp_path))
+    write_random_safetensors(tmp_path / "model.safetensors", parameter_shapes(config), False, seed=0)
+    model, info = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    experts = model.model.layers[0].mlp.experts
+    assert experts.gate_up_proj.shape == (4, 64, 64) and abs(experts.gate_up_proj.std().item() - 0.02) < 0.002
+    assert not torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)  # untied, as Qwen3-30B-A3B's
+    assert FAMILIES["qwen3-30b-a3b"][0]().num_experts == 128
 
 
 def test_gemma_keeps_five_sliding_window_layers_to_one_global() -> None:
