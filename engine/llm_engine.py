@@ -364,6 +364,7 @@ class LLMEngine:
             self.scheduler.finish_requests([req_id], reason, t1)
         stats.prepare_time, stats.forward_time, stats.sample_time = (result.prepare_time, result.forward_time,
                                                                      result.sample_time)
+        stats.num_experts_touched, stats.num_moe_layers = result.num_experts_touched, self.runner.num_moe_layers
         stats.process_time = time.monotonic() - t1
         self.scheduler.observe_step_time(sched, stats.forward_time, stats.overhead_time)
         return outputs

@@ -25,6 +25,7 @@ from engine.execution.host_memory import HostMemory
 from engine.execution.input_batch import CachedRequestState, Chunk, InputBatch, prepare_decode, prepare_prefill
 from engine.execution.kv_cache_layout import KVCacheLayout
 from engine.execution.models import model_class
+from engine.execution.models.moe import track_expert_usage
 from engine.execution.pooler import pool_prefill
 from engine.execution.prompt_logprobs import prompt_logprobs
 from engine.execution.resolved_config import ResolvedConfig
@@ -64,6 +65,7 @@ class ModelRunner:
                 self.model = self.backend.load_model(cls, iter_weights(model_dir))
         with phases.phase(PACKING):
             self.backend.prepare(self.model)
+        self.expert_usage = track_expert_usage(self.model)  # after prepare: the experts it runs
         with phases.phase(KV_CACHE_ALLOCATION):
             # sized after packing: on a GPU the pool takes what the weights leave
             self.num_kv_blocks = config.num_kv_blocks or max(1, self.backend.kv_cache_bytes() // self._block_bytes)
@@ -111,6 +113,11 @@ class ModelRunner:
         kv_cache = (num_blocks + self.kv_layout.has_null_block) * self._block_bytes
         memory.check_fits(f"GGUF file {gguf.path.name}", weights, kv_cache)
 
+    @property
+    def num_moe_layers(self) -> int:
+        """The model's mixture-of-experts layers (0: dense)."""
+        return 0 if self.expert_usage is None else self.expert_usage.num_moe_layers
+
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write of forked samples: the K/V of block src into block dst, every layer at once."""
         self.backend.copy_blocks(self.kv_cache, pairs, self.block_size)
@@ -156,6 +163,8 @@ class ModelRunner:
             logits, greedy_ids = self._execute_modules(sched, t0, out), None
         t1 = time.perf_counter()
         out.forward_time = t1 - t0 - out.prepare_time
+        if self.expert_usage is not None:
+            out.num_experts_touched = self.expert_usage.take()
         if not req_ids:  # only pooling chunks ran: nothing samples
             out.sample_time = time.perf_counter() - t1
             return out
