@@ -108,7 +108,9 @@ class LLMEngine:
         self.eos_token_ids = load_eos_token_ids(self.model_dir, hf_config, output_tokenizer)
         self.input_processor = InputProcessor(input_tokenizer, self.vocab_size, self.max_model_len, config,
                                               self.eos_token_ids)
-        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
+        moe = self.runner.model_config.moe  # a MoE model's step cost follows the experts it touches
+        self.experts = None if moe is None else (moe.num_experts, moe.num_experts_per_tok)
+        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, self.experts)
         self.output_processor = OutputProcessor(self._decode_ids)
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
         self._ids = itertools.count()
@@ -156,7 +158,7 @@ class LLMEngine:
             raise RuntimeError("reconfigure needs an idle engine")
         self.config = dataclasses.replace(self.config, **changes)  # validates
         cost_model = self.scheduler.cost_model  # what was learned about this machine still holds
-        self.scheduler = Scheduler(self.config, self.block_manager, self.max_model_len)
+        self.scheduler = Scheduler(self.config, self.block_manager, self.max_model_len, self.experts)
         self.scheduler.cost_model = cost_model
 
     # ---- the facade the service uses (any thread unless said) ---------------------------

@@ -58,13 +58,14 @@ class TimeBudget:
         return max(aim - decode_time, cfg.min_prefill_share * target)
 
     def fit(self, out: SchedulerOutput, num_computed_tokens: int, num_new: int, time_left: float,
-            is_first: bool, pays_setup: bool) -> int:
+            is_first: bool, pays_setup: bool, num_step_tokens: int = 0) -> int:
         """The most of num_new tokens whose chunk fits time_left (is_first: the step's first
         prefill chunk; pays_setup: nothing in the step has paid the chunks' set-up yet, which a
-        verification already has: the cost model counts it as a chunk)."""
+        verification already has: the cost model counts it as a chunk; num_step_tokens: the
+        step's tokens so far, whose experts a MoE model's chunk shares)."""
         if out.budget_source != "time" or num_new == 0:
             return num_new
-        fit = self.cost_model.max_chunk(time_left, num_computed_tokens, num_new, pays_setup)
+        fit = self.cost_model.max_chunk(time_left, num_computed_tokens, num_new, pays_setup, num_step_tokens)
         if is_first:
             # Progress guarantee: the first chunk of a step is at least half a block, so a long
             # prompt finishes its prefill in bounded time however slow the model thinks it is.

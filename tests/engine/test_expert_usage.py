@@ -53,6 +53,7 @@ def test_a_steps_experts_are_those_its_router_logits_choose(moe_dir: Path, backe
     assert decode.num_experts_touched == _experts_by_hand(moe_dir, sequences, [slice(len(p), len(p) + 1)
                                                                               for p in PROMPTS])
     assert 2 * 2 <= decode.num_experts_touched <= 2 * 2 * 2  # k a token, per layer at most both tokens'
+    assert engine.scheduler.cost_model.experts == (8, 2)  # the step cost model predicts experts touched
 
 
 def test_a_dense_models_steps_touch_no_experts(tiny_llm: LLM) -> None:
@@ -61,5 +62,6 @@ def test_a_dense_models_steps_touch_no_experts(tiny_llm: LLM) -> None:
     _, stats = engine.step()
     assert stats.num_prefill_tokens and stats.num_moe_layers == 0 and stats.num_experts_touched == 0
     assert stats.experts_touched_per_layer is None
+    assert engine.scheduler.cost_model.experts is None  # the seven token features alone
     while engine.has_unfinished_requests():
         engine.step()
