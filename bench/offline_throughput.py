@@ -199,7 +199,7 @@ def main() -> None:
         file_gb = os.path.getsize(args.model) / 1e9
         bound = file_gb + memory["kv_cache_gb"] + 0.5
         memory |= {"file_gb": file_gb, "bound_gb": bound}
-        print(f"memory/file  : RSS {memory['rss_gb']:.2f} GB (peak {memory['peak_rss_gb']:.2f} while loading) against "
+        print(f"memory/file  : RSS {memory['rss_gb']:.2f} GB (peak since start {memory['peak_rss_gb']:.2f}) against "
               f"file {file_gb:.2f} + KV pool {memory['kv_cache_gb']:.2f} + 0.5 = {bound:.2f} GB: "
               f"{'within' if memory['rss_gb'] <= bound else 'OVER'}")
     if overhead is not None:
