@@ -19,6 +19,9 @@ the side-by-side runs against llama.cpp without a download.
         --llama-cpp-python /work/peers/llama-venv/bin/python
     python -m bench.make_family_gguf --family gemma3-1b --out /work/models/gemma3-1b-shape-q4_k_m.gguf \\
         --converter ... --llama-cpp-python ...
+    # Qwen3-30B-A3B's shape, its first 2 layers, Q8_0 straight from the converter (a 2 GB file)
+    python -m bench.make_family_gguf --family qwen3-30b-a3b --layers 2 --outtype q8_0 \\
+        --out /work/models/qwen3-30b-a3b-2l-q8_0.gguf --converter ...
 
 Steps (the intermediates, a bf16 checkpoint and a bf16 GGUF as large as the model, go in
 --work-dir and are deleted unless --keep-intermediates):
@@ -90,14 +93,14 @@ def gemma3_1b_config(**overrides: object) -> object:
 
 
 def qwen3_30b_a3b_config(**overrides: object) -> object:
-    """Qwen3-30B-A3B's shape (every layer sparse: 128 experts of 768, 8 active, renormalised);
-    overrides (num_hidden_layers=24 for the first half, smaller sizes for tests)."""
+    """Qwen3-30B-A3B's shape (48 layers of 128 experts, 8 a token, renormalised; untied LM head);
+    overrides (fewer layers: --layers) are for smaller files and tests."""
     from transformers import Qwen3MoeConfig
 
     options = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
-                   num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
                    num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
-                   mlp_only_layers=[], max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                   num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                   max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False,
                    rope_parameters={"rope_type": "default", "rope_theta": 1e6}, bos_token_id=1, eos_token_id=2,
                    architectures=["Qwen3MoeForCausalLM"])
     return Qwen3MoeConfig(**options | overrides)
@@ -209,9 +212,9 @@ def write_checkpoint(family: str, model_dir: Path, seed: int, **overrides: objec
     write_random_safetensors(model_dir / "model.safetensors", parameter_shapes(config), norm_offset, seed)
 
 
-def convert(converter: Path, model_dir: Path, out: Path) -> None:
-    """llama.cpp's convert_hf_to_gguf.py, unmodified, to a bf16 GGUF."""
-    result = subprocess.run([sys.executable, str(converter), str(model_dir), "--outtype", "bf16",
+def convert(converter: Path, model_dir: Path, out: Path, outtype: str = "bf16") -> None:
+    """llama.cpp's convert_hf_to_gguf.py, unmodified, to a GGUF of outtype (bf16, or q8_0 straight)."""
+    result = subprocess.run([sys.executable, str(converter), str(model_dir), "--outtype", outtype,
                              "--outfile", str(out)], check=False)
     if result.returncode != 0:
         raise RuntimeError(f"{converter} {model_dir} failed with code {result.returncode}")
@@ -239,25 +242,34 @@ def main() -> None:
     parser.add_argument("--family", required=True, choices=sorted(FAMILIES))
     parser.add_argument("--out", required=True, help="the quantized .gguf file to write")
     parser.add_argument("--converter", required=True, help="llama.cpp's convert_hf_to_gguf.py")
-    parser.add_argument("--llama-cpp-python", required=True, help="the interpreter of a venv with llama-cpp-python")
+    parser.add_argument("--llama-cpp-python", default=None,
+                        help="the interpreter of a venv with llama-cpp-python (its quantizer makes --mix)")
     parser.add_argument("--mix", default="Q4_K_M", choices=sorted(_LLAMA_FTYPES), help="llama.cpp's quantization mix")
+    parser.add_argument("--outtype", default=None, choices=("q8_0", "bf16", "f16"),
+                        help="the converter's own output type, written straight to --out (no quantizer, no --mix)")
+    parser.add_argument("--layers", type=int, default=None, help="the first N layers only (a smaller file)")
     parser.add_argument("--work-dir", default=None, help="where the intermediates go (default: beside --out)")
     parser.add_argument("--keep-intermediates", action="store_true")
-    parser.add_argument("--layers", type=int, default=None,
-                        help="the first N layers only (the 30B-A3B shape's 24 of 48 where memory is short)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    if (args.outtype is None) == (args.llama_cpp_python is None):
+        parser.error("give --llama-cpp-python (a --mix) or --outtype (the converter's type), not both")
+    if args.layers is not None and args.layers < 1:
+        parser.error("--layers: a count of 1 or more")
+    overrides = {} if args.layers is None else {"num_hidden_layers": args.layers}
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     out = Path(args.out)
     work = Path(args.work_dir) if args.work_dir else out.parent
     model_dir, bf16 = work / f"{args.family}-shape-hf", work / f"{args.family}-shape-bf16.gguf"
     try:
-        overrides = {} if args.layers is None else {"num_hidden_layers": args.layers}
         write_checkpoint(args.family, model_dir, args.seed, **overrides)
-        convert(Path(args.converter), model_dir, bf16)
-        if not args.keep_intermediates:
-            shutil.rmtree(model_dir)
-        llama_quantize(args.llama_cpp_python, str(bf16), str(out), args.mix)
+        if args.outtype is not None:
+            convert(Path(args.converter), model_dir, out, args.outtype)
+        else:
+            convert(Path(args.converter), model_dir, bf16)
+            if not args.keep_intermediates:
+                shutil.rmtree(model_dir)
+            llama_quantize(args.llama_cpp_python, str(bf16), str(out), args.mix)
     finally:
         if not args.keep_intermediates:
             shutil.rmtree(model_dir, ignore_errors=True)

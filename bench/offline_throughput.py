@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import statistics
 import time
 
@@ -193,6 +194,14 @@ def main() -> None:
     memory = result["memory"] = resident_memory(llm)
     print(f"memory       : RSS {memory['rss_gb']:.2f} GB = weights {memory['weights_gb']:.2f} + KV pool "
           f"{memory['kv_cache_gb']:.2f} + other {memory['other_gb']:.2f} GB (held to 0.5)")
+    if args.model and args.model.endswith(".gguf"):
+        # issue 60's bound for a served file: its size + the KV pool + 0.5 GB (mapped weights once)
+        file_gb = os.path.getsize(args.model) / 1e9
+        bound = file_gb + memory["kv_cache_gb"] + 0.5
+        memory |= {"file_gb": file_gb, "bound_gb": bound}
+        print(f"memory/file  : RSS {memory['rss_gb']:.2f} GB (peak since start {memory['peak_rss_gb']:.2f}) against "
+              f"file {file_gb:.2f} + KV pool {memory['kv_cache_gb']:.2f} + 0.5 = {bound:.2f} GB: "
+              f"{'within' if memory['rss_gb'] <= bound else 'OVER'}")
     if overhead is not None:
         print(f"decode step  : batch >= {min(32, args.num_prompts)}, median of {overhead['steps']} steps: "
               f"{overhead['step_ms']:.1f} ms = forward {overhead['forward_ms']:.1f} + schedule "

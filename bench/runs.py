@@ -75,6 +75,9 @@ def resident_memory(llm: LLM) -> dict[str, float]:
         for panels in (getattr(module, "panels", None), getattr(module, "weight_blocks", None)):
             if panels is not None:
                 weights += sum(nbytes(t) for t in (panels.data, getattr(panels, "scales", None), panels.bias))
+        # PackedExperts: each expert's gate_up and down panels (float, int8 or the file's blocks)
+        for panels in (*getattr(module, "gate_up_panels", ()), *getattr(module, "down_panels", ())):
+            weights += sum(nbytes(t) for t in (panels.data, getattr(panels, "scales", None), panels.bias))
         packed = getattr(module, "packed_weight", None)
         if packed is not None:
             weights += packed.numel() * packed.element_size()  # oneDNN's opaque copy: no shared data pointer
@@ -82,5 +85,7 @@ def resident_memory(llm: LLM) -> dict[str, float]:
     kv = runner.kv_cache.numel() * runner.kv_cache.element_size()
     with open(f"/proc/{os.getpid()}/statm") as f:
         rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    return {"rss_gb": rss / 1e9, "weights_gb": weights / 1e9, "kv_cache_gb": kv / 1e9,
+    with open(f"/proc/{os.getpid()}/status") as f:  # VmHWM: the most ever resident (loading's peak)
+        peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    return {"rss_gb": rss / 1e9, "peak_rss_gb": peak / 1e9, "weights_gb": weights / 1e9, "kv_cache_gb": kv / 1e9,
             "other_gb": (rss - weights - kv) / 1e9}

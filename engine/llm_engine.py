@@ -138,7 +138,10 @@ class LLMEngine:
         self.eos_token_ids = load_eos_token_ids(self.model_dir, hf_config, output_tokenizer)
         self.input_processor = InputProcessor(input_tokenizer, self.vocab_size, self.max_model_len, config,
                                               self.eos_token_ids, context_note)
-        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, can_chunk_prefill=self.is_causal)
+        moe = self.runner.model_config.moe  # a MoE model's step cost follows the experts it touches
+        self.experts = None if moe is None else (moe.num_experts, moe.num_experts_per_tok)
+        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, can_chunk_prefill=self.is_causal,
+                                   experts=self.experts)
         self.output_processor = OutputProcessor(self._decode_ids)
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
         self._ids = itertools.count()
@@ -188,7 +191,7 @@ class LLMEngine:
         self.config = dataclasses.replace(self.config, **changes)  # validates
         cost_model = self.scheduler.cost_model  # what was learned about this machine still holds
         self.scheduler = Scheduler(self.config, self.block_manager, self.max_model_len,
-                                   can_chunk_prefill=self.is_causal)
+                                   can_chunk_prefill=self.is_causal, experts=self.experts)
         self.scheduler.cost_model = cost_model
 
     # ---- the facade the service uses (any thread unless said) ---------------------------
@@ -416,6 +419,7 @@ class LLMEngine:
             self.scheduler.finish_requests([req_id], reason, t1)
         stats.prepare_time, stats.forward_time, stats.sample_time = (result.prepare_time, result.forward_time,
                                                                      result.sample_time)
+        stats.num_experts_touched, stats.num_moe_layers = result.num_experts_touched, self.runner.num_moe_layers
         stats.process_time = time.monotonic() - t1
         self.scheduler.observe_step_time(sched, stats.forward_time, stats.overhead_time)
         return outputs

@@ -179,6 +179,11 @@ class StepStats:
     prepare_time: float = 0.0  # host-side input building (not in forward_time)
     sample_time: float = 0.0
     process_time: float = 0.0
+    # Mixture of experts: distinct experts the step's forward ran, summed over its MoE layers (the
+    # sum is what the step's expert weight reads follow), and the model's MoE layers (0: dense,
+    # whose steps touch no experts).
+    num_experts_touched: int = 0
+    num_moe_layers: int = 0
     prefill_request_ids: list[str] = field(default_factory=list)
     decode_request_ids: list[str] = field(default_factory=list)
     times_to_first_token: list[float] = field(default_factory=list)
@@ -192,6 +197,14 @@ class StepStats:
         if self.num_prefill_tokens and self.num_decode_tokens:
             return "mixed"
         return "prefill" if self.num_prefill_tokens else "decode" if self.num_decode_tokens else "idle"
+
+    @property
+    def experts_touched_per_layer(self) -> float | None:
+        """Distinct experts per MoE layer, the mean over layers (comparable with the model's
+        expert count whatever its depth); None for a dense model or a step without a forward."""
+        if not self.num_moe_layers or not (self.num_prefill_tokens or self.num_decode_tokens):
+            return None
+        return self.num_experts_touched / self.num_moe_layers
 
     @property
     def total_time(self) -> float:

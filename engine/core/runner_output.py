@@ -29,3 +29,4 @@ class RunnerOutput:
     prepare_time: float = 0.0  # seconds of host-side input building
     forward_time: float = 0.0  # seconds of the model forward and the logits
     sample_time: float = 0.0  # seconds of sampling
+    num_experts_touched: int = 0  # distinct experts the step ran, summed over the MoE layers (0: dense)

@@ -41,9 +41,10 @@ class Scheduler:
     BURST_QUEUE_SLACK = TimeBudget.BURST_QUEUE_SLACK
 
     def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int = sys.maxsize,
-                 can_chunk_prefill: bool = True) -> None:
+                 can_chunk_prefill: bool = True, experts: tuple[int, int] | None = None) -> None:
         """can_chunk_prefill: False for a model whose attention is bidirectional (an encoder): each
-        prompt is then prefilled whole in one step, never split by the token or time budget."""
+        prompt is then prefilled whole in one step, never split by the token or time budget.
+        experts: a mixture-of-experts model's (experts, experts a token), for the step cost model."""
         self.config = config
         self.block_manager = block_manager
         self.max_model_len = max_model_len
@@ -52,7 +53,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []  # in admission order: oldest first
         self.pending_forks: dict[str, list[Sequence]] = {}  # by group: samples waiting for sample 0's prompt
-        self.cost_model = StepCostModel()
+        self.cost_model = StepCostModel(experts=experts)
         self.time_budget = TimeBudget(config, self.cost_model, block_manager.block_size)
         self._step = 0
         self._removed_req_ids: list[str] = []  # rows the runner must drop at the next step
@@ -183,10 +184,11 @@ class Scheduler:
             if budget <= 0 or len(plan.scheduled) >= cfg.max_num_seqs:
                 break
             num_new = self.time_budget.fit(plan.out, seq.num_computed_tokens, self._chunk(seq, budget, bool(plan.prefills)),
-                                           time_left, not plan.prefills, plan.pays_setup, self.can_chunk_prefill)
+                                           time_left, not plan.prefills, plan.pays_setup, self.can_chunk_prefill,
+                                           plan.num_tokens)
             if num_new == 0 or not self._make_room(seq, num_new, plan):
                 break
-            time_left -= self.cost_model.chunk_cost(num_new, seq.num_computed_tokens, plan.pays_setup)
+            time_left -= self.cost_model.chunk_cost(num_new, seq.num_computed_tokens, plan.pays_setup, plan.num_tokens)
             budget -= self._add_prefill(plan, seq, num_new)
 
         self.waiting.sort(key=lambda s: (self.effective_priority(s, now), s.arrival_time))
@@ -196,7 +198,8 @@ class Scheduler:
             if seq.num_preemptions == 0:
                 seq.num_cached_prompt_tokens = seq.num_computed_tokens
             num_new = self.time_budget.fit(plan.out, seq.num_computed_tokens, self._chunk(seq, budget, bool(plan.prefills)),
-                                           time_left, not plan.prefills, plan.pays_setup, self.can_chunk_prefill)
+                                           time_left, not plan.prefills, plan.pays_setup, self.can_chunk_prefill,
+                                           plan.num_tokens)
             if num_new == 0 or not self.block_manager.allocate(seq, num_new, is_new=True):
                 # Head of line stays at the head: skipping it would starve long prompts.
                 self.block_manager.free(seq)
@@ -209,7 +212,7 @@ class Scheduler:
             if seq.times.first_scheduled is None:
                 seq.times.first_scheduled = now
             self.running.append(seq)
-            time_left -= self.cost_model.chunk_cost(num_new, seq.num_computed_tokens, plan.pays_setup)
+            time_left -= self.cost_model.chunk_cost(num_new, seq.num_computed_tokens, plan.pays_setup, plan.num_tokens)
             budget -= self._add_prefill(plan, seq, num_new)
         out = plan.to_output(self._removed_req_ids, self.block_manager, self.cost_model)
         self._removed_req_ids = []

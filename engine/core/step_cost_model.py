@@ -14,6 +14,15 @@ for its tiles), which pairs alone under-predict for the small chunks a time budg
 host overhead (schedule, input preparation, sampling, output processing) is an exponentially
 weighted mean.
 
+A mixture-of-experts model's step reads the weights of the experts its tokens are routed to, each
+once, whatever its rows: its cost grows with the distinct experts it touches, which saturate at
+the model's count, not with its tokens. The scheduler predicts before routing, so a MoE model
+(`experts`: E experts, k a token) adds one feature, the experts n tokens are expected to touch
+in one layer if each picks k of E uniformly,
+    + w7 * E (1 - (1 - k / E)^n),        n = decode sequences + prefill tokens
+learned like the others (w7 holds every layer's share and an expert's read time). A dense model
+has the seven features alone, as before.
+
 The model also tracks how far it errs: an online estimate of the 97th percentile of
 measured / predicted step time, so the scheduler can aim below the target by that margin and
 keep 97 steps in 100 under it on a machine whose speed jitters (a p99 inter-token latency sees
@@ -29,6 +38,7 @@ import operator
 
 _PRIOR = [0.0, 1e-3, 1e-3, 1e-3, 1e-2, 0.0, 1e-3]
 _PRIOR_VARIANCE = [1.0, 1e-2, 1e-2, 1e-2, 1.0, 1.0, 1e-2]
+_EXPERT_PRIOR, _EXPERT_PRIOR_VARIANCE = 1e-4, 1e-2  # seconds per expected expert of a layer
 _MAX_VARIANCE_GROWTH = 100.0  # a feature unseen for long regains at most this much uncertainty
 ERROR_QUANTILE = 0.97
 _QUANTILE_STEP = 0.01  # how far one step moves the error quantile estimate
@@ -43,26 +53,43 @@ def attention_pairs(num_new_tokens: int, num_context_tokens: int) -> float:
     return num_new_tokens * num_context_tokens + num_new_tokens * (num_new_tokens + 1) / 2
 
 
+def expected_experts(num_tokens: int, num_experts: int, num_experts_per_tok: int) -> float:
+    """Distinct experts of one layer that num_tokens tokens touch, each routed to k of E
+    uniformly: E (1 - (1 - k / E)^n)."""
+    return num_experts * (1.0 - (1.0 - num_experts_per_tok / num_experts) ** num_tokens)
+
+
 class StepCostModel:
-    def __init__(self, decay: float = 0.98) -> None:
+    def __init__(self, decay: float = 0.98, experts: tuple[int, int] | None = None) -> None:
+        """experts: a mixture-of-experts model's (experts, experts a token); None: dense."""
+        if experts is not None and not 0 < experts[1] <= experts[0]:
+            raise ValueError(f"experts: (experts, experts a token) must satisfy 0 < k <= E, got {experts}")
+        self.experts = experts
+        prior = _PRIOR + ([_EXPERT_PRIOR] if experts else [])
+        variance = _PRIOR_VARIANCE + ([_EXPERT_PRIOR_VARIANCE] if experts else [])
         # Plain floats, not numpy: a 7-feature fit is a few hundred multiplications, and each
         # numpy call found the caches cold after a batch-1 step's weight stream.
-        self.weights = list(_PRIOR)
-        self.covariance = [[v if i == j else 0.0 for j in range(len(_PRIOR))] for i, v in enumerate(_PRIOR_VARIANCE)]
-        self._max_variance = [v * _MAX_VARIANCE_GROWTH for v in _PRIOR_VARIANCE]
+        self.weights = list(prior)
+        self.covariance = [[v if i == j else 0.0 for j in range(len(prior))] for i, v in enumerate(variance)]
+        self._max_variance = [v * _MAX_VARIANCE_GROWTH for v in variance]
         self.decay = decay
         self.overhead = 0.0
         self.error_quantile = 1.0  # online ERROR_QUANTILE of measured / predicted step time
         self.num_observations = 0
         self.num_decode_only_observations = 0
 
-    @staticmethod
-    def features(num_decode_seqs: int, num_decode_context_tokens: int, num_prefill_tokens: int,
+    def features(self, num_decode_seqs: int, num_decode_context_tokens: int, num_prefill_tokens: int,
                  num_prefill_pairs: float, num_prefill_cached_tokens: int = 0) -> list[float]:
         is_forward = 1.0 if num_decode_seqs or num_prefill_tokens else 0.0
         has_prefill = 1.0 if num_prefill_tokens else 0.0
-        return [is_forward, float(num_decode_seqs), num_decode_context_tokens / 1e3, float(num_prefill_tokens),
-                num_prefill_pairs / 1e6, has_prefill, num_prefill_cached_tokens / 1e3]
+        x = [is_forward, float(num_decode_seqs), num_decode_context_tokens / 1e3, float(num_prefill_tokens),
+             num_prefill_pairs / 1e6, has_prefill, num_prefill_cached_tokens / 1e3]
+        if self.experts is not None:
+            x.append(self._experts_of(num_decode_seqs + num_prefill_tokens))
+        return x
+
+    def _experts_of(self, num_tokens: int) -> float:
+        return 0.0 if self.experts is None else expected_experts(num_tokens, *self.experts)
 
     @property
     def costs(self) -> list[float]:
@@ -88,16 +115,34 @@ class StepCostModel:
         below the real steps, and chunks were held to one block for dozens of steps."""
         return decode_time if self.num_decode_only_observations else decode_time + self.costs[5]
 
-    def chunk_cost(self, num_new_tokens: int, num_context_tokens: int, is_first: bool = False) -> float:
+    def chunk_cost(self, num_new_tokens: int, num_context_tokens: int, is_first: bool = False,
+                   num_step_tokens: int = 0) -> float:
         """What adding one prefill chunk to a step that already runs a forward adds to it
-        (is_first: the step has no prefill chunk yet, so it also pays the prefill set-up)."""
+        (is_first: the step has no prefill chunk yet, so it also pays the prefill set-up;
+        num_step_tokens: the tokens the step has already, whose experts a MoE chunk shares)."""
         c = self.costs
         fixed = (c[5] if is_first else 0.0) + c[6] * num_context_tokens / 1e3
-        return fixed + c[3] * num_new_tokens + c[4] * attention_pairs(num_new_tokens, num_context_tokens) / 1e6
+        cost = fixed + c[3] * num_new_tokens + c[4] * attention_pairs(num_new_tokens, num_context_tokens) / 1e6
+        if self.experts is not None:
+            cost += c[7] * (self._experts_of(num_step_tokens + num_new_tokens) - self._experts_of(num_step_tokens))
+        return cost
 
-    def max_chunk(self, time_left: float, num_context_tokens: int, limit: int, is_first: bool = False) -> int:
+    def max_chunk(self, time_left: float, num_context_tokens: int, limit: int, is_first: bool = False,
+                  num_step_tokens: int = 0) -> int:
         """The most new tokens (<= limit) of one sequence whose chunk fits in time_left seconds."""
         c = self.costs
+        if self.experts is not None and c[7] > 0:
+            # The experts' term is no polynomial: the cost grows with n, so bisect it.
+            if self.chunk_cost(limit, num_context_tokens, is_first, num_step_tokens) <= time_left:
+                return limit
+            low, high = 0, limit  # chunk_cost(low) fits (or low is 0), chunk_cost(high) does not
+            while high - low > 1:
+                mid = (low + high) // 2
+                if self.chunk_cost(mid, num_context_tokens, is_first, num_step_tokens) <= time_left:
+                    low = mid
+                else:
+                    high = mid
+            return low
         time_left -= (c[5] if is_first else 0.0) + c[6] * num_context_tokens / 1e3
         if time_left <= 0:
             return 0
@@ -121,7 +166,7 @@ class StepCostModel:
                 # Stochastic quantile tracking: up by q when above, down by 1 - q when below.
                 above = (forward_time + overhead_time) / predicted > self.error_quantile
                 self.error_quantile += _QUANTILE_STEP * (ERROR_QUANTILE if above else ERROR_QUANTILE - 1)
-        # A decode-only step has 3 non-zero features of 7: P x and the dots run over those alone.
+        # A decode-only step has 3 non-zero features of 7 (4 of 8): P x and the dots run over those alone.
         nonzero = [(j, v) for j, v in enumerate(x) if v]
         covariance, decay = self.covariance, self.decay
         p_x = [sum(row[j] * v for j, v in nonzero) for row in covariance]  # P x

@@ -30,6 +30,12 @@ class StepPlan:
         verification as a chunk, so a step that verifies has paid it)."""
         return not (self.prefills or self.verifies)
 
+    @property
+    def num_tokens(self) -> int:
+        """The tokens the step runs so far: each decode's one, each chunk's and verification's."""
+        return (len(self.decodes) + sum(self.out.prefill_num_tokens)
+                + sum(1 + len(drafts) for _, drafts in self.verifies))
+
     def cost_features(self) -> tuple[int, int, int, float, int]:
         """A verification is a short chunk to the cost model: its tokens, pairs and cached tokens."""
         chunks = list(zip(self.prefills, self.out.prefill_num_tokens, strict=True))

@@ -63,15 +63,16 @@ class TimeBudget:
         return max(aim - decode_time, cfg.min_prefill_share * target)
 
     def fit(self, out: SchedulerOutput, num_computed_tokens: int, num_new: int, time_left: float,
-            is_first: bool, pays_setup: bool, can_split: bool = True) -> int:
+            is_first: bool, pays_setup: bool, can_split: bool = True, num_step_tokens: int = 0) -> int:
         """The most of num_new tokens whose chunk fits time_left (is_first: the step's first
         prefill chunk; pays_setup: nothing in the step has paid the chunks' set-up yet, which a
         verification already has: the cost model counts it as a chunk). can_split False (an
         encoder's prompt): all of num_new or none, except that the step's first runs whole
-        whatever it costs, or it would never run."""
+        whatever it costs, or it would never run. num_step_tokens: the step's tokens so far, whose
+        experts a MoE model's chunk shares."""
         if out.budget_source != "time" or num_new == 0:
             return num_new
-        fit = self.cost_model.max_chunk(time_left, num_computed_tokens, num_new, pays_setup)
+        fit = self.cost_model.max_chunk(time_left, num_computed_tokens, num_new, pays_setup, num_step_tokens)
         if not can_split:
             return num_new if fit >= num_new or is_first else 0
         if is_first:

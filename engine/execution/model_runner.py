@@ -22,9 +22,11 @@ from engine.core.runner_output import RunnerOutput
 from engine.core.scheduler_output import SchedulerOutput
 from engine.execution.attention import AttentionMetadata
 from engine.execution.backends import select_backend
+from engine.execution.host_memory import HostMemory
 from engine.execution.input_batch import CachedRequestState, Chunk, InputBatch, prepare_decode, prepare_prefill
 from engine.execution.kv_cache_layout import KVCacheLayout
 from engine.execution.models import model_class
+from engine.execution.models.moe import track_expert_usage
 from engine.execution.pooler import pool_prefill
 from engine.execution.prompt_logprobs import prompt_logprobs
 from engine.execution.resolved_config import ResolvedConfig
@@ -55,17 +57,18 @@ class ModelRunner:
         self.device, self.dtype, self.cache_dtype = self.backend.device, self.backend.dtype, self.backend.cache_dtype
         self.block_size = config.block_size
         self.batch = InputBatch()
-        with phases.phase(WEIGHT_LOADING):
-            if resolved.quantization is Quantization.GGUF:
-                self.model = self.backend.load_gguf_model(cls, GGUFFile(gguf_path(config.model)))
-            else:
-                self.model = self.backend.load_model(cls, iter_weights(model_dir))
-        with phases.phase(PACKING):
-            self.backend.prepare(self.model)
         mc = self.model_config
         # Which layers share block tables (full attention, each window size) and pool tensors.
         self.kv_layout = KVCacheLayout.of(mc.sliding_windows, config.enable_hybrid_kv_cache,
                                           config.max_model_len or mc.max_position_embeddings)
+        with phases.phase(WEIGHT_LOADING):
+            if resolved.quantization is Quantization.GGUF:
+                self.model = self._load_gguf(cls, gguf_path(config.model))
+            else:
+                self.model = self.backend.load_model(cls, iter_weights(model_dir))
+        with phases.phase(PACKING):
+            self.backend.prepare(self.model)
+        self.expert_usage = track_expert_usage(self.model)  # after prepare: the experts it runs
         with phases.phase(KV_CACHE_ALLOCATION):
             if mc.is_causal:
                 # sized after packing: on a GPU the pool takes what the weights leave
@@ -102,6 +105,31 @@ class ModelRunner:
             f"{', '.join(str(w or 'full') for w in self.kv_layout.windows)})")
         logger.info("%s; KV cache %d blocks x %d tokens (%.2f GiB)%s", self.backend.describe(), self.num_kv_blocks,
                     self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**30, groups)
+
+    def _load_gguf(self, cls: type[torch.nn.Module], path: Path) -> torch.nn.Module:
+        """The model from a GGUF file, its blocks kept as the backend runs them (refused first
+        where it cannot fit). The file's reader (its header's Python objects: 170 MB for a
+        150,000-token vocabulary) is dropped on return, before packing returns freed memory to
+        the OS."""
+        gguf = GGUFFile(path)
+        self._refuse_what_cannot_fit(gguf)
+        return self.backend.load_gguf_model(cls, gguf)
+
+    def _refuse_what_cannot_fit(self, gguf: GGUFFile) -> None:
+        """On the CPU, a file whose weights and KV pool exceed the memory available is refused
+        before a byte of it is read (engine/execution/host_memory.py says why)."""
+        if self.device.type != "cpu" or (memory := HostMemory.read()) is None:
+            return
+        itemsize = torch.finfo(self.dtype).bits // 8
+        weights = gguf.resident_bytes(itemsize, keep_blocks=self.backend.gguf)
+        num_blocks = self.backend.config.num_kv_blocks or max(1, self.backend.kv_cache_bytes() // self._block_bytes)
+        kv_cache = (num_blocks + self.kv_layout.has_null_block) * self._block_bytes
+        memory.check_fits(f"GGUF file {gguf.path.name}", weights, kv_cache)
+
+    @property
+    def num_moe_layers(self) -> int:
+        """The model's mixture-of-experts layers (0: dense)."""
+        return 0 if self.expert_usage is None else self.expert_usage.num_moe_layers
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write of forked samples: the K/V of block src into block dst, every layer at once."""
@@ -148,6 +176,8 @@ class ModelRunner:
             logits, greedy_ids = self._execute_modules(sched, t0, out), None
         t1 = time.perf_counter()
         out.forward_time = t1 - t0 - out.prepare_time
+        if self.expert_usage is not None:
+            out.num_experts_touched = self.expert_usage.take()
         if not req_ids:  # only pooling chunks ran: nothing samples
             out.sample_time = time.perf_counter() - t1
             return out

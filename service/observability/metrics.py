@@ -22,6 +22,7 @@ from engine import RequestMetrics, StepStats
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
                    1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0, 1280.0, 2400.0)
 TOKEN_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+EXPERT_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512)
 RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
 FINISH_REASONS = ("stop", "length", "abort", "error")
 POOLING_TASKS = ("embed", "score")  # the pooling requests' tasks (RequestMetrics.task): prefill only
@@ -87,6 +88,13 @@ class ServiceMetrics:
                                       label, registry=reg)
         self.step_time_error = hist("minivllm_step_time_prediction_ratio",
                                     "Measured / predicted step time (1 = exact)", RATIO_BUCKETS)
+        # Mixture of experts: a step's distinct experts per MoE layer (the mean over its layers,
+        # comparable with the model's expert count whatever its depth). A dense model's steps
+        # touch no experts: no sample at all, rather than zeros that would read as a MoE model
+        # routing nothing (and pass the dashboard's check without a MoE model behind it).
+        self.step_experts_touched = hist("minivllm_step_experts_touched_per_layer",
+                                         "Distinct experts a step ran per MoE layer (mean over layers)",
+                                         EXPERT_BUCKETS)
         self.steps = Counter("minivllm_steps_total", "Engine steps by what sized their prefill (time or tokens)",
                              label + ["budget"], registry=reg)
         self.api_requests = Counter("minivllm_api_requests_total",
@@ -140,6 +148,8 @@ class ServiceMetrics:
             self.step_duration.labels(m, "overhead").observe(stats.overhead_time)
             self.step_duration.labels(m, stats.kind).observe(stats.forward_time)
             self.steps.labels(m, stats.budget_source).inc()
+        if (experts := stats.experts_touched_per_layer) is not None:
+            self.step_experts_touched.labels(m).observe(experts)
         if stats.step_time_target is not None:
             self.step_time_target.labels(m).set(stats.step_time_target)
         if stats.predicted_step_time:

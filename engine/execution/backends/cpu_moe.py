@@ -49,6 +49,7 @@ class PackedExperts(nn.Module):
             raise ValueError(f"experts: {len(gate_up)} gate_up and {len(down)} down panels for {cfg.num_experts} experts")
         self.cfg, self.hidden_size = cfg, hidden_size
         self.gate_up_panels, self.down_panels = list(gate_up), list(down)
+        self.num_touched = 0  # distinct experts the last forward ran (the op's own count)
         self.op = kernels.MoeExperts([kernel_args(w) for w in self.gate_up_panels],
                                      [kernel_args(w) for w in self.down_panels], hidden_size, cfg.intermediate_size,
                                      ACTIVATION_CODES[cfg.activation], cfg.swiglu_alpha, cfg.swiglu_limit, isa)
@@ -94,7 +95,9 @@ class PackedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         # x: [T, H]; expert_ids: [T, k] int64; weights: [T, k] -> [T, H] in x's dtype
-        return self.op.forward(x, expert_ids, weights).to(x.dtype)
+        out = self.op.forward(x, expert_ids, weights).to(x.dtype)
+        self.num_touched = self.op.last_num_routed
+        return out
 
 
 def pack_moe_experts(model: nn.Module, dtype: torch.dtype, kernels: ModuleType, isa: int,

@@ -105,7 +105,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           },
           "x [T, hidden], expert_ids [T, k] int64, weights [T, k] -> [T, hidden] float32: each token's routed "
           "experts' weighted outputs summed in ascending expert order")
-      .def_property_readonly("num_experts", &minivllm::MoeExperts::num_experts);
+      .def_property_readonly("num_experts", &minivllm::MoeExperts::num_experts)
+      .def_property_readonly("last_num_routed", &minivllm::MoeExperts::last_num_routed,
+                             "Distinct experts the last forward ran");
   m.def("layer_attention_inputs", without_gil(&minivllm::layer_attention_inputs),
         "A fused layer up to attention: norm, QKV, RoPE, KV write -> [M, q | k | v] float32 (CPU)");
   m.def("layer_attention_outputs", without_gil(&minivllm::layer_attention_outputs),

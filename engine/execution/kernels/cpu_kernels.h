@@ -348,6 +348,8 @@ struct MoeExperts {
              int64_t act, double alpha, double limit, int64_t isa);
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& expert_ids, const torch::Tensor& weights) const;
   int64_t num_experts() const;
+  // Distinct experts the last forward ran (its grouping counts them anyway: the step's stats read it).
+  int64_t last_num_routed() const { return last_num_routed_; }
 
   struct Plan;  // the panels as plain values (moe_experts.cpp)
 
@@ -357,6 +359,7 @@ struct MoeExperts {
   double alpha_, limit_;  // kActSwigluOai's
   int64_t isa_;
   std::shared_ptr<const Plan> plan_;
+  mutable int64_t last_num_routed_ = 0;
 };
 
 }  // namespace minivllm

@@ -223,6 +223,7 @@ torch::Tensor MoeExperts::forward(const torch::Tensor& x, const torch::Tensor& e
   for (int64_t i = 0; i < R; ++i)
     TORCH_CHECK(ids[i] >= 0 && ids[i] < E, "moe_experts: expert id ", ids[i], " outside ", E, " experts");
   auto out = torch::empty({T, H}, torch::kFloat32);  // [T, H]
+  last_num_routed_ = 0;
   if (R == 0) return out.zero_();
 
   // Rows grouped by expert (ascending), tokens in order within an expert: row_begin[e] .. row_begin[e + 1].
@@ -247,6 +248,7 @@ torch::Tensor MoeExperts::forward(const torch::Tensor& x, const torch::Tensor& e
   std::vector<int64_t> routed;
   for (int64_t e = 0; e < E; ++e)
     if (row_begin[e + 1] > row_begin[e]) routed.push_back(e);
+  last_num_routed_ = static_cast<int64_t>(routed.size());
 
   const Plan& plan = *plan_;
   const float* xp = xf.data_ptr<float>();

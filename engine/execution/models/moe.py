@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.execution.models.expert_usage import ExpertUsage
 from engine.execution.models.layers import Linear
 
 ROUTINGS = ("softmax_topk", "topk_softmax")
@@ -91,6 +92,7 @@ class Experts(nn.Module):
         self.gate_up_bias = (nn.Parameter(torch.zeros(num_experts, 2 * size), requires_grad=False)
                              if cfg.expert_bias else None)
         self.down_bias = nn.Parameter(torch.zeros(num_experts, hidden_size), requires_grad=False) if cfg.expert_bias else None
+        self.num_touched = 0  # distinct experts the last forward ran
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         # x: [T, H]; expert_ids: [T, k] int64; weights: [T, k] in x's dtype -> [T, H]
@@ -100,6 +102,7 @@ class Experts(nn.Module):
         # layer (the group sizes), not one an expert.
         order = expert_ids.flatten().argsort(stable=True)  # [T * k]
         counts = torch.bincount(expert_ids.flatten(), minlength=self.cfg.num_experts).tolist()
+        self.num_touched = sum(1 for count in counts if count)
         start = 0
         for expert, count in enumerate(counts):  # ascending, as transformers adds them
             if count == 0:
@@ -120,6 +123,7 @@ class SparseMoe(nn.Module):
         self.cfg = cfg
         self.router = Linear(hidden_size, cfg.num_experts, bias=cfg.router_bias)
         self.experts = Experts(cfg, hidden_size)
+        self.usage: ExpertUsage | None = None  # the model's count of experts run (track_expert_usage)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, H] -> expert ids [T, k] int64 and their weights [T, k] in x's dtype."""
@@ -137,4 +141,19 @@ class SparseMoe(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H] -> [T, H]
         expert_ids, weights = self.route(x)
-        return self.experts(x, expert_ids, weights)
+        out = self.experts(x, expert_ids, weights)
+        if self.usage is not None:
+            self.usage.add(self.experts.num_touched)  # an int the experts' grouping already holds
+        return out
+
+
+def track_expert_usage(model: nn.Module) -> ExpertUsage | None:
+    """One ExpertUsage shared by the model's SparseMoe layers (after the backend swapped their
+    experts: each kind reports `num_touched`); None for a dense model."""
+    layers = [m for m in model.modules() if isinstance(m, SparseMoe)]
+    if not layers:
+        return None
+    usage = ExpertUsage(len(layers))
+    for layer in layers:
+        layer.usage = usage
+    return usage

@@ -239,6 +239,7 @@ def load_gguf_weights(model: nn.Module, gguf: GGUFFile) -> nn.Module:
     for module_name, module in model.named_modules():
         if _is_experts(module):
             _load_experts(model, module_name, module, parts)
+            gguf.release(parts(f"{module_name}.gate_up") + parts(f"{module_name}.down"))  # repacked: unmap
             continue
         if not isinstance(module, nn.Linear | nn.Embedding) or id(module.weight) in done:
             continue
@@ -253,6 +254,7 @@ def load_gguf_weights(model: nn.Module, gguf: GGUFFile) -> nn.Module:
             module.quantized = _quantized(module_name, weight, in_features, bias)
         else:
             _set_parameter(model, f"{module_name}.weight", torch.cat([_float(t) for t in weight]))
+        gguf.release(weight)  # repacked or copied: its mapped pages are no longer read
     if tie_word_embeddings:
         embedding = model.embed_tokens
         model.lm_head.weight = embedding.weight

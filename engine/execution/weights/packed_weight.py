@@ -15,11 +15,12 @@ from types import ModuleType
 
 import torch
 
-from engine.execution.huge_pages import huge_page_tensor
+from engine.execution.huge_pages import huge_page_tensor, release_free_memory
 
 PANEL = 16
 PAIR_CHUNK = 32  # bfloat16 panels pad K to a multiple of this (one AMX tile's k)
 PAGE_BYTES = 4096  # each weight starts on a page of its own in the shared region
+_TRIM_BYTES = 256 << 20  # bytes moved to the region between returns of the freed ones to the OS
 
 
 @dataclass(slots=True)
@@ -87,8 +88,16 @@ def place_on_huge_pages(weights: Sequence[PackedWeight]) -> torch.Tensor:
     for size in sizes:
         starts.append(starts[-1] + -(-size // PAGE_BYTES) * PAGE_BYTES)
     region = huge_page_tensor((starts[-1],), torch.uint8)
+    moved = 0
     for weight, start, size in zip(weights, starts[:-1], sizes, strict=True):
         view = region[start:start + size].view(weight.data.dtype).view(weight.data.shape)
         view.copy_(weight.data)
         weight.data = view
+        moved += size
+        if moved >= _TRIM_BYTES:
+            # The old panels are freed as they move, but malloc keeps small ones (an expert's few
+            # MB) in its heap: without a trim every so often the region and the old copies were
+            # resident together, twice the weights at the peak.
+            release_free_memory()
+            moved = 0
     return region

@@ -23,6 +23,7 @@ from gguf import GGMLQuantizationType
 from engine.execution.weights.ggml_blocks import FIVE_BIT_TYPES, QK, BlockFields, dequantize_fields, split_blocks
 
 PANEL = 16
+PACK_ROWS = 4096  # rows repacked at a time (a multiple of PANEL)
 _T = GGMLQuantizationType
 
 
@@ -95,8 +96,20 @@ class QuantizedWeight:
         """blocks: [N, row bytes] uint8, the file's blocks of each output channel's in_features."""
         if isinstance(blocks, torch.Tensor):
             blocks = blocks.numpy()
-        fields = split_blocks(np.asarray(blocks), quant_type, in_features)
-        return cls.from_fields(fields, bias)
+        blocks = np.asarray(blocks)
+        num_rows = blocks.shape[0]
+        if num_rows <= PACK_ROWS:
+            return cls.from_fields(split_blocks(blocks, quant_type, in_features), bias)
+        # Panels are independent: a large projection (an embedding of 150,000 rows) is repacked
+        # PACK_ROWS rows at a time into its panels, so the fields and their padded and reordered
+        # copies exist for one chunk, not the whole (three times the tensor at once).
+        first = cls.from_fields(split_blocks(blocks[:PACK_ROWS], quant_type, in_features), bias)
+        data = torch.empty((-(-num_rows // PANEL), *first.data.shape[1:]), dtype=torch.uint8)
+        data[: PACK_ROWS // PANEL] = first.data
+        for start in range(PACK_ROWS, num_rows, PACK_ROWS):
+            part = cls.from_fields(split_blocks(blocks[start:start + PACK_ROWS], quant_type, in_features)).data
+            data[start // PANEL : start // PANEL + part.shape[0]] = part
+        return cls(data, first.quant_type, first.bias, num_rows, first.in_features)
 
     @classmethod
     def from_fields(cls, f: BlockFields, bias: torch.Tensor | None = None) -> QuantizedWeight:

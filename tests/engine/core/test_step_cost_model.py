@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from engine import EngineConfig, PoolingParams, SamplingParams
@@ -318,3 +319,67 @@ def test_a_burst_of_embeddings_keeps_eight_streams_at_their_promised_pace() -> N
     assert sorted(pooled) == sorted(f"e{i}" for i in range(12))
     assert num_steps > 100  # chunked in by the time budget (the token budget alone takes 10 steps)
     assert sched.num_running == 8
+
+
+# A made-up MoE machine: 8 layers of 64 experts, 4 a token; a step streams the dense weights
+# (10 ms), then reads each distinct expert a layer routes to (0.3 ms each), whatever its rows.
+MOE_E, MOE_K, MOE_LAYERS, MOE_EXPERT_READ = 64, 4, 8, 0.0003
+
+
+def moe_forward(num_decode: int, num_prefill: int, rng: random.Random) -> float:
+    """Routing drawn token by token (k distinct of E each, layer by layer), not the formula."""
+    tokens = num_decode + num_prefill
+    draws = np.random.default_rng(rng.randrange(2**32)).random((MOE_LAYERS, tokens, MOE_E))
+    chosen = np.argpartition(draws, MOE_K, axis=-1)[..., :MOE_K]  # [layers, tokens, k]: k distinct of E
+    touched = sum(len(np.unique(layer)) for layer in chosen)
+    return 0.010 + 0.00002 * tokens + MOE_EXPERT_READ * touched
+
+
+def moe_steps(num_steps: int, rng: random.Random) -> list[tuple[int, int, float]]:
+    steps = []
+    for _ in range(num_steps):
+        num_decode = rng.randint(1, 48)
+        chunk = rng.choice([0, 0, rng.randint(1, 256)])
+        steps.append((num_decode, chunk, moe_forward(num_decode, chunk, rng)))
+    return steps
+
+
+def test_moe_steps_are_fitted_by_the_experts_they_touch_better_than_by_tokens() -> None:
+    rng = random.Random(0)
+    moe, tokens_only = StepCostModel(experts=(MOE_E, MOE_K)), StepCostModel()
+    for model in (moe, tokens_only):
+        for num_decode, chunk, t in moe_steps(150, random.Random(1)):
+            model.observe(num_decode, num_decode * 100, chunk, attention_pairs(chunk, 0), 0, t, OVERHEAD)
+    held_out = moe_steps(100, rng)
+
+    def error(model: StepCostModel) -> float:  # mean |predicted / measured - 1|
+        return sum(abs(model.predict(d, d * 100, c, attention_pairs(c, 0)) / (t + OVERHEAD) - 1)
+                   for d, c, t in held_out) / len(held_out)
+
+    assert error(moe) < 0.03 and error(moe) < error(tokens_only) / 3, (error(moe), error(tokens_only))
+    # the learned cost per expected expert of a layer: every layer's read of one expert
+    assert moe.costs[7] == pytest.approx(MOE_LAYERS * MOE_EXPERT_READ, rel=0.1)
+
+
+def test_a_moe_chunk_costs_the_experts_the_step_has_not_touched_yet() -> None:
+    model = StepCostModel(experts=(MOE_E, MOE_K))
+    for num_decode, chunk, t in moe_steps(150, random.Random(2)):
+        model.observe(num_decode, num_decode * 100, chunk, attention_pairs(chunk, 0), 0, t, OVERHEAD)
+    # beside 40 decodes most experts are already read: a chunk adds less than alone
+    assert model.chunk_cost(16, 0, num_step_tokens=40) < model.chunk_cost(16, 0, num_step_tokens=0)
+    for time_left, step_tokens in [(0.002, 0), (0.01, 8), (0.05, 40)]:
+        n = model.max_chunk(time_left, 0, limit=10_000, num_step_tokens=step_tokens)
+        assert model.chunk_cost(n, 0, num_step_tokens=step_tokens) <= time_left
+        assert model.chunk_cost(n + 1, 0, num_step_tokens=step_tokens) > time_left
+
+
+def test_a_dense_model_keeps_its_seven_features() -> None:
+    dense, moe = StepCostModel(), StepCostModel(experts=(MOE_E, MOE_K))
+    assert dense.experts is None and len(dense.weights) == 7 and len(dense.features(3, 300, 16, 100.0)) == 7
+    assert moe.features(3, 300, 16, 100.0)[:7] == dense.features(3, 300, 16, 100.0)
+    assert moe.features(3, 300, 16, 100.0)[7] == pytest.approx(MOE_E * (1 - (1 - MOE_K / MOE_E) ** 19))
+    config = EngineConfig(num_kv_blocks=64)
+    assert Scheduler(config, BlockManager(64, 16)).cost_model.experts is None
+    assert Scheduler(config, BlockManager(64, 16), experts=(8, 2)).cost_model.experts == (8, 2)
+    with pytest.raises(ValueError, match="experts"):
+        StepCostModel(experts=(4, 8))

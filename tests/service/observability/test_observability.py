@@ -17,7 +17,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 from prometheus_client import generate_latest
 
-from engine import EngineConfig
+from engine import EngineConfig, StepStats
 from service.grpc.minivllm_client import build_request
 from service.observability.metrics import ServiceMetrics
 from service.observability.tracing import Tracing, make_provider
@@ -26,6 +26,7 @@ from service.pb import inference_pb2 as pb
 from service.pb import inference_pb2_grpc as pb_grpc
 from tests.prometheus_queries import has_number, prom_query, prom_query_ok
 from tests.server_harness import IN_CI, ServerThread, free_port, need
+from tests.tiny_model import build_tiny_family_model, family_config
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -88,6 +89,17 @@ def test_histogram_counts_match_what_happened(tiny_model_dir: Path) -> None:
     assert sample(metrics, "minivllm_api_requests_total", grpc_call | {"code": "INVALID_ARGUMENT"}) == 1
     assert sample(metrics, "minivllm_api_request_duration_seconds_count", grpc_call) == 7
     assert sample(metrics, "minivllm_requests_running") == 0 and sample(metrics, "minivllm_kv_cache_usage_ratio") == 0
+
+
+def test_experts_touched_are_observed_for_moe_steps_only() -> None:
+    metrics = ServiceMetrics("model")
+    metrics.on_step(StepStats(step_id=0, start_time=0.0, num_decode_tokens=3))  # dense: no sample, not a zero
+    assert metrics.registry.get_sample_value("minivllm_step_experts_touched_per_layer_count",
+                                             {"model_name": "model"}) is None
+    metrics.on_step(StepStats(step_id=1, start_time=0.0, num_decode_tokens=3, num_experts_touched=9, num_moe_layers=2))
+    metrics.on_step(StepStats(step_id=2, start_time=0.0, num_moe_layers=2))  # no forward: nothing ran
+    assert sample(metrics, "minivllm_step_experts_touched_per_layer_count") == 1
+    assert sample(metrics, "minivllm_step_experts_touched_per_layer_sum") == 4.5
 
 
 def test_streaming_handlers_of_both_styles_pass_the_metrics_interceptor(tiny_model_dir: Path) -> None:
@@ -251,12 +263,16 @@ def test_real_prometheus_scrapes_and_every_panel_has_data(tiny_model_dir: Path, 
     # A small KV cache forces preemptions; shared prompt prefixes give prefix-cache hits; the
     # repeated text gives n-gram proposals to verify (speculative decoding's panel).
     srv = metered_server(tiny_model_dir, metrics, num_kv_blocks=48, max_num_seqs=16, speculative_method="ngram")
+    # A tiny mixture-of-experts model beside it (the experts panel: a dense model has no samples there)
+    moe = metered_server(build_tiny_family_model(tmp_path / "moe", family_config("qwen3-moe")), metrics,
+                         num_kv_blocks=64)
     proc, prom_port = _start_prometheus(prometheus, metrics_port, tmp_path)
     try:
         shared = "The quick brown fox jumps over the lazy dog. " * 3
         generated = 'sum(minivllm_generation_tokens_total{model_name="model"})'
         for _ in range(3):
             asyncio.run(_load(srv.target, 16, max_tokens=40, prefix=shared))
+            asyncio.run(_load(moe.target, 2, max_tokens=4))
             assert _http_completion(srv, {"prompt": shared, "max_tokens": 8}) == 200
             assert _http_completion(srv, {"prompt": shared, "max_tokens": 0}) == 400
             with grpc.insecure_channel(srv.target) as channel, pytest.raises(grpc.RpcError):
@@ -292,6 +308,7 @@ def test_real_prometheus_scrapes_and_every_panel_has_data(tiny_model_dir: Path, 
         proc.terminate()
         proc.wait(10)
         srv.stop()
+        moe.stop()
 
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
