@@ -71,7 +71,9 @@ def test_five_bit_blocks_quantized_from_weights_run_as_the_gguf_package_reads_th
 
 @pytest.mark.parametrize("quant_type", KERNEL_TYPES, ids=lambda t: t.name)
 # K: 3 and 5 blocks of 32, or 1 and 2 super-blocks; N = 984: 62 panels, so tasks take several.
-@pytest.mark.parametrize("shape", [(1, 1, 20), (3, 2, 50), (17, 1, 33), (70, 2, 984)],
+# N = 647 at one and two rows: 41 panels, tasks of 6, which the VNNI tile takes 4 or 2 at once
+# (then 2 or 1), the last panel with 7 rows.
+@pytest.mark.parametrize("shape", [(1, 1, 20), (3, 2, 50), (17, 1, 33), (70, 2, 984), (1, 2, 647), (2, 1, 647)],
                          ids=lambda s: "M{}-blocks{}-N{}".format(*s))
 def test_quant_linear_matches_the_dequantized_matrix(kernels, quant_type: T, shape: tuple[int, int, int]) -> None:
     m, num_blocks, n = shape
