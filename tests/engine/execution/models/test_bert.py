@@ -161,3 +161,48 @@ def test_checkpoint_errors_name_the_tensor(cross_encoder_dir: Path, embedder_dir
     assert "pooler.dense.weight" in base
     model = BertModel(BertModel.config_from_hf(AutoConfig.from_pretrained(str(embedder_dir))))
     model.load_weights({**base, "cls.predictions.bias": torch.zeros(1)}.items())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_onednn_projections_with_fused_post_ops_equal_transformers(embedder_dirs: dict[str, Path], family: str) -> None:
+    """The CPU backend's oneDNN form of every projection (as it runs an encoder's long steps):
+    the bias, GELU and residual sums applied as the product's post-ops still give transformers'
+    hidden states for packed prompts."""
+    from transformers import AutoModel, AutoTokenizer
+
+    from engine.execution.backends.cpu_linear import PackedLinear, can_pack_linear, pack_linears
+
+    if not can_pack_linear(torch.float32):
+        pytest.skip("oneDNN's packed linear is unavailable on this CPU or build")
+    embedder_dir = embedder_dirs[family]
+    tokenizer = AutoTokenizer.from_pretrained(str(embedder_dir))
+    prompts = [tokenizer.encode(t) for t in TEXTS]
+    reference = AutoModel.from_pretrained(str(embedder_dir)).eval()
+    model = _load(embedder_dir)
+    packed = pack_linears(model, True, None, None, 0, 0)  # oneDNN alone, the plain weights dropped
+    assert packed and all(isinstance(m, PackedLinear) and m.weight is None for m in packed)
+    input_ids, positions, attn, starts = _packed_step(prompts)
+    with torch.inference_mode():
+        hidden = model(input_ids, positions, attn, [])
+        for prompt, start in zip(prompts, starts, strict=True):
+            expected = reference(torch.tensor([prompt])).last_hidden_state[0]
+            torch.testing.assert_close(hidden[start : start + len(prompt)], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_an_encoder_multiplies_long_steps_on_onednn_and_short_on_panels(embedder_dir: Path) -> None:
+    """float32 on AVX-512 (every step on the panels for a decoder): an encoder keeps both forms,
+    the panels up to ENCODER_MAX_PANEL_ROWS rows and oneDNN past them; max_fused_tokens set by the
+    user still rules."""
+    from engine import LLM
+    from engine.execution.backends.cpu_backend import ENCODER_MAX_PANEL_ROWS
+    from engine.execution.kernels import ISAS
+
+    runner = LLM(str(embedder_dir), block_size=4).engine.runner
+    backend = runner.backend
+    if backend.kernels is None or backend.isa < ISAS["avx512"] or not backend.onednn:
+        pytest.skip("needs the C++ kernels on AVX-512 and oneDNN")
+    assert backend.max_panel_rows == ENCODER_MAX_PANEL_ROWS
+    proj = runner.model.layers[0].up_proj
+    assert proj.packed_weight is not None and proj.panels is not None
+    assert proj.uses_panels(ENCODER_MAX_PANEL_ROWS) and not proj.uses_panels(ENCODER_MAX_PANEL_ROWS + 1)
+    assert LLM(str(embedder_dir), block_size=4, max_fused_tokens=64).engine.runner.backend.max_panel_rows == 64
