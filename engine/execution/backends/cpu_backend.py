@@ -30,12 +30,6 @@ from engine.execution.weights.packed_weight import place_on_huge_pages
 logger = logging.getLogger(__name__)
 
 
-#: An encoder's steps of up to this many rows multiply on the panels, longer ones on oneDNN (with
-#: its fused post-ops), in float32: measured near the crossover on bge-small's shapes (panels ahead at 64
-#: rows, behind at 256).
-ENCODER_MAX_PANEL_ROWS = 128
-
-
 def default_max_fused_tokens(dtype: torch.dtype, isa: int, quantized: bool) -> int:
     """Steps of up to this many tokens run the fused layers, by the crossovers measured against
     oneDNN (docs/benchmarks.md): every step in int8 (the panels are its only copy), in float32
@@ -81,15 +75,10 @@ class CpuBackend(Backend):
             kind = "an encoder" if self.is_encoder else "a model with mixture-of-experts layers or attention sinks"
             logger.info("%s: the CPU backend runs every step through the model's modules (panel or oneDNN "
                         "projections%s), not its fused layers", kind, "" if self.is_encoder else ", the experts' op")
-        if self.is_encoder and config.max_fused_tokens is None and self.panel_dtype == torch.float32 and not self.gguf:
-            # An encoder's steps are whole prompts, hundreds of rows: there oneDNN's GEMM beat the
-            # panels (bge-small's shapes, 1780 rows: 213 vs 252 ms, two threads) and carries the
-            # bias, GELU and residual sums as post-ops; the panels keep the short steps.
-            self.max_panel_rows = min(self.max_panel_rows, ENCODER_MAX_PANEL_ROWS)
         self.max_fused_tokens = self.max_panel_rows if self.can_fuse else 0
         self.max_decode_rows = self.max_fused_tokens
         # oneDNN's copy of the weights only where some step runs the torch path.
-        is_every_step_fused = self.panel_dtype is not None and self.max_panel_rows == sys.maxsize
+        is_every_step_fused = self.panel_dtype is not None and max_fused == sys.maxsize
         self.onednn = not is_every_step_fused and config.enable_onednn and can_pack_linear(dtype)
         self.fused: FusedModel | None = None
         if kernels is not None:

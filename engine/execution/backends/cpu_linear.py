@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.execution.models.layers import Activation, Linear
+from engine.execution.models.layers import Linear
 from engine.execution.weights.packed_weight import PackedWeight
 
 logger = logging.getLogger(__name__)
@@ -57,20 +57,6 @@ class PackedLinear(nn.Module):
         if self.uses_panels(x.shape[0]):
             return self.panels.linear(x, self.kernels, self.isa)
         return self._forward_native(x).float()
-
-    def forward_activated(self, x: torch.Tensor, activation: Activation) -> torch.Tensor:
-        """activation(x W^T + b), oneDNN applying it as the product's post-op (no pass of its own
-        over the [M, n] output) where oneDNN runs this input."""
-        if self.packed_weight is not None and not self.uses_panels(x.shape[0]):
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, activation.attr, [],
-                                                      activation.algorithm or None)
-        return activation(self(x))
-
-    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """x W^T + b + residual ([M, n], x's dtype), oneDNN adding the residual as a post-op where it runs this input."""
-        if self.packed_weight is not None and not self.uses_panels(x.shape[0]):
-            return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed_weight, self.bias, "add")
-        return self(x).add_(residual)
 
     def _forward_native(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is not None:

@@ -6,26 +6,9 @@ modules after loading, so the model code never asks which backend runs it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-
-@dataclass(frozen=True, slots=True)
-class Activation:
-    """An elementwise activation, named as oneDNN's fused post-ops name it (attr, and algorithm
-    for GELU: "none" exact erf, "tanh" the approximation), so a packed projection can apply it
-    while its output is still in cache."""
-
-    attr: str  # "gelu" or "relu"
-    algorithm: str = ""
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.attr == "gelu":
-            return F.gelu(x, approximate=self.algorithm)
-        return F.relu(x)
 
 
 class Linear(nn.Linear):
@@ -35,14 +18,6 @@ class Linear(nn.Linear):
     def forward_float(self, x: torch.Tensor) -> torch.Tensor:
         """The product in float32 (logits)."""
         return F.linear(x, self.weight, self.bias).float()
-
-    def forward_activated(self, x: torch.Tensor, activation: Activation) -> torch.Tensor:
-        """activation(x W^T + b): the CPU backend's packed form applies it inside the product."""
-        return activation(F.linear(x, self.weight, self.bias))
-
-    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """x W^T + b + residual (a residual block's sum; the packed form adds it in the product)."""
-        return F.linear(x, self.weight, self.bias).add_(residual)
 
 
 class RMSNorm(nn.Module):
