@@ -153,7 +153,9 @@ def main() -> None:
 
     llm = LLM(str(model_dir), num_threads=threads, max_num_batched_tokens=args.max_num_batched_tokens,
               max_num_seqs=256, enable_prefix_caching=False)
-    peer = _VllmPeer(args.vllm_python, model_dir, args.max_tokens + 16) if args.vllm_python else None
+    # vLLM refuses a max_model_len past the model's positions (bge-small's 512)
+    max_model_len = min(args.max_tokens + 16, reference.max_seq_length or args.max_tokens + 16)
+    peer = _VllmPeer(args.vllm_python, model_dir, max_model_len) if args.vllm_python else None
     llm.embed(texts[:2])  # warm-up: the first steps' one-time costs
     reference.encode(texts[:2], batch_size=args.st_batch_size)
     seconds: dict[str, list[float]] = {"minivllm": [], "sentence-transformers": [], "vllm": []}
