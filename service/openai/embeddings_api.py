@@ -15,12 +15,10 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from service.async_engine import EngineDeadError
 from service.observability.request_observer import CallInfo
-from service.openai.call import until_disconnected
 from service.openai.embeddings_protocol import EmbeddingRequest
-from service.pooling_batch import PoolingBatch, failed_output
-from service.serving_state import EngineUnavailableError
+from service.openai.pooling_call import pooled_outputs
+from service.pooling_batch import PoolingBatch
 
 ROUTE = "/v1/embeddings"
 
@@ -35,29 +33,16 @@ class EmbeddingsApi:
         request_id = f"embd-{uuid.uuid4().hex}"
         handle = door.observer.start(request_id, request_id, CallInfo("http", ROUTE, "embeddings",
                                                                       dict(request.headers)), None)
-        try:
+
+        async def admit() -> PoolingBatch:
             door._check_model(body.model)
             prompts = body.inputs()
             params = body.pooling_params()
-            engine = door.state.ready_engine(task="embed")
-            batch = PoolingBatch(engine, request_id)
+            batch = PoolingBatch(door.state.ready_engine(task="embed"), request_id)
             await batch.admit(params, prompts, body.priority, lambda i: body.input_field(i, len(prompts)))
-        except (ValueError, EngineDeadError, EngineUnavailableError, door.api_error) as exc:
-            error = exc if isinstance(exc, door.api_error) else door.admission_error(exc)
-            door.observer.finish(handle, None, str(error.status), error.message,
-                                 {"http.response.status_code": error.status})
-            raise error from exc
-        try:
-            outputs = await until_disconnected(batch.finals(), request.receive)
-        finally:
-            await batch.aclose()
-        if outputs is None:  # the client left: every input's request is aborted
-            door.observer.finish(handle, None, "499", "client disconnected", {"http.response.status_code": 499})
-            return JSONResponse({}, status_code=499)
-        failed = failed_output(outputs)
-        if failed is not None:
-            message = failed.error or f"the request ended without an embedding ({failed.finish_reason})"
-            door.observer.finish(handle, failed, "500", message, {"http.response.status_code": 500})
-            raise door.api_error(500, message, "server_error")
-        door.observer.finish(handle, outputs[-1], None, attributes={"http.response.status_code": 200})
+            return batch
+
+        outputs = await pooled_outputs(door, request, handle, admit, "an embedding")
+        if isinstance(outputs, JSONResponse):
+            return outputs
         return JSONResponse(body.answer(door.model_name, outputs), headers={"x-request-id": request_id})

@@ -17,14 +17,12 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from engine import PoolingParams
-from service.async_engine import EngineDeadError
 from service.observability.request_observer import CallInfo
-from service.openai.call import until_disconnected
+from service.openai.pooling_call import pooled_outputs
 from service.openai.request_checks import check_text
 from service.openai.score_protocol import RerankRequest, ScoreRequest
-from service.pooling_batch import PoolingBatch, failed_output
+from service.pooling_batch import PoolingBatch
 from service.score_prompts import score_prompts
-from service.serving_state import EngineUnavailableError
 
 
 class ScoreApi:
@@ -38,7 +36,8 @@ class ScoreApi:
         request_id = f"{'rerank' if is_rerank else 'score'}-{uuid.uuid4().hex}"
         handle = door.observer.start(request_id, request_id, CallInfo("http", route, "rerank" if is_rerank else "score",
                                                                       dict(request.headers)), None)
-        try:
+
+        async def admit() -> PoolingBatch:
             door._check_model(body.model)
             check_text(body)
             pairs = body.pairs()
@@ -47,22 +46,9 @@ class ScoreApi:
             batch = PoolingBatch(engine, request_id)
             await batch.admit(PoolingParams(task="score"), [p.token_ids for p in prompts], body.priority,
                               body.pair_field, [p.token_type_ids for p in prompts])
-        except (ValueError, EngineDeadError, EngineUnavailableError, door.api_error) as exc:
-            error = exc if isinstance(exc, door.api_error) else door.admission_error(exc)
-            door.observer.finish(handle, None, str(error.status), error.message,
-                                 {"http.response.status_code": error.status})
-            raise error from exc
-        try:
-            outputs = await until_disconnected(batch.finals(), request.receive)
-        finally:
-            await batch.aclose()
-        if outputs is None:  # the client left: every pair's request is aborted
-            door.observer.finish(handle, None, "499", "client disconnected", {"http.response.status_code": 499})
-            return JSONResponse({}, status_code=499)
-        failed = failed_output(outputs)
-        if failed is not None:
-            message = failed.error or f"the request ended without a score ({failed.finish_reason})"
-            door.observer.finish(handle, failed, "500", message, {"http.response.status_code": 500})
-            raise door.api_error(500, message, "server_error")
-        door.observer.finish(handle, outputs[-1], None, attributes={"http.response.status_code": 200})
+            return batch
+
+        outputs = await pooled_outputs(door, request, handle, admit, "a score")
+        if isinstance(outputs, JSONResponse):
+            return outputs
         return JSONResponse(body.answer(request_id, door.model_name, outputs), headers={"x-request-id": request_id})
