@@ -73,3 +73,19 @@ def tiny_tool_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model with <tool_call>, </tool_call>, <think>, </think> as tokens and a template
     that knows tools."""
     return build_tiny_model(tmp_path_factory.mktemp("tiny-tools") / "model", with_tools=True)
+
+
+@pytest.fixture(scope="session")
+def classifier_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen3ForSequenceClassification (one label): the score tests' cross-encoder."""
+    from tests.tiny_model import build_tiny_sequence_classifier
+
+    return build_tiny_sequence_classifier(tmp_path_factory.mktemp("reranker") / "qwen3-cls")
+
+
+@pytest.fixture(scope="session")
+def reranker_lm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen3 causal LM served in Qwen3-Reranker's yes/no format."""
+    from tests.tiny_model import build_tiny_reranker_lm
+
+    return build_tiny_reranker_lm(tmp_path_factory.mktemp("reranker") / "qwen3-lm")

@@ -101,3 +101,8 @@ def token_logprobs(llm: Any, sequences: list[list[int]]) -> np.ndarray:
     outs = llm.generate(sequences, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0, ignore_eos=True))
     return np.array([entry[token] for out, seq in zip(outs, sequences, strict=True)
                      for entry, token in zip(out.prompt_logprobs[1:], seq[1:], strict=True)])
+
+
+def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Row-wise cosine similarity of two [N, D] arrays of vectors -> [N]."""
+    return (a * b).sum(-1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from tests.tiny_model import save_sentence_transformer
+
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "A paged KV cache stores keys and values in fixed-size blocks.",
@@ -84,8 +86,6 @@ def build_tiny_bert_embedder(path: Path, pooling_mode: str = "cls", normalize: b
     path = Path(path)
     if (path / "modules.json").exists():
         return path
-    from sentence_transformers import SentenceTransformer
-    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
     from transformers import BertModel, XLMRobertaModel
 
     source = path.with_name(path.name + "-hf")
@@ -94,12 +94,7 @@ def build_tiny_bert_embedder(path: Path, pooling_mode: str = "cls", normalize: b
     model = (BertModel if family == "bert" else XLMRobertaModel)(_config(family, tokenizer))
     _scale_up(model, seed)
     model.save_pretrained(str(source))
-    transformer = Transformer(str(source))
-    modules = [transformer, Pooling(transformer.get_embedding_dimension(), pooling_mode=pooling_mode)]
-    if normalize:
-        modules.append(Normalize())
-    SentenceTransformer(modules=modules, device="cpu").save(str(path))
-    return path
+    return save_sentence_transformer(source, path, pooling_mode, normalize)
 
 
 def build_tiny_bert_cross_encoder(path: Path, num_labels: int = 1, seed: int = 1, family: str = "bert") -> Path:

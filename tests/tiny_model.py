@@ -251,13 +251,20 @@ def build_tiny_embedding_model(path: Path, pooling_mode: str = "lasttoken", norm
     path = Path(path)
     if (path / "modules.json").exists():
         return path
-    from sentence_transformers import SentenceTransformer
-    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
 
     source = build_tiny_family_model(path.with_name(path.name + "-causal"), family_config(family))
     # Without a chat template: sentence-transformers 6 renders plain text through a tokenizer's chat
     # template when it has one, where an embedding server embeds the text's own tokens.
     (source / "chat_template.jinja").unlink(missing_ok=True)
+    return save_sentence_transformer(source, path, pooling_mode, normalize)
+
+
+def save_sentence_transformer(source: Path, path: Path, pooling_mode: str, normalize: bool) -> Path:
+    """The transformers model in `source` saved at `path` as sentence-transformers saves an
+    embedder: its Transformer, a Pooling module of pooling_mode, and Normalize when asked."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+
     transformer = Transformer(str(source))
     modules = [transformer, Pooling(transformer.get_embedding_dimension(), pooling_mode=pooling_mode)]
     if normalize:

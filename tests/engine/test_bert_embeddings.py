@@ -15,6 +15,7 @@ import pytest
 
 from engine import LLM, FieldError, PoolingParams, SamplingParams
 from engine.processing.pooling_params import PoolerConfig, PoolingType
+from tests.helpers import cosines
 from tests.tiny_bert import build_tiny_bert_embedder
 
 TEXTS = ["hello world", "The quick brown fox jumps over the lazy dog. " * 2, "a",
@@ -28,10 +29,6 @@ def bert_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("bert-embedders")
     return {name: build_tiny_bert_embedder(root / name, pooling_mode=mode, normalize=normalize, family=family)
             for name, (mode, normalize, family) in VARIANTS.items()}
-
-
-def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return (a * b).sum(-1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)
 
 
 def _encode(model_dir: Path, texts: list[str]) -> np.ndarray:
@@ -63,7 +60,7 @@ def test_one_step_of_prompts_equals_sentence_transformers(bert_dirs: dict[str, P
     assert all(by_id[r].is_finished and by_id[r].finish_reason == "stop" for r in request_ids)
     got = np.array([by_id[r].embedding for r in request_ids])
     assert got.shape == expected.shape
-    assert _cosines(got, expected).min() >= 0.9999
+    assert cosines(got, expected).min() >= 0.9999
     norms = np.linalg.norm(got, axis=-1)
     if normalize:
         np.testing.assert_allclose(norms, 1.0, atol=1e-5)
@@ -73,7 +70,7 @@ def test_one_step_of_prompts_equals_sentence_transformers(bert_dirs: dict[str, P
     assert engine.block_manager.num_free_blocks == free_before and not engine.has_unfinished_requests()
     # alone, each prompt pools the same (nothing of another prompt leaks into its attention)
     alone = np.array([llm.embed([t])[0].embedding for t in TEXTS[:2]])
-    assert _cosines(alone, got[:2]).min() >= 0.99999
+    assert cosines(alone, got[:2]).min() >= 0.99999
 
 
 def test_prompts_are_never_split_over_steps(bert_dirs: dict[str, Path]) -> None:
@@ -95,7 +92,7 @@ def test_prompts_are_never_split_over_steps(bert_dirs: dict[str, Path]) -> None:
         finals.update({o.request_id: o for o in outputs if o.is_finished})
     assert len(steps) > 1 and sorted(r for s in steps for r in s) == sorted(request_ids)  # each in one step
     got = np.array([finals[r].embedding for r in request_ids])
-    assert _cosines(got, _encode(model_dir, list(request_ids.values()))).min() >= 0.9999
+    assert cosines(got, _encode(model_dir, list(request_ids.values()))).min() >= 0.9999
     with pytest.raises(FieldError) as err:
         llm.embed([TEXTS[1] * 2])
     assert err.value.field == "prompt" and "max_num_batched_tokens" in str(err.value)
@@ -138,7 +135,7 @@ def test_no_prefix_reuse_and_no_generation(bert_dirs: dict[str, Path]) -> None:
     first = llm.embed([TEXTS[1]], PoolingParams(pooling_type="last"))
     again = llm.embed([TEXTS[1]], PoolingParams(pooling_type="last"))
     assert again[0].num_cached_tokens == 0
-    assert _cosines(np.array([first[0].embedding]), np.array([again[0].embedding])).min() >= 0.99999
+    assert cosines(np.array([first[0].embedding]), np.array([again[0].embedding])).min() >= 0.99999
     with pytest.raises(ValueError, match="only embed"):
         llm.generate("hello", SamplingParams(max_tokens=2))
 
@@ -160,5 +157,5 @@ def test_bare_bert_directory_pools_at_cls(bert_dirs: dict[str, Path]) -> None:
         expected = np.array([reference(**tokenizer(t, return_tensors="pt")).last_hidden_state[0, 0].numpy()
                              for t in TEXTS])
     got = np.array([o.embedding for o in llm.embed(TEXTS)])
-    assert _cosines(got, expected).min() >= 0.9999
+    assert cosines(got, expected).min() >= 0.9999
     np.testing.assert_allclose(np.linalg.norm(got, axis=-1), 1.0, atol=1e-5)

@@ -15,6 +15,7 @@ import pytest
 from engine import LLM, FieldError, PoolingParams, PoolingType, SamplingParams
 from engine.execution.weights.pooling_config import load_pooler_config
 from engine.processing.pooling_params import PoolerConfig
+from tests.helpers import cosines
 from tests.tiny_model import build_tiny_embedding_model
 
 TEXTS = ["hello world", "The quick brown fox jumps over the lazy dog. " * 6, "a",
@@ -34,10 +35,6 @@ def _sentence_transformer(model_dir: Path):
     return SentenceTransformer(str(model_dir), device="cpu")
 
 
-def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return (a * b).sum(-1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)
-
-
 @pytest.mark.parametrize("mode", list(MODES))
 def test_embeddings_equal_sentence_transformers(embedding_dirs: dict[str, Path], mode: str) -> None:
     """Every pooling mode, normalised as the model's Normalize module says, with prompts of up to
@@ -52,7 +49,7 @@ def test_embeddings_equal_sentence_transformers(embedding_dirs: dict[str, Path],
     outputs = llm.embed(TEXTS)
     got = np.array([o.embedding for o in outputs])
     assert got.shape == expected.shape
-    assert _cosines(got, expected).min() >= 0.9999
+    assert cosines(got, expected).min() >= 0.9999
     np.testing.assert_allclose(np.linalg.norm(got, axis=-1), 1.0, atol=1e-5)
     assert all(o.finish_reason == "stop" and o.token_ids == [] for o in outputs)
     assert all(o.metrics.task == "embed" and o.metrics.num_prompt_tokens == len(o.prompt_token_ids) for o in outputs)
@@ -67,11 +64,11 @@ def test_dimensions_truncate_then_normalise(embedding_dirs: dict[str, Path]) -> 
     llm = LLM(str(model_dir), num_kv_blocks=64, block_size=4)
     got = np.array([o.embedding for o in llm.embed(TEXTS, PoolingParams(dimensions=16))])
     assert got.shape == (len(TEXTS), 16)
-    assert _cosines(got, expected).min() >= 0.9999
+    assert cosines(got, expected).min() >= 0.9999
     np.testing.assert_allclose(np.linalg.norm(got, axis=-1), 1.0, atol=1e-5)
     raw = np.array([o.embedding for o in llm.embed(TEXTS, PoolingParams(normalize=False))])
     assert np.linalg.norm(raw, axis=-1).min() > 1.5  # not normalised when asked not to be
-    assert _cosines(raw, _sentence_transformer(model_dir).encode(TEXTS)).min() >= 0.9999
+    assert cosines(raw, _sentence_transformer(model_dir).encode(TEXTS)).min() >= 0.9999
     with pytest.raises(FieldError) as err:
         llm.embed(TEXTS[:1], PoolingParams(dimensions=65))
     assert err.value.field == "dimensions" and "64" in str(err.value)
@@ -89,10 +86,10 @@ def test_request_pooling_overrides_model_default(embedding_dirs: dict[str, Path]
     mean = LLM(str(embedding_dirs["mean"]), num_kv_blocks=64, block_size=4).embed(TEXTS)
     last = LLM(str(embedding_dirs["lasttoken"]), num_kv_blocks=64, block_size=4)
     asked = last.embed(TEXTS, PoolingParams(pooling_type="mean"))
-    assert _cosines(np.array([o.embedding for o in asked]), np.array([o.embedding for o in mean])).min() >= 0.9999
+    assert cosines(np.array([o.embedding for o in asked]), np.array([o.embedding for o in mean])).min() >= 0.9999
     plain = last.embed(TEXTS)
-    cosines = _cosines(np.array([o.embedding for o in asked]), np.array([o.embedding for o in plain]))
-    assert np.delete(cosines, TEXTS.index("a")).max() < 0.999  # one token: its mean is the last token
+    apart = cosines(np.array([o.embedding for o in asked]), np.array([o.embedding for o in plain]))
+    assert np.delete(apart, TEXTS.index("a")).max() < 0.999  # one token: its mean is the last token
 
 
 def test_embeddings_beside_decoding_streams(embedding_dirs: dict[str, Path]) -> None:
@@ -126,7 +123,7 @@ def test_embeddings_beside_decoding_streams(embedding_dirs: dict[str, Path]) -> 
     assert mixed_steps >= 2
     assert [finals[r].token_ids for r in stream_ids] == alone
     got = np.array([finals[r].embedding for r in embed_ids])
-    assert _cosines(got, np.array(embeddings_alone)).min() >= 0.9999
+    assert cosines(got, np.array(embeddings_alone)).min() >= 0.9999
     assert all(finals[r].finish_reason == "stop" for r in embed_ids)
     assert engine.block_manager.num_free_blocks == free_before
 
@@ -180,7 +177,7 @@ def test_a_burst_of_embeddings_beside_eight_streams_stays_within_the_time_budget
     assert len(embed_ids) == len(burst)
     assert [finals[r].token_ids for r in stream_ids] == alone
     got = np.array([finals[r].embedding for r in embed_ids])
-    assert _cosines(got, embeddings_alone).min() >= 0.9999
+    assert cosines(got, embeddings_alone).min() >= 0.9999
     assert all(finals[r].finish_reason == "stop" for r in embed_ids)
     assert engine.block_manager.num_free_blocks == free_before
     assert len(held) >= 20, held
@@ -256,7 +253,7 @@ def test_preempted_pooling_request_pools_again_from_scratch(embedding_dirs: dict
     assert num_preemptions > 0
     assert sum(finals[r].metrics.num_preemptions for r in embed_ids) > 0  # an embedding itself was preempted
     got = np.array([finals[r].embedding for r in embed_ids])
-    assert _cosines(got, alone).min() >= 0.9999
+    assert cosines(got, alone).min() >= 0.9999
     assert all(len(finals[r].token_ids) == 40 for r in stream_ids)
     assert engine.block_manager.num_free_blocks == free_before
 
@@ -268,11 +265,11 @@ def test_last_token_pooling_reuses_a_cached_prefix(embedding_dirs: dict[str, Pat
     last = LLM(str(embedding_dirs["lasttoken"]), num_kv_blocks=64, block_size=4)
     first, again = last.embed([long_text]), last.embed([long_text])
     assert first[0].num_cached_tokens == 0 and again[0].num_cached_tokens > 0
-    assert _cosines(np.array([again[0].embedding]), np.array([first[0].embedding])).min() >= 0.9999
+    assert cosines(np.array([again[0].embedding]), np.array([first[0].embedding])).min() >= 0.9999
     mean = LLM(str(embedding_dirs["mean"]), num_kv_blocks=64, block_size=4)
     first, again = mean.embed([long_text]), mean.embed([long_text])
     assert again[0].num_cached_tokens == 0
-    assert _cosines(np.array([again[0].embedding]), np.array([first[0].embedding])).min() >= 0.9999
+    assert cosines(np.array([again[0].embedding]), np.array([first[0].embedding])).min() >= 0.9999
 
 
 def test_untied_base_checkpoint_embeds_and_cannot_generate(tmp_path: Path) -> None:
@@ -286,7 +283,7 @@ def test_untied_base_checkpoint_embeds_and_cannot_generate(tmp_path: Path) -> No
     llm = LLM(str(model_dir), num_kv_blocks=64, block_size=4)
     assert not llm.engine.can_generate
     got = np.array([o.embedding for o in llm.embed(TEXTS)])
-    assert _cosines(got, expected).min() >= 0.9999
+    assert cosines(got, expected).min() >= 0.9999
     with pytest.raises(ValueError, match="only embed"):
         llm.generate("hello", SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match="--task embed"):

@@ -16,21 +16,11 @@ import pytest
 import torch
 
 from engine import LLM, FieldError, PoolingParams, SamplingParams
-from tests.tiny_model import build_tiny_reranker_lm, build_tiny_sequence_classifier
+from tests.tiny_model import build_tiny_sequence_classifier
 
 PAIRS = [("hello world", "The quick brown fox jumps over the lazy dog. " * 3),
          ("what is a paged KV cache?", "A paged KV cache stores keys and values in fixed-size blocks."),
          ("a", "b"), ("Unicode: café", "naïve, 你好, 世界")]
-
-
-@pytest.fixture(scope="module")
-def classifier_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_sequence_classifier(tmp_path_factory.mktemp("reranker") / "qwen3-cls")
-
-
-@pytest.fixture(scope="module")
-def reranker_lm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_reranker_lm(tmp_path_factory.mktemp("reranker") / "qwen3-lm")
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen2-untied"])

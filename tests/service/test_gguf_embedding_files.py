@@ -23,6 +23,7 @@ from engine import LLM, PoolingType
 from engine.execution.weights.quantized_weight import QuantizedWeight
 from engine.processing.pooling_params import PoolerConfig
 from tests.field_gguf import field_gguf
+from tests.helpers import cosines
 from tests.server_harness import ServerProcess, free_port, poll
 
 TEXTS = ["hello world", "The quick brown fox jumps over the lazy dog. " * 6, "a", "Unicode: café, naïve, 你好, 世界",
@@ -36,10 +37,6 @@ def expected() -> np.ndarray:
     from sentence_transformers import SentenceTransformer
 
     return SentenceTransformer(str(field_gguf("qwen3-embed", "f32")[1]), device="cpu").encode(TEXTS)
-
-
-def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return (a * b).sum(-1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)
 
 
 @pytest.mark.parametrize(("outtype", "quantization"), [("f32", "none"), ("q8_0", "gguf")])
@@ -61,10 +58,10 @@ def test_a_file_embeds_as_sentence_transformers_encodes(outtype: str, quantizati
         assert all(isinstance(m.panels, QuantizedWeight) for m in projections)
     got = np.array([o.embedding for o in llm.embed(TEXTS)])
     assert got.shape == expected.shape
-    assert _cosines(got, expected).min() >= MIN_COSINE[outtype], _cosines(got, expected)
+    assert cosines(got, expected).min() >= MIN_COSINE[outtype], cosines(got, expected)
     np.testing.assert_allclose(np.linalg.norm(got, axis=-1), 1.0, atol=1e-5)
     if outtype == "q8_0":  # the blocks' rounding shows: not the float model's vectors
-        assert _cosines(got, expected).min() < 0.99999
+        assert cosines(got, expected).min() < 0.99999
 
 
 @pytest.mark.parametrize("outtype", ["f32", "q8_0"])
@@ -85,7 +82,7 @@ def test_serve_embeds_a_file_through_the_openai_sdk(outtype: str, expected: np.n
             with pytest.raises(openai.BadRequestError):
                 client.completions.create(model=model, prompt="hello", max_tokens=2)
         got = np.array([d.embedding for d in result.data])
-        assert _cosines(got, expected).min() >= MIN_COSINE[outtype], _cosines(got, expected)
+        assert cosines(got, expected).min() >= MIN_COSINE[outtype], cosines(got, expected)
         assert result.usage.prompt_tokens > 0
     finally:
         server.close()

@@ -12,6 +12,7 @@ import pytest
 from engine import EngineConfig
 from service.grpc.minivllm_client import InferenceClient
 from service.pb import inference_pb2 as pb
+from tests.helpers import cosines
 from tests.server_harness import ServerThread
 from tests.tiny_model import build_tiny_embedding_model
 
@@ -31,10 +32,6 @@ def server(embedding_dir: Path) -> Iterator[ServerThread]:
     srv.stop()
 
 
-def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return (a * b).sum(-1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)
-
-
 def test_embed_equals_sentence_transformers(server: ServerThread, embedding_dir: Path) -> None:
     from sentence_transformers import SentenceTransformer
 
@@ -44,11 +41,11 @@ def test_embed_equals_sentence_transformers(server: ServerThread, embedding_dir:
     with InferenceClient(server.target, timeout=60) as client:
         info = client.model_info()
         assert info.task == "embed" and info.hidden_size == 64
-        assert _cosines(np.array(client.embed(TEXTS)), expected).min() >= 0.9999
-        assert _cosines(np.array(client.embed([TEXTS[0], ids[1], TEXTS[2]])), expected).min() >= 0.9999
+        assert cosines(np.array(client.embed(TEXTS)), expected).min() >= 0.9999
+        assert cosines(np.array(client.embed([TEXTS[0], ids[1], TEXTS[2]])), expected).min() >= 0.9999
         cut = np.array(client.embed(TEXTS, dimensions=16))
         assert cut.shape == (len(TEXTS), 16)
-        assert _cosines(cut, reference.encode(TEXTS, truncate_dim=16)).min() >= 0.9999
+        assert cosines(cut, reference.encode(TEXTS, truncate_dim=16)).min() >= 0.9999
         raw = np.array(client.embed(TEXTS, normalize=False))
         assert np.linalg.norm(raw, axis=-1).min() > 1.5
         response = client.stub.Embed(pb.EmbedRequest(request_id="mine", inputs=[pb.EmbedInput(prompt=TEXTS[0])]))

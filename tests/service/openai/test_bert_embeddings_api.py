@@ -14,6 +14,7 @@ import pytest
 
 from engine import EngineConfig
 from service.grpc.minivllm_client import InferenceClient
+from tests.helpers import cosines
 from tests.server_harness import ServerThread
 from tests.tiny_bert import build_tiny_bert_embedder
 
@@ -40,10 +41,6 @@ def client(server: ServerThread) -> Iterator[openai.OpenAI]:
         yield c
 
 
-def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return (a * b).sum(-1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)
-
-
 def test_texts_and_token_ids_equal_sentence_transformers(client: openai.OpenAI, bert_dir: Path) -> None:
     from sentence_transformers import SentenceTransformer
 
@@ -52,12 +49,12 @@ def test_texts_and_token_ids_equal_sentence_transformers(client: openai.OpenAI, 
     result = client.embeddings.create(model=MODEL, input=TEXTS, encoding_format="float")
     got = np.array([d.embedding for d in result.data])
     assert [d.index for d in result.data] == list(range(len(TEXTS)))
-    assert _cosines(got, expected).min() >= 0.9999
+    assert cosines(got, expected).min() >= 0.9999
     np.testing.assert_allclose(np.linalg.norm(got, axis=-1), 1.0, atol=1e-5)
     ids = [reference.tokenizer(t)["input_ids"] for t in TEXTS]  # [CLS] ... [SEP], as the engine's own
     assert result.usage.prompt_tokens == sum(map(len, ids))
     as_ids = client.embeddings.create(model=MODEL, input=ids, encoding_format="float")
-    assert _cosines(np.array([d.embedding for d in as_ids.data]), expected).min() >= 0.9999
+    assert cosines(np.array([d.embedding for d in as_ids.data]), expected).min() >= 0.9999
 
 
 def test_a_text_longer_than_a_step_is_refused(client: openai.OpenAI) -> None:
@@ -72,7 +69,7 @@ def test_grpc_embed_equals_sentence_transformers(server: ServerThread, bert_dir:
     expected = SentenceTransformer(str(bert_dir), device="cpu").encode(TEXTS)
     with InferenceClient(server.target, timeout=60) as client:
         assert client.model_info().task == "embed"
-        assert _cosines(np.array(client.embed(TEXTS)), expected).min() >= 0.9999
+        assert cosines(np.array(client.embed(TEXTS)), expected).min() >= 0.9999
         with pytest.raises(grpc.RpcError) as err:
             client.embed(["ok", "The quick brown fox jumps over the lazy dog. " * 8])
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # a prompt longer than the model

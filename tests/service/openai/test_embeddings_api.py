@@ -16,6 +16,7 @@ import pytest
 
 from engine import EngineConfig
 from service.observability.metrics import ServiceMetrics
+from tests.helpers import cosines
 from tests.server_harness import ServerThread, poll
 from tests.tiny_model import build_tiny_embedding_model
 
@@ -53,10 +54,6 @@ def client(server: ServerThread) -> Iterator[openai.OpenAI]:
         yield c
 
 
-def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return (a * b).sum(-1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)
-
-
 def _post(server: ServerThread, body: dict) -> tuple[int, dict]:
     request = urllib.request.Request(server.http_url + "/v1/embeddings", data=json.dumps(body).encode(),
                                      headers={"content-type": "application/json"})
@@ -79,7 +76,7 @@ def test_texts_equal_sentence_transformers(client: openai.OpenAI, reference, enc
     else:
         got = np.array([d.embedding for d in result.data])
     assert [d.index for d in result.data] == list(range(len(TEXTS)))
-    assert _cosines(got, reference.encode(TEXTS)).min() >= 0.9999
+    assert cosines(got, reference.encode(TEXTS)).min() >= 0.9999
     num_tokens = sum(len(reference.tokenizer(t)["input_ids"]) for t in TEXTS)
     assert result.usage.prompt_tokens == result.usage.total_tokens == num_tokens
     assert result.model == MODEL
@@ -90,12 +87,12 @@ def test_every_input_form(server: ServerThread, client: openai.OpenAI, reference
     expected = reference.encode(TEXTS)
     ids = [reference.tokenizer(t)["input_ids"] for t in TEXTS]
     one = client.embeddings.create(model=MODEL, input=TEXTS[0])
-    assert _cosines(np.array([one.data[0].embedding]), expected[:1]).min() >= 0.9999
+    assert cosines(np.array([one.data[0].embedding]), expected[:1]).min() >= 0.9999
     as_ids = client.embeddings.create(model=MODEL, input=ids[1])
-    assert _cosines(np.array([as_ids.data[0].embedding]), expected[1:2]).min() >= 0.9999
+    assert cosines(np.array([as_ids.data[0].embedding]), expected[1:2]).min() >= 0.9999
     status, body = _post(server, {"model": MODEL, "input": ids})  # raw: the float encoding on the wire
     assert status == 200
-    assert _cosines(np.array([d["embedding"] for d in body["data"]]), expected).min() >= 0.9999
+    assert cosines(np.array([d["embedding"] for d in body["data"]]), expected).min() >= 0.9999
 
 
 def test_dimensions(client: openai.OpenAI, reference) -> None:
@@ -103,7 +100,7 @@ def test_dimensions(client: openai.OpenAI, reference) -> None:
     got = np.array([d.embedding for d in result.data])
     assert got.shape == (len(TEXTS), 16)
     expected = reference.encode(TEXTS, truncate_dim=16, normalize_embeddings=True)
-    assert _cosines(got, expected).min() >= 0.9999
+    assert cosines(got, expected).min() >= 0.9999
     np.testing.assert_allclose(np.linalg.norm(got, axis=-1), 1.0, atol=1e-5)
 
 

@@ -19,23 +19,12 @@ from engine import EngineConfig
 from service.observability.metrics import ServiceMetrics
 from service.score_prompts import QWEN3_RERANKER_PREFIX, QWEN3_RERANKER_SUFFIX
 from tests.server_harness import ServerThread, poll
-from tests.tiny_model import build_tiny_reranker_lm, build_tiny_sequence_classifier
 
 MODEL = "tiny-reranker"
 QUERY = "what is a paged KV cache?"
 DOCUMENTS = ["A paged KV cache stores keys and values in fixed-size blocks.", "Hello world!",
              "The quick brown fox jumps over the lazy dog. " * 3, "Unicode: café, naïve, 你好, 世界",
              "Prefill processes the whole prompt; decode produces one token at a time."]
-
-
-@pytest.fixture(scope="module")
-def classifier_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_sequence_classifier(tmp_path_factory.mktemp("reranker") / "qwen3-cls")
-
-
-@pytest.fixture(scope="module")
-def reranker_lm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_reranker_lm(tmp_path_factory.mktemp("reranker") / "qwen3-lm")
 
 
 @pytest.fixture(scope="module")
