@@ -15,14 +15,17 @@ from bench.latency_stats import timed
 from bench.runs import run_minivllm
 from engine import LLM, SamplingParams, StepStats
 from engine.execution.backends.cpu_linear import PackedLinear
+from engine.execution.backends.cpu_moe import PackedExperts
 from engine.execution.huge_pages import huge_page_tensor
 from engine.execution.models.layers import Linear
+from engine.execution.models.moe import Experts
 
 
 def weight_bytes_per_token(llm: LLM) -> int:
     """Bytes of weights one decode step reads: every projection and the LM head (a packed linear
     counts its packed copy; a tied LM head reads the embedding matrix), plus the norms. The
-    embedding lookup reads one row, which is left out."""
+    embedding lookup reads one row, which is left out. A mixture-of-experts layer's token runs k
+    of its E experts: k/E of the experts' bytes (their panels, or their float weights)."""
     model = llm.engine.runner.model
     linears = [m for m in model.modules() if isinstance(m, Linear | PackedLinear)]
     total = 0
@@ -36,8 +39,22 @@ def weight_bytes_per_token(llm: LLM) -> int:
         if module.bias is not None:
             total += module.bias.numel() * module.bias.element_size()
     counted = {id(p) for m in linears for p in m.parameters()} | {id(p) for p in model.embed_tokens.parameters()}
+    for module in model.modules():
+        if isinstance(module, PackedExperts | Experts):
+            counted |= {id(p) for p in module.parameters()}  # a GGUF file's are left on the meta device
+            total += _routed_expert_bytes(module)
     total += sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in counted)  # the norms
     return total
+
+
+def _routed_expert_bytes(experts: PackedExperts | Experts) -> int:
+    """The bytes one token's k routed experts read: k/E of every expert's (the experts are alike)."""
+    cfg = experts.cfg
+    if isinstance(experts, PackedExperts):
+        stored = sum(w.num_bytes for w in (*experts.gate_up_panels, *experts.down_panels))
+    else:
+        stored = sum(p.numel() * p.element_size() for p in experts.parameters())
+    return stored * cfg.num_experts_per_tok // cfg.num_experts
 
 
 def read_bandwidths(x: torch.Tensor, repeats: int) -> list[float]:

