@@ -15,7 +15,7 @@ from engine.config import Quantization
 from engine.execution.attention import AttentionMetadata
 from engine.execution.backends.backend import Backend
 from engine.execution.backends.cpu_attention import CpuAttention
-from engine.execution.backends.cpu_fused import FusedModel
+from engine.execution.backends.cpu_fused import FusedModel, can_fuse_layers
 from engine.execution.backends.cpu_gguf import embedding_of, pack_gguf_linears
 from engine.execution.backends.cpu_linear import PanelEmbedding, can_pack_linear, pack_linears
 from engine.execution.backends.cpu_moe import pack_moe_experts
@@ -60,19 +60,19 @@ class CpuBackend(Backend):
         # Steps of up to max_panel_rows rows multiply on the panels (the fused layers, or each
         # PackedLinear alone where there are none).
         self.max_panel_rows = max_fused if self.panel_dtype is not None else 0
-        # The fused layers and the one-call decode step know causal decoders with dense MLPs and no
-        # attention sinks: a model with experts or sinks, or an encoder (BERT: bidirectional, no
-        # KV cache), runs every step through its modules, its projections and experts
-        # (PackedExperts, the MoeExperts op) still on the panels.
-        self.is_moe = model_config.moe is not None or model_config.attn_sinks
+        # The fused layers know causal decoders without attention sinks, their MLPs dense or sparse
+        # (the router, routing and the MoeExperts op in the layer's call); the one-call decode step
+        # knows dense ones. gpt-oss (sinks) or an encoder (BERT: bidirectional, no KV cache) runs
+        # every step through its modules, its projections and experts still on the panels.
+        self.is_moe = model_config.moe is not None
         self.is_encoder = not model_config.is_causal
-        self.can_fuse = not (self.is_moe or self.is_encoder)
+        self.can_fuse = not (model_config.attn_sinks or self.is_encoder)
         if not self.can_fuse:
-            kind = "an encoder" if self.is_encoder else "a model with mixture-of-experts layers or attention sinks"
+            kind = "an encoder" if self.is_encoder else "a model with attention sinks"
             logger.info("%s: the CPU backend runs every step through the model's modules (panel or oneDNN "
                         "projections%s), not its fused layers", kind, "" if self.is_encoder else ", the experts' op")
         self.max_fused_tokens = self.max_panel_rows if self.can_fuse else 0
-        self.max_decode_rows = self.max_fused_tokens
+        self.max_decode_rows = 0 if self.is_moe else self.max_fused_tokens
         # oneDNN's copy of the weights only where some step runs the torch path.
         is_every_step_fused = self.panel_dtype is not None and max_fused == sys.maxsize
         self.onednn = not is_every_step_fused and config.enable_onednn and can_pack_linear(dtype)
@@ -103,8 +103,7 @@ class CpuBackend(Backend):
                     # (int8 panels would round the embedding, so int8 keeps it.)
                     model.embed_tokens = PanelEmbedding(model.lm_head, self.dtype)
                     model.lm_head.drop_weight()
-                if self.can_fuse:
-                    self.fused = FusedModel(model, self.kernels, self.isa)
+                self._fuse(model)
         release_free_memory()  # the plain weights the packing replaced
 
     def _prepare_gguf(self, model: nn.Module) -> None:
@@ -114,6 +113,14 @@ class CpuBackend(Backend):
             place_on_huge_pages([m.panels for m in packed])
         pack_moe_experts(model, self.dtype, self.kernels, self.isa, self.config.enable_huge_pages)
         model.embed_tokens = embedding_of(model, self.dtype, self.kernels)
+        self._fuse(model)
+
+    def _fuse(self, model: nn.Module) -> None:
+        """The fused layers over the packed model, where they take every layer (else every step
+        runs through the modules)."""
+        if self.can_fuse and not can_fuse_layers(model):
+            logger.info("a sparse layer's experts are not on the C++ op: every step runs through the model's modules")
+            self.can_fuse, self.max_fused_tokens, self.max_decode_rows = False, 0, 0
         if self.can_fuse:
             self.fused = FusedModel(model, self.kernels, self.isa)
 
@@ -127,7 +134,7 @@ class CpuBackend(Backend):
 
     def bind_kv_cache(self, model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                       block_size: int, layer_group: tuple[int, ...]) -> None:
-        if self.fused is not None:
+        if self.fused is not None and self.max_decode_rows > 0:
             self.fused.bind_decode(kv_caches, block_size, layer_group)
 
     def forward(self, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
@@ -142,7 +149,7 @@ class CpuBackend(Backend):
 
     def describe(self) -> str:
         isa = next(name for name, value in ISAS.items() if value == self.isa) if self.kernels else "no C++ kernels"
-        fused = ("no fused steps (encoder)" if self.is_encoder else "no fused steps (mixture of experts)"
-                 if self.is_moe else "every step fused"
+        fused = ("no fused steps (encoder)" if self.is_encoder else "no fused steps (attention sinks)"
+                 if not self.can_fuse else "every step fused"
                  if self.max_fused_tokens == sys.maxsize else f"fused steps up to {self.max_fused_tokens} tokens")
         return f"{super().describe()}, {isa}, {fused}"

@@ -19,9 +19,21 @@ from torch import nn
 
 from engine.execution.attention import AttentionMetadata, attention
 from engine.execution.backends.cpu_gguf import kernel_args
+from engine.execution.backends.cpu_moe import PackedExperts
 
 # ModelConfig.hidden_act -> the kernels' Activation (cpu_kernels.h).
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+# MoeConfig.routing -> the kernels' Routing (cpu_kernels.h).
+ROUTINGS = {"softmax_topk": 0, "topk_softmax": 1}
+
+
+# A sparse layer's gate_up and down: none (out_features 0); its MoeMlp holds the experts.
+_ABSENT = (torch.empty(0, dtype=torch.uint8), None, None, 0)
+
+
+def can_fuse_layers(model: nn.Module) -> bool:
+    """Whether the fused layers take every layer: a sparse layer's experts must be on the C++ op."""
+    return all(layer.moe is None or isinstance(layer.moe.experts, PackedExperts) for layer in model.layers)
 
 
 def _norm_weight(norm: nn.Module | None) -> torch.Tensor | None:
@@ -47,14 +59,20 @@ class FusedLayer:
     @classmethod
     def of(cls, layer: nn.Module, kernels: ModuleType) -> FusedLayer:
         """`layer` (a DecoderLayer) once its projections hold panels: its norms (the per-head
-        q/k norms and the output norms where the family has them) and its products."""
-        projections = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+        q/k norms and the output norms where the family has them) and its products; a sparse
+        layer's router panels and experts op (PackedExperts) in place of gate_up and down."""
+        moe = layer.moe
+        mlp = ((_ABSENT, _ABSENT) if moe is not None else
+               (kernel_args(layer.gate_up_proj.panels), kernel_args(layer.down_proj.panels)))
         window = layer.sliding_window or 0
         weights = kernels.DecodeLayerWeights(
             _norm_weight(layer.input_layernorm), _norm_weight(layer.post_attention_layernorm),
-            *(kernel_args(p.panels) for p in projections), window, _norm_weight(layer.q_norm),
-            _norm_weight(layer.k_norm), _norm_weight(layer.attn_output_norm), _norm_weight(layer.mlp_output_norm),
-            layer.rope_index)
+            kernel_args(layer.qkv_proj.panels), kernel_args(layer.o_proj.panels), *mlp, window,
+            _norm_weight(layer.q_norm), _norm_weight(layer.k_norm), _norm_weight(layer.attn_output_norm),
+            _norm_weight(layer.mlp_output_norm), layer.rope_index)
+        if moe is not None:
+            weights.moe = kernels.MoeMlp(kernel_args(moe.router.panels), moe.experts.op, moe.cfg.num_experts_per_tok,
+                                         ROUTINGS[moe.cfg.routing], moe.cfg.norm_topk_prob)
         return cls(weights, layer.num_heads, layer.num_kv_heads, layer.head_dim, window, layer.eps, layer.scale,
                    ACTIVATIONS[layer.hidden_act], layer.rope_index)
 
@@ -85,6 +103,7 @@ class FusedModel:
     def __init__(self, model: nn.Module, kernels: ModuleType, isa: int) -> None:
         self.model, self.kernels, self.isa = model, kernels, isa
         self.layers = [FusedLayer.of(layer, kernels) for layer in model.layers]
+        self.sparse = [layer.moe for layer in model.layers if layer.moe is not None]  # SparseMoe modules
         self.final_norm = model.norm.weight.float().contiguous()  # [hidden] float32
         self.num_ropes = len(model.config.ropes)
         self.decoder: Any = None  # kernels.DecodeModel, once bind_decode has the caches
@@ -99,6 +118,9 @@ class FusedModel:
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             cos, sin = ropes[layer.rope_index]
             layer.forward(x, cos, sin, attn.for_layer(i), k_cache, v_cache, self.kernels, self.isa)
+        for moe in self.sparse:  # the step's count of experts run: an int each op kept from its grouping
+            if moe.usage is not None:
+                moe.usage.add(moe.experts.op.last_num_routed)
         return self.model.norm(x).to(dtype)
 
     def bind_decode(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,

@@ -55,7 +55,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     minivllm::PackedLinear, minivllm::PackedLinear, int64_t, std::optional<torch::Tensor>,
                     std::optional<torch::Tensor>, std::optional<torch::Tensor>, std::optional<torch::Tensor>,
                     int64_t>(),  // the struct's fields, in order
-           "One layer's norms and packed projections for the fused layers and DecodeModel (made once)");
+           "One layer's norms and packed projections for the fused layers and DecodeModel (made once)")
+      .def_readwrite("moe", &minivllm::DecodeLayerWeights::moe,
+                     "A sparse layer's MoeMlp (its gate_up and down then empty); None: a dense layer");
+  py::class_<minivllm::MoeMlp, std::shared_ptr<minivllm::MoeMlp>>(m, "MoeMlp")
+      .def(py::init<minivllm::PackedLinear, std::shared_ptr<minivllm::MoeExperts>, int64_t, int64_t, bool>(),
+           py::arg("router"), py::arg("experts"), py::arg("top_k"), py::arg("routing"), py::arg("norm_topk_prob"),
+           "A fused layer's sparse MLP: the router's panels, the experts op, the routing (0: softmax then top k, "
+           "1: top k then softmax)");
   m.def("decode_layer", without_gil(&minivllm::decode_layer), "One decoder layer of a decode step, in place on x (CPU)");
   py::class_<minivllm::DecodeModel, std::shared_ptr<minivllm::DecodeModel>>(m, "DecodeModel")
       .def(py::init<torch::Tensor, std::vector<torch::Tensor>, std::vector<torch::Tensor>,

@@ -253,9 +253,28 @@ double packed_chain_seconds(const torch::Tensor& x, const std::vector<std::tuple
 // kActSwigluOai: gpt-oss's clamped SwiGLU, (clamp(up) + 1) * g sigmoid(alpha g), g = min(gate, limit):
 // MoeExperts' only (the dense layers' gated_act runs the first two).
 enum Activation : int64_t { kActSilu = 0, kActGeluTanh = 1, kActSwigluOai = 2 };
+struct MoeExperts;
+// How a sparse layer's router logits pick and weigh a token's k experts (models/moe.py's ROUTINGS):
+// Qwen3-MoE's softmax over all E then the top k (renormalised over the k where norm_topk_prob is
+// set); gpt-oss's top k logits then a softmax over those k.
+enum Routing : int64_t { kRoutingSoftmaxTopk = 0, kRoutingTopkSoftmax = 1 };
+// A fused layer's sparse MLP in place of the dense one: the router's panels (N = E, K = hidden,
+// its bias in the PackedLinear), the experts op, and the routing.
+struct MoeMlp {
+  PackedLinear router;
+  std::shared_ptr<MoeExperts> experts;
+  int64_t top_k;
+  int64_t routing;  // Routing
+  bool norm_topk_prob;
+};
+// logits [T, E] -> each token's k expert ids (descending by logit) and their weights [T, k].
+void route_tokens(const float* logits, int64_t T, int64_t E, int64_t k, int64_t routing, bool norm_topk_prob,
+                  int64_t* ids, float* weights);
 // One layer's weights, made once when the weights are packed (the caches and the step's tensors
 // come with each call): DecodeModel's layers, and the per-layer kernels' (decode_layer,
 // layer_attention_inputs / _outputs). The optional norms are the families' beyond Llama's.
+// A mixture-of-experts layer sets `moe` and leaves gate_up and down empty (out_features 0);
+// DecodeModel's one-call step does not take such layers, the per-layer kernels do.
 struct DecodeLayerWeights {
   torch::Tensor input_norm, post_norm;  // [hidden] float32; post_norm: the MLP's input norm
   PackedLinear qkv, o_proj, gate_up, down;
@@ -265,6 +284,7 @@ struct DecodeLayerWeights {
   // Gemma's norms of o_proj's and down's outputs before their residual adds: [hidden] float32.
   std::optional<torch::Tensor> attn_output_norm, mlp_output_norm;
   int64_t rope_index;  // which of the model's RoPE tables the layer reads (DecodeModel)
+  std::shared_ptr<MoeMlp> moe;  // set after construction (Python: weights.moe = MoeMlp(...)); none: dense
 };
 void decode_layer(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin, const DecodeLayerWeights& w,
                   torch::Tensor k_cache, torch::Tensor v_cache, const torch::Tensor& slot_mapping,
@@ -347,7 +367,10 @@ struct MoeExperts {
   MoeExperts(std::vector<PackedLinear> gate_up, std::vector<PackedLinear> down, int64_t hidden, int64_t intermediate,
              int64_t act, double alpha, double limit, int64_t isa);
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& expert_ids, const torch::Tensor& weights) const;
+  // forward on raw rows: x [T, hidden] float32, ids [T, k] (each in [0, E)), weights [T, k] -> out [T, hidden].
+  void run(const float* x, int64_t T, const int64_t* ids, const float* weights, int64_t k, float* out) const;
   int64_t num_experts() const;
+  int64_t hidden() const { return hidden_; }
   // Distinct experts the last forward ran (its grouping counts them anyway: the step's stats read it).
   int64_t last_num_routed() const { return last_num_routed_; }
 

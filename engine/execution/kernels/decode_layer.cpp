@@ -190,17 +190,31 @@ void attention_inputs(const LayerShapes& s, const float* xp, const torch::Tensor
 
 // After attention: x += o_proj(attn_out); x += down(act(gate) * up) of RMSNorm(x), each product
 // normed before its add where the layer norms it (Gemma). attn_out: [M, q_size]; x: [M, hidden].
+// A sparse layer's MLP: h [M, hidden] (the normed residual) -> the router's logits, each row's k
+// experts and weights, and the experts' weighted sum into out [M, hidden].
+void sparse_mlp(const MoeMlp& moe, const float* h, int64_t M, int64_t hidden, float* out, int64_t isa) {
+  const LinearView lr = view(moe.router);
+  TORCH_CHECK(moe.experts && moe.experts->hidden() == hidden && lr.n == moe.experts->num_experts(),
+              "fused layer: the router's outputs must be the experts' count, the experts' width hidden");
+  const int64_t E = lr.n, k = moe.top_k;
+  const auto logits = scratch_floats(M * E);
+  gemm(lr, h, M, hidden, logits.get(), isa, false);
+  std::vector<int64_t> ids(M * k);
+  std::vector<float> weights(M * k);
+  route_tokens(logits.get(), M, E, k, moe.routing, moe.norm_topk_prob, ids.data(), weights.data());
+  moe.experts->run(h, M, ids.data(), weights.data(), k, out);
+}
+
 void attention_outputs(int64_t M, int64_t hidden, int64_t q_size, float* xp, const float* attn_out,
                        const DecodeLayerWeights& w, double eps, int64_t act, int64_t isa) {
   TORCH_CHECK(w.post_norm.scalar_type() == torch::kFloat32, "fused layer: float32 norm weights");
-  const LinearView lo = view(w.o_proj), lgu = view(w.gate_up), ldown = view(w.down);
-  TORCH_CHECK(lo.n == hidden && ldown.n == hidden, "fused layer: output projection widths");
+  const LinearView lo = view(w.o_proj);
+  TORCH_CHECK(lo.n == hidden, "fused layer: output projection widths");
   TORCH_CHECK(act == kActSilu || act == kActGeluTanh, "fused layer: unknown activation ", act);
   const float* attn_output_norm = optional_norm(w.attn_output_norm, hidden, "attn_output_norm");
   const float* mlp_output_norm = optional_norm(w.mlp_output_norm, hidden, "mlp_output_norm");
   const auto f_eps = static_cast<float>(eps);
-  const int64_t intermediate = lgu.n / 2;
-  const auto h = scratch_floats(M * hidden), gu = scratch_floats(M * lgu.n), a = scratch_floats(M * intermediate);
+  const auto h = scratch_floats(M * hidden);
   // A product's output, and its residual add: into x directly, or normed first (then h holds it).
   const auto add_product = [&](const LinearView& l, const float* in, int64_t K, const float* output_norm) {
     if (output_norm == nullptr) return gemm(l, in, M, K, xp, isa, true);
@@ -209,6 +223,19 @@ void attention_outputs(int64_t M, int64_t hidden, int64_t q_size, float* xp, con
   };
   add_product(lo, attn_out, q_size, attn_output_norm);
   rms_norm(xp, M, hidden, w.post_norm.data_ptr<float>(), f_eps, h.get());
+  if (w.moe) {
+    const auto y = scratch_floats(M * hidden);
+    sparse_mlp(*w.moe, h.get(), M, hidden, y.get(), isa);
+    if (mlp_output_norm != nullptr) return add_rms_normed(y.get(), M, hidden, mlp_output_norm, f_eps, xp);
+    at::parallel_for(0, M, kRowGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin * hidden; i < end * hidden; ++i) xp[i] += y.get()[i];
+    });
+    return;
+  }
+  const LinearView lgu = view(w.gate_up), ldown = view(w.down);
+  TORCH_CHECK(ldown.n == hidden, "fused layer: output projection widths");
+  const int64_t intermediate = lgu.n / 2;
+  const auto gu = scratch_floats(M * lgu.n), a = scratch_floats(M * intermediate);
   gemm(lgu, h.get(), M, hidden, gu.get(), isa, false);
   at::parallel_for(0, M, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {

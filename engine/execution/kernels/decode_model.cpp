@@ -612,6 +612,8 @@ DecodeModel::DecodeModel(torch::Tensor embedding, std::vector<torch::Tensor> rop
   intermediate = std::get<3>(this->layers.front()->gate_up) / 2;
   for (size_t i = 0; i < this->layers.size(); ++i) {
     const DecodeLayerWeights& l = *this->layers[i];
+    TORCH_CHECK(!l.moe, "DecodeModel: layer ", i, " is a mixture-of-experts layer, which the one-call step does not "
+                "take (the per-layer kernels do)");
     const auto& [k, v] = this->kv_caches[i];
     TORCH_CHECK(k.sizes() == k0.sizes() && v.sizes() == k0.sizes() && k.scalar_type() == k0.scalar_type() &&
                 v.scalar_type() == k0.scalar_type() && k.is_contiguous() && v.is_contiguous(),
@@ -647,6 +649,8 @@ DecodeModel::DecodeModel(torch::Tensor embedding, std::vector<torch::Tensor> rop
   has_output_norms = false;
   for (size_t i = 0; i < this->layers.size(); ++i) {
     const DecodeLayerWeights& l = *this->layers[i];
+    TORCH_CHECK(!l.moe, "DecodeModel: layer ", i, " is a mixture-of-experts layer, which the one-call step does not "
+                "take (the per-layer kernels do)");
     const auto& [k, v] = this->kv_caches[i];
     plan->layers.push_back({l.input_norm.data_ptr<float>(), l.post_norm.data_ptr<float>(), ProductPlan::of(l.qkv),
                             ProductPlan::of(l.o_proj), ProductPlan::of(l.gate_up), ProductPlan::of(l.down),

@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <numeric>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -218,13 +219,19 @@ torch::Tensor MoeExperts::forward(const torch::Tensor& x, const torch::Tensor& e
   const auto ids_c = expert_ids.contiguous();
   const auto w_c = weights.to(torch::kFloat32).contiguous();
   const int64_t* ids = ids_c.data_ptr<int64_t>();
-  const float* routing_weights = w_c.data_ptr<float>();
-  const int64_t E = num_experts(), H = hidden_, I = intermediate_, R = T * k;
-  for (int64_t i = 0; i < R; ++i)
+  const int64_t E = num_experts();
+  for (int64_t i = 0; i < T * k; ++i)
     TORCH_CHECK(ids[i] >= 0 && ids[i] < E, "moe_experts: expert id ", ids[i], " outside ", E, " experts");
-  auto out = torch::empty({T, H}, torch::kFloat32);  // [T, H]
+  auto out = torch::empty({T, hidden_}, torch::kFloat32);  // [T, H]
+  run(xf.data_ptr<float>(), T, ids, w_c.data_ptr<float>(), k, out.data_ptr<float>());
+  return out;
+}
+
+void MoeExperts::run(const float* xp, int64_t T, const int64_t* ids, const float* routing_weights, int64_t k,
+                     float* o) const {
+  const int64_t E = num_experts(), H = hidden_, I = intermediate_, R = T * k;
   last_num_routed_ = 0;
-  if (R == 0) return out.zero_();
+  if (R == 0) return (void)std::fill(o, o + T * H, 0.f);
 
   // Rows grouped by expert (ascending), tokens in order within an expert: row_begin[e] .. row_begin[e + 1].
   std::vector<int64_t> row_begin(E + 1, 0);
@@ -251,7 +258,6 @@ torch::Tensor MoeExperts::forward(const torch::Tensor& x, const torch::Tensor& e
   last_num_routed_ = static_cast<int64_t>(routed.size());
 
   const Plan& plan = *plan_;
-  const float* xp = xf.data_ptr<float>();
   const ScratchFloats xs = scratch_floats(R * H), h = scratch_floats(R * 2 * I), a = scratch_floats(R * I),
                       y = scratch_floats(R * H);
   for_rows(R, [&](int64_t begin, int64_t end) {
@@ -289,7 +295,6 @@ torch::Tensor MoeExperts::forward(const torch::Tensor& x, const torch::Tensor& e
 
   // out[t] = sum over t's experts, ascending, of weight * output (the compiler may fuse each
   // multiply into its add, so the sum can differ from torch's by a rounding: within the tests' 1e-5).
-  float* o = out.data_ptr<float>();
   for_rows(T, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       float* ot = o + t * H;
@@ -302,7 +307,37 @@ torch::Tensor MoeExperts::forward(const torch::Tensor& x, const torch::Tensor& e
       }
     }
   });
-  return out;
+}
+
+void route_tokens(const float* logits, int64_t T, int64_t E, int64_t k, int64_t routing, bool norm_topk_prob,
+                  int64_t* ids, float* weights) {
+  TORCH_CHECK(k > 0 && k <= E, "route_tokens: k must be in 1..", E);
+  std::vector<int64_t> order(E);
+  for (int64_t t = 0; t < T; ++t) {
+    const float* l = logits + t * E;
+    // the top k by logit (softmax is monotonic: the same k as by probability), ties to the lower id
+    std::iota(order.begin(), order.end(), 0);
+    std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                      [&](int64_t a, int64_t b) { return l[a] > l[b] || (l[a] == l[b] && a < b); });
+    int64_t* id = ids + t * k;
+    float* w = weights + t * k;
+    std::copy_n(order.begin(), k, id);
+    if (routing == kRoutingTopkSoftmax) {  // softmax over the k chosen logits
+      const float top = l[id[0]];
+      float sum = 0.f;
+      for (int64_t j = 0; j < k; ++j) sum += (w[j] = std::exp(l[id[j]] - top));
+      for (int64_t j = 0; j < k; ++j) w[j] /= sum;
+      continue;
+    }
+    // softmax over all E logits, then the k chosen probabilities (renormalised over the k)
+    const float top = l[id[0]];
+    float sum = 0.f;
+    for (int64_t e = 0; e < E; ++e) sum += std::exp(l[e] - top);
+    float chosen = 0.f;
+    for (int64_t j = 0; j < k; ++j) chosen += (w[j] = std::exp(l[id[j]] - top) / sum);
+    if (norm_topk_prob)
+      for (int64_t j = 0; j < k; ++j) w[j] /= chosen;
+  }
 }
 
 }  // namespace minivllm

@@ -41,8 +41,8 @@ def test_greedy_matches_transformers(family_model: tuple[str, Path], reference: 
         monkeypatch.setenv("MINIVLLM_KERNEL_ISA", "avx2")  # the lower SIMD path, on any x86-64 CI machine
     # 16: the chunked runs take every step (chunks beside decodes, chunks over a cached context,
     # sliding windows) through the fused layers, the whole-prefill runs only their decode steps.
-    # (Mixture-of-experts models have no fused layers yet: every step runs through their modules.)
-    fused = 0 if decode_path in ("cpp", "torch", "reference") or family in MOE_FAMILIES else 16
+    # Mixture-of-experts layers take them too (the router, routing and experts in the layer's call).
+    fused = 0 if decode_path in ("cpp", "torch", "reference") else 16
     backend = "torch" if decode_path == "reference" else "auto"  # the pure-torch reference backend
     llm = LLM(str(path), num_kv_blocks=256, block_size=4, max_num_batched_tokens=budget, max_fused_tokens=fused,
               backend=backend)
@@ -50,6 +50,8 @@ def test_greedy_matches_transformers(family_model: tuple[str, Path], reference: 
     assert runner.backend.name == ("torch" if decode_path == "reference" else "cpu")
     assert (runner.backend.kernels is None) == (decode_path in ("torch", "reference"))
     assert runner.backend.max_fused_tokens == (0 if decode_path == "reference" else fused)
+    # the one-call decode step takes dense models only; a MoE model's decodes run the fused layers
+    assert runner.backend.max_decode_rows == (0 if decode_path == "reference" or family in MOE_FAMILIES else fused)
     isa = 1 if decode_path == "fused-avx2" else runner.backend.kernels.best_isa() if runner.backend.kernels else 0
     assert getattr(runner.backend, "isa", 0) == isa
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True))
@@ -70,8 +72,7 @@ def test_bfloat16_and_int8_weights_on_the_fused_path_stay_close_to_float32(famil
     and decodes) against the pure-torch reference backend in float32: the log-probabilities of
     the prompts (teacher-forced) and of the greedy continuations' common prefix move by
     rounding's worth, not by a layer computed wrong (these random models' logits span tens of
-    nats). Greedy tokens may part: the random models' margins are often narrower than bf16's rounding.
-    (Mixture-of-experts families run without fused layers: their projections' panels, each alone.)"""
+    nats). Greedy tokens may part: the random models' margins are often narrower than bf16's rounding."""
     family, path = family_model
     options = dict(num_kv_blocks=256, block_size=4, max_num_batched_tokens=16)
     params = SamplingParams(temperature=0, max_tokens=8, logprobs=2, prompt_logprobs=2, ignore_eos=True)
@@ -79,7 +80,7 @@ def test_bfloat16_and_int8_weights_on_the_fused_path_stay_close_to_float32(famil
     exact = LLM(str(path), backend="torch", **options).generate(prompts, params)
     weights = {"dtype": "bfloat16"} if mode == "bfloat16" else {"quantization": "int8"}
     llm = LLM(str(path), max_fused_tokens=16, **options, **weights)
-    assert llm.engine.runner.backend.max_fused_tokens == (0 if family in MOE_FAMILIES else 16)
+    assert llm.engine.runner.backend.max_fused_tokens == 16
     rounded = llm.generate(prompts, params)
     diffs = []
     for a, b in zip(exact, rounded, strict=True):
