@@ -77,6 +77,9 @@ class AttentionBackend:
     #: Whether prefill chunks need their block tables (kernels that walk the cache) rather than
     #: the cached context's slots (torch's path).
     reads_prefill_block_tables = False
+    #: Whether bidirectional() runs (an encoder's attention over its packed prompts); else the
+    #: encoder pads its prompts into one SDPA call.
+    has_bidirectional_kernel = False
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, attn: AttentionMetadata, scale: float, window: int | None,
@@ -100,6 +103,14 @@ class AttentionBackend:
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: AttentionMetadata,
                scale: float, window: int | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def bidirectional(self, qkv: torch.Tensor, query_starts: torch.Tensor, num_heads: int,
+                      scale: float) -> torch.Tensor:
+        """An encoder step's attention by the backend's own kernel (has_bidirectional_kernel).
+        qkv: [T, 3 * H * D], each row q | k | v; query_starts: [B + 1] int64 on the CPU, prompt
+        b's rows [starts[b], starts[b + 1]) -> [T, H, D] in qkv's dtype: each prompt's tokens
+        attend to all of its own, none of another's."""
         raise NotImplementedError
 
     def prepare_prefill(self, attn: AttentionMetadata, block_tables: list[list[int]], num_computed: list[int],

@@ -18,6 +18,8 @@ class CpuAttention(TorchAttention):
         self.kernels, self.isa = kernels, isa
         self.prefill_in_cpp = prefill_in_cpp
         self.reads_prefill_block_tables = prefill_in_cpp
+        # The encoders' kernel runs the prefill kernel's AVX-512 tiles (its portable loop loses to torch).
+        self.has_bidirectional_kernel = prefill_in_cpp
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, attn: AttentionMetadata, scale: float, window: int | None,
@@ -34,6 +36,15 @@ class CpuAttention(TorchAttention):
             self.kernels.paged_prefill_attention(q32[rows], k_cache, v_cache, meta.block_table, meta.num_cached_tokens,
                                                  attn.block_size, scale, window or 0, self.isa, out[rows], sinks32)
         return out.to(q.dtype)
+
+    def bidirectional(self, qkv: torch.Tensor, query_starts: torch.Tensor, num_heads: int,
+                      scale: float) -> torch.Tensor:
+        # Each prompt's q, k and v read in place from the fused projection's rows: no padded batch.
+        qkv32 = qkv.float().contiguous()
+        num_tokens = qkv.shape[0]
+        out = torch.empty(num_tokens, num_heads, qkv.shape[1] // (3 * num_heads), dtype=torch.float32)
+        self.kernels.packed_bidirectional_attention(qkv32, query_starts, num_heads, scale, self.isa, out)
+        return out.to(qkv.dtype)
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: AttentionMetadata,
                scale: float, window: int | None, sinks: torch.Tensor | None = None) -> torch.Tensor:

@@ -58,6 +58,27 @@ class PackedLinear(nn.Module):
             return self.panels.linear(x, self.kernels, self.isa)
         return self._forward_native(x).float()
 
+    def forward_gelu(self, x: torch.Tensor, approximate: str) -> torch.Tensor:
+        # GELU applied to each output tile while it is in cache, not in a pass over the whole output
+        if self._can_fuse(x):
+            return self.kernels.packed_linear_gelu(x, self.panels.data, self.panels.bias, self.out_features, self.isa,
+                                                   approximate == "tanh")
+        return F.gelu(self(x), approximate=approximate)
+
+    def forward_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        # The product accumulated into the residual rows, then the norm over them, in place: no
+        # separate add pass and no copy of the stream.
+        if self._can_fuse(x) and residual.dtype == torch.float32 and residual.is_contiguous() \
+                and norm.weight.dtype == torch.float32 and norm.bias is not None:
+            self.kernels.packed_linear_add_norm_(x, self.panels.data, self.panels.bias, self.out_features, self.isa,
+                                                 residual, norm.weight, norm.bias, norm.eps)
+            return residual
+        return norm(residual + self(x))
+
+    def _can_fuse(self, x: torch.Tensor) -> bool:
+        """Whether the float32 panels run x's product (the fused epilogues' kernels take those only)."""
+        return self.uses_panels(x.shape[0]) and self.panels.data.dtype == torch.float32 and x.dtype == torch.float32
+
     def _forward_native(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")

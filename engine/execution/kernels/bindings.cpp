@@ -37,6 +37,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"), py::arg("start_pos"),
         py::arg("block_size"), py::arg("scale"), py::arg("window"), py::arg("isa"), py::arg("out"),
         py::arg("sinks") = py::none());
+  m.def("packed_bidirectional_attention", without_gil(&minivllm::packed_bidirectional_attention),
+        "An encoder step's attention: each prompt's rows of the fused [T, q | k | v] attend to all of that prompt's "
+        "rows, into out [T, H, D] (CPU, float32)",
+        py::arg("qkv"), py::arg("query_starts"), py::arg("num_heads"), py::arg("scale"), py::arg("isa"),
+        py::arg("out"));
+  m.def("packed_linear_gelu", without_gil(&minivllm::packed_linear_gelu),
+        "x [M, K] times float32 panels plus bias, through GELU (exact, or tanh) -> [M, n] float32 (an encoder's up "
+        "projection)",
+        py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("n"), py::arg("isa"), py::arg("is_tanh"));
+  m.def("packed_linear_add_norm_", without_gil(&minivllm::packed_linear_add_norm_),
+        "residual = LayerNorm(residual + x times float32 panels plus bias), in place (an encoder block's output)",
+        py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("n"), py::arg("isa"), py::arg("residual"),
+        py::arg("norm_weight"), py::arg("norm_bias"), py::arg("eps"));
   m.def("best_isa", &minivllm::best_isa,
         "The best SIMD path this CPU runs: 0 scalar, 1 AVX2, 2 AVX-512, 3 AVX-512 + BF16, 4 AVX-512 + AMX");
   m.def("packed_linear", without_gil(&minivllm::packed_linear), "x [M, K] times panel-packed weights -> [M, n] float32");

@@ -171,6 +171,15 @@ void packed_gemm(const float* x, int64_t M, int64_t K, int64_t ldx, const torch:
                  const float* bias, int64_t N, float* out, int64_t ldo, int64_t isa, bool accumulate,
                  const TeamShare* team = nullptr);
 void check_packed_weight(const torch::Tensor& w, int64_t K, int64_t N, const float* scale, int64_t isa);
+// What a product's outputs go through once computed (an encoder's MLP: BERT's exact GELU, or
+// the tanh approximation).
+enum OutputActivation : int64_t { kOutNone = 0, kOutGelu = 1, kOutGeluTanh = 2 };
+// y[i] = act(y[i]), i < n: 16 lanes at a time on AVX-512 (isa), a scalar loop elsewhere.
+void activate(float* y, int64_t n, int64_t act, int64_t isa);
+// packed_gemm over float32 panels (no team), out_act applied to each tile of out in cache.
+void packed_gemm_activated(const float* x, int64_t M, int64_t K, int64_t ldx, const torch::Tensor& w,
+                           const float* bias, int64_t N, float* out, int64_t ldo, int64_t isa, bool accumulate,
+                           int64_t out_act);
 // The same on checked panels (a team's member: it must not throw).
 void packed_gemm(const float* x, int64_t M, int64_t K, int64_t ldx, const PackedPanels& w, const float* scale,
                  const float* bias, int64_t N, float* out, int64_t ldo, int64_t isa, bool accumulate,
@@ -203,6 +212,13 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 void paged_prefill_attention(torch::Tensor q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                              const torch::Tensor& block_table, int64_t start_pos, int64_t block_size, double scale,
                              int64_t window, int64_t isa, torch::Tensor out, std::optional<torch::Tensor> sinks);
+void packed_bidirectional_attention(const torch::Tensor& qkv, const torch::Tensor& query_starts, int64_t num_heads,
+                                    double scale, int64_t isa, torch::Tensor out);
+torch::Tensor packed_linear_gelu(const torch::Tensor& x, const torch::Tensor& w, const std::optional<torch::Tensor>& bias,
+                                 int64_t n, int64_t isa, bool is_tanh);
+void packed_linear_add_norm_(const torch::Tensor& x, const torch::Tensor& w, const std::optional<torch::Tensor>& bias,
+                             int64_t n, int64_t isa, torch::Tensor residual, const torch::Tensor& norm_weight,
+                             const torch::Tensor& norm_bias, double eps);
 void apply_token_bitmask_(torch::Tensor logits, const torch::Tensor& bitmask, const torch::Tensor& rows);
 torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& w, const std::optional<torch::Tensor>& scale,
                             const std::optional<torch::Tensor>& bias, int64_t n, int64_t isa);

@@ -637,11 +637,16 @@ __attribute__((target("avx512f"))) inline void stream_panel_row(float* o, const 
 // a plain store first had to take back the line that member read the step before, which slowed
 // the batch-1 bf16 gate/up product there. Non-temporal stores are weakly ordered, so each task
 // ends with a store fence before the team counts it done.
+//
+// out_act (an OutputActivation): applied to each tile's outputs once they are stored, while they
+// are in L1, instead of in a pass of its own over the whole output (an encoder's up projection:
+// bias + GELU).
 template <typename Tile>
 void gemm_tiles(int64_t M, int64_t N, int64_t tile_rows, const float* scale, const float* bias, float* out,
-                int64_t ldo, bool accumulate, const TeamShare* team, bool stream_rows, const Tile& tile) {
+                int64_t ldo, bool accumulate, const TeamShare* team, bool stream_rows, const Tile& tile,
+                int64_t out_act = kOutNone, int64_t isa = kIsaScalar) {
   const bool stream = stream_rows && M == 1 && !accumulate && scale == nullptr && bias == nullptr &&
-                      reinterpret_cast<uintptr_t>(out) % 64 == 0;
+                      out_act == kOutNone && reinterpret_cast<uintptr_t>(out) % 64 == 0;
   parallel_tasks(M, (N + kPanel - 1) / kPanel, kRowBlock, team, true, [&](int64_t m_block, int64_t m_end,
                                                                            int64_t begin, int64_t end) {
     alignas(64) float acc[2 * kMaxTileRows * kPanel];
@@ -661,6 +666,9 @@ void gemm_tiles(int64_t M, int64_t N, int64_t tile_rows, const float* scale, con
 #endif
         store_tile(acc, rows, m0, n0, width, scale, bias, out, ldo, accumulate);
         if (pair) store_tile(acc + rows * kPanel, rows, m0, n0 + kPanel, width1, scale, bias, out, ldo, accumulate);
+        if (out_act != kOutNone) {
+          for (int64_t r = 0; r < rows; ++r) activate(out + (m0 + r) * ldo + n0, width + width1, out_act, isa);
+        }
       }
       p += pair ? 2 : 1;
     }
@@ -674,7 +682,7 @@ void gemm_tiles(int64_t M, int64_t N, int64_t tile_rows, const float* scale, con
 template <typename T>
 void gemm_vector(const float* x, int64_t M, int64_t ldx, const T* w, int64_t panel_size, int64_t K, const float* scale,
                  const float* bias, int64_t N, float* out, int64_t ldo, int64_t isa, bool accumulate,
-                 const TeamShare* team) {
+                 const TeamShare* team, int64_t out_act = kOutNone) {
   gemm_tiles(M, N, max_tile_rows<T>(isa), scale, bias, out, ldo, accumulate, team, team != nullptr && isa >= kIsaAvx512,
              [&](int64_t rows, int64_t m0, int64_t p, bool pair, float* acc) {
                const T* panel = w + p * panel_size;
@@ -683,7 +691,7 @@ void gemm_vector(const float* x, int64_t M, int64_t ldx, const T* w, int64_t pan
                if (pair && run_tile2(isa, rows, x + m0 * ldx, ldx, panel, panel + panel_size, K, acc)) return;
                run_tile(isa, rows, x + m0 * ldx, ldx, panel, K, acc);
                if (pair) run_tile(isa, rows, x + m0 * ldx, ldx, panel + panel_size, K, acc + rows * kPanel);
-             });
+             }, out_act, isa);
 }
 
 #if defined(MINIVLLM_HAS_AVX512_BF16)
@@ -935,6 +943,17 @@ void packed_gemm(const float* x, int64_t M, int64_t K, int64_t ldx, const Packed
       return gemm_vector(x, M, ldx, static_cast<const int8_t*>(w.data), panel_size, K, scale, bias, N, out, ldo, isa,
                          accumulate, team);
   }
+}
+
+void packed_gemm_activated(const float* x, int64_t M, int64_t K, int64_t ldx, const torch::Tensor& w,
+                           const float* bias, int64_t N, float* out, int64_t ldo, int64_t isa, bool accumulate,
+                           int64_t out_act) {
+  TORCH_CHECK(w.scalar_type() == torch::kFloat32, "packed_gemm_activated: float32 panels only");
+  TORCH_CHECK(out_act == kOutNone || out_act == kOutGelu || out_act == kOutGeluTanh,
+              "packed_gemm_activated: unknown activation ", out_act);
+  check_packed_weight(w, K, N, nullptr, isa);
+  gemm_vector(x, M, ldx, w.data_ptr<float>(), w.size(1) * w.size(2), K, nullptr, bias, N, out, ldo, isa, accumulate,
+              nullptr, out_act);
 }
 
 // x: [M, K] (any float dtype) -> [M, n] float32.

@@ -71,6 +71,15 @@ struct RowStrides {
   int64_t q_token, q_head, out_token, out_head;
 };
 
+// Where a chunk's keys and values are and who sees them. The default: a paged cache of
+// [slots, KVH, D] rows, each query seeing the keys up to its own position (causal). An encoder's
+// prompt (packed_bidirectional_attention) reads its K and V in place from the fused QKV output,
+// slot_stride floats a token, and every query sees every key of the prompt.
+struct KeySource {
+  int64_t slot_stride = 0;  // floats between tokens' rows; 0: KVH * D (a cache's rows)
+  bool is_bidirectional = false;
+};
+
 // Where a step's values are: row i of its 16-key block b at blocks[b] + i * stride (a pair path's
 // block has 8 rows, each a pair of keys). Rows of the chunk's own copy, or (a float32 cache whose
 // blocks hold whole 16-key blocks) the cache's rows in place, with no copy per chunk.
@@ -137,11 +146,11 @@ struct TileState {
 // Rows [row_begin, row_begin + rows) (rows <= R) of the (token, group head) rows of one KV head.
 template <int R>
 void init_tile(TileState<R>& t, int64_t rows, const float* q, int64_t row_begin, int64_t group, int64_t kv_head,
-               const RowStrides& strides, int64_t head_dim, int64_t start_pos, int64_t first_key, int64_t window,
-               float scale, bool is_pairs = false) {
+               const RowStrides& strides, int64_t head_dim, int64_t start_pos, int64_t shared_pos, int64_t first_key,
+               int64_t window, float scale, bool is_pairs = false) {
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t row = row_begin + r, token = row / group, h = kv_head * group + row % group;
-    t.pos[r] = start_pos + token;
+    t.pos[r] = shared_pos >= 0 ? shared_pos : start_pos + token;
     const float* qr = q + token * strides.q_token + h * strides.q_head;
     for (int64_t d = 0; d < head_dim; ++d) t.qs[r][d] = qr[d] * scale;
     if (is_pairs) {
@@ -180,11 +189,12 @@ void finish_tile(const TileState<R>& t, int64_t rows, int64_t row_begin, int64_t
 
 // One tile by the portable loop: rows [row_begin, row_end) of one KV head.
 void attend_tile(const float* q, int64_t row_begin, int64_t row_end, int64_t group, int64_t kv_head,
-                 const RowStrides& strides, int64_t head_dim, int64_t start_pos, int64_t first_key, int64_t window,
-                 float scale, const float* k_panels, const float* v_rows, float* out, const float* sinks) {
+                 const RowStrides& strides, int64_t head_dim, int64_t start_pos, int64_t shared_pos, int64_t first_key,
+                 int64_t window, float scale, const float* k_panels, const float* v_rows, float* out,
+                 const float* sinks) {
   const int64_t R = row_end - row_begin;
   TileState<kRows> t;
-  init_tile(t, R, q, row_begin, group, kv_head, strides, head_dim, start_pos, first_key, window, scale);
+  init_tile(t, R, q, row_begin, group, kv_head, strides, head_dim, start_pos, shared_pos, first_key, window, scale);
   auto &qs = t.qs, &o = t.o;
   auto& pos = t.pos;
   auto &m = t.m, &l = t.l;
@@ -488,8 +498,8 @@ MINIVLLM_AVX512 void masked_step_avx512(TileState<R>& t, const E* panel, const V
 template <int R, typename E>
 MINIVLLM_AVX512 void attend_tiles_avx512(const float* q, int64_t row_begin, int64_t num_tiles, int64_t group,
                                          int64_t kv_head, const RowStrides& strides, int64_t head_dim,
-                                         int64_t start_pos, int64_t first_key, int64_t window, float scale,
-                                         const E* k_panels, const ValueRows<E>& values, float* out,
+                                         int64_t start_pos, int64_t shared_pos, int64_t first_key, int64_t window,
+                                         float scale, const E* k_panels, const ValueRows<E>& values, float* out,
                                          const float* sinks) {
   constexpr int64_t kMaxTiles = 8;
   TORCH_CHECK(num_tiles <= kMaxTiles, "prefill attention: too many tiles");
@@ -498,8 +508,8 @@ MINIVLLM_AVX512 void attend_tiles_avx512(const float* q, int64_t row_begin, int6
   for (int64_t i = 0; i < num_tiles; ++i) {
     // Scores in log2 units (queries scaled by log2 e too), so the softmax's exponentials are
     // powers of 2: exp2_512, four operations fewer than e^x. m and the sums follow; o / l is the same.
-    init_tile(tiles[i], R, q, row_begin + i * R, group, kv_head, strides, head_dim, start_pos, first_key, window,
-              scale * 1.44269504088896341f, !std::is_same_v<E, float>);
+    init_tile(tiles[i], R, q, row_begin + i * R, group, kv_head, strides, head_dim, start_pos, shared_pos, first_key,
+              window, scale * 1.44269504088896341f, !std::is_same_v<E, float>);
     lo = std::min(lo, tiles[i].lo);
     hi = std::max(hi, tiles[i].hi);
   }
@@ -624,13 +634,13 @@ MINIVLLM_AVX512 void gather_block_pairs(const at::BFloat16* k_cache, const at::B
 template <typename E>
 bool run_tiles_avx512(int64_t rows, const float* q, int64_t row_begin, int64_t num_tiles, int64_t group,
                       int64_t kv_head, const RowStrides& strides, int64_t head_dim, int64_t start_pos,
-                      int64_t first_key, int64_t window, float scale, const E* k_panels,
+                      int64_t shared_pos, int64_t first_key, int64_t window, float scale, const E* k_panels,
                       const ValueRows<E>& values, float* out, const float* sinks) {
   if (head_dim % 16 != 0) return false;
 #define MINIVLLM_TILE(R)                                                                                         \
   case R:                                                                                                        \
-    attend_tiles_avx512<R, E>(q, row_begin, num_tiles, group, kv_head, strides, head_dim, start_pos, first_key,  \
-                              window, scale, k_panels, values, out, sinks);                                      \
+    attend_tiles_avx512<R, E>(q, row_begin, num_tiles, group, kv_head, strides, head_dim, start_pos, shared_pos, \
+                              first_key, window, scale, k_panels, values, out, sinks);                           \
     return true;
   switch (rows) {
     MINIVLLM_TILE(1) MINIVLLM_TILE(2) MINIVLLM_TILE(3) MINIVLLM_TILE(4) MINIVLLM_TILE(5) MINIVLLM_TILE(6)
@@ -647,8 +657,10 @@ template <typename E, typename cache_t>
 void attend_chunk(const float* q, int64_t num_tokens, int64_t num_heads, const RowStrides& strides,
                   const cache_t* k_cache, const cache_t* v_cache, int64_t num_kv_heads, int64_t head_dim,
                   const int64_t* table, int64_t block_size, int64_t start_pos, float scale, int64_t window,
-                  int64_t isa, float* out, const float* sinks) {
-  const int64_t group = num_heads / num_kv_heads, slot_stride = num_kv_heads * head_dim;
+                  int64_t isa, float* out, const float* sinks, const KeySource& keys = {}) {
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t slot_stride = keys.slot_stride > 0 ? keys.slot_stride : num_kv_heads * head_dim;
+  const int64_t shared_pos = keys.is_bidirectional ? start_pos + num_tokens - 1 : -1;
   const int64_t num_ctx = start_pos + num_tokens;  // keys [0, num_ctx), the chunk's own included
   // With a window, no query sees keys before its first token's window.
   const int64_t first_key = window > 0 ? std::max<int64_t>(0, start_pos - window + 1) : 0;
@@ -723,14 +735,15 @@ void attend_chunk(const float* q, int64_t num_tokens, int64_t num_heads, const R
 #if defined(__x86_64__)
       const ValueRows<E> values{v_blocks.get() + h * num_blocks, is_values_in_place ? slot_stride : head_dim};
       if (isa >= kIsaAvx512 && run_tiles_avx512(rows, q, row_begin, num_tiles, group, h, strides, head_dim,
-                                                start_pos, first_key, window, scale, kp, values, out, sinks))
+                                                start_pos, shared_pos, first_key, window, scale, kp, values, out,
+                                                sinks))
         continue;
 #endif
       const E* vr = v_rows.get() + h * head_elements;  // not in place: the portable loop runs only where the tiles do not
       if constexpr (std::is_same_v<E, float>) {
         for (int64_t i = 0; i < num_tiles; ++i)
           attend_tile(q, row_begin + i * rows, row_begin + (i + 1) * rows, group, h, strides, head_dim, start_pos,
-                      first_key, window, scale, kp, vr, out, sinks);
+                      shared_pos, first_key, window, scale, kp, vr, out, sinks);
       }
     }
   });
@@ -796,6 +809,47 @@ void paged_prefill_attention(torch::Tensor q,                            // [n, 
     chunk_kernel(q.data_ptr<float>(), num_tokens, num_heads, strides, k_cache.data_ptr<at::BFloat16>(),
                  v_cache.data_ptr<at::BFloat16>(), num_kv_heads, head_dim, table, block_size, start_pos, s, window, isa,
                  out.data_ptr<float>(), sink_logits);
+  }
+}
+
+
+// An encoder step's attention (BERT): each prompt's tokens attend to all of that prompt's tokens
+// and no other's. q, k and v are read in place from the fused QKV projection's output, rows of
+// [q | k | v] (3 H D floats a token), so the step needs no padded batch, no gather of the rows
+// into one and no scatter back; each prompt runs as a chunk (the causal kernel's tiles) whose
+// keys are its own rows and whose every query sees every key.
+void packed_bidirectional_attention(const torch::Tensor& qkv,           // [T, 3 H D] float32, contiguous
+                                    const torch::Tensor& query_starts,  // [B + 1] int64: prompt b's rows
+                                    int64_t num_heads, double scale, int64_t isa,
+                                    torch::Tensor out) {                // [T, H, D] float32, contiguous: written
+  TORCH_CHECK(isa <= best_isa(), "packed_bidirectional_attention: this CPU lacks the requested instruction set");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == torch::kFloat32 && qkv.is_contiguous() &&
+              qkv.size(1) % (3 * num_heads) == 0, "packed_bidirectional_attention: qkv must be float32 [T, 3 H D], contiguous");
+  const int64_t num_tokens = qkv.size(0), row = qkv.size(1), head_dim = row / (3 * num_heads);
+  TORCH_CHECK(head_dim <= 256, "packed_bidirectional_attention: head_dim <= 256");
+  TORCH_CHECK(out.dim() == 3 && out.size(0) == num_tokens && out.size(1) == num_heads && out.size(2) == head_dim &&
+              out.scalar_type() == torch::kFloat32 && out.is_contiguous(),
+              "packed_bidirectional_attention: out must be float32 [T, H, D], contiguous");
+  TORCH_CHECK(query_starts.dim() == 1 && query_starts.scalar_type() == torch::kInt64 && query_starts.is_contiguous() &&
+              query_starts.size(0) >= 2, "packed_bidirectional_attention: query_starts must be int64 [B + 1]");
+  const int64_t* starts = query_starts.data_ptr<int64_t>();
+  const int64_t num_prompts = query_starts.size(0) - 1;
+  TORCH_CHECK(starts[0] == 0 && starts[num_prompts] == num_tokens,
+              "packed_bidirectional_attention: query_starts must run from 0 to T");
+  const int64_t hd = num_heads * head_dim;
+  const RowStrides strides{row, head_dim, hd, head_dim};
+  const KeySource keys{row, true};
+  const int64_t identity_table[1] = {0};  // one block of the prompt's length: slot t is row t
+  const float* base = qkv.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  for (int64_t b = 0; b < num_prompts; ++b) {
+    const int64_t begin = starts[b], len = starts[b + 1] - begin;
+    TORCH_CHECK(len >= 0, "packed_bidirectional_attention: query_starts must not decrease");
+    if (len == 0) continue;
+    const float* q = base + begin * row;
+    const int64_t block_size = (len + kKeys - 1) / kKeys * kKeys;
+    attend_chunk<float, float>(q, len, num_heads, strides, q + hd, q + 2 * hd, num_heads, head_dim, identity_table,
+                               block_size, 0, static_cast<float>(scale), 0, isa, dst + begin * hd, nullptr, keys);
   }
 }
 

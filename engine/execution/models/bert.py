@@ -8,8 +8,9 @@ biases, exact GELU MLP). Q/K/V are fused into one GEMM, and the model works on a
 
 Attention is bidirectional: every token of a prompt sees every other, so a prompt runs whole in
 one step (the scheduler never splits it: ModelConfig.is_causal) and nothing is cached after it;
-the K/V pool is not read or written. Each step's prompts attend within themselves, padded to
-the longest into one batched SDPA call (PackedSequences).
+the K/V pool is not read or written. Each step's prompts attend within themselves
+(PackedSequences): by the backend's kernel where it has one (the CPU's reads each prompt's q/k/v
+in place from the fused QKV rows), else padded to the longest into one batched SDPA call.
 """
 from __future__ import annotations
 
@@ -21,13 +22,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.execution.attention import AttentionMetadata
+from engine.execution.attention import AttentionBackend, AttentionMetadata
 from engine.execution.models.layers import Linear
 from engine.execution.models.model_config import EncoderConfig, ModelConfig
 from engine.processing.pooling_params import PoolingType
 
 _ACTIVATIONS = {"gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
                 "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
+# The GELUs by F.gelu's `approximate`: up_proj.forward_gelu runs them (fused with the product on
+# the CPU's panels); another activation runs after the product.
+_GELU_APPROXIMATIONS = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
 # A checkpoint module -> ours, after the layer prefix (encoder.layer.N.); q/k/v are shards of qkv_proj.
 _LAYER_NAMES = {"attention.self.query": ("qkv_proj", 0), "attention.self.key": ("qkv_proj", 1),
                 "attention.self.value": ("qkv_proj", 2), "attention.output.dense": ("o_proj", None),
@@ -56,15 +60,19 @@ class LayerNorm(nn.Module):
 
 @dataclass(slots=True)
 class PackedSequences:
-    """A step's prompts, packed back to back in its rows, as a padded batch for attention.
+    """A step's prompts, packed back to back in its rows, for attention.
 
-    index: [B, L] the packed row of each sequence's position (padding repeats row 0), L the
-    longest prompt; key_mask: [B, 1, 1, L] True on real keys; valid: [B, L] True on real
-    positions, row-major in packed order. All None with one sequence (no padding)."""
+    With the backend's kernel (backend set): query_starts [B + 1] int64 on the CPU, prompt b's
+    rows [starts[b], starts[b + 1]). Else a padded batch: index [B, L] the packed row of each
+    sequence's position (padding repeats row 0), L the longest prompt; key_mask [B, 1, 1, L]
+    True on real keys; valid [B, L] True on real positions, row-major in packed order; all None
+    with one sequence (no padding)."""
 
     index: torch.Tensor | None = None
     key_mask: torch.Tensor | None = None
     valid: torch.Tensor | None = None
+    backend: AttentionBackend | None = None
+    query_starts: torch.Tensor | None = None
 
     @classmethod
     def of(cls, attn: AttentionMetadata, num_tokens: int, device: torch.device) -> PackedSequences:
@@ -75,18 +83,25 @@ class PackedSequences:
         if attn.num_prefill_tokens != num_tokens or any(m.num_cached_tokens for m in metas):
             raise RuntimeError("an encoder runs whole prompts only: the step has decode rows or a chunk after "
                                "cached tokens")
+        starts = torch.tensor([m.query_start for m in metas], dtype=torch.int64)
+        backend = attn.backend
+        if backend is not None and backend.has_bidirectional_kernel:
+            return cls(backend=backend, query_starts=torch.cat([starts, starts.new_tensor([num_tokens])]))
         if len(metas) == 1:
             return cls()
-        starts = torch.tensor([m.query_start for m in metas], dtype=torch.int64)
         lengths = torch.tensor([m.query_len for m in metas], dtype=torch.int64)
         offsets = torch.arange(int(lengths.max()), dtype=torch.int64)
         valid = offsets.unsqueeze(0) < lengths.unsqueeze(1)  # [B, L]
         index = torch.where(valid, starts.unsqueeze(1) + offsets, 0)
         return cls(index.to(device), valid[:, None, None, :].to(device), valid.to(device))
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        """q, k, v: [T, H, D] -> [T, H, D]: each prompt's tokens attend to all of its own, none of
-        another's."""
+    def attention(self, qkv: torch.Tensor, num_heads: int, scale: float) -> torch.Tensor:
+        """qkv: [T, 3 * H * D], each row q | k | v -> [T, H, D]: each prompt's tokens attend to all
+        of its own, none of another's."""
+        if self.backend is not None:
+            return self.backend.bidirectional(qkv, self.query_starts, num_heads, scale)
+        num_tokens = qkv.shape[0]
+        q, k, v = qkv.view(num_tokens, 3, num_heads, -1).unbind(1)
         if self.index is None:
             # [1, H, T, D] strided views: SDPA's flash kernel reads them (3-D input takes its math path)
             q, k, v = (t.unsqueeze(0).transpose(1, 2) for t in (q, k, v))
@@ -112,14 +127,19 @@ class EncoderLayer(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, hidden, bias=True)
         self.mlp_norm = LayerNorm(hidden, cfg.rms_norm_eps)
         self.act = _ACTIVATIONS[cfg.hidden_act]
+        self.gelu_approximation = _GELU_APPROXIMATIONS.get(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor, seqs: PackedSequences) -> torch.Tensor:
         # x: [T, hidden]; post-LayerNorm: each block's output is added to its input, then normed
         num_tokens, hidden = x.shape
-        q, k, v = self.qkv_proj(x).view(num_tokens, 3, self.num_heads, self.head_dim).unbind(1)
-        o = seqs.attention(q, k, v, self.scale).reshape(num_tokens, hidden)
-        h = self.attn_norm(x + self.o_proj(o))
-        return self.mlp_norm(h + self.down_proj(self.act(self.up_proj(h))))
+        # (x and h are this layer's own: forward_add_norm may write its result over them)
+        o = seqs.attention(self.qkv_proj(x), self.num_heads, self.scale).reshape(num_tokens, hidden)
+        h = self.o_proj.forward_add_norm(o, x, self.attn_norm)
+        if self.gelu_approximation is not None:
+            up = self.up_proj.forward_gelu(h, self.gelu_approximation)
+        else:
+            up = self.act(self.up_proj(h))
+        return self.down_proj.forward_add_norm(up, h, self.mlp_norm)
 
 
 class BertModel(nn.Module):

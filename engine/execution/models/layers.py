@@ -19,6 +19,17 @@ class Linear(nn.Linear):
         """The product in float32 (logits)."""
         return F.linear(x, self.weight, self.bias).float()
 
+    def forward_gelu(self, x: torch.Tensor, approximate: str) -> torch.Tensor:
+        """GELU(x W^T + b), approximate "none" or "tanh" (an encoder's up projection); the CPU
+        backend's panels apply the GELU to each output tile as it is computed."""
+        return F.gelu(self(x), approximate=approximate)
+
+    def forward_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        """norm(residual + x W^T + b): a post-LayerNorm block's output projection, residual add
+        and norm (BERT's). residual may be overwritten by the result (the CPU backend's panels
+        accumulate into it and norm it in place), so a caller passes one it no longer needs."""
+        return norm(residual + self(x))
+
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:

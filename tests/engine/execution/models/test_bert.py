@@ -161,3 +161,32 @@ def test_checkpoint_errors_name_the_tensor(cross_encoder_dir: Path, embedder_dir
     assert "pooler.dense.weight" in base
     model = BertModel(BertModel.config_from_hf(AutoConfig.from_pretrained(str(embedder_dir))))
     model.load_weights({**base, "cls.predictions.bias": torch.zeros(1)}.items())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cpu_kernels_path_equals_transformers(kernels, embedder_dirs: dict[str, Path], family: str) -> None:
+    """The CPU backend's own path for an encoder: float32 panels whose products carry the GELU
+    (up_proj) and the residual add + LayerNorm (o_proj, down_proj), and the packed bidirectional
+    attention kernel reading each prompt's q/k/v in place; hidden states equal transformers'."""
+    from transformers import AutoModel, AutoTokenizer
+
+    from engine.execution.backends.cpu_attention import CpuAttention
+    from engine.execution.backends.cpu_linear import pack_linears
+    from engine.execution.kernels import ISAS
+
+    isa = kernels.best_isa()
+    if isa < ISAS["avx512"]:
+        pytest.skip("the encoder attention kernel runs the AVX-512 prefill tiles")
+    embedder_dir = embedder_dirs[family]
+    tokenizer = AutoTokenizer.from_pretrained(str(embedder_dir))
+    prompts = [tokenizer.encode(t) for t in TEXTS]
+    reference = AutoModel.from_pretrained(str(embedder_dir)).eval()
+    model = _load(embedder_dir)
+    pack_linears(model, False, torch.float32, kernels, isa, 1 << 30)  # the panels alone, for every step
+    input_ids, positions, attn, starts = _packed_step(prompts)
+    attn.backend = CpuAttention(kernels, isa, prefill_in_cpp=True)
+    with torch.inference_mode():
+        hidden = model(input_ids, positions, attn, [])
+        for prompt, start in zip(prompts, starts, strict=True):
+            expected = reference(torch.tensor([prompt])).last_hidden_state[0]
+            torch.testing.assert_close(hidden[start : start + len(prompt)], expected, atol=1e-5, rtol=1e-5)

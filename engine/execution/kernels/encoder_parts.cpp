@@ -1,0 +1,140 @@
+// The elementwise parts of an encoder layer (BERT's post-LayerNorm blocks), fused into the packed
+// products they follow, so that a step's hundreds of rows are not walked again from memory for
+// each: the up projection's bias + GELU applied to each output tile while it is in L1
+// (packed_linear_gelu), and the output projections' bias + residual add (accumulated into the
+// residual stream) followed by the block's LayerNorm over each row in place
+// (packed_linear_add_norm_). Activations and sums stay float32.
+#include "cpu_kernels.h"
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+#include "simd_exp.h"
+#endif
+
+namespace minivllm {
+namespace {
+
+// Rows per task of the LayerNorm pass (a step's hundreds of rows shared by the threads).
+constexpr int64_t kNormRowGrain = 16;
+
+// torch's tanh GELU constants, as ATen spells them (decode_layer.cpp's gelu_tanh_mul uses the same).
+constexpr float kGeluBeta = static_cast<float>(M_SQRT2 * M_2_SQRTPI * 0.5);  // sqrt(2 / pi)
+constexpr float kGeluKappa = 0.044715f;
+
+inline float gelu_scalar(float x, int64_t act) {
+  if (act == kOutGeluTanh) return 0.5f * x * (1.f + std::tanh(kGeluBeta * (x + kGeluKappa * (x * x * x))));
+  return 0.5f * x * (1.f + std::erf(x * static_cast<float>(M_SQRT1_2)));
+}
+
+#if defined(__x86_64__)
+// The exact GELU, 0.5 x (1 + erf(x / sqrt 2)), with erf by Abramowitz and Stegun 7.1.26 (absolute
+// error 1.5e-7) on exp512: for z = |x| / sqrt 2, erf z = 1 - q(t) e^(-z^2), t = 1 / (1 + p z). For
+// x < 0, 1 + erf(x / sqrt 2) is q(t) e^(-z^2) itself, taken as it is rather than as 1 - (1 - q e^-z^2),
+// which would keep only float32's absolute precision near 1 in the negative tail.
+__attribute__((target("avx512f,fma"))) inline __m512 gelu_erf512(__m512 x) {
+  const __m512 z = _mm512_mul_ps(_mm512_abs_ps(x), _mm512_set1_ps(static_cast<float>(M_SQRT1_2)));
+  const __m512 one = _mm512_set1_ps(1.f);
+  const __m512 t = _mm512_div_ps(one, _mm512_fmadd_ps(_mm512_set1_ps(0.3275911f), z, one));
+  static constexpr float kCoefficients[] = {1.061405429f, -1.453152027f, 1.421413741f, -0.284496736f, 0.254829592f};
+  const __m512 q = _mm512_mul_ps(horner512(t, kCoefficients), t);
+  const __m512 tail = _mm512_mul_ps(q, exp512(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), z), z)));
+  const __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+  // 1 + erf(x / sqrt 2): 2 - tail for x >= 0, tail for x < 0
+  const __m512 one_plus_erf = _mm512_mask_mov_ps(_mm512_sub_ps(_mm512_set1_ps(2.f), tail), negative, tail);
+  return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), x), one_plus_erf);
+}
+
+// tanh GELU, as decode_layer.cpp's gelu_tanh_mul_avx512 (tanh y = 1 - 2 / (1 + e^2y)).
+__attribute__((target("avx512f,fma"))) inline __m512 gelu_tanh512(__m512 x) {
+  const __m512 one = _mm512_set1_ps(1.f), two = _mm512_set1_ps(2.f);
+  const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
+  const __m512 inner =
+      _mm512_mul_ps(_mm512_set1_ps(kGeluBeta), _mm512_add_ps(x, _mm512_mul_ps(_mm512_set1_ps(kGeluKappa), cube)));
+  const __m512 t = _mm512_sub_ps(one, _mm512_div_ps(two, _mm512_add_ps(one, exp512(_mm512_mul_ps(two, inner)))));
+  return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), x), _mm512_add_ps(one, t));
+}
+
+__attribute__((target("avx512f,fma"))) int64_t activate_avx512(float* y, int64_t n, int64_t act) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 x = _mm512_loadu_ps(y + i);
+    _mm512_storeu_ps(y + i, act == kOutGeluTanh ? gelu_tanh512(x) : gelu_erf512(x));
+  }
+  return i;
+}
+#endif
+
+// One row in place: y = (y - mean) / sqrt(var + eps) * weight + bias, as torch's LayerNorm (biased
+// variance), the mean and variance in two passes over the row (in L1).
+inline void layer_norm_row(float* y, int64_t width, const float* weight, const float* bias, float eps) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < width; ++i) sum += y[i];
+  const float mean = sum / static_cast<float>(width);
+  float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+  for (int64_t i = 0; i < width; ++i) squares += (y[i] - mean) * (y[i] - mean);
+  const float inv = 1.f / std::sqrt(squares / static_cast<float>(width) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < width; ++i) y[i] = (y[i] - mean) * inv * weight[i] + bias[i];
+}
+
+const float* bias_of(const std::optional<torch::Tensor>& bias, int64_t n) {
+  if (!bias) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == n,
+              "encoder parts: bias must be float32 [n], contiguous");
+  return bias->data_ptr<float>();
+}
+
+}  // namespace
+
+void activate(float* y, int64_t n, int64_t act, int64_t isa) {
+  int64_t i = 0;
+#if defined(__x86_64__)
+  if (isa >= kIsaAvx512) i = activate_avx512(y, n, act);
+#endif
+  for (; i < n; ++i) y[i] = gelu_scalar(y[i], act);
+}
+
+// x: [M, K] -> GELU(x W^T + bias) [M, n] float32 (is_tanh: the tanh approximation).
+torch::Tensor packed_linear_gelu(const torch::Tensor& x, const torch::Tensor& w, const std::optional<torch::Tensor>& bias,
+                                 int64_t n, int64_t isa, bool is_tanh) {
+  TORCH_CHECK(x.dim() == 2, "packed_linear_gelu: x must be [M, K]");
+  const auto xf = x.to(torch::kFloat32).contiguous();
+  auto out = torch::empty({x.size(0), n}, xf.options());
+  packed_gemm_activated(xf.data_ptr<float>(), x.size(0), x.size(1), x.size(1), w, bias_of(bias, n), n,
+                        out.data_ptr<float>(), n, isa, false, is_tanh ? kOutGeluTanh : kOutGelu);
+  return out;
+}
+
+// residual [M, n] float32 = LayerNorm(residual + x W^T + bias) in place: a post-LayerNorm block's
+// output projection, residual add and norm in one call.
+void packed_linear_add_norm_(const torch::Tensor& x, const torch::Tensor& w, const std::optional<torch::Tensor>& bias,
+                             int64_t n, int64_t isa, torch::Tensor residual, const torch::Tensor& norm_weight,
+                             const torch::Tensor& norm_bias, double eps) {
+  TORCH_CHECK(x.dim() == 2, "packed_linear_add_norm_: x must be [M, K]");
+  const int64_t M = x.size(0);
+  TORCH_CHECK(residual.dim() == 2 && residual.size(0) == M && residual.size(1) == n &&
+              residual.scalar_type() == torch::kFloat32 && residual.is_contiguous(),
+              "packed_linear_add_norm_: residual must be float32 [M, n], contiguous");
+  for (const auto* t : {&norm_weight, &norm_bias})
+    TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->is_contiguous() && t->numel() == n,
+                "packed_linear_add_norm_: the norm's weight and bias must be float32 [n], contiguous");
+  const auto xf = x.to(torch::kFloat32).contiguous();
+  float* out = residual.data_ptr<float>();
+  packed_gemm_activated(xf.data_ptr<float>(), M, x.size(1), x.size(1), w, bias_of(bias, n), n, out, n, isa, true,
+                        kOutNone);
+  const float* weight = norm_weight.data_ptr<float>();
+  const float* shift = norm_bias.data_ptr<float>();
+  const auto e = static_cast<float>(eps);
+  at::parallel_for(0, M, kNormRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) layer_norm_row(out + m * n, n, weight, shift, e);
+  });
+}
+
+}  // namespace minivllm

@@ -1,0 +1,80 @@
+"""The encoders' attention kernel (packed_bidirectional_attention) against a dense float64
+reference: each prompt of a step, packed back to back in the fused [T, q | k | v] rows, attends
+to every token of its own and to none of another's, on every SIMD path this CPU runs (the
+AVX-512 tiles where the head size allows, else the portable loop)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.execution.backends.cpu_attention import CpuAttention
+from engine.execution.kernels import ISAS
+from tests.helpers import ISA_NAMES
+
+
+def _dense(qkv: torch.Tensor, starts: list[int], num_heads: int, scale: float) -> torch.Tensor:
+    """[T, 3 H D] -> [T, H, D] in float64, prompt by prompt."""
+    num_tokens = qkv.shape[0]
+    q, k, v = qkv.double().view(num_tokens, 3, num_heads, -1).unbind(1)  # [T, H, D] each
+    out = torch.empty_like(q)
+    for begin, end in zip(starts[:-1], starts[1:], strict=True):
+        s = torch.einsum("qhd,khd->hqk", q[begin:end], k[begin:end]) * scale
+        out[begin:end] = torch.einsum("hqk,khd->qhd", s.softmax(-1), v[begin:end])
+    return out
+
+
+# Lengths: one token; under, at and past a 16-key block; past a 64-key step and a tile task's
+# 64 rows (the partial last tile); D = 32 (bge-small's), 16 and 64 on the AVX-512 tiles, 24 on
+# the portable loop only.
+@pytest.mark.parametrize(("lengths", "num_heads", "head_dim"),
+                         [((1, 5, 16, 17, 64, 70, 131), 3, 32), ((40, 1, 9), 2, 16), ((100, 33), 2, 64),
+                          ((23, 7), 2, 24)], ids=["d32", "d16", "d64", "d24"])
+def test_each_prompt_attends_to_all_of_its_own_rows_only(kernels, lengths: tuple[int, ...], num_heads: int,
+                                                         head_dim: int) -> None:
+    gen = torch.Generator().manual_seed(sum(lengths) + head_dim)
+    num_tokens = sum(lengths)
+    # scores of a few units, so that a wrong key (another prompt's, another head's) moves the softmax
+    qkv = torch.randn(num_tokens, 3 * num_heads * head_dim, generator=gen) * 1.5
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
+    scale = head_dim**-0.5
+    expected = _dense(qkv, starts, num_heads, scale)
+    query_starts = torch.tensor(starts, dtype=torch.int64)
+    for isa in range(kernels.best_isa() + 1):
+        out = torch.full((num_tokens, num_heads, head_dim), float("nan"))
+        kernels.packed_bidirectional_attention(qkv, query_starts, num_heads, scale, isa, out)
+        err = (out.double() - expected).abs().max().item()
+        assert err < 1e-5, f"{ISA_NAMES[isa]}: max error {err}"
+
+
+def test_a_causal_or_whole_step_attention_is_not_what_it_computes(kernels) -> None:
+    """The reference itself tells the cases apart: attending across prompts, or causally within
+    one, gives other values (so the test above can fail)."""
+    gen = torch.Generator().manual_seed(7)
+    qkv = torch.randn(40, 3 * 2 * 32, generator=gen) * 1.5
+    out = torch.empty(40, 2, 32)
+    kernels.packed_bidirectional_attention(qkv, torch.tensor([0, 15, 40]), 2, 32**-0.5, kernels.best_isa(), out)
+    per_prompt = _dense(qkv, [0, 15, 40], 2, 32**-0.5)
+    whole = _dense(qkv, [0, 40], 2, 32**-0.5)
+    torch.testing.assert_close(out.double(), per_prompt, atol=1e-5, rtol=1e-5)
+    assert (whole - per_prompt).abs().max() > 1e-2
+    q, k, v = qkv.view(40, 3, 2, 32).unbind(1)
+    causal = torch.nn.functional.scaled_dot_product_attention(q[:15].transpose(0, 1), k[:15].transpose(0, 1),
+                                                              v[:15].transpose(0, 1), is_causal=True).transpose(0, 1)
+    assert (causal - out[:15]).abs().max() > 1e-2
+
+
+def test_backend_runs_it_where_the_prefill_tiles_run(kernels) -> None:
+    """CpuAttention offers the kernel with its AVX-512 prefill tiles, returns qkv's dtype, and
+    rejects a malformed step by name."""
+    isa = kernels.best_isa()
+    attention = CpuAttention(kernels, isa, prefill_in_cpp=isa >= ISAS["avx512"])
+    assert attention.has_bidirectional_kernel == (isa >= ISAS["avx512"])
+    assert not CpuAttention(kernels, isa, prefill_in_cpp=False).has_bidirectional_kernel
+    qkv = torch.randn(20, 3 * 4 * 16)
+    out = attention.bidirectional(qkv, torch.tensor([0, 8, 20]), 4, 0.25)
+    assert out.shape == (20, 4, 16) and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), _dense(qkv, [0, 8, 20], 4, 0.25), atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="query_starts must run from 0 to T"):
+        attention.bidirectional(qkv, torch.tensor([0, 8, 19]), 4, 0.25)

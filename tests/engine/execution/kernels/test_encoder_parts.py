@@ -1,0 +1,61 @@
+"""The encoder's fused epilogues against torch: packed_linear_gelu (bias + exact or tanh GELU on
+each output tile) and packed_linear_add_norm_ (bias + residual add + LayerNorm, in place), on
+odd shapes (rows that leave partial tiles, N not a multiple of 16) and every SIMD path this CPU
+runs."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.execution.weights.packed_weight import PackedWeight
+from tests.helpers import ISA_NAMES
+
+SHAPES = [(1, 37, 20), (17, 64, 50), (70, 96, 384)]
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "M{}-K{}-N{}".format(*s))
+def test_packed_linear_gelu_equals_torch(kernels, approximate: str, shape: tuple[int, int, int]) -> None:
+    m, k, n = shape
+    gen = torch.Generator().manual_seed(m + k + n)
+    weight, bias, x = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen), torch.randn(m, k, generator=gen)
+    packed = PackedWeight.pack(weight, bias, torch.float32)
+    expected = F.gelu((x.double() @ weight.double().T + bias.double()), approximate=approximate)
+    for isa in range(kernels.best_isa() + 1):
+        out = kernels.packed_linear_gelu(x, packed.data, packed.bias, n, isa, approximate == "tanh")
+        assert out.shape == (m, n)
+        err = (out.double() - expected).abs().max().item()
+        assert err < 2e-5 * k**0.5, f"{ISA_NAMES[isa]}: max error {err}"
+
+
+def test_gelu_holds_over_the_whole_range_and_the_negative_tail(kernels) -> None:
+    """An identity weight puts x itself through the GELU: within 1e-6 of torch's exact GELU from
+    -10 to 10 (the negative tail, where 1 + erf is tiny, included)."""
+    x = torch.linspace(-10, 10, 4000).view(-1, 16)  # [250, 16]
+    packed = PackedWeight.pack(torch.eye(16), None, torch.float32)
+    for isa in range(kernels.best_isa() + 1):
+        for approximate in ("none", "tanh"):
+            out = kernels.packed_linear_gelu(x, packed.data, None, 16, isa, approximate == "tanh")
+            torch.testing.assert_close(out, F.gelu(x, approximate=approximate), atol=1e-6, rtol=1e-5,
+                                       msg=f"{ISA_NAMES[isa]} {approximate}")
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "M{}-K{}-N{}".format(*s))
+def test_packed_linear_add_norm_writes_the_normed_sum_over_the_residual(kernels, shape: tuple[int, int, int]) -> None:
+    m, k, n = shape
+    gen = torch.Generator().manual_seed(3 * m + k)
+    weight, bias, x = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen), torch.randn(m, k, generator=gen)
+    residual = torch.randn(m, n, generator=gen) * 3 + 1
+    norm_weight, norm_bias = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    packed = PackedWeight.pack(weight, bias, torch.float32)
+    summed = residual.double() + x.double() @ weight.double().T + bias.double()
+    expected = F.layer_norm(summed, (n,), norm_weight.double(), norm_bias.double(), 1e-12)
+    for isa in range(kernels.best_isa() + 1):
+        out = residual.clone()
+        assert kernels.packed_linear_add_norm_(x, packed.data, packed.bias, n, isa, out, norm_weight, norm_bias,
+                                               1e-12) is None
+        err = (out.double() - expected).abs().max().item()
+        assert err < 1e-5, f"{ISA_NAMES[isa]}: max error {err}"
+    with pytest.raises(RuntimeError, match="residual must be float32"):
+        kernels.packed_linear_add_norm_(x, packed.data, packed.bias, n, 0, residual[:, :-1], norm_weight, norm_bias, 1e-12)
