@@ -15,6 +15,12 @@ Rows give GB/s of blocks (the bytes as the kernels hold them) and ns a super-blo
 of 256 k) a thread, the median over the rounds, the baseline's beside this tree's. The machine is
 shared: compare the two trees' medians, not single rounds.
 
+`--cpu-time REF` instead compiles bench/tile_compare/quant_tile_compare.cpp with g++ against this
+tree's VNNI tile and git REF's (its quant_tiles.h and quant_tiles_avx512.cpp in a namespace of their
+own) and runs both in one process, alternating, one thread timed by its CPU time (what the other
+loads of a shared machine disturb least; two threads by wall time):
+
+    python -m bench.quant_tile --cpu-time main --types Q4_K,Q6_K --rounds 11
 """
 from __future__ import annotations
 
@@ -88,6 +94,9 @@ def main() -> None:
     parser.add_argument("--types", default="Q4_K,Q6_K", help="comma-separated GGUF block types")
     parser.add_argument("--threads", default="1,2", help="comma-separated thread counts")
     parser.add_argument("--reps", type=int, default=3, help="chains a timing, the best kept")
+    parser.add_argument("--cpu-time", metavar="REF", help="compare the VNNI tile against git REF's in one process")
+    parser.add_argument("--rows", type=int, default=1, help="--cpu-time: activation rows (M)")
+    parser.add_argument("--sets", default="small,large", help="--cpu-time: small (from L2), large (from memory)")
     parser.add_argument("--tree", type=Path, help=argparse.SUPPRESS)  # a child: measure with this tree's kernels
     args = parser.parse_args()
     types, threads = args.types.split(","), [int(t) for t in args.threads.split(",")]
@@ -95,6 +104,8 @@ def main() -> None:
         print(json.dumps(measure(types, threads, args.reps)))
         return
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.cpu_time:
+        return compare_cpu_time(args.cpu_time, types, args.rows, args.rounds, args.sets)
     here = Path(__file__).resolve().parents[1]
     trees = {"this": here} | ({"baseline": args.baseline.resolve()} if args.baseline else {})
     results: dict[str, list[list[dict]]] = {name: [] for name in trees}
@@ -106,6 +117,39 @@ def main() -> None:
             results[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
             logger.info("round %d: %s done", r + 1, name)
     _report(results)
+
+
+def compare_cpu_time(ref: str, types: list[str], rows: int, rounds: int, sets: str) -> None:
+    """Builds and runs bench/tile_compare's program: this tree's tile against git ref's."""
+    import shutil
+    import tempfile
+
+    from gguf import GGMLQuantizationType
+
+    root = Path(__file__).resolve().parents[1]
+    kernels = root / "engine" / "execution" / "kernels"
+    with tempfile.TemporaryDirectory() as tmp:
+        old = Path(tmp) / "old"
+        old.mkdir()
+        for name in ("quant_tiles.h", "quant_tiles_avx512.cpp"):
+            text = subprocess.run(["git", "show", f"{ref}:engine/execution/kernels/{name}"], cwd=root, check=True,
+                                  capture_output=True, text=True).stdout
+            (old / name).write_text(text.replace("namespace minivllm", "namespace mvold"))
+        program = Path(tmp) / "quant_tile_compare"
+        flags = ["-O3", "-march=native", "-std=c++17"]
+        objects = []
+        for source, include in ((old / "quant_tiles_avx512.cpp", old), (kernels / "quant_tiles_avx512.cpp", kernels)):
+            objects.append(Path(tmp) / f"{len(objects)}.o")
+            subprocess.run([shutil.which("g++") or "g++", *flags, f"-I{include}", "-c", str(source), "-o",
+                            str(objects[-1])], check=True)
+        subprocess.run(["g++", *flags, f"-I{tmp}", f"-I{kernels}", str(root / "bench" / "tile_compare" /
+                        "quant_tile_compare.cpp"), *map(str, objects), "-o", str(program), "-lpthread"], check=True)
+        for name in types:
+            logger.info("%s, %d row(s), this tree against %s:", name, rows, ref)
+            out = subprocess.run([str(program), str(int(GGMLQuantizationType[name])), str(rows), str(rounds), sets],
+                                 check=True, capture_output=True, text=True).stdout
+            for line in out.splitlines():
+                logger.info("  %s", line.replace("old", "base").replace("new", "this"))
 
 
 def _env(tree: Path) -> dict[str, str]:

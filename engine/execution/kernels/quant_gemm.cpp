@@ -152,9 +152,12 @@ bool has_vnni() {
 #endif
 }
 
+// Whether this CPU runs the VNNI tiles (AVX-512 without VNNI, Skylake-X, runs the AVX2 ones).
+bool runs_vnni(int64_t isa) { return isa >= kIsaAvx512 && has_vnni(); }
+
 void run_tile(int64_t type, int64_t isa, int64_t rows, const QuantActs& a, int64_t m0, const uint8_t* panel,
               int64_t num_records, float* acc) {
-  if (isa >= kIsaAvx512 && has_vnni()) return quant_tile_vnni(type, rows, a, m0, panel, num_records, acc);
+  if (runs_vnni(isa)) return quant_tile_vnni(type, rows, a, m0, panel, num_records, acc);
   if (isa >= kIsaAvx2) return quant_tile_avx2(type, rows, a, m0, panel, num_records, acc);
   quant_tile_scalar(type, rows, a, m0, panel, num_records, acc);
 }
@@ -197,18 +200,38 @@ inline void store_tile(const float* acc, int64_t rows, int64_t m0, int64_t n0, i
 // panels follow the part before's: panel p holds outputs [16 p, 16 p + 16) whichever part it is in).
 void run_task(const QuantActs& a, const QuantPanels* parts, int64_t isa, const float* bias, int64_t N, float* out,
               int64_t ldo, bool accumulate, int64_t m_begin, int64_t m_end, int64_t p_begin, int64_t p_end) {
-  alignas(64) float acc[kMaxQuantTileRows * kPanel];
+  alignas(64) float acc[kMaxQuantTilePanels * kMaxQuantTileRows * kPanel];
+  const auto store = [&](const float* tile, int64_t rows, int64_t m0, int64_t p) {
+    store_tile(tile, rows, m0, p * kPanel, std::min(kPanel, N - p * kPanel), bias, out, ldo, accumulate);
+  };
   const QuantPanels* w = parts;
   int64_t first = 0;  // w's first panel in the run
-  for (int64_t p = p_begin; p < p_end; ++p) {
+  for (int64_t p = p_begin; p < p_end;) {
     while (p >= first + w->num_panels) first += (w++)->num_panels;
-    const uint8_t* panel = w->data + (p - first) * w->num_records * w->record_bytes;
-    const int64_t n0 = p * kPanel, width = std::min(kPanel, N - n0);
-    for (int64_t m0 = m_begin; m0 < m_end; m0 += kMaxQuantTileRows) {
-      const int64_t rows = std::min(kMaxQuantTileRows, m_end - m0);
-      run_tile(w->type, isa, rows, a, m0, panel, w->num_records, acc);
-      store_tile(acc, rows, m0, n0, width, bias, out, ldo, accumulate);
+    const int64_t end = std::min(p_end, first + w->num_panels);  // this part's panels in the task
+    const int64_t panel_bytes = w->num_records * w->record_bytes;
+    const uint8_t* panel = w->data + (p - first) * panel_bytes;
+    // One or two rows on VNNI: G panels at once, each from its own quarter (half) of the run, so
+    // that each of the tile's G weight streams stays one contiguous read from panel to panel (G
+    // neighbouring panels would restart G - 1 streams every group: slower from memory).
+    const int64_t rows = m_end - m_begin;
+    const int64_t group = runs_vnni(isa) && rows <= 2 ? quant_tile_panels(w->type, rows) : 1;
+    const int64_t span = (end - p) / group;  // panels each stream takes
+    if (group > 1 && span > 0) {
+      for (int64_t i = 0; i < span; ++i) {
+        quant_tile_vnni(w->type, rows, a, m_begin, panel + i * panel_bytes, w->num_records, acc, group,
+                        span * panel_bytes);
+        for (int64_t q = 0; q < group; ++q) store(acc + q * rows * kPanel, rows, m_begin, p + q * span + i);
+      }
+      p += group * span;
+      continue;
     }
+    for (int64_t m0 = m_begin; m0 < m_end; m0 += kMaxQuantTileRows) {
+      const int64_t tile_rows = std::min(kMaxQuantTileRows, m_end - m0);
+      run_tile(w->type, isa, tile_rows, a, m0, panel, w->num_records, acc);
+      store(acc, tile_rows, m0, p);
+    }
+    ++p;
   }
 }
 

@@ -154,7 +154,12 @@ void quant_tile_scalar(int64_t type, int64_t rows, const QuantActs& a, int64_t m
                        int64_t num_records, float* acc);
 void quant_tile_avx2(int64_t type, int64_t rows, const QuantActs& a, int64_t m0, const uint8_t* panel,
                      int64_t num_records, float* acc);
+// The VNNI tile takes num_panels panels at once, panel_stride bytes apart (num_panels: 1, or
+// quant_tile_panels(type, rows)): acc [num_panels, rows, 16]. Their dots share each broadcast of
+// the activations and are independent chains.
+constexpr int64_t kMaxQuantTilePanels = 4;
+int64_t quant_tile_panels(int64_t type, int64_t rows);
 void quant_tile_vnni(int64_t type, int64_t rows, const QuantActs& a, int64_t m0, const uint8_t* panel,
-                     int64_t num_records, float* acc);
+                     int64_t num_records, float* acc, int64_t num_panels = 1, int64_t panel_stride = 0);
 
 }  // namespace minivllm

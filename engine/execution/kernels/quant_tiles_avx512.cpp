@@ -17,7 +17,7 @@
 namespace minivllm {
 namespace {
 
-#define MINIVLLM_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni,f16c,fma")))
+#define MINIVLLM_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni,gfni,f16c,fma")))
 
 // Weights are requested this far ahead of use, into L2.
 constexpr int64_t kPrefetchBytes = 1024;
@@ -32,6 +32,12 @@ MINIVLLM_VNNI inline __m512i sbytes16(const uint8_t* p) {
   return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 MINIVLLM_VNNI inline __m512i group(const uint8_t* p) { return _mm512_loadu_si512(p); }
+// v in a register: a group that feeds several operations is loaded once (the compiler would fold
+// the load into each of them, and the loads, not the arithmetic, then set the pace).
+MINIVLLM_VNNI inline __m512i pinned(__m512i v) {
+  asm("" : "+v"(v));
+  return v;
+}
 // 16 E8M0 bytes -> 2^(e - 128) each (e8m0_half_bits: e - 1 in the exponent field, subnormal below 2).
 MINIVLLM_VNNI inline __m512 e8m0_halves16(const uint8_t* p) {
   const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -45,6 +51,11 @@ MINIVLLM_VNNI inline __m512i mxfp4_table() {
   for (int i = 0; i < 16; ++i) t[i] = static_cast<int8_t>(kMxfp4Values[i] + kMxfp4Offset);
   return _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(t)));
 }
+// GF2P8AFFINEQB's matrix (row i, for result bit i, is byte 7 - i): bits `bit` and bit + 1 of
+// each byte to bits 4 and 5, the others 0.
+MINIVLLM_VNNI inline __m512i top_bits_to_4(int bit) {
+  return _mm512_set1_epi64(static_cast<int64_t>((uint64_t{1} << bit) << 24 | (uint64_t{2} << bit) << 16));
+}
 // 4 activation bytes in every lane.
 MINIVLLM_VNNI inline __m512i bcast4(const int8_t* p) {
   int32_t v;
@@ -52,180 +63,263 @@ MINIVLLM_VNNI inline __m512i bcast4(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
-// Row m's integer sums of one 32-k block: lo over the groups' low codes, hi over the high ones
-// (as each format defines them).
-template <int MT, int64_t T>
-MINIVLLM_VNNI inline __attribute__((always_inline)) void block_dots(const uint8_t* c, const int8_t* const* xq, __m512i* lo, __m512i* hi) {
-  for (int m = 0; m < MT; ++m) lo[m] = hi[m] = _mm512_setzero_si512();
+// Row m's integer sums of one 32-k block of NP panels (codes c[q] of panel q): lo[q * MT + m] over
+// the groups' low codes, hi over the high ones (as each format defines them). The panels share
+// each broadcast of the activations.
+template <int MT, int NP, int64_t T, bool G>
+MINIVLLM_VNNI inline __attribute__((always_inline)) void block_dots(const uint8_t* const* c, const int8_t* const* xq,
+                                                                   __m512i* lo, __m512i* hi) {
+  for (int i = 0; i < NP * MT; ++i) lo[i] = hi[i] = _mm512_setzero_si512();
+  // u[q]: panel q's operands for activations x (4 bytes a lane) into sum[q * MT + m].
+  const auto dot = [&](const __m512i* u, int64_t k, __m512i* sum) {
+    for (int m = 0; m < MT; ++m) {
+      const __m512i x = bcast4(xq[m] + k);
+      for (int q = 0; q < NP; ++q) sum[q * MT + m] = _mm512_dpbusd_epi32(sum[q * MT + m], u[q], x);
+    }
+  };
   if constexpr (T == kQ8_0) {
     for (int t = 0; t < 8; ++t) {
-      const __m512i v = group(c + 64 * t);
-      for (int m = 0; m < MT; ++m) {
-        __m512i& sum = t < 4 ? lo[m] : hi[m];  // two chains
-        sum = _mm512_dpbusd_epi32(sum, v, bcast4(xq[m] + 4 * t));
-      }
+      __m512i v[NP];
+      for (int q = 0; q < NP; ++q) v[q] = group(c[q] + 64 * t);
+      dot(v, 4 * t, t < 4 ? lo : hi);  // two chains
     }
   } else if constexpr (T == kQ6_K) {
+    // A code's top 2 bits go to bits 4-5: by one affine byte transform where the CPU has GFNI
+    // (bit moves within each byte, no mask needed: half the vector work of a shift and a mask),
+    // by a mask where they sit there already. Its low 4 bits join them in one ternary-logic op,
+    // (low & 0x0F) | top.
     const __m512i low4 = _mm512_set1_epi8(0x0F), top2 = _mm512_set1_epi8(0x30);
     for (int t = 0; t < 4; ++t) {
-      const __m512i v = group(c + 64 * t), h = group(c + 256 + 64 * (t / 2));
-      // The top 2 bits of this group's low and high codes, moved to bits 4-5 (shifts of 16-bit
-      // lanes: the bits that cross a byte land outside the mask).
-      const __m512i hl = t % 2 == 0 ? _mm512_slli_epi16(h, 4) : h;
-      const __m512i hh = t % 2 == 0 ? _mm512_slli_epi16(h, 2) : _mm512_srli_epi16(h, 2);
-      const __m512i ul = _mm512_or_si512(_mm512_and_si512(v, low4), _mm512_and_si512(hl, top2));
-      const __m512i uh = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), _mm512_and_si512(hh, top2));
-      for (int m = 0; m < MT; ++m) {
-        lo[m] = _mm512_dpbusd_epi32(lo[m], ul, bcast4(xq[m] + 4 * t));
-        hi[m] = _mm512_dpbusd_epi32(hi[m], uh, bcast4(xq[m] + 16 + 4 * t));
+      __m512i ul[NP], uh[NP];
+      for (int q = 0; q < NP; ++q) {
+        const __m512i v = pinned(group(c[q] + 64 * t)), h = pinned(group(c[q] + 256 + 64 * (t / 2)));
+        __m512i tl, th;
+        if (t % 2 == 1) {
+          tl = _mm512_and_si512(h, top2);
+          th = _mm512_and_si512(_mm512_srli_epi16(h, 2), top2);
+        } else if constexpr (G) {
+          tl = _mm512_gf2p8affine_epi64_epi8(h, top_bits_to_4(0), 0);
+          th = _mm512_gf2p8affine_epi64_epi8(h, top_bits_to_4(2), 0);
+        } else {  // 16-bit shifts: the bits that cross a byte land outside the mask
+          tl = _mm512_and_si512(_mm512_slli_epi16(h, 4), top2);
+          th = _mm512_and_si512(_mm512_slli_epi16(h, 2), top2);
+        }
+        ul[q] = _mm512_ternarylogic_epi32(v, tl, low4, 0xEC);  // (v & low4) | tl
+        uh[q] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), th, low4, 0xEC);
       }
+      dot(ul, 4 * t, lo);
+      dot(uh, 16 + 4 * t, hi);
     }
   } else if constexpr (is_5bit(T)) {
     // The top bits of group t's low and high codes are bits t and 4 + t of one group's bytes,
     // moved to bit 4 (16-bit shifts of at most 4: no bit that lands on a byte's bit 4 crossed bytes).
     const __m512i low4 = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x10);
-    const __m512i h = group(c + 256);
     for (int t = 0; t < 4; ++t) {
-      const __m512i v = group(c + 64 * t);
-      const __m512i ul = _mm512_or_si512(_mm512_and_si512(v, low4), _mm512_and_si512(_mm512_slli_epi16(h, 4 - t), top));
-      const __m512i uh = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4),
-                                         _mm512_and_si512(_mm512_srli_epi16(h, t), top));
-      for (int m = 0; m < MT; ++m) {
-        lo[m] = _mm512_dpbusd_epi32(lo[m], ul, bcast4(xq[m] + 4 * t));
-        hi[m] = _mm512_dpbusd_epi32(hi[m], uh, bcast4(xq[m] + 16 + 4 * t));
+      __m512i ul[NP], uh[NP];
+      for (int q = 0; q < NP; ++q) {
+        const __m512i v = pinned(group(c[q] + 64 * t)), h = pinned(group(c[q] + 256));
+        ul[q] = _mm512_or_si512(_mm512_and_si512(v, low4), _mm512_and_si512(_mm512_slli_epi16(h, 4 - t), top));
+        uh[q] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4),
+                                _mm512_and_si512(_mm512_srli_epi16(h, t), top));
       }
+      dot(ul, 4 * t, lo);
+      dot(uh, 16 + 4 * t, hi);
     }
   } else if constexpr (T == kMXFP4) {
     const __m512i low4 = _mm512_set1_epi8(0x0F), table = mxfp4_table();
     for (int t = 0; t < 4; ++t) {
-      const __m512i v = group(c + 64 * t);
-      const __m512i ul = _mm512_shuffle_epi8(table, _mm512_and_si512(v, low4));
-      const __m512i uh = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
-      for (int m = 0; m < MT; ++m) {
-        lo[m] = _mm512_dpbusd_epi32(lo[m], ul, bcast4(xq[m] + 4 * t));
-        hi[m] = _mm512_dpbusd_epi32(hi[m], uh, bcast4(xq[m] + 16 + 4 * t));
+      __m512i ul[NP], uh[NP];
+      for (int q = 0; q < NP; ++q) {
+        const __m512i v = group(c[q] + 64 * t);
+        ul[q] = _mm512_shuffle_epi8(table, _mm512_and_si512(v, low4));
+        uh[q] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
       }
+      dot(ul, 4 * t, lo);
+      dot(uh, 16 + 4 * t, hi);
     }
   } else {  // 4-bit: hi sums 16 q
     const __m512i low4 = _mm512_set1_epi8(0x0F), high4 = _mm512_set1_epi8(static_cast<char>(0xF0));
     for (int t = 0; t < 4; ++t) {
-      const __m512i v = group(c + 64 * t);
-      const __m512i ul = _mm512_and_si512(v, low4), uh = _mm512_and_si512(v, high4);
-      for (int m = 0; m < MT; ++m) {
-        lo[m] = _mm512_dpbusd_epi32(lo[m], ul, bcast4(xq[m] + 4 * t));
-        hi[m] = _mm512_dpbusd_epi32(hi[m], uh, bcast4(xq[m] + 16 + 4 * t));
+      __m512i ul[NP], uh[NP];
+      for (int q = 0; q < NP; ++q) {
+        const __m512i v = pinned(group(c[q] + 64 * t));
+        ul[q] = _mm512_and_si512(v, low4);
+        uh[q] = _mm512_and_si512(v, high4);
       }
+      dot(ul, 4 * t, lo);
+      dot(uh, 16 + 4 * t, hi);
     }
   }
 }
 
-// Block j of record rec (w: the record): its integer dots with each row's activations into lo /
-// hi, the block's lines prefetched ahead. Returns the block's index in the row (its activations').
-template <int MT, int64_t T>
-MINIVLLM_VNNI inline __attribute__((always_inline)) int64_t record_block_dots(const uint8_t* w, const int8_t* const* xq,
-                                                                            int64_t rec, int64_t j, __m512i* lo,
-                                                                            __m512i* hi) {
+// Block j of record rec of NP panels (w[q]: panel q's record): their integer dots with each row's
+// activations into lo / hi, the block's lines prefetched ahead. Returns the block's index in the
+// row (its activations').
+template <int MT, int NP, int64_t T, bool G = false>
+MINIVLLM_VNNI inline __attribute__((always_inline)) int64_t record_block_dots(const uint8_t* const* w,
+                                                                            const int8_t* const* xq, int64_t rec,
+                                                                            int64_t j, __m512i* lo, __m512i* hi) {
   constexpr QuantFormat f = quant_format(T);
-  const uint8_t* c = w + f.header_bytes + j * f.block_bytes;
-  for (int64_t line = 0; line < f.block_bytes; line += 64) _mm_prefetch(c + kPrefetchBytes + line, _MM_HINT_T1);
+  const uint8_t* c[NP];
+  for (int q = 0; q < NP; ++q) {
+    c[q] = w[q] + f.header_bytes + j * f.block_bytes;
+    for (int64_t line = 0; line < f.block_bytes; line += 64) _mm_prefetch(c[q] + kPrefetchBytes + line, _MM_HINT_T1);
+  }
   const int64_t b = rec * f.blocks_per_record + j;
   const int8_t* xk[MT];
   for (int m = 0; m < MT; ++m) xk[m] = xq[m] + 32 * b;
-  block_dots<MT, T>(c, xk, lo, hi);
+  block_dots<MT, NP, T, G>(c, xk, lo, hi);
   return b;
 }
 
-// One Q4_K / Q5_K super-block of a panel into acc: w = d sc q - dmin mn. A block's integer sum
+// One Q4_K / Q5_K super-block of NP panels into acc: w = d sc q - dmin mn. A block's integer sum
 // times its 6-bit scale stays an integer (< 2^23: exact as a float), so a block costs one
 // multiply, one conversion and one FMA by its activation scale, and the minimums one FMA by
 // their block's scaled sum; d and dmin multiply the record's two sums once, not each block's.
-template <int MT, int64_t T>
-MINIVLLM_VNNI inline __attribute__((always_inline)) void sub_block_record(const uint8_t* w, const int8_t* const* xq,
+template <int MT, int NP, int64_t T>
+MINIVLLM_VNNI inline __attribute__((always_inline)) void sub_block_record(const uint8_t* const* w,
+                                                                         const int8_t* const* xq,
                                                                          const BlockActs* const* xb, int64_t rec,
-                                                                         __m512 d, __m512* acc) {
+                                                                         __m512* acc) {
   constexpr QuantFormat f = quant_format(T);
-  __m512 acc_scaled[MT], acc_min[MT];
-  for (int m = 0; m < MT; ++m) acc_scaled[m] = acc_min[m] = _mm512_setzero_ps();
+  // d first: the record's first line is then asked for with its first block, not after its last
+  // (from memory, a one-row tile that touched it last ran 10-15 % slower).
+  __m512 d[NP];
+  for (int q = 0; q < NP; ++q) d[q] = halves16(w[q]);
+  __m512 acc_scaled[NP * MT], acc_min[NP * MT];
+  for (int i = 0; i < NP * MT; ++i) acc_scaled[i] = acc_min[i] = _mm512_setzero_ps();
   for (int64_t j = 0; j < f.blocks_per_record; ++j) {
-    __m512i lo[MT], hi[MT];
-    const int64_t b = record_block_dots<MT, T>(w, xq, rec, j, lo, hi);
-    const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 64 + 16 * j)));
-    const __m512 mn = ubytes16(w + 192 + 16 * j);
-    for (int m = 0; m < MT; ++m) {
-      const BlockActs& x = xb[m][b];
-      const __m512i sum = T == kQ4_K ? _mm512_add_epi32(lo[m], _mm512_srai_epi32(hi[m], 4)) : _mm512_add_epi32(lo[m], hi[m]);
-      acc_scaled[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_mullo_epi32(sum, sc)), _mm512_set1_ps(x.scale),
-                                      acc_scaled[m]);
-      acc_min[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(x.scaled_sum), acc_min[m]);
+    __m512i lo[NP * MT], hi[NP * MT];
+    const int64_t b = record_block_dots<MT, NP, T>(w, xq, rec, j, lo, hi);
+    for (int q = 0; q < NP; ++q) {
+      const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w[q] + 64 + 16 * j)));
+      const __m512 mn = ubytes16(w[q] + 192 + 16 * j);
+      for (int m = 0; m < MT; ++m) {
+        const BlockActs& x = xb[m][b];
+        const int i = q * MT + m;
+        const __m512i sum = T == kQ4_K ? _mm512_add_epi32(lo[i], _mm512_srai_epi32(hi[i], 4)) : _mm512_add_epi32(lo[i], hi[i]);
+        acc_scaled[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_mullo_epi32(sum, sc)), _mm512_set1_ps(x.scale),
+                                        acc_scaled[i]);
+        acc_min[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(x.scaled_sum), acc_min[i]);
+      }
     }
   }
-  const __m512 dmin = halves16(w + 32);
-  for (int m = 0; m < MT; ++m) acc[m] = _mm512_fnmadd_ps(dmin, acc_min[m], _mm512_fmadd_ps(d, acc_scaled[m], acc[m]));
+  for (int q = 0; q < NP; ++q) {
+    const __m512 dmin = halves16(w[q] + 32);
+    for (int m = 0; m < MT; ++m) {
+      const int i = q * MT + m;
+      acc[i] = _mm512_fnmadd_ps(dmin, acc_min[i], _mm512_fmadd_ps(d[q], acc_scaled[i], acc[i]));
+    }
+  }
 }
 
-template <int MT, int64_t T>
-MINIVLLM_VNNI void tile(const QuantActs& a, int64_t m0, const uint8_t* w, int64_t num_records, float* out) {
+// One Q6_K super-block of NP panels into acc: w = d sc (q - 32), sc per 16 k. Each half block's
+// sum times its scale stays an integer; d multiplies the record's sum once, not each block's.
+template <int MT, int NP, bool G>
+MINIVLLM_VNNI inline __attribute__((always_inline)) void six_bit_record(const uint8_t* const* w, const int8_t* const* xq,
+                                                                       const BlockActs* const* xb, int64_t rec,
+                                                                       __m512* acc) {
+  constexpr QuantFormat f = quant_format(kQ6_K);
+  __m512 d[NP];  // first: see sub_block_record
+  for (int q = 0; q < NP; ++q) d[q] = halves16(w[q]);
+  __m512 acc_scaled[NP * MT];
+  for (int i = 0; i < NP * MT; ++i) acc_scaled[i] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < f.blocks_per_record; ++j) {
+    __m512i lo[NP * MT], hi[NP * MT];
+    const int64_t b = record_block_dots<MT, NP, kQ6_K, G>(w, xq, rec, j, lo, hi);
+    for (int q = 0; q < NP; ++q) {
+      const __m512i sc_lo = sbytes16(w[q] + 32 + 16 * (2 * j)), sc_hi = sbytes16(w[q] + 32 + 16 * (2 * j + 1));
+      for (int m = 0; m < MT; ++m) {
+        const BlockActs& x = xb[m][b];
+        const int i = q * MT + m;
+        const __m512i a_lo = _mm512_sub_epi32(lo[i], _mm512_set1_epi32(32 * x.sum_lo));
+        const __m512i a_hi = _mm512_sub_epi32(hi[i], _mm512_set1_epi32(32 * x.sum_hi));
+        const __m512i sum = _mm512_add_epi32(_mm512_mullo_epi32(a_lo, sc_lo), _mm512_mullo_epi32(a_hi, sc_hi));
+        acc_scaled[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(x.scale), acc_scaled[i]);
+      }
+    }
+  }
+  for (int q = 0; q < NP; ++q)
+    for (int m = 0; m < MT; ++m) acc[q * MT + m] = _mm512_fmadd_ps(d[q], acc_scaled[q * MT + m], acc[q * MT + m]);
+}
+
+// out[q * MT * 16 + m * 16 + n]: row m0 + m's outputs of panel q (NP panels panel_stride bytes apart).
+template <int MT, int NP, int64_t T, bool G>
+MINIVLLM_VNNI void tile(const QuantActs& a, int64_t m0, const uint8_t* panel, int64_t panel_stride, int64_t num_records,
+                        float* out) {
   constexpr QuantFormat f = quant_format(T);
-  __m512 acc[MT];
+  __m512 acc[NP * MT];
   const int8_t* xq[MT];
   const BlockActs* xb[MT];
+  for (int i = 0; i < NP * MT; ++i) acc[i] = _mm512_setzero_ps();
   for (int m = 0; m < MT; ++m) {
-    acc[m] = _mm512_setzero_ps();
     xq[m] = a.q + (m0 + m) * a.K;
     xb[m] = a.blocks + (m0 + m) * a.num_blocks;
   }
-  for (int64_t rec = 0; rec < num_records; ++rec, w += f.record_bytes()) {
-    const __m512 d = T == kMXFP4 ? e8m0_halves16(w) : halves16(w);
+  const uint8_t* w[NP];
+  for (int q = 0; q < NP; ++q) w[q] = panel + q * panel_stride;
+  for (int64_t rec = 0; rec < num_records; ++rec) {
     if constexpr (has_sub_block_min(T)) {
-      sub_block_record<MT, T>(w, xq, xb, rec, d, acc);
-      continue;
-    }
-    for (int64_t j = 0; j < f.blocks_per_record; ++j) {
-      __m512i lo[MT], hi[MT];
-      const int64_t b = record_block_dots<MT, T>(w, xq, rec, j, lo, hi);
-      // What the block's rows share: their scale (and minimum) as floats.
-      __m512 ds = d, dm = _mm512_setzero_ps();
-      __m512i sc_lo = _mm512_setzero_si512(), sc_hi = sc_lo;
-      if constexpr (has_block_min(T)) dm = halves16(w + 32);
-      if constexpr (T == kQ6_K) {
-        sc_lo = sbytes16(w + 32 + 16 * (2 * j));
-        sc_hi = sbytes16(w + 32 + 16 * (2 * j + 1));
-      }
-      for (int m = 0; m < MT; ++m) {
-        const BlockActs& x = xb[m][b];
-        const __m512 scale = _mm512_mul_ps(ds, _mm512_set1_ps(x.scale));
-        __m512i sum;
-        if constexpr (T == kQ8_0) {
-          sum = _mm512_sub_epi32(_mm512_add_epi32(lo[m], hi[m]), _mm512_set1_epi32(128 * (x.sum_lo + x.sum_hi)));
-        } else if constexpr (T == kQ6_K) {
-          const __m512i a_lo = _mm512_sub_epi32(lo[m], _mm512_set1_epi32(32 * x.sum_lo));
-          const __m512i a_hi = _mm512_sub_epi32(hi[m], _mm512_set1_epi32(32 * x.sum_hi));
-          sum = _mm512_add_epi32(_mm512_mullo_epi32(a_lo, sc_lo), _mm512_mullo_epi32(a_hi, sc_hi));
-        } else if constexpr (T == kMXFP4) {
-          sum = _mm512_sub_epi32(_mm512_add_epi32(lo[m], hi[m]), _mm512_set1_epi32(kMxfp4Offset * (x.sum_lo + x.sum_hi)));
-        } else if constexpr (is_5bit(T)) {
-          sum = _mm512_add_epi32(lo[m], hi[m]);
-          if constexpr (T == kQ5_0) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(16 * (x.sum_lo + x.sum_hi)));
-        } else {
-          sum = _mm512_add_epi32(lo[m], _mm512_srai_epi32(hi[m], 4));
-          if constexpr (T == kQ4_0) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(8 * (x.sum_lo + x.sum_hi)));
+      sub_block_record<MT, NP, T>(w, xq, xb, rec, acc);
+    } else if constexpr (T == kQ6_K) {
+      six_bit_record<MT, NP, G>(w, xq, xb, rec, acc);
+    } else {
+      __m512 d[NP];
+      for (int q = 0; q < NP; ++q) d[q] = T == kMXFP4 ? e8m0_halves16(w[q]) : halves16(w[q]);
+      for (int64_t j = 0; j < f.blocks_per_record; ++j) {
+        __m512i lo[NP * MT], hi[NP * MT];
+        const int64_t b = record_block_dots<MT, NP, T>(w, xq, rec, j, lo, hi);
+        for (int q = 0; q < NP; ++q) {
+          // What the block's rows share: their scale (and minimum) as floats.
+          __m512 dm = _mm512_setzero_ps();
+          if constexpr (has_block_min(T)) dm = halves16(w[q] + 32);
+          for (int m = 0; m < MT; ++m) {
+            const BlockActs& x = xb[m][b];
+            const int i = q * MT + m;
+            const __m512 scale = _mm512_mul_ps(d[q], _mm512_set1_ps(x.scale));
+            __m512i sum;
+            if constexpr (T == kQ8_0) {
+              sum = _mm512_sub_epi32(_mm512_add_epi32(lo[i], hi[i]), _mm512_set1_epi32(128 * (x.sum_lo + x.sum_hi)));
+            } else if constexpr (T == kMXFP4) {
+              sum = _mm512_sub_epi32(_mm512_add_epi32(lo[i], hi[i]),
+                                     _mm512_set1_epi32(kMxfp4Offset * (x.sum_lo + x.sum_hi)));
+            } else if constexpr (is_5bit(T)) {
+              sum = _mm512_add_epi32(lo[i], hi[i]);
+              if constexpr (T == kQ5_0) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(16 * (x.sum_lo + x.sum_hi)));
+            } else {
+              sum = _mm512_add_epi32(lo[i], _mm512_srai_epi32(hi[i], 4));
+              if constexpr (T == kQ4_0) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(8 * (x.sum_lo + x.sum_hi)));
+            }
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc[i]);
+            if constexpr (has_block_min(T)) acc[i] = _mm512_fmadd_ps(dm, _mm512_set1_ps(x.scaled_sum), acc[i]);
+          }
         }
-        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc[m]);
-        if constexpr (has_block_min(T)) acc[m] = _mm512_fmadd_ps(dm, _mm512_set1_ps(x.scaled_sum), acc[m]);
       }
     }
+    for (int q = 0; q < NP; ++q) w[q] += f.record_bytes();
   }
-  for (int m = 0; m < MT; ++m) _mm512_storeu_ps(out + 16 * m, acc[m]);
+  for (int i = 0; i < NP * MT; ++i) _mm512_storeu_ps(out + 16 * i, acc[i]);
 }
 
-template <int64_t T>
-void tile_rows(int64_t rows, const QuantActs& a, int64_t m0, const uint8_t* panel, int64_t num_records, float* acc) {
-  switch (rows) {
-    case 1: return tile<1, T>(a, m0, panel, num_records, acc);
-    case 2: return tile<2, T>(a, m0, panel, num_records, acc);
-    case 3: return tile<3, T>(a, m0, panel, num_records, acc);
-    default: return tile<4, T>(a, m0, panel, num_records, acc);
+template <int64_t T, bool G>
+void tile_panels(int64_t rows, int64_t num_panels, const QuantActs& a, int64_t m0, const uint8_t* panel,
+                 int64_t panel_stride, int64_t num_records, float* acc) {
+  if (num_panels == 4 && rows == 1) return tile<1, 4, T, G>(a, m0, panel, panel_stride, num_records, acc);
+  if (num_panels == 2 && rows == 1) return tile<1, 2, T, G>(a, m0, panel, panel_stride, num_records, acc);
+  if (num_panels == 2 && rows == 2) return tile<2, 2, T, G>(a, m0, panel, panel_stride, num_records, acc);
+  for (int64_t q = 0; q < num_panels; ++q, panel += panel_stride, acc += 16 * rows) {
+    switch (rows) {
+      case 1: tile<1, 1, T, G>(a, m0, panel, 0, num_records, acc); break;
+      case 2: tile<2, 1, T, G>(a, m0, panel, 0, num_records, acc); break;
+      case 3: tile<3, 1, T, G>(a, m0, panel, 0, num_records, acc); break;
+      default: tile<4, 1, T, G>(a, m0, panel, 0, num_records, acc);
+    }
   }
+}
+
+bool has_gfni() {
+  static const bool gfni = __builtin_cpu_supports("gfni");
+  return gfni;
 }
 
 }  // namespace
@@ -251,9 +345,21 @@ __attribute__((target("avx512f,avx512bw"))) void quantize_rows_avx512(const floa
   }
 }
 
+int64_t quant_tile_panels(int64_t type, int64_t rows) {
+  if (rows > 2) return 1;
+  return rows == 1 && has_sub_block_min(type) ? 4 : 2;
+}
+
 void quant_tile_vnni(int64_t type, int64_t rows, const QuantActs& a, int64_t m0, const uint8_t* panel,
-                     int64_t num_records, float* acc) {
-  with_quant_type(type, [&](auto t) { tile_rows<decltype(t)::value>(rows, a, m0, panel, num_records, acc); });
+                     int64_t num_records, float* acc, int64_t num_panels, int64_t panel_stride) {
+  // Only Q6_K's tile differs without GFNI (a VNNI CPU before Ice Lake: Cascade Lake).
+  with_quant_type(type, [&](auto t) {
+    constexpr int64_t T = decltype(t)::value;
+    if constexpr (T == kQ6_K) {
+      if (!has_gfni()) return tile_panels<T, false>(rows, num_panels, a, m0, panel, panel_stride, num_records, acc);
+    }
+    tile_panels<T, true>(rows, num_panels, a, m0, panel, panel_stride, num_records, acc);
+  });
 }
 
 }  // namespace minivllm
@@ -261,9 +367,11 @@ void quant_tile_vnni(int64_t type, int64_t rows, const QuantActs& a, int64_t m0,
 #else
 
 namespace minivllm {
+int64_t quant_tile_panels(int64_t, int64_t) { return 1; }
 void quant_tile_vnni(int64_t type, int64_t rows, const QuantActs& a, int64_t m0, const uint8_t* panel,
-                     int64_t num_records, float* acc) {
-  quant_tile_scalar(type, rows, a, m0, panel, num_records, acc);  // not reached: quant_gemm.cpp checks the CPU
+                     int64_t num_records, float* acc, int64_t num_panels, int64_t panel_stride) {
+  for (int64_t p = 0; p < num_panels; ++p)  // not reached: quant_gemm.cpp checks the CPU
+    quant_tile_scalar(type, rows, a, m0, panel + p * panel_stride, num_records, acc + p * rows * 16);
 }
 void quantize_rows_avx512(const float* x, int64_t M, int64_t K, int64_t ldx, int8_t* q, BlockActs* blocks) {
   quantize_rows(x, M, K, ldx, q, blocks);  // not reached, as above

@@ -157,6 +157,37 @@ def test_a_teams_share_computes_what_one_call_does(kernels, m: int) -> None:
             assert torch.equal(out.view(m, 200), w.linear(x, kernels, isa)), (w.quant_type.name, ISA_NAMES[isa])
 
 
+@pytest.mark.parametrize("quant_type", KERNEL_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("num_threads", [1, 2, 3])
+def test_one_and_two_row_products_match_the_dequantized_matrix_on_any_number_of_threads(
+        kernels, quant_type: T, num_threads: int) -> None:
+    """At one and two rows the VNNI tile takes 4 panels at once (Q4_K, Q5_K at one row) or 2, each
+    from its own quarter (half) of a task's panels. 41 panels over 1, 2 or 3 threads make tasks of
+    11, 6 and 4 panels: streams of 2 panels and of 1, leftovers run alone, whatever the machine's
+    core count. quant_linear's fork and the team's chain (a decode step's way) both match float64."""
+    k = 512 if block_size(quant_type) == 256 else 160
+    rng = np.random.default_rng(num_threads * 100 + int(quant_type))
+    weight = QuantizedWeight.pack(random_blocks(quant_type, 647, k, rng), quant_type, k)
+    w = weight.dequantize().double().numpy()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        for m in (1, 2):
+            x = rng.standard_normal((m, k)).astype(np.float32)
+            exact = quantized_rows(x) @ w.T
+            magnitude = np.abs(quantized_rows(x)) @ np.abs(w.T)
+            for isa in range(kernels.best_isa() + 1):
+                chained = torch.full((m * 647,), float("nan"))
+                kernels.quant_chain_seconds(torch.from_numpy(x), [(weight.data, int(quant_type), 647, k)], 2, isa,
+                                            chained)
+                for path, out in (("linear", weight.linear(torch.from_numpy(x), kernels, isa)),
+                                  ("chain", chained.view(m, 647))):
+                    err = np.abs(out.double().numpy() - exact)
+                    assert (err <= 1e-5 * magnitude + 1e-6).all(), f"{ISA_NAMES[isa]} {path} M={m}: {err.max()}"
+    finally:
+        torch.set_num_threads(previous)
+
+
 def mxfp4_blocks(n: int, k: int, rng: np.random.Generator, exponents: np.ndarray | None = None) -> np.ndarray:
     """[n, k / 32 * 17] uint8 MXFP4 rows: random code bytes, the scale bytes `exponents` ([n, k / 32])
     or random_blocks' sane range."""
