@@ -249,7 +249,11 @@ def test_q4_1_perplexity_is_within_one_percent_of_float32(real_llm: LLM, gguf_ll
 # (python -m bench.perplexity --model FILE --modes float32,gguf, FILE from bench.make_gguf
 # --requantize-default TYPE): Q8_0 x1.0052, Q4_0 x1.0101, Q4_K x1.0068, Q6_K x1.0006, Q5_0 x1.0077,
 # Q5_1 x1.0015, Q5_K x1.0032 (the shipped Q4_1: x1.0043). Only the activations' per-32 int8 rounding separates the two, so each is bounded
-# at 1.5 % above (and 0.5 % below: the rounding is no bias). SmolLM2's 576-wide rows take no
+# at 1.5 % above, and 1 % below: the rounding is no bias, but a float32 change of an ulp anywhere
+# redraws its noise. Six copies of the Q6_K file, every norm weight one ulp up or down at random
+# (float32 perplexity unchanged, 18.42549), gave ratios 0.9949-1.0021 with the tile of 2ab823e and
+# 0.9976-1.0010 with the faster one of 7f4aaab, whose products are the closer to a float64
+# reference (max error 1.9e-7 against 4.0e-7 of the terms' magnitudes). SmolLM2's 576-wide rows take no
 # k-quant: in the Q4_K, Q5_K and Q6_K files only the 30 down projections (1536 wide) hold that
 # type, the rest Q8_0.
 _REQUANTIZED = {GGMLQuantizationType.Q8_0: "every", GGMLQuantizationType.Q4_0: "every",
@@ -278,4 +282,4 @@ def test_each_block_type_costs_under_one_and_a_half_percent_perplexity(tmp_path,
     ours = perplexity(native, token_ids)
     del native
     exact = perplexity(LLM(str(path), quantization="none", num_kv_blocks=128), token_ids)
-    assert 0.995 < ours / exact < 1.015, (ours, exact)
+    assert 0.99 < ours / exact < 1.015, (ours, exact)
