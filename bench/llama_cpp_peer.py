@@ -10,10 +10,11 @@ a job (decode_tok_s: the median over prompts with two tokens or more; ttft_s: th
 prompt's first token). A batched job runs every prompt at once through llama.cpp's batch API
 (one sequence id a prompt, as its server's parallel slots do): the prompts' prefills in batches of
 up to 512 tokens, then one decode a step for all of them, greedy on the logits; its
-decode_tok_s is the steps' tokens over their time, ttft_s the time to every prompt's first token. The model stays loaded between jobs of the same file, so `--compare-rounds`
-alternates short runs with minivllm's without reloading either. Note that llama-cpp-python reuses
-the KV of the prefix a prompt shares with the one before it (as minivllm's prefix cache does): a
-round that repeats a prompt skips most of its prefill, so `--prefill-len` gives each round a new one.
+decode_tok_s is the steps' tokens over their time, ttft_s the time to every prompt's first token.
+The model stays loaded between jobs of the same file, so `--compare-rounds` alternates short runs
+with minivllm's without reloading either. Note that llama-cpp-python reuses the KV of the prefix
+a prompt shares with the one before it (as minivllm's prefix cache does): a round that repeats a
+prompt skips most of its prefill, so `--prefill-len` gives each round a new one.
 """
 from __future__ import annotations
 
@@ -67,7 +68,9 @@ class BatchedContext:
         self.lib.llama_free(self.ctx)
 
     def _decode(self, entries: list[tuple[int, int, int, bool]]) -> None:
-        """entries: (token, position, sequence, wants logits), at most 512."""
+        """entries: (token, position, sequence, wants logits), at most 512 (the batch's arrays)."""
+        if len(entries) > 512:
+            raise ValueError(f"prompts: {len(entries)} sequences in one decode, the batch holds 512")
         b = self.batch
         for i, (token, pos, seq, logits) in enumerate(entries):
             b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = token, pos, 1, logits
@@ -122,10 +125,11 @@ def main() -> None:
                     batched = None
                 llm = Llama(model_path=job["model_path"], n_threads=job["threads"], n_ctx=64, verbose=False)
                 loaded = (job["model_path"], None, None)
-            if batched is None or batched[0] != (loaded[0], len(prompts), n_ctx):
+            if batched is None or batched[0] != (loaded[0], len(prompts), n_ctx, job["threads"]):
                 if batched is not None:
                     batched[1].close()
-                batched = ((loaded[0], len(prompts), n_ctx), BatchedContext(llm, len(prompts), n_ctx, job["threads"]))
+                key = (loaded[0], len(prompts), n_ctx, job["threads"])
+                batched = (key, BatchedContext(llm, len(prompts), n_ctx, job["threads"]))
                 batched[1].run([p[:8] for p in prompts], 4)  # warm-up
             print("RESULT " + json.dumps(batched[1].run(prompts, output_len)), flush=True)
             continue

@@ -150,6 +150,7 @@ class CpuBackend(Backend):
     def describe(self) -> str:
         isa = next(name for name, value in ISAS.items() if value == self.isa) if self.kernels else "no C++ kernels"
         fused = ("no fused steps (encoder)" if self.is_encoder else "no fused steps (attention sinks)"
+                 if self.model_config.attn_sinks else "no fused steps (experts not on the C++ op)"
                  if not self.can_fuse else "every step fused"
                  if self.max_fused_tokens == sys.maxsize else f"fused steps up to {self.max_fused_tokens} tokens")
         return f"{super().describe()}, {isa}, {fused}"

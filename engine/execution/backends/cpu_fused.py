@@ -27,10 +27,6 @@ ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 ROUTINGS = {"softmax_topk": 0, "topk_softmax": 1}
 
 
-# A sparse layer's gate_up and down: none (out_features 0); its MoeMlp holds the experts.
-_ABSENT = (torch.empty(0, dtype=torch.uint8), None, None, 0)
-
-
 def can_fuse_layers(model: nn.Module) -> bool:
     """Whether the fused layers take every layer: a sparse layer's experts must be on the C++ op."""
     return all(layer.moe is None or isinstance(layer.moe.experts, PackedExperts) for layer in model.layers)
@@ -62,7 +58,8 @@ class FusedLayer:
         q/k norms and the output norms where the family has them) and its products; a sparse
         layer's router panels and experts op (PackedExperts) in place of gate_up and down."""
         moe = layer.moe
-        mlp = ((_ABSENT, _ABSENT) if moe is not None else
+        absent = (torch.empty(0, dtype=torch.uint8), None, None, 0)  # out_features 0: the MoeMlp has the experts
+        mlp = ((absent, absent) if moe is not None else
                (kernel_args(layer.gate_up_proj.panels), kernel_args(layer.down_proj.panels)))
         window = layer.sliding_window or 0
         weights = kernels.DecodeLayerWeights(

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.execution.kernels import ISAS
 from engine.execution.models.layers import Linear
 from engine.execution.weights.packed_weight import PackedWeight
 
@@ -60,7 +61,8 @@ class PackedLinear(nn.Module):
 
     def forward_gelu(self, x: torch.Tensor, approximate: str) -> torch.Tensor:
         # GELU applied to each output tile while it is in cache, not in a pass over the whole output
-        if self._can_fuse(x):
+        # (its erf / tanh vectorized on AVX-512 only: elsewhere torch's vectorized GELU is faster)
+        if self._can_fuse(x) and self.isa >= ISAS["avx512"]:
             return self.kernels.packed_linear_gelu(x, self.panels.data, self.panels.bias, self.out_features, self.isa,
                                                    approximate == "tanh")
         return F.gelu(self(x), approximate=approximate)
@@ -69,7 +71,7 @@ class PackedLinear(nn.Module):
         # The product accumulated into the residual rows, then the norm over them, in place: no
         # separate add pass and no copy of the stream.
         if self._can_fuse(x) and residual.dtype == torch.float32 and residual.is_contiguous() \
-                and norm.weight.dtype == torch.float32 and norm.bias is not None:
+                and norm.weight.dtype == torch.float32 and getattr(norm, "bias", None) is not None:
             self.kernels.packed_linear_add_norm_(x, self.panels.data, self.panels.bias, self.out_features, self.isa,
                                                  residual, norm.weight, norm.bias, norm.eps)
             return residual

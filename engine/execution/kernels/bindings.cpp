@@ -128,6 +128,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("num_experts", &minivllm::MoeExperts::num_experts)
       .def_property_readonly("last_num_routed", &minivllm::MoeExperts::last_num_routed,
                              "Distinct experts the last forward ran");
+  m.def(
+      "moe_route",
+      [](const torch::Tensor& logits, int64_t k, int64_t routing, bool norm_topk_prob) {
+        TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32 && logits.is_contiguous(),
+                    "moe_route: logits must be contiguous float32 [T, E]");
+        auto ids = torch::empty({logits.size(0), k}, torch::kInt64);
+        auto weights = torch::empty({logits.size(0), k}, torch::kFloat32);
+        minivllm::route_tokens(logits.data_ptr<float>(), logits.size(0), logits.size(1), k, routing, norm_topk_prob,
+                               ids.data_ptr<int64_t>(), weights.data_ptr<float>());
+        return std::make_tuple(ids, weights);
+      },
+      "The fused layers' routing (tests): logits [T, E] -> ids [T, k] int64, weights [T, k] float32");
   m.def("layer_attention_inputs", without_gil(&minivllm::layer_attention_inputs),
         "A fused layer up to attention: norm, QKV, RoPE, KV write -> [M, q | k | v] float32 (CPU)");
   m.def("layer_attention_outputs", without_gil(&minivllm::layer_attention_outputs),

@@ -188,8 +188,6 @@ void attention_inputs(const LayerShapes& s, const float* xp, const torch::Tensor
   });
 }
 
-// After attention: x += o_proj(attn_out); x += down(act(gate) * up) of RMSNorm(x), each product
-// normed before its add where the layer norms it (Gemma). attn_out: [M, q_size]; x: [M, hidden].
 // A sparse layer's MLP: h [M, hidden] (the normed residual) -> the router's logits, each row's k
 // experts and weights, and the experts' weighted sum into out [M, hidden].
 void sparse_mlp(const MoeMlp& moe, const float* h, int64_t M, int64_t hidden, float* out, int64_t isa) {
@@ -205,6 +203,9 @@ void sparse_mlp(const MoeMlp& moe, const float* h, int64_t M, int64_t hidden, fl
   moe.experts->run(h, M, ids.data(), weights.data(), k, out);
 }
 
+// After attention: x += o_proj(attn_out); x += down(act(gate) * up) of RMSNorm(x), or a sparse
+// layer's experts of it, each product normed before its add where the layer norms it (Gemma).
+// attn_out: [M, q_size]; x: [M, hidden].
 void attention_outputs(int64_t M, int64_t hidden, int64_t q_size, float* xp, const float* attn_out,
                        const DecodeLayerWeights& w, double eps, int64_t act, int64_t isa) {
   TORCH_CHECK(w.post_norm.scalar_type() == torch::kFloat32, "fused layer: float32 norm weights");

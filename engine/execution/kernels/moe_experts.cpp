@@ -312,6 +312,7 @@ void MoeExperts::run(const float* xp, int64_t T, const int64_t* ids, const float
 void route_tokens(const float* logits, int64_t T, int64_t E, int64_t k, int64_t routing, bool norm_topk_prob,
                   int64_t* ids, float* weights) {
   TORCH_CHECK(k > 0 && k <= E, "route_tokens: k must be in 1..", E);
+  TORCH_CHECK(routing == kRoutingSoftmaxTopk || routing == kRoutingTopkSoftmax, "route_tokens: unknown routing ", routing);
   std::vector<int64_t> order(E);
   for (int64_t t = 0; t < T; ++t) {
     const float* l = logits + t * E;

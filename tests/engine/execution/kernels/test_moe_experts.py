@@ -236,3 +236,23 @@ def test_pack_moe_experts_swaps_every_sparse_moe(kernels) -> None:
     assert len(packed) == 2 and all(isinstance(moe.experts, PackedExperts) for moe in model)
     for moe, want in zip(model, expected, strict=True):
         torch.testing.assert_close(moe(x), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("routing", "norm_topk_prob"), [("softmax_topk", True), ("softmax_topk", False),
+                                                          ("topk_softmax", False)])
+def test_the_fused_layers_routing_matches_the_modules(kernels, routing: str, norm_topk_prob: bool) -> None:
+    """kernels.moe_route (the fused layers' routing) picks the experts SparseMoe.route picks, with
+    its weights: Qwen3-MoE's softmax then top k (renormalised or not), gpt-oss's top k then softmax."""
+    from engine.execution.backends.cpu_fused import ROUTINGS
+
+    cfg = MoeConfig(num_experts=16, num_experts_per_tok=4, intermediate_size=8, routing=routing,
+                    norm_topk_prob=norm_topk_prob)
+    moe = SparseMoe(cfg, hidden_size=16)
+    moe.router.weight.data = torch.eye(16)  # the router's logits are x itself
+    logits = torch.randn(37, 16, generator=torch.Generator().manual_seed(0)) * 3  # [T, E]
+    ids, weights = kernels.moe_route(logits, 4, ROUTINGS[routing], norm_topk_prob)
+    want_ids, want_weights = moe.route(logits)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_weights, rtol=1e-6, atol=1e-7)
+    with pytest.raises(RuntimeError, match="unknown routing"):
+        kernels.moe_route(logits, 4, 2, False)
