@@ -71,7 +71,7 @@ MINIVLLM_VNNI inline __attribute__((always_inline)) void block_dots(const uint8_
                                                                    __m512i* lo, __m512i* hi) {
   for (int i = 0; i < NP * MT; ++i) lo[i] = hi[i] = _mm512_setzero_si512();
   // u[q]: panel q's operands for activations x (4 bytes a lane) into sum[q * MT + m].
-  const auto dot = [&](const __m512i* u, int64_t k, __m512i* sum) {
+  const auto dot = [&](const __m512i* u, int64_t k, __m512i* sum) MINIVLLM_VNNI {
     for (int m = 0; m < MT; ++m) {
       const __m512i x = bcast4(xq[m] + k);
       for (int q = 0; q < NP; ++q) sum[q * MT + m] = _mm512_dpbusd_epi32(sum[q * MT + m], u[q], x);
