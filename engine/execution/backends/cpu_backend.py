@@ -15,7 +15,7 @@ from engine.config import Quantization
 from engine.execution.attention import AttentionMetadata
 from engine.execution.backends.backend import Backend
 from engine.execution.backends.cpu_attention import CpuAttention
-from engine.execution.backends.cpu_fused import FusedModel, can_fuse_layers
+from engine.execution.backends.cpu_fused import FusedModel
 from engine.execution.backends.cpu_gguf import embedding_of, pack_gguf_linears
 from engine.execution.backends.cpu_linear import PanelEmbedding, can_pack_linear, pack_linears
 from engine.execution.backends.cpu_moe import pack_moe_experts
@@ -64,7 +64,6 @@ class CpuBackend(Backend):
         # (the router, routing and the MoeExperts op in the layer's call); the one-call decode step
         # knows dense ones. gpt-oss (sinks) or an encoder (BERT: bidirectional, no KV cache) runs
         # every step through its modules, its projections and experts still on the panels.
-        self.is_moe = model_config.moe is not None
         self.is_encoder = not model_config.is_causal
         self.can_fuse = not (model_config.attn_sinks or self.is_encoder)
         if not self.can_fuse:
@@ -72,7 +71,7 @@ class CpuBackend(Backend):
             logger.info("%s: the CPU backend runs every step through the model's modules (panel or oneDNN "
                         "projections%s), not its fused layers", kind, "" if self.is_encoder else ", the experts' op")
         self.max_fused_tokens = self.max_panel_rows if self.can_fuse else 0
-        self.max_decode_rows = 0 if self.is_moe else self.max_fused_tokens
+        self.max_decode_rows = 0 if model_config.moe is not None else self.max_fused_tokens
         # oneDNN's copy of the weights only where some step runs the torch path.
         is_every_step_fused = self.panel_dtype is not None and max_fused == sys.maxsize
         self.onednn = not is_every_step_fused and config.enable_onednn and can_pack_linear(dtype)
@@ -103,7 +102,8 @@ class CpuBackend(Backend):
                     # (int8 panels would round the embedding, so int8 keeps it.)
                     model.embed_tokens = PanelEmbedding(model.lm_head, self.dtype)
                     model.lm_head.drop_weight()
-                self._fuse(model)
+                if self.can_fuse:  # after pack_moe_experts: a sparse layer's call takes its experts' op
+                    self.fused = FusedModel(model, self.kernels, self.isa)
         release_free_memory()  # the plain weights the packing replaced
 
     def _prepare_gguf(self, model: nn.Module) -> None:
@@ -113,14 +113,6 @@ class CpuBackend(Backend):
             place_on_huge_pages([m.panels for m in packed])
         pack_moe_experts(model, self.dtype, self.kernels, self.isa, self.config.enable_huge_pages)
         model.embed_tokens = embedding_of(model, self.dtype, self.kernels)
-        self._fuse(model)
-
-    def _fuse(self, model: nn.Module) -> None:
-        """The fused layers over the packed model, where they take every layer (else every step
-        runs through the modules)."""
-        if self.can_fuse and not can_fuse_layers(model):
-            logger.info("a sparse layer's experts are not on the C++ op: every step runs through the model's modules")
-            self.can_fuse, self.max_fused_tokens, self.max_decode_rows = False, 0, 0
         if self.can_fuse:
             self.fused = FusedModel(model, self.kernels, self.isa)
 
@@ -150,7 +142,6 @@ class CpuBackend(Backend):
     def describe(self) -> str:
         isa = next(name for name, value in ISAS.items() if value == self.isa) if self.kernels else "no C++ kernels"
         fused = ("no fused steps (encoder)" if self.is_encoder else "no fused steps (attention sinks)"
-                 if self.model_config.attn_sinks else "no fused steps (experts not on the C++ op)"
                  if not self.can_fuse else "every step fused"
                  if self.max_fused_tokens == sys.maxsize else f"fused steps up to {self.max_fused_tokens} tokens")
         return f"{super().describe()}, {isa}, {fused}"

@@ -19,17 +19,11 @@ from torch import nn
 
 from engine.execution.attention import AttentionMetadata, attention
 from engine.execution.backends.cpu_gguf import kernel_args
-from engine.execution.backends.cpu_moe import PackedExperts
 
 # ModelConfig.hidden_act -> the kernels' Activation (cpu_kernels.h).
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 # MoeConfig.routing -> the kernels' Routing (cpu_kernels.h).
 ROUTINGS = {"softmax_topk": 0, "topk_softmax": 1}
-
-
-def can_fuse_layers(model: nn.Module) -> bool:
-    """Whether the fused layers take every layer: a sparse layer's experts must be on the C++ op."""
-    return all(layer.moe is None or isinstance(layer.moe.experts, PackedExperts) for layer in model.layers)
 
 
 def _norm_weight(norm: nn.Module | None) -> torch.Tensor | None:
@@ -56,7 +50,8 @@ class FusedLayer:
     def of(cls, layer: nn.Module, kernels: ModuleType) -> FusedLayer:
         """`layer` (a DecoderLayer) once its projections hold panels: its norms (the per-head
         q/k norms and the output norms where the family has them) and its products; a sparse
-        layer's router panels and experts op (PackedExperts) in place of gate_up and down."""
+        layer's router panels and experts op (PackedExperts: pack_moe_experts ran first) in place
+        of gate_up and down."""
         moe = layer.moe
         absent = (torch.empty(0, dtype=torch.uint8), None, None, 0)  # out_features 0: the MoeMlp has the experts
         mlp = ((absent, absent) if moe is not None else

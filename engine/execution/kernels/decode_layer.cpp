@@ -20,12 +20,6 @@
 #include <numeric>
 #include <vector>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-
-#include "simd_exp.h"
-#endif
-
 namespace minivllm {
 namespace {
 
@@ -43,30 +37,13 @@ __attribute__((target("avx512f,fma"))) int64_t silu_mul_avx512(const float* g, c
   }
   return i;
 }
-#endif
 
-// torch's tanh GELU: 0.5 x (1 + tanh(beta (x + kappa x^3))), its constants as ATen spells them.
-constexpr float kGeluBeta = static_cast<float>(M_SQRT2 * M_2_SQRTPI * 0.5);  // sqrt(2 / pi)
-constexpr float kGeluKappa = 0.044715f;
-
-#if defined(__x86_64__)
-// a[i] = gelu_tanh(g[i]) * u[i], 16 lanes at a time, as silu_mul_avx512: tanh(y) as
-// 1 - 2 / (1 + e^2y) on exp512 (within about an ulp of 1 of torch's tanh, which is what
-// 1 + tanh(y) sees), saturating to +-1 where e^2y overflows or exp512 clamps.
+// a[i] = gelu_tanh(g[i]) * u[i], 16 lanes at a time, as silu_mul_avx512.
 __attribute__((target("avx512f,fma"))) int64_t gelu_tanh_mul_avx512(const float* g, const float* u, float* a,
                                                                      int64_t n) {
   int64_t i = 0;
-  const __m512 one = _mm512_set1_ps(1.f), two = _mm512_set1_ps(2.f), half = _mm512_set1_ps(0.5f);
-  const __m512 beta = _mm512_set1_ps(kGeluBeta), kappa = _mm512_set1_ps(kGeluKappa);
-  for (; i + 16 <= n; i += 16) {
-    const __m512 x = _mm512_loadu_ps(g + i);
-    const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
-    const __m512 inner = _mm512_mul_ps(beta, _mm512_add_ps(x, _mm512_mul_ps(kappa, cube)));
-    const __m512 e = exp512(_mm512_mul_ps(two, inner));
-    const __m512 t = _mm512_sub_ps(one, _mm512_div_ps(two, _mm512_add_ps(one, e)));
-    const __m512 gelu = _mm512_mul_ps(_mm512_mul_ps(half, x), _mm512_add_ps(one, t));
-    _mm512_storeu_ps(a + i, _mm512_mul_ps(gelu, _mm512_loadu_ps(u + i)));
-  }
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(a + i, _mm512_mul_ps(gelu_tanh512(_mm512_loadu_ps(g + i)), _mm512_loadu_ps(u + i)));
   return i;
 }
 #endif
@@ -86,10 +63,7 @@ void gelu_tanh_mul(const float* g, const float* u, float* a, int64_t n, int64_t 
 #if defined(__x86_64__)
   if (isa >= kIsaAvx512) i = gelu_tanh_mul_avx512(g, u, a, n);
 #endif
-  for (; i < n; ++i) {
-    const float x = g[i];
-    a[i] = 0.5f * x * (1.f + std::tanh(kGeluBeta * (x + kGeluKappa * (x * x * x)))) * u[i];
-  }
+  for (; i < n; ++i) a[i] = gelu_tanh(g[i]) * u[i];
 }
 
 // out[m] = x[m] * rsqrt(mean(x[m]^2) + eps) * weight, as transformers' LlamaRMSNorm in float32.

@@ -5,29 +5,17 @@
 // residual stream) followed by the block's LayerNorm over each row in place
 // (packed_linear_add_norm_). Activations and sums stay float32.
 #include "cpu_kernels.h"
+#include "layer_parts.h"
 
 #include <ATen/Parallel.h>
 
 #include <cmath>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-
-#include "simd_exp.h"
-#endif
-
 namespace minivllm {
 namespace {
 
-// Rows per task of the LayerNorm pass (a step's hundreds of rows shared by the threads).
-constexpr int64_t kNormRowGrain = 16;
-
-// torch's tanh GELU constants, as ATen spells them (decode_layer.cpp's gelu_tanh_mul uses the same).
-constexpr float kGeluBeta = static_cast<float>(M_SQRT2 * M_2_SQRTPI * 0.5);  // sqrt(2 / pi)
-constexpr float kGeluKappa = 0.044715f;
-
 inline float gelu_scalar(float x, int64_t act) {
-  if (act == kOutGeluTanh) return 0.5f * x * (1.f + std::tanh(kGeluBeta * (x + kGeluKappa * (x * x * x))));
+  if (act == kOutGeluTanh) return gelu_tanh(x);
   return 0.5f * x * (1.f + std::erf(x * static_cast<float>(M_SQRT1_2)));
 }
 
@@ -47,16 +35,6 @@ __attribute__((target("avx512f,fma"))) inline __m512 gelu_erf512(__m512 x) {
   // 1 + erf(x / sqrt 2): 2 - tail for x >= 0, tail for x < 0
   const __m512 one_plus_erf = _mm512_mask_mov_ps(_mm512_sub_ps(_mm512_set1_ps(2.f), tail), negative, tail);
   return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), x), one_plus_erf);
-}
-
-// tanh GELU, as decode_layer.cpp's gelu_tanh_mul_avx512 (tanh y = 1 - 2 / (1 + e^2y)).
-__attribute__((target("avx512f,fma"))) inline __m512 gelu_tanh512(__m512 x) {
-  const __m512 one = _mm512_set1_ps(1.f), two = _mm512_set1_ps(2.f);
-  const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
-  const __m512 inner =
-      _mm512_mul_ps(_mm512_set1_ps(kGeluBeta), _mm512_add_ps(x, _mm512_mul_ps(_mm512_set1_ps(kGeluKappa), cube)));
-  const __m512 t = _mm512_sub_ps(one, _mm512_div_ps(two, _mm512_add_ps(one, exp512(_mm512_mul_ps(two, inner)))));
-  return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), x), _mm512_add_ps(one, t));
 }
 
 __attribute__((target("avx512f,fma"))) int64_t activate_avx512(float* y, int64_t n, int64_t act) {
@@ -132,7 +110,7 @@ void packed_linear_add_norm_(const torch::Tensor& x, const torch::Tensor& w, con
   const float* weight = norm_weight.data_ptr<float>();
   const float* shift = norm_bias.data_ptr<float>();
   const auto e = static_cast<float>(eps);
-  at::parallel_for(0, M, kNormRowGrain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, M, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) layer_norm_row(out + m * n, n, weight, shift, e);
   });
 }

@@ -13,7 +13,33 @@
 #include <utility>
 #include <vector>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+#include "simd_exp.h"
+#endif
+
 namespace minivllm {
+
+// torch's tanh GELU, 0.5 x (1 + tanh(beta (x + kappa x^3))), its constants as ATen spells them:
+// the decoder's gated GeGLU (Gemma) and the encoder's up projection (BERT's gelu_new) share it.
+constexpr float kGeluBeta = static_cast<float>(M_SQRT2 * M_2_SQRTPI * 0.5);  // sqrt(2 / pi)
+constexpr float kGeluKappa = 0.044715f;
+
+inline float gelu_tanh(float x) { return 0.5f * x * (1.f + std::tanh(kGeluBeta * (x + kGeluKappa * (x * x * x)))); }
+
+#if defined(__x86_64__)
+// gelu_tanh over 16 lanes: tanh(y) as 1 - 2 / (1 + e^2y) on exp512 (within about an ulp of 1 of
+// torch's tanh, which is what 1 + tanh(y) sees), saturating to +-1 where e^2y overflows or exp512 clamps.
+__attribute__((target("avx512f,fma"))) inline __m512 gelu_tanh512(__m512 x) {
+  const __m512 one = _mm512_set1_ps(1.f), two = _mm512_set1_ps(2.f);
+  const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
+  const __m512 inner =
+      _mm512_mul_ps(_mm512_set1_ps(kGeluBeta), _mm512_add_ps(x, _mm512_mul_ps(_mm512_set1_ps(kGeluKappa), cube)));
+  const __m512 t = _mm512_sub_ps(one, _mm512_div_ps(two, _mm512_add_ps(one, exp512(_mm512_mul_ps(two, inner)))));
+  return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), x), _mm512_add_ps(one, t));
+}
+#endif
 
 // Rows per task of the row-wise parts (norms, RoPE, SiLU): a decode step's few rows stay on
 // the calling thread; a prefill chunk's hundreds are shared, not left to one core while the

@@ -27,11 +27,10 @@ from engine.execution.models.layers import Linear
 from engine.execution.models.model_config import EncoderConfig, ModelConfig
 from engine.processing.pooling_params import PoolingType
 
-_ACTIVATIONS = {"gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
 # The GELUs by F.gelu's `approximate`: up_proj.forward_gelu runs them (fused with the product on
-# the CPU's panels); another activation runs after the product.
+# the CPU's panels); ReLU runs after the product.
 _GELU_APPROXIMATIONS = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
+_ACTIVATIONS = (*_GELU_APPROXIMATIONS, "relu")
 # A checkpoint module -> ours, after the layer prefix (encoder.layer.N.); q/k/v are shards of qkv_proj.
 _LAYER_NAMES = {"attention.self.query": ("qkv_proj", 0), "attention.self.key": ("qkv_proj", 1),
                 "attention.self.value": ("qkv_proj", 2), "attention.output.dense": ("o_proj", None),
@@ -126,8 +125,7 @@ class EncoderLayer(nn.Module):
         self.up_proj = Linear(hidden, cfg.intermediate_size, bias=True)
         self.down_proj = Linear(cfg.intermediate_size, hidden, bias=True)
         self.mlp_norm = LayerNorm(hidden, cfg.rms_norm_eps)
-        self.act = _ACTIVATIONS[cfg.hidden_act]
-        self.gelu_approximation = _GELU_APPROXIMATIONS.get(cfg.hidden_act)
+        self.gelu_approximation = _GELU_APPROXIMATIONS.get(cfg.hidden_act)  # None: ReLU
 
     def forward(self, x: torch.Tensor, seqs: PackedSequences) -> torch.Tensor:
         # x: [T, hidden]; post-LayerNorm: each block's output is added to its input, then normed
@@ -138,7 +136,7 @@ class EncoderLayer(nn.Module):
         if self.gelu_approximation is not None:
             up = self.up_proj.forward_gelu(h, self.gelu_approximation)
         else:
-            up = self.act(self.up_proj(h))
+            up = F.relu(self.up_proj(h))
         return self.down_proj.forward_add_norm(up, h, self.mlp_norm)
 
 
