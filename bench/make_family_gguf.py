@@ -22,13 +22,18 @@ the side-by-side runs against llama.cpp without a download.
     # Qwen3-30B-A3B's shape, its first 2 layers, Q8_0 straight from the converter (a 2 GB file)
     python -m bench.make_family_gguf --family qwen3-30b-a3b --layers 2 --outtype q8_0 \\
         --out /work/models/qwen3-30b-a3b-2l-q8_0.gguf --converter ...
+    # gpt-oss-20b's shape, its first 16 of 24 layers: experts in MXFP4 as OpenAI released them (the
+    # converter keeps their blocks), the rest Q8_0 by the converter (an 8.5 GB file)
+    python -m bench.make_family_gguf --family gpt-oss-20b --layers 16 --outtype q8_0 \\
+        --out /work/models/gpt-oss-20b-16l-shape-mxfp4.gguf --converter ...
 
 Steps (the intermediates, a bf16 checkpoint and a bf16 GGUF as large as the model, go in
 --work-dir and are deleted unless --keep-intermediates):
 1. config.json from transformers' Qwen3Config / Gemma3TextConfig with the real model's numbers;
    model.safetensors written one tensor at a time (memory stays at one chunk), normal values of
    std 0.02, norms near 1 (Gemma's norms are stored as weight - 1, as its checkpoints hold them).
-   The parameter names and shapes are the transformers model's own (built on the meta device).
+   The parameter names and shapes are the transformers model's own (built on the meta device);
+   gpt-oss's experts are OpenAI's MXFP4 tensors instead (random code bytes, exponents near 2^-8).
 2. A tokenizer the converter accepts. Qwen3's converter reads a BPE tokenizer through
    AutoTokenizer and names its pre-tokenizer by a hash of how it splits a fixed text: a freshly
    trained BPE matches no known hash and the converter refuses it. The default model's
@@ -106,12 +111,40 @@ def qwen3_30b_a3b_config(**overrides: object) -> object:
     return Qwen3MoeConfig(**options | overrides)
 
 
+def gpt_oss_20b_config(**overrides: object) -> object:
+    """gpt-oss-20b's shape (24 layers of 32 experts, 4 a token, 128-token windows alternating with
+    full layers, YaRN, attention sinks; untied LM head), its experts in MXFP4 as OpenAI released it
+    (quantization_config mxfp4: the converter keeps such blocks as GGUF MXFP4); overrides (fewer
+    layers: --layers) are for smaller files and tests."""
+    from transformers import GptOssConfig
+
+    options = dict(vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
+                   num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32,
+                   num_experts_per_tok=4, sliding_window=128, max_position_embeddings=131072, rms_norm_eps=1e-5,
+                   tie_word_embeddings=False, rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                                               "beta_slow": 1.0, "truncate": False,
+                                                               "original_max_position_embeddings": 4096,
+                                                               "rope_theta": 150000.0},
+                   bos_token_id=1, eos_token_id=2, architectures=["GptOssForCausalLM"]) | overrides
+    options["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                              for i in range(options["num_hidden_layers"])]
+    config = GptOssConfig(**options)
+    config.quantization_config = {"quant_method": "mxfp4",
+                                  "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                             "model.embed_tokens", "lm_head"]}
+    return config
+
+
 # family -> (config, the norms hold weight - 1, tokenizer writer name)
 FAMILIES: dict[str, tuple[Callable[..., object], bool, str]] = {
     "qwen3-4b": (qwen3_4b_config, False, "bpe"),
     "qwen3-30b-a3b": (qwen3_30b_a3b_config, False, "bpe"),
     "gemma3-1b": (gemma3_1b_config, True, "sentencepiece"),
+    "gpt-oss-20b": (gpt_oss_20b_config, False, "bpe"),
 }
+# E8M0 exponents of the random MXFP4 blocks: 2^(e - 127) times E2M1 values up to 6, about the
+# bf16 tensors' spread (|w| up to 0.01-0.05)
+_MXFP4_EXPONENTS = (118, 121)
 
 
 def parameter_shapes(config: object) -> dict[str, tuple[int, ...]]:
@@ -121,7 +154,26 @@ def parameter_shapes(config: object) -> dict[str, tuple[int, ...]]:
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    if getattr(config, "quantization_config", {}).get("quant_method") == "mxfp4":
+        shapes = _mxfp4_experts(shapes)
+    return shapes
+
+
+def _mxfp4_experts(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """The experts' weights as OpenAI's MXFP4 checkpoint holds them: transformers' [E, in, out]
+    gate_up_proj / down_proj as a row per output, [E, out, in / 32, 16] code bytes (`_blocks`,
+    two E2M1 codes a byte) and [E, out, in / 32] exponents (`_scales`), blocks before scales (the
+    converter pairs them in that order)."""
+    out: dict[str, tuple[int, ...]] = {}
+    for name, shape in shapes.items():
+        if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            experts, inputs, outputs = shape
+            out[f"{name}_blocks"] = (experts, outputs, inputs // 32, 16)
+            out[f"{name}_scales"] = (experts, outputs, inputs // 32)
+        else:
+            out[name] = shape
+    return out
 
 
 def _random_chunks(shape: tuple[int, ...], is_norm: bool, norm_offset: bool,
@@ -140,14 +192,29 @@ def _random_chunks(shape: tuple[int, ...], is_norm: bool, norm_offset: bool,
     return chunks
 
 
+def _is_mxfp4(name: str) -> bool:
+    return name.endswith(("_blocks", "_scales"))
+
+
+def _random_bytes(name: str, shape: tuple[int, ...], generator: torch.Generator) -> list[torch.Tensor]:
+    """Row chunks of an MXFP4 tensor's uint8: any code byte, or an exponent of _MXFP4_EXPONENTS."""
+    rows, per_row = shape[0], max(1, int(torch.tensor(shape[1:]).prod().item()))
+    step = max(1, _CHUNK_ELEMENTS // per_row)
+    low, high = (0, 256) if name.endswith("_blocks") else _MXFP4_EXPONENTS
+    return [torch.randint(low, high, (min(step, rows - start), *shape[1:]), generator=generator, dtype=torch.uint8)
+            for start in range(0, rows, step)]
+
+
 def write_random_safetensors(path: Path, shapes: dict[str, tuple[int, ...]], norm_offset: bool, seed: int) -> None:
-    """model.safetensors of bf16 random values, streamed tensor by tensor (safetensors' own writer
-    would hold the whole model in memory): an 8-byte header length, the JSON header, the data."""
+    """model.safetensors of bf16 random values (uint8 for MXFP4 blocks and exponents), streamed
+    tensor by tensor (safetensors' own writer would hold the whole model in memory): an 8-byte
+    header length, the JSON header, the data."""
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, shape in shapes.items():
-        size = 2 * int(torch.tensor(shape).prod().item())
-        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        size = (1 if _is_mxfp4(name) else 2) * int(torch.tensor(shape).prod().item())
+        header[name] = {"dtype": "U8" if _is_mxfp4(name) else "BF16", "shape": list(shape),
+                        "data_offsets": [offset, offset + size]}
         offset += size
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the data starts 8-aligned
@@ -156,6 +223,10 @@ def write_random_safetensors(path: Path, shapes: dict[str, tuple[int, ...]], nor
         f.write(struct.pack("<Q", len(encoded)))
         f.write(encoded)
         for name, shape in shapes.items():
+            if _is_mxfp4(name):
+                for chunk in _random_bytes(name, shape, generator):
+                    f.write(chunk.numpy().tobytes())
+                continue
             for chunk in _random_chunks(shape, name.endswith("norm.weight"), norm_offset, generator):
                 f.write(chunk.view(torch.int16).numpy().tobytes())
     logger.info("wrote %s (%.2f GB)", path, offset / 1e9)
