@@ -60,16 +60,15 @@ class CpuBackend(Backend):
         # Steps of up to max_panel_rows rows multiply on the panels (the fused layers, or each
         # PackedLinear alone where there are none).
         self.max_panel_rows = max_fused if self.panel_dtype is not None else 0
-        # The fused layers know causal decoders without attention sinks, their MLPs dense or sparse
-        # (the router, routing and the MoeExperts op in the layer's call); the one-call decode step
-        # knows dense ones. gpt-oss (sinks) or an encoder (BERT: bidirectional, no KV cache) runs
-        # every step through its modules, its projections and experts still on the panels.
+        # The fused layers know causal decoders, their MLPs dense or sparse (the router, routing and
+        # the MoeExperts op in the layer's call), gpt-oss's attention sinks in their attention; the
+        # one-call decode step knows dense ones. An encoder (BERT: bidirectional, no KV cache) runs
+        # every step through its modules, its projections still on the panels.
         self.is_encoder = not model_config.is_causal
-        self.can_fuse = not (model_config.attn_sinks or self.is_encoder)
+        self.can_fuse = not self.is_encoder
         if not self.can_fuse:
-            kind = "an encoder" if self.is_encoder else "a model with attention sinks"
-            logger.info("%s: the CPU backend runs every step through the model's modules (panel or oneDNN "
-                        "projections%s), not its fused layers", kind, "" if self.is_encoder else ", the experts' op")
+            logger.info("an encoder: the CPU backend runs every step through the model's modules (panel or oneDNN "
+                        "projections), not its fused layers")
         self.max_fused_tokens = self.max_panel_rows if self.can_fuse else 0
         self.max_decode_rows = 0 if model_config.moe is not None else self.max_fused_tokens
         # oneDNN's copy of the weights only where some step runs the torch path.
@@ -141,7 +140,6 @@ class CpuBackend(Backend):
 
     def describe(self) -> str:
         isa = next(name for name, value in ISAS.items() if value == self.isa) if self.kernels else "no C++ kernels"
-        fused = ("no fused steps (encoder)" if self.is_encoder else "no fused steps (attention sinks)"
-                 if not self.can_fuse else "every step fused"
+        fused = ("no fused steps (encoder)" if not self.can_fuse else "every step fused"
                  if self.max_fused_tokens == sys.maxsize else f"fused steps up to {self.max_fused_tokens} tokens")
         return f"{super().describe()}, {isa}, {fused}"

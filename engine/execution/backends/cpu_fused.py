@@ -45,13 +45,14 @@ class FusedLayer:
     scale: float
     act: int  # ACTIVATIONS' value
     rope_index: int
+    sinks: torch.Tensor | None  # [num_heads] float32: gpt-oss's sink logits, in the attention's denominators
 
     @classmethod
     def of(cls, layer: nn.Module, kernels: ModuleType) -> FusedLayer:
         """`layer` (a DecoderLayer) once its projections hold panels: its norms (the per-head
         q/k norms and the output norms where the family has them) and its products; a sparse
         layer's router panels and experts op (PackedExperts: pack_moe_experts ran first) in place
-        of gate_up and down."""
+        of gate_up and down; gpt-oss's sinks in its attention."""
         moe = layer.moe
         absent = (torch.empty(0, dtype=torch.uint8), None, None, 0)  # out_features 0: the MoeMlp has the experts
         mlp = ((absent, absent) if moe is not None else
@@ -65,8 +66,10 @@ class FusedLayer:
         if moe is not None:
             weights.moe = kernels.MoeMlp(kernel_args(moe.router.panels), moe.experts.op, moe.cfg.num_experts_per_tok,
                                          ROUTINGS[moe.cfg.routing], moe.cfg.norm_topk_prob)
+        sinks = None if layer.sinks is None else layer.sinks.detach().float().contiguous()
+        weights.sinks = sinks
         return cls(weights, layer.num_heads, layer.num_kv_heads, layer.head_dim, window, layer.eps, layer.scale,
-                   ACTIVATIONS[layer.hidden_act], layer.rope_index)
+                   ACTIVATIONS[layer.hidden_act], layer.rope_index, sinks)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, kernels: ModuleType, isa: int) -> None:
@@ -84,7 +87,7 @@ class FusedLayer:
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = attention(q, k, v, k_cache, v_cache, attn, self.scale, self.window or None)  # [T, H, D] float32
+        out = attention(q, k, v, k_cache, v_cache, attn, self.scale, self.window or None, self.sinks)  # [T, H, D] float32
         kernels.layer_attention_outputs(x, out.reshape(num_tokens, q_size), self.weights, self.eps, self.act, isa)
 
 

@@ -70,7 +70,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     int64_t>(),  // the struct's fields, in order
            "One layer's norms and packed projections for the fused layers and DecodeModel (made once)")
       .def_readwrite("moe", &minivllm::DecodeLayerWeights::moe,
-                     "A sparse layer's MoeMlp (its gate_up and down then empty); None: a dense layer");
+                     "A sparse layer's MoeMlp (its gate_up and down then empty); None: a dense layer")
+      .def_readwrite("sinks", &minivllm::DecodeLayerWeights::sinks,
+                     "Each query head's attention sink logit, float32 [num_heads] (gpt-oss); None: no sinks");
   py::class_<minivllm::MoeMlp, std::shared_ptr<minivllm::MoeMlp>>(m, "MoeMlp")
       .def(py::init<minivllm::PackedLinear, std::shared_ptr<minivllm::MoeExperts>, int64_t, int64_t, bool>(),
            py::arg("router"), py::arg("experts"), py::arg("top_k"), py::arg("routing"), py::arg("norm_topk_prob"),

@@ -203,7 +203,8 @@ struct KvCacheView {
 // [kv_begin, kv_end): q [H, D] float32 -> those heads' rows of out [H, D] float32.
 void attend_decode_row(const float* q, const KvCacheView& cache, const int64_t* block_table, int64_t context_len,
                        int64_t block_size, float scale, int64_t window, int64_t num_heads, float* out,
-                       std::vector<float>& scratch, int64_t kv_begin, int64_t kv_end, int64_t isa);
+                       std::vector<float>& scratch, int64_t kv_begin, int64_t kv_end, int64_t isa,
+                       const float* sinks = nullptr);  // [H] each query head's sink logit, or null
 
 // The Python-facing kernels (bindings.cpp), each documented where it is defined.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -301,7 +302,17 @@ struct DecodeLayerWeights {
   std::optional<torch::Tensor> attn_output_norm, mlp_output_norm;
   int64_t rope_index;  // which of the model's RoPE tables the layer reads (DecodeModel)
   std::shared_ptr<MoeMlp> moe;  // set after construction (Python: weights.moe = MoeMlp(...)); none: dense
+  // gpt-oss's attention sinks: each query head's sink logit [num_heads] float32, in its softmax's
+  // denominator; set after construction (Python: weights.sinks = ...); none: no sinks.
+  std::optional<torch::Tensor> sinks;
 };
+// w's sink logits for the attention kernels (checked: float32 [num_heads], contiguous), or nullptr.
+inline const float* sink_logits(const DecodeLayerWeights& w, int64_t num_heads, const char* what) {
+  if (!w.sinks) return nullptr;
+  TORCH_CHECK(w.sinks->scalar_type() == torch::kFloat32 && w.sinks->is_contiguous() && w.sinks->dim() == 1 &&
+              w.sinks->numel() == num_heads, what, ": a layer's sinks must be contiguous float32 [num_heads]");
+  return w.sinks->data_ptr<float>();
+}
 void decode_layer(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin, const DecodeLayerWeights& w,
                   torch::Tensor k_cache, torch::Tensor v_cache, const torch::Tensor& slot_mapping,
                   const torch::Tensor& block_tables, const torch::Tensor& context_lens, int64_t num_heads,

@@ -248,13 +248,14 @@ void decode_layer(torch::Tensor x,                    // [M, hidden] float32, up
   std::atomic<int64_t> next_task{0};
   const TeamShare forked{num_threads, &next_task};
   const KvCacheView cache = KvCacheView::of(k_cache, v_cache);
+  const float* sinks = sink_logits(w, num_heads, "decode_layer");
   at::parallel_for(0, std::min(num_threads, tasks.size()), 1, [&](int64_t, int64_t) {
     std::vector<float> scratch;
     forked.for_each_task(tasks.size(), [&](int64_t task) {
       const auto [m, num_rows, kv_begin] = tasks[task];  // one row: no chains here
       attend_decode_row(qkv_out.get() + m * lqkv.n, cache, tables + m * max_blocks, lens[m], block_size,
                         static_cast<float>(scale), w.window, num_heads, attn_out.get() + m * s.q_size, scratch,
-                        kv_begin, kv_begin + tasks.heads_per_task(), isa);
+                        kv_begin, kv_begin + tasks.heads_per_task(), isa, sinks);
     });
   });
   attention_outputs(s.M, s.hidden, s.q_size, xp, attn_out.get(), w, eps, act, isa);

@@ -254,6 +254,7 @@ struct alignas(64) LayerPlan {
   // ([D] each), of o_proj's and down's outputs ([hidden] each).
   const float *q_norm, *k_norm, *attn_output_norm, *mlp_output_norm;
   int64_t group;  // its KV-cache group: which of the step's block tables and slots it reads
+  const float* sinks;  // [num_heads] each query head's sink logit (gpt-oss), or nullptr
 };
 
 // x[m] += RMSNorm(y[m]) for the step's rows (add_rms_normed), run by the member that ends a
@@ -364,7 +365,7 @@ void attend_task(const TeamStep& s, int64_t m, int64_t kv_begin, int64_t kv_end,
   write_cache(static_cast<cache_t*>(plan.cache.v), slot, kv_size, offset, row + q_size + kv_size + offset, count);
   attend_decode_row(row, plan.cache, s.tables + (plan.group * s.M + m) * s.max_blocks, s.lens[m], model.block_size,
                     static_cast<float>(model.scale), plan.window, model.num_heads, s.attn + m * q_size,
-                    scratch, kv_begin, kv_end, model.isa);
+                    scratch, kv_begin, kv_end, model.isa, plan.sinks);
 }
 
 // Requests into L2 the K and V rows a few-row step's attention reads in `layer` (all but each
@@ -655,7 +656,8 @@ DecodeModel::DecodeModel(torch::Tensor embedding, std::vector<torch::Tensor> rop
     plan->layers.push_back({l.input_norm.data_ptr<float>(), l.post_norm.data_ptr<float>(), ProductPlan::of(l.qkv),
                             ProductPlan::of(l.o_proj), ProductPlan::of(l.gate_up), ProductPlan::of(l.down),
                             KvCacheView::of(k, v), l.window, l.rope_index, pointer(l.q_norm), pointer(l.k_norm),
-                            pointer(l.attn_output_norm), pointer(l.mlp_output_norm), this->layer_groups[i]});
+                            pointer(l.attn_output_norm), pointer(l.mlp_output_norm), this->layer_groups[i],
+                            sink_logits(l, num_heads, "DecodeModel")});
     has_output_norms = has_output_norms || l.attn_output_norm || l.mlp_output_norm;
   }
   plan->head = ProductPlan::of(this->lm_head);

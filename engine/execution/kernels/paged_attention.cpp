@@ -415,15 +415,16 @@ KvCacheView KvCacheView::of(const torch::Tensor& k_cache, const torch::Tensor& v
 
 void attend_decode_row(const float* q, const KvCacheView& cache, const int64_t* block_table, int64_t context_len,
                        int64_t block_size, float scale, int64_t window, int64_t num_heads, float* out,
-                       std::vector<float>& scratch, int64_t kv_begin, int64_t kv_end, int64_t isa) {
+                       std::vector<float>& scratch, int64_t kv_begin, int64_t kv_end, int64_t isa,
+                       const float* sinks) {
   if (cache.is_fp32) {
     attend_one(q, static_cast<const float*>(cache.k), static_cast<const float*>(cache.v), block_table, context_len,
                block_size, scale, window, num_heads, cache.num_kv_heads, cache.head_dim, out, scratch, isa, kv_begin,
-               kv_end);
+               kv_end, sinks);
   } else {
     attend_one(q, static_cast<const at::BFloat16*>(cache.k), static_cast<const at::BFloat16*>(cache.v), block_table,
                context_len, block_size, scale, window, num_heads, cache.num_kv_heads, cache.head_dim, out, scratch,
-               isa, kv_begin, kv_end);
+               isa, kv_begin, kv_end, sinks);
   }
 }
 

@@ -1,9 +1,10 @@
 """gpt-oss (model_type gpt_oss) is token-exact (greedy, float32) against transformers' generate()
 on a tiny random model (tests/tiny_model.py: window and full layers alternating with a window
 shorter than the prompts, 8 experts with 2 a token, YaRN RoPE, sinks): through the pure-torch
-reference backend and the CPU backend's module path with torch's attention and with the C++
-attention kernels, whole and chunked prefill. The sinks, the experts' layout and the fused
-layers' refusal are checked apart."""
+reference backend, the CPU backend's fused layers (the sinks in their attention kernels, the
+router, routing and experts op in the layer's call), and its module path with torch's attention
+and with the C++ attention kernels, whole and chunked prefill. The sinks, the experts' layout and
+int8's refusal are checked apart."""
 from __future__ import annotations
 
 import json
@@ -37,20 +38,24 @@ def _generate(path: Path, budget: int = 512, **options) -> list[list[int]]:
     return [o.token_ids for o in outs]
 
 
-@pytest.mark.parametrize("path_kind", ["cpp", "torch", "reference"])
+@pytest.mark.parametrize("path_kind", ["fused", "cpp-modules", "torch", "reference"])
 @pytest.mark.parametrize("budget", [512, 16], ids=["whole-prefill", "chunked-prefill"])
 def test_greedy_matches_transformers(gpt_oss_model: Path, reference: list[list[int]], path_kind: str, budget: int,
                                      monkeypatch: pytest.MonkeyPatch) -> None:
     if path_kind == "torch":
         monkeypatch.setenv("MINIVLLM_DISABLE_CPP_KERNELS", "1")
+    fused = {"max_fused_tokens": 0} if path_kind == "cpp-modules" else {}
     llm = LLM(str(gpt_oss_model), num_kv_blocks=256, block_size=4, max_num_batched_tokens=budget,
-              backend="torch" if path_kind == "reference" else "auto")
+              backend="torch" if path_kind == "reference" else "auto", **fused)
     backend = llm.engine.runner.backend
-    assert (backend.kernels is None) == (path_kind != "cpp")
-    assert backend.max_fused_tokens == 0  # gpt-oss runs the model's modules, never the fused layers
+    is_cpp = path_kind in ("fused", "cpp-modules")
+    assert (backend.kernels is None) == (not is_cpp)
+    # the fused layers take the steps up to their default size; none on the others
+    assert (getattr(backend, "fused", None) is not None and backend.max_fused_tokens > 0) == (path_kind == "fused")
     experts = [layer.moe.experts for layer in llm.engine.runner.model.layers]
-    # with the C++ kernels its experts run on the experts op (biases and the clamped SwiGLU), not torch's loop
-    assert all(isinstance(e, PackedExperts) for e in experts) == (path_kind == "cpp")
+    # on the panels its experts run on the experts op (biases and the clamped SwiGLU), not torch's loop;
+    # with max_fused_tokens 0 nothing is packed: the modules run with the C++ attention kernels
+    assert all(isinstance(e, PackedExperts) for e in experts) == (path_kind == "fused")
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True))
     for prompt, out, ref in zip(PROMPTS, outs, reference, strict=True):
         assert out.token_ids == ref, f"prompt of {len(prompt)} tokens diverged"
