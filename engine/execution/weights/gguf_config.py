@@ -16,6 +16,9 @@ converter stores and llama.cpp itself assumes:
 - RoPE: the sliding layers' base (rope.freq_base_swa) and a linear scaling of the others
   (rope.scaling.type / rope.scaling.factor, Gemma 3 4B and up); another scaling type fails,
   naming it, rather than serving positions wrongly;
+- bert: transformers has no GGUF reader for it; its BertConfig is built here from bert.* (the
+  token types' count from tokenizer.ggml.token_type_count, or the token_types tensor), with BERT's
+  exact GELU (the file names no activation);
 - gpt-oss: transformers 5.25's GGUF reader fails on the file's rope.scaling metadata, so its
   config is built here from the metadata as llama.cpp reads it (YaRN from rope.scaling.*, the
   experts' width from expert_feed_forward_length, window and full layers alternating, window
@@ -53,6 +56,8 @@ def gguf_config(file: GGUFFile) -> Any:
 
     if file.architecture == "gpt-oss":
         return _gpt_oss_config(file)
+    if file.architecture == "bert":
+        return _bert_config(file)
     config = AutoConfig.from_pretrained(str(file.path.parent), gguf_file=file.path.name)
     head_dim = file.arch_field("attention.key_length")
     if head_dim is not None:
@@ -108,6 +113,32 @@ def _gpt_oss_config(file: GGUFFile) -> Any:
         sliding_window=int(number("attention.sliding_window")), rope_parameters=rope,
         tie_word_embeddings="output.weight" not in names,
         bos_token_id=special["bos"], eos_token_id=special["eos"], pad_token_id=special["padding"])
+
+
+def _bert_config(file: GGUFFile) -> Any:
+    """A BertModel's config from bert.* (transformers reads no bert GGUF file). The file records no
+    activation: BERT's exact GELU, as the checkpoints llama.cpp's bert architecture takes
+    (BertModel: bge, e5, all-MiniLM) run it in transformers and sentence-transformers (llama.cpp's
+    own graph runs ggml's tanh approximation)."""
+    from transformers import BertConfig
+
+    def number(key: str) -> Any:
+        value = file.arch_field(key)
+        if value is None:
+            raise ValueError(f"model: GGUF file {file.path.name} lacks bert.{key}")
+        return value
+
+    num_token_types = file.field("tokenizer.ggml.token_type_count")
+    if num_token_types is None:
+        shape = file.tensor_shape("token_types.weight")
+        num_token_types = 1 if shape is None else shape[0]
+    return BertConfig(
+        vocab_size=len(file.field("tokenizer.ggml.tokens", [])), hidden_size=int(number("embedding_length")),
+        num_hidden_layers=int(number("block_count")), num_attention_heads=int(number("attention.head_count")),
+        intermediate_size=int(number("feed_forward_length")), hidden_act="gelu",
+        max_position_embeddings=int(number("context_length")), type_vocab_size=int(num_token_types),
+        layer_norm_eps=float(number("attention.layer_norm_epsilon")),
+        pad_token_id=int(file.field("tokenizer.ggml.padding_token_id", 0)), architectures=["BertModel"])
 
 
 def _set_experts(file: GGUFFile, config: Any) -> None:
