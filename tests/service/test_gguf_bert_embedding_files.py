@@ -12,7 +12,8 @@ projections and word embedding kept in their blocks, within the weights' and act
 rounding (cosine >= 0.999; 0.99981 measured at the worst text). The tokenizer rebuilt from the
 file's metadata gives the source tokenizer's ids (accents, punctuation, CJK, an unknown
 character, uppercase) and the real bge tokenizer's on llama.cpp's own vocabulary test texts.
-Through `minivllm serve --model FILE.gguf` and the openai SDK's embeddings.create.
+Through `minivllm serve --model FILE.gguf` and the openai SDK's embeddings.create. A BERT
+cross-encoder's file ("bert-rerank") is refused as a reranker.
 """
 from __future__ import annotations
 
@@ -70,6 +71,13 @@ def test_a_file_embeds_as_sentence_transformers_encodes(family: str, outtype: st
     np.testing.assert_allclose(np.linalg.norm(got, axis=-1), 1.0, atol=1e-5)
     if outtype == "q8_0":  # the blocks' rounding shows: not the float model's vectors
         assert cosines(got, expected).min() < 0.99999
+
+
+def test_a_cross_encoders_file_is_refused_naming_it() -> None:
+    """A BertForSequenceClassification as the converter writes it (cls.output, no pooling_type, no
+    pooler layer): refused as a reranker before anything is served, not failed on its tensors."""
+    with pytest.raises(ValueError, match="is a reranker .a classifier head, cls.output.*--task score"):
+        LLM(str(field_gguf("bert-rerank", "f32")[0]), num_kv_blocks=64, block_size=4)
 
 
 def _vocab_test_cases() -> list[tuple[str, list[int]]]:

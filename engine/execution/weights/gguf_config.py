@@ -28,8 +28,10 @@ converter stores and llama.cpp itself assumes:
   by their text, and so do the ids read here (the texts of Qwen's, Gemma's and Llama 3's turns);
 - pooling (gguf_pooler_config): the converter writes <arch>.pooling_type for an embedding model
   (from a sentence-transformers directory's Pooling module: mean, cls or lasttoken) and rank for
-  a reranker; llama.cpp's server normalises a pooled embedding (Euclidean, its default
-  embd_normalize 2), whatever the file, and refuses OpenAI's embeddings for pooling none.
+  a reranker (a BERT cross-encoder's file has none, but its classifier, cls.output, without the
+  pooler layer it reads: refused too); llama.cpp's server normalises a pooled embedding
+  (Euclidean, its default embd_normalize 2), whatever the file, and refuses OpenAI's embeddings
+  for pooling none.
 """
 from __future__ import annotations
 
@@ -48,6 +50,9 @@ _GEMMA3_SWA_PERIOD = 6  # llama.cpp's default: layers 5, 11, ... global
 # no key at all: a model that pools nothing (a generator's file).
 _POOLING_NONE, _POOLING_RANK = 0, 4
 _POOLING_TYPES = {1: PoolingType.MEAN, 2: PoolingType.CLS, 3: PoolingType.LAST}
+# A sequence classifier's head as the converter writes it (a BERT cross-encoder's classifier; no
+# pooling_type: it writes one from a sentence-transformers Pooling module only).
+_CLASSIFIER_TENSORS = ("cls.weight", "cls.output.weight")
 
 
 def gguf_config(file: GGUFFile) -> Any:
@@ -201,14 +206,17 @@ def gguf_eos_token_ids(file: GGUFFile) -> list[int]:
 def gguf_pooler_config(file: GGUFFile) -> PoolerConfig | None:
     """The pooling an embedding file asks for (<arch>.pooling_type), normalised as llama.cpp's
     server normalises it; None for a file that pools nothing. ValueError for a reranker's file
-    (rank: its score is a head the converter cut from the LM head's yes / no rows, not read here)
-    or a type llama.cpp does not define."""
+    (rank: its score is a head the converter cut from the LM head's yes / no rows, not read here;
+    or a BERT cross-encoder's classifier, cls.output, whose input the converter drops: BERT's
+    pooler layer) or a type llama.cpp does not define."""
     value = file.arch_field("pooling_type")
+    has_head = any(name in _CLASSIFIER_TENSORS for name in file.tensor_names())
+    if has_head or (value is not None and int(value) == _POOLING_RANK):
+        why = "pooling_type rank" if not has_head else "a classifier head, cls.output"
+        raise ValueError(f"model: GGUF file {file.path.name} is a reranker ({why}); its scores are not served from a "
+                         "GGUF file: serve the reranker's Hugging Face checkpoint with --task score")
     if value is None or int(value) == _POOLING_NONE:
         return None
-    if int(value) == _POOLING_RANK:
-        raise ValueError(f"model: GGUF file {file.path.name} is a reranker (pooling_type rank); its scores are not "
-                         "served from a GGUF file: serve the reranker's Hugging Face checkpoint with --task score")
     if int(value) not in _POOLING_TYPES:
         raise ValueError(f"model: GGUF file {file.path.name} has pooling_type {value}, which llama.cpp does not define "
                          "(0 none, 1 mean, 2 cls, 3 last, 4 rank)")
