@@ -9,8 +9,8 @@ exact); every other quantized type is dequantized once, to float32, with a warni
 projections' rows in llama.cpp's rotary order: they come back in Hugging Face's (a permutation of
 whole rows, so of whole blocks), as transformers' own GGUF loader restores them. llama.cpp's
 converter permutes no other architecture's rows (qwen2, qwen3, qwen3moe and gemma3 rotate halves, as Hugging
-Face does; bert has no rotary positions). A head's width is the file's attention.key_length where it has one (Qwen3's and
-Gemma 3's heads are wider than hidden size / heads).
+Face does; bert has no rotary positions). A head's width is the file's attention.key_length where
+it has one (Qwen3's and Gemma 3's heads are wider than hidden size / heads).
 
 A truncated file or an architecture whose tensor layout this reader does not know fails with a
 ValueError that says so.

@@ -37,8 +37,8 @@ bert (an embedder's file: BertModel's tensors, llama.cpp's token_embd / position
 token_types / token_embd_norm and per layer attn_q/k/v, attn_output, attn_output_norm, ffn_up,
 ffn_down, layer_output_norm, each with its bias) maps to BertModel's checkpoint names
 (embeddings.*, encoder.layer.N.*); transformers has no GGUF reader for it, so quantization none
-reads it through hf_float_tensors too. A reranker's head (cls, cls_out) is not mapped: its
-pooling_type rank is refused before any tensor is read (gguf_config.gguf_pooler_config).
+reads it through hf_float_tensors too. A cross-encoder's head (cls, cls.output) is not mapped:
+such a file is refused as a reranker before any tensor is read (gguf_config.gguf_pooler_config).
 
 Gemma 3's RMSNorms scale by (1 + w); llama.cpp's converter stores every one of its norm weights
 (the layers', the query / key norms and the final one) with the 1 already added. They are set on

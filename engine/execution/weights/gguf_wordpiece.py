@@ -7,9 +7,9 @@ converter stored:
 - the tokens, rewritten to llama.cpp's "phantom space" form: a word-initial token gains a leading
   "\u2581", a "##" continuation loses its "##", and control tokens ([CLS], [SEP], [PAD], [UNK],
   [MASK]: the checkpoint's special added tokens) stay as they are. Undone here: "\u2581x" -> "x",
-  a normal token without the mark -> "##" + it. (The rewrite loses one distinction: a vocabulary
-  holding both "x" and "##\u2581x" writes "\u2581x" twice; no BERT vocabulary does.) The converter
-  writes unused ids as "[PAD<id>]" of type unused: they are kept as tokens no text produces;
+  a normal token without the mark -> "##" + it. (The rewrite is not one-to-one where a vocabulary
+  holds both "x" and "##\u2581x": both are written "\u2581x", and the first id is kept for it.)
+  The converter writes unused ids as "[PAD<id>]" of type unused: kept as tokens no text produces;
 - the special ids: [CLS] as tokenizer.ggml.bos_token_id (older files: cls_token_id), [SEP] as
   seperator_token_id (llama.cpp's spelling; else eos_token_id), [UNK], [PAD] and [MASK] by theirs;
 - the normaliser: tokenizer.ggml.normalizer.lowercase (and strip_accents), which the converter
