@@ -9,6 +9,12 @@ unchanged in a subprocess).
   transformers from the sdist's models/ggml-vocab-qwen2.gguf (llama.cpp's tokenizer test file:
   151,936 tokens, so the tiny model's embedding is 151,936 x 64), and Qwen3-0.6B's chat template.
   That tokenizer is built once into the project's cache (it takes transformers half a minute).
+- BERT embedders ("bert-embed": mean pooling, "bert-embed-cls": CLS; Normalize after both) and a
+  BERT cross-encoder ("bert-rerank"): the converter identifies a WordPiece tokenizer by the same
+  hash, so the checkpoints get bge-small's real 30,522-token vocabulary, read from the sdist's
+  models/ggml-vocab-bert-bge.gguf (its tokens in llama.cpp's phantom-space form, turned back into
+  vocab.txt's here) as transformers' BertTokenizer; the converter accepting it shows that
+  tokenizer encodes its check text as bge's does.
 - Gemma 3: a SentencePiece BPE model trained here on tests.tiny_model's corpus, laid out as
   Gemma's (<pad> <eos> <bos> <unk> first, <start_of_turn> / <end_of_turn>, byte fallback, no
   dummy prefix), its tokenizer_config listing the special tokens as Gemma's repositories do (the
@@ -37,7 +43,8 @@ from tests.tiny_model import _CORPUS
 LLAMA_CPP = Path("vendor/llama.cpp")  # in the unpacked sdist
 _WEIGHTS = Path(__file__).parent.parent / "engine" / "execution" / "weights"
 _KEYED_SOURCES = (Path(__file__), _WEIGHTS / "checkpoint.py", _WEIGHTS / "gguf_config.py", _WEIGHTS / "gguf_file.py",
-                  _WEIGHTS / "pooling_config.py")
+                  _WEIGHTS / "pooling_config.py", _WEIGHTS / "gguf_wordpiece.py", _WEIGHTS / "gguf_loader.py")
+BGE_VOCAB = LLAMA_CPP / "models" / "ggml-vocab-bert-bge.gguf"  # in the unpacked sdist; .inp / .out beside it
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")
 
 
@@ -146,6 +153,71 @@ def build_qwen3_embedder_checkpoint(path: Path, seed: int = 0) -> Path:
     modules = [transformer, Pooling(transformer.get_embedding_dimension(), pooling_mode="lasttoken"), Normalize()]
     SentenceTransformer(modules=modules, device="cpu").save(str(path))
     return path
+
+
+def bge_vocab() -> list[str]:
+    """bge-small's WordPiece vocabulary (id order) from the sdist's llama.cpp vocabulary file. That
+    file was written by an older converter, which left [unusedN] unmarked; its other tokens are in
+    the phantom-space form: a word's first token marked with U+2581, a continuation without its
+    "##", control tokens as they are."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(llama_cpp_sdist() / BGE_VOCAB))
+    tokens = reader.get_field("tokenizer.ggml.tokens").contents()
+    types = reader.get_field("tokenizer.ggml.token_type").contents()
+    control = 3
+    vocab = []
+    for token, kind in zip(tokens, types, strict=True):
+        if kind == control or (token.startswith("[unused") and token.endswith("]")):
+            vocab.append(token)
+        else:
+            vocab.append(token[1:] if token.startswith("\u2581") else "##" + token)
+    return vocab
+
+
+def _save_random_bert(model_class: Any, path: Path, seed: int, **overrides: Any) -> Path:
+    """A 2-layer model_class (BertModel, BertForSequenceClassification) of hidden size 64 (4 heads;
+    Q8_0's 32-wide blocks fit its rows) with bge-small's tokenizer (bge_vocab), random weights
+    wider than the usual init (std 0.02) and LayerNorms near 1 and 0, so a misplaced tensor shows."""
+    from transformers import BertConfig, BertTokenizer
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "vocab.txt").write_text("\n".join(bge_vocab()) + "\n", encoding="utf-8")
+    tokenizer = BertTokenizer(vocab=str(path / "vocab.txt"), do_lower_case=True, model_max_length=512)
+    tokenizer.save_pretrained(str(path))
+    config = BertConfig(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=128, hidden_act="gelu", max_position_embeddings=128, type_vocab_size=2,
+                        pad_token_id=tokenizer.pad_token_id, **overrides)
+    torch.manual_seed(seed)
+    model = model_class(config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "LayerNorm" in name:
+                center = 1.0 if name.endswith("weight") else 0.0
+                param.copy_(center + 0.1 * torch.randn(param.shape, generator=gen))
+            else:
+                param.copy_(0.2 * torch.randn(param.shape, generator=gen))
+    model.save_pretrained(str(path))
+    return path
+
+
+def build_bert_embedder_checkpoint(path: Path, pooling_mode: str = "mean", seed: int = 0) -> Path:
+    """_save_random_bert's BertModel saved by sentence-transformers with pooling_mode and Normalize,
+    as bge / e5 / all-MiniLM ship."""
+    from transformers import BertModel
+
+    from tests.tiny_model import save_sentence_transformer
+
+    base = _save_random_bert(BertModel, path.with_name(path.name + "-base"), seed)
+    return save_sentence_transformer(base, path, pooling_mode, normalize=True)
+
+
+def build_bert_cross_encoder_checkpoint(path: Path, seed: int = 1) -> Path:
+    """_save_random_bert's BertForSequenceClassification of one label (ms-marco-MiniLM's layout)."""
+    from transformers import BertForSequenceClassification
+
+    return _save_random_bert(BertForSequenceClassification, path, seed, num_labels=1)
 
 
 def build_gpt_oss_checkpoint(path: Path, seed: int = 0) -> Path:
@@ -271,12 +343,16 @@ def build_gemma3_checkpoint(path: Path, seed: int = 0) -> Path:
 def field_gguf(family: str, outtype: str) -> tuple[Path, Path]:
     """(the GGUF file llama.cpp's converter writes of family's tiny checkpoint in outtype, that
     checkpoint's directory), made once into the project's cache under a key of this module's text
-    and of the code that reads GGUF metadata: the engine caches what it derives from a file by the
-    file's path and time, so a change there must come with new files, or a test would meet the
-    old code's config and tokenizer."""
+    and of the code that reads GGUF metadata and converts its tensors: the engine caches what it
+    derives from a file by the file's path and time, so a change there must come with new files, or
+    a test would meet the old code's config, tokenizer or converted weights (quantization none's
+    safetensors, which gguf_loader.hf_float_tensors writes for bert and gpt-oss)."""
     builders = {"qwen3": build_qwen3_checkpoint, "qwen3-embed": build_qwen3_embedder_checkpoint,
                 "qwen3moe": build_qwen3moe_checkpoint, "gemma3": build_gemma3_checkpoint,
-                "gpt-oss": build_gpt_oss_checkpoint, "gpt-oss-mxfp4": build_gpt_oss_mxfp4_checkpoint}
+                "gpt-oss": build_gpt_oss_checkpoint, "gpt-oss-mxfp4": build_gpt_oss_mxfp4_checkpoint,
+                "bert-embed": build_bert_embedder_checkpoint,
+                "bert-embed-cls": lambda path: build_bert_embedder_checkpoint(path, pooling_mode="cls"),
+                "bert-rerank": build_bert_cross_encoder_checkpoint}
     key = hashlib.sha256(b"".join(path.read_bytes() for path in _KEYED_SOURCES)).hexdigest()[:12]
     root = default_cache_dir() / "field-gguf" / key
     root.mkdir(parents=True, exist_ok=True)

@@ -221,19 +221,21 @@ class BertModel(nn.Module):
 
     # ---- weights ---------------------------------------------------------------------------
 
-    def _expected_weights(self) -> dict[str, tuple[str, int | None]]:
-        """Every checkpoint tensor (named without the task model's prefix) -> our parameter and,
-        for q/k/v, its shard of qkv_proj."""
-        expected: dict[str, tuple[str, int | None]] = {}
+    def _expected_weights(self) -> dict[str, str]:
+        """Every tensor the checkpoint must hold: our key (param, or param#shard for q/k/v's shards
+        of qkv_proj) -> its name in the checkpoint, without the task model's prefix (the form the
+        decoders and the GGUF loader key them by)."""
+        expected: dict[str, str] = {}
         for hf, ours in _EMBEDDING_NAMES.items():
             kinds = ("weight", "bias") if ours == "embed_norm" else ("weight",)
-            expected |= {f"{hf}.{kind}": (f"{ours}.{kind}", None) for kind in kinds}
+            expected |= {f"{ours}.{kind}": f"{hf}.{kind}" for kind in kinds}
         for i in range(self.config.num_layers):
             for hf, (ours, shard) in _LAYER_NAMES.items():
                 for kind in ("weight", "bias"):
-                    expected[f"encoder.layer.{i}.{hf}.{kind}"] = (f"layers.{i}.{ours}.{kind}", shard)
+                    key = f"layers.{i}.{ours}.{kind}" + ("" if shard is None else f"#{shard}")
+                    expected[key] = f"encoder.layer.{i}.{hf}.{kind}"
         for hf, ours in self.HEAD_NAMES.items():
-            expected |= {f"{hf}.{kind}": (f"{ours}.{kind}", None) for kind in ("weight", "bias")}
+            expected |= {f"{ours}.{kind}": f"{hf}.{kind}" for kind in ("weight", "bias")}
         return expected
 
     def checkpoint_name(self, name: str) -> str | None:
@@ -251,26 +253,26 @@ class BertModel(nn.Module):
         """Load HF-named tensors, fusing q/k/v. ValueError naming the tensor when one is unknown,
         repeated, of the wrong shape, or missing."""
         params = dict(self.named_parameters())
-        expected = self._expected_weights()
+        key_of = {hf: key for key, hf in self._expected_weights().items()}  # checkpoint name -> our key
         loaded: set[str] = set()
         for hf_name, tensor in weights:
             name = self.checkpoint_name(hf_name)
             if name is None:
                 continue
-            if name not in expected:
+            if name not in key_of:
                 raise ValueError(f"unexpected weight {hf_name!r} in checkpoint")
             if name in loaded:
                 raise ValueError(f"weight {hf_name!r} appears twice in the checkpoint")
-            param_name, shard = expected[name]
+            param_name, _, shard = key_of[name].partition("#")
             dest = params[param_name].data
-            if shard is not None:
+            if shard:
                 size = dest.shape[0] // 3
-                dest = dest[shard * size : (shard + 1) * size]
+                dest = dest[int(shard) * size : (int(shard) + 1) * size]
             if tuple(tensor.shape) != tuple(dest.shape):
                 raise ValueError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
             dest.copy_(tensor)
             loaded.add(name)
-        missing = [name for name in expected if name not in loaded]
+        missing = [name for name in key_of if name not in loaded]
         if missing:
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
             raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:5])}{more}")

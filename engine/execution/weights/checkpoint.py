@@ -188,9 +188,9 @@ def convert_gguf(gguf: Path, target: Path) -> None:
     pooler = gguf_pooler_config(file)
     config = gguf_config(file)
     tokenizer = _gguf_tokenizer(file)
-    if file.architecture == "gpt-oss":  # transformers 5.25's GGUF reader fails on gpt-oss files
-        from engine.execution.weights.gguf_loader import hf_float_tensors
+    from engine.execution.weights.gguf_loader import FLOAT_READ_ARCHITECTURES, hf_float_tensors
 
+    if file.architecture in FLOAT_READ_ARCHITECTURES:  # transformers reads no bert file, and fails on gpt-oss's
         state = dict(hf_float_tensors(file))
     else:
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, config=config,
@@ -223,8 +223,15 @@ def write_gguf_metadata(gguf: Path, target: Path) -> None:
 def _gguf_tokenizer(file: GGUFFile) -> Any:
     """The tokenizer transformers reads from a GGUF file's metadata. gpt-oss's through the fast
     tokenizer class itself: AutoTokenizer reads the file's config first, which transformers 5.25
-    fails on for gpt-oss (its rope.scaling metadata), while the tokenizer reader alone does not."""
+    fails on for gpt-oss (its rope.scaling metadata), while the tokenizer reader alone does not.
+    A WordPiece vocabulary (a bert file's), which transformers does not read, is rebuilt by
+    gguf_wordpiece."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    if file.field("tokenizer.ggml.model") == "bert":
+        from engine.execution.weights.gguf_wordpiece import gguf_wordpiece_tokenizer
+
+        return gguf_wordpiece_tokenizer(file)
 
     loader = PreTrainedTokenizerFast if file.architecture == "gpt-oss" else AutoTokenizer
     return loader.from_pretrained(str(file.path.parent), gguf_file=file.path.name)

@@ -16,6 +16,9 @@ converter stores and llama.cpp itself assumes:
 - RoPE: the sliding layers' base (rope.freq_base_swa) and a linear scaling of the others
   (rope.scaling.type / rope.scaling.factor, Gemma 3 4B and up); another scaling type fails,
   naming it, rather than serving positions wrongly;
+- bert: transformers has no GGUF reader for it; its BertConfig is built here from bert.* (the
+  token types' count from tokenizer.ggml.token_type_count, or the token_types tensor), with BERT's
+  exact GELU (the file names no activation);
 - gpt-oss: transformers 5.25's GGUF reader fails on the file's rope.scaling metadata, so its
   config is built here from the metadata as llama.cpp reads it (YaRN from rope.scaling.*, the
   experts' width from expert_feed_forward_length, window and full layers alternating, window
@@ -25,8 +28,10 @@ converter stores and llama.cpp itself assumes:
   by their text, and so do the ids read here (the texts of Qwen's, Gemma's and Llama 3's turns);
 - pooling (gguf_pooler_config): the converter writes <arch>.pooling_type for an embedding model
   (from a sentence-transformers directory's Pooling module: mean, cls or lasttoken) and rank for
-  a reranker; llama.cpp's server normalises a pooled embedding (Euclidean, its default
-  embd_normalize 2), whatever the file, and refuses OpenAI's embeddings for pooling none.
+  a reranker (a BERT cross-encoder's file has none, but its classifier, cls.output, without the
+  pooler layer it reads: refused too); llama.cpp's server normalises a pooled embedding
+  (Euclidean, its default embd_normalize 2), whatever the file, and refuses OpenAI's embeddings
+  for pooling none.
 """
 from __future__ import annotations
 
@@ -45,6 +50,9 @@ _GEMMA3_SWA_PERIOD = 6  # llama.cpp's default: layers 5, 11, ... global
 # no key at all: a model that pools nothing (a generator's file).
 _POOLING_NONE, _POOLING_RANK = 0, 4
 _POOLING_TYPES = {1: PoolingType.MEAN, 2: PoolingType.CLS, 3: PoolingType.LAST}
+# A sequence classifier's head as the converter writes it (a BERT cross-encoder's classifier; no
+# pooling_type: it writes one from a sentence-transformers Pooling module only).
+_CLASSIFIER_TENSORS = ("cls.weight", "cls.output.weight")
 
 
 def gguf_config(file: GGUFFile) -> Any:
@@ -53,6 +61,8 @@ def gguf_config(file: GGUFFile) -> Any:
 
     if file.architecture == "gpt-oss":
         return _gpt_oss_config(file)
+    if file.architecture == "bert":
+        return _bert_config(file)
     config = AutoConfig.from_pretrained(str(file.path.parent), gguf_file=file.path.name)
     head_dim = file.arch_field("attention.key_length")
     if head_dim is not None:
@@ -108,6 +118,32 @@ def _gpt_oss_config(file: GGUFFile) -> Any:
         sliding_window=int(number("attention.sliding_window")), rope_parameters=rope,
         tie_word_embeddings="output.weight" not in names,
         bos_token_id=special["bos"], eos_token_id=special["eos"], pad_token_id=special["padding"])
+
+
+def _bert_config(file: GGUFFile) -> Any:
+    """A BertModel's config from bert.* (transformers reads no bert GGUF file). The file records no
+    activation: BERT's exact GELU, as the checkpoints llama.cpp's bert architecture takes
+    (BertModel: bge, e5, all-MiniLM) run it in transformers and sentence-transformers (llama.cpp's
+    own graph runs ggml's tanh approximation)."""
+    from transformers import BertConfig
+
+    def number(key: str) -> Any:
+        value = file.arch_field(key)
+        if value is None:
+            raise ValueError(f"model: GGUF file {file.path.name} lacks bert.{key}")
+        return value
+
+    num_token_types = file.field("tokenizer.ggml.token_type_count")
+    if num_token_types is None:
+        shape = file.tensor_shape("token_types.weight")
+        num_token_types = 1 if shape is None else shape[0]
+    return BertConfig(
+        vocab_size=len(file.field("tokenizer.ggml.tokens", [])), hidden_size=int(number("embedding_length")),
+        num_hidden_layers=int(number("block_count")), num_attention_heads=int(number("attention.head_count")),
+        intermediate_size=int(number("feed_forward_length")), hidden_act="gelu",
+        max_position_embeddings=int(number("context_length")), type_vocab_size=int(num_token_types),
+        layer_norm_eps=float(number("attention.layer_norm_epsilon")),
+        pad_token_id=int(file.field("tokenizer.ggml.padding_token_id", 0)), architectures=["BertModel"])
 
 
 def _set_experts(file: GGUFFile, config: Any) -> None:
@@ -170,14 +206,17 @@ def gguf_eos_token_ids(file: GGUFFile) -> list[int]:
 def gguf_pooler_config(file: GGUFFile) -> PoolerConfig | None:
     """The pooling an embedding file asks for (<arch>.pooling_type), normalised as llama.cpp's
     server normalises it; None for a file that pools nothing. ValueError for a reranker's file
-    (rank: its score is a head the converter cut from the LM head's yes / no rows, not read here)
-    or a type llama.cpp does not define."""
+    (rank: its score is a head the converter cut from the LM head's yes / no rows, not read here;
+    or a BERT cross-encoder's classifier, cls.output, whose input the converter drops: BERT's
+    pooler layer) or a type llama.cpp does not define."""
     value = file.arch_field("pooling_type")
+    has_head = any(name in _CLASSIFIER_TENSORS for name in file.tensor_names())
+    if has_head or (value is not None and int(value) == _POOLING_RANK):
+        why = "pooling_type rank" if not has_head else "a classifier head, cls.output"
+        raise ValueError(f"model: GGUF file {file.path.name} is a reranker ({why}); its scores are not served from a "
+                         "GGUF file: serve the reranker's Hugging Face checkpoint with --task score")
     if value is None or int(value) == _POOLING_NONE:
         return None
-    if int(value) == _POOLING_RANK:
-        raise ValueError(f"model: GGUF file {file.path.name} is a reranker (pooling_type rank); its scores are not "
-                         "served from a GGUF file: serve the reranker's Hugging Face checkpoint with --task score")
     if int(value) not in _POOLING_TYPES:
         raise ValueError(f"model: GGUF file {file.path.name} has pooling_type {value}, which llama.cpp does not define "
                          "(0 none, 1 mean, 2 cls, 3 last, 4 rank)")

@@ -9,8 +9,8 @@ exact); every other quantized type is dequantized once, to float32, with a warni
 projections' rows in llama.cpp's rotary order: they come back in Hugging Face's (a permutation of
 whole rows, so of whole blocks), as transformers' own GGUF loader restores them. llama.cpp's
 converter permutes no other architecture's rows (qwen2, qwen3, qwen3moe and gemma3 rotate halves, as Hugging
-Face does). A head's width is the file's attention.key_length where it has one (Qwen3's and
-Gemma 3's heads are wider than hidden size / heads).
+Face does; bert has no rotary positions). A head's width is the file's attention.key_length where
+it has one (Qwen3's and Gemma 3's heads are wider than hidden size / heads).
 
 A truncated file or an architecture whose tensor layout this reader does not know fails with a
 ValueError that says so.
@@ -38,7 +38,7 @@ _FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16)
 # Hugging Face's. A format fact, kept here rather than read from the model registry so that
 # weights/ never imports models/; a new family adds its name here once its layout is mapped
 # (tests/engine/execution/weights/test_gguf_file.py checks each has a model family).
-GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe", "gemma3", "gpt-oss")
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe", "gemma3", "gpt-oss", "bert")
 LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")  # llama.cpp's per-layer tensor names
 
 
@@ -106,6 +106,11 @@ class GGUFFile:
     def tensor_names(self) -> list[str]:
         """Every tensor's name in file order, nothing read."""
         return [t.name for t in self._reader.tensors]
+
+    def tensor_shape(self, name: str) -> tuple[int, ...] | None:
+        """A tensor's shape in torch's order from the header, nothing read; None for no such tensor."""
+        shape = next((t.shape for t in self._reader.tensors if t.name == name), None)
+        return None if shape is None else tuple(int(d) for d in reversed(shape.tolist()))
 
     def release(self, tensors: Iterable[GGUFTensor]) -> None:
         """Drop the pages of these tensors' bytes from this process's resident memory, once what
@@ -196,6 +201,16 @@ class GGUFFile:
                               ffn_down_exps=(num_experts, hidden, expert_ff))
         if int(vocab) > 0:
             shapes.update({"token_embd.weight": (int(vocab), hidden), "output.weight": (int(vocab), hidden)})
+        # BERT's: the LayerNorms after the embeddings and after each sublayer, the learned absolute
+        # positions (one row a position of the context) and the token types (segments)
+        shapes.update({"token_embd_norm.weight": (hidden,), "token_embd_norm.bias": (hidden,),
+                       "attn_output_norm": (hidden,), "layer_output_norm": (hidden,)})
+        context = int(self.arch_field("context_length", 0))
+        if context > 0:
+            shapes["position_embd.weight"] = (context, hidden)
+        num_token_types = int(self.field("tokenizer.ggml.token_type_count", 0))
+        if num_token_types > 0:
+            shapes["token_types.weight"] = (num_token_types, hidden)
         return shapes
 
     def _check_shape(self, name: str, shape: tuple[int, ...]) -> None:
@@ -208,7 +223,9 @@ class GGUFFile:
             if index >= num_layers:
                 raise ValueError(f"model: GGUF tensor {name} is past the file's {num_layers} layers")
             want = expected.get(part)
-            if want is not None and kind == "bias":  # one per output row: [N] of [N, K], [E, N] of experts' [E, N, K]
+            if want is not None and kind == "bias" and len(want) > 1:
+                # a projection's: one per output row, [N] of [N, K] ([E, N] of experts' [E, N, K]);
+                # a LayerNorm's (BERT's) is its weight's shape
                 want = want[:-1]
         if want is not None and shape != want:
             raise ValueError(f"model: GGUF tensor {name} has shape {list(shape)}, expected {list(want)} from the "

@@ -16,7 +16,8 @@ The caller builds the model on the meta device (no float copy of a projection is
   made; their biases (gpt-oss's, float in the file) become the experts' float bias parameters;
   the router (ffn_gate_inp, with gpt-oss's bias) is a Linear as any;
 - a quantized embedding keeps its blocks too (`embed_tokens.quantized`), and so does a tied LM
-  head, which reads the same QuantizedWeight;
+  head, which reads the same QuantizedWeight; any other embedding in blocks (a position or token
+  type table: BERT's, which llama.cpp's converter keeps float32) is dequantized to float32;
 - every other tensor (norms, float projections, types without kernels, which GGUFFile has
   dequantized once) becomes a float32 parameter.
 Tensor names are mapped from llama.cpp's (blk.N.attn_q ...) to Hugging Face's, per architecture
@@ -31,6 +32,13 @@ directory reads other families' files with transformers (which fails on gpt-oss'
 hf_float_tensors reads a gpt-oss file as float32 (blocks dequantized by the gguf package) in
 transformers' layout: gate and up put back together (mlp.experts.gate_up_proj [E, H, 2I]
 interleaved, down_proj [E, I, H]).
+
+bert (an embedder's file: BertModel's tensors, llama.cpp's token_embd / position_embd /
+token_types / token_embd_norm and per layer attn_q/k/v, attn_output, attn_output_norm, ffn_up,
+ffn_down, layer_output_norm, each with its bias) maps to BertModel's checkpoint names
+(embeddings.*, encoder.layer.N.*); transformers has no GGUF reader for it, so quantization none
+reads it through hf_float_tensors too. A cross-encoder's head (cls, cls.output) is not mapped:
+such a file is refused as a reranker before any tensor is read (gguf_config.gguf_pooler_config).
 
 Gemma 3's RMSNorms scale by (1 + w); llama.cpp's converter stores every one of its norm weights
 (the layers', the query / key norms and the final one) with the 1 already added. They are set on
@@ -66,6 +74,17 @@ _QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm
 # ([E, ...]; the loader splits them into Hugging Face's per-expert names, mlp.experts.N.gate_proj).
 _EXPERTS = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
             "ffn_down_exps": "mlp.experts.down_proj"}
+# BERT's tensors (bert.py's checkpoint names, without a task model's prefix): the embeddings', and
+# each layer's under encoder.layer.N.
+_BERT_GLOBAL_NAMES = {"token_embd.weight": "embeddings.word_embeddings.weight",
+                      "position_embd.weight": "embeddings.position_embeddings.weight",
+                      "token_types.weight": "embeddings.token_type_embeddings.weight",
+                      "token_embd_norm.weight": "embeddings.LayerNorm.weight",
+                      "token_embd_norm.bias": "embeddings.LayerNorm.bias"}
+_BERT_LAYER_NAMES = {"attn_q": "attention.self.query", "attn_k": "attention.self.key",
+                     "attn_v": "attention.self.value", "attn_output": "attention.output.dense",
+                     "attn_output_norm": "attention.output.LayerNorm", "ffn_up": "intermediate.dense",
+                     "ffn_down": "output.dense", "layer_output_norm": "output.LayerNorm"}
 _ARCH_LAYER_NAMES = {
     "qwen3": _LAYER_NAMES | _QK_NORMS,
     "qwen3moe": _LAYER_NAMES | _QK_NORMS | _EXPERTS,
@@ -74,7 +93,13 @@ _ARCH_LAYER_NAMES = {
                                           "post_ffw_norm": "post_feedforward_layernorm"},
     "gpt-oss": _LAYER_NAMES | _EXPERTS | {"post_attention_norm": "post_attention_layernorm",
                                           "attn_sinks": "self_attn.sinks", "ffn_gate_inp": "mlp.router"},
+    "bert": _BERT_LAYER_NAMES,
 }
+_ARCH_GLOBAL_NAMES = {"bert": _BERT_GLOBAL_NAMES}
+_ARCH_LAYER_PREFIX = {"bert": "encoder.layer"}  # others': model.layers
+# The architectures whose files hf_float_tensors reads for quantization none (transformers has no
+# GGUF reader for bert, and fails on gpt-oss's metadata).
+FLOAT_READ_ARCHITECTURES = ("gpt-oss", "bert")
 # gpt-oss's experts as hf_float_tensors joins them into transformers' tensors.
 _GPT_OSS_EXPERTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 # Tensors some files carry that the model computes itself (llama 3's RoPE frequencies).
@@ -84,15 +109,17 @@ _STACKED_EXPERTS = re.compile(r"(.*\.experts)\.(\w+)\.(weight|bias)$")  # a stac
 
 def hf_name(gguf_name: str, architecture: str) -> str | None:
     """llama.cpp's tensor name in a file of `architecture` -> Hugging Face's; None for an unknown one."""
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
+    global_names = _ARCH_GLOBAL_NAMES.get(architecture, _GLOBAL_NAMES)
+    if gguf_name in global_names:
+        return global_names[gguf_name]
     layer_names = _ARCH_LAYER_NAMES.get(architecture, _LAYER_NAMES)
     match = LAYER_TENSOR.match(gguf_name)
     if match is None or match.group(2) not in layer_names:
         return None
+    prefix = _ARCH_LAYER_PREFIX.get(architecture, "model.layers")
     if match.group(2) == "attn_sinks":  # a bare parameter in transformers, not a module's weight
-        return f"model.layers.{match.group(1)}.self_attn.sinks"
-    return f"model.layers.{match.group(1)}.{layer_names[match.group(2)]}.{match.group(3)}"
+        return f"{prefix}.{match.group(1)}.self_attn.sinks"
+    return f"{prefix}.{match.group(1)}.{layer_names[match.group(2)]}.{match.group(3)}"
 
 
 def _mapped_name(t: GGUFTensor, gguf: GGUFFile) -> str | None:
@@ -113,11 +140,11 @@ def _values(t: GGUFTensor) -> torch.Tensor:
 
 
 def hf_float_tensors(gguf: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of a gpt-oss file as float32 under transformers' name and in its layout
-    (module docstring). Raises ValueError naming a tensor with no place in the model."""
-    if gguf.architecture != "gpt-oss":  # others' float path is transformers' (Gemma's norms, llama's rows)
-        raise ValueError(f"model: {gguf.path.name}: float tensors are read here for gpt-oss only, "
-                         f"not {gguf.architecture}")
+    """Every tensor of a gpt-oss or bert file as float32 under transformers' name and in its
+    layout (module docstring). Raises ValueError naming a tensor with no place in the model."""
+    if gguf.architecture not in FLOAT_READ_ARCHITECTURES:  # others' is transformers' (Gemma's norms, llama's rows)
+        raise ValueError(f"model: {gguf.path.name}: float tensors are read here for "
+                         f"{' and '.join(FLOAT_READ_ARCHITECTURES)} only, not {gguf.architecture}")
     experts: dict[tuple[str, str, str], torch.Tensor] = {}  # (layer, part, weight | bias) -> values
     for t in gguf.tensors():
         match = LAYER_TENSOR.match(t.name)
@@ -250,10 +277,12 @@ def load_gguf_weights(model: nn.Module, gguf: GGUFFile) -> nn.Module:
         in_features = module.weight.shape[1]
         if bias is not None:
             _set_parameter(model, f"{module_name}.bias", bias)
-        if any(t.is_blocks for t in weight):
+        # the backends run blocks for projections and the word embedding (embed_tokens) only
+        can_keep_blocks = isinstance(module, nn.Linear) or module is getattr(model, "embed_tokens", None)
+        if any(t.is_blocks for t in weight) and can_keep_blocks:
             module.quantized = _quantized(module_name, weight, in_features, bias)
         else:
-            _set_parameter(model, f"{module_name}.weight", torch.cat([_float(t) for t in weight]))
+            _set_parameter(model, f"{module_name}.weight", torch.cat([_values(t) for t in weight]))
         gguf.release(weight)  # repacked or copied: its mapped pages are no longer read
     if tie_word_embeddings:
         embedding = model.embed_tokens

@@ -40,6 +40,16 @@ def test_a_reranker_file_and_an_unknown_type_are_refused_naming_them(tmp_path: P
         gguf_pooler_config(_file(tmp_path / "odd.gguf", 7))
 
 
+def test_a_bert_cross_encoders_file_is_refused_as_a_reranker(tmp_path: Path) -> None:
+    """The converter writes a BertForSequenceClassification's classifier as cls.output and no
+    pooling_type (it drops the BERT pooler layer the classifier reads)."""
+    head = {"cls.output.weight": (np.ones((1, 64), np.float32), T.F32), "cls.output.bias": (np.ones(1, np.float32), T.F32)}
+    file = GGUFFile(write_gguf(tmp_path / "rerank.gguf", "bert", {"embedding_length": 64, "attention.head_count": 4},
+                               head))
+    with pytest.raises(ValueError, match="reranker .a classifier head, cls.output.*--task score"):
+        gguf_pooler_config(file)
+
+
 @pytest.mark.parametrize("pooling_type", list(PoolingType))
 @pytest.mark.parametrize("normalize", [True, False])
 def test_a_written_recipe_reads_back(tmp_path: Path, pooling_type: PoolingType, normalize: bool) -> None:
