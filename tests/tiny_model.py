@@ -238,7 +238,7 @@ def family_config(family: str):
 
 FAMILIES = ["llama3-rope", "qwen2-tied", "qwen2-untied", "qwen2-sliding", "mistral-window", "qwen3", "gemma3",
             "qwen3-moe", "qwen3-moe-unnormed"]
-MOE_FAMILIES = ("qwen3-moe", "qwen3-moe-unnormed")  # fused layers, but not the one-call decode step
+MOE_FAMILIES = ("qwen3-moe", "qwen3-moe-unnormed")  # the fused layers and the one-call decode step
 # gpt-oss (family_config("gpt-oss")) is tested on its own (test_gpt_oss.py): int8 weights and the fused
 # layers refuse it, which every FAMILIES test also runs.
 

@@ -60,17 +60,17 @@ class CpuBackend(Backend):
         # Steps of up to max_panel_rows rows multiply on the panels (the fused layers, or each
         # PackedLinear alone where there are none).
         self.max_panel_rows = max_fused if self.panel_dtype is not None else 0
-        # The fused layers know causal decoders, their MLPs dense or sparse (the router, routing and
-        # the MoeExperts op in the layer's call), gpt-oss's attention sinks in their attention; the
-        # one-call decode step knows dense ones. An encoder (BERT: bidirectional, no KV cache) runs
-        # every step through its modules, its projections still on the panels.
+        # The fused layers and the one-call decode step know causal decoders, their MLPs dense or
+        # sparse (the router, routing and the MoeExperts op's products), gpt-oss's attention sinks
+        # in their attention. An encoder (BERT: bidirectional, no KV cache) runs every step through
+        # its modules, its projections still on the panels.
         self.is_encoder = not model_config.is_causal
         self.can_fuse = not self.is_encoder
         if not self.can_fuse:
             logger.info("an encoder: the CPU backend runs every step through the model's modules (panel or oneDNN "
                         "projections), not its fused layers")
         self.max_fused_tokens = self.max_panel_rows if self.can_fuse else 0
-        self.max_decode_rows = 0 if model_config.moe is not None else self.max_fused_tokens
+        self.max_decode_rows = self.max_fused_tokens
         # oneDNN's copy of the weights only where some step runs the torch path.
         is_every_step_fused = self.panel_dtype is not None and max_fused == sys.maxsize
         self.onednn = not is_every_step_fused and config.enable_onednn and can_pack_linear(dtype)

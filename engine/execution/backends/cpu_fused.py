@@ -113,10 +113,15 @@ class FusedModel:
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             cos, sin = ropes[layer.rope_index]
             layer.forward(x, cos, sin, attn.for_layer(i), k_cache, v_cache, self.kernels, self.isa)
-        for moe in self.sparse:  # the step's count of experts run: an int each op kept from its grouping
+        self._count_experts()
+        return self.model.norm(x).to(dtype)
+
+    def _count_experts(self) -> None:
+        """The step's count of experts run: an int each op kept from its grouping (the per-layer
+        call's, or the one-call step's, which sets it)."""
+        for moe in self.sparse:
             if moe.usage is not None:
                 moe.usage.add(moe.experts.op.last_num_routed)
-        return self.model.norm(x).to(dtype)
 
     def bind_decode(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
                     layer_group: tuple[int, ...]) -> None:
@@ -143,7 +148,10 @@ class FusedModel:
         -> logits [B, vocab] float32 and, with_argmax, each row's first argmax (torch.argmax's
         rule) as a list, else None. One call, not a dozen
         torch and numpy ops: after a batch-1 step's weight stream every such op finds the caches cold."""
-        return self.decoder.step(token_ids, block_tables, context_lens, with_argmax)
+        out = self.decoder.step(token_ids, block_tables, context_lens, with_argmax)
+        if self.sparse:
+            self._count_experts()
+        return out
 
     def take_part_seconds(self) -> dict[str, float] | None:
         """The fused decode steps' wall seconds by kind of part (qkv, attention, o_proj, gate_up,

@@ -291,7 +291,7 @@ void route_tokens(const float* logits, int64_t T, int64_t E, int64_t k, int64_t 
 // come with each call): DecodeModel's layers, and the per-layer kernels' (decode_layer,
 // layer_attention_inputs / _outputs). The optional norms are the families' beyond Llama's.
 // A mixture-of-experts layer sets `moe` and leaves gate_up and down empty (out_features 0);
-// DecodeModel's one-call step does not take such layers, the per-layer kernels do.
+// both the per-layer kernels and DecodeModel's one-call step take such layers.
 struct DecodeLayerWeights {
   torch::Tensor input_norm, post_norm;  // [hidden] float32; post_norm: the MLP's input norm
   PackedLinear qkv, o_proj, gate_up, down;
@@ -320,8 +320,9 @@ void decode_layer(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor
 // A model's decode-only steps from token ids to logits, one call each (the CPU counterpart of a
 // CUDA graph; decode_model.cpp): the embedding's rows (float32, bfloat16 or float16; scaled where
 // the family scales them) and each RoPE table's rows of the positions, every layer as
-// decode_layer computes it, the final RMSNorm, the LM head's panels, all in one parallel region
-// whose threads take each part's tasks in turn.
+// decode_layer computes it (a sparse layer's router, routing and routed experts too), the final
+// RMSNorm, the LM head's panels, all in one parallel region whose threads take each part's tasks
+// in turn.
 // What every step shares is bound and checked once, not converted from Python per step (this,
 // and taking the sequences' lists as inputs, took much of a batch-1 step's host part away).
 struct DecodeModel {
@@ -339,7 +340,8 @@ struct DecodeModel {
   std::optional<torch::Tensor> embed_scale;
   int64_t isa;
   std::vector<int64_t> layer_groups;  // per layer, its KV-cache group (engine/execution/kv_cache_layout.py)
-  // Derived from the above by the constructor.
+  // Derived from the above by the constructor (intermediate: the dense layers' MLP width, 0 where
+  // every layer is sparse).
   int64_t hidden, head_dim, num_kv_heads, qkv_width, intermediate, num_groups;
   bool has_output_norms;  // some layer norms its o_proj's and down's outputs (a scratch for them)
 
@@ -360,8 +362,9 @@ struct DecodeModel {
       const std::vector<int64_t>& context_lens, bool with_argmax) const;
 
   // The steps' wall time by kind of part, summed since the last call, and how many steps: a
-  // layer's six (kQkv .. kDown's order), the LM head, the argmax, and outside the team (the
-  // inputs' checks and gathers). A part's time runs from the part before's completion to its
+  // layer's six (kQkv .. kDown's order; a sparse layer's router and experts' gate_up count as
+  // gate_up, their activation as silu, their down products and weighted sum as down), the LM
+  // head, the argmax, and outside the team (the inputs' checks and gathers). A part's time runs from the part before's completion to its
   // own, so the kinds add up to the step, waits included. Reading zeroes the sums.
   static constexpr int64_t kPartKinds = 9;
   std::pair<int64_t, std::array<double, kPartKinds>> take_part_seconds() const;
@@ -383,6 +386,31 @@ torch::Tensor layer_attention_inputs(const torch::Tensor& x, const torch::Tensor
 void layer_attention_outputs(torch::Tensor x, const torch::Tensor& attn_out, const DecodeLayerWeights& w, double eps,
                              int64_t act, int64_t isa);
 
+struct BlockActs;  // quant_tiles.h: activations quantized per 32 k for GGUF block panels
+struct QuantActs;
+
+// One routed expert's rows and a range of one of its projections' panels: a task of MoeExperts' products.
+struct MoeTask {
+  int64_t expert, m_begin, m_end, p_begin, p_end;
+};
+
+// A call's routes as rows (token, slot) grouped by expert (ascending; tokens in order within an
+// expert) and each product's tasks (MoeExperts::group): what MoeExperts::run and DecodeModel's
+// sparse layers share, so that both run the same tasks and sum each token's outputs in the same
+// order (the same floats).
+struct MoeRows {
+  int64_t T = 0, k = 0;
+  std::vector<int64_t> ids;         // [T, k]: DecodeModel's routing (run() takes its caller's)
+  std::vector<float> weights;       // [T, k]
+  std::vector<int64_t> row_begin;   // [E + 1]: expert e's rows are [row_begin[e], row_begin[e + 1])
+  std::vector<int64_t> row_token;   // [T k]: each row's token
+  std::vector<float> row_weight;    // [T k]: each row's routing weight
+  std::vector<int64_t> token_rows;  // [T, k]: token t's rows, in ascending expert order
+  std::vector<int64_t> routed;      // the experts with rows, ascending
+  std::vector<MoeTask> gate_up_tasks, down_tasks;
+  int64_t num_rows() const { return T * k; }
+};
+
 // A sparse MoE layer's E experts (moe_experts.cpp), bound once: per expert its gate_up
 // projection (K = hidden, N = 2 intermediate: the gate rows, then the up rows) and its down
 // projection (K = intermediate, N = hidden), each as a PackedLinear of float32, bfloat16 or int8
@@ -398,8 +426,32 @@ struct MoeExperts {
   void run(const float* x, int64_t T, const int64_t* ids, const float* weights, int64_t k, float* out) const;
   int64_t num_experts() const;
   int64_t hidden() const { return hidden_; }
-  // Distinct experts the last forward ran (its grouping counts them anyway: the step's stats read it).
+  // Distinct experts the last forward ran (its grouping counts them anyway: the step's stats read
+  // it), or the last DecodeModel step ran in this layer (which sets it).
   int64_t last_num_routed() const { return last_num_routed_; }
+  void set_last_num_routed(int64_t n) const { last_num_routed_ = n; }
+  int64_t intermediate() const { return intermediate_; }
+
+  // run()'s pieces, for a team that runs them as parts of its own (DecodeModel's step); a
+  // member must not throw, and none of these does.
+  // T tokens' k routes (ids each in [0, E)) as rows, with each product's tasks for num_threads threads.
+  void group(const int64_t* ids, const float* weights, int64_t T, int64_t k, int64_t num_threads,
+             MoeRows& rows) const;
+  // Whether a product's input rows must come quantized per 32 k (some expert's panels are GGUF blocks).
+  bool quantizes_gate_up_input() const;
+  bool quantizes_down_input() const;
+  // x [M, K] -> q [M, K], blocks [M, K / 32], as the integer-dot tiles take them.
+  void quantize(const float* x, int64_t M, int64_t K, int8_t* q, BlockActs* blocks) const;
+  // One task of the gate_up product: xs [R, hidden] (acts: xs quantized, where the panels need
+  // it) -> its outputs in h [R, 2 intermediate].
+  void run_gate_up_task(const MoeRows& rows, int64_t task, const float* xs, const QuantActs& acts, float* h) const;
+  // Rows [r_begin, r_end) of h [R, 2 intermediate] (gate half, then up half) -> a [R, intermediate].
+  void activate(const float* h, int64_t r_begin, int64_t r_end, float* a) const;
+  // One task of the down product: a [R, intermediate] -> its outputs in y [R, hidden].
+  void run_down_task(const MoeRows& rows, int64_t task, const float* a, const QuantActs& acts, float* y) const;
+  // out[c0, c1) of token t = sum over t's experts, ascending, of weight * y's row (out: t's
+  // output row of hidden floats).
+  void sum_token(const MoeRows& rows, const float* y, int64_t t, int64_t c0, int64_t c1, float* out) const;
 
   struct Plan;  // the panels as plain values (moe_experts.cpp)
 

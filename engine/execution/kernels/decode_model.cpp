@@ -2,7 +2,9 @@
 // CPU counterpart of a CUDA graph).
 //
 // The step is a chain of about 180 dependent parts (a layer's QKV projection, attention, output
-// projection, gate/up projection, SiLU, down projection; the LM head, the argmax). Forking and
+// projection, gate/up projection, SiLU, down projection, or a sparse layer's router product,
+// routed experts' gate/up products, activation, down products and weighted sum; the LM head,
+// the argmax). Forking and
 // joining the threads around each part costs microseconds a part, and each join leaves the
 // memory idle while the next part's threads wake. Here the threads are forked once per step:
 // each runs every part, waiting only for the part before to be done (a short spin when all are
@@ -84,8 +86,17 @@ struct alignas(64) PartCounter {
   std::atomic<int64_t> next{0}, done{0};
 };
 
-// The parts of a layer, in order; then the LM head's and the argmax's.
+// The parts of a layer, in order; then the LM head's and the argmax's. A sparse layer's MLP is
+// five parts in place of the dense one's three: the router's product (whose last member routes
+// the tokens), the routed experts' gate_up products, their activation, their down products, and
+// each token's weighted sum added to the residual stream.
 enum LayerPart : int64_t { kQkv, kAttention, kOutput, kGateUp, kSilu, kDown, kPartsPerLayer };
+enum SparsePart : int64_t { kRouter = kGateUp, kExpertsGateUp, kExpertsAct, kExpertsDown, kExpertsSum,
+                            kPartsPerSparseLayer };
+// Each sparse part's kind in the step's split (take_part_seconds): router and experts' gate_up as
+// gate_up, the activation as silu, the down products and the sum as down.
+constexpr int64_t kSparsePartKinds[kPartsPerSparseLayer] = {kQkv, kAttention, kOutput, kGateUp, kGateUp, kSilu,
+                                                            kDown, kDown};
 
 // [begin, end) of n for task `task` of num_tasks: an even split of a row-wise part's elements,
 // in whole units of `unit` (the vector width: the same elements take the vector path and the
@@ -255,6 +266,13 @@ struct alignas(64) LayerPlan {
   const float *q_norm, *k_norm, *attn_output_norm, *mlp_output_norm;
   int64_t group;  // its KV-cache group: which of the step's block tables and slots it reads
   const float* sinks;  // [num_heads] each query head's sink logit (gpt-oss), or nullptr
+  // A sparse layer's MLP (experts nullptr: a dense layer): its router's panels, its experts, its
+  // routing, and its index among the sparse layers (its MoeRows).
+  const MoeExperts* experts;
+  ProductPlan router;
+  int64_t top_k, routing;
+  bool norm_topk_prob;
+  int64_t sparse;
 };
 
 // x[m] += RMSNorm(y[m]) for the step's rows (add_rms_normed), run by the member that ends a
@@ -286,6 +304,14 @@ struct DecodeModel::Plan {
   std::vector<LayerPlan> layers;
   ProductPlan head;
   const float* final_norm;  // [hidden]
+  std::vector<int64_t> part_begin;  // [layers + 1]: each layer's first part, then the LM head's
+  std::vector<int64_t> part_kinds;  // [part_begin.back()]: each layer part's kind in the step's split
+  // The sparse layers': their count, and the widest routing and experts (the step's scratch).
+  int64_t num_sparse = 0, max_top_k = 0, max_experts = 0, max_moe_intermediate = 0;
+  // [num_sparse]: a step's routes per sparse layer, rewritten each step (steps run one at a time).
+  // One per layer, not one for all: a late member (see run_member) may still read a layer's task
+  // count after the team has moved on, and must find that layer's.
+  mutable std::vector<MoeRows> moe_rows;
 };
 
 namespace {
@@ -310,9 +336,45 @@ struct TeamStep {
   const int64_t *tables, *lens, *slots;  // [groups, M, max_blocks], [M], [groups, M]
   int64_t max_blocks;
   const DecodeAttentionTasks& attention_tasks;
-  PartCounter* counters;  // [layers * kPartsPerLayer + 2]
-  HomeRange* homes;       // [layers * kPartsPerLayer + 2, num_ranks]
+  PartCounter* counters;  // [parts]
+  HomeRange* homes;       // [parts, num_ranks]
   TeamProgress progress;
+  // The sparse layers' (R = M * top_k rows, each a token's route to one expert, grouped by
+  // expert): the router's logits [M, E]; the experts' input rows [R, hidden] and, for GGUF block
+  // panels, their quantized copy; gate_up's outputs [R, 2 I]; the activations [R, I] and their
+  // quantized copy; the experts' outputs [R, hidden]; each token's weighted sum [M, hidden].
+  float *router_logits, *moe_xs, *moe_h, *moe_a, *moe_y, *moe_sum;
+  int8_t *moe_xs_q, *moe_a_q;
+  BlockActs *moe_xs_blocks, *moe_a_blocks;
+};
+
+// A sparse layer's routing, run by the member that ends its router product (TeamShare::finish)
+// while the others wait for the part: each token's k experts and weights as the per-layer kernel
+// routes them (route_tokens), grouped into rows and each product's tasks (MoeExperts::group), and
+// the experts' input rows gathered from that member's normed rows (quantized for GGUF block
+// panels). A few microseconds at a decode step's rows: less than one more part's hand-over.
+struct RouteExperts {
+  const LayerPlan* layer;
+  MoeRows* rows;
+  const float* logits;  // [M, E]
+  const float* h;       // [M, hidden]: the finishing member's normed rows
+  int64_t M, hidden, num_ranks;
+  float* xs;            // [M top_k, hidden]
+  int8_t* q;            // [M top_k, hidden]
+  BlockActs* blocks;    // [M top_k, hidden / 32]
+
+  static void run(const void* self) {
+    const auto& r = *static_cast<const RouteExperts*>(self);
+    const LayerPlan& l = *r.layer;
+    MoeRows& rows = *r.rows;
+    const int64_t k = l.top_k, R = r.M * k, H = r.hidden;
+    rows.ids.resize(R);
+    rows.weights.resize(R);
+    route_tokens(r.logits, r.M, l.router.n, k, l.routing, l.norm_topk_prob, rows.ids.data(), rows.weights.data());
+    l.experts->group(rows.ids.data(), rows.weights.data(), r.M, k, r.num_ranks, rows);
+    for (int64_t row = 0; row < R; ++row) std::copy_n(r.h + rows.row_token[row] * H, H, r.xs + row * H);
+    if (l.experts->quantizes_gate_up_input()) l.experts->quantize(r.xs, R, H, r.q, r.blocks);
+  }
 };
 
 // Below kFewRows rows a task first requests into L2 the cached K and V rows it reads (all but
@@ -399,6 +461,75 @@ void prefetch_kv_rows(const TeamStep& s, int64_t layer) {
 #endif
 }
 
+// A member's run of a sparse layer's MLP parts (after its o_proj): the router's product on its
+// own normed rows h (the member ending it routes: RouteExperts), the routed experts' gate_up
+// products in MoeExperts::group's tasks (the per-layer kernel's own, so each output's floats are
+// the same), the activation in row ranges (each range's rows quantized for GGUF down panels), the
+// down products, and each token's weighted sum (MoeExperts::sum_token) added to the residual
+// stream, as decode_layer adds it: the sum, then the add (or the sum's norm and add, where the
+// layer norms its MLP's output).
+void run_sparse_mlp(TeamStep& s, const LayerPlan& w, int64_t part, int64_t rank_begin, float* h) {
+  const DecodeModel& model = s.model;
+  const int64_t M = s.M, hidden = model.hidden, isa = model.isa;
+  const auto eps = static_cast<float>(model.eps);
+  const MoeExperts& experts = *w.experts;
+  MoeRows& rows = s.plan.moe_rows[w.sparse];
+  const auto share = [&](int64_t p, bool home_ranges = false) {
+    return TeamShare{s.num_ranks, &s.counters[p].next, &s.counters[p].done, &s.progress, p,
+                     home_ranges ? s.homes + p * s.num_ranks : nullptr, rank_begin};
+  };
+  if (s.progress.wait_for(part + kRouter)) {
+    rms_norm(s.x, M, hidden, w.post_norm, eps, h);
+    const RouteExperts route{&w, &rows, s.router_logits, h, M, hidden, s.num_ranks, s.moe_xs, s.moe_xs_q,
+                             s.moe_xs_blocks};
+    TeamShare team = share(part + kRouter, true);
+    team.finish = &RouteExperts::run;
+    team.finish_arg = &route;
+    packed_gemm(h, M, hidden, hidden, w.router.w, w.router.scale, w.router.bias, w.router.n, s.router_logits,
+                w.router.n, isa, false, &team);
+  }
+  const int64_t I = experts.intermediate(), R = M * w.top_k;
+  if (s.progress.wait_for(part + kExpertsGateUp)) {
+    const QuantActs acts{s.moe_xs_q, s.moe_xs_blocks, hidden, hidden / 32};
+    share(part + kExpertsGateUp, true).for_each_task(static_cast<int64_t>(rows.gate_up_tasks.size()),
+        [&](int64_t task) { experts.run_gate_up_task(rows, task, s.moe_xs, acts, s.moe_h); });
+  }
+  if (s.progress.wait_for(part + kExpertsAct)) {
+    const int64_t num_tasks = std::min(R, 4 * s.num_ranks);
+    const bool quantize = experts.quantizes_down_input();
+    share(part + kExpertsAct).for_each_task(num_tasks, [&](int64_t task) {
+      const auto [r0, r1] = task_range(R, task, num_tasks, 1);
+      experts.activate(s.moe_h, r0, r1, s.moe_a);
+      if (quantize) experts.quantize(s.moe_a + r0 * I, r1 - r0, I, s.moe_a_q + r0 * I, s.moe_a_blocks + r0 * (I / 32));
+    });
+  }
+  if (s.progress.wait_for(part + kExpertsDown)) {
+    const QuantActs acts{s.moe_a_q, s.moe_a_blocks, I, I / 32};
+    share(part + kExpertsDown, true).for_each_task(static_cast<int64_t>(rows.down_tasks.size()),
+        [&](int64_t task) { experts.run_down_task(rows, task, s.moe_a, acts, s.moe_y); });
+  }
+  if (s.progress.wait_for(part + kExpertsSum)) {
+    if (w.mlp_output_norm != nullptr) {  // whole rows: the norm reads all of one
+      share(part + kExpertsSum).for_each_task(M, [&](int64_t t) {
+        float* y = s.moe_sum + t * hidden;
+        experts.sum_token(rows, s.moe_y, t, 0, hidden, y);
+        add_rms_normed(y, 1, hidden, w.mlp_output_norm, eps, s.x + t * hidden);
+      });
+      return;
+    }
+    // column ranges of whole vector widths, about four tasks a member
+    const int64_t per_row = std::max<int64_t>(1, std::min((hidden + 15) / 16, (4 * s.num_ranks + M - 1) / M));
+    share(part + kExpertsSum).for_each_task(M * per_row, [&](int64_t task) {
+      const int64_t t = task / per_row;
+      const auto [c0, c1] = task_range(hidden, task % per_row, per_row, 16);
+      float* y = s.moe_sum + t * hidden;
+      float* x = s.x + t * hidden;
+      experts.sum_token(rows, s.moe_y, t, c0, c1, y);
+      for (int64_t i = c0; i < c1; ++i) x[i] += y[i];
+    });
+  }
+}
+
 // One member's run of the whole step, as ranks [rank_begin, rank_end) of the team (its own
 // norm rows). Before each part it waits for the part before, then takes tasks until none are
 // left; a part already done (this member was preempted meanwhile) it skips. A member's own
@@ -453,9 +584,23 @@ void run_member(TeamStep& s, int64_t rank_begin) {
   const int64_t silu_tasks = few_rows ? 0 : std::min<int64_t>((intermediate + 15) / 16, 4 * s.num_ranks);
   float* act = few_rows ? s.act + rank_begin * M * intermediate : s.act;  // down's input
   const int64_t num_layers = static_cast<int64_t>(s.plan.layers.size());
+  // A layer's last part done: its successor's weights requested ahead.
+  const auto prefetch_after_layer = [&](int64_t layer) {
+    if (layer + 1 < num_layers) {
+      const LayerPlan& next = s.plan.layers[layer + 1];
+      prefetch_next(next.qkv);
+      if (few_rows) {
+        prefetch_lines(&next, sizeof(LayerPlan));
+        prefetch_lines(next.input_norm, hidden * 4);
+      }
+    } else {
+      prefetch_next(s.plan.head);
+      if (few_rows) prefetch_lines(s.plan.final_norm, hidden * 4);
+    }
+  };
   for (int64_t layer = 0; layer < num_layers; ++layer) {
     const LayerPlan& w = s.plan.layers[layer];
-    const int64_t part = layer * kPartsPerLayer;
+    const int64_t part = s.plan.part_begin[layer];
     if (s.progress.wait_for(part + kQkv)) {
       rms_norm(s.x, M, hidden, w.input_norm, eps, h);
       gemm(w.qkv, h, hidden, s.qkv, false, part + kQkv);
@@ -473,8 +618,13 @@ void run_member(TeamStep& s, int64_t rank_begin) {
     }
     if (s.progress.wait_for(part + kOutput)) {
       residual_gemm(w.o_proj, s.attn, q_size, w.attn_output_norm, part + kOutput);
-      prefetch_next(w.gate_up);
+      prefetch_next(w.experts != nullptr ? w.router : w.gate_up);
       if (few_rows) prefetch_lines(w.post_norm, hidden * 4);
+    }
+    if (w.experts != nullptr) {
+      run_sparse_mlp(s, w, part, rank_begin, h);
+      prefetch_after_layer(layer);
+      continue;
     }
     if (s.progress.wait_for(part + kGateUp)) {
       rms_norm(s.x, M, hidden, w.post_norm, eps, h);
@@ -497,20 +647,10 @@ void run_member(TeamStep& s, int64_t rank_begin) {
           gated_act(g, g + intermediate, act + m * intermediate, intermediate, act_kind, isa);
         }
       residual_gemm(w.down, act, intermediate, w.mlp_output_norm, part + kDown);
-      if (layer + 1 < num_layers) {
-        const LayerPlan& next = s.plan.layers[layer + 1];
-        prefetch_next(next.qkv);
-        if (few_rows) {
-          prefetch_lines(&next, sizeof(LayerPlan));
-          prefetch_lines(next.input_norm, hidden * 4);
-        }
-      } else {
-        prefetch_next(s.plan.head);
-        if (few_rows) prefetch_lines(s.plan.final_norm, hidden * 4);
-      }
+      prefetch_after_layer(layer);
     }
   }
-  const int64_t head_part = num_layers * kPartsPerLayer;
+  const int64_t head_part = s.plan.part_begin[num_layers];
   if (s.progress.wait_for(head_part)) {
     rms_norm(s.x, M, hidden, s.plan.final_norm, eps, h);
     gemm(s.plan.head, h, hidden, s.logits, false, head_part);
@@ -610,11 +750,15 @@ DecodeModel::DecodeModel(torch::Tensor embedding, std::vector<torch::Tensor> rop
   num_kv_heads = k0.size(1);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   qkv_width = q_size + 2 * kv_size;
-  intermediate = std::get<3>(this->layers.front()->gate_up) / 2;
+  intermediate = 0;  // the first dense layer's MLP width
+  for (const auto& l : this->layers) {
+    if (!l->moe) {
+      intermediate = std::get<3>(l->gate_up) / 2;
+      break;
+    }
+  }
   for (size_t i = 0; i < this->layers.size(); ++i) {
     const DecodeLayerWeights& l = *this->layers[i];
-    TORCH_CHECK(!l.moe, "DecodeModel: layer ", i, " is a mixture-of-experts layer, which the one-call step does not "
-                "take (the per-layer kernels do)");
     const auto& [k, v] = this->kv_caches[i];
     TORCH_CHECK(k.sizes() == k0.sizes() && v.sizes() == k0.sizes() && k.scalar_type() == k0.scalar_type() &&
                 v.scalar_type() == k0.scalar_type() && k.is_contiguous() && v.is_contiguous(),
@@ -634,10 +778,20 @@ DecodeModel::DecodeModel(torch::Tensor embedding, std::vector<torch::Tensor> rop
     TORCH_CHECK(l.rope_index >= 0 && l.rope_index < static_cast<int64_t>(this->rope_cos.size()),
                 "DecodeModel: layer ", i, "'s rope_index ", l.rope_index, " names no RoPE table");
     TORCH_CHECK(std::get<3>(l.qkv) == qkv_width && std::get<3>(l.o_proj) == hidden &&
-                std::get<3>(l.gate_up) == 2 * intermediate && std::get<3>(l.down) == hidden,
+                (l.moe || (std::get<3>(l.gate_up) == 2 * intermediate && std::get<3>(l.down) == hidden)),
                 "DecodeModel: layer ", i, "'s projection widths");
-    const std::pair<const PackedLinear*, int64_t> inputs[] = {
-        {&l.qkv, hidden}, {&l.o_proj, q_size}, {&l.gate_up, hidden}, {&l.down, intermediate}};
+    std::vector<std::pair<const PackedLinear*, int64_t>> inputs = {{&l.qkv, hidden}, {&l.o_proj, q_size}};
+    if (l.moe) {
+      const MoeMlp& moe = *l.moe;
+      TORCH_CHECK(moe.experts && moe.experts->hidden() == hidden && std::get<3>(moe.router) == moe.experts->num_experts(),
+                  "DecodeModel: layer ", i, "'s router must have one output per expert, its experts hidden wide");
+      TORCH_CHECK(moe.top_k >= 1 && moe.top_k <= moe.experts->num_experts() &&
+                  (moe.routing == kRoutingSoftmaxTopk || moe.routing == kRoutingTopkSoftmax),
+                  "DecodeModel: layer ", i, "'s routing: top_k in 1..experts, a known routing");
+      inputs.emplace_back(&moe.router, hidden);
+    } else {
+      inputs.insert(inputs.end(), {{&l.gate_up, hidden}, {&l.down, intermediate}});
+    }
     for (const auto& [linear, K] : inputs) {
       const LinearView lv = view(*linear);
       check_packed_weight(lv.w, K, lv.n, lv.scale, isa);
@@ -648,18 +802,34 @@ DecodeModel::DecodeModel(torch::Tensor embedding, std::vector<torch::Tensor> rop
   auto plan = std::make_shared<Plan>();
   const auto pointer = [](const std::optional<torch::Tensor>& t) { return t ? t->data_ptr<float>() : nullptr; };
   has_output_norms = false;
+  plan->part_begin.push_back(0);
   for (size_t i = 0; i < this->layers.size(); ++i) {
     const DecodeLayerWeights& l = *this->layers[i];
-    TORCH_CHECK(!l.moe, "DecodeModel: layer ", i, " is a mixture-of-experts layer, which the one-call step does not "
-                "take (the per-layer kernels do)");
     const auto& [k, v] = this->kv_caches[i];
+    const bool is_sparse = static_cast<bool>(l.moe);
+    // A sparse layer's gate_up and down are empty: their plans are never read.
     plan->layers.push_back({l.input_norm.data_ptr<float>(), l.post_norm.data_ptr<float>(), ProductPlan::of(l.qkv),
-                            ProductPlan::of(l.o_proj), ProductPlan::of(l.gate_up), ProductPlan::of(l.down),
-                            KvCacheView::of(k, v), l.window, l.rope_index, pointer(l.q_norm), pointer(l.k_norm),
-                            pointer(l.attn_output_norm), pointer(l.mlp_output_norm), this->layer_groups[i],
-                            sink_logits(l, num_heads, "DecodeModel")});
+                            ProductPlan::of(l.o_proj), is_sparse ? ProductPlan{} : ProductPlan::of(l.gate_up),
+                            is_sparse ? ProductPlan{} : ProductPlan::of(l.down), KvCacheView::of(k, v), l.window,
+                            l.rope_index, pointer(l.q_norm), pointer(l.k_norm), pointer(l.attn_output_norm),
+                            pointer(l.mlp_output_norm), this->layer_groups[i], sink_logits(l, num_heads, "DecodeModel"),
+                            is_sparse ? l.moe->experts.get() : nullptr,
+                            is_sparse ? ProductPlan::of(l.moe->router) : ProductPlan{}, is_sparse ? l.moe->top_k : 0,
+                            is_sparse ? l.moe->routing : 0, is_sparse && l.moe->norm_topk_prob,
+                            is_sparse ? plan->num_sparse : -1});
     has_output_norms = has_output_norms || l.attn_output_norm || l.mlp_output_norm;
+    if (is_sparse) {
+      ++plan->num_sparse;
+      plan->max_top_k = std::max(plan->max_top_k, l.moe->top_k);
+      plan->max_experts = std::max(plan->max_experts, l.moe->experts->num_experts());
+      plan->max_moe_intermediate = std::max(plan->max_moe_intermediate, l.moe->experts->intermediate());
+      plan->part_kinds.insert(plan->part_kinds.end(), std::begin(kSparsePartKinds), std::end(kSparsePartKinds));
+    } else {
+      for (int64_t kind = 0; kind < kPartsPerLayer; ++kind) plan->part_kinds.push_back(kind);
+    }
+    plan->part_begin.push_back(static_cast<int64_t>(plan->part_kinds.size()));
   }
+  plan->moe_rows.resize(plan->num_sparse);
   plan->head = ProductPlan::of(this->lm_head);
   plan->final_norm = this->final_norm.data_ptr<float>();
   plan_ = std::move(plan);
@@ -724,23 +894,36 @@ std::tuple<torch::Tensor, std::optional<std::vector<int64_t>>> DecodeModel::step
       chains.push_back(1);
   }
   const DecodeAttentionTasks attention_tasks(context_lens.data(), M, num_kv_heads, num_ranks, chains);
-  const auto num_parts = static_cast<int64_t>(layers.size()) * kPartsPerLayer + 2;
+  const Plan& plan = *plan_;
+  // The sparse layers' scratch (none without them), sized for the widest.
+  const int64_t R = M * plan.max_top_k, moe_I = plan.max_moe_intermediate, moe_H = plan.num_sparse > 0 ? hidden : 0;
+  const auto router_logits = scratch_floats(M * plan.max_experts), moe_xs = scratch_floats(R * moe_H);
+  const auto moe_h = scratch_floats(R * 2 * moe_I), moe_a = scratch_floats(R * moe_I);
+  const auto moe_y = scratch_floats(R * moe_H), moe_sum = scratch_floats(M * moe_H);
+  const std::unique_ptr<int8_t[]> moe_xs_q(new int8_t[R * moe_H]), moe_a_q(new int8_t[R * moe_I]);
+  const std::unique_ptr<BlockActs[]> moe_xs_blocks(new BlockActs[R * moe_H / 32]),
+      moe_a_blocks(new BlockActs[R * moe_I / 32]);
+  const int64_t num_parts = plan.part_begin.back() + 2;
   const std::unique_ptr<PartCounter[]> counters(new PartCounter[num_parts]);
   const std::unique_ptr<HomeRange[]> homes(new HomeRange[num_parts * num_ranks]);
   std::vector<int64_t> stamps(num_parts, 0);
-  TeamStep s{*this, *plan_, M, num_ranks, x.data_ptr<float>(), qkv.get(), attn.get(), gate_up.get(), act.get(),
+  TeamStep s{*this, plan, M, num_ranks, x.data_ptr<float>(), qkv.get(), attn.get(), gate_up.get(), act.get(),
              logits.data_ptr<float>(), ids ? ids->data() : nullptr, norms.get(), product.get(), cos, sin, tables.data(), context_lens.data(), slots.data(),
              static_cast<int64_t>(max_blocks), attention_tasks, counters.get(), homes.get(),
-             TeamProgress(num_ranks > usable_cpus() ? kShortSpins : kSpins, stamps.data())};
+             TeamProgress(num_ranks > usable_cpus() ? kShortSpins : kSpins, stamps.data()), router_logits.get(),
+             moe_xs.get(), moe_h.get(), moe_a.get(), moe_y.get(), moe_sum.get(), moe_xs_q.get(), moe_a_q.get(),
+             moe_xs_blocks.get(), moe_a_blocks.get()};
   const int64_t team_start = now_ns();
   at::parallel_for(0, num_ranks, 1, [&](int64_t begin, int64_t) { run_member(s, begin); });
   const int64_t num_layer_parts = num_parts - 2, last = ids ? num_parts : num_parts - 1;  // no argmax part run
   int64_t before = team_start;
   for (int64_t part = 0; part < last; ++part) {
-    const int64_t kind = part < num_layer_parts ? part % kPartsPerLayer : kPartsPerLayer + part - num_layer_parts;
+    const int64_t kind = part < num_layer_parts ? plan.part_kinds[part] : kPartsPerLayer + part - num_layer_parts;
     part_seconds_[kind] += 1e-9 * static_cast<double>(stamps[part] - before);
     before = stamps[part];
   }
+  for (const LayerPlan& layer : plan.layers)  // the step's stats read each sparse layer's count
+    if (layer.experts != nullptr) layer.experts->set_last_num_routed(static_cast<int64_t>(plan.moe_rows[layer.sparse].routed.size()));
   part_seconds_[kPartKinds - 1] += 1e-9 * static_cast<double>(team_start - step_start + now_ns() - before);
   ++num_timed_steps_;
   return {logits, std::move(ids)};

@@ -129,11 +129,6 @@ struct QuantizedRows {
   }
 };
 
-// An expert's rows and a range of a projection's panels.
-struct Task {
-  int64_t expert, m_begin, m_end, p_begin, p_end;
-};
-
 }  // namespace
 
 struct MoeExperts::Plan {
@@ -166,7 +161,7 @@ namespace {
 // The product of rows [t.m_begin, t.m_end) of x (rows ldx apart; `acts`, the same rows quantized,
 // for block panels) and panels [t.p_begin, t.p_end) of w (N outputs) into out's columns of those
 // panels, on the calling thread.
-void run_product_task(const Task& t, const ExpertLinear& w, const float* x, int64_t K, const QuantActs& acts,
+void run_product_task(const MoeTask& t, const ExpertLinear& w, const float* x, int64_t K, const QuantActs& acts,
                       int64_t N, float* out, int64_t isa) {
   if (w.is_quantized()) {
     const QuantPanels q{static_cast<const uint8_t*>(w.panels.data), quant_type_of_record(w.panels.width),
@@ -187,24 +182,99 @@ void run_product_task(const Task& t, const ExpertLinear& w, const float* x, int6
 
 // The tasks of one projection over every routed expert: each expert's rows in blocks of
 // kRowBlock, its panels in ranges sized so that the whole product has about kTasksPerThread
-// tasks per thread.
-std::vector<Task> product_tasks(const std::vector<int64_t>& routed, const std::vector<int64_t>& row_begin,
-                                int64_t num_panels) {
-  const int64_t num_threads = std::max<int64_t>(1, at::get_num_threads());
+// tasks per thread. (A task's panel range decides which panels share a tile at several rows,
+// and so the last bits of its outputs: the one-call step makes the same tasks for its team.)
+void product_tasks(const std::vector<int64_t>& routed, const std::vector<int64_t>& row_begin, int64_t num_panels,
+                   int64_t num_threads, std::vector<MoeTask>& tasks) {
   int64_t work = 0;  // panels x row blocks
   for (const int64_t e : routed) work += num_panels * ((row_begin[e + 1] - row_begin[e] + kRowBlock - 1) / kRowBlock);
-  const int64_t chunk = std::max<int64_t>(1, work / (kTasksPerThread * num_threads));
-  std::vector<Task> tasks;
+  const int64_t chunk = std::max<int64_t>(1, work / (kTasksPerThread * std::max<int64_t>(1, num_threads)));
+  tasks.clear();
   for (const int64_t e : routed) {
     for (int64_t m = row_begin[e]; m < row_begin[e + 1]; m += kRowBlock) {
       const int64_t m_end = std::min(row_begin[e + 1], m + kRowBlock);
       for (int64_t p = 0; p < num_panels; p += chunk) tasks.push_back({e, m, m_end, p, std::min(num_panels, p + chunk)});
     }
   }
-  return tasks;
 }
 
 }  // namespace
+
+void MoeExperts::group(const int64_t* ids, const float* routing_weights, int64_t T, int64_t k, int64_t num_threads,
+                       MoeRows& rows) const {
+  const int64_t E = num_experts(), R = T * k;
+  rows.T = T;
+  rows.k = k;
+  rows.row_begin.assign(E + 1, 0);
+  for (int64_t i = 0; i < R; ++i) ++rows.row_begin[ids[i] + 1];
+  for (int64_t e = 0; e < E; ++e) rows.row_begin[e + 1] += rows.row_begin[e];
+  std::vector<int64_t> next_row(rows.row_begin.begin(), rows.row_begin.end() - 1);
+  rows.row_token.resize(R);
+  rows.row_weight.resize(R);
+  rows.token_rows.resize(R);
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t r = next_row[ids[t * k + j]]++;
+      rows.row_token[r] = t;
+      rows.row_weight[r] = routing_weights[t * k + j];
+    }
+  }
+  {
+    std::vector<int64_t> filled(T, 0);
+    for (int64_t r = 0; r < R; ++r) rows.token_rows[rows.row_token[r] * k + filled[rows.row_token[r]]++] = r;
+  }
+  rows.routed.clear();
+  for (int64_t e = 0; e < E; ++e)
+    if (rows.row_begin[e + 1] > rows.row_begin[e]) rows.routed.push_back(e);
+  const int64_t H = hidden_, I = intermediate_;
+  product_tasks(rows.routed, rows.row_begin, (2 * I + kPanel - 1) / kPanel, num_threads, rows.gate_up_tasks);
+  product_tasks(rows.routed, rows.row_begin, (H + kPanel - 1) / kPanel, num_threads, rows.down_tasks);
+}
+
+bool MoeExperts::quantizes_gate_up_input() const { return plan_->any_quantized_gate_up; }
+
+bool MoeExperts::quantizes_down_input() const { return plan_->any_quantized_down; }
+
+void MoeExperts::quantize(const float* x, int64_t M, int64_t K, int8_t* q, BlockActs* blocks) const {
+  (isa_ >= kIsaAvx512 ? quantize_rows_avx512 : quantize_rows)(x, M, K, K, q, blocks);
+}
+
+void MoeExperts::run_gate_up_task(const MoeRows& rows, int64_t task, const float* xs, const QuantActs& acts,
+                                  float* h) const {
+  const MoeTask& t = rows.gate_up_tasks[task];
+  run_product_task(t, plan_->gate_up[t.expert], xs, hidden_, acts, 2 * intermediate_, h, isa_);
+}
+
+void MoeExperts::activate(const float* h, int64_t r_begin, int64_t r_end, float* a) const {
+  const int64_t I = intermediate_;
+  const auto alpha = static_cast<float>(alpha_), limit = static_cast<float>(limit_);
+  for (int64_t r = r_begin; r < r_end; ++r) {
+    const float* g = h + r * 2 * I;
+    if (act_ == kActSilu)
+      silu_mul(g, g + I, a + r * I, I, isa_);
+    else
+      swiglu_oai_mul(g, g + I, a + r * I, I, alpha, limit, isa_);
+  }
+}
+
+void MoeExperts::run_down_task(const MoeRows& rows, int64_t task, const float* a, const QuantActs& acts,
+                               float* y) const {
+  const MoeTask& t = rows.down_tasks[task];
+  run_product_task(t, plan_->down[t.expert], a, intermediate_, acts, hidden_, y, isa_);
+}
+
+// The compiler may fuse each multiply into its add, so the sum can differ from torch's by a
+// rounding (within the tests' 1e-5); both callers run this one loop, so they agree to the bit.
+void MoeExperts::sum_token(const MoeRows& rows, const float* y, int64_t t, int64_t c0, int64_t c1, float* out) const {
+  const int64_t H = hidden_, k = rows.k;
+  std::fill(out + c0, out + c1, 0.f);
+  for (int64_t j = 0; j < k; ++j) {
+    const int64_t r = rows.token_rows[t * k + j];
+    const float* yr = y + r * H;
+    const float w = rows.row_weight[r];
+    for (int64_t i = c0; i < c1; ++i) out[i] += yr[i] * w;
+  }
+}
 
 torch::Tensor MoeExperts::forward(const torch::Tensor& x, const torch::Tensor& expert_ids,
                                   const torch::Tensor& weights) const {
@@ -229,83 +299,37 @@ torch::Tensor MoeExperts::forward(const torch::Tensor& x, const torch::Tensor& e
 
 void MoeExperts::run(const float* xp, int64_t T, const int64_t* ids, const float* routing_weights, int64_t k,
                      float* o) const {
-  const int64_t E = num_experts(), H = hidden_, I = intermediate_, R = T * k;
+  const int64_t H = hidden_, I = intermediate_, R = T * k;
   last_num_routed_ = 0;
   if (R == 0) return (void)std::fill(o, o + T * H, 0.f);
 
-  // Rows grouped by expert (ascending), tokens in order within an expert: row_begin[e] .. row_begin[e + 1].
-  std::vector<int64_t> row_begin(E + 1, 0);
-  for (int64_t i = 0; i < R; ++i) ++row_begin[ids[i] + 1];
-  for (int64_t e = 0; e < E; ++e) row_begin[e + 1] += row_begin[e];
-  std::vector<int64_t> next_row(row_begin.begin(), row_begin.end() - 1);
-  std::vector<int64_t> token_rows(R);  // [T, k]: token t's rows, in ascending expert order
-  std::vector<int64_t> row_token(R);
-  std::vector<float> row_weight(R);
-  for (int64_t t = 0; t < T; ++t) {
-    for (int64_t j = 0; j < k; ++j) {
-      const int64_t r = next_row[ids[t * k + j]]++;
-      row_token[r] = t;
-      row_weight[r] = routing_weights[t * k + j];
-    }
-  }
-  {
-    std::vector<int64_t> filled(T, 0);
-    for (int64_t r = 0; r < R; ++r) token_rows[row_token[r] * k + filled[row_token[r]]++] = r;
-  }
-  std::vector<int64_t> routed;
-  for (int64_t e = 0; e < E; ++e)
-    if (row_begin[e + 1] > row_begin[e]) routed.push_back(e);
-  last_num_routed_ = static_cast<int64_t>(routed.size());
+  MoeRows rows;
+  group(ids, routing_weights, T, k, std::max<int64_t>(1, at::get_num_threads()), rows);
+  last_num_routed_ = static_cast<int64_t>(rows.routed.size());
 
-  const Plan& plan = *plan_;
   const ScratchFloats xs = scratch_floats(R * H), h = scratch_floats(R * 2 * I), a = scratch_floats(R * I),
                       y = scratch_floats(R * H);
   for_rows(R, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) std::copy_n(xp + row_token[r] * H, H, xs.get() + r * H);
+    for (int64_t r = begin; r < end; ++r) std::copy_n(xp + rows.row_token[r] * H, H, xs.get() + r * H);
   });
 
   // gate_up: [R, H] -> [R, 2I], each expert's rows against its panels.
   QuantizedRows quantized;
-  if (plan.any_quantized_gate_up) quantized.quantize(xs.get(), R, H, isa_);
-  const auto gate_up_tasks = product_tasks(routed, row_begin, (2 * I + kPanel - 1) / kPanel);
-  run_tasks(static_cast<int64_t>(gate_up_tasks.size()), [&](int64_t i) {
-    const Task& t = gate_up_tasks[i];
-    run_product_task(t, plan.gate_up[t.expert], xs.get(), H, quantized.acts, 2 * I, h.get(), isa_);
-  });
+  if (quantizes_gate_up_input()) quantized.quantize(xs.get(), R, H, isa_);
+  run_tasks(static_cast<int64_t>(rows.gate_up_tasks.size()),
+            [&](int64_t i) { run_gate_up_task(rows, i, xs.get(), quantized.acts, h.get()); });
 
   // The activation: [R, 2I] (gate half, then up half) -> [R, I].
-  const auto act = static_cast<float>(alpha_), limit = static_cast<float>(limit_);
-  for_rows(R, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* g = h.get() + r * 2 * I;
-      if (act_ == kActSilu)
-        silu_mul(g, g + I, a.get() + r * I, I, isa_);
-      else
-        swiglu_oai_mul(g, g + I, a.get() + r * I, I, act, limit, isa_);
-    }
-  });
+  for_rows(R, [&](int64_t begin, int64_t end) { activate(h.get(), begin, end, a.get()); });
 
   // down: [R, I] -> [R, H].
-  if (plan.any_quantized_down) quantized.quantize(a.get(), R, I, isa_);
-  const auto down_tasks = product_tasks(routed, row_begin, (H + kPanel - 1) / kPanel);
-  run_tasks(static_cast<int64_t>(down_tasks.size()), [&](int64_t i) {
-    const Task& t = down_tasks[i];
-    run_product_task(t, plan.down[t.expert], a.get(), I, quantized.acts, H, y.get(), isa_);
-  });
+  if (quantizes_down_input()) quantized.quantize(a.get(), R, I, isa_);
+  run_tasks(static_cast<int64_t>(rows.down_tasks.size()),
+            [&](int64_t i) { run_down_task(rows, i, a.get(), quantized.acts, y.get()); });
 
-  // out[t] = sum over t's experts, ascending, of weight * output (the compiler may fuse each
-  // multiply into its add, so the sum can differ from torch's by a rounding: within the tests' 1e-5).
+  // out[t] = sum over t's experts, ascending, of weight * output.
   for_rows(T, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      float* ot = o + t * H;
-      std::fill(ot, ot + H, 0.f);
-      for (int64_t j = 0; j < k; ++j) {
-        const int64_t r = token_rows[t * k + j];
-        const float* yr = y.get() + r * H;
-        const float w = row_weight[r];
-        for (int64_t i = 0; i < H; ++i) ot[i] += yr[i] * w;
-      }
-    }
+    for (int64_t t = begin; t < end; ++t) sum_token(rows, y.get(), t, 0, H, o + t * H);
   });
 }
 
