@@ -8,7 +8,8 @@ AVX-512 and on AVX2:
 - through the engine, greedy output equals transformers' and every decode step takes the one call
   (batches of sequences at different lengths, speculative verifications), its log-probabilities
   within rounding of the per-layer path's (whose final norm and LM head are torch's);
-- the step's experts-touched count is still reported."""
+- the step's experts-touched count is still reported;
+- gpt-oss (sinks, router and expert biases, top k then softmax, the clamped SwiGLU) takes it too."""
 from __future__ import annotations
 
 import copy
@@ -181,3 +182,18 @@ def test_gguf_blocks_decode_steps_equal_the_per_layer_kernels(isa: str) -> None:
         _layers_bit_for_bit(llm, threads)
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=3)
     _assert_close(*_one_call_and_per_layer(llm, PROMPTS, params))
+
+
+def test_gpt_oss_decode_steps_take_the_one_call(tmp_path: Path) -> None:
+    """gpt-oss (attention sinks, a router bias, top k then softmax, expert biases, the clamped
+    SwiGLU, window and full layers): every layer the per-layer kernels' to the bit, and greedy
+    output transformers' with every decode step in one call."""
+    path = build_tiny_family_model(tmp_path / "model", family_config("gpt-oss"))
+    reference = transformers_greedy(path, PROMPTS, NUM_NEW, attn_implementation="eager")
+    llm = LLM(str(path), num_kv_blocks=256, block_size=4, max_fused_tokens=16)
+    for threads in (1, 2):
+        _layers_bit_for_bit(llm, threads)
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
+    outs, steps = _generate(llm, PROMPTS, params)
+    assert [tokens for tokens, _ in outs] == reference
+    assert steps >= NUM_NEW - 1
