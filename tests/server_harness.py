@@ -162,3 +162,26 @@ class ServerProcess:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(10)
+
+
+def served_embeddings(model: Path, texts: list[str], *args: str) -> tuple[list[list[float]], int]:
+    """`minivllm serve --model model` (extra args after it) as an embedding server, asked through the
+    openai SDK: each text's vector and the usage's prompt tokens. Asserts what every embedding
+    server must: it starts with task embed, refuses the generation routes, and logs no traceback."""
+    import openai
+
+    http_port = free_port()
+    server = ServerProcess(model, "--http-port", str(http_port), "--num-kv-blocks", "128", *args)
+    try:
+        assert poll(lambda: "loaded; serving" in server.output or server.proc.poll() is not None, 300), server.output
+        assert server.proc.poll() is None, server.output
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="x", max_retries=0,
+                           timeout=120) as client:
+            name = client.models.list().data[0].id
+            result = client.embeddings.create(model=name, input=texts)
+            with pytest.raises(openai.BadRequestError):
+                client.completions.create(model=name, prompt="hello", max_tokens=2)
+    finally:
+        server.close()
+    assert "task embed" in server.output and "Traceback" not in server.output, server.output
+    return [d.embedding for d in result.data], result.usage.prompt_tokens

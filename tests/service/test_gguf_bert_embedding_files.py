@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 
 import numpy as np
-import openai
 import pytest
 
 from engine import LLM, PoolingType
@@ -29,7 +28,7 @@ from engine.processing.pooling_params import PoolerConfig
 from tests.field_gguf import BGE_VOCAB, field_gguf
 from tests.helpers import cosines
 from tests.llama_cpp_sdist import llama_cpp_sdist
-from tests.server_harness import ServerProcess, free_port, poll
+from tests.server_harness import served_embeddings
 
 TEXTS = ["hello world", "The QUICK Brown Fox jumps over the lazy dog. " * 4, "a",
          "Unicode: café, naïve, Äpfel, 你好, 世界!", "an unknown 🦙 and a rare word: zyzzogeton's (x+y)=z?",
@@ -118,22 +117,7 @@ def test_the_rebuilt_tokenizer_encodes_as_the_source_and_as_bge() -> None:
 def test_serve_embeds_a_file_through_the_openai_sdk() -> None:
     """`minivllm serve --model FILE.gguf` (quantization auto: the blocks), task auto: an embedding
     server (its generation routes refused), its vectors sentence-transformers'."""
-    path = field_gguf("bert-embed", "q8_0")[0]
-    expected = _expected("bert-embed")
-    http_port = free_port()
-    server = ServerProcess(path, "--http-port", str(http_port), "--num-kv-blocks", "128")
-    try:
-        assert poll(lambda: "loaded; serving" in server.output or server.proc.poll() is not None, 300), server.output
-        assert server.proc.poll() is None, server.output
-        with openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="x", max_retries=0,
-                           timeout=120) as client:
-            model = client.models.list().data[0].id
-            result = client.embeddings.create(model=model, input=TEXTS)
-            with pytest.raises(openai.BadRequestError):
-                client.completions.create(model=model, prompt="hello", max_tokens=2)
-        got = np.array([d.embedding for d in result.data])
-        assert cosines(got, expected).min() >= MIN_COSINE["q8_0"], cosines(got, expected)
-        assert result.usage.prompt_tokens > 0
-    finally:
-        server.close()
-    assert "task embed" in server.output and "Traceback" not in server.output, server.output
+    vectors, prompt_tokens = served_embeddings(field_gguf("bert-embed", "q8_0")[0], TEXTS)
+    got, expected = np.array(vectors), _expected("bert-embed")
+    assert cosines(got, expected).min() >= MIN_COSINE["q8_0"], cosines(got, expected)
+    assert prompt_tokens > 0

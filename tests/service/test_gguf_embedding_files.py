@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 
 import numpy as np
-import openai
 import pytest
 
 from engine import LLM, PoolingType
@@ -24,7 +23,7 @@ from engine.execution.weights.quantized_weight import QuantizedWeight
 from engine.processing.pooling_params import PoolerConfig
 from tests.field_gguf import field_gguf
 from tests.helpers import cosines
-from tests.server_harness import ServerProcess, free_port, poll
+from tests.server_harness import served_embeddings
 
 TEXTS = ["hello world", "The quick brown fox jumps over the lazy dog. " * 6, "a", "Unicode: café, naïve, 你好, 世界",
          "def main():\n    print('hello')\n    return 0\n" * 3]
@@ -68,22 +67,8 @@ def test_a_file_embeds_as_sentence_transformers_encodes(outtype: str, quantizati
 def test_serve_embeds_a_file_through_the_openai_sdk(outtype: str, expected: np.ndarray) -> None:
     """`minivllm serve --model FILE.gguf`, task auto: an embedding server (its generation routes
     refused), its vectors sentence-transformers'."""
-    path = field_gguf("qwen3-embed", outtype)[0]
-    http_port = free_port()
-    server = ServerProcess(path, "--http-port", str(http_port), "--num-kv-blocks", "128",
-                           "--max-num-batched-tokens", "16")
-    try:
-        assert poll(lambda: "loaded; serving" in server.output or server.proc.poll() is not None, 300), server.output
-        assert server.proc.poll() is None, server.output
-        with openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="x", max_retries=0,
-                           timeout=120) as client:
-            model = client.models.list().data[0].id
-            result = client.embeddings.create(model=model, input=TEXTS)
-            with pytest.raises(openai.BadRequestError):
-                client.completions.create(model=model, prompt="hello", max_tokens=2)
-        got = np.array([d.embedding for d in result.data])
-        assert cosines(got, expected).min() >= MIN_COSINE[outtype], cosines(got, expected)
-        assert result.usage.prompt_tokens > 0
-    finally:
-        server.close()
-    assert "task embed" in server.output and "Traceback" not in server.output, server.output
+    vectors, prompt_tokens = served_embeddings(field_gguf("qwen3-embed", outtype)[0], TEXTS,
+                                               "--max-num-batched-tokens", "16")
+    got = np.array(vectors)
+    assert cosines(got, expected).min() >= MIN_COSINE[outtype], cosines(got, expected)
+    assert prompt_tokens > 0
