@@ -63,6 +63,24 @@ MINIVLLM_VNNI inline __m512i bcast4(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
+// A Q4_K / Q5_K record's 6-bit scales and minimums (quant_tiles.h) as bytes, out 64-byte aligned:
+// out[16j + r] row r's scale of sub-block j, out[128 + 16j + r] its minimum. Once a record, so its
+// blocks read bytes as they would from the record itself. 16-bit shifts: the bits that cross a
+// byte land outside the masks.
+MINIVLLM_VNNI inline void unpack_sub_scales(const uint8_t* rec, uint8_t* out) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F), top2 = _mm512_set1_epi8(0x30);
+  const __m512i low_a = group(rec + kSubScaleLowBytes), low_b = group(rec + kSubScaleLowBytes + 64);
+  const __m512i top = group(rec + kSubScaleTopBytes);
+  // (low & 0x0F) | (top & 0x30), the top bits already moved to bits 4-5
+  const auto join = [&](__m512i low, __m512i top_at_4) MINIVLLM_VNNI {
+    return _mm512_ternarylogic_epi32(low, _mm512_and_si512(top_at_4, top2), low4, 0xEC);
+  };
+  _mm512_store_si512(out, join(low_a, _mm512_slli_epi16(top, 4)));
+  _mm512_store_si512(out + 64, join(low_b, top));
+  _mm512_store_si512(out + 128, join(_mm512_srli_epi16(low_a, 4), _mm512_slli_epi16(top, 2)));
+  _mm512_store_si512(out + 192, join(_mm512_srli_epi16(low_b, 4), _mm512_srli_epi16(top, 2)));
+}
+
 // Row m's integer sums of one 32-k block of NP panels (codes c[q] of panel q): lo[q * MT + m] over
 // the groups' low codes, hi over the high ones (as each format defines them). The panels share
 // each broadcast of the activations.
@@ -186,14 +204,16 @@ MINIVLLM_VNNI inline __attribute__((always_inline)) void sub_block_record(const 
   // (from memory, a one-row tile that touched it last ran 10-15 % slower).
   __m512 d[NP];
   for (int q = 0; q < NP; ++q) d[q] = halves16(w[q]);
+  alignas(64) uint8_t scales[NP][256];
+  for (int q = 0; q < NP; ++q) unpack_sub_scales(w[q], scales[q]);
   __m512 acc_scaled[NP * MT], acc_min[NP * MT];
   for (int i = 0; i < NP * MT; ++i) acc_scaled[i] = acc_min[i] = _mm512_setzero_ps();
   for (int64_t j = 0; j < f.blocks_per_record; ++j) {
     __m512i lo[NP * MT], hi[NP * MT];
     const int64_t b = record_block_dots<MT, NP, T>(w, xq, rec, j, lo, hi);
     for (int q = 0; q < NP; ++q) {
-      const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w[q] + 64 + 16 * j)));
-      const __m512 mn = ubytes16(w[q] + 192 + 16 * j);
+      const __m512i sc = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(scales[q] + 16 * j)));
+      const __m512 mn = ubytes16(scales[q] + 128 + 16 * j);
       for (int m = 0; m < MT; ++m) {
         const BlockActs& x = xb[m][b];
         const int i = q * MT + m;
