@@ -46,24 +46,53 @@ struct HugeAlloc {
 struct Weight {
   std::vector<uint8_t, HugeAlloc<uint8_t>> data;
   int64_t type, K, N, P, R, rb;
+  // the same weights in the baseline's records where its format differs (a baseline whose Q4_K /
+  // Q5_K records kept each 6-bit scale in a byte: 320 header bytes), else empty
+  std::vector<uint8_t, HugeAlloc<uint8_t>> old_data;
+  int64_t old_rb = 0;
 };
+
+// w's records as the baseline lays them out, where that differs: Q4_K's and Q5_K's 6-bit scales
+// and minimums as bytes, sc[8][16] then mn[8][16], after d and dmin.
+void add_old_records(Weight& w) {
+  const auto of = mvold::quant_format(w.type);
+  if (of.record_bytes() == w.rb) return;
+  const auto f = minivllm::quant_format(w.type);
+  if (!minivllm::has_sub_block_min(w.type) || of.header_bytes != 320 || of.block_bytes != f.block_bytes) {
+    fprintf(stderr, "no conversion to the baseline's records of type %ld\n", w.type);
+    exit(1);
+  }
+  w.old_rb = of.record_bytes();
+  w.old_data.resize(w.P * w.R * w.old_rb);
+  for (int64_t p = 0; p < w.P * w.R; ++p) {
+    const uint8_t* r = w.data.data() + p * w.rb;
+    uint8_t* o = w.old_data.data() + p * w.old_rb;
+    memcpy(o, r, 64);
+    for (int j = 0; j < 8; ++j)
+      for (int row = 0; row < 16; ++row) {
+        o[64 + 16 * j + row] = minivllm::sub_block_scale(r, j, row, false);
+        o[192 + 16 * j + row] = minivllm::sub_block_scale(r, j, row, true);
+      }
+    memcpy(o + 320, r + f.header_bytes, 8 * f.block_bytes);
+  }
+}
 
 Weight make_weight(int64_t type, int64_t K, int64_t N, std::mt19937& g) {
   const auto f = minivllm::quant_format(type);
   Weight w{{}, type, K, N, (N + 15) / 16, K / f.record_k(), f.record_bytes()};
   w.data.resize(w.P * w.R * w.rb);
-  std::uniform_int_distribution<int> byte(0, 255), six(0, 63);
+  std::uniform_int_distribution<int> byte(0, 255);
   std::uniform_real_distribution<float> small(1e-4f, 1e-3f);
   for (auto& b : w.data) b = byte(g);
   for (int64_t p = 0; p < w.P * w.R; ++p) {
     uint8_t* r = w.data.data() + p * w.rb;
-    if (type == minivllm::kQ4_K || type == minivllm::kQ5_K) {
+    if (type == minivllm::kQ4_K || type == minivllm::kQ5_K) {  // the packed 6-bit scales take any byte
       for (int i = 0; i < 32; ++i) { uint16_t h = to_half(small(g)); memcpy(r + 2 * i, &h, 2); }
-      for (int i = 64; i < 320; ++i) r[i] = six(g);
     } else if (type == minivllm::kQ6_K) {
       for (int i = 0; i < 16; ++i) { uint16_t h = to_half(small(g)); memcpy(r + 2 * i, &h, 2); }
     }
   }
+  add_old_records(w);
   return w;
 }
 
@@ -89,14 +118,16 @@ void make_acts(Acts& x, int64_t M, int64_t K, std::mt19937& g) {
 template <bool kNew>
 void run_panels(const Weight& w, const Acts& x, int64_t M, int64_t p0, int64_t p1, float* out) {
   alignas(64) float acc2[256];
-  const int64_t pb = w.R * w.rb;
+  const bool own = kNew || w.old_data.empty();
+  const uint8_t* data = own ? w.data.data() : w.old_data.data();
+  const int64_t pb = w.R * (own ? w.rb : w.old_rb);
   int64_t p = p0;
   if (kNew && M <= 2) {
     const int64_t group = minivllm::quant_tile_panels(w.type, M);
     const int64_t span = (p1 - p0) / group;
     if (group > 1 && span > 0) {
       for (int64_t i = 0; i < span; ++i) {
-        minivllm::quant_tile_vnni(w.type, M, x.a, 0, w.data.data() + (p0 + i) * pb, w.R, acc2, group, span * pb);
+        minivllm::quant_tile_vnni(w.type, M, x.a, 0, data + (p0 + i) * pb, w.R, acc2, group, span * pb);
         for (int64_t q = 0; q < group; ++q)
           for (int64_t r = 0; r < M; ++r) memcpy(out + r * w.P * 16 + (p0 + q * span + i) * 16, acc2 + 16 * (q * M + r), 64);
       }
@@ -104,7 +135,7 @@ void run_panels(const Weight& w, const Acts& x, int64_t M, int64_t p0, int64_t p
     }
   }
   for (; p < p1; ++p) {
-    const uint8_t* panel = w.data.data() + p * pb;
+    const uint8_t* panel = data + p * pb;
     for (int64_t m0 = 0; m0 < M; m0 += 4) {
       const int64_t rows = std::min<int64_t>(4, M - m0);
       if (kNew) minivllm::quant_tile_vnni(w.type, rows, x.a, m0, panel, w.R, acc2);

@@ -71,8 +71,8 @@ float weight_at(int64_t type, const uint8_t* rec, int64_t j, int64_t r, int64_t 
     case kQ8_0: return (code - 128.f) * d;
     case kQ4_K:
     case kQ5_K:
-      return d * static_cast<float>(rec[64 + 16 * j + r]) * code -
-             half_at(rec + 32, r) * static_cast<float>(rec[192 + 16 * j + r]);
+      return d * static_cast<float>(sub_block_scale(rec, j, r, false)) * code -
+             half_at(rec + 32, r) * static_cast<float>(sub_block_scale(rec, j, r, true));
     default: return d * static_cast<float>(static_cast<int8_t>(rec[32 + 16 * (2 * j + k / 16) + r])) * (code - 32.f);
   }
 }
@@ -106,8 +106,8 @@ void quant_tile_scalar(int64_t type, int64_t rows, const QuantActs& a, int64_t m
             case kMXFP4: sum -= kMxfp4Offset * (x.sum_lo + x.sum_hi); break;
             case kQ4_K:
             case kQ5_K:
-              scale = d * static_cast<float>(w[64 + 16 * j + r]);
-              minimum = -half_at(w + 32, r) * static_cast<float>(w[192 + 16 * j + r]);
+              scale = d * static_cast<float>(sub_block_scale(w, j, r, false));
+              minimum = -half_at(w + 32, r) * static_cast<float>(sub_block_scale(w, j, r, true));
               break;
             default:  // Q6_K
               sum = (lo - 32 * x.sum_lo) * static_cast<int8_t>(w[32 + 16 * (2 * j) + r]) +

@@ -20,13 +20,16 @@
 //   Q5_0: d f16[16]                      w = d (q - 16)
 //   Q5_1: d f16[16], m f16[16]           w = d q + m
 //   Q8_0: d f16[16]                      w = d (u - 128)
-//   Q4_K, Q5_K: d, dmin f16[16]; sc[8][16], mn[8][16] u8 (6-bit, per 32 k)    w = d sc q - dmin mn
+//   Q4_K, Q5_K: d, dmin f16[16]; 192 bytes of 6-bit sc[8][16], mn[8][16] (per 32 k)   w = d sc q - dmin mn
 //   Q6_K: d f16[16]; sc[16][16] i8 (per 16 k)                                 w = d sc (q - 32)
 //   MXFP4: e u8[16] (E8M0)               w = 2^(e - 128) kMxfp4Values[q] (the E2M1 values doubled)
 // MXFP4's codes stay 4-bit in memory: the tiles turn them into kMxfp4Values[q] + 12 (unsigned, as
 // vpdpbusd's operand must be) by a byte shuffle, and take 12 times the activations' sum back.
-// The sizes per row equal the file's, but Q4_K's and Q5_K's 6-bit scales, kept as bytes (148
-// against 144, 180 against 176 bytes per 256 k).
+// Q4_K's and Q5_K's 6-bit scales and minimums stay 6 bits, so every record holds exactly the file's
+// bytes for its 16 rows (Q4_K 16 x 144, Q5_K 16 x 176): at header byte 64 + 16j + r, row r's scale
+// of sub-block j in the low nibble and its minimum's in the high one; at 192 + 16(j % 4) + r, their
+// top 2 bits, bits 0-1 and 2-3 for j < 4, 4-5 and 6-7 for j >= 4. The tiles unpack a record's 256
+// values at once with a few byte-wise shifts and masks (sub_block_scale has them one at a time).
 //
 // Activations are quantized per 32 k to int8 (x ~ scale * q, |q| <= 127, round to nearest even)
 // and the products are integer dot products of each 32-k block, scaled once per block.
@@ -72,8 +75,8 @@ constexpr QuantFormat quant_format(int64_t type) {
     case kQ5_0: return {1, 32, 320};
     case kQ5_1: return {1, 64, 320};
     case kQ8_0: return {1, 32, 512};
-    case kQ4_K: return {8, 320, 256};
-    case kQ5_K: return {8, 320, 320};
+    case kQ4_K: return {8, 256, 256};
+    case kQ5_K: return {8, 256, 320};
     case kQ6_K: return {8, 288, 384};
     case kMXFP4: return {1, 16, 256};
     default: return {};
@@ -99,6 +102,15 @@ static_assert(quant_type_of_record(quant_format(kQ4_0).record_bytes()) == kQ4_0 
                   quant_type_of_record(quant_format(kQ6_K).record_bytes()) == kQ6_K &&
                   quant_type_of_record(quant_format(kMXFP4).record_bytes()) == kMXFP4,
               "each quantized type's record size is its own");
+
+// Q4_K's and Q5_K's header (the layout above): the scale (and the minimum, is_min) of row r < 16
+// in sub-block j < 8, 0..63.
+constexpr int64_t kSubScaleLowBytes = 64, kSubScaleTopBytes = 192;  // their offsets in the header
+constexpr uint8_t sub_block_scale(const uint8_t* rec, int64_t j, int64_t r, bool is_min) {
+  const int low = (rec[kSubScaleLowBytes + 16 * j + r] >> (is_min ? 4 : 0)) & 0x0F;
+  const int top = (rec[kSubScaleTopBytes + 16 * (j % 4) + r] >> ((j < 4 ? 0 : 4) + (is_min ? 2 : 0))) & 3;
+  return static_cast<uint8_t>(low | (top << 4));
+}
 
 // One row's 32-k block of activations: x ~ scale * q; sums of q over its two halves; scale *
 // (sum of all 32), what a block's minimum (Q4_1, Q4_K) multiplies.

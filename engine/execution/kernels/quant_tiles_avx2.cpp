@@ -55,6 +55,27 @@ MINIVLLM_AVX2Q inline __m256i mxfp4_table() {
   for (int i = 0; i < 16; ++i) t[i] = static_cast<int8_t>(kMxfp4Values[i] + kMxfp4Offset);
   return _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(t)));
 }
+// A Q4_K / Q5_K record's 6-bit scales and minimums (quant_tiles.h) as bytes, out 32-byte aligned:
+// out[16j + r] row r's scale of sub-block j, out[128 + 16j + r] its minimum (the AVX-512 tile's
+// unpack_sub_scales, 32 bytes at a time).
+MINIVLLM_AVX2Q inline void unpack_sub_scales(const uint8_t* rec, uint8_t* out) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30);
+  const auto join = [&](__m256i low, __m256i top_at_4) MINIVLLM_AVX2Q {
+    return _mm256_or_si256(_mm256_and_si256(low, low4), _mm256_and_si256(top_at_4, top2));
+  };
+  for (int h = 0; h < 2; ++h) {
+    const __m256i low_a = half_group(rec + kSubScaleLowBytes + 32 * h);
+    const __m256i low_b = half_group(rec + kSubScaleLowBytes + 64 + 32 * h);
+    const __m256i top = half_group(rec + kSubScaleTopBytes + 32 * h);
+    const auto store = [&](int at, __m256i v) MINIVLLM_AVX2Q {
+      _mm256_store_si256(reinterpret_cast<__m256i*>(out + at + 32 * h), v);
+    };
+    store(0, join(low_a, _mm256_slli_epi16(top, 4)));
+    store(64, join(low_b, top));
+    store(128, join(_mm256_srli_epi16(low_a, 4), _mm256_slli_epi16(top, 2)));
+    store(192, join(_mm256_srli_epi16(low_b, 4), _mm256_srli_epi16(top, 2)));
+  }
+}
 // Per 32-bit lane: the sum of its 4 (code x activation) products.
 MINIVLLM_AVX2Q inline __m256i dot4(__m256i codes, __m256i x) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x), _mm256_set1_epi16(1));
@@ -114,7 +135,9 @@ MINIVLLM_AVX2Q void tile(const QuantActs& a, int64_t m0, const uint8_t* w, int64
     xq[m] = a.q + (m0 + m) * a.K;
     xb[m] = a.blocks + (m0 + m) * a.num_blocks;
   }
+  alignas(32) uint8_t scales[256];  // Q4_K, Q5_K: the record's 6-bit scales and minimums as bytes
   for (int64_t rec = 0; rec < num_records; ++rec, w += f.record_bytes()) {
+    if constexpr (has_sub_block_min(T)) unpack_sub_scales(w, scales);
     for (int64_t j = 0; j < f.blocks_per_record; ++j) {
       const uint8_t* c = w + f.header_bytes + j * f.block_bytes;
       for (int64_t line = 0; line < f.block_bytes; line += 64) _mm_prefetch(c + kPrefetchBytes + line, _MM_HINT_T1);
@@ -128,8 +151,8 @@ MINIVLLM_AVX2Q void tile(const QuantActs& a, int64_t m0, const uint8_t* w, int64
         __m256i sc_lo = _mm256_setzero_si256(), sc_hi = sc_lo;
         if constexpr (has_block_min(T)) dm = halves8(w + 32 + 16 * h);
         if constexpr (has_sub_block_min(T)) {
-          ds = _mm256_mul_ps(ds, ubytes8(w + 64 + 16 * j + 8 * h));
-          dm = _mm256_mul_ps(halves8(w + 32 + 16 * h), ubytes8(w + 192 + 16 * j + 8 * h));
+          ds = _mm256_mul_ps(ds, ubytes8(scales + 16 * j + 8 * h));
+          dm = _mm256_mul_ps(halves8(w + 32 + 16 * h), ubytes8(scales + 128 + 16 * j + 8 * h));
         }
         if constexpr (T == kQ6_K) {
           sc_lo = sbytes8(w + 32 + 16 * (2 * j) + 8 * h);

@@ -63,6 +63,32 @@ MINIVLLM_VNNI inline __m512i bcast4(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
+// A Q4_K / Q5_K record's 6-bit scales and minimums (quant_tiles.h) as bytes, out 64-byte aligned:
+// out[16j + r] row r's scale of sub-block j, out[128 + 16j + r] its minimum. Once a record, so its
+// blocks read bytes as they would from the record itself. The top bits move to bits 4-5 by one
+// affine byte transform each where the CPU has GFNI (G), else by shifts and masks (16-bit shifts:
+// the bits that cross a byte land outside the masks).
+template <bool G>
+MINIVLLM_VNNI inline void unpack_sub_scales(const uint8_t* rec, uint8_t* out) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F), top2 = _mm512_set1_epi8(0x30);
+  const __m512i low_a = group(rec + kSubScaleLowBytes), low_b = group(rec + kSubScaleLowBytes + 64);
+  const __m512i top = group(rec + kSubScaleTopBytes);
+  // top's bits `bit` and bit + 1 at bits 4-5, the others 0
+  const auto top_at_4 = [&](int bit) MINIVLLM_VNNI {
+    if constexpr (G) return _mm512_gf2p8affine_epi64_epi8(top, top_bits_to_4(bit), 0);
+    const __m512i moved = bit < 4 ? _mm512_slli_epi16(top, 4 - bit) : _mm512_srli_epi16(top, bit - 4);
+    return _mm512_and_si512(moved, top2);
+  };
+  // (low & 0x0F) | top bits
+  const auto join = [&](__m512i low, __m512i top_bits) MINIVLLM_VNNI {
+    return _mm512_ternarylogic_epi32(low, top_bits, low4, 0xEC);
+  };
+  _mm512_store_si512(out, join(low_a, top_at_4(0)));
+  _mm512_store_si512(out + 64, join(low_b, G ? top_at_4(4) : _mm512_and_si512(top, top2)));
+  _mm512_store_si512(out + 128, join(_mm512_srli_epi16(low_a, 4), top_at_4(2)));
+  _mm512_store_si512(out + 192, join(_mm512_srli_epi16(low_b, 4), top_at_4(6)));
+}
+
 // Row m's integer sums of one 32-k block of NP panels (codes c[q] of panel q): lo[q * MT + m] over
 // the groups' low codes, hi over the high ones (as each format defines them). The panels share
 // each broadcast of the activations.
@@ -176,7 +202,7 @@ MINIVLLM_VNNI inline __attribute__((always_inline)) int64_t record_block_dots(co
 // times its 6-bit scale stays an integer (< 2^23: exact as a float), so a block costs one
 // multiply, one conversion and one FMA by its activation scale, and the minimums one FMA by
 // their block's scaled sum; d and dmin multiply the record's two sums once, not each block's.
-template <int MT, int NP, int64_t T>
+template <int MT, int NP, int64_t T, bool G>
 MINIVLLM_VNNI inline __attribute__((always_inline)) void sub_block_record(const uint8_t* const* w,
                                                                          const int8_t* const* xq,
                                                                          const BlockActs* const* xb, int64_t rec,
@@ -186,14 +212,16 @@ MINIVLLM_VNNI inline __attribute__((always_inline)) void sub_block_record(const 
   // (from memory, a one-row tile that touched it last ran 10-15 % slower).
   __m512 d[NP];
   for (int q = 0; q < NP; ++q) d[q] = halves16(w[q]);
+  alignas(64) uint8_t scales[NP][256];
+  for (int q = 0; q < NP; ++q) unpack_sub_scales<G>(w[q], scales[q]);
   __m512 acc_scaled[NP * MT], acc_min[NP * MT];
   for (int i = 0; i < NP * MT; ++i) acc_scaled[i] = acc_min[i] = _mm512_setzero_ps();
   for (int64_t j = 0; j < f.blocks_per_record; ++j) {
     __m512i lo[NP * MT], hi[NP * MT];
     const int64_t b = record_block_dots<MT, NP, T>(w, xq, rec, j, lo, hi);
     for (int q = 0; q < NP; ++q) {
-      const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w[q] + 64 + 16 * j)));
-      const __m512 mn = ubytes16(w[q] + 192 + 16 * j);
+      const __m512i sc = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(scales[q] + 16 * j)));
+      const __m512 mn = ubytes16(scales[q] + 128 + 16 * j);
       for (int m = 0; m < MT; ++m) {
         const BlockActs& x = xb[m][b];
         const int i = q * MT + m;
@@ -260,7 +288,7 @@ MINIVLLM_VNNI void tile(const QuantActs& a, int64_t m0, const uint8_t* panel, in
   for (int q = 0; q < NP; ++q) w[q] = panel + q * panel_stride;
   for (int64_t rec = 0; rec < num_records; ++rec) {
     if constexpr (has_sub_block_min(T)) {
-      sub_block_record<MT, NP, T>(w, xq, xb, rec, acc);
+      sub_block_record<MT, NP, T, G>(w, xq, xb, rec, acc);
     } else if constexpr (T == kQ6_K) {
       six_bit_record<MT, NP, G>(w, xq, xb, rec, acc);
     } else {
@@ -352,10 +380,10 @@ int64_t quant_tile_panels(int64_t type, int64_t rows) {
 
 void quant_tile_vnni(int64_t type, int64_t rows, const QuantActs& a, int64_t m0, const uint8_t* panel,
                      int64_t num_records, float* acc, int64_t num_panels, int64_t panel_stride) {
-  // Only Q6_K's tile differs without GFNI (a VNNI CPU before Ice Lake: Cascade Lake).
+  // Only Q6_K's, Q4_K's and Q5_K's tiles differ without GFNI (a VNNI CPU before Ice Lake: Cascade Lake).
   with_quant_type(type, [&](auto t) {
     constexpr int64_t T = decltype(t)::value;
-    if constexpr (T == kQ6_K) {
+    if constexpr (T == kQ6_K || has_sub_block_min(T)) {
       if (!has_gfni()) return tile_panels<T, false>(rows, num_panels, a, m0, panel, panel_stride, num_records, acc);
     }
     tile_panels<T, true>(rows, num_panels, a, m0, panel, panel_stride, num_records, acc);

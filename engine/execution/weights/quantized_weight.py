@@ -7,9 +7,9 @@ field; MXFP4's E8M0 bytes), then the codes in 64-byte groups of 4 k x 16 rows, o
 each (5- and 6-bit codes: their low 4 bits as 4-bit codes, then groups of their top bits; MXFP4's
 4-bit codes as they are, turned into values by the kernels' table lookup). The codes and scales are
 the file's, moved, never turned into floats and back: `dequantize()` gives exactly the floats the
-`gguf` package dequantizes the file's blocks to. Bytes per weight equal the file's, but Q4_K's and
-Q5_K's 6-bit scales, which take a byte each here (148 against 144, 180 against 176 bytes per 256
-weights).
+`gguf` package dequantizes the file's blocks to. Bytes per weight equal the file's: Q4_K's and
+Q5_K's 6-bit scales and minimums stay 6 bits (their low nibbles, then their top 2 bits, in 192
+bytes a record), so a record is 16 of the file's blocks, byte for byte in count.
 """
 from __future__ import annotations
 
@@ -40,6 +40,25 @@ def _panel_rows(a: np.ndarray, per_record: int, dtype: np.dtype) -> np.ndarray:
     num_panels, records, _ = a.shape
     a = np.ascontiguousarray(a).view(dtype).reshape(num_panels, records, per_record, PANEL).transpose(0, 3, 1, 2)
     return a.reshape(num_panels * PANEL, records * per_record)
+
+
+def _pack_sub_scales(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
+    """Q4_K's and Q5_K's 6-bit scales and minimums, [P, records, 128] each (byte 16 j + r: row r's
+    of sub-block j) -> [P, records, 192]: 128 bytes of low nibbles (the scale's low, the minimum's
+    high), then 64 of top bits (byte 16 (j % 4) + r: bits 0-1 the scale's and 2-3 the minimum's for
+    j < 4, 4-5 and 6-7 for j + 4), as quant_tiles.h draws them."""
+    low = (sc & 0x0F) | ((mn & 0x0F) << 4)
+    top_sc, top_mn = ((a >> 4).reshape(*a.shape[:-1], 2, 64) for a in (sc, mn))  # (..., j // 4, 16 (j % 4) + r)
+    top = top_sc[..., 0, :] | (top_mn[..., 0, :] << 2) | (top_sc[..., 1, :] << 4) | (top_mn[..., 1, :] << 6)
+    return np.concatenate([low, top], axis=-1)
+
+
+def _unpack_sub_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """_pack_sub_scales' inverse: [P, records, 192] -> the scales and the minimums, [P, records, 128] each."""
+    low, top = packed[..., :128], packed[..., 128:]
+    top_sc = np.concatenate([top & 3, (top >> 4) & 3], axis=-1)
+    top_mn = np.concatenate([(top >> 2) & 3, top >> 6], axis=-1)
+    return (low & 0x0F) | (top_sc << 4), (low >> 4) | (top_mn << 4)
 
 
 def _pack_codes(codes: np.ndarray, quant_type: GGMLQuantizationType) -> np.ndarray:
@@ -126,8 +145,8 @@ class QuantizedWeight:
         if f.quant_type in (_T.Q4_1, _T.Q5_1):
             parts.append(_rows_of_panels(padded(f.m), 1).view(np.uint8))
         if f.quant_type in (_T.Q4_K, _T.Q5_K):
-            parts += [_rows_of_panels(padded(f.dmin), 1).view(np.uint8), _rows_of_panels(padded(f.sc), 8),
-                      _rows_of_panels(padded(f.mn), 8)]
+            parts += [_rows_of_panels(padded(f.dmin), 1).view(np.uint8),
+                      _pack_sub_scales(_rows_of_panels(padded(f.sc), 8), _rows_of_panels(padded(f.mn), 8))]
         if f.quant_type == _T.Q6_K:
             parts.append(_rows_of_panels(padded(f.sc), 16).view(np.uint8))
         codes = _pack_codes(padded(f.codes), f.quant_type)
@@ -153,7 +172,10 @@ class QuantizedWeight:
         if t in (_T.Q4_1, _T.Q5_1):
             f.m = take(1, np.float16)
         if t in (_T.Q4_K, _T.Q5_K):
-            f.dmin, f.sc, f.mn = take(1, np.float16), take(8, np.uint8), take(8, np.uint8)
+            f.dmin = take(1, np.float16)
+            sc, mn = _unpack_sub_scales(data[..., offset:offset + 192])
+            offset += 192
+            f.sc, f.mn = (_panel_rows(a, 8, np.uint8)[:n] for a in (sc, mn))
         if t == _T.Q6_K:
             f.sc = take(16, np.int8)
         groups = data[..., offset:].reshape(num_panels, self.in_features // QK, -1)

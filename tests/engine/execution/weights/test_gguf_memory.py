@@ -34,6 +34,18 @@ def test_a_projection_repacked_in_chunks_has_the_same_panels(quant_type: T, monk
     assert (chunked.out_features, chunked.in_features, chunked.quant_type) == (100, 256, quant_type)
 
 
+@pytest.mark.parametrize(("quant_type", "record_bytes"), [(T.Q4_K, 16 * 144), (T.Q5_K, 16 * 176)])
+def test_k_quant_panels_hold_exactly_the_files_bytes(quant_type: T, record_bytes: int) -> None:
+    """The memory bound (file + KV + 0.5 GB) needs the weights to take no more than the file: Q4_K's
+    and Q5_K's 6-bit scales and minimums stay 6 bits, a record is 16 of the file's super-blocks."""
+    blocks = random_blocks(quant_type, 64, 3 * 256, np.random.default_rng(1))
+    weight = QuantizedWeight.pack(blocks, quant_type, 3 * 256)
+    assert tuple(weight.data.shape) == (4, 3, record_bytes)
+    assert weight.num_bytes == blocks.nbytes
+    fields = weight.fields()
+    assert fields.sc.max() == 63 and fields.mn.max() == 63  # the top bits are there to lose
+
+
 def _mapped_rss(path: Path) -> int:
     """Bytes of path's mappings resident in this process (/proc/self/smaps)."""
     rss, inside = 0, False
