@@ -39,7 +39,7 @@ from engine.execution.weights.checkpoint import model_display_name, resolve_mode
 from engine.execution.weights.pooling_config import load_pooler_config
 from engine.inputs import EngineRequest
 from engine.outputs import FinishReason, KvCacheEvent, ModelInfo, RequestOutput, StepStats
-from engine.processing.detokenizer import ids_decoder
+from engine.processing.detokenizer import TokenDecoder, ids_decoder
 from engine.processing.input_processor import InputProcessor, load_eos_token_ids
 from engine.processing.output_processor import OutputProcessor
 from engine.processing.pooling_params import PoolerConfig, PoolingParams, PoolingType
@@ -76,11 +76,13 @@ class LLMEngine:
         self.model_name = model_display_name(config.model)
         with phases.phase(TOKENIZER):
             hf_config = AutoConfig.from_pretrained(str(self.model_dir))
-            # The engine thread's tokenizer, for detokenizing; inputs are tokenized off that thread
-            # with another (tokenizers are not thread-safe).
-            output_tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or str(self.model_dir))
+            # Inputs are tokenized off the engine thread; the engine thread detokenizes with its own
+            # decoder (a tokenizer is not thread-safe): the vocabulary and the Rust decoder where
+            # that is all a decode runs, else a second whole tokenizer.
             input_tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or str(self.model_dir))
-        self._decode_ids = ids_decoder(output_tokenizer)
+            token_decoder = TokenDecoder.of(input_tokenizer)
+            self._decode_ids = token_decoder if token_decoder is not None else ids_decoder(
+                AutoTokenizer.from_pretrained(config.tokenizer or str(self.model_dir)))
         # Embedding requests pool by the model's sentence-transformers recipe where it has one (else
         # the last token, normalised, as vLLM's decoder embedders); the task decides what the doors
         # serve. The engine itself runs embedding requests on any model, score requests on one with
@@ -93,7 +95,7 @@ class LLMEngine:
         self.task = config.task if config.task != "auto" else "score" if is_classifier else \
             "embed" if pooler_config is not None else "generate"
         self.score_label_tokens = settle_score_label_tokens(config, self.task, hf_config)
-        score_token_ids = label_token_ids(output_tokenizer, self.score_label_tokens)
+        score_token_ids = label_token_ids(input_tokenizer, self.score_label_tokens)
         logger.info("task %s (pooling: %s, normalize %s%s)", self.task, self.pooler_config.pooling_type.value,
                     self.pooler_config.normalize,
                     f"; score: logits of {', '.join(self.score_label_tokens)}" if self.score_label_tokens else "")
@@ -140,7 +142,7 @@ class LLMEngine:
         max_chunk = config.max_num_batched_tokens if config.enable_chunked_prefill and self.is_causal else model_len
         self.max_model_len = min(model_len, self.block_manager.max_context_len(usable_blocks, max_chunk))
         self.vocab_size = self.runner.model_config.vocab_size
-        self.eos_token_ids = load_eos_token_ids(self.model_dir, hf_config, output_tokenizer)
+        self.eos_token_ids = load_eos_token_ids(self.model_dir, hf_config, input_tokenizer)
         self.input_processor = InputProcessor(input_tokenizer, self.vocab_size, self.max_model_len, config,
                                               self.eos_token_ids, context_note)
         moe = self.runner.model_config.moe  # a MoE model's step cost follows the experts it touches

@@ -327,7 +327,7 @@ void decode_layer(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor
 // and taking the sequences' lists as inputs, took much of a batch-1 step's host part away).
 struct DecodeModel {
   torch::Tensor embedding;           // [vocab, hidden], or the tied LM head's float32 / bfloat16 panels
-  std::vector<torch::Tensor> rope_cos, rope_sin;  // per rope (a layer's rope_index), [max_positions, D] float32
+  std::vector<torch::Tensor> rope_cos, rope_sin;  // per rope (a layer's rope_index), [max_positions, D / 2] float32
   std::vector<std::shared_ptr<DecodeLayerWeights>> layers;
   std::vector<std::tuple<torch::Tensor, torch::Tensor>> kv_caches;  // per layer, [slots, KVH, D] each
   torch::Tensor final_norm;          // [hidden] float32

@@ -133,6 +133,23 @@ torch::Tensor gathered_rows(const torch::Tensor& table, const int64_t* index, in
   return out;
 }
 
+// A half-width RoPE table's rows at index[0:M] ([max_positions, D / 2] float32: a rotation's
+// two halves share their angles) -> [M, D], each row's half written twice, as the layers read it.
+torch::Tensor doubled_rope_rows(const torch::Tensor& table, const int64_t* index, int64_t M) {
+  const int64_t rows = table.size(0), half = table.size(1);
+  auto out = torch::empty({M, 2 * half}, table.options());
+  const float* data = table.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    TORCH_CHECK(index[m] >= 0 && index[m] < rows, "DecodeModel.step: RoPE table index ", index[m], " out of [0, ",
+                rows, ")");
+    const float* row = data + index[m] * half;
+    std::copy(row, row + half, o + m * 2 * half);
+    std::copy(row, row + half, o + m * 2 * half + half);
+  }
+  return out;
+}
+
 // out[m] = the embedding row of index[m] (hidden floats), from a [vocab, hidden] table or, for a
 // model whose LM head shares the embedding, from the LM head's own panels: float32 [P, hidden, 16]
 // (row t is column t % 16 of panel t / 16) or bfloat16 [P, Kp / 2, 32] (pairs of k interleaved),
@@ -708,8 +725,9 @@ DecodeModel::DecodeModel(torch::Tensor embedding, std::vector<torch::Tensor> rop
   for (size_t r = 0; r < this->rope_cos.size(); ++r) {
     const auto &c = this->rope_cos[r], &sn = this->rope_sin[r];
     TORCH_CHECK(c.scalar_type() == torch::kFloat32 && sn.scalar_type() == torch::kFloat32 && c.dim() == 2 &&
-                c.sizes() == sn.sizes() && c.size(1) == this->rope_cos.front().size(1),
-                "DecodeModel: float32 RoPE tables of one width, cos and sin of one shape");
+                c.is_contiguous() && sn.is_contiguous() && c.sizes() == sn.sizes() &&
+                c.size(1) == this->rope_cos.front().size(1),
+                "DecodeModel: contiguous float32 RoPE tables of one width, cos and sin of one shape");
   }
   TORCH_CHECK(act == kActSilu || act == kActGeluTanh, "DecodeModel: unknown activation ", act);
   if (this->embed_scale) {
@@ -743,7 +761,7 @@ DecodeModel::DecodeModel(torch::Tensor embedding, std::vector<torch::Tensor> rop
   TORCH_CHECK(is_table || is_fp32_panels || is_bf16_panels || is_quant_panels,
               "DecodeModel: the embedding must be [vocab, hidden], the LM head's float32 or bfloat16 panels or GGUF "
               "block panels of hidden inputs");
-  head_dim = this->rope_cos.front().size(1);
+  head_dim = 2 * this->rope_cos.front().size(1);  // the tables hold each angle once
   const auto& k0 = std::get<0>(this->kv_caches.front());
   TORCH_CHECK(k0.dim() == 3 && k0.size(2) == head_dim && k0.size(1) > 0 && num_heads % k0.size(1) == 0,
               "DecodeModel: caches must be [slots, KV heads, head_dim], the KV heads dividing num_heads");
@@ -872,8 +890,8 @@ std::tuple<torch::Tensor, std::optional<std::vector<int64_t>>> DecodeModel::step
   std::vector<torch::Tensor> rope_rows;  // per rope, its cos then its sin rows: [M, D] each
   std::vector<const float*> cos, sin;
   for (size_t r = 0; r < rope_cos.size(); ++r) {
-    rope_rows.push_back(gathered_rows(rope_cos[r], positions.data(), M, "RoPE table"));
-    rope_rows.push_back(gathered_rows(rope_sin[r], positions.data(), M, "RoPE table"));
+    rope_rows.push_back(doubled_rope_rows(rope_cos[r], positions.data(), M));
+    rope_rows.push_back(doubled_rope_rows(rope_sin[r], positions.data(), M));
     cos.push_back(rope_rows[2 * r].data_ptr<float>());
     sin.push_back(rope_rows[2 * r + 1].data_ptr<float>());
   }

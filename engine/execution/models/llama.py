@@ -153,19 +153,20 @@ class LlamaForCausalLM(nn.Module):
         checkpoint's, by radians at a thousand positions in absolute terms. (RoPE's scores see
         relative angles: SmolLM2-135M's perplexity did not move.)"""
         cos_table, sin_table = self.rope_tables_on(positions.device, index)
-        return cos_table[positions], sin_table[positions]
+        cos, sin = cos_table[positions], sin_table[positions]  # [T, head_dim / 2]
+        return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
 
     def rope_tables_on(self, device: torch.device, index: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of every position for rope `index`: [max_positions, head_dim] float32 each,
-        made on first use."""
+        """cos, sin of every position for rope `index`: [max_positions, head_dim / 2] float32 each,
+        made on first use. Half a head: a rotation's two halves share their angles, and a full
+        table of gpt-oss's 131,072 positions held 64 MiB resident for nothing."""
         if self.rope_tables is None or self.rope_tables[0][0].device != device:
             cfg = self.config
             steps = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
             self.rope_tables = []
             for rope in cfg.ropes:
                 freqs = steps.unsqueeze(1) * rope.inv_freq.float().unsqueeze(0)  # [max_positions, head_dim / 2]
-                emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
-                self.rope_tables.append(((emb.cos() * rope.scale).to(device), (emb.sin() * rope.scale).to(device)))
+                self.rope_tables.append(((freqs.cos() * rope.scale).to(device), (freqs.sin() * rope.scale).to(device)))
         return self.rope_tables[index]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,

@@ -234,7 +234,7 @@ def test_decode_model_step_is_the_embedding_every_layer_the_norm_and_the_head(ke
     embedding = torch.randn(vocab, cfg.hidden_size, generator=gen).to(embedding_dtype)
     token_ids = torch.tensor([5, 69, 0, 12, 33, 47, 8, 21])
     freqs = torch.arange(max_positions).float().unsqueeze(1) * torch.linspace(1, 0.01, cfg.head_dim // 2)
-    cos_table, sin_table = torch.cat((freqs, freqs), dim=-1).cos(), torch.cat((freqs, freqs), dim=-1).sin()
+    cos_table, sin_table = freqs.cos(), freqs.sin()  # [max_positions, D / 2], as the model keeps them
     attn = AttentionMetadata(slot_mapping=slots, block_size=bs, block_tables=tables, context_lens=lens,
                              backend=CpuAttention(kernels, 0, prefill_in_cpp=False))
     final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -250,7 +250,8 @@ def test_decode_model_step_is_the_embedding_every_layer_the_norm_and_the_head(ke
         torch.set_num_threads(threads)
         try:
             for layer, (k, v) in zip(layers, ref_caches, strict=True):
-                layer.forward(hidden, cos_table[positions], sin_table[positions], attn, k, v, kernels, isa)
+                layer.forward(hidden, cos_table[positions].repeat(1, 2), sin_table[positions].repeat(1, 2), attn, k, v,
+                              kernels, isa)
         finally:
             torch.set_num_threads(num_threads)
         return final_norm(hidden), ref_caches
@@ -365,10 +366,10 @@ def test_decode_model_step_of_few_rows_matches_the_per_layer_kernel(kernels, wei
     embed_dtype = torch.bfloat16 if is_gemma and weight_dtype == torch.bfloat16 else torch.float32
     embedding = torch.randn(vocab, cfg.hidden_size, generator=gen).to(embed_dtype)
     embed_scale = torch.tensor(cfg.hidden_size**0.5, dtype=embed_dtype) if is_gemma else None
-    rope_tables = []  # per rope: cos, sin [max_positions, D]
+    rope_tables = []  # per rope: cos, sin [max_positions, D / 2], as the model keeps them
     for speed in (1.0, 0.25)[: 2 if is_gemma else 1]:
         freqs = torch.arange(max_positions).float().unsqueeze(1) * torch.linspace(speed, 0.01, cfg.head_dim // 2)
-        rope_tables.append((torch.cat((freqs, freqs), dim=-1).cos(), torch.cat((freqs, freqs), dim=-1).sin()))
+        rope_tables.append((freqs.cos(), freqs.sin()))
     final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
     final_norm.weight.copy_(torch.rand(cfg.hidden_size, generator=gen) + 0.5)
     head = PackedWeight.pack(torch.randn(vocab, cfg.hidden_size, generator=gen), None, torch.float32)
@@ -392,8 +393,8 @@ def test_decode_model_step_of_few_rows_matches_the_per_layer_kernel(kernels, wei
             hidden = hidden.float()
             ref_caches = [(k.clone(), v.clone()) for k, v in caches]
             for layer, (k, v) in zip(layers, ref_caches, strict=True):
-                cos_table, sin_table = rope_tables[layer.rope_index]
-                layer.forward(hidden, cos_table[positions], sin_table[positions], attn, k, v, kernels, isa)
+                cos, sin = (t[positions].repeat(1, 2) for t in rope_tables[layer.rope_index])  # [M, D]
+                layer.forward(hidden, cos, sin, attn, k, v, kernels, isa)
             stepped = [(k.clone(), v.clone()) for k, v in caches]
             decoder = kernels.DecodeModel(embedding, [cos for cos, _ in rope_tables], [sin for _, sin in rope_tables], weights,
                                           stepped, final_norm.weight, head.as_args(), cfg.num_heads, bs,
@@ -527,7 +528,7 @@ def test_decode_model_reads_each_layers_kv_cache_group_tables(kernels) -> None:
     group1 = [[int(perm[b]) for b in t] for t in tables]
     embedding = torch.randn(vocab, cfg.hidden_size, generator=gen)
     freqs = torch.arange(20).float().unsqueeze(1) * torch.linspace(1, 0.01, cfg.head_dim // 2)
-    cos_table, sin_table = torch.cat((freqs, freqs), dim=-1).cos(), torch.cat((freqs, freqs), dim=-1).sin()
+    cos_table, sin_table = freqs.cos(), freqs.sin()  # [20, D / 2]
     final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
     head = PackedWeight.pack(torch.randn(vocab, cfg.hidden_size, generator=gen), None, torch.float32)
     token_ids = [5, 69, 0, 12, 33]
