@@ -21,17 +21,20 @@ import logging
 
 logger = logging.getLogger(__name__)
 
-_M_MMAP_THRESHOLD = -3  # malloc.h
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # malloc.h
 LOAD_MMAP_THRESHOLD_BYTES = 128 << 10
 STEP_MMAP_THRESHOLD_BYTES = 32 << 20
 
 
 def fix_mmap_threshold(num_bytes: int) -> bool:
     """Allocations of num_bytes or more mapped on their own and returned when freed, the
-    threshold no longer raised by glibc (mallopt M_MMAP_THRESHOLD). False where the C library is
-    not glibc, or refuses: nothing changes there."""
+    threshold no longer raised by glibc (mallopt M_MMAP_THRESHOLD); the heap's free top kept up to
+    twice that, as glibc's own raise sets it (left at its 128 KiB default, each step's buffers were
+    handed back at the heap's top and faulted in again by the next step). False where the C
+    library is not glibc, or refuses: nothing changes there."""
     try:
-        return bool(ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, num_bytes))
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, num_bytes)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 2 * num_bytes))
     except (OSError, AttributeError):  # not glibc
         logger.debug("no glibc mallopt: the heap keeps its own mmap threshold")
         return False
