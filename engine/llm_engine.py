@@ -39,7 +39,7 @@ from engine.execution.weights.checkpoint import model_display_name, resolve_mode
 from engine.execution.weights.pooling_config import load_pooler_config
 from engine.inputs import EngineRequest
 from engine.outputs import FinishReason, KvCacheEvent, ModelInfo, RequestOutput, StepStats
-from engine.processing.detokenizer import TokenDecoder, ids_decoder
+from engine.processing.detokenizer import engine_decoder
 from engine.processing.input_processor import InputProcessor, load_eos_token_ids
 from engine.processing.output_processor import OutputProcessor
 from engine.processing.pooling_params import PoolerConfig, PoolingParams, PoolingType
@@ -79,10 +79,9 @@ class LLMEngine:
             # Inputs are tokenized off the engine thread; the engine thread detokenizes with its own
             # decoder (a tokenizer is not thread-safe): the vocabulary and the Rust decoder where
             # that is all a decode runs, else a second whole tokenizer.
-            input_tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or str(self.model_dir))
-            token_decoder = TokenDecoder.of(input_tokenizer)
-            self._decode_ids = token_decoder if token_decoder is not None else ids_decoder(
-                AutoTokenizer.from_pretrained(config.tokenizer or str(self.model_dir)))
+            tokenizer_path = config.tokenizer or str(self.model_dir)
+            input_tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+            self._decode_ids = engine_decoder(input_tokenizer, lambda: AutoTokenizer.from_pretrained(tokenizer_path))
         # Embedding requests pool by the model's sentence-transformers recipe where it has one (else
         # the last token, normalised, as vLLM's decoder embedders); the task decides what the doors
         # serve. The engine itself runs embedding requests on any model, score requests on one with

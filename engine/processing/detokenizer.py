@@ -13,15 +13,13 @@ from typing import Any
 _CONTEXT_TOKENS = 5  # prompt tokens kept as left context so the first word spaces right
 
 
-def ids_decoder(tokenizer: Any) -> Callable[..., str]:
-    """The tokenizer's decode(ids, skip_special_tokens=...), straight from its Rust backend when
-    the transformers wrapper would add nothing to it (a fast tokenizer without space clean-up,
-    as SmolLM2's BPE): the wrapper's Python layers cost little warm, but each decode runs them
-    twice per token after a batch-1 step's weight stream, which leaves every cache cold."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
-        return backend.decode
-    return tokenizer.decode
+def engine_decoder(tokenizer: Any, load_own: Callable[[], Any]) -> Callable[..., str]:
+    """The engine thread's decode(ids, skip_special_tokens=...) for the input side's tokenizer: a
+    TokenDecoder where the Rust backend's decode is all the tokenizer's decode runs (a fast
+    tokenizer without space clean-up, as the LLMs served here), else the decode of a tokenizer of
+    its own (load_own()), since the input side's must stay on its thread."""
+    decoder = TokenDecoder.of(tokenizer)
+    return decoder if decoder is not None else load_own().decode
 
 
 class TokenDecoder:
@@ -38,18 +36,20 @@ class TokenDecoder:
 
     def __init__(self, backend: Any) -> None:
         vocab: dict[str, int] = backend.get_vocab(with_added_tokens=True)
+        added_tokens = backend.get_added_tokens_decoder()  # {id: AddedToken}
         tokens: list[str | None] = [None] * (max(vocab.values(), default=-1) + 1)
         for token, token_id in vocab.items():
             tokens[token_id] = token
-        for token_id, added in backend.get_added_tokens_decoder().items():  # an added token's content wins
+        for token_id, added in added_tokens.items():  # an added token's content wins
             tokens[token_id] = added.content
         self._tokens = tokens
-        self._special = frozenset(i for i, added in backend.get_added_tokens_decoder().items() if added.special)
+        self._special = frozenset(i for i, added in added_tokens.items() if added.special)
         self._decoder = backend.decoder
 
     @classmethod
     def of(cls, tokenizer: Any) -> TokenDecoder | None:
-        """One for tokenizer where its decode is the Rust backend's alone (ids_decoder's case), else None."""
+        """One for tokenizer where its decode is the Rust backend's alone (no space clean-up by the
+        transformers wrapper), else None."""
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True) is not False:
             return None
@@ -64,7 +64,7 @@ class TokenDecoder:
 
 class IncrementalDetokenizer:
     def __init__(self, decode: Callable[..., str], prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
-        """decode: `ids_decoder(tokenizer)`, made once per tokenizer by the caller."""
+        """decode: `engine_decoder(...)`, made once per tokenizer by the caller."""
         self._decode_ids = decode
         self._skip_special_tokens = skip_special_tokens
         self._tokens: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])

@@ -50,7 +50,7 @@ class RequestState:
 
 class OutputProcessor:
     def __init__(self, decode_ids: Callable[..., str]) -> None:
-        """decode_ids: the engine thread's tokenizer's decode (detokenizer.ids_decoder)."""
+        """decode_ids: the engine thread's tokenizer's decode (detokenizer.engine_decoder)."""
         self._decode_ids = decode_ids
         self.states: dict[str, RequestState] = {}
 

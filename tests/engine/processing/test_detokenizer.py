@@ -1,14 +1,18 @@
 """Incremental detokenization never emits half a character."""
 from __future__ import annotations
 
-from engine.processing.detokenizer import IncrementalDetokenizer, ids_decoder
+from engine.processing.detokenizer import IncrementalDetokenizer, TokenDecoder, engine_decoder
+
+
+def _no_second_tokenizer():
+    raise AssertionError("a second tokenizer was loaded where the TokenDecoder serves")
 
 
 def test_multibyte_characters_are_never_split(tiny_llm) -> None:
     tok = tiny_llm.tokenizer
     text = "naïve 你好世界 🙂 done"
     ids = tok.encode(text)
-    detok = IncrementalDetokenizer(ids_decoder(tok), [], skip_special_tokens=True)
+    detok = IncrementalDetokenizer(engine_decoder(tok, _no_second_tokenizer), [], skip_special_tokens=True)
     deltas = [detok.add_tokens([t]) for t in ids]
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) == text == detok.text
@@ -16,30 +20,29 @@ def test_multibyte_characters_are_never_split(tiny_llm) -> None:
     assert any(d == "" for d in deltas)
 
 
-def test_decoding_skips_the_wrapper_only_where_the_wrapper_adds_nothing(tiny_llm) -> None:
+def test_the_engine_thread_loads_no_second_tokenizer_where_the_wrapper_adds_nothing(tiny_llm) -> None:
     import copy
     import random
 
     tok = tiny_llm.tokenizer
     assert tok.clean_up_tokenization_spaces is False
-    decode = ids_decoder(tok)
-    assert decode == tok.backend_tokenizer.decode
+    decode = engine_decoder(tok, _no_second_tokenizer)
+    assert isinstance(decode, TokenDecoder) and isinstance(tiny_llm.engine._decode_ids, TokenDecoder)
     rng = random.Random(0)
     special = sorted(tok.all_special_ids)
-    for _ in range(300):
+    for _ in range(300):  # what the wrapper's decode gives, as users of the tokenizer see it
         ids = [rng.randrange(len(tok)) for _ in range(rng.randint(1, 8))] + [rng.choice(special)]
         rng.shuffle(ids)
         for skip in (True, False):
             assert decode(ids, skip_special_tokens=skip) == tok.decode(ids, skip_special_tokens=skip)
     cleaning = copy.deepcopy(tok)
-    cleaning.clean_up_tokenization_spaces = True  # the wrapper's clean-up must then run
-    assert ids_decoder(cleaning) == cleaning.decode
+    cleaning.clean_up_tokenization_spaces = True  # the wrapper's clean-up must then run, on a tokenizer of its own
+    own = copy.deepcopy(cleaning)
+    assert engine_decoder(cleaning, lambda: own) == own.decode
 
 
 def _decodes_as_the_backend(tok, num_cases: int = 300) -> None:
     import random
-
-    from engine.processing.detokenizer import TokenDecoder
 
     decode = TokenDecoder.of(tok)
     assert decode is not None
@@ -57,7 +60,6 @@ def _decodes_as_the_backend(tok, num_cases: int = 300) -> None:
 def test_the_engine_threads_decoder_decodes_as_the_rust_tokenizer(tiny_llm) -> None:
     """Byte-level BPE (the tiny model's: SmolLM2's kind), special tokens and unknown ids."""
     _decodes_as_the_backend(tiny_llm.tokenizer)
-    assert isinstance(tiny_llm.engine._decode_ids, __import__("engine").processing.detokenizer.TokenDecoder)
 
 
 def test_the_token_decoder_runs_a_sentencepiece_style_decoder_chain(tmp_path) -> None:
@@ -77,7 +79,5 @@ def test_the_token_decoder_runs_a_sentencepiece_style_decoder_chain(tmp_path) ->
                                   clean_up_tokenization_spaces=False)
     ids = tok.encode("ab ba é", add_special_tokens=False)
     assert any(8 <= i < 264 for i in ids)  # é went through byte fallback, or the chain was not tested
-    from engine.processing.detokenizer import TokenDecoder
-
     assert TokenDecoder.of(tok)(ids, skip_special_tokens=True) == backend.decode(ids) == "ab ba é"
     _decodes_as_the_backend(tok)
