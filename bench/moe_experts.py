@@ -28,7 +28,7 @@ from gguf import GGMLQuantizationType
 from bench.batch1 import bandwidth_buffer, read_bandwidths
 from bench.random_blocks import random_blocks
 from engine.execution.backends.cpu_moe import PackedExperts
-from engine.execution.huge_pages import release_free_memory
+from engine.execution.heap_policy import release_free_memory
 from engine.execution.kernels import ISAS, load_cpu_kernels
 from engine.execution.models.moe import Experts, MoeConfig
 from engine.execution.weights.quantized_weight import QuantizedWeight

@@ -28,8 +28,12 @@ from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import SchedulerOutput
 from engine.core.sequence import Sequence
 from engine.errors import FieldError, QueueFullError, RequestIdInUseError
-from engine.execution.heap_policy import LOAD_MMAP_THRESHOLD_BYTES, STEP_MMAP_THRESHOLD_BYTES, fix_mmap_threshold
-from engine.execution.huge_pages import release_free_memory
+from engine.execution.heap_policy import (
+    LOAD_MMAP_THRESHOLD_BYTES,
+    STEP_MMAP_THRESHOLD_BYTES,
+    fix_mmap_threshold,
+    release_free_memory,
+)
 from engine.execution.model_runner import ModelRunner
 from engine.execution.models import model_class
 from engine.execution.models.model_config import is_sequence_classifier

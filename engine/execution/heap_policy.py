@@ -17,6 +17,7 @@ falls idle (release_free_memory).
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 
 logger = logging.getLogger(__name__)
@@ -26,15 +27,31 @@ LOAD_MMAP_THRESHOLD_BYTES = 128 << 10
 STEP_MMAP_THRESHOLD_BYTES = 32 << 20
 
 
+@functools.cache
+def _glibc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+    except OSError:  # not glibc
+        return None
+
+
+def release_free_memory() -> None:
+    """Give the heap's free pages back to the OS (glibc's malloc_trim), where there is glibc:
+    after packing frees the plain weights it replaced, and when the engine falls idle."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
 def fix_mmap_threshold(num_bytes: int) -> bool:
     """Allocations of num_bytes or more mapped on their own and returned when freed, the
     threshold no longer raised by glibc (mallopt M_MMAP_THRESHOLD); the heap's free top kept up to
     twice that, as glibc's own raise sets it (left at its 128 KiB default, each step's buffers were
     handed back at the heap's top and faulted in again by the next step). False where the C
     library is not glibc, or refuses: nothing changes there."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(_M_MMAP_THRESHOLD, num_bytes)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 2 * num_bytes))
-    except (OSError, AttributeError):  # not glibc
+    libc = _glibc()
+    if libc is None:
         logger.debug("no glibc mallopt: the heap keeps its own mmap threshold")
         return False
+    return bool(libc.mallopt(_M_MMAP_THRESHOLD, num_bytes)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 2 * num_bytes))

@@ -36,18 +36,3 @@ def huge_page_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor
     raw = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps `mapping` alive while any view lives
     offset = -raw.data_ptr() % HUGE_PAGE_BYTES
     return raw[offset:offset + num_bytes].view(dtype).view(shape)
-
-
-
-def release_free_memory() -> None:
-    """Give memory freed since start-up back to the OS (glibc's malloc_trim), where possible.
-
-    Why: packing frees the plain weights it replaces, but glibc raises its mmap threshold after
-    the first large free, so later large blocks come from the heap, and freed heap memory stays
-    in the process."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to trim
-        pass

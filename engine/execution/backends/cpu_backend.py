@@ -19,7 +19,8 @@ from engine.execution.backends.cpu_fused import FusedModel
 from engine.execution.backends.cpu_gguf import embedding_of, pack_gguf_linears
 from engine.execution.backends.cpu_linear import PanelEmbedding, can_pack_linear, pack_linears
 from engine.execution.backends.cpu_moe import pack_moe_experts
-from engine.execution.huge_pages import huge_page_tensor, release_free_memory
+from engine.execution.heap_policy import release_free_memory
+from engine.execution.huge_pages import huge_page_tensor
 from engine.execution.kernels import ISAS
 from engine.execution.models.meta_model import meta_model
 from engine.execution.models.model_config import ModelConfig

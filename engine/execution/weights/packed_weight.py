@@ -15,7 +15,8 @@ from types import ModuleType
 
 import torch
 
-from engine.execution.huge_pages import huge_page_tensor, release_free_memory
+from engine.execution.heap_policy import release_free_memory
+from engine.execution.huge_pages import huge_page_tensor
 
 PANEL = 16
 PAIR_CHUNK = 32  # bfloat16 panels pad K to a multiple of this (one AMX tile's k)

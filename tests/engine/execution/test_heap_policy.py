@@ -45,6 +45,37 @@ def test_a_fixed_load_threshold_returns_freed_temporaries_between_live_objects()
     assert growth("fixed") < 20
 
 
+# A step's 8 MiB buffer, freed at the heap's top: kept for the next step (RSS growth in MiB printed),
+# or handed back, to be faulted in again, where the trim threshold stayed at glibc's 128 KiB.
+_STEP_BUFFER = """
+import ctypes, sys
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+if sys.argv[1] == "fixed":
+    from engine.execution.heap_policy import STEP_MMAP_THRESHOLD_BYTES, fix_mmap_threshold
+    assert fix_mmap_threshold(STEP_MMAP_THRESHOLD_BYTES)
+else:
+    libc.mallopt(-3, 32 << 20)  # the mmap threshold alone
+def rss_mib():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+before = rss_mib()
+block = libc.malloc(8 << 20); ctypes.memset(block, 1, 8 << 20); libc.free(block)
+print(rss_mib() - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_the_step_threshold_keeps_a_freed_buffer_for_the_next_step() -> None:
+    def growth(mode: str) -> float:
+        out = subprocess.run([sys.executable, "-c", _STEP_BUFFER, mode], check=True, capture_output=True, text=True,
+                             cwd=Path(__file__).resolve().parents[3])
+        return float(out.stdout.strip())
+
+    assert growth("mmap-only") < 2  # trimmed at once: the next step faults its 8 MiB in again
+    assert growth("fixed") > 7
+
+
 def test_building_on_meta_skips_initializers_and_imports_no_compiler() -> None:
     """Initializing a meta embedding imports torch._dynamo and sympy (150 MB resident): meta_model runs none."""
     script = """
