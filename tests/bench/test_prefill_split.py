@@ -19,7 +19,8 @@ def test_parts_account_for_the_forward(tiny_model_dir: Path, max_fused_tokens: i
               max_fused_tokens=max_fused_tokens)
     is_fused = llm.engine.runner.backend.fused is not None and max_fused_tokens is None
     original_attention, original_kernels = llama_module.attention, getattr(llm.engine.runner.backend.fused, "kernels", None)
-    result = measure(llm, list(range(3, 150)), num_rounds=1)
+    # the median of three rounds: on a tiny model one scheduler hiccup can outweigh every timed part
+    result = measure(llm, list(range(3, 150)), num_rounds=3)
     timer = result["timer"]
     assert len([s for s in result["steps"] if s.num_prefill_tokens > 0]) == 3  # 147 tokens in chunks of 64
     parts = {name for name, seconds in timer.seconds.items() if seconds > 0}
