@@ -12,8 +12,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from engine import LLM, FieldError, PoolingParams, SamplingParams
+from engine.execution.kernels import ISAS
 from engine.processing.pooling_params import PoolerConfig, PoolingType
 from tests.helpers import cosines
 from tests.tiny_bert import build_tiny_bert_embedder
@@ -159,3 +161,24 @@ def test_bare_bert_directory_pools_at_cls(bert_dirs: dict[str, Path]) -> None:
     got = np.array([o.embedding for o in llm.embed(TEXTS)])
     assert cosines(got, expected).min() >= 0.9999
     np.testing.assert_allclose(np.linalg.norm(got, axis=-1), 1.0, atol=1e-5)
+
+
+def test_bfloat16_encoder_keeps_a_float32_stream(bert_dirs: dict[str, Path]) -> None:
+    """dtype bfloat16: every product on the bfloat16 panels. Where those run every step (vdpbf16ps
+    or AMX), the embeddings, LayerNorms and residual stream stay float32 (no rounding copy after
+    each product, the epilogues fused into it) and attention multiplies in bfloat16; the vectors
+    stay within bfloat16's rounding of encode()'s float32 ones either way."""
+    model_dir = bert_dirs["cls"]
+    expected = _encode(model_dir, TEXTS)
+    llm = LLM(str(model_dir), max_num_batched_tokens=128, dtype="bfloat16")
+    runner = llm.engine.runner
+    backend = runner.backend
+    got = np.array([o.embedding for o in llm.embed(TEXTS)])
+    assert cosines(got, expected).min() >= 0.999
+    is_float_stream = getattr(backend, "kernels", None) is not None and backend.isa >= ISAS["avx512_bf16"]
+    layer = runner.model.layers[0]
+    assert layer.attn_norm.weight.dtype == (torch.float32 if is_float_stream else torch.bfloat16)
+    assert runner.model.embed_tokens.weight.dtype == layer.attn_norm.weight.dtype
+    if is_float_stream:
+        assert layer.qkv_proj.panels.data.dtype == torch.bfloat16 and layer.qkv_proj.weight is None
+        assert backend.attention.is_bf16_bidirectional

@@ -11,15 +11,19 @@ import torch
 
 from engine.execution.attention import AttentionMetadata
 from engine.execution.backends.torch_attention import TorchAttention
+from engine.execution.kernels import ISAS
 
 
 class CpuAttention(TorchAttention):
-    def __init__(self, kernels: ModuleType, isa: int, prefill_in_cpp: bool) -> None:
+    def __init__(self, kernels: ModuleType, isa: int, prefill_in_cpp: bool, is_bfloat16: bool = False) -> None:
         self.kernels, self.isa = kernels, isa
         self.prefill_in_cpp = prefill_in_cpp
         self.reads_prefill_block_tables = prefill_in_cpp
         # The encoders' kernel runs the prefill kernel's AVX-512 tiles (its portable loop loses to torch).
         self.has_bidirectional_kernel = prefill_in_cpp
+        # A bfloat16 model's encoder attention multiplies in bfloat16 where vdpbf16ps runs, as a
+        # bfloat16 cache's prefill does (a float32 model's stays float32: exact).
+        self.is_bf16_bidirectional = is_bfloat16 and isa >= ISAS["avx512_bf16"]
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, attn: AttentionMetadata, scale: float, window: int | None,
@@ -43,7 +47,8 @@ class CpuAttention(TorchAttention):
         qkv32 = qkv.float().contiguous()
         num_tokens = qkv.shape[0]
         out = torch.empty(num_tokens, num_heads, qkv.shape[1] // (3 * num_heads), dtype=torch.float32)
-        self.kernels.packed_bidirectional_attention(qkv32, query_starts, num_heads, scale, self.isa, out)
+        bf16_products = self.is_bf16_bidirectional and out.shape[2] % 16 == 0
+        self.kernels.packed_bidirectional_attention(qkv32, query_starts, num_heads, scale, self.isa, out, bf16_products)
         return out.to(qkv.dtype)
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: AttentionMetadata,

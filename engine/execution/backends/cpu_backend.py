@@ -81,7 +81,8 @@ class CpuBackend(Backend):
             mc = model_config
             # The C++ prefill attention where it was measured ahead of torch's flash kernel: its AVX-512 tiles.
             fits = mc.num_heads // mc.num_kv_heads <= 8 and mc.head_dim <= 256
-            self.attention = CpuAttention(kernels, self.isa, prefill_in_cpp=self.isa >= ISAS["avx512"] and fits)
+            self.attention = CpuAttention(kernels, self.isa, prefill_in_cpp=self.isa >= ISAS["avx512"] and fits,
+                                          is_bfloat16=dtype == torch.bfloat16)
 
     def load_gguf_model(self, model_class: type[nn.Module], gguf: GGUFFile) -> nn.Module:
         model = meta_model(model_class, self.model_config)  # the file's tensors replace every parameter
@@ -93,6 +94,14 @@ class CpuBackend(Backend):
         elif self.onednn or self.panel_dtype is not None:
             packed = pack_linears(model, self.onednn, self.panel_dtype, self.kernels, self.isa, self.max_panel_rows,
                                   keep=(model.embed_tokens,))
+            if self.is_encoder and self.panel_dtype == torch.bfloat16 and not self.onednn:
+                # Every product runs on the bfloat16 panels, which take float32 rows (rounded to
+                # bfloat16 as they are read): the rest of the encoder (embeddings, LayerNorms, the
+                # residual stream, attention) stays float32, as the decoders' fused layers keep
+                # theirs. A bfloat16 stream cost a rounding copy after each product and bfloat16
+                # GELU / LayerNorm passes (a fifth of a bge-small step), and kept the products'
+                # bias + GELU and residual add + LayerNorm from running inside them.
+                model.float()
             if self.panel_dtype is not None:
                 if self.config.enable_huge_pages:  # before the fused layers take the panels' addresses
                     place_on_huge_pages([m.panels for m in packed])

@@ -78,8 +78,10 @@ class PackedLinear(nn.Module):
         return norm(residual + self(x))
 
     def _can_fuse(self, x: torch.Tensor) -> bool:
-        """Whether the float32 panels run x's product (the fused epilogues' kernels take those only)."""
-        return self.uses_panels(x.shape[0]) and self.panels.data.dtype == torch.float32 and x.dtype == torch.float32
+        """Whether float32 or bfloat16 panels run x's product, x float32 (the fused epilogues'
+        kernels take those: an encoder's float32 stream, its weights in either)."""
+        return (self.uses_panels(x.shape[0]) and self.panels.data.dtype in (torch.float32, torch.bfloat16)
+                and x.dtype == torch.float32)
 
     def _forward_native(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is not None:

@@ -39,9 +39,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("sinks") = py::none());
   m.def("packed_bidirectional_attention", without_gil(&minivllm::packed_bidirectional_attention),
         "An encoder step's attention: each prompt's rows of the fused [T, q | k | v] attend to all of that prompt's "
-        "rows, into out [T, H, D] (CPU, float32)",
+        "rows, into out [T, H, D] (CPU, float32; bf16_products: K, V, q and the probabilities rounded to bfloat16 "
+        "for vdpbf16ps)",
         py::arg("qkv"), py::arg("query_starts"), py::arg("num_heads"), py::arg("scale"), py::arg("isa"),
-        py::arg("out"));
+        py::arg("out"), py::arg("bf16_products") = false);
   m.def("packed_linear_gelu", without_gil(&minivllm::packed_linear_gelu),
         "x [M, K] times float32 panels plus bias, through GELU (exact, or tanh) -> [M, n] float32 (an encoder's up "
         "projection)",

@@ -214,7 +214,7 @@ void paged_prefill_attention(torch::Tensor q, const torch::Tensor& k_cache, cons
                              const torch::Tensor& block_table, int64_t start_pos, int64_t block_size, double scale,
                              int64_t window, int64_t isa, torch::Tensor out, std::optional<torch::Tensor> sinks);
 void packed_bidirectional_attention(const torch::Tensor& qkv, const torch::Tensor& query_starts, int64_t num_heads,
-                                    double scale, int64_t isa, torch::Tensor out);
+                                    double scale, int64_t isa, torch::Tensor out, bool bf16_products);
 torch::Tensor packed_linear_gelu(const torch::Tensor& x, const torch::Tensor& w, const std::optional<torch::Tensor>& bias,
                                  int64_t n, int64_t isa, bool is_tanh);
 void packed_linear_add_norm_(const torch::Tensor& x, const torch::Tensor& w, const std::optional<torch::Tensor>& bias,

@@ -615,10 +615,25 @@ void parallel_tasks(int64_t M, int64_t num_panels, int64_t row_block, const Team
     body(m_block, std::min(M, m_block + row_block), begin, std::min(num_panels, begin + chunk));
   };
   if (team != nullptr) return team->for_each_task(num_tasks, run);
-  std::atomic<int64_t> next_task{0};
-  const TeamShare forked{num_threads, &next_task};  // the threads forked here, for this product alone
-  at::parallel_for(0, std::min(num_threads, num_tasks), 1,
-                   [&](int64_t, int64_t) { forked.for_each_task(num_tasks, run); });
+  // Threads forked here, for this product alone. Thread h's home is the chunks
+  // [h C / H, (h + 1) C / H), which it runs row block by row block, so the weights it multiplies
+  // stay in its own core's caches for every row block (taken from one shared queue in row-block
+  // order, each thread's next task was often another's chunk: every core read all the weights);
+  // then it takes what is left of the others' homes. The tasks are the same either way, so
+  // which thread runs one does not change a float.
+  const int64_t num_row_blocks = (M + row_block - 1) / row_block;
+  const int64_t num_homes = std::min(num_threads, num_chunks);
+  const std::unique_ptr<std::atomic<int64_t>[]> next(new std::atomic<int64_t>[num_homes]);
+  for (int64_t h = 0; h < num_homes; ++h) next[h].store(0, std::memory_order_relaxed);
+  const auto drain = [&](int64_t h) {
+    const int64_t first = h * num_chunks / num_homes, width = (h + 1) * num_chunks / num_homes - first;
+    for (int64_t i; (i = next[h].fetch_add(1)) < num_row_blocks * width;)
+      run((i / width) * num_chunks + first + i % width);
+  };
+  at::parallel_for(0, num_homes, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t h = begin; h < end; ++h)
+      for (int64_t k = 0; k < num_homes; ++k) drain((h + k) % num_homes);
+  });
 }
 
 #if defined(__x86_64__)
@@ -708,14 +723,15 @@ std::unique_ptr<uint16_t[]> rounded_rows(const float* x, int64_t M, int64_t ldx,
 // and later, Intel Cooper Lake): x rounded to bfloat16 once (as the AMX path rounds it, so a
 // row's result does not depend on the batch), products summed in float32.
 void gemm_dpbf16(const float* x, int64_t M, int64_t ldx, const at::BFloat16* w, int64_t Kp, int64_t K,
-                 const float* bias, int64_t N, float* out, int64_t ldo, bool accumulate, const TeamShare* team) {
+                 const float* bias, int64_t N, float* out, int64_t ldo, bool accumulate, const TeamShare* team,
+                 int64_t out_act = kOutNone) {
   const auto xb = rounded_rows(x, M, ldx, K, Kp);
   const int64_t panel_size = Kp * kPanel;
   const auto tile = [&](int64_t rows, int64_t m0, int64_t p, bool pair, float* acc) {
     const at::BFloat16* panel = w + p * panel_size;
     run_tile_dpbf16(rows, pair, xb.get() + m0 * Kp, Kp, panel, panel + panel_size, Kp, acc);
   };
-  gemm_tiles(M, N, 8, nullptr, bias, out, ldo, accumulate, team, team != nullptr, tile);
+  gemm_tiles(M, N, 8, nullptr, bias, out, ldo, accumulate, team, team != nullptr, tile, out_act, kIsaAvx512Bf16);
 }
 #endif
 
@@ -948,12 +964,33 @@ void packed_gemm(const float* x, int64_t M, int64_t K, int64_t ldx, const Packed
 void packed_gemm_activated(const float* x, int64_t M, int64_t K, int64_t ldx, const torch::Tensor& w,
                            const float* bias, int64_t N, float* out, int64_t ldo, int64_t isa, bool accumulate,
                            int64_t out_act) {
-  TORCH_CHECK(w.scalar_type() == torch::kFloat32, "packed_gemm_activated: float32 panels only");
+  TORCH_CHECK(w.scalar_type() == torch::kFloat32 || w.scalar_type() == torch::kBFloat16,
+              "packed_gemm_activated: float32 or bfloat16 panels only");
   TORCH_CHECK(out_act == kOutNone || out_act == kOutGelu || out_act == kOutGeluTanh,
               "packed_gemm_activated: unknown activation ", out_act);
   check_packed_weight(w, K, N, nullptr, isa);
-  gemm_vector(x, M, ldx, w.data_ptr<float>(), w.size(1) * w.size(2), K, nullptr, bias, N, out, ldo, isa, accumulate,
-              nullptr, out_act);
+  const int64_t panel_size = w.size(1) * w.size(2);
+  if (w.scalar_type() == torch::kFloat32)
+    return gemm_vector(x, M, ldx, w.data_ptr<float>(), panel_size, K, nullptr, bias, N, out, ldo, isa, accumulate,
+                       nullptr, out_act);
+  // bfloat16 panels: by the path packed_gemm takes, the activation in the same tiles where it can
+  const auto* data = static_cast<const at::BFloat16*>(w.data_ptr());
+#if defined(MINIVLLM_HAS_AMX)
+  if (isa == kIsaAmx) {  // its tiles store straight to `out`: the activation a pass after, by rows
+    gemm_amx(x, M, ldx, data, 2 * w.size(1), K, bias, N, out, ldo, accumulate, nullptr);
+    if (out_act != kOutNone) {
+      at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+        for (int64_t m = begin; m < end; ++m) activate(out + m * ldo, N, out_act, isa);
+      });
+    }
+    return;
+  }
+#endif
+#if defined(MINIVLLM_HAS_AVX512_BF16)
+  if (isa == kIsaAvx512Bf16)
+    return gemm_dpbf16(x, M, ldx, data, 2 * w.size(1), K, bias, N, out, ldo, accumulate, nullptr, out_act);
+#endif
+  gemm_vector(x, M, ldx, data, panel_size, K, nullptr, bias, N, out, ldo, isa, accumulate, nullptr, out_act);
 }
 
 // x: [M, K] (any float dtype) -> [M, n] float32.

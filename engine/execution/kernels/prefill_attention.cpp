@@ -818,10 +818,14 @@ void paged_prefill_attention(torch::Tensor q,                            // [n, 
 // [q | k | v] (3 H D floats a token), so the step needs no padded batch, no gather of the rows
 // into one and no scatter back; each prompt runs as a chunk (the causal kernel's tiles) whose
 // keys are its own rows and whose every query sees every key.
+// With bf16_products (a bfloat16 model on an AVX512-BF16 CPU), K and V are rounded to bfloat16
+// once for the step and both products run on the pair path's vdpbf16ps tiles, as a bfloat16
+// cache's chunk does: q and the probabilities rounded too, sums in float32.
 void packed_bidirectional_attention(const torch::Tensor& qkv,           // [T, 3 H D] float32, contiguous
                                     const torch::Tensor& query_starts,  // [B + 1] int64: prompt b's rows
                                     int64_t num_heads, double scale, int64_t isa,
-                                    torch::Tensor out) {                // [T, H, D] float32, contiguous: written
+                                    torch::Tensor out,                  // [T, H, D] float32, contiguous: written
+                                    bool bf16_products) {
   TORCH_CHECK(isa <= best_isa(), "packed_bidirectional_attention: this CPU lacks the requested instruction set");
   TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == torch::kFloat32 && qkv.is_contiguous() &&
               qkv.size(1) % (3 * num_heads) == 0, "packed_bidirectional_attention: qkv must be float32 [T, 3 H D], contiguous");
@@ -842,9 +846,31 @@ void packed_bidirectional_attention(const torch::Tensor& qkv,           // [T, 3
   const int64_t identity_table[1] = {0};  // one block of the prompt's length: slot t is row t
   const float* base = qkv.data_ptr<float>();
   float* dst = out.data_ptr<float>();
+  for (int64_t b = 0; b < num_prompts; ++b)
+    TORCH_CHECK(starts[b + 1] >= starts[b], "packed_bidirectional_attention: query_starts must not decrease");
+  if (bf16_products) {
+#if defined(MINIVLLM_HAS_AVX512_BF16)
+    TORCH_CHECK(isa >= kIsaAvx512Bf16 && head_dim % 16 == 0,
+                "packed_bidirectional_attention: bf16_products needs an AVX512-BF16 isa and head_dim a multiple of 16");
+    const auto kv = qkv.narrow(1, hd, 2 * hd).to(torch::kBFloat16).contiguous();  // [T, k | v]
+    const at::BFloat16* kv_base = kv.data_ptr<at::BFloat16>();
+    const KeySource pair_keys{2 * hd, true};
+    for (int64_t b = 0; b < num_prompts; ++b) {
+      const int64_t begin = starts[b], len = starts[b + 1] - begin;
+      if (len == 0) continue;
+      const at::BFloat16* k = kv_base + begin * 2 * hd;
+      const int64_t block_size = (len + kKeys - 1) / kKeys * kKeys;
+      attend_chunk<Bf16Pair>(base + begin * row, len, num_heads, strides, k, k + hd, num_heads, head_dim,
+                             identity_table, block_size, 0, static_cast<float>(scale), 0, isa, dst + begin * hd,
+                             nullptr, pair_keys);
+    }
+    return;
+#else
+    TORCH_CHECK(false, "packed_bidirectional_attention: bf16_products needs a build with AVX512-BF16");
+#endif
+  }
   for (int64_t b = 0; b < num_prompts; ++b) {
     const int64_t begin = starts[b], len = starts[b + 1] - begin;
-    TORCH_CHECK(len >= 0, "packed_bidirectional_attention: query_starts must not decrease");
     if (len == 0) continue;
     const float* q = base + begin * row;
     const int64_t block_size = (len + kKeys - 1) / kKeys * kKeys;

@@ -78,3 +78,39 @@ def test_backend_runs_it_where_the_prefill_tiles_run(kernels) -> None:
     torch.testing.assert_close(out.double(), _dense(qkv, [0, 8, 20], 4, 0.25), atol=1e-5, rtol=1e-5)
     with pytest.raises(RuntimeError, match="query_starts must run from 0 to T"):
         attention.bidirectional(qkv, torch.tensor([0, 8, 19]), 4, 0.25)
+
+
+@pytest.mark.parametrize(("lengths", "num_heads", "head_dim"), [((1, 5, 16, 17, 70, 131), 3, 32), ((100, 33), 2, 64)],
+                         ids=["d32", "d64"])
+def test_bfloat16_products_round_as_a_bfloat16_cache_does(kernels, lengths: tuple[int, ...], num_heads: int,
+                                                          head_dim: int) -> None:
+    """bf16_products (a bfloat16 encoder on an AVX512-BF16 CPU): the pair path's vdpbf16ps tiles,
+    within bfloat16's rounding of the dense reference, and not the float32 path's result."""
+    if kernels.best_isa() < ISAS["avx512_bf16"]:
+        pytest.skip("this CPU has no AVX512-BF16 (vdpbf16ps): the bfloat16 pair path does not run here")
+    gen = torch.Generator().manual_seed(sum(lengths))
+    num_tokens = sum(lengths)
+    qkv = torch.randn(num_tokens, 3 * num_heads * head_dim, generator=gen) * 1.5
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
+    scale = head_dim**-0.5
+    expected = _dense(qkv, starts, num_heads, scale)
+    query_starts = torch.tensor(starts, dtype=torch.int64)
+    exact = torch.empty(num_tokens, num_heads, head_dim)
+    kernels.packed_bidirectional_attention(qkv, query_starts, num_heads, scale, kernels.best_isa(), exact)
+    for isa in range(ISAS["avx512_bf16"], kernels.best_isa() + 1):
+        out = torch.full((num_tokens, num_heads, head_dim), float("nan"))
+        kernels.packed_bidirectional_attention(qkv, query_starts, num_heads, scale, isa, out, True)
+        # bfloat16's 8 bits: the tolerance the bfloat16 caches' prefill is held to
+        torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=2e-2, msg=ISA_NAMES[isa])
+        assert (out - exact).abs().max().item() > 1e-4  # rounded: not the float32 path
+    with pytest.raises(RuntimeError, match="bf16_products needs an AVX512-BF16 isa"):
+        kernels.packed_bidirectional_attention(qkv, query_starts, num_heads, scale, ISAS["avx512"], exact, True)
+
+
+def test_a_bfloat16_backend_asks_for_bfloat16_products_where_they_run(kernels) -> None:
+    isa = kernels.best_isa()
+    assert CpuAttention(kernels, isa, prefill_in_cpp=True, is_bfloat16=True).is_bf16_bidirectional == (
+        isa >= ISAS["avx512_bf16"])
+    assert not CpuAttention(kernels, isa, prefill_in_cpp=True).is_bf16_bidirectional

@@ -1,13 +1,14 @@
 """The encoder's fused epilogues against torch: packed_linear_gelu (bias + exact or tanh GELU on
 each output tile) and packed_linear_add_norm_ (bias + residual add + LayerNorm, in place), on
 odd shapes (rows that leave partial tiles, N not a multiple of 16) and every SIMD path this CPU
-runs."""
+runs, on float32 and bfloat16 panels."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.execution.kernels import ISAS
 from engine.execution.weights.packed_weight import PackedWeight
 from tests.helpers import ISA_NAMES
 
@@ -59,3 +60,30 @@ def test_packed_linear_add_norm_writes_the_normed_sum_over_the_residual(kernels,
         assert err < 1e-5, f"{ISA_NAMES[isa]}: max error {err}"
     with pytest.raises(RuntimeError, match="residual must be float32"):
         kernels.packed_linear_add_norm_(x, packed.data, packed.bias, n, 0, residual[:, :-1], norm_weight, norm_bias, 1e-12)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "M{}-K{}-N{}".format(*s))
+def test_both_epilogues_take_bfloat16_panels(kernels, shape: tuple[int, int, int]) -> None:
+    """A bfloat16 encoder's panels: the same epilogues, the products over the bfloat16 weights
+    (and, on the vdpbf16ps / AMX paths, x rounded to bfloat16 as those paths read it)."""
+    m, k, n = shape
+    gen = torch.Generator().manual_seed(5 * m + n)
+    weight, bias, x = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen), torch.randn(m, k, generator=gen)
+    residual = torch.randn(m, n, generator=gen)
+    norm_weight, norm_bias = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    packed = PackedWeight.pack(weight, bias, torch.bfloat16)
+    w = weight.bfloat16().double()
+    for isa in range(kernels.best_isa() + 1):
+        xr = (x.bfloat16() if isa >= ISAS["avx512_bf16"] else x).double()
+        product = xr @ w.T + bias.double()
+        out = kernels.packed_linear_gelu(x, packed.data, packed.bias, n, isa, False)
+        err = (out.double() - F.gelu(product)).abs().max().item()
+        assert err < 2e-5 * k**0.5, f"{ISA_NAMES[isa]} gelu: max error {err}"
+        normed = residual.clone()
+        kernels.packed_linear_add_norm_(x, packed.data, packed.bias, n, isa, normed, norm_weight, norm_bias, 1e-12)
+        expected = F.layer_norm(residual.double() + product, (n,), norm_weight.double(), norm_bias.double(), 1e-12)
+        err = (normed.double() - expected).abs().max().item()
+        assert err < 1e-4, f"{ISA_NAMES[isa]} add_norm: max error {err}"
+    # the float32 weights' product is not what it computed: the panels' bfloat16 values are
+    exact = F.gelu(x.double() @ weight.double().T + bias.double())
+    assert (kernels.packed_linear_gelu(x, packed.data, packed.bias, n, 0, False).double() - exact).abs().max() > 1e-3
