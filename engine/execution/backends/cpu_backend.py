@@ -94,14 +94,19 @@ class CpuBackend(Backend):
         elif self.onednn or self.panel_dtype is not None:
             packed = pack_linears(model, self.onednn, self.panel_dtype, self.kernels, self.isa, self.max_panel_rows,
                                   keep=(model.embed_tokens,))
-            if self.is_encoder and self.panel_dtype == torch.bfloat16 and not self.onednn:
-                # Every product runs on the bfloat16 panels, which take float32 rows (rounded to
-                # bfloat16 as they are read): the rest of the encoder (embeddings, LayerNorms, the
-                # residual stream, attention) stays float32, as the decoders' fused layers keep
-                # theirs. A bfloat16 stream cost a rounding copy after each product and bfloat16
-                # GELU / LayerNorm passes (a fifth of a bge-small step), and kept the products'
-                # bias + GELU and residual add + LayerNorm from running inside them.
-                model.float()
+            if self.is_encoder and self.panel_dtype == torch.bfloat16 and not self.onednn \
+                    and self.isa >= ISAS["avx512_bf16"]:
+                # Every product runs on the bfloat16 panels by vdpbf16ps or AMX, which take
+                # float32 rows (rounded to bfloat16 as they are read): the rest of the encoder
+                # (LayerNorms, the residual stream, attention's inputs) stays float32, as the
+                # decoders' fused layers keep theirs. A bfloat16 stream cost a rounding copy after
+                # each product and bfloat16 GELU / LayerNorm passes (a fifth of a bge-small step),
+                # and kept the products' bias + GELU and residual add + LayerNorm out of them. The
+                # word embedding stays bfloat16 (a 250k-row table would double): its rows join
+                # the float32 position embeddings as float32, the same values.
+                for name, param in model.named_parameters():
+                    if not name.startswith("embed_tokens."):
+                        param.data = param.data.float()
             if self.panel_dtype is not None:
                 if self.config.enable_huge_pages:  # before the fused layers take the panels' addresses
                     place_on_huge_pages([m.panels for m in packed])

@@ -621,8 +621,14 @@ void parallel_tasks(int64_t M, int64_t num_panels, int64_t row_block, const Team
   // order, each thread's next task was often another's chunk: every core read all the weights);
   // then it takes what is left of the others' homes. The tasks are the same either way, so
   // which thread runs one does not change a float.
+  std::atomic<int64_t> next_task{0};
+  if (num_chunks < num_threads) {  // fewer chunks than threads: homes would leave threads idle
+    const TeamShare forked{num_threads, &next_task};
+    return at::parallel_for(0, std::min(num_threads, num_tasks), 1,
+                            [&](int64_t, int64_t) { forked.for_each_task(num_tasks, run); });
+  }
   const int64_t num_row_blocks = (M + row_block - 1) / row_block;
-  const int64_t num_homes = std::min(num_threads, num_chunks);
+  const int64_t num_homes = num_threads;
   const std::unique_ptr<std::atomic<int64_t>[]> next(new std::atomic<int64_t>[num_homes]);
   for (int64_t h = 0; h < num_homes; ++h) next[h].store(0, std::memory_order_relaxed);
   const auto drain = [&](int64_t h) {
@@ -976,7 +982,7 @@ void packed_gemm_activated(const float* x, int64_t M, int64_t K, int64_t ldx, co
   // bfloat16 panels: by the path packed_gemm takes, the activation in the same tiles where it can
   const auto* data = static_cast<const at::BFloat16*>(w.data_ptr());
 #if defined(MINIVLLM_HAS_AMX)
-  if (isa == kIsaAmx) {  // its tiles store straight to `out`: the activation a pass after, by rows
+  if (isa == kIsaAmx) {  // gemm_amx takes no activation: a pass after it, by rows
     gemm_amx(x, M, ldx, data, 2 * w.size(1), K, bias, N, out, ldo, accumulate, nullptr);
     if (out_act != kOutNone) {
       at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {

@@ -109,8 +109,19 @@ def test_bfloat16_products_round_as_a_bfloat16_cache_does(kernels, lengths: tupl
         kernels.packed_bidirectional_attention(qkv, query_starts, num_heads, scale, ISAS["avx512"], exact, True)
 
 
-def test_a_bfloat16_backend_asks_for_bfloat16_products_where_they_run(kernels) -> None:
+def test_a_bfloat16_backend_runs_bfloat16_products_where_they_run(kernels) -> None:
+    """CpuAttention of a bfloat16 model multiplies in bfloat16 where vdpbf16ps runs (its output
+    within bfloat16's tolerance, not the float32 one), a float32 model's never."""
     isa = kernels.best_isa()
-    assert CpuAttention(kernels, isa, prefill_in_cpp=True, is_bfloat16=True).is_bf16_bidirectional == (
-        isa >= ISAS["avx512_bf16"])
-    assert not CpuAttention(kernels, isa, prefill_in_cpp=True).is_bf16_bidirectional
+    bf16 = CpuAttention(kernels, isa, prefill_in_cpp=True, is_bfloat16=True)
+    fp32 = CpuAttention(kernels, isa, prefill_in_cpp=True)
+    assert bf16.is_bf16_bidirectional == (isa >= ISAS["avx512_bf16"]) and not fp32.is_bf16_bidirectional
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(40, 3 * 2 * 32, generator=gen) * 1.5
+    starts = torch.tensor([0, 15, 40])
+    expected = _dense(qkv, [0, 15, 40], 2, 32**-0.5)
+    exact = fp32.bidirectional(qkv, starts, 2, 32**-0.5)
+    torch.testing.assert_close(exact.double(), expected, atol=1e-5, rtol=1e-5)
+    rounded = bf16.bidirectional(qkv, starts, 2, 32**-0.5)
+    torch.testing.assert_close(rounded.double(), expected, atol=2e-2, rtol=2e-2)
+    assert ((rounded - exact).abs().max() > 1e-4) == bf16.is_bf16_bidirectional
