@@ -56,6 +56,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_linear", without_gil(&minivllm::packed_linear), "x [M, K] times panel-packed weights -> [M, n] float32");
   m.def("quant_linear", without_gil(&minivllm::quant_linear),
         "x [M, K] times GGUF blocks repacked in panels (ggml type) -> [M, n] float32");
+  m.def("quant_tile_unpack", without_gil(&minivllm::quant_tile_unpack),
+        "Tests: x [rows <= 4, K] by the VNNI tile over the first num_panels panels, K-quant records unpacked with "
+        "GFNI or without -> [num_panels, rows, 16] float32",
+        py::arg("x"), py::arg("w"), py::arg("type"), py::arg("num_panels"), py::arg("gfni"));
   m.def("quant_rows", without_gil(&minivllm::quant_rows),
         "Rows ids of a quantized weight as float32 [L, k] (an embedding's lookup)");
   m.def("quant_chain_seconds", without_gil(&minivllm::quant_chain_seconds),

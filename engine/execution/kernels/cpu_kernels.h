@@ -248,6 +248,8 @@ void quant_gemm(const float* x, int64_t M, int64_t K, int64_t ldx, const QuantPa
                 const float* bias, int64_t N, float* out, int64_t ldo, int64_t isa, bool accumulate,
                 const TeamShare* team);
 // x: [M, K] (any float dtype) -> [M, n] float32 (Python's entry, like packed_linear).
+torch::Tensor quant_tile_unpack(const torch::Tensor& x, const torch::Tensor& w, int64_t type, int64_t num_panels,
+                                bool gfni);
 torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t type,
                            const std::optional<torch::Tensor>& bias, int64_t n, int64_t isa);
 // out[i, :k] = row ids[i] of checked quantized panels of k inputs (each id < the panels' rows), as

@@ -343,6 +343,27 @@ torch::Tensor quant_rows(const torch::Tensor& w, int64_t type, const torch::Tens
   return out;
 }
 
+// Tests: x [rows, K] (rows <= 4) against the first num_panels panels of w by the VNNI tile, its
+// K-quant records unpacked with GFNI or without -> [num_panels, rows, 16] float32 (no bias).
+torch::Tensor quant_tile_unpack(const torch::Tensor& x, const torch::Tensor& w, int64_t type, int64_t num_panels,
+                                bool gfni) {
+  TORCH_CHECK(runs_vnni(best_isa()), "quant_tile_unpack: this CPU lacks AVX-512 VNNI");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= 4, "quant_tile_unpack: x must be [rows <= 4, K]");
+  const int64_t rows = x.size(0), K = x.size(1);
+  check_quant_weight(w, type, K, w.size(0) * kPanel, kIsaAvx512);
+  const QuantPanels q = QuantPanels::of(w, type);
+  TORCH_CHECK(num_panels >= 1 && num_panels <= q.num_panels &&
+              (num_panels == 1 || num_panels == quant_tile_panels(type, rows)),
+              "quant_tile_unpack: num_panels must be 1 or quant_tile_panels(type, rows)");
+  const auto xf = x.to(torch::kFloat32).contiguous();
+  ActsBuffer acts;
+  const QuantActs a = acts.quantize(xf.data_ptr<float>(), rows, K, K, kIsaAvx512, false);
+  auto out = torch::empty({num_panels, rows, kPanel}, xf.options());
+  quant_tile_vnni_unpack(gfni, type, rows, a, 0, q.data, q.num_records, out.data_ptr<float>(), num_panels,
+                         q.num_records * q.record_bytes);
+  return out;
+}
+
 torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t type,
                            const std::optional<torch::Tensor>& bias, int64_t n, int64_t isa) {
   TORCH_CHECK(x.dim() == 2, "quant_linear: x must be [M, K]");

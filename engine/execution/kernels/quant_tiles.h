@@ -173,5 +173,11 @@ constexpr int64_t kMaxQuantTilePanels = 4;
 int64_t quant_tile_panels(int64_t type, int64_t rows);
 void quant_tile_vnni(int64_t type, int64_t rows, const QuantActs& a, int64_t m0, const uint8_t* panel,
                      int64_t num_records, float* acc, int64_t num_panels = 1, int64_t panel_stride = 0);
+// The same tile with a Q4_K / Q5_K / Q6_K record's top bits moved by GFNI (gfni, refused where the
+// CPU lacks it) or by the shifts and masks a VNNI CPU without GFNI runs: tests run both on a GFNI
+// CPU, where the engine only ever runs the first.
+void quant_tile_vnni_unpack(bool gfni, int64_t type, int64_t rows, const QuantActs& a, int64_t m0,
+                            const uint8_t* panel, int64_t num_records, float* acc, int64_t num_panels,
+                            int64_t panel_stride);
 
 }  // namespace minivllm

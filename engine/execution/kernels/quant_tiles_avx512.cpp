@@ -13,6 +13,7 @@
 #include <immintrin.h>
 
 #include <cstring>
+#include <stdexcept>
 
 namespace minivllm {
 namespace {
@@ -390,6 +391,17 @@ void quant_tile_vnni(int64_t type, int64_t rows, const QuantActs& a, int64_t m0,
   });
 }
 
+void quant_tile_vnni_unpack(bool gfni, int64_t type, int64_t rows, const QuantActs& a, int64_t m0,
+                            const uint8_t* panel, int64_t num_records, float* acc, int64_t num_panels,
+                            int64_t panel_stride) {
+  if (gfni && !has_gfni()) throw std::runtime_error("quant_tile_vnni_unpack: this CPU lacks GFNI");
+  with_quant_type(type, [&](auto t) {
+    constexpr int64_t T = decltype(t)::value;
+    if (gfni) return tile_panels<T, true>(rows, num_panels, a, m0, panel, panel_stride, num_records, acc);
+    tile_panels<T, false>(rows, num_panels, a, m0, panel, panel_stride, num_records, acc);
+  });
+}
+
 }  // namespace minivllm
 
 #else
@@ -403,6 +415,10 @@ void quant_tile_vnni(int64_t type, int64_t rows, const QuantActs& a, int64_t m0,
 }
 void quantize_rows_avx512(const float* x, int64_t M, int64_t K, int64_t ldx, int8_t* q, BlockActs* blocks) {
   quantize_rows(x, M, K, ldx, q, blocks);  // not reached, as above
+}
+void quant_tile_vnni_unpack(bool, int64_t, int64_t, const QuantActs&, int64_t, const uint8_t*, int64_t, float*, int64_t,
+                            int64_t) {
+  throw std::runtime_error("quant_tile_vnni_unpack: AVX-512 VNNI only");
 }
 }  // namespace minivllm
 

@@ -293,3 +293,37 @@ def test_packed_linear_knows_mxfp4_panels_by_their_record_size(kernels) -> None:
     for isa in range(kernels.best_isa() + 1):
         out = kernels.packed_linear(x, weight.data, None, weight.bias, weight.out_features, isa)
         assert torch.equal(out, weight.linear(x, kernels, isa)), ISA_NAMES[isa]
+
+
+@pytest.mark.parametrize("quant_type", [T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
+def test_k_quant_tiles_unpack_alike_with_gfni_and_without(kernels, quant_type: T) -> None:
+    """A VNNI CPU without GFNI (Cascade Lake) moves a K-quant record's top bits by shifts and masks:
+    the same integer sums as the GFNI transform, so the same floats, at every tile shape the
+    engine runs (1-4 rows; 4 or 2 panels at once at one row, 2 at two), both as the dequantized
+    matrix gives them. A GFNI CPU runs only the GFNI tile in the engine: this is its one check."""
+    if kernels.best_isa() < ISAS["avx512"] or not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        pytest.skip("this CPU has no AVX-512: the VNNI tiles do not run here")
+    rng = np.random.default_rng(int(quant_type))
+    n, k = 64, 512  # 4 panels of 2 super-blocks
+    blocks = random_blocks(quant_type, n, k, rng)
+    weight = QuantizedWeight.pack(blocks, quant_type, k)
+    data, type_id = weight.as_args()[:2]
+    w = weight.dequantize().double().numpy()
+    try:
+        kernels.quant_tile_unpack(torch.zeros(1, k), data, type_id, 1, False)
+    except RuntimeError as error:
+        pytest.skip(f"no VNNI tile here: {error}")
+    for rows in (1, 2, 3, 4):
+        x = rng.standard_normal((rows, k)).astype(np.float32)
+        exact = (quantized_rows(x) @ w.T).reshape(rows, 4, 16).transpose(1, 0, 2)  # [panels, rows, 16]
+        magnitude = (np.abs(quantized_rows(x)) @ np.abs(w.T)).reshape(rows, 4, 16).transpose(1, 0, 2)
+        group = 4 if rows == 1 and quant_type != T.Q6_K else 2 if rows <= 2 else 1  # quant_tile_panels
+        for num_panels in sorted({1, group}):
+            without = kernels.quant_tile_unpack(torch.from_numpy(x), data, type_id, num_panels, False)
+            err = np.abs(without.double().numpy() - exact[:num_panels])
+            assert (err <= 1e-5 * magnitude[:num_panels] + 1e-6).all(), f"rows {rows} x {num_panels}: {err.max()}"
+            try:
+                with_gfni = kernels.quant_tile_unpack(torch.from_numpy(x), data, type_id, num_panels, True)
+            except RuntimeError:  # a VNNI CPU without GFNI: the path above is its engine's
+                continue
+            assert torch.equal(with_gfni, without), f"rows {rows} x {num_panels}"
