@@ -1,8 +1,9 @@
-"""The panel GEMM against oneDNN's packed GEMM on the default model's four layer shapes
-(QKV, O, gate/up, down), per row count, in GFLOP/s (best of 3), side by side in one run:
+"""The panel GEMM against oneDNN's packed GEMM on a model's four layer shapes (QKV, O,
+gate/up or up, down), per row count, in GFLOP/s (best of 3), side by side in one run:
 
     python -m bench.packed_gemm                     # bfloat16: AVX-512 panels, vdpbf16ps, AMX tiles, oneDNN
     python -m bench.packed_gemm --dtype float32
+    python -m bench.packed_gemm --shapes bge-small --rows 2048   # an encoder step's products
 """
 from __future__ import annotations
 
@@ -16,7 +17,10 @@ from engine.execution.kernels import ISAS, load_cpu_kernels
 from engine.execution.weights.packed_weight import PackedWeight
 
 logger = logging.getLogger(__name__)
-_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (K, N) of SmolLM2-135M's projections
+# (K, N) of each model's projections
+_SHAPES = {"smollm2-135m": [(576, 960), (576, 576), (576, 3072), (1536, 576)],
+           "bge-small": [(384, 1152), (384, 384), (384, 1536), (1536, 384)],
+           "qwen3-0.6b": [(1024, 4096), (2048, 1024), (1024, 6144), (3072, 1024)]}
 _ISA_NAMES = {level: name for name, level in ISAS.items()}
 
 
@@ -35,6 +39,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--rows", default="1,8,32,64,128,512")
+    parser.add_argument("--shapes", default="smollm2-135m", choices=sorted(_SHAPES))
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     kernels = load_cpu_kernels()
@@ -42,13 +47,14 @@ def main() -> None:
         raise SystemExit("the C++ kernels did not build")
     dtype = getattr(torch, args.dtype)
     gen = torch.Generator().manual_seed(0)
-    weights = [torch.randn(n, k, generator=gen) * 0.05 for k, n in _SHAPES]
+    shapes = _SHAPES[args.shapes]
+    weights = [torch.randn(n, k, generator=gen) * 0.05 for k, n in shapes]
     panels = [PackedWeight.pack(w, None, dtype) for w in weights]
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w.to(dtype)) for w in weights]
     isas = [i for i in (ISAS["avx512"], ISAS["avx512_bf16"], ISAS["amx"]) if i <= kernels.best_isa()] or [kernels.best_isa()]
     flops_per_row = 2 * sum(w.numel() for w in weights)
     for m in (int(r) for r in args.rows.split(",")):
-        xs = [torch.randn(m, k, generator=gen) for k, _ in _SHAPES]
+        xs = [torch.randn(m, k, generator=gen) for k, _ in shapes]
         xs_native = [x.to(dtype) for x in xs]
         reps = max(3, 400 // m)
         parts = [f"M={m:4d}"]

@@ -615,30 +615,21 @@ void parallel_tasks(int64_t M, int64_t num_panels, int64_t row_block, const Team
     body(m_block, std::min(M, m_block + row_block), begin, std::min(num_panels, begin + chunk));
   };
   if (team != nullptr) return team->for_each_task(num_tasks, run);
-  // Threads forked here, for this product alone. Thread h's home is the chunks
-  // [h C / H, (h + 1) C / H), which it runs row block by row block, so the weights it multiplies
-  // stay in its own core's caches for every row block (taken from one shared queue in row-block
-  // order, each thread's next task was often another's chunk: every core read all the weights);
-  // then it takes what is left of the others' homes. The tasks are the same either way, so
-  // which thread runs one does not change a float.
-  std::atomic<int64_t> next_task{0};
-  if (num_chunks < num_threads) {  // fewer chunks than threads: homes would leave threads idle
-    const TeamShare forked{num_threads, &next_task};
-    return at::parallel_for(0, std::min(num_threads, num_tasks), 1,
-                            [&](int64_t, int64_t) { forked.for_each_task(num_tasks, run); });
-  }
+  // Threads forked here, for this product alone, take a team's home ranges (TeamShare): the
+  // tasks numbered chunk by chunk, so rank r's home is a run of whole chunks' row blocks, and the
+  // weights it multiplies stay in its own core's caches from one row block to the next (from one
+  // shared queue in row-block order, each thread's next task was often another's chunk: every
+  // core read all the weights). The tasks are the same, so who runs one changes no float.
   const int64_t num_row_blocks = (M + row_block - 1) / row_block;
-  const int64_t num_homes = num_threads;
-  const std::unique_ptr<std::atomic<int64_t>[]> next(new std::atomic<int64_t>[num_homes]);
-  for (int64_t h = 0; h < num_homes; ++h) next[h].store(0, std::memory_order_relaxed);
-  const auto drain = [&](int64_t h) {
-    const int64_t first = h * num_chunks / num_homes, width = (h + 1) * num_chunks / num_homes - first;
-    for (int64_t i; (i = next[h].fetch_add(1)) < num_row_blocks * width;)
-      run((i / width) * num_chunks + first + i % width);
-  };
-  at::parallel_for(0, num_homes, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t h = begin; h < end; ++h)
-      for (int64_t k = 0; k < num_homes; ++k) drain((h + k) % num_homes);
+  std::atomic<int64_t> next_task{0};
+  const std::unique_ptr<HomeRange[]> homes(new HomeRange[num_threads]);
+  const TeamShare forked{num_threads, &next_task, nullptr, nullptr, 0, homes.get()};
+  at::parallel_for(0, num_threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t rank = begin; rank < end; ++rank) {
+      TeamShare share = forked;
+      share.rank = rank;
+      share.for_each_task(num_tasks, [&](int64_t t) { run((t % num_row_blocks) * num_chunks + t / num_row_blocks); });
+    }
   });
 }
 

@@ -842,41 +842,36 @@ void packed_bidirectional_attention(const torch::Tensor& qkv,           // [T, 3
               "packed_bidirectional_attention: query_starts must run from 0 to T");
   const int64_t hd = num_heads * head_dim;
   const RowStrides strides{row, head_dim, hd, head_dim};
-  const KeySource keys{row, true};
   const int64_t identity_table[1] = {0};  // one block of the prompt's length: slot t is row t
   const float* base = qkv.data_ptr<float>();
   float* dst = out.data_ptr<float>();
   for (int64_t b = 0; b < num_prompts; ++b)
     TORCH_CHECK(starts[b + 1] >= starts[b], "packed_bidirectional_attention: query_starts must not decrease");
+  // Each prompt as a chunk whose keys are its own rows: k at kv + t * kv_row (v hd after it),
+  // E the kernel's element (float, or a bfloat16 pair).
+  const auto each_prompt = [&](auto element, const auto* kv, int64_t kv_row) {
+    using E = decltype(element);
+    const KeySource keys{kv_row, true};
+    for (int64_t b = 0; b < num_prompts; ++b) {
+      const int64_t begin = starts[b], len = starts[b + 1] - begin;
+      if (len == 0) continue;
+      const auto* k = kv + begin * kv_row;
+      const int64_t block_size = (len + kKeys - 1) / kKeys * kKeys;
+      attend_chunk<E>(base + begin * row, len, num_heads, strides, k, k + hd, num_heads, head_dim, identity_table,
+                      block_size, 0, static_cast<float>(scale), 0, isa, dst + begin * hd, nullptr, keys);
+    }
+  };
   if (bf16_products) {
 #if defined(MINIVLLM_HAS_AVX512_BF16)
     TORCH_CHECK(isa >= kIsaAvx512Bf16 && head_dim % 16 == 0,
                 "packed_bidirectional_attention: bf16_products needs an AVX512-BF16 isa and head_dim a multiple of 16");
     const auto kv = qkv.narrow(1, hd, 2 * hd).to(torch::kBFloat16).contiguous();  // [T, k | v]
-    const at::BFloat16* kv_base = kv.data_ptr<at::BFloat16>();
-    const KeySource pair_keys{2 * hd, true};
-    for (int64_t b = 0; b < num_prompts; ++b) {
-      const int64_t begin = starts[b], len = starts[b + 1] - begin;
-      if (len == 0) continue;
-      const at::BFloat16* k = kv_base + begin * 2 * hd;
-      const int64_t block_size = (len + kKeys - 1) / kKeys * kKeys;
-      attend_chunk<Bf16Pair>(base + begin * row, len, num_heads, strides, k, k + hd, num_heads, head_dim,
-                             identity_table, block_size, 0, static_cast<float>(scale), 0, isa, dst + begin * hd,
-                             nullptr, pair_keys);
-    }
-    return;
+    return each_prompt(Bf16Pair{}, kv.data_ptr<at::BFloat16>(), 2 * hd);
 #else
     TORCH_CHECK(false, "packed_bidirectional_attention: bf16_products needs a build with AVX512-BF16");
 #endif
   }
-  for (int64_t b = 0; b < num_prompts; ++b) {
-    const int64_t begin = starts[b], len = starts[b + 1] - begin;
-    if (len == 0) continue;
-    const float* q = base + begin * row;
-    const int64_t block_size = (len + kKeys - 1) / kKeys * kKeys;
-    attend_chunk<float, float>(q, len, num_heads, strides, q + hd, q + 2 * hd, num_heads, head_dim, identity_table,
-                               block_size, 0, static_cast<float>(scale), 0, isa, dst + begin * hd, nullptr, keys);
-  }
+  each_prompt(float{}, base + hd, row);  // k and v read in place from the fused rows
 }
 
 }  // namespace minivllm

@@ -379,27 +379,22 @@ int64_t quant_tile_panels(int64_t type, int64_t rows) {
   return rows == 1 && has_sub_block_min(type) ? 4 : 2;
 }
 
-void quant_tile_vnni(int64_t type, int64_t rows, const QuantActs& a, int64_t m0, const uint8_t* panel,
-                     int64_t num_records, float* acc, int64_t num_panels, int64_t panel_stride) {
-  // Only Q6_K's, Q4_K's and Q5_K's tiles differ without GFNI (a VNNI CPU before Ice Lake: Cascade Lake).
-  with_quant_type(type, [&](auto t) {
-    constexpr int64_t T = decltype(t)::value;
-    if constexpr (T == kQ6_K || has_sub_block_min(T)) {
-      if (!has_gfni()) return tile_panels<T, false>(rows, num_panels, a, m0, panel, panel_stride, num_records, acc);
-    }
-    tile_panels<T, true>(rows, num_panels, a, m0, panel, panel_stride, num_records, acc);
-  });
-}
-
 void quant_tile_vnni_unpack(bool gfni, int64_t type, int64_t rows, const QuantActs& a, int64_t m0,
                             const uint8_t* panel, int64_t num_records, float* acc, int64_t num_panels,
                             int64_t panel_stride) {
   if (gfni && !has_gfni()) throw std::runtime_error("quant_tile_vnni_unpack: this CPU lacks GFNI");
+  // Only Q6_K's, Q4_K's and Q5_K's tiles read G; the other types' are the same code either way.
   with_quant_type(type, [&](auto t) {
     constexpr int64_t T = decltype(t)::value;
     if (gfni) return tile_panels<T, true>(rows, num_panels, a, m0, panel, panel_stride, num_records, acc);
     tile_panels<T, false>(rows, num_panels, a, m0, panel, panel_stride, num_records, acc);
   });
+}
+
+void quant_tile_vnni(int64_t type, int64_t rows, const QuantActs& a, int64_t m0, const uint8_t* panel,
+                     int64_t num_records, float* acc, int64_t num_panels, int64_t panel_stride) {
+  // GFNI where the CPU has it; a VNNI CPU before Ice Lake (Cascade Lake) moves the bits by shifts
+  quant_tile_vnni_unpack(has_gfni(), type, rows, a, m0, panel, num_records, acc, num_panels, panel_stride);
 }
 
 }  // namespace minivllm

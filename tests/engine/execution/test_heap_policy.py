@@ -8,20 +8,34 @@ from pathlib import Path
 
 import pytest
 
-# In a fresh process: glibc's mmap threshold is per process and cannot be reset once fixed. A 16 MiB
-# block freed raises glibc's own threshold to 16 MiB (as a load's first large free does); then 1 MiB
-# temporaries, each followed by a small object that lives on (as a model's load interleaves them),
-# are freed. RSS growth (MiB) is printed.
-_INTERLEAVED_TEMPORARIES = """
+_REPO = Path(__file__).resolve().parents[3]
+# Each script runs in a fresh process (glibc's thresholds are per process and cannot be reset once
+# fixed) with argv[1] its mode, and prints its RSS growth in MiB.
+_PRELUDE = """
 import ctypes, sys
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p
 libc.free.argtypes = [ctypes.c_void_p]
-if sys.argv[1] == "fixed":
-    from engine.execution.heap_policy import LOAD_MMAP_THRESHOLD_BYTES, fix_mmap_threshold
-    assert fix_mmap_threshold(LOAD_MMAP_THRESHOLD_BYTES)
+def fix(threshold):  # the engine's policy, imported only in "fixed" mode (its package loads torch)
+    from engine.execution import heap_policy
+    assert heap_policy.fix_mmap_threshold(getattr(heap_policy, threshold))
 def rss_mib():
     return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+"""
+
+
+def _rss_growth_mib(script: str, mode: str) -> float:
+    out = subprocess.run([sys.executable, "-c", _PRELUDE + script, mode], check=True, capture_output=True, text=True,
+                         cwd=_REPO)
+    return float(out.stdout.strip())
+
+
+# A 16 MiB block freed raises glibc's own threshold to 16 MiB (as a load's first large free does);
+# then 1 MiB temporaries, each followed by a small object that lives on (as a model's load
+# interleaves them), are freed.
+_INTERLEAVED_TEMPORARIES = """
+if sys.argv[1] == "fixed":
+    fix("LOAD_MMAP_THRESHOLD_BYTES")
 big = libc.malloc(16 << 20); ctypes.memset(big, 1, 16 << 20); libc.free(big)
 before = rss_mib()
 temporaries, kept = [], []
@@ -36,29 +50,18 @@ print(rss_mib() - before)
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
 def test_a_fixed_load_threshold_returns_freed_temporaries_between_live_objects() -> None:
-    def growth(mode: str) -> float:
-        out = subprocess.run([sys.executable, "-c", _INTERLEAVED_TEMPORARIES, mode], check=True, capture_output=True,
-                             text=True, cwd=Path(__file__).resolve().parents[3])
-        return float(out.stdout.strip())
-
-    assert growth("glibc") > 150  # glibc's own threshold keeps the 200 MiB of freed temporaries resident
-    assert growth("fixed") < 20
+    # glibc's own threshold keeps the 200 MiB of freed temporaries resident
+    assert _rss_growth_mib(_INTERLEAVED_TEMPORARIES, "glibc") > 150
+    assert _rss_growth_mib(_INTERLEAVED_TEMPORARIES, "fixed") < 20
 
 
-# A step's 8 MiB buffer, freed at the heap's top: kept for the next step (RSS growth in MiB printed),
-# or handed back, to be faulted in again, where the trim threshold stayed at glibc's 128 KiB.
+# A step's 8 MiB buffer, freed at the heap's top: kept for the next step, or handed back, to be
+# faulted in again, where the trim threshold stayed at glibc's 128 KiB.
 _STEP_BUFFER = """
-import ctypes, sys
-libc = ctypes.CDLL("libc.so.6")
-libc.malloc.restype = ctypes.c_void_p
-libc.free.argtypes = [ctypes.c_void_p]
 if sys.argv[1] == "fixed":
-    from engine.execution.heap_policy import STEP_MMAP_THRESHOLD_BYTES, fix_mmap_threshold
-    assert fix_mmap_threshold(STEP_MMAP_THRESHOLD_BYTES)
+    fix("STEP_MMAP_THRESHOLD_BYTES")
 else:
     libc.mallopt(-3, 32 << 20)  # the mmap threshold alone
-def rss_mib():
-    return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
 before = rss_mib()
 block = libc.malloc(8 << 20); ctypes.memset(block, 1, 8 << 20); libc.free(block)
 print(rss_mib() - before)
@@ -67,13 +70,8 @@ print(rss_mib() - before)
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
 def test_the_step_threshold_keeps_a_freed_buffer_for_the_next_step() -> None:
-    def growth(mode: str) -> float:
-        out = subprocess.run([sys.executable, "-c", _STEP_BUFFER, mode], check=True, capture_output=True, text=True,
-                             cwd=Path(__file__).resolve().parents[3])
-        return float(out.stdout.strip())
-
-    assert growth("mmap-only") < 2  # trimmed at once: the next step faults its 8 MiB in again
-    assert growth("fixed") > 7
+    assert _rss_growth_mib(_STEP_BUFFER, "mmap-only") < 2  # trimmed at once: the next step faults its 8 MiB in again
+    assert _rss_growth_mib(_STEP_BUFFER, "fixed") > 7
 
 
 def test_building_on_meta_skips_initializers_and_imports_no_compiler() -> None:
@@ -91,8 +89,7 @@ with torch.device("meta"):
     nn.Embedding(100, 8)
 print("torch._dynamo" in sys.modules)
 """
-    out = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True,
-                         cwd=Path(__file__).resolve().parents[3])
+    out = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True, cwd=_REPO)
     assert out.stdout.split() == ["False", "False", "True"]  # the last: why it matters
 
 

@@ -23,6 +23,19 @@ def _dense(qkv: torch.Tensor, starts: list[int], num_heads: int, scale: float) -
     return out
 
 
+def _packed_prompts(lengths: tuple[int, ...], num_heads: int, head_dim: int,
+                    seed: int) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+    """A step of prompts of these lengths: qkv [T, 3 H D] with scores of a few units (so that a
+    wrong key, another prompt's or another head's, moves the softmax), their starts, and the
+    float64 reference."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(sum(lengths), 3 * num_heads * head_dim, generator=gen) * 1.5
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
+    return qkv, starts, _dense(qkv, starts, num_heads, head_dim**-0.5)
+
+
 # Lengths: one token; under, at and past a 16-key block; past a 64-key step and a tile task's
 # 64 rows (the partial last tile); D = 32 (bge-small's), 16 and 64 on the AVX-512 tiles, 24 on
 # the portable loop only.
@@ -31,15 +44,8 @@ def _dense(qkv: torch.Tensor, starts: list[int], num_heads: int, scale: float) -
                           ((23, 7), 2, 24)], ids=["d32", "d16", "d64", "d24"])
 def test_each_prompt_attends_to_all_of_its_own_rows_only(kernels, lengths: tuple[int, ...], num_heads: int,
                                                          head_dim: int) -> None:
-    gen = torch.Generator().manual_seed(sum(lengths) + head_dim)
-    num_tokens = sum(lengths)
-    # scores of a few units, so that a wrong key (another prompt's, another head's) moves the softmax
-    qkv = torch.randn(num_tokens, 3 * num_heads * head_dim, generator=gen) * 1.5
-    starts = [0]
-    for n in lengths:
-        starts.append(starts[-1] + n)
-    scale = head_dim**-0.5
-    expected = _dense(qkv, starts, num_heads, scale)
+    qkv, starts, expected = _packed_prompts(lengths, num_heads, head_dim, sum(lengths) + head_dim)
+    num_tokens, scale = qkv.shape[0], head_dim**-0.5
     query_starts = torch.tensor(starts, dtype=torch.int64)
     for isa in range(kernels.best_isa() + 1):
         out = torch.full((num_tokens, num_heads, head_dim), float("nan"))
@@ -88,14 +94,8 @@ def test_bfloat16_products_round_as_a_bfloat16_cache_does(kernels, lengths: tupl
     within bfloat16's rounding of the dense reference, and not the float32 path's result."""
     if kernels.best_isa() < ISAS["avx512_bf16"]:
         pytest.skip("this CPU has no AVX512-BF16 (vdpbf16ps): the bfloat16 pair path does not run here")
-    gen = torch.Generator().manual_seed(sum(lengths))
-    num_tokens = sum(lengths)
-    qkv = torch.randn(num_tokens, 3 * num_heads * head_dim, generator=gen) * 1.5
-    starts = [0]
-    for n in lengths:
-        starts.append(starts[-1] + n)
-    scale = head_dim**-0.5
-    expected = _dense(qkv, starts, num_heads, scale)
+    qkv, starts, expected = _packed_prompts(lengths, num_heads, head_dim, sum(lengths))
+    num_tokens, scale = qkv.shape[0], head_dim**-0.5
     query_starts = torch.tensor(starts, dtype=torch.int64)
     exact = torch.empty(num_tokens, num_heads, head_dim)
     kernels.packed_bidirectional_attention(qkv, query_starts, num_heads, scale, kernels.best_isa(), exact)
@@ -116,10 +116,8 @@ def test_a_bfloat16_backend_runs_bfloat16_products_where_they_run(kernels) -> No
     bf16 = CpuAttention(kernels, isa, prefill_in_cpp=True, is_bfloat16=True)
     fp32 = CpuAttention(kernels, isa, prefill_in_cpp=True)
     assert bf16.is_bf16_bidirectional == (isa >= ISAS["avx512_bf16"]) and not fp32.is_bf16_bidirectional
-    gen = torch.Generator().manual_seed(3)
-    qkv = torch.randn(40, 3 * 2 * 32, generator=gen) * 1.5
-    starts = torch.tensor([0, 15, 40])
-    expected = _dense(qkv, [0, 15, 40], 2, 32**-0.5)
+    qkv, start_list, expected = _packed_prompts((15, 25), 2, 32, 3)
+    starts = torch.tensor(start_list)
     exact = fp32.bidirectional(qkv, starts, 2, 32**-0.5)
     torch.testing.assert_close(exact.double(), expected, atol=1e-5, rtol=1e-5)
     rounded = bf16.bidirectional(qkv, starts, 2, 32**-0.5)
