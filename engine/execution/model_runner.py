@@ -20,7 +20,7 @@ import torch
 from engine.config import Quantization
 from engine.core.runner_output import RunnerOutput
 from engine.core.scheduler_output import SchedulerOutput
-from engine.execution.attention import AttentionMetadata
+from engine.execution.attention import AttentionMetadata, PrefillSeqMeta
 from engine.execution.backends import select_backend
 from engine.execution.host_memory import HostMemory
 from engine.execution.input_batch import CachedRequestState, Chunk, InputBatch, prepare_decode, prepare_prefill
@@ -36,6 +36,7 @@ from engine.execution.speculative.speculator import Speculator
 from engine.execution.startup_phases import KV_CACHE_ALLOCATION, PACKING, WARM_UP, WEIGHT_LOADING, StartupPhases
 from engine.execution.weights.checkpoint import gguf_path, iter_weights
 from engine.execution.weights.gguf_file import GGUFFile
+from engine.processing.pooling_params import PoolingType
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +101,7 @@ class ModelRunner:
         # A model that reads token types (a BERT cross-encoder) gets them with every forward;
         # others never see the keyword, nor pay for building it.
         self.uses_token_types = bool(getattr(self.model, "uses_token_types", False))
+        self.takes_output_rows = bool(getattr(self.model, "takes_output_rows", False))
         groups = "" if self.kv_layout.is_single_group else (
             f", {self.kv_layout.num_groups} KV-cache groups of {self.kv_layout.group_size} layers (windows "
             f"{', '.join(str(w or 'full') for w in self.kv_layout.windows)})")
@@ -269,6 +271,8 @@ class ModelRunner:
         model_inputs = {}
         if self.uses_token_types:
             model_inputs["token_type_ids"] = self._token_type_ids(prefill_rows, sched, len(input_ids))
+        if self.takes_output_rows and prefill is not None:
+            model_inputs["output_rows"] = self._pooled_rows(prefill_rows, prefill.metas)
         out.prepare_time = time.perf_counter() - t0
         hidden = self.backend.forward(self.model, input_ids, positions, attn, self.kv_caches,
                                       **model_inputs)  # [T, hidden]
@@ -280,6 +284,19 @@ class ModelRunner:
         if rows_t is not None and rows_t.numel() == 0:  # pooling chunks alone: no logits to make
             return hidden.new_empty((0, self.model_config.vocab_size), dtype=torch.float32)
         return self.model.compute_logits(hidden if rows_t is None else hidden[rows_t])
+
+    def _pooled_rows(self, prefill_rows: list[CachedRequestState], metas: list[PrefillSeqMeta]) -> torch.Tensor | None:
+        """The one row each prompt's pooling reads ([R] int64: a [CLS] prompt's first, a last-token
+        prompt's last), for an encoder's step of whole prompts; None when a prompt pools every row
+        (mean) or is not pooled."""
+        rows = []
+        for row, meta in zip(prefill_rows, metas, strict=True):
+            params = row.pooling_params
+            if params is None or params.pooling_type is PoolingType.MEAN:
+                return None
+            last = params.pooling_type is PoolingType.LAST
+            rows.append(meta.query_start + (meta.query_len - 1 if last else 0))
+        return self._to_device(np.asarray(rows, dtype=np.int64))
 
     def _token_type_ids(self, prefill_rows: list[CachedRequestState], sched: SchedulerOutput,
                         num_tokens: int) -> torch.Tensor | None:

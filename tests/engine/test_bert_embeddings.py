@@ -183,3 +183,35 @@ def test_bfloat16_encoder_keeps_a_float32_stream(bert_dirs: dict[str, Path]) -> 
     if is_float_stream:
         assert layer.qkv_proj.panels.data.dtype == torch.bfloat16 and layer.qkv_proj.weight is None
         assert backend.attention.is_bf16_bidirectional
+
+
+def test_pooled_rows_alone_through_the_last_layer(bert_dirs: dict[str, Path]) -> None:
+    """A step whose prompts all pool one row ([CLS] or last) runs its last layer past attention
+    for those rows alone; one with a mean-pooled prompt runs it for every row. Each vector equals
+    transformers' states pooled as its request asks, in steps of either kind."""
+    from transformers import AutoModel, AutoTokenizer
+
+    model_dir = bert_dirs["mean"]  # a mean-pooling model, unnormalised: requests override its pooling
+    tokenizer, reference = AutoTokenizer.from_pretrained(str(model_dir)), AutoModel.from_pretrained(str(model_dir))
+    with torch.inference_mode():
+        states = [reference(**tokenizer(t, return_tensors="pt")).last_hidden_state[0].numpy() for t in TEXTS]
+    pooled = {"cls": [s[0] for s in states], "last": [s[-1] for s in states], "mean": [s.mean(0) for s in states]}
+    llm = LLM(str(model_dir), block_size=4, max_num_batched_tokens=128)
+    engine, model = llm.engine, llm.engine.runner.model
+    seen: list[torch.Tensor | None] = []
+    forward = model.forward
+    model.forward = lambda *args, **kwargs: (seen.append(kwargs.get("output_rows")), forward(*args, **kwargs))[1]
+    prompts = [llm.tokenizer.encode(t) for t in TEXTS]
+    starts = np.cumsum([0] + [len(p) for p in prompts])[:-1]
+    for kinds in (["cls", "last", "cls", "last", "last"], ["cls", "mean", "last", "cls", "mean"]):
+        ids = [engine.add_request(t, PoolingParams(pooling_type=k)) for t, k in zip(TEXTS, kinds, strict=True)]
+        outputs, _ = engine.step()
+        by_id = {o.request_id: o.embedding for o in outputs}
+        got = np.array([by_id[r] for r in ids])
+        expected = np.array([pooled[k][i] for i, k in enumerate(kinds)])
+        np.testing.assert_allclose(got, expected, atol=2e-5, rtol=1e-4)
+    one_row, every_row = seen
+    assert every_row is None
+    expected_rows = [s + (len(p) - 1 if k == "last" else 0)
+                     for s, p, k in zip(starts, prompts, ["cls", "last", "cls", "last", "last"], strict=True)]
+    assert one_row.tolist() == expected_rows

@@ -107,6 +107,31 @@ def test_packed_prompts_equal_transformers_each_alone(embedder_dirs: dict[str, P
         torch.testing.assert_close(alone, hidden[starts[1] : starts[1] + len(prompts[1])], atol=1e-5, rtol=1e-5)
 
 
+def test_output_rows_run_the_last_layer_for_those_rows_alone(embedder_dir: Path) -> None:
+    """output_rows (each prompt's first or last row): those rows equal the full forward's; the
+    last layer ran for them alone, so every other row holds the layer before's states."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(embedder_dir))
+    prompts = [tokenizer.encode(t) for t in TEXTS]
+    model = _load(embedder_dir)
+    input_ids, positions, attn, starts = _packed_step(prompts)
+    # the first prompt's [CLS] row, the others' last rows
+    rows = torch.tensor([starts[0]] + [s + len(p) - 1 for s, p in zip(starts[1:], prompts[1:], strict=True)])
+    with torch.inference_mode():
+        full = model(input_ids, positions, attn, [])
+        got = model(input_ids, positions, attn, [], output_rows=rows)
+        last = model.layers[-1]
+        model.layers = model.layers[:-1]
+        before_last = model(input_ids, positions, attn, [])
+        model.layers.append(last)
+    torch.testing.assert_close(got[rows], full[rows], atol=1e-6, rtol=1e-6)
+    others = torch.ones(len(input_ids), dtype=torch.bool)
+    others[rows] = False
+    torch.testing.assert_close(got[others], before_last[others], atol=0, rtol=0)
+    assert not torch.allclose(before_last[rows], full[rows], atol=1e-3)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_cross_encoder_scores_equal_transformers_and_sentence_transformers(cross_encoder_dirs: dict[str, Path],
                                                                           family: str) -> None:
@@ -190,3 +215,7 @@ def test_cpu_kernels_path_equals_transformers(kernels, embedder_dirs: dict[str, 
         for prompt, start in zip(prompts, starts, strict=True):
             expected = reference(torch.tensor([prompt])).last_hidden_state[0]
             torch.testing.assert_close(hidden[start : start + len(prompt)], expected, atol=1e-5, rtol=1e-5)
+        # the [CLS] rows alone through the last layer's fused epilogues: the same states
+        cls_rows = torch.tensor(starts)
+        pooled = model(input_ids, positions, attn, [], output_rows=cls_rows)[cls_rows]
+        torch.testing.assert_close(pooled, hidden[cls_rows], atol=1e-5, rtol=1e-5)
