@@ -31,8 +31,8 @@ from engine.errors import FieldError, QueueFullError, RequestIdInUseError
 from engine.execution.heap_policy import (
     LOAD_MMAP_THRESHOLD_BYTES,
     STEP_MMAP_THRESHOLD_BYTES,
+    STEP_TRIM_THRESHOLD_BYTES,
     fix_mmap_threshold,
-    release_free_memory,
 )
 from engine.execution.model_runner import ModelRunner
 from engine.execution.models import model_class
@@ -103,7 +103,7 @@ class LLMEngine:
                     self.pooler_config.normalize,
                     f"; score: logits of {', '.join(self.score_label_tokens)}" if self.score_label_tokens else "")
         self.runner = ModelRunner(self.model_dir, hf_config, resolved, phases, score_token_ids)
-        fix_mmap_threshold(STEP_MMAP_THRESHOLD_BYTES)
+        fix_mmap_threshold(STEP_MMAP_THRESHOLD_BYTES, STEP_TRIM_THRESHOLD_BYTES)
         model = self.runner.model
         self.can_generate = getattr(model, "has_lm_head", True) and not is_classifier
         self.uses_token_types = bool(getattr(model, "uses_token_types", False))
@@ -397,8 +397,8 @@ class LLMEngine:
             logger.debug("step %d: %s", stats.step_id, sched.describe())
         if not sched.is_empty:
             outputs += self._run(sched, stats)
-            if self.scheduler.num_requests == 0:  # fallen idle: the steps' freed heap back to the OS
-                release_free_memory()
+            if self.scheduler.num_requests == 0:  # fallen idle: what the steps kept, back to the OS
+                self.runner.backend.release_idle_memory()
         elif sched.removed_req_ids:  # nothing to run, but rows to drop
             self.runner.batch.update(sched)
         self._record(stats, sched, outputs)

@@ -11,8 +11,12 @@ at 128 KiB through the load does, and a gpt-oss-20b-shaped one 0.2 GB (issue 60'
 After the load the threshold is held at glibc's own ceiling, 32 MiB: a step's buffers (its
 activations, a batch's logits) are then reused from the heap as before. Held lower (4 MiB), each
 step mapped and faulted in its larger buffers afresh: 32 prompts of SmolLM2-135M ran at 211-244
-output tokens/s against 279-283. What those steps leave in the heap goes back when the engine
-falls idle (release_free_memory).
+output tokens/s against 279-283. (The kernels keep their buffers of 32 MiB and more themselves:
+scratch_pool.cpp.) The heap's free top is kept up to 1 GiB while serving: at glibc's 64 MiB
+(twice the threshold), a prefill step whose buffers together passed that handed them back at the
+end of each layer and faulted them in again in the next (a 2,048-token step of
+Qwen3-Embedding-0.6B's shape: 0.9 M page faults a dozen seconds, 13 % of its CPU time in the
+kernel). What the steps leave goes back when the engine falls idle (release_free_memory).
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ logger = logging.getLogger(__name__)
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # malloc.h
 LOAD_MMAP_THRESHOLD_BYTES = 128 << 10
 STEP_MMAP_THRESHOLD_BYTES = 32 << 20
+STEP_TRIM_THRESHOLD_BYTES = 1 << 30
 
 
 @functools.cache
@@ -44,14 +49,15 @@ def release_free_memory() -> None:
         libc.malloc_trim(0)
 
 
-def fix_mmap_threshold(num_bytes: int) -> bool:
+def fix_mmap_threshold(num_bytes: int, trim_bytes: int | None = None) -> bool:
     """Allocations of num_bytes or more mapped on their own and returned when freed, the
     threshold no longer raised by glibc (mallopt M_MMAP_THRESHOLD); the heap's free top kept up to
-    twice that, as glibc's own raise sets it (left at its 128 KiB default, each step's buffers were
-    handed back at the heap's top and faulted in again by the next step). False where the C
-    library is not glibc, or refuses: nothing changes there."""
+    trim_bytes (None: twice num_bytes, as glibc's own raise sets it; left at its 128 KiB default,
+    each step's buffers were handed back at the heap's top and faulted in again by the next step).
+    False where the C library is not glibc, or refuses: nothing changes there."""
     libc = _glibc()
     if libc is None:
         logger.debug("no glibc mallopt: the heap keeps its own mmap threshold")
         return False
-    return bool(libc.mallopt(_M_MMAP_THRESHOLD, num_bytes)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 2 * num_bytes))
+    trim = 2 * num_bytes if trim_bytes is None else trim_bytes
+    return bool(libc.mallopt(_M_MMAP_THRESHOLD, num_bytes)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, trim))

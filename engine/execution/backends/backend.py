@@ -18,6 +18,7 @@ from torch import nn
 
 from engine.execution.attention import AttentionBackend, AttentionMetadata
 from engine.execution.backends.torch_attention import TorchAttention
+from engine.execution.heap_policy import release_free_memory
 from engine.execution.models.model_config import ModelConfig
 from engine.execution.resolved_config import ResolvedConfig
 
@@ -101,6 +102,11 @@ class Backend:
         src = torch.cat([offsets + s * block_size for s, _ in pairs]).to(self.device)  # [copies * bs] slots
         dst = torch.cat([offsets + d * block_size for _, d in pairs]).to(self.device)
         kv_cache[:, :, dst] = kv_cache[:, :, src]  # [layers, k/v, slots, kv_heads, head_dim]
+
+    def release_idle_memory(self) -> None:
+        """The engine has fallen idle: hand back what the steps kept for the next one (the C
+        heap's free pages; a backend's own scratch too)."""
+        release_free_memory()
 
     def describe(self) -> str:
         return f"{self.name} backend on {self.device} ({self.dtype}, KV cache {self.cache_dtype})"

@@ -153,6 +153,11 @@ class CpuBackend(Backend):
                       with_argmax: bool) -> tuple[torch.Tensor, list[int] | None]:
         return self.fused.decode_logits(token_ids, block_tables, context_lens, with_argmax)
 
+    def release_idle_memory(self) -> None:
+        if self.kernels is not None:
+            self.kernels.release_scratch()  # the large step buffers kept between steps
+        super().release_idle_memory()
+
     def describe(self) -> str:
         isa = next(name for name, value in ISAS.items() if value == self.isa) if self.kernels else "no C++ kernels"
         fused = ("no fused steps (encoder)" if not self.can_fuse else "every step fused"

@@ -51,6 +51,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "residual = LayerNorm(residual + x times float32 panels plus bias), in place (an encoder block's output)",
         py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("n"), py::arg("isa"), py::arg("residual"),
         py::arg("norm_weight"), py::arg("norm_bias"), py::arg("eps"));
+  m.def("release_scratch", &minivllm::release_scratch,
+        "Free the step-sized scratch blocks kept between steps (the engine fallen idle); returns their bytes");
+  m.def("num_kept_scratch_bytes", &minivllm::num_kept_scratch_bytes, "Bytes of the scratch blocks kept now");
   m.def("best_isa", &minivllm::best_isa,
         "The best SIMD path this CPU runs: 0 scalar, 1 AVX2, 2 AVX-512, 3 AVX-512 + BF16, 4 AVX-512 + AMX");
   m.def("packed_linear", without_gil(&minivllm::packed_linear), "x [M, K] times panel-packed weights -> [M, n] float32");

@@ -22,6 +22,32 @@ enum Isa : int64_t { kIsaScalar = 0, kIsaAvx2 = 1, kIsaAvx512 = 2, kIsaAvx512Bf1
 
 int64_t best_isa();
 
+// Scratch of at least kPooledBytes (glibc's largest mmap threshold, the engine's while serving)
+// comes from blocks kept between steps rather than mapped and faulted in afresh on every call
+// (scratch_pool.cpp says why); smaller scratch comes from the heap. take_scratch: 64-byte
+// aligned, uninitialized; give_scratch takes it back with the same byte count.
+// release_scratch frees every kept block (the engine falling idle) and returns their bytes.
+constexpr size_t kPooledBytes = size_t{32} << 20;
+void* take_scratch(size_t bytes);
+void give_scratch(void* block, size_t bytes);
+int64_t release_scratch();
+int64_t num_kept_scratch_bytes();
+// An uninitialized tensor whose memory comes from take_scratch when large: a product's output.
+torch::Tensor scratch_tensor(at::IntArrayRef sizes, const at::TensorOptions& options);
+// An uninitialized array of n T from take_scratch, given back when it goes.
+template <typename T>
+struct ScratchDelete {
+  size_t bytes = 0;
+  void operator()(T* p) const { give_scratch(p, bytes); }
+};
+template <typename T>
+using Scratch = std::unique_ptr<T[], ScratchDelete<T>>;
+template <typename T>
+Scratch<T> scratch_array(int64_t n) {
+  const size_t bytes = static_cast<size_t>(n) * sizeof(T);
+  return Scratch<T>(static_cast<T*>(take_scratch(bytes)), ScratchDelete<T>{bytes});
+}
+
 // Below this many rows a decode step is memory bound, and one owner says so for every kernel:
 // the product tiles compute each panel alone (no two-panel tiles, whose floats differ), so a
 // team's few-row products may split their panels in any way (TaperedSplit), and DecodeModel's

@@ -271,7 +271,7 @@ torch::Tensor layer_attention_inputs(const torch::Tensor& x,             // [M, 
                                      int64_t num_heads, double eps, int64_t isa) {
   const LinearView lqkv = view(w.qkv);
   const LayerShapes s = shapes_of(x, k_cache, num_heads);
-  auto out = torch::empty({s.M, lqkv.n}, x.options());  // [M, q | k | v]
+  auto out = scratch_tensor({s.M, lqkv.n}, x.options());  // [M, q | k | v]
   attention_inputs(s, x.data_ptr<float>(), cos, sin, w, lqkv, k_cache, v_cache, slot_mapping, eps, isa,
                    out.data_ptr<float>());
   return out;

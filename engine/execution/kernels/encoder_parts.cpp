@@ -84,7 +84,7 @@ torch::Tensor packed_linear_gelu(const torch::Tensor& x, const torch::Tensor& w,
                                  int64_t n, int64_t isa, bool is_tanh) {
   TORCH_CHECK(x.dim() == 2, "packed_linear_gelu: x must be [M, K]");
   const auto xf = x.to(torch::kFloat32).contiguous();
-  auto out = torch::empty({x.size(0), n}, xf.options());
+  auto out = scratch_tensor({x.size(0), n}, xf.options());
   packed_gemm_activated(xf.data_ptr<float>(), x.size(0), x.size(1), x.size(1), w, bias_of(bias, n), n,
                         out.data_ptr<float>(), n, isa, false, is_tanh ? kOutGeluTanh : kOutGelu);
   return out;

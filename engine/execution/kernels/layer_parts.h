@@ -88,13 +88,8 @@ void rope(float* heads, int64_t num_heads, int64_t head_dim, const float* cos, c
 // A scratch array every element of which is written before it is read: no zeroing (a memset of
 // a prefill chunk's MLP activations is a noticeable part of its step). On 64-byte lines: a
 // team's products store whole panel rows there past the caches (packed_gemm's stream_rows).
-struct AlignedFloatsDelete {
-  void operator()(float* p) const { ::operator delete[](p, std::align_val_t{64}); }
-};
-using ScratchFloats = std::unique_ptr<float[], AlignedFloatsDelete>;
-inline ScratchFloats scratch_floats(int64_t n) {
-  return ScratchFloats(static_cast<float*>(::operator new[](static_cast<size_t>(n) * sizeof(float), std::align_val_t{64})));
-}
+using ScratchFloats = Scratch<float>;
+inline ScratchFloats scratch_floats(int64_t n) { return scratch_array<float>(n); }
 
 // src[0:count] into elements [offset, offset + count) of a cache row at `slot` (rows of
 // kv_size elements), in the cache's dtype.

@@ -708,8 +708,8 @@ void gemm_vector(const float* x, int64_t M, int64_t ldx, const T* w, int64_t pan
 
 #if defined(MINIVLLM_HAS_AVX512_BF16)
 // x [M, K] rounded to bfloat16 rows of Kp (the bf16-product paths' left operand), zero past K.
-std::unique_ptr<uint16_t[]> rounded_rows(const float* x, int64_t M, int64_t ldx, int64_t K, int64_t Kp) {
-  std::unique_ptr<uint16_t[]> xb(new uint16_t[M * Kp]);  // every element written below: not zeroed first
+Scratch<uint16_t> rounded_rows(const float* x, int64_t M, int64_t ldx, int64_t K, int64_t Kp) {
+  Scratch<uint16_t> xb = scratch_array<uint16_t>(M * Kp);  // every element written below: not zeroed first
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     round_rows_bf16(x + begin * ldx, end - begin, ldx, K, xb.get() + begin * Kp, Kp);
   });
@@ -995,7 +995,7 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& w, cons
                             const std::optional<torch::Tensor>& bias, int64_t n, int64_t isa) {
   TORCH_CHECK(x.dim() == 2, "packed_linear: x must be [M, K]");
   const auto xf = x.to(torch::kFloat32).contiguous();
-  const auto out = torch::empty({x.size(0), n}, xf.options());
+  const auto out = scratch_tensor({x.size(0), n}, xf.options());
   const float* scale_data = scale ? scale->data_ptr<float>() : nullptr;
   const float* bias_data = bias ? bias->data_ptr<float>() : nullptr;
   packed_gemm(xf.data_ptr<float>(), x.size(0), x.size(1), x.size(1), w, scale_data, bias_data, n,

@@ -371,7 +371,7 @@ torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& w, int64
   TORCH_CHECK(!bias || (bias->scalar_type() == torch::kFloat32 && bias->numel() == n && bias->is_contiguous()),
               "quant_linear: bias must be contiguous float32 [n]");
   const auto xf = x.to(torch::kFloat32).contiguous();
-  auto out = torch::empty({x.size(0), n}, xf.options());
+  auto out = scratch_tensor({x.size(0), n}, xf.options());
   quant_gemm(xf.data_ptr<float>(), x.size(0), x.size(1), x.size(1), QuantPanels::of(w, type),
              bias ? bias->data_ptr<float>() : nullptr, n, out.data_ptr<float>(), n, isa, false, nullptr);
   return out;

@@ -1,5 +1,6 @@
-"""The C heap's policy (engine/execution/heap_policy.py): load temporaries go back to the OS, and the
-engine trims the steps' freed heap when it falls idle."""
+"""The C heap's policy (engine/execution/heap_policy.py): load temporaries go back to the OS, a
+step's freed buffers stay for the next step, and the engine trims the steps' freed heap when it
+falls idle."""
 from __future__ import annotations
 
 import subprocess
@@ -16,9 +17,9 @@ import ctypes, sys
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p
 libc.free.argtypes = [ctypes.c_void_p]
-def fix(threshold):  # the engine's policy, imported only in "fixed" mode (its package loads torch)
+def fix(threshold, trim=None):  # the engine's policy, imported only in "fixed" modes (its package loads torch)
     from engine.execution import heap_policy
-    assert heap_policy.fix_mmap_threshold(getattr(heap_policy, threshold))
+    assert heap_policy.fix_mmap_threshold(getattr(heap_policy, threshold), trim and getattr(heap_policy, trim))
 def rss_mib():
     return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
 """
@@ -74,6 +75,27 @@ def test_the_step_threshold_keeps_a_freed_buffer_for_the_next_step() -> None:
     assert _rss_growth_mib(_STEP_BUFFER, "fixed") > 7
 
 
+# A prefill step's buffers, each under the mmap threshold but together over glibc's trim
+# threshold (64 MiB: twice it), freed at the end of a layer: handed back, and faulted in again by
+# the next layer, unless the trim threshold is the engine's while serving.
+_LAYER_BUFFERS = """
+fix("STEP_MMAP_THRESHOLD_BYTES", "STEP_TRIM_THRESHOLD_BYTES" if sys.argv[1] == "serving" else None)
+before = rss_mib()
+blocks = [libc.malloc(30 << 20) for _ in range(3)]
+for block in blocks:
+    ctypes.memset(block, 1, 30 << 20)
+for block in reversed(blocks):
+    libc.free(block)
+print(rss_mib() - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_the_serving_trim_threshold_keeps_a_layers_buffers_for_the_next_layer() -> None:
+    assert _rss_growth_mib(_LAYER_BUFFERS, "twice-the-threshold") < 30
+    assert _rss_growth_mib(_LAYER_BUFFERS, "serving") > 85
+
+
 def test_building_on_meta_skips_initializers_and_imports_no_compiler() -> None:
     """Initializing a meta embedding imports torch._dynamo and sympy (150 MB resident): meta_model runs none."""
     script = """
@@ -95,11 +117,11 @@ print("torch._dynamo" in sys.modules)
 
 def test_the_engine_trims_the_heap_once_when_it_falls_idle(tiny_model_dir: Path,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    import engine.llm_engine as llm_engine
     from engine import LLM, SamplingParams
 
     llm = LLM(str(tiny_model_dir), num_kv_blocks=64, block_size=4, max_num_batched_tokens=64)
     trims: list[int] = []
-    monkeypatch.setattr(llm_engine, "release_free_memory", lambda: trims.append(llm.engine.scheduler.num_requests))
+    monkeypatch.setattr(llm.engine.runner.backend, "release_idle_memory",
+                        lambda: trims.append(llm.engine.scheduler.num_requests))
     llm.generate(["one two three", "four five"], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
     assert trims == [0]  # once, after the last request finished: not on every step
