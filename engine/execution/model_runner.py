@@ -260,6 +260,7 @@ class ModelRunner:
                                      block_size=self.block_size, backend=self.backend.attention,
                                      is_fused=attn.is_fused, groups=group_attn, layer_group=self.kv_layout.layer_group)
         rows_t = None  # a decode-only step samples every row, in order: no gather
+        sample_rows: list[int] = []
         if prefill is not None:
             last_row = dict(zip(sched.prefill_req_ids, prefill.last_indices[: len(prefill_rows)], strict=True))
             sample_rows = [prefill.last_indices[i] for i in sched.prefill_sample_rows]
@@ -272,7 +273,7 @@ class ModelRunner:
         if self.uses_token_types:
             model_inputs["token_type_ids"] = self._token_type_ids(prefill_rows, sched, len(input_ids))
         if self.takes_output_rows and prefill is not None:
-            model_inputs["output_rows"] = self._pooled_rows(prefill_rows, prefill.metas)
+            model_inputs["output_rows"] = self._read_rows(sched, prefill_rows, prefill.metas, sample_rows)
         out.prepare_time = time.perf_counter() - t0
         hidden = self.backend.forward(self.model, input_ids, positions, attn, self.kv_caches,
                                       **model_inputs)  # [T, hidden]
@@ -285,18 +286,25 @@ class ModelRunner:
             return hidden.new_empty((0, self.model_config.vocab_size), dtype=torch.float32)
         return self.model.compute_logits(hidden if rows_t is None else hidden[rows_t])
 
-    def _pooled_rows(self, prefill_rows: list[CachedRequestState], metas: list[PrefillSeqMeta]) -> torch.Tensor | None:
-        """The one row each prompt's pooling reads ([R] int64: a [CLS] prompt's first, a last-token
-        prompt's last), for an encoder's step of whole prompts; None when a prompt pools every row
-        (mean) or is not pooled."""
-        rows = []
-        for row, meta in zip(prefill_rows, metas, strict=True):
-            params = row.pooling_params
-            if params is None or params.pooling_type is PoolingType.MEAN:
+    def _read_rows(self, sched: SchedulerOutput, prefill_rows: list[CachedRequestState],
+                   metas: list[PrefillSeqMeta], sample_rows: list[int]) -> torch.Tensor | None:
+        """The rows of the step's final hidden states that anything reads ([R] int64, ascending):
+        the sampled ones, a [CLS]-pooled prompt's first row, a last-token-pooled prompt's last.
+        None (every row) when a chunk asks for prompt logprobs or pools by mean."""
+        rows = set(sample_rows)
+        for i, row in enumerate(prefill_rows):
+            meta, params = metas[i], row.pooling_params
+            if getattr(row.params, "prompt_logprobs", None) is not None:
                 return None
-            last = params.pooling_type is PoolingType.LAST
-            rows.append(meta.query_start + (meta.query_len - 1 if last else 0))
-        return self._to_device(np.asarray(rows, dtype=np.int64))
+            if params is None:
+                continue
+            if params.pooling_type is PoolingType.MEAN:
+                return None
+            if params.pooling_type is PoolingType.CLS and sched.prefill_num_computed[i] == 0:
+                rows.add(meta.query_start)
+            elif params.pooling_type is PoolingType.LAST and sched.prefill_is_last_chunk[i]:
+                rows.add(meta.query_start + meta.query_len - 1)
+        return self._to_device(np.asarray(sorted(rows), dtype=np.int64))
 
     def _token_type_ids(self, prefill_rows: list[CachedRequestState], sched: SchedulerOutput,
                         num_tokens: int) -> torch.Tensor | None:

@@ -19,20 +19,26 @@ def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_family_model(tmp_path_factory.mktemp("moe") / "model", family_config("qwen3-moe"))
 
 
-def _experts_by_hand(moe_dir: Path, sequences: list[list[int]], positions: list[slice]) -> int:
+def _experts_by_hand(moe_dir: Path, sequences: list[list[int]], positions: list[slice],
+                     last_layer_positions: list[slice] | None = None) -> int:
     """Per sparse layer, the distinct experts of the top k router logits at each sequence's
-    positions (transformers' model, float32), summed over the layers."""
+    positions (transformers' model, float32), summed over the layers. last_layer_positions: the
+    model's last layer's, where they differ (past attention, the last layer runs only the rows
+    the step reads)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(moe_dir), dtype=torch.float32).eval()
+    assert model.config.num_hidden_layers == 4  # sparse layers 1 and 3: 3 is the last
     k = model.config.num_experts_per_tok
+    last_positions = last_layer_positions or positions
     chosen: dict[int, set[int]] = {}
     with torch.no_grad():
-        for ids, where in zip(sequences, positions, strict=True):
+        for i, ids in enumerate(sequences):
             out = model(torch.tensor([ids]), output_router_logits=True)
             for layer, logits in enumerate(out.router_logits):  # [tokens, E] per sparse layer
+                where = last_positions[i] if layer == len(out.router_logits) - 1 else positions[i]
                 chosen.setdefault(layer, set()).update(logits[where].topk(k, dim=-1).indices.flatten().tolist())
-    assert len(chosen) == 2  # the tiny model's layers 1 and 3
+    assert len(chosen) == 2
     return sum(len(experts) for experts in chosen.values())
 
 
@@ -45,7 +51,8 @@ def test_a_steps_experts_are_those_its_router_logits_choose(moe_dir: Path, backe
     assert prefill.num_prefill_tokens == sum(map(len, PROMPTS)) and prefill.num_moe_layers == 2
     first = {o.request_id: o.token_ids[0] for o in outputs}
     sequences = [p + [first[i]] for p, i in zip(PROMPTS, ids, strict=True)]
-    expected = _experts_by_hand(moe_dir, sequences, [slice(0, len(p)) for p in PROMPTS])
+    expected = _experts_by_hand(moe_dir, sequences, [slice(0, len(p)) for p in PROMPTS],
+                                [slice(len(p) - 1, len(p)) for p in PROMPTS])  # the last layer: each prompt's last row
     assert prefill.num_experts_touched == expected
     assert prefill.experts_touched_per_layer == expected / 2
     _, decode = engine.step()  # each sequence's first sampled token

@@ -145,8 +145,9 @@ class CpuBackend(Backend):
 
     def forward(self, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], **model_inputs: torch.Tensor | None) -> torch.Tensor:
-        if attn.is_fused and not model_inputs:  # the fused layers are the Llama family's: no other inputs
-            return self.fused.forward(input_ids, positions, attn, kv_caches)
+        # The fused layers are the Llama family's: no inputs but the rows read after the step
+        if attn.is_fused and model_inputs.keys() <= {"output_rows"}:
+            return self.fused.forward(input_ids, positions, attn, kv_caches, model_inputs.get("output_rows"))
         return model(input_ids, positions, attn, kv_caches, **model_inputs)
 
     def decode_logits(self, token_ids: list[int], block_tables: list[list[list[int]]], context_lens: list[int],

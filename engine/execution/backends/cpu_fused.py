@@ -72,8 +72,11 @@ class FusedLayer:
                    ACTIVATIONS[layer.hidden_act], layer.rope_index, sinks)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, kernels: ModuleType, isa: int) -> None:
-        """x: [T, hidden] float32, updated in place; cos, sin: [T, head_dim] float32 (this layer's rope)."""
+                k_cache: torch.Tensor, v_cache: torch.Tensor, kernels: ModuleType, isa: int,
+                rows: torch.Tensor | None = None) -> None:
+        """x: [T, hidden] float32, updated in place; cos, sin: [T, head_dim] float32 (this layer's rope).
+        rows ([R] int64): only those rows of x updated past attention (every row's K and V are
+        written and attended to); the others keep the layer's input."""
         if attn.num_prefill_tokens == 0:
             kernels.decode_layer(x, cos, sin, self.weights, k_cache, v_cache, attn.slot_mapping, attn.block_tables,
                                  attn.context_lens, self.num_heads, attn.block_size, self.eps, self.scale, self.act,
@@ -88,7 +91,15 @@ class FusedLayer:
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         out = attention(q, k, v, k_cache, v_cache, attn, self.scale, self.window or None, self.sinks)  # [T, H, D] float32
-        kernels.layer_attention_outputs(x, out.reshape(num_tokens, q_size), self.weights, self.eps, self.act, isa)
+        out = out.reshape(num_tokens, q_size)
+        if rows is None:
+            kernels.layer_attention_outputs(x, out, self.weights, self.eps, self.act, isa)
+            return
+        if rows.numel() == 0:  # a chunk that samples nothing: its keys and values were all it had to give
+            return
+        x_rows = x[rows]  # [R, hidden]
+        kernels.layer_attention_outputs(x_rows, out[rows], self.weights, self.eps, self.act, isa)
+        x.index_copy_(0, rows, x_rows)
 
 
 class FusedModel:
@@ -104,15 +115,21 @@ class FusedModel:
         self.decoder: Any = None  # kernels.DecodeModel, once bind_decode has the caches
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        # input_ids, positions: [T] -> hidden: [T, hidden]; the residual stream stays float32 across layers
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                output_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions: [T] -> hidden: [T, hidden]; the residual stream stays float32
+        across layers. output_rows ([R] int64): the only rows of hidden anyone reads; the last
+        layer's products past attention run for them alone (a 512-token chunk that samples one
+        token: one row, not 512), the other rows left with the layer before's states."""
         x = self.model.embed(input_ids)  # scaled in its dtype where the family scales it
         dtype = x.dtype
         x = x.float().contiguous()
         ropes = [self.model.rope(positions, i) for i in range(self.num_ropes)]  # cos, sin: [T, head_dim] each
+        last = len(self.layers) - 1
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             cos, sin = ropes[layer.rope_index]
-            layer.forward(x, cos, sin, attn.for_layer(i), k_cache, v_cache, self.kernels, self.isa)
+            layer.forward(x, cos, sin, attn.for_layer(i), k_cache, v_cache, self.kernels, self.isa,
+                          output_rows if i == last else None)
         self._count_experts()
         return self.model.norm(x).to(dtype)
 

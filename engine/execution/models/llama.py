@@ -74,8 +74,9 @@ class DecoderLayer(nn.Module):
         return self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata,
-                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        # x: [T, hidden]; cos, sin: [T, 1, head_dim]
+                k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [T, hidden]; cos, sin: [T, 1, head_dim] -> [T, hidden]; with rows ([R] int64), only
+        those rows past attention: [R, hidden] (every row's K and V still written and attended)."""
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(self.input_layernorm(x))
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
@@ -88,7 +89,12 @@ class DecoderLayer(nn.Module):
         k = k * cos + rotate_half(k) * sin
         write_kv(k_cache, v_cache, k, v, attn.slot_mapping)
         o = attention(q, k, v, k_cache, v_cache, attn, self.scale, self.sliding_window, self.sinks)
-        o = self.o_proj(o.reshape(num_tokens, self.q_size))
+        o = o.reshape(num_tokens, self.q_size)
+        if rows is not None:
+            o, x = o[rows], x[rows]
+            if rows.numel() == 0:  # a chunk that samples nothing: its keys and values were all it had to give
+                return x
+        o = self.o_proj(o)
         h = x + (o if self.attn_output_norm is None else self.attn_output_norm(o))
         if self.moe is not None:
             m = self.moe(self.post_attention_layernorm(h))
@@ -99,6 +105,9 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    #: forward() takes output_rows: the rows the caller reads (sampled, pooled), the last layer's
+    #: products past attention run for those alone.
+    takes_output_rows = True
     #: A layer's norm (or other part beyond Llama's) -> the checkpoint's name for it, where they
     #: differ (Gemma's norms, gpt-oss's sinks).
     PART_NAMES: dict[str, str] = {}
@@ -170,14 +179,21 @@ class LlamaForCausalLM(nn.Module):
         return self.rope_tables[index]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        # input_ids, positions: [T] -> hidden: [T, hidden]
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                output_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions: [T] -> hidden: [T, hidden]. output_rows ([R] int64): the only rows
+        of hidden anyone reads; the last layer past attention runs for them alone, the other rows
+        left with the layer before's states."""
         x = self.embed(input_ids)
         ropes = [tuple(t.to(x.dtype).unsqueeze(1) for t in self.rope(positions, i))  # [T, 1, head_dim] each
                  for i in range(len(self.config.ropes))]
+        last = len(self.layers) - 1
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             cos, sin = ropes[layer.rope_index]
-            x = layer(x, cos, sin, attn.for_layer(i), k_cache, v_cache)  # its KV-cache group's tables
+            if i == last and output_rows is not None:
+                x = x.index_copy(0, output_rows, layer(x, cos, sin, attn.for_layer(i), k_cache, v_cache, output_rows))
+            else:
+                x = layer(x, cos, sin, attn.for_layer(i), k_cache, v_cache)  # its KV-cache group's tables
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

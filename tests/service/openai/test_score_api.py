@@ -222,10 +222,10 @@ def test_token_types_travel_with_each_pair(classifier_dir: Path) -> None:
         engine.uses_token_types = engine.runner.uses_token_types = True
         forward = engine.runner.backend.forward
 
-        def recording_forward(model, input_ids, positions, attn, kv_caches, token_type_ids=None):
+        def recording_forward(model, input_ids, positions, attn, kv_caches, token_type_ids=None, **inputs):
             types = [0] * len(input_ids) if token_type_ids is None else token_type_ids.tolist()
             seen.extend(zip(input_ids.tolist(), types, strict=True))
-            return forward(model, input_ids, positions, attn, kv_caches)
+            return forward(model, input_ids, positions, attn, kv_caches, **inputs)  # the rows read after it
 
         engine.runner.backend.forward = recording_forward
         return engine

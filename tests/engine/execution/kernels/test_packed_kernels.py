@@ -437,6 +437,7 @@ def test_fused_layer_with_prefill_rows_matches_the_torch_layer(kernels, window: 
         attn = AttentionMetadata(slot_mapping=slots, num_prefill_tokens=8, prefill=metas, block_size=bs,
                                  block_tables=tables[2:], context_lens=decode_lens, backend=CpuAttention(kernels, 0, prefill_in_cpp=False))
         k_ref, v_ref = k_cache.clone(), v_cache.clone()
+        k_rows, v_rows = k_cache.clone(), v_cache.clone()
         projections = layer.projections
         panels = [proj.panels for proj in projections]
         with torch.inference_mode():
@@ -447,8 +448,25 @@ def test_fused_layer_with_prefill_rows_matches_the_torch_layer(kernels, window: 
                 proj.panels = saved
             out = x.clone()
             fused.forward(out, cos, sin, attn, k_cache, v_cache, kernels, isa)
+            # the rows read after a last layer (each chunk's last, the decode rows): the same
+            # values for them, every other row left as it came, the caches written alike
+            rows = torch.tensor([4, 7, 8, 9])
+            out_rows = x.clone()
+            k_torch, v_torch = k_rows.clone(), v_rows.clone()
+            fused.forward(out_rows, cos, sin, attn, k_rows, v_rows, kernels, isa, rows)
+            for proj in projections:
+                proj.panels = None
+            expected_rows = layer(x, cos.unsqueeze(1), sin.unsqueeze(1), attn, k_torch, v_torch, rows)
+            for proj, saved in zip(projections, panels, strict=True):
+                proj.panels = saved
         assert torch.allclose(out, expected, atol=1e-4), f"{ISA_NAMES[isa]}: {(out - expected).abs().max()}"
         assert torch.allclose(k_cache, k_ref, atol=1e-5) and torch.allclose(v_cache, v_ref, atol=1e-5)
+        torch.testing.assert_close(out_rows[rows], expected[rows], atol=1e-4, rtol=0)
+        torch.testing.assert_close(expected_rows, expected[rows], atol=1e-5, rtol=0)
+        others = torch.ones(len(x), dtype=torch.bool)
+        others[rows] = False
+        assert torch.equal(out_rows[others], x[others])
+        assert torch.equal(k_rows[slots], k_cache[slots]) and torch.equal(v_rows[slots], v_cache[slots])
 
 
 def test_fused_tokens_defaults_to_the_measured_crossover(tiny_model_dir) -> None:
