@@ -273,7 +273,8 @@ class ModelRunner:
         if self.uses_token_types:
             model_inputs["token_type_ids"] = self._token_type_ids(prefill_rows, sched, len(input_ids))
         if self.takes_output_rows and prefill is not None:
-            model_inputs["output_rows"] = self._read_rows(sched, prefill_rows, prefill.metas, sample_rows)
+            model_inputs["output_rows"] = self._read_rows(sched, prefill_rows, prefill.metas, sample_rows,
+                                                          len(input_ids))
         out.prepare_time = time.perf_counter() - t0
         hidden = self.backend.forward(self.model, input_ids, positions, attn, self.kv_caches,
                                       **model_inputs)  # [T, hidden]
@@ -287,14 +288,15 @@ class ModelRunner:
         return self.model.compute_logits(hidden if rows_t is None else hidden[rows_t])
 
     def _read_rows(self, sched: SchedulerOutput, prefill_rows: list[CachedRequestState],
-                   metas: list[PrefillSeqMeta], sample_rows: list[int]) -> torch.Tensor | None:
+                   metas: list[PrefillSeqMeta], sample_rows: list[int], num_tokens: int) -> torch.Tensor | None:
         """The rows of the step's final hidden states that anything reads ([R] int64, ascending):
         the sampled ones, a [CLS]-pooled prompt's first row, a last-token-pooled prompt's last.
-        None (every row) when a chunk asks for prompt logprobs or pools by mean."""
+        None (every row) when a chunk asks for prompt logprobs or pools by mean, or when every
+        row is read anyway (a step of verifications: no gather and scatter of the whole step)."""
         rows = set(sample_rows)
         for i, row in enumerate(prefill_rows):
             meta, params = metas[i], row.pooling_params
-            if getattr(row.params, "prompt_logprobs", None) is not None:
+            if row.params.prompt_logprobs is not None:
                 return None
             if params is None:
                 continue
@@ -304,6 +306,8 @@ class ModelRunner:
                 rows.add(meta.query_start)
             elif params.pooling_type is PoolingType.LAST and sched.prefill_is_last_chunk[i]:
                 rows.add(meta.query_start + meta.query_len - 1)
+        if len(rows) == num_tokens:
+            return None
         return self._to_device(np.asarray(sorted(rows), dtype=np.int64))
 
     def _token_type_ids(self, prefill_rows: list[CachedRequestState], sched: SchedulerOutput,

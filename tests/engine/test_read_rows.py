@@ -52,6 +52,12 @@ def test_chunks_read_back_only_the_rows_they_sample(tiny_model_dir: Path, monkey
     while engine.has_unfinished_requests():
         engine.step()
 
+    # every row read (two one-token prompts): no rows passed, so no gather and scatter of the step
+    engine.add_request([7], SamplingParams(temperature=0, max_tokens=1))
+    engine.add_request([8], SamplingParams(temperature=0, max_tokens=1))
+    engine.step()
+    assert seen[-1] == (2, None)
+
 
 def test_prompt_logprobs_read_every_row(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     llm = LLM(str(tiny_model_dir), num_kv_blocks=64, block_size=4, max_num_batched_tokens=64)

@@ -191,7 +191,7 @@ class LlamaForCausalLM(nn.Module):
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             cos, sin = ropes[layer.rope_index]
             if i == last and output_rows is not None:
-                x = x.index_copy(0, output_rows, layer(x, cos, sin, attn.for_layer(i), k_cache, v_cache, output_rows))
+                x.index_copy_(0, output_rows, layer(x, cos, sin, attn.for_layer(i), k_cache, v_cache, output_rows))
             else:
                 x = layer(x, cos, sin, attn.for_layer(i), k_cache, v_cache)  # its KV-cache group's tables
         return self.norm(x)
