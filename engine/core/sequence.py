@@ -14,6 +14,7 @@ import torch
 
 from engine.outputs import FinishReason
 from engine.processing.pooling_params import PoolingParams, PoolingType
+from engine.processing.request_tokens import RequestTokens
 from engine.processing.sampling_params import SamplingParams
 
 
@@ -34,7 +35,7 @@ class SequenceTimes:
 
 
 @dataclass(slots=True, eq=False)
-class Sequence:
+class Sequence(RequestTokens):
     """A request inside the scheduler.
 
     Tokens [0, num_computed_tokens) have K/V in the cache at slots given by block_tables (one
@@ -94,23 +95,6 @@ class Sequence:
         self.min_tokens_stop_ids = self.params.stop_token_set | eos
 
     @property
-    def block_table(self) -> list[int]:
-        """The first KV-cache group's table (the only one of a model with one kind of layer)."""
-        return self.block_tables[0]
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
 
@@ -141,19 +125,6 @@ class Sequence:
     @property
     def is_decode(self) -> bool:
         return self.num_output_tokens > 0 and self.num_uncomputed_tokens == 1
-
-    def token_ids_slice(self, start: int, end: int) -> list[int]:
-        """Tokens [start, end) of prompt + output without building the whole list."""
-        num_prompt = len(self.prompt_token_ids)
-        if end <= num_prompt:
-            return self.prompt_token_ids[start:end]
-        if start >= num_prompt:
-            return self.output_token_ids[start - num_prompt : end - num_prompt]
-        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
-
-    @property
-    def last_token_id(self) -> int:
-        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
     def check_stop(self, token_id: int, max_model_len: int) -> tuple[FinishReason | None, int | None]:
         """The stop conditions its newest token (token_id, already appended) decides alone:

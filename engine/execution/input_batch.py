@@ -14,11 +14,12 @@ import torch
 from engine.core.scheduler_output import SchedulerOutput
 from engine.execution.attention import PrefillSeqMeta
 from engine.processing.pooling_params import PoolingParams
+from engine.processing.request_tokens import RequestTokens
 from engine.processing.sampling_params import SamplingParams
 
 
 @dataclass(slots=True, eq=False)
-class CachedRequestState:
+class CachedRequestState(RequestTokens):
     """A request as the runner sees it: its tokens, blocks and sampling state. The sampler reads
     rows like this one (params, token lists, generator, matcher, min_tokens_stop_ids)."""
 
@@ -41,36 +42,6 @@ class CachedRequestState:
     pooling_params: PoolingParams | None = None
     pooled: torch.Tensor | None = None
     token_type_ids: np.ndarray | None = None  # [num_prompt_tokens] int64, for a model that reads them
-
-    @property
-    def block_table(self) -> list[int]:
-        """The first KV-cache group's table (the only one of a model with one kind of layer)."""
-        return self.block_tables[0]
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def last_token_id(self) -> int:
-        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
-
-    def token_ids_slice(self, start: int, end: int) -> list[int]:
-        """Tokens [start, end) of prompt + output without building the whole list."""
-        num_prompt = len(self.prompt_token_ids)
-        if end <= num_prompt:
-            return self.prompt_token_ids[start:end]
-        if start >= num_prompt:
-            return self.output_token_ids[start - num_prompt : end - num_prompt]
-        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
 
     def with_drafts(self, drafts: list[int]) -> DraftView:
         """As the sampler sees this request at a verified position: drafts counted as output."""
