@@ -16,7 +16,8 @@ scratch_pool.cpp.) The heap's free top is kept up to 1 GiB while serving: at gli
 (twice the threshold), a prefill step whose buffers together passed that handed them back at the
 end of each layer and faulted them in again in the next (16 passages of Qwen3-Embedding-0.6B's
 shape in 2,048-token steps: 1.6 M page faults in 14.5 s and 13 % of the CPU time in the kernel;
-the 1 GiB trim threshold alone took 0.9 M of those faults away, the kept buffers the rest). What the steps leave goes back when the engine falls idle (release_free_memory).
+the 1 GiB trim threshold alone took 0.9 M of those faults away, the kept buffers the rest). What
+the steps leave goes back when the engine falls idle (release_free_memory).
 """
 from __future__ import annotations
 
