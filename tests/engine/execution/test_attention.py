@@ -263,3 +263,38 @@ def test_cpp_prefill_kernel_rescales_rows_whose_scores_rise(window: int | None, 
                                                                            v_paged, attn, dim**-0.5, window)
             torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol,
                                        msg=lambda m, isa=isa, cached=cached: f"isa {isa}, {cached} cached: {m}")
+
+
+@pytest.mark.parametrize("window", [None, 100], ids=["full", "window100"])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128), (4, 4, 96)], ids=["9x3-D64", "8x2-D128",
+                                                                                          "4x4-D96"])
+def test_amx_prefill_attention_matches_dense_and_the_pair_path(window: int | None, heads: int, kv_heads: int,
+                                                                dim: int) -> None:
+    """A bfloat16 cache's prefill on the AMX tiles (16 query rows a tile, rows across tokens; both
+    products tile products; one zero block of values after the last for P V's 32-key chunks):
+    a 300-token chunk after 211 cached tokens (a context ending mid-block), against dense float64
+    over the same bfloat16 K and V, and against the vdpbf16ps pair path it replaces (the same
+    roundings of q and p, another order of sums). Skipped, saying so, on a CPU without AMX."""
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        pytest.fail("the C++ kernels must build here (make test installs a compiler)")
+    if kernels.best_isa() < 4:
+        pytest.skip("this CPU has no AMX (or the kernel gave no leave to use it): the AMX path cannot run here")
+    gen = torch.Generator().manual_seed(dim + heads)
+    bs, cached, n = 16, 211, 300
+    num_ctx = cached + n
+    table = torch.randperm(num_ctx // bs + 2, generator=gen)
+    k_cache = torch.randn(table.numel() * bs, kv_heads, dim, generator=gen).bfloat16()
+    v_cache = torch.randn(table.numel() * bs, kv_heads, dim, generator=gen).bfloat16()
+    q = torch.randn(n, heads, dim, generator=gen)
+    positions = torch.arange(num_ctx)
+    slots = table[positions // bs] * bs + positions % bs
+    attn = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.int64), num_prefill_tokens=n,
+                             prefill=[PrefillSeqMeta(0, n, num_ctx, None, block_table=table)], block_size=bs)
+    outs = {isa: CpuAttention(kernels, isa, prefill_in_cpp=True).prefill(q, q[:, :kv_heads], q[:, :kv_heads], k_cache,
+                                                                          v_cache, attn, dim**-0.5, window)
+            for isa in (3, 4)}
+    expected = _dense_prefill(q.double(), k_cache[slots].double(), v_cache[slots].double(), cached, window)
+    torch.testing.assert_close(outs[4].double(), expected, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(outs[4], outs[3], atol=1e-2, rtol=1e-2)
+    assert not torch.equal(outs[4], outs[3]), "the AMX path did not run (its sums' order differs from the pair path's)"
