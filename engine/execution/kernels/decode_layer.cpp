@@ -210,6 +210,15 @@ void attention_outputs(int64_t M, int64_t hidden, int64_t q_size, float* xp, con
   const LinearView lgu = view(w.gate_up), ldown = view(w.down);
   TORCH_CHECK(ldown.n == hidden, "fused layer: output projection widths");
   const int64_t intermediate = lgu.n / 2;
+  // On AMX the activation rides in the gate/up product's epilogue (packed_gemm.cpp).
+  if (lgu.scale == nullptr && lgu.bias == nullptr && ldown.scale == nullptr && ldown.bias == nullptr) {
+    float* dst = mlp_output_norm == nullptr ? xp : h.get();
+    if (packed_gated_mlp(h.get(), M, hidden, lgu.w, intermediate, ldown.w, act, dst, hidden,
+                         mlp_output_norm == nullptr, isa)) {
+      if (mlp_output_norm != nullptr) add_rms_normed(h.get(), M, hidden, mlp_output_norm, f_eps, xp);
+      return;
+    }
+  }
   const auto gu = scratch_floats(M * lgu.n), a = scratch_floats(M * intermediate);
   gemm(lgu, h.get(), M, hidden, gu.get(), isa, false);
   at::parallel_for(0, M, kRowGrain, [&](int64_t begin, int64_t end) {

@@ -21,6 +21,7 @@
 // tile. On the model's layer shapes at 32 rows that runs several times the FMA path's rate
 // (python -m bench.packed_gemm), so a batch-32 decode step no longer waits on the FMAs.
 #include "cpu_kernels.h"
+#include "layer_parts.h"
 #include "quant_tiles.h"
 
 #include <ATen/Parallel.h>
@@ -297,6 +298,10 @@ MINIVLLM_AMX void configure_tiles(int64_t rows0, int64_t rows1) {
     cfg.rows[t] = kPairChunk / 2;
     cfg.colsb[t] = 64;
   }
+  // GCC 12 took ldtilecfg for a reader of the configuration's first 32 bytes only and dropped
+  // the stores of its rows and column widths (an invalid configuration: SIGSEGV, then SIGILL
+  // in the tiles): the barrier makes every store land first.
+  asm volatile("" : : "r"(&cfg) : "memory");
   _tile_loadconfig(&cfg);
 }
 
@@ -735,9 +740,9 @@ void gemm_dpbf16(const float* x, int64_t M, int64_t ldx, const at::BFloat16* w, 
 #if defined(MINIVLLM_HAS_AMX)
 // The product on the AMX tiles, for bfloat16 panels (Kp = their padded K). Full panels without
 // a bias go straight between the tiles and `out`; a partial panel or a bias goes through acc.
-void gemm_amx(const float* x, int64_t M, int64_t ldx, const at::BFloat16* w, int64_t Kp, int64_t K,
-              const float* bias, int64_t N, float* out, int64_t ldo, bool accumulate, const TeamShare* team) {
-  const auto xb = rounded_rows(x, M, ldx, K, Kp);  // [M, Kp]
+// xb: x already rounded to bfloat16, [M, Kp] (zero past K).
+void gemm_amx_rounded(const uint16_t* xb, int64_t M, const at::BFloat16* w, int64_t Kp, const float* bias, int64_t N,
+                      float* out, int64_t ldo, bool accumulate, const TeamShare* team) {
   const int64_t panel_size = Kp * kPanel;
   // Per task a pair of panels at a time (the pair's weights, 2 x Kp x 32 bytes, stay in L1/L2)
   // against every 32-row block of up to kAmxRowBlock rows of x.
@@ -759,7 +764,7 @@ void gemm_amx(const float* x, int64_t M, int64_t ldx, const at::BFloat16* w, int
           configured0 = rows0;
           configured1 = rows1;
         }
-        const uint16_t* xm = xb.get() + m0 * Kp;
+        const uint16_t* xm = xb + m0 * Kp;
         float* c0 = direct ? out + m0 * ldo + n0 : acc;
         float* c1 = direct ? c0 + kPanel : acc + 32 * kPanel;
         const int64_t ldc = direct ? ldo : kPanel;
@@ -782,6 +787,64 @@ void gemm_amx(const float* x, int64_t M, int64_t ldx, const at::BFloat16* w, int
     release_tiles();
   };
   parallel_tasks(M, (N + kPanel - 1) / kPanel, kAmxRowBlock, team, false, run);
+}
+
+void gemm_amx(const float* x, int64_t M, int64_t ldx, const at::BFloat16* w, int64_t Kp, int64_t K,
+              const float* bias, int64_t N, float* out, int64_t ldo, bool accumulate, const TeamShare* team) {
+  const auto xb = rounded_rows(x, M, ldx, K, Kp);  // [M, Kp]
+  gemm_amx_rounded(xb.get(), M, w, Kp, bias, N, out, ldo, accumulate, team);
+}
+
+// 16 floats rounded to nearest-even bfloat16 as round_rows_bf16 rounds them.
+MINIVLLM_AVX512_ROUND inline void round16_bf16(const float* x, uint16_t* xb) {
+  const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7FFF);
+  const __m512i bits = _mm512_castps_si512(_mm512_loadu_ps(x));
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), one);
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(bias, lsb)), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(xb), _mm512_cvtepi32_epi16(rounded));
+}
+
+// A gated MLP's gate/up product on the tiles with the activation in its epilogue: gate panel p
+// and the up panel of the same 16 outputs (p + I / 16) are one tile pair, and act(g) * u goes
+// from the pair's float32 sums (in L1) straight to ab [M, Ip] in bfloat16, the down product's
+// left operand (zero past I). The float32 [M, 2 I] product and the activation's [M, I] were
+// written and read back through L3 at prefill sizes (6 MB and 3 MB a 512-row chunk of the
+// default model), and rounded in a pass of their own; the floats are the same (the same
+// activation code on the same sums, the same rounding).
+void gemm_amx_gated(const float* x, int64_t M, int64_t ldx, const at::BFloat16* w, int64_t Kp, int64_t K, int64_t I,
+                    int64_t act, uint16_t* ab, int64_t Ip) {
+  const auto xb = rounded_rows(x, M, ldx, K, Kp);
+  const int64_t panel_size = Kp * kPanel, num_gate_panels = I / kPanel;
+  const auto run = [&](int64_t m_block, int64_t m_end, int64_t begin, int64_t end) {
+    alignas(64) float acc[4 * 16 * kPanel];  // gate [32 rows][16], then up [32 rows][16]
+    alignas(64) float a[2 * 16 * kPanel];
+    int64_t configured0 = -1, configured1 = -1;
+    for (int64_t p = begin; p < end; ++p) {
+      const at::BFloat16* gate = w + p * panel_size;
+      const at::BFloat16* up = w + (p + num_gate_panels) * panel_size;
+      for (int64_t m0 = m_block; m0 < m_end; m0 += 32) {
+        const int64_t rows = std::min<int64_t>(32, m_end - m0), rows0 = std::min<int64_t>(16, rows);
+        const int64_t rows1 = rows - rows0;
+        if (rows0 != configured0 || rows1 != configured1) {
+          configure_tiles(rows0, rows1);
+          configured0 = rows0;
+          configured1 = rows1;
+        }
+        const bool first = m0 == m_block;
+        if (rows1 > 0)
+          tile_amx<2, 2>(xb.get() + m0 * Kp, Kp, gate, up, Kp, acc, acc + 32 * kPanel, kPanel, false, first);
+        else
+          tile_amx<1, 2>(xb.get() + m0 * Kp, Kp, gate, up, Kp, acc, acc + 32 * kPanel, kPanel, false, first);
+        gated_act(acc, acc + 32 * kPanel, a, rows * kPanel, act, kIsaAvx512);
+        for (int64_t r = 0; r < rows; ++r) round16_bf16(a + r * kPanel, ab + (m0 + r) * Ip + p * kPanel);
+      }
+    }
+    release_tiles();
+  };
+  parallel_tasks(M, num_gate_panels, kAmxRowBlock, nullptr, false, run);
+  if (Ip > I) {
+    for (int64_t m = 0; m < M; ++m) std::fill(ab + m * Ip + I, ab + (m + 1) * Ip, uint16_t{0});
+  }
 }
 #endif
 
@@ -988,6 +1051,23 @@ void packed_gemm_activated(const float* x, int64_t M, int64_t K, int64_t ldx, co
     return gemm_dpbf16(x, M, ldx, data, 2 * w.size(1), K, bias, N, out, ldo, accumulate, nullptr, out_act);
 #endif
   gemm_vector(x, M, ldx, data, panel_size, K, nullptr, bias, N, out, ldo, isa, accumulate, nullptr, out_act);
+}
+
+bool packed_gated_mlp(const float* x, int64_t M, int64_t K, const torch::Tensor& gate_up, int64_t I,
+                      const torch::Tensor& down, int64_t act, float* out, int64_t ldo, bool accumulate, int64_t isa) {
+#if defined(MINIVLLM_HAS_AMX)
+  if (isa != kIsaAmx || gate_up.scalar_type() != torch::kBFloat16 || down.scalar_type() != torch::kBFloat16 ||
+      I % kPanel != 0 || (act != kActSilu && act != kActGeluTanh))
+    return false;
+  const int64_t Kp = 2 * gate_up.size(1), Ip = 2 * down.size(1);
+  TORCH_CHECK(gate_up.size(0) * kPanel >= 2 * I && Ip >= I && Kp >= K, "packed_gated_mlp: panel shapes");
+  const auto ab = scratch_array<uint16_t>(M * Ip);  // [M, Ip]: act(g) * u in bfloat16
+  gemm_amx_gated(x, M, K, gate_up.data_ptr<at::BFloat16>(), Kp, K, I, act, ab.get(), Ip);
+  gemm_amx_rounded(ab.get(), M, down.data_ptr<at::BFloat16>(), Ip, nullptr, ldo, out, ldo, accumulate, nullptr);
+  return true;
+#else
+  return false;
+#endif
 }
 
 // x: [M, K] (any float dtype) -> [M, n] float32.

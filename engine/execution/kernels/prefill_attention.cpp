@@ -691,6 +691,7 @@ MINIVLLM_AMX_ATTN void configure_attention_tiles() {
     cfg.rows[t] = 16;
     cfg.colsb[t] = 64;
   }
+  asm volatile("" : : "r"(&cfg) : "memory");  // every store before ldtilecfg (packed_gemm.cpp's configure_tiles)
   _tile_loadconfig(&cfg);
 }
 
