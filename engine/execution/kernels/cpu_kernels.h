@@ -197,13 +197,20 @@ void packed_gemm(const float* x, int64_t M, int64_t K, int64_t ldx, const torch:
                  const float* bias, int64_t N, float* out, int64_t ldo, int64_t isa, bool accumulate,
                  const TeamShare* team = nullptr);
 void check_packed_weight(const torch::Tensor& w, int64_t K, int64_t N, const float* scale, int64_t isa);
-// A dense gated MLP's two products, act(x Wg^T) * (x Wu^T) then times Wd^T into out [M, N] (ldo
-// apart; N = ldo = the down panels' outputs; accumulated when accumulate), with the activation
-// (kActSilu or kActGeluTanh) in the gate/up product's epilogue and its output handed to the down
-// product in bfloat16: bfloat16 panels on AMX (isa kIsaAmx), I (the intermediate width) a
-// multiple of 16. False, and nothing done, where that path does not apply.
-bool packed_gated_mlp(const float* x, int64_t M, int64_t K, const torch::Tensor& gate_up, int64_t I,
-                      const torch::Tensor& down, int64_t act, float* out, int64_t ldo, bool accumulate, int64_t isa);
+// A dense gated MLP's two products, act(h Wg^T) * (h Wu^T) then times Wd^T into out [M, N] (ldo
+// apart; N = ldo = the down panels' outputs; accumulated when accumulate), h = x [M, K] (K apart)
+// RMS-normed by `norm` (eps) where given, else x: the norm and the rounding to bfloat16 in one
+// pass, the activation (kActSilu or kActGeluTanh) in the gate/up product's epilogue and its
+// output handed to the down product in bfloat16. Where can_run_gated_mlp says: bfloat16 panels on
+// AMX (isa kIsaAmx), I (the intermediate width) a multiple of 16.
+bool can_run_gated_mlp(const torch::Tensor& gate_up, int64_t I, const torch::Tensor& down, int64_t act, int64_t isa);
+void packed_gated_mlp(const float* x, int64_t M, int64_t K, const float* norm, float eps, const torch::Tensor& gate_up,
+                      int64_t I, const torch::Tensor& down, int64_t act, float* out, int64_t ldo, bool accumulate,
+                      int64_t isa);
+// out = RMSNorm(x) W^T (+ bias) with the norm and the rounding to bfloat16 in one pass (bfloat16
+// panels on AMX, no scale); false, and nothing done, elsewhere.
+bool packed_gemm_normed(const float* x, int64_t M, int64_t K, const float* norm, float eps, const torch::Tensor& w,
+                        const float* scale, const float* bias, int64_t N, float* out, int64_t ldo, int64_t isa);
 // What a product's outputs go through once computed (an encoder's MLP: BERT's exact GELU, or
 // the tanh approximation).
 enum OutputActivation : int64_t { kOutNone = 0, kOutGelu = 1, kOutGeluTanh = 2 };

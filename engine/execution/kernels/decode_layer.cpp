@@ -133,9 +133,13 @@ void attention_inputs(const LayerShapes& s, const float* xp, const torch::Tensor
   TORCH_CHECK(lqkv.n == s.q_size + 2 * s.kv_size, "fused layer: QKV projection width");
   TORCH_CHECK(k_cache.scalar_type() == torch::kFloat32 || k_cache.scalar_type() == torch::kBFloat16,
               "fused layer: float32 or bfloat16 cache");
-  const auto h = scratch_floats(s.M * s.hidden);
-  rms_norm(xp, s.M, s.hidden, input_norm.data_ptr<float>(), static_cast<float>(eps), h.get());
-  gemm(lqkv, h.get(), s.M, s.hidden, qkv_out, isa, false);
+  // On AMX the norm writes the product's bfloat16 input itself (packed_gemm.cpp).
+  if (!packed_gemm_normed(xp, s.M, s.hidden, input_norm.data_ptr<float>(), static_cast<float>(eps), lqkv.w,
+                          lqkv.scale, lqkv.bias, lqkv.n, qkv_out, lqkv.n, isa)) {
+    const auto h = scratch_floats(s.M * s.hidden);
+    rms_norm(xp, s.M, s.hidden, input_norm.data_ptr<float>(), static_cast<float>(eps), h.get());
+    gemm(lqkv, h.get(), s.M, s.hidden, qkv_out, isa, false);
+  }
   const float* cos_p = cos.data_ptr<float>();
   const float* sin_p = sin.data_ptr<float>();
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
@@ -197,6 +201,20 @@ void attention_outputs(int64_t M, int64_t hidden, int64_t q_size, float* xp, con
     add_rms_normed(h.get(), M, hidden, output_norm, f_eps, xp);
   };
   add_product(lo, attn_out, q_size, attn_output_norm);
+  if (!w.moe) {
+    // On AMX: the norm, the activation and the handoff to the down product in the products' own
+    // passes (packed_gemm.cpp).
+    const LinearView lgu = view(w.gate_up), ldown = view(w.down);
+    const int64_t intermediate = lgu.n / 2;
+    if (lgu.scale == nullptr && lgu.bias == nullptr && ldown.scale == nullptr && ldown.bias == nullptr &&
+        ldown.n == hidden && can_run_gated_mlp(lgu.w, intermediate, ldown.w, act, isa)) {
+      float* dst = mlp_output_norm == nullptr ? xp : h.get();
+      packed_gated_mlp(xp, M, hidden, w.post_norm.data_ptr<float>(), f_eps, lgu.w, intermediate, ldown.w, act, dst,
+                       hidden, mlp_output_norm == nullptr, isa);
+      if (mlp_output_norm != nullptr) add_rms_normed(h.get(), M, hidden, mlp_output_norm, f_eps, xp);
+      return;
+    }
+  }
   rms_norm(xp, M, hidden, w.post_norm.data_ptr<float>(), f_eps, h.get());
   if (w.moe) {
     const auto y = scratch_floats(M * hidden);
@@ -210,15 +228,6 @@ void attention_outputs(int64_t M, int64_t hidden, int64_t q_size, float* xp, con
   const LinearView lgu = view(w.gate_up), ldown = view(w.down);
   TORCH_CHECK(ldown.n == hidden, "fused layer: output projection widths");
   const int64_t intermediate = lgu.n / 2;
-  // On AMX the activation rides in the gate/up product's epilogue (packed_gemm.cpp).
-  if (lgu.scale == nullptr && lgu.bias == nullptr && ldown.scale == nullptr && ldown.bias == nullptr) {
-    float* dst = mlp_output_norm == nullptr ? xp : h.get();
-    if (packed_gated_mlp(h.get(), M, hidden, lgu.w, intermediate, ldown.w, act, dst, hidden,
-                         mlp_output_norm == nullptr, isa)) {
-      if (mlp_output_norm != nullptr) add_rms_normed(h.get(), M, hidden, mlp_output_norm, f_eps, xp);
-      return;
-    }
-  }
   const auto gu = scratch_floats(M * lgu.n), a = scratch_floats(M * intermediate);
   gemm(lgu, h.get(), M, hidden, gu.get(), isa, false);
   at::parallel_for(0, M, kRowGrain, [&](int64_t begin, int64_t end) {

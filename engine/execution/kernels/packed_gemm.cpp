@@ -32,6 +32,7 @@
 #include <cstring>
 #include <memory>
 #include <type_traits>
+#include <vector>
 
 #if defined(__x86_64__)
 #include <cpuid.h>
@@ -795,6 +796,22 @@ void gemm_amx(const float* x, int64_t M, int64_t ldx, const at::BFloat16* w, int
   gemm_amx_rounded(xb.get(), M, w, Kp, bias, N, out, ldo, accumulate, team);
 }
 
+// x [M, K] RMS-normed row by row (rms_norm_row, the fused layers' norm) and rounded to bfloat16
+// rows of Kp, zero past K: the product's left operand in one pass, the same values as the norm's
+// float32 output rounded after it.
+Scratch<uint16_t> normed_rounded_rows(const float* x, int64_t M, int64_t ldx, int64_t K, const float* weight, float eps,
+                                      int64_t Kp) {
+  Scratch<uint16_t> xb = scratch_array<uint16_t>(M * Kp);
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(K);
+    for (int64_t m = begin; m < end; ++m) {
+      rms_norm_row(x + m * ldx, K, weight, eps, row.data());
+      round_rows_bf16(row.data(), 1, K, K, xb.get() + m * Kp, Kp);
+    }
+  });
+  return xb;
+}
+
 // 16 floats rounded to nearest-even bfloat16 as round_rows_bf16 rounds them.
 MINIVLLM_AVX512_ROUND inline void round16_bf16(const float* x, uint16_t* xb) {
   const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7FFF);
@@ -811,9 +828,8 @@ MINIVLLM_AVX512_ROUND inline void round16_bf16(const float* x, uint16_t* xb) {
 // written and read back through L3 at prefill sizes (6 MB and 3 MB a 512-row chunk of the
 // default model), and rounded in a pass of their own; the floats are the same (the same
 // activation code on the same sums, the same rounding).
-void gemm_amx_gated(const float* x, int64_t M, int64_t ldx, const at::BFloat16* w, int64_t Kp, int64_t K, int64_t I,
-                    int64_t act, uint16_t* ab, int64_t Ip) {
-  const auto xb = rounded_rows(x, M, ldx, K, Kp);
+void gemm_amx_gated(const uint16_t* xb, int64_t M, const at::BFloat16* w, int64_t Kp, int64_t I, int64_t act,
+                    uint16_t* ab, int64_t Ip) {
   const int64_t panel_size = Kp * kPanel, num_gate_panels = I / kPanel;
   const auto run = [&](int64_t m_block, int64_t m_end, int64_t begin, int64_t end) {
     alignas(64) float acc[4 * 16 * kPanel];  // gate [32 rows][16], then up [32 rows][16]
@@ -832,9 +848,9 @@ void gemm_amx_gated(const float* x, int64_t M, int64_t ldx, const at::BFloat16* 
         }
         const bool first = m0 == m_block;
         if (rows1 > 0)
-          tile_amx<2, 2>(xb.get() + m0 * Kp, Kp, gate, up, Kp, acc, acc + 32 * kPanel, kPanel, false, first);
+          tile_amx<2, 2>(xb + m0 * Kp, Kp, gate, up, Kp, acc, acc + 32 * kPanel, kPanel, false, first);
         else
-          tile_amx<1, 2>(xb.get() + m0 * Kp, Kp, gate, up, Kp, acc, acc + 32 * kPanel, kPanel, false, first);
+          tile_amx<1, 2>(xb + m0 * Kp, Kp, gate, up, Kp, acc, acc + 32 * kPanel, kPanel, false, first);
         gated_act(acc, acc + 32 * kPanel, a, rows * kPanel, act, kIsaAvx512);
         for (int64_t r = 0; r < rows; ++r) round16_bf16(a + r * kPanel, ab + (m0 + r) * Ip + p * kPanel);
       }
@@ -1053,17 +1069,39 @@ void packed_gemm_activated(const float* x, int64_t M, int64_t K, int64_t ldx, co
   gemm_vector(x, M, ldx, data, panel_size, K, nullptr, bias, N, out, ldo, isa, accumulate, nullptr, out_act);
 }
 
-bool packed_gated_mlp(const float* x, int64_t M, int64_t K, const torch::Tensor& gate_up, int64_t I,
-                      const torch::Tensor& down, int64_t act, float* out, int64_t ldo, bool accumulate, int64_t isa) {
+bool can_run_gated_mlp(const torch::Tensor& gate_up, int64_t I, const torch::Tensor& down, int64_t act, int64_t isa) {
 #if defined(MINIVLLM_HAS_AMX)
-  if (isa != kIsaAmx || gate_up.scalar_type() != torch::kBFloat16 || down.scalar_type() != torch::kBFloat16 ||
-      I % kPanel != 0 || (act != kActSilu && act != kActGeluTanh))
-    return false;
+  return isa == kIsaAmx && gate_up.scalar_type() == torch::kBFloat16 && down.scalar_type() == torch::kBFloat16 &&
+         I % kPanel == 0 && (act == kActSilu || act == kActGeluTanh);
+#else
+  return false;
+#endif
+}
+
+void packed_gated_mlp(const float* x, int64_t M, int64_t K, const float* norm, float eps, const torch::Tensor& gate_up,
+                      int64_t I, const torch::Tensor& down, int64_t act, float* out, int64_t ldo, bool accumulate,
+                      int64_t isa) {
+#if defined(MINIVLLM_HAS_AMX)
+  TORCH_CHECK(can_run_gated_mlp(gate_up, I, down, act, isa), "packed_gated_mlp: not on these panels or this CPU");
   const int64_t Kp = 2 * gate_up.size(1), Ip = 2 * down.size(1);
   TORCH_CHECK(gate_up.size(0) * kPanel >= 2 * I && Ip >= I && Kp >= K, "packed_gated_mlp: panel shapes");
+  const auto xb = norm != nullptr ? normed_rounded_rows(x, M, K, K, norm, eps, Kp) : rounded_rows(x, M, K, K, Kp);
   const auto ab = scratch_array<uint16_t>(M * Ip);  // [M, Ip]: act(g) * u in bfloat16
-  gemm_amx_gated(x, M, K, gate_up.data_ptr<at::BFloat16>(), Kp, K, I, act, ab.get(), Ip);
+  gemm_amx_gated(xb.get(), M, gate_up.data_ptr<at::BFloat16>(), Kp, I, act, ab.get(), Ip);
   gemm_amx_rounded(ab.get(), M, down.data_ptr<at::BFloat16>(), Ip, nullptr, ldo, out, ldo, accumulate, nullptr);
+#else
+  TORCH_CHECK(false, "packed_gated_mlp: a build without AMX");
+#endif
+}
+
+bool packed_gemm_normed(const float* x, int64_t M, int64_t K, const float* norm, float eps, const torch::Tensor& w,
+                        const float* scale, const float* bias, int64_t N, float* out, int64_t ldo, int64_t isa) {
+#if defined(MINIVLLM_HAS_AMX)
+  if (isa != kIsaAmx || w.scalar_type() != torch::kBFloat16 || scale != nullptr) return false;
+  check_packed_weight(w, K, N, scale, isa);
+  const int64_t Kp = 2 * w.size(1);
+  const auto xb = normed_rounded_rows(x, M, K, K, norm, eps, Kp);
+  gemm_amx_rounded(xb.get(), M, w.data_ptr<at::BFloat16>(), Kp, bias, N, out, ldo, false, nullptr);
   return true;
 #else
   return false;
