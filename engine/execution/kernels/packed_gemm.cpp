@@ -747,8 +747,8 @@ void gemm_amx_rounded(const uint16_t* xb, int64_t M, const at::BFloat16* w, int6
   const int64_t panel_size = Kp * kPanel;
   // Per task a pair of panels at a time (the pair's weights, 2 x Kp x 32 bytes, stay in L1/L2)
   // against every 32-row block of up to kAmxRowBlock rows of x.
-  // Not tapered (TaperedSplit): no machine here has AMX to check that a split's pairing leaves
-  // the tiles' floats as they are.
+  // Not tapered (TaperedSplit): that a tapered split's pairing leaves the tiles' floats as they
+  // are has not been checked on AMX.
   const auto run = [&](int64_t m_block, int64_t m_end, int64_t begin, int64_t end) {
     alignas(64) float acc[4 * 16 * kPanel];  // [panel][32 rows][16]
     int64_t configured0 = -1, configured1 = -1;

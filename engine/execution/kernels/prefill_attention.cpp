@@ -22,6 +22,8 @@
 // products run on vdpbf16ps (two multiply-adds a lane, twice the FMA's rate), with q and the
 // probabilities rounded to bfloat16 and everything summed in float32, as FlashAttention's bf16
 // kernels round P: faster than the widened path, its error on a par with torch's bf16 SDPA.
+// On an AMX CPU (kIsaAmx, head_dim a multiple of 32) the same panels feed the tile unit instead
+// (attend_tiles_amx below): both products as tile products, the softmax between them unchanged.
 #include "cpu_kernels.h"
 
 #include <ATen/Parallel.h>
