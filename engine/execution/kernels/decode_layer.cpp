@@ -201,22 +201,8 @@ void attention_outputs(int64_t M, int64_t hidden, int64_t q_size, float* xp, con
     add_rms_normed(h.get(), M, hidden, output_norm, f_eps, xp);
   };
   add_product(lo, attn_out, q_size, attn_output_norm);
-  if (!w.moe) {
-    // On AMX: the norm, the activation and the handoff to the down product in the products' own
-    // passes (packed_gemm.cpp).
-    const LinearView lgu = view(w.gate_up), ldown = view(w.down);
-    const int64_t intermediate = lgu.n / 2;
-    if (lgu.scale == nullptr && lgu.bias == nullptr && ldown.scale == nullptr && ldown.bias == nullptr &&
-        ldown.n == hidden && can_run_gated_mlp(lgu.w, intermediate, ldown.w, act, isa)) {
-      float* dst = mlp_output_norm == nullptr ? xp : h.get();
-      packed_gated_mlp(xp, M, hidden, w.post_norm.data_ptr<float>(), f_eps, lgu.w, intermediate, ldown.w, act, dst,
-                       hidden, mlp_output_norm == nullptr, isa);
-      if (mlp_output_norm != nullptr) add_rms_normed(h.get(), M, hidden, mlp_output_norm, f_eps, xp);
-      return;
-    }
-  }
-  rms_norm(xp, M, hidden, w.post_norm.data_ptr<float>(), f_eps, h.get());
   if (w.moe) {
+    rms_norm(xp, M, hidden, w.post_norm.data_ptr<float>(), f_eps, h.get());
     const auto y = scratch_floats(M * hidden);
     sparse_mlp(*w.moe, h.get(), M, hidden, y.get(), isa);
     if (mlp_output_norm != nullptr) return add_rms_normed(y.get(), M, hidden, mlp_output_norm, f_eps, xp);
@@ -228,6 +214,17 @@ void attention_outputs(int64_t M, int64_t hidden, int64_t q_size, float* xp, con
   const LinearView lgu = view(w.gate_up), ldown = view(w.down);
   TORCH_CHECK(ldown.n == hidden, "fused layer: output projection widths");
   const int64_t intermediate = lgu.n / 2;
+  if (lgu.scale == nullptr && lgu.bias == nullptr && ldown.scale == nullptr && ldown.bias == nullptr &&
+      can_run_gated_mlp(lgu.w, intermediate, ldown.w, act, isa)) {
+    // On AMX the norm, the activation and the handoff to the down product ride in the products'
+    // own passes (packed_gemm.cpp): no float32 normed rows, [M, 2I] product or activation.
+    float* dst = mlp_output_norm == nullptr ? xp : h.get();
+    packed_gated_mlp(xp, M, hidden, w.post_norm.data_ptr<float>(), f_eps, lgu.w, intermediate, ldown.w, act, dst,
+                     hidden, mlp_output_norm == nullptr, isa);
+    if (mlp_output_norm != nullptr) add_rms_normed(h.get(), M, hidden, mlp_output_norm, f_eps, xp);
+    return;
+  }
+  rms_norm(xp, M, hidden, w.post_norm.data_ptr<float>(), f_eps, h.get());
   const auto gu = scratch_floats(M * lgu.n), a = scratch_floats(M * intermediate);
   gemm(lgu, h.get(), M, hidden, gu.get(), isa, false);
   at::parallel_for(0, M, kRowGrain, [&](int64_t begin, int64_t end) {

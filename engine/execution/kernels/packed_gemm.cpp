@@ -20,6 +20,7 @@
 // bf16 path rounds every activation), products summed in float32, up to 32 rows x 32 outputs a
 // tile. On the model's layer shapes at 32 rows that runs several times the FMA path's rate
 // (python -m bench.packed_gemm), so a batch-32 decode step no longer waits on the FMAs.
+#include "amx_tiles.h"
 #include "cpu_kernels.h"
 #include "layer_parts.h"
 #include "quant_tiles.h"
@@ -42,8 +43,7 @@
 #endif
 
 // AMX intrinsics need GCC 11 or clang; an older compiler builds everything else.
-#if defined(__x86_64__) && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 11))
-#define MINIVLLM_HAS_AMX 1
+#if defined(MINIVLLM_HAS_AMX)
 #define MINIVLLM_HAS_AVX512_BF16 1  // vdpbf16ps (GCC 10+), built with the AMX code
 #endif
 
@@ -275,15 +275,6 @@ MINIVLLM_AVX2 void tile_avx2(const float* x, int64_t ldx, const T* w, int64_t K,
 #if defined(MINIVLLM_HAS_AMX)
 #define MINIVLLM_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl")))
 
-// The tile registers' shapes, as ldtilecfg reads them (palette 1).
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // Tiles: C(r, p) = tmm(2r + p), the float32 sums of row block r (16 rows) and panel p; A(r) =
 // tmm(4 + r), 16 rows x 32 k of x; B(p) = tmm(6 + p), panel p's 16 outputs x 32 k (16 pairs).
 MINIVLLM_AMX void configure_tiles(int64_t rows0, int64_t rows1) {
@@ -299,12 +290,24 @@ MINIVLLM_AMX void configure_tiles(int64_t rows0, int64_t rows1) {
     cfg.rows[t] = kPairChunk / 2;
     cfg.colsb[t] = 64;
   }
-  // GCC 12 took ldtilecfg for a reader of the configuration's first 32 bytes only and dropped
-  // the stores of its rows and column widths (an invalid configuration: SIGSEGV, then SIGILL
-  // in the tiles): the barrier makes every store land first.
-  asm volatile("" : : "r"(&cfg) : "memory");
-  _tile_loadconfig(&cfg);
+  load_tile_config(cfg);
 }
+
+// configure_tiles for a block of `rows` (<= 32) rows, only when the shape changed since the last
+// block (a task's blocks are all 32 rows but its last).
+class TileShape {
+ public:
+  MINIVLLM_AMX void fit(int64_t rows) {
+    const int64_t rows0 = std::min<int64_t>(16, rows), rows1 = rows - rows0;
+    if (rows0 == rows0_ && rows1 == rows1_) return;
+    configure_tiles(rows0, rows1);
+    rows0_ = rows0;
+    rows1_ = rows1;
+  }
+
+ private:
+  int64_t rows0_ = -1, rows1_ = -1;
+};
 
 // R row blocks (16 rows each; the last may be shorter, as configured) x P panels over the whole
 // of Kp. xb: bfloat16 rows ldxb apart; w0, w1: panels. The sums go to c0 (panel 0) and c1
@@ -751,20 +754,15 @@ void gemm_amx_rounded(const uint16_t* xb, int64_t M, const at::BFloat16* w, int6
   // are has not been checked on AMX.
   const auto run = [&](int64_t m_block, int64_t m_end, int64_t begin, int64_t end) {
     alignas(64) float acc[4 * 16 * kPanel];  // [panel][32 rows][16]
-    int64_t configured0 = -1, configured1 = -1;
+    TileShape shape;
     for (int64_t p = begin; p < end; p += 2) {
       const at::BFloat16* panel = w + p * panel_size;
       const bool pair = p + 1 < end;
       const int64_t n0 = p * kPanel, width = (pair ? 2 : 1) * kPanel;
       const bool direct = bias == nullptr && n0 + width <= N;
       for (int64_t m0 = m_block; m0 < m_end; m0 += 32) {
-        const int64_t rows = std::min<int64_t>(32, m_end - m0), rows0 = std::min<int64_t>(16, rows);
-        const int64_t rows1 = rows - rows0;
-        if (rows0 != configured0 || rows1 != configured1) {
-          configure_tiles(rows0, rows1);
-          configured0 = rows0;
-          configured1 = rows1;
-        }
+        const int64_t rows = std::min<int64_t>(32, m_end - m0), rows1 = std::max<int64_t>(0, rows - 16);
+        shape.fit(rows);
         const uint16_t* xm = xb + m0 * Kp;
         float* c0 = direct ? out + m0 * ldo + n0 : acc;
         float* c1 = direct ? c0 + kPanel : acc + 32 * kPanel;
@@ -812,15 +810,6 @@ Scratch<uint16_t> normed_rounded_rows(const float* x, int64_t M, int64_t ldx, in
   return xb;
 }
 
-// 16 floats rounded to nearest-even bfloat16 as round_rows_bf16 rounds them.
-MINIVLLM_AVX512_ROUND inline void round16_bf16(const float* x, uint16_t* xb) {
-  const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7FFF);
-  const __m512i bits = _mm512_castps_si512(_mm512_loadu_ps(x));
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), one);
-  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(bias, lsb)), 16);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(xb), _mm512_cvtepi32_epi16(rounded));
-}
-
 // A gated MLP's gate/up product on the tiles with the activation in its epilogue: gate panel p
 // and the up panel of the same 16 outputs (p + I / 16) are one tile pair, and act(g) * u goes
 // from the pair's float32 sums (in L1) straight to ab [M, Ip] in bfloat16, the down product's
@@ -834,25 +823,21 @@ void gemm_amx_gated(const uint16_t* xb, int64_t M, const at::BFloat16* w, int64_
   const auto run = [&](int64_t m_block, int64_t m_end, int64_t begin, int64_t end) {
     alignas(64) float acc[4 * 16 * kPanel];  // gate [32 rows][16], then up [32 rows][16]
     alignas(64) float a[2 * 16 * kPanel];
-    int64_t configured0 = -1, configured1 = -1;
+    TileShape shape;
     for (int64_t p = begin; p < end; ++p) {
       const at::BFloat16* gate = w + p * panel_size;
       const at::BFloat16* up = w + (p + num_gate_panels) * panel_size;
       for (int64_t m0 = m_block; m0 < m_end; m0 += 32) {
-        const int64_t rows = std::min<int64_t>(32, m_end - m0), rows0 = std::min<int64_t>(16, rows);
-        const int64_t rows1 = rows - rows0;
-        if (rows0 != configured0 || rows1 != configured1) {
-          configure_tiles(rows0, rows1);
-          configured0 = rows0;
-          configured1 = rows1;
-        }
+        const int64_t rows = std::min<int64_t>(32, m_end - m0);
+        shape.fit(rows);
         const bool first = m0 == m_block;
-        if (rows1 > 0)
+        if (rows > 16)
           tile_amx<2, 2>(xb + m0 * Kp, Kp, gate, up, Kp, acc, acc + 32 * kPanel, kPanel, false, first);
         else
           tile_amx<1, 2>(xb + m0 * Kp, Kp, gate, up, Kp, acc, acc + 32 * kPanel, kPanel, false, first);
         gated_act(acc, acc + 32 * kPanel, a, rows * kPanel, act, kIsaAvx512);
-        for (int64_t r = 0; r < rows; ++r) round16_bf16(a + r * kPanel, ab + (m0 + r) * Ip + p * kPanel);
+        for (int64_t r = 0; r < rows; ++r)  // one row of 16: its own Kp, so nothing is padded
+          round_rows_bf16(a + r * kPanel, 1, kPanel, kPanel, ab + (m0 + r) * Ip + p * kPanel, kPanel);
       }
     }
     release_tiles();

@@ -24,6 +24,7 @@
 // kernels round P: faster than the widened path, its error on a par with torch's bf16 SDPA.
 // On an AMX CPU (kIsaAmx, head_dim a multiple of 32) the same panels feed the tile unit instead
 // (attend_tiles_amx below): both products as tile products, the softmax between them unchanged.
+#include "amx_tiles.h"
 #include "cpu_kernels.h"
 
 #include <ATen/Parallel.h>
@@ -46,9 +47,8 @@
 
 // As in packed_gemm.cpp: vdpbf16ps needs GCC 11 or clang, and best_isa() offers kIsaAvx512Bf16
 // only where it was built.
-#if defined(__x86_64__) && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 11))
+#if defined(MINIVLLM_HAS_AMX)  // the AMX tiles' intrinsics and vdpbf16ps come with the same compilers
 #define MINIVLLM_HAS_AVX512_BF16 1
-#define MINIVLLM_HAS_AMX 1  // the AMX tiles' intrinsics, from the same compilers
 #endif
 
 namespace minivllm {
@@ -682,19 +682,12 @@ struct AmxTileState {
 // Every tile register 16 rows x 64 bytes: A (16 rows x 32 bfloat16), B (16 pairs x 16 columns)
 // and C (16 x 16 float32) alike.
 MINIVLLM_AMX_ATTN void configure_attention_tiles() {
-  struct alignas(64) {
-    uint8_t palette = 1;
-    uint8_t start_row = 0;
-    uint8_t reserved[14] = {};
-    uint16_t colsb[16] = {};
-    uint8_t rows[16] = {};
-  } cfg;
+  TileConfig cfg;
   for (int t = 0; t < 8; ++t) {
     cfg.rows[t] = 16;
     cfg.colsb[t] = 64;
   }
-  asm volatile("" : : "r"(&cfg) : "memory");  // every store before ldtilecfg (packed_gemm.cpp's configure_tiles)
-  _tile_loadconfig(&cfg);
+  load_tile_config(cfg);
 }
 
 MINIVLLM_AMX_ATTN void init_amx_tile(AmxTileState& t, int64_t rows, const float* q, int64_t row_begin, int64_t group,
