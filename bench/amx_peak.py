@@ -2,7 +2,10 @@
 rate with its operands in tile registers (the unit's peak), the 2x2 register-blocked kernel the
 engine's products and prefill attention use (two A tiles of 16 rows x 32 k, two B tiles of 16
 pairs x 16 outputs, four float32 C tiles) over operands in L1/L2, and the same kernel storing each
-32 x 32 block of sums into a wide float32 output as gemm_amx does. One thread and two (the GIL
+32 x 32 block of sums into a wide float32 output as gemm_amx does; and a GGUF block's int8 tile
+steps (quant_tiles_amx.cpp's) with and without the tile store, beside the vector scaling of
+each block's sums, alone and interleaved (a tile store holds up the core's other work while it
+runs). One thread and two (the GIL
 released), random bf16 operands (the blocked kernel ran about 1.25x faster on zeros: its rate
 depends on the data). Needs an AMX CPU and a compiler (the kernel is built inline, once).
 
@@ -108,11 +111,67 @@ __attribute__((target("amx-tile,amx-bf16"))) void blocked(const torch::Tensor& A
   }
   _tile_release();
 }
+// One GGUF block's int8 tile (quant_tiles_amx.cpp's steps) in L1, `rounds` x 2 blocks: the tile
+// steps (zero, load 16 rows x 32 k of activations and 32 k x 16 outputs of codes, tdpbssd, and
+// with STORE the tile store) and/or the vector scaling of a stored 16 x 16 int32 tile into 16
+// float32 sums (convert, multiply the scales, FMA), the two interleaved as the kernel runs them.
+template <bool TILES, bool STORE, bool VECTOR>
+__attribute__((target("amx-tile,amx-int8,avx512f"), noinline)) void int8_blocks(int64_t rounds, float* out) {
+  TileConfig cfg;
+  for (int t : {0, 1}) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+  for (int t : {2, 4}) { cfg.rows[t] = 16; cfg.colsb[t] = 32; }
+  for (int t : {3, 5}) { cfg.rows[t] = 8; cfg.colsb[t] = 64; }
+  syscall(SYS_arch_prctl, 0x1023, 18);
+  asm volatile("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+  alignas(64) static thread_local int8_t a[512], b[512];
+  alignas(64) static thread_local int32_t c[2][256], stored[256];
+  alignas(64) static thread_local float xs[16];
+  for (int i = 0; i < 512; ++i) a[i] = static_cast<int8_t>(i * 7), b[i] = static_cast<int8_t>(i % 16 - 8);
+  for (int i = 0; i < 256; ++i) stored[i] = i - 128;
+  for (int i = 0; i < 16; ++i) xs[i] = 0.001f * static_cast<float>(i);
+  __m512 acc[16];
+  for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512 d = _mm512_set1_ps(0.5f);
+  auto scale = [&]() __attribute__((always_inline)) {
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; ++r)
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(stored + 16 * r)),
+                               _mm512_mul_ps(d, _mm512_set1_ps(xs[r])), acc[r]);
+    asm volatile("" : : : "memory");  // the stored tile is read again each block
+  };
+  for (int64_t i = 0; i < rounds; ++i) {
+    if (TILES) {
+      _tile_zero(0); _tile_loadd(2, a, 32); _tile_loadd(3, b, 64); _tile_dpbssd(0, 2, 3);
+      if (STORE) _tile_stored(0, c[0], 64);
+    }
+    if (VECTOR) scale();
+    if (TILES) {
+      _tile_zero(1); _tile_loadd(4, a, 32); _tile_loadd(5, b, 64); _tile_dpbssd(1, 4, 5);
+      if (STORE) _tile_stored(1, c[1], 64);
+    }
+    if (VECTOR) scale();
+  }
+  for (int r = 0; r < 16; ++r) _mm512_storeu_ps(out + 16 * r, acc[r]);
+  _tile_release();
+}
+
+void int8_block_steps(int64_t mode, int64_t rounds) {
+  alignas(64) float out[256];
+  switch (mode) {
+    case 0: return int8_blocks<true, true, false>(rounds, out);
+    case 1: return int8_blocks<true, false, false>(rounds, out);
+    case 2: return int8_blocks<false, false, true>(rounds, out);
+    case 3: return int8_blocks<true, true, true>(rounds, out);
+    default: return int8_blocks<true, false, true>(rounds, out);
+  }
+}
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("resident", &resident, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("blocked", &blocked, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("int8_block_steps", &int8_block_steps, pybind11::call_guard<pybind11::gil_scoped_release>());
 }
 """
 
@@ -138,9 +197,9 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from torch.utils.cpp_extension import load_inline
 
-    if "amx_bf16" not in open("/proc/cpuinfo").read():
-        raise SystemExit("this CPU has no AMX-BF16")
-    ext = load_inline("minivllm_amx_peak", cpp_sources=_SOURCE, extra_cflags=["-O2", "-march=native"])
+    if "amx_bf16" not in open("/proc/cpuinfo").read() or "amx_int8" not in open("/proc/cpuinfo").read():
+        raise SystemExit("this CPU has no AMX-BF16 and AMX-INT8")
+    ext = load_inline("minivllm_amx_peak", cpp_sources=_SOURCE, extra_cflags=["-O2", "-march=native", "-std=c++17"])
     gen = torch.Generator().manual_seed(0)
     tile_flops = 16 * 16 * 32 * 2  # one tile product: 16 x 16 outputs, 32 k, a multiply and an add
     operands = torch.randn(2048, generator=gen).bfloat16()
@@ -161,6 +220,18 @@ def main() -> None:
     for num_threads in (int(t) for t in args.threads.split(",")):
         for name, run, flops in cases:
             logger.info("%d thread(s): %-80s %7.0f GFLOP/s", num_threads, name, _rate(run, flops, num_threads))
+    # A GGUF block on the int8 tiles (issue 63): nanoseconds a block, one thread.
+    block_rounds = 500_000
+    for mode, name in enumerate(["tile steps with the tile store", "tile steps without it", "vector scaling alone",
+                                 "both, as the kernel interleaves them", "both, without the tile store"]):
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            ext.int8_block_steps(mode, block_rounds)
+            best = min(best, time.perf_counter() - start)
+        ns = best / (2 * block_rounds) * 1e9
+        logger.info("1 thread: int8 GGUF block (16 x 16 x 32), %-40s %6.2f ns a block (%5.0f GOP/s)", name, ns,
+                    16 * 16 * 32 * 2 / ns)
 
 
 if __name__ == "__main__":

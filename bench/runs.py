@@ -13,7 +13,9 @@ WEIGHT_MODES = {"float32": {"dtype": "float32", "quantization": "none"},
                 "bfloat16": {"dtype": "bfloat16", "quantization": "none"},
                 "int8": {"dtype": "float32", "quantization": "int8"},
                 "float32-kv-bfloat16": {"dtype": "float32", "kv_cache_dtype": "bfloat16", "quantization": "none"},
-                "gguf": {"dtype": "float32", "quantization": "gguf"}}
+                "gguf": {"dtype": "float32", "quantization": "gguf"},
+                # llama.cpp's own default: its KV cache is float16
+                "gguf-kv-bfloat16": {"dtype": "float32", "kv_cache_dtype": "bfloat16", "quantization": "gguf"}}
 
 
 def make_prompts(num: int, min_len: int, max_len: int, vocab: int, seed: int) -> list[list[int]]:

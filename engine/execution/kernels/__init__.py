@@ -38,6 +38,7 @@ ISAS = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512_bf16": 3, "amx": 4}
 
 _SOURCES = ("bindings.cpp", "paged_attention.cpp", "prefill_attention.cpp", "packed_gemm.cpp", "decode_layer.cpp",
             "decode_model.cpp", "token_bitmask.cpp", "quant_gemm.cpp", "quant_tiles_avx512.cpp", "quant_tiles_avx2.cpp",
+            "quant_tiles_amx.cpp",
             "linear_chain.cpp", "moe_experts.cpp", "encoder_parts.cpp", "scratch_pool.cpp")
 _STALE_LOCK_S = 300  # longer than a build takes on a busy small machine: an older lock is from a killed process
 

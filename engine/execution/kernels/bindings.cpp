@@ -63,6 +63,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Tests: x [rows <= 4, K] by the VNNI tile over the first num_panels panels, K-quant records unpacked with "
         "GFNI or without -> [num_panels, rows, 16] float32",
         py::arg("x"), py::arg("w"), py::arg("type"), py::arg("num_panels"), py::arg("gfni"));
+  m.def("quant_tiles_amx", without_gil(&minivllm::quant_tiles_amx),
+        "Tests: x [M, K] by the AMX-INT8 tiles alone over every panel -> [M, 16 * panels] float32");
+  m.def("can_run_quant_amx", &minivllm::can_run_quant_amx,
+        "Whether this CPU runs a ggml type's products of many rows on the AMX-INT8 tiles");
   m.def("quant_rows", without_gil(&minivllm::quant_rows),
         "Rows ids of a quantized weight as float32 [L, k] (an embedding's lookup)");
   m.def("quant_chain_seconds", without_gil(&minivllm::quant_chain_seconds),

@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <vector>
 
 namespace minivllm {
@@ -21,6 +22,9 @@ namespace {
 constexpr int64_t kPanel = 16;
 constexpr int64_t kBlock = 32;       // activations are quantized per this many k
 constexpr int64_t kRowBlock = 64;    // rows of x a task keeps hot while it walks its panels
+// On AMX-INT8 a task unpacks each of its panels once, for all its rows: more rows a task repay it.
+constexpr int64_t kAmxRowBlock = 512;
+constexpr int64_t kAmxMinRows = 16;  // fewer rows stay on VNNI, whose tiles take 1 to 4 rows
 constexpr int64_t kTasksPerThread = 4;
 
 float half_at(const uint8_t* p, int64_t i) {
@@ -166,23 +170,52 @@ void run_tile(int64_t type, int64_t isa, int64_t rows, const QuantActs& a, int64
 struct ActsBuffer {
   std::vector<int8_t> q;
   std::vector<BlockActs> blocks;
+  std::vector<float> tile_scales, tile_sums;
+
+  // a's block scales and scaled sums for the AMX tiles (QuantActs::tile_scales), rows past M zero.
+  QuantActs with_tiles(QuantActs a, int64_t M) {
+    const int64_t num_tiles = (M + 15) / 16, nb = a.num_blocks;
+    if (static_cast<int64_t>(tile_scales.size()) < num_tiles * nb * 16) {
+      tile_scales.resize(num_tiles * nb * 16);
+      tile_sums.resize(num_tiles * nb * 16);
+    }
+    at::parallel_for(0, num_tiles, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        for (int64_t r = 0; r < 16; ++r) {
+          const int64_t m = 16 * t + r;
+          float* xs = tile_scales.data() + t * nb * 16 + r;
+          float* xsum = tile_sums.data() + t * nb * 16 + r;
+          for (int64_t b = 0; b < nb; ++b) {
+            xs[16 * b] = m < M ? a.blocks[m * nb + b].scale : 0.f;
+            xsum[16 * b] = m < M ? a.blocks[m * nb + b].scaled_sum : 0.f;
+          }
+        }
+      }
+    });
+    a.tile_scales = tile_scales.data();
+    a.tile_sums = tile_sums.data();
+    return a;
+  }
 
   QuantActs quantize(const float* x, int64_t M, int64_t K, int64_t ldx, int64_t isa, bool parallel) {
     const int64_t num_blocks = K / kBlock;
     // Grown, never shrunk: K alternates between a layer's widths, and growing a vector back
     // zero-fills what it regains.
-    if (static_cast<int64_t>(q.size()) < M * K) q.resize(M * K);
-    if (static_cast<int64_t>(blocks.size()) < M * num_blocks) blocks.resize(M * num_blocks);
+    // Whole 16-row tiles: the AMX tile reads rows up to the next multiple of 16.
+    const int64_t padded = (M + 15) / 16 * 16;
+    if (static_cast<int64_t>(q.size()) < padded * K + 64) q.resize(padded * K + 64);
+    int8_t* q_at = q.data() + (64 - reinterpret_cast<uintptr_t>(q.data()) % 64) % 64;  // as the AMX tile loads it best
+    if (static_cast<int64_t>(blocks.size()) < padded * num_blocks) blocks.resize(padded * num_blocks);
     const auto rows = [&](int64_t begin, int64_t end) {
       const auto quantize = isa >= kIsaAvx512 ? quantize_rows_avx512 : quantize_rows;
-      quantize(x + begin * ldx, end - begin, K, ldx, q.data() + begin * K, blocks.data() + begin * num_blocks);
+      quantize(x + begin * ldx, end - begin, K, ldx, q_at + begin * K, blocks.data() + begin * num_blocks);
     };
     if (parallel) {
       at::parallel_for(0, M, 16, rows);
     } else {
       rows(0, M);
     }
-    return {q.data(), blocks.data(), K, num_blocks};
+    return {q_at, blocks.data(), K, num_blocks};
   }
 };
 
@@ -198,9 +231,15 @@ inline void store_tile(const float* acc, int64_t rows, int64_t m0, int64_t n0, i
 
 // One task's rows [m_begin, m_end) against panels [p_begin, p_end) of the parts' run (a part's
 // panels follow the part before's: panel p holds outputs [16 p, 16 p + 16) whichever part it is in).
+// amx: rows of a product that runs its 32-k block types on AMX-INT8 (quant_gemm decides).
 void run_task(const QuantActs& a, const QuantPanels* parts, int64_t isa, const float* bias, int64_t N, float* out,
-              int64_t ldo, bool accumulate, int64_t m_begin, int64_t m_end, int64_t p_begin, int64_t p_end) {
+              int64_t ldo, bool accumulate, int64_t m_begin, int64_t m_end, int64_t p_begin, int64_t p_end,
+              bool amx = false) {
+  static_assert(kMaxQuantTilePanels * kMaxQuantTileRows >= 16, "acc holds an AMX tile's 16 rows");
   alignas(64) float acc[kMaxQuantTilePanels * kMaxQuantTileRows * kPanel];
+  thread_local QuantAmxPanel amx_panel_kept;
+  QuantAmxPanel& amx_panel = amx_panel_kept;  // one TLS lookup a task, not one a use
+  std::optional<QuantAmxTiles> amx_tiles;  // configured at the task's first AMX panel
   const auto store = [&](const float* tile, int64_t rows, int64_t m0, int64_t p) {
     store_tile(tile, rows, m0, p * kPanel, std::min(kPanel, N - p * kPanel), bias, out, ldo, accumulate);
   };
@@ -215,6 +254,16 @@ void run_task(const QuantActs& a, const QuantPanels* parts, int64_t isa, const f
     // that each of the tile's G weight streams stays one contiguous read from panel to panel (G
     // neighbouring panels would restart G - 1 streams every group: slower from memory).
     const int64_t rows = m_end - m_begin;
+    if (amx && can_run_quant_amx(w->type)) {
+      if (!amx_tiles) amx_tiles.emplace();
+      amx_panel.unpack(w->type, panel, w->num_records);
+      for (int64_t m0 = m_begin; m0 < m_end; m0 += 16) {
+        amx_tiles->tile(a, m0, amx_panel, acc);
+        store(acc, std::min<int64_t>(16, m_end - m0), m0, p);
+      }
+      ++p;
+      continue;
+    }
     const int64_t group = runs_vnni(isa) && rows <= 2 ? quant_tile_panels(w->type, rows) : 1;
     const int64_t span = (end - p) / group;  // panels each stream takes
     if (group > 1 && span > 0) {
@@ -297,12 +346,17 @@ void quant_gemm(const float* x, int64_t M, int64_t K, int64_t ldx, const QuantPa
   const int64_t chunk = std::max<int64_t>(1, (num_panels + kTasksPerThread * num_threads - 1) /
                                                  (kTasksPerThread * num_threads));
   const int64_t num_chunks = (num_panels + chunk - 1) / chunk;
-  const int64_t num_tasks = num_chunks * ((M + kRowBlock - 1) / kRowBlock);
+  // AMX-INT8 for a product of many rows of its own (a team's share is a decode step's few rows).
+  bool amx = false;
+  for (int64_t i = 0; i < num_parts; ++i) amx |= can_run_quant_amx(parts[i].type);
+  amx = amx && team == nullptr && isa >= kIsaAmx && M >= kAmxMinRows;
+  const int64_t row_block = amx ? kAmxRowBlock : kRowBlock;
+  const int64_t num_tasks = num_chunks * ((M + row_block - 1) / row_block);
   const auto task_runner = [&](const QuantActs& a) {
     return [&, a](int64_t task) {
-      const int64_t m_begin = (task / num_chunks) * kRowBlock, begin = (task % num_chunks) * chunk;
-      run_task(a, parts, isa, bias, N, out, ldo, accumulate, m_begin, std::min(M, m_begin + kRowBlock), begin,
-               std::min(num_panels, begin + chunk));
+      const int64_t m_begin = (task / num_chunks) * row_block, begin = (task % num_chunks) * chunk;
+      run_task(a, parts, isa, bias, N, out, ldo, accumulate, m_begin, std::min(M, m_begin + row_block), begin,
+               std::min(num_panels, begin + chunk), amx);
     };
   };
   // One buffer a thread, kept between products (no allocation and zero-fill each call). A team's
@@ -310,7 +364,8 @@ void quant_gemm(const float* x, int64_t M, int64_t K, int64_t ldx, const QuantPa
   // product of its own quantizes x once, before its threads fork.
   thread_local ActsBuffer acts;
   if (team != nullptr) return team->for_each_task(num_tasks, task_runner(acts.quantize(x, M, K, ldx, isa, false)));
-  const auto run = task_runner(acts.quantize(x, M, K, ldx, isa, M >= 16));
+  const QuantActs a = acts.quantize(x, M, K, ldx, isa, M >= 16);
+  const auto run = task_runner(amx ? acts.with_tiles(a, M) : a);
   std::atomic<int64_t> next_task{0};
   const TeamShare forked{num_threads, &next_task};
   at::parallel_for(0, std::min(num_threads, num_tasks), 1, [&](int64_t, int64_t) { forked.for_each_task(num_tasks, run); });
@@ -361,6 +416,30 @@ torch::Tensor quant_tile_unpack(const torch::Tensor& x, const torch::Tensor& w, 
   auto out = torch::empty({num_panels, rows, kPanel}, xf.options());
   quant_tile_vnni_unpack(gfni, type, rows, a, 0, q.data, q.num_records, out.data_ptr<float>(), num_panels,
                          q.num_records * q.record_bytes);
+  return out;
+}
+
+torch::Tensor quant_tiles_amx(const torch::Tensor& x, const torch::Tensor& w, int64_t type) {
+  TORCH_CHECK(can_run_quant_amx(type), "quant_tiles_amx: this CPU has no AMX-INT8 tiles for ggml type ", type);
+  TORCH_CHECK(x.dim() == 2, "quant_tiles_amx: x must be [M, K]");
+  const int64_t M = x.size(0), K = x.size(1);
+  check_quant_weight(w, type, K, w.size(0) * kPanel, kIsaAmx);
+  const QuantPanels q = QuantPanels::of(w, type);
+  const auto xf = x.to(torch::kFloat32).contiguous();
+  ActsBuffer acts;
+  const QuantActs a = acts.with_tiles(acts.quantize(xf.data_ptr<float>(), M, K, K, kIsaAvx512, false), M);
+  auto out = torch::empty({M, q.num_panels * kPanel}, xf.options());
+  alignas(64) float acc[16 * kPanel];
+  QuantAmxPanel panel;
+  const QuantAmxTiles tiles;
+  for (int64_t p = 0; p < q.num_panels; ++p) {
+    panel.unpack(type, q.data + p * q.num_records * q.record_bytes, q.num_records);
+    for (int64_t m0 = 0; m0 < M; m0 += 16) {
+      tiles.tile(a, m0, panel, acc);
+      store_tile(acc, std::min<int64_t>(16, M - m0), m0, p * kPanel, kPanel, nullptr, out.data_ptr<float>(),
+                 q.num_panels * kPanel, false);
+    }
+  }
   return out;
 }
 

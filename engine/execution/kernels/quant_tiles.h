@@ -37,6 +37,7 @@
 
 #include <cstdint>
 #include <type_traits>
+#include <vector>
 
 namespace minivllm {
 
@@ -124,6 +125,11 @@ struct QuantActs {
   const int8_t* q;
   const BlockActs* blocks;
   int64_t K, num_blocks;
+  // For the AMX tiles (else nullptr): each 16-row tile's block scales and scaled sums as
+  // [ceil(M / 16), num_blocks, 16] float32, so that a block's 16 rows are one line, each row a
+  // broadcast at a fixed offset (no 16 row pointers for the tile to keep).
+  const float* tile_scales = nullptr;
+  const float* tile_sums = nullptr;
 };
 
 // x [M, K] rows ldx apart -> q [M, K], blocks [M, K / 32]: scale = max |x| / 127 a block and q = x *
@@ -179,5 +185,33 @@ void quant_tile_vnni(int64_t type, int64_t rows, const QuantActs& a, int64_t m0,
 void quant_tile_vnni_unpack(bool gfni, int64_t type, int64_t rows, const QuantActs& a, int64_t m0,
                             const uint8_t* panel, int64_t num_records, float* acc, int64_t num_panels,
                             int64_t panel_stride);
+
+// AMX-INT8 (quant_tiles_amx.cpp): the 32-k block types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4) on
+// a CPU with AMX-INT8 whose tiles the process may use. The outputs are the VNNI tile's, bit for bit.
+bool can_run_quant_amx(int64_t type);
+
+// One panel unpacked for the tile unit: codes [num_blocks, 8, 64] int8 (block b's B operand: the
+// codes less the type's offset), scales and minimums [num_blocks, 16] float32. Kept a thread, grown.
+struct QuantAmxPanel {
+  int64_t type = 0, num_blocks = 0;
+  int8_t* codes = nullptr;  // 64-byte aligned, in storage: a tile row across two cache lines loads slower
+  std::vector<float> scales, mins;
+  void unpack(int64_t panel_type, const uint8_t* panel, int64_t num_records);
+
+ private:
+  std::vector<int8_t> storage;
+};
+
+// The tiles configured for the quantized products while it lives (released after). tile: acc [16,
+// 16] = rows [m0, m0 + 16) of a . the panel; a's buffers must hold those rows (pad rows past M
+// give outputs no one stores), a.q 64-byte aligned (as the panel's codes, for the same reason).
+class QuantAmxTiles {
+ public:
+  QuantAmxTiles();
+  ~QuantAmxTiles();
+  QuantAmxTiles(const QuantAmxTiles&) = delete;
+  QuantAmxTiles& operator=(const QuantAmxTiles&) = delete;
+  void tile(const QuantActs& a, int64_t m0, const QuantAmxPanel& p, float* acc) const;
+};
 
 }  // namespace minivllm

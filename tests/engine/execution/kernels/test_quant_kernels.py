@@ -107,6 +107,52 @@ def test_quant_linear_paths_agree_with_each_other(kernels) -> None:
             torch.testing.assert_close(weight.linear(x, kernels, isa), scalar, rtol=1e-5, atol=1e-5)
 
 
+AMX_TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.MXFP4)
+
+
+def skip_without_amx_int8(kernels, quant_type: T) -> None:
+    if not kernels.can_run_quant_amx(int(quant_type)):
+        pytest.skip("this CPU has no AMX-INT8 tiles (or the process may not use them): the AMX path is not run here")
+
+
+@pytest.mark.parametrize("quant_type", AMX_TYPES, ids=lambda t: t.name)
+# M: one tile, a ragged second tile, several row blocks of 256 with a ragged end; K: 1, 3 (odd:
+# the tile's last block on its own) and 64 blocks; N: a ragged last panel.
+@pytest.mark.parametrize("shape", [(16, 32, 16), (17, 96, 37), (300, 2048, 40), (600, 160, 984)],
+                         ids=lambda s: "M{}-K{}-N{}".format(*s))
+def test_amx_int8_tiles_give_the_vnni_tiles_outputs_bit_for_bit(kernels, quant_type: T,
+                                                               shape: tuple[int, int, int]) -> None:
+    """The AMX tiles' int32 dots are the VNNI tiles' integer sums, scaled by the same float
+    operations in the same order: equal outputs, through the AMX tiles alone and through the
+    product that routes many rows to them."""
+    skip_without_amx_int8(kernels, quant_type)
+    m, k, n = shape
+    rng = np.random.default_rng(m + k + n + int(quant_type))
+    blocks = random_blocks(quant_type, n, k, rng)
+    bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
+    weight = QuantizedWeight.pack(blocks, quant_type, k, bias)
+    x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+    vnni = weight.linear(x, kernels, ISAS["avx512"])
+    tiles = kernels.quant_tiles_amx(x, weight.data, int(quant_type))[:, :n] + bias
+    assert torch.equal(tiles, vnni)
+    assert torch.equal(weight.linear(x, kernels, ISAS["amx"]), vnni)
+    exact = quantized_rows(x.numpy()) @ weight.dequantize().double().numpy().T + bias.double().numpy()
+    assert np.abs(tiles.double().numpy() - exact).max() < 1e-4 * np.abs(exact).max()
+
+
+def test_amx_int8_tiles_fail_for_a_mutated_weight(kernels) -> None:
+    """The check above can fail: one code of one block changed changes the tiles' outputs."""
+    skip_without_amx_int8(kernels, T.Q4_0)
+    rng = np.random.default_rng(3)
+    blocks = random_blocks(T.Q4_0, 16, 96, rng)
+    x = torch.from_numpy(rng.standard_normal((16, 96)).astype(np.float32))
+    clean = kernels.quant_tiles_amx(x, QuantizedWeight.pack(blocks, T.Q4_0, 96).data, int(T.Q4_0))
+    blocks.reshape(16, -1)[5, 2 * 18 + 4] ^= 0x01  # row 5, third block, code 2 (k = 66)
+    mutated = kernels.quant_tiles_amx(x, QuantizedWeight.pack(blocks, T.Q4_0, 96).data, int(T.Q4_0))
+    changed = (mutated != clean).any(dim=0)
+    assert changed[5] and int(changed.sum()) == 1
+
+
 def test_bad_weights_are_refused(kernels) -> None:
     rng = np.random.default_rng(3)
     blocks = random_blocks(T.Q4_0, 20, 64, rng)
