@@ -186,16 +186,19 @@ void quant_tile_vnni_unpack(bool gfni, int64_t type, int64_t rows, const QuantAc
                             const uint8_t* panel, int64_t num_records, float* acc, int64_t num_panels,
                             int64_t panel_stride);
 
-// AMX-INT8 (quant_tiles_amx.cpp): the 32-k block types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4) on
-// a CPU with AMX-INT8 whose tiles the process may use. The outputs are the VNNI tile's, bit for bit.
+// AMX-INT8 (quant_tiles_amx.cpp): the 32-k block types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4) and
+// Q4_K, Q5_K on a CPU with AMX-INT8 whose tiles the process may use. The outputs are the VNNI
+// tile's, bit for bit. Q6_K stays on VNNI.
 bool can_run_quant_amx(int64_t type);
 
 // One panel unpacked for the tile unit: codes [num_blocks, 8, 64] int8 (block b's B operand: the
-// codes less the type's offset), scales and minimums [num_blocks, 16] float32. Kept a thread, grown.
+// codes less the type's offset), scales and minimums [num_blocks, 16] float32 (Q4_K, Q5_K: d and
+// dmin [records, 16], and each block's 6-bit scale and minimum as floats in sub_scales, sub_mins
+// [num_blocks, 16]). Kept a thread, grown.
 struct QuantAmxPanel {
   int64_t type = 0, num_blocks = 0;
   int8_t* codes = nullptr;  // 64-byte aligned, in storage: a tile row across two cache lines loads slower
-  std::vector<float> scales, mins;
+  std::vector<float> scales, mins, sub_scales, sub_mins;
   void unpack(int64_t panel_type, const uint8_t* panel, int64_t num_records);
 
  private:

@@ -42,7 +42,8 @@ bool cpu_has_amx_int8() {
 }
 
 constexpr bool has_amx_tile(int64_t type) {
-  return type == kQ4_0 || type == kQ4_1 || type == kQ5_0 || type == kQ5_1 || type == kQ8_0 || type == kMXFP4;
+  return type == kQ4_0 || type == kQ4_1 || type == kQ5_0 || type == kQ5_1 || type == kQ8_0 || type == kMXFP4 ||
+         has_sub_block_min(type);
 }
 
 MINIVLLM_AMX_INT8_INLINE void store_codes(int8_t* out, int64_t row, __m512i v) {
@@ -77,6 +78,28 @@ MINIVLLM_AMX_INT8_INLINE void unpack_codes(const uint8_t* c, int8_t* out) {
         if constexpr (T == kQ5_0) v = _mm512_sub_epi8(v, _mm512_set1_epi8(16));
       }
       store_codes(out, row, v);
+    }
+  }
+}
+
+// Q4_K / Q5_K: each record's d and dmin (scales, mins [num_records, 16]), its 8 blocks' 6-bit
+// scales and minimums as floats (sub_scales, sub_mins [num_blocks, 16]: exact), their codes as
+// Q4_1's / Q5_1's (unsigned, no offset).
+template <int64_t T>
+MINIVLLM_AMX_INT8 void unpack_k_panel(const uint8_t* panel, int64_t num_records, int8_t* codes, float* scales,
+                                      float* mins, float* sub_scales, float* sub_mins) {
+  constexpr QuantFormat f = quant_format(T);
+  constexpr int64_t kCodes = T == kQ4_K ? kQ4_1 : kQ5_1;
+  for (int64_t rec = 0; rec < num_records; ++rec, panel += f.record_bytes()) {
+    _mm512_storeu_ps(scales + 16 * rec, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel))));
+    _mm512_storeu_ps(mins + 16 * rec, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + 32))));
+    for (int64_t j = 0; j < f.blocks_per_record; ++j) {
+      const int64_t b = rec * f.blocks_per_record + j;
+      for (int64_t r = 0; r < 16; ++r) {
+        sub_scales[16 * b + r] = static_cast<float>(sub_block_scale(panel, j, r, false));
+        sub_mins[16 * b + r] = static_cast<float>(sub_block_scale(panel, j, r, true));
+      }
+      unpack_codes<kCodes>(panel + f.header_bytes + j * f.block_bytes, codes + kBlockCodes * b);
     }
   }
 }
@@ -177,6 +200,56 @@ MINIVLLM_AMX_INT8 void tile16(const QuantActs& a, int64_t m0, const int8_t* code
   for (int r = 0; r < 16; ++r) _mm512_storeu_ps(out + 16 * r, acc[r]);
 }
 
+// Q4_K / Q5_K: block b's sums times its 6-bit scale into acc_scaled, as the VNNI tile's
+// cvt(sum * sc) (float(sum) * sc is that product exactly: below 2^24), times the row's scale.
+MINIVLLM_AMX_INT8_INLINE void scale_k_block(const int32_t* c, const float* sub_scales, const float* xs, int64_t b,
+                                            __m512* acc_scaled) {
+  const __m512 sc = _mm512_loadu_ps(sub_scales + 16 * b);
+  xs += 16 * b;
+#pragma GCC unroll 16
+  for (int r = 0; r < 16; ++r)
+    acc_scaled[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * r)), sc),
+                                    _mm512_set1_ps(xs[r]), acc_scaled[r]);
+}
+
+// A K-quant panel's tile: per record its 8 blocks' scaled sums, then the record's minimums
+// (each block's 6-bit minimum times the row's scaled sum), and acc = fnmadd(dmin, minimums,
+// fma(d, scaled sums, acc)): the VNNI tile's sub_block_record, operation for operation.
+template <int64_t T>
+MINIVLLM_AMX_INT8 void tile16_k(const QuantActs& a, int64_t m0, const QuantAmxPanel& p, float* out) {
+  constexpr int64_t kPerRecord = quant_format(T).blocks_per_record;
+  const int8_t* xq = a.q + m0 * a.K;
+  const int8_t* codes = p.codes;
+  const int64_t nb = a.num_blocks;
+  const float* xs = a.tile_scales + m0 * nb;
+  const float* xsum = a.tile_sums + m0 * nb;
+  alignas(64) int32_t c[2][256];
+#pragma GCC unroll 16
+  for (int r = 0; r < 16; ++r) _mm512_storeu_ps(out + 16 * r, _mm512_setzero_ps());
+  for (int64_t rec = 0; rec < nb / kPerRecord; ++rec) {
+    __m512 acc_scaled[16];
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; ++r) acc_scaled[r] = _mm512_setzero_ps();
+    const int64_t b0 = rec * kPerRecord;
+    block_dots<0>(xq, a.K, codes, b0, c[0]);
+    for (int64_t j = 1; j < kPerRecord; j += 2) {  // kPerRecord is even
+      block_dots<1>(xq, a.K, codes, b0 + j, c[1]);
+      scale_k_block(c[0], p.sub_scales.data(), xs, b0 + j - 1, acc_scaled);
+      if (j + 1 < kPerRecord) block_dots<0>(xq, a.K, codes, b0 + j + 1, c[0]);
+      scale_k_block(c[1], p.sub_scales.data(), xs, b0 + j, acc_scaled);
+    }
+    const __m512 d = _mm512_loadu_ps(p.scales.data() + 16 * rec), dmin = _mm512_loadu_ps(p.mins.data() + 16 * rec);
+    for (int r = 0; r < 16; ++r) {
+      __m512 acc_min = _mm512_setzero_ps();
+      for (int64_t j = 0; j < kPerRecord; ++j)
+        acc_min = _mm512_fmadd_ps(_mm512_loadu_ps(p.sub_mins.data() + 16 * (b0 + j)),
+                                  _mm512_set1_ps(xsum[16 * (b0 + j) + r]), acc_min);
+      const __m512 o = _mm512_loadu_ps(out + 16 * r);
+      _mm512_storeu_ps(out + 16 * r, _mm512_fnmadd_ps(dmin, acc_min, _mm512_fmadd_ps(d, acc_scaled[r], o)));
+    }
+  }
+}
+
 MINIVLLM_AMX_INT8 void release_quant_tiles() { _tile_release(); }
 
 }  // namespace
@@ -188,7 +261,7 @@ bool can_run_quant_amx(int64_t type) {
 
 void QuantAmxPanel::unpack(int64_t panel_type, const uint8_t* panel, int64_t num_records) {
   type = panel_type;
-  num_blocks = num_records;  // the AMX types' records are one 32-k block each
+  num_blocks = num_records * quant_format(type).blocks_per_record;
   if (static_cast<int64_t>(storage.size()) < num_blocks * kBlockCodes + 64) storage.resize(num_blocks * kBlockCodes + 64);
   codes = storage.data() + (64 - reinterpret_cast<uintptr_t>(storage.data()) % 64) % 64;
   if (static_cast<int64_t>(scales.size()) < num_blocks * 16) {
@@ -197,7 +270,15 @@ void QuantAmxPanel::unpack(int64_t panel_type, const uint8_t* panel, int64_t num
   }
   with_quant_type(type, [&](auto t) {
     constexpr int64_t T = decltype(t)::value;
-    if constexpr (has_amx_tile(T)) unpack_panel<T>(panel, num_records, codes, scales.data(), mins.data());
+    if constexpr (has_sub_block_min(T)) {
+      if (static_cast<int64_t>(sub_scales.size()) < num_blocks * 16) {
+        sub_scales.resize(num_blocks * 16);
+        sub_mins.resize(num_blocks * 16);
+      }
+      unpack_k_panel<T>(panel, num_records, codes, scales.data(), mins.data(), sub_scales.data(), sub_mins.data());
+    } else if constexpr (has_amx_tile(T)) {
+      unpack_panel<T>(panel, num_records, codes, scales.data(), mins.data());
+    }
   });
 }
 
@@ -207,7 +288,11 @@ QuantAmxTiles::~QuantAmxTiles() { release_quant_tiles(); }
 void QuantAmxTiles::tile(const QuantActs& a, int64_t m0, const QuantAmxPanel& p, float* acc) const {
   with_quant_type(p.type, [&](auto t) {
     constexpr int64_t T = decltype(t)::value;
-    if constexpr (has_amx_tile(T)) tile16<T>(a, m0, p.codes, p.scales.data(), p.mins.data(), acc);
+    if constexpr (has_sub_block_min(T)) {
+      tile16_k<T>(a, m0, p, acc);
+    } else if constexpr (has_amx_tile(T)) {
+      tile16<T>(a, m0, p.codes, p.scales.data(), p.mins.data(), acc);
+    }
   });
 }
 

@@ -107,7 +107,7 @@ def test_quant_linear_paths_agree_with_each_other(kernels) -> None:
             torch.testing.assert_close(weight.linear(x, kernels, isa), scalar, rtol=1e-5, atol=1e-5)
 
 
-AMX_TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.MXFP4)
+AMX_TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.MXFP4, T.Q4_K, T.Q5_K)
 
 
 def skip_without_amx_int8(kernels, quant_type: T) -> None:
@@ -116,8 +116,9 @@ def skip_without_amx_int8(kernels, quant_type: T) -> None:
 
 
 @pytest.mark.parametrize("quant_type", AMX_TYPES, ids=lambda t: t.name)
-# M: one tile, a ragged second tile, several row blocks of 256 with a ragged end; K: 1, 3 (odd:
-# the tile's last block on its own) and 64 blocks; N: a ragged last panel.
+# M: one tile, a ragged second tile, two tasks' rows with a ragged end; K: 1, 3 (odd: the tile's
+# last block on its own) and 64 blocks (the K-quants: 1, 2 and 8 super-blocks); N: a ragged last
+# panel.
 @pytest.mark.parametrize("shape", [(16, 32, 16), (17, 96, 37), (300, 2048, 40), (600, 160, 984)],
                          ids=lambda s: "M{}-K{}-N{}".format(*s))
 def test_amx_int8_tiles_give_the_vnni_tiles_outputs_bit_for_bit(kernels, quant_type: T,
@@ -127,6 +128,8 @@ def test_amx_int8_tiles_give_the_vnni_tiles_outputs_bit_for_bit(kernels, quant_t
     product that routes many rows to them."""
     skip_without_amx_int8(kernels, quant_type)
     m, k, n = shape
+    if block_size(quant_type) == 256:
+        k = {32: 256, 96: 512, 160: 256, 2048: 2048}[k]
     rng = np.random.default_rng(m + k + n + int(quant_type))
     blocks = random_blocks(quant_type, n, k, rng)
     bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
