@@ -22,7 +22,7 @@ namespace {
 constexpr int64_t kPanel = 16;
 constexpr int64_t kBlock = 32;       // activations are quantized per this many k
 constexpr int64_t kRowBlock = 64;    // rows of x a task keeps hot while it walks its panels
-// On AMX-INT8 a task unpacks each of its panels once, for all its rows: more rows a task repay it.
+// On AMX-INT8 a task unpacks each of its panels once, for all its rows: more rows per task repay it.
 constexpr int64_t kAmxRowBlock = 512;
 constexpr int64_t kAmxMinRows = 16;  // fewer rows stay on VNNI, whose tiles take 1 to 4 rows
 constexpr int64_t kTasksPerThread = 4;
@@ -205,7 +205,7 @@ struct ActsBuffer {
     const int64_t padded = (M + 15) / 16 * 16;
     if (static_cast<int64_t>(q.size()) < padded * K + 64) q.resize(padded * K + 64);
     int8_t* q_at = q.data() + (64 - reinterpret_cast<uintptr_t>(q.data()) % 64) % 64;  // as the AMX tile loads it best
-    if (static_cast<int64_t>(blocks.size()) < padded * num_blocks) blocks.resize(padded * num_blocks);
+    if (static_cast<int64_t>(blocks.size()) < M * num_blocks) blocks.resize(M * num_blocks);
     const auto rows = [&](int64_t begin, int64_t end) {
       const auto quantize = isa >= kIsaAvx512 ? quantize_rows_avx512 : quantize_rows;
       quantize(x + begin * ldx, end - begin, K, ldx, q_at + begin * K, blocks.data() + begin * num_blocks);
@@ -229,16 +229,22 @@ inline void store_tile(const float* acc, int64_t rows, int64_t m0, int64_t n0, i
   }
 }
 
+// The thread's unpacked panel, kept between tasks (grown, never shrunk); asked for only on the
+// AMX branch, so decode teams and MoE tasks never set one up.
+QuantAmxPanel& thread_amx_panel() {
+  thread_local QuantAmxPanel panel;
+  return panel;
+}
+
 // One task's rows [m_begin, m_end) against panels [p_begin, p_end) of the parts' run (a part's
 // panels follow the part before's: panel p holds outputs [16 p, 16 p + 16) whichever part it is in).
-// amx: rows of a product that runs its 32-k block types on AMX-INT8 (quant_gemm decides).
+// amx: rows of a product that runs its AMX types (can_run_quant_amx) on AMX-INT8 (quant_gemm decides).
 void run_task(const QuantActs& a, const QuantPanels* parts, int64_t isa, const float* bias, int64_t N, float* out,
               int64_t ldo, bool accumulate, int64_t m_begin, int64_t m_end, int64_t p_begin, int64_t p_end,
               bool amx = false) {
   static_assert(kMaxQuantTilePanels * kMaxQuantTileRows >= 16, "acc holds an AMX tile's 16 rows");
   alignas(64) float acc[kMaxQuantTilePanels * kMaxQuantTileRows * kPanel];
-  thread_local QuantAmxPanel amx_panel_kept;
-  QuantAmxPanel& amx_panel = amx_panel_kept;  // one TLS lookup a task, not one a use
+  QuantAmxPanel* amx_panel = nullptr;  // looked up at the task's first AMX panel, once
   std::optional<QuantAmxTiles> amx_tiles;  // configured at the task's first AMX panel
   const auto store = [&](const float* tile, int64_t rows, int64_t m0, int64_t p) {
     store_tile(tile, rows, m0, p * kPanel, std::min(kPanel, N - p * kPanel), bias, out, ldo, accumulate);
@@ -255,10 +261,13 @@ void run_task(const QuantActs& a, const QuantPanels* parts, int64_t isa, const f
     // neighbouring panels would restart G - 1 streams every group: slower from memory).
     const int64_t rows = m_end - m_begin;
     if (amx && can_run_quant_amx(w->type)) {
-      if (!amx_tiles) amx_tiles.emplace();
-      amx_panel.unpack(w->type, panel, w->num_records);
+      if (!amx_tiles) {
+        amx_tiles.emplace();
+        amx_panel = &thread_amx_panel();
+      }
+      amx_panel->unpack(w->type, panel, w->num_records);
       for (int64_t m0 = m_begin; m0 < m_end; m0 += 16) {
-        amx_tiles->tile(a, m0, amx_panel, acc);
+        amx_tiles->tile(a, m0, *amx_panel, acc);
         store(acc, std::min<int64_t>(16, m_end - m0), m0, p);
       }
       ++p;

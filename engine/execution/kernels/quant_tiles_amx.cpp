@@ -2,8 +2,8 @@
 // multiplies 16 rows x 32 k of int8 activations by 32 k x 16 outputs of int8 weights into a 16 x 16
 // int32 tile in one instruction, 8,192 multiply-adds where vpdpbusd does 64.
 //
-// The 32-k block types' records (quant_tiles.h) already hold their codes as the tile unit reads a
-// B operand: group t, byte r * 4 + i is row r's code of k = 4t + i, and a B tile's row t holds
+// The 32-k block types' records, and each 32-k block of a Q4_K or Q5_K super-block (quant_tiles.h),
+// already hold their codes as the tile unit reads a B operand: group t, byte r * 4 + i is row r's code of k = 4t + i, and a B tile's row t holds
 // output r's k = 4t + i at the same byte. So a panel is unpacked once a task, each block's codes to
 // 512 signed bytes (the code minus the type's offset: the file's value, not a code the activations'
 // sums must correct), and its scales to floats; every 16-row tile of the task's rows then reads
@@ -218,6 +218,7 @@ MINIVLLM_AMX_INT8_INLINE void scale_k_block(const int32_t* c, const float* sub_s
 template <int64_t T>
 MINIVLLM_AMX_INT8 void tile16_k(const QuantActs& a, int64_t m0, const QuantAmxPanel& p, float* out) {
   constexpr int64_t kPerRecord = quant_format(T).blocks_per_record;
+  static_assert(kPerRecord % 2 == 0, "the two tile sets alternate over a record's blocks");
   const int8_t* xq = a.q + m0 * a.K;
   const int8_t* codes = p.codes;
   const int64_t nb = a.num_blocks;
@@ -232,7 +233,7 @@ MINIVLLM_AMX_INT8 void tile16_k(const QuantActs& a, int64_t m0, const QuantAmxPa
     for (int r = 0; r < 16; ++r) acc_scaled[r] = _mm512_setzero_ps();
     const int64_t b0 = rec * kPerRecord;
     block_dots<0>(xq, a.K, codes, b0, c[0]);
-    for (int64_t j = 1; j < kPerRecord; j += 2) {  // kPerRecord is even
+    for (int64_t j = 1; j < kPerRecord; j += 2) {
       block_dots<1>(xq, a.K, codes, b0 + j, c[1]);
       scale_k_block(c[0], p.sub_scales.data(), xs, b0 + j - 1, acc_scaled);
       if (j + 1 < kPerRecord) block_dots<0>(xq, a.K, codes, b0 + j + 1, c[0]);
