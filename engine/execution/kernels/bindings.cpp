@@ -4,6 +4,7 @@
 // process's asyncio loop then streams the previous step's tokens while the engine thread is in
 // a forward, instead of waiting for it to return.
 #include "cpu_kernels.h"
+#include "quant_tiles.h"
 
 namespace py = pybind11;
 

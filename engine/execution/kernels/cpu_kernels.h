@@ -295,7 +295,6 @@ torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& w, int64
 // Tests: x [M, K] by the AMX-INT8 tiles alone over every panel of w -> [M, 16 * panels] float32
 // (no bias); refused where the CPU or the type has none (can_run_quant_amx).
 torch::Tensor quant_tiles_amx(const torch::Tensor& x, const torch::Tensor& w, int64_t type);
-bool can_run_quant_amx(int64_t type);
 // out[i, :k] = row ids[i] of checked quantized panels of k inputs (each id < the panels' rows), as
 // the gguf package dequantizes it: an embedding's lookup (quant_rows, DecodeModel's step).
 void quant_gather_rows(const QuantPanels& w, const int64_t* ids, int64_t L, int64_t k, float* out);

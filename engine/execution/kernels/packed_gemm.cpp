@@ -761,7 +761,7 @@ void gemm_amx_rounded(const uint16_t* xb, int64_t M, const at::BFloat16* w, int6
       const int64_t n0 = p * kPanel, width = (pair ? 2 : 1) * kPanel;
       const bool direct = bias == nullptr && n0 + width <= N;
       for (int64_t m0 = m_block; m0 < m_end; m0 += 32) {
-        const int64_t rows = std::min<int64_t>(32, m_end - m0), rows1 = std::max<int64_t>(0, rows - 16);
+        const int64_t rows = std::min<int64_t>(32, m_end - m0);
         shape.fit(rows);
         const uint16_t* xm = xb + m0 * Kp;
         float* c0 = direct ? out + m0 * ldo + n0 : acc;
@@ -769,7 +769,7 @@ void gemm_amx_rounded(const uint16_t* xb, int64_t M, const at::BFloat16* w, int6
         const int64_t ldc = direct ? ldo : kPanel;
         const bool load_c = direct && accumulate;
         const bool first = m0 == m_block;
-        if (rows1 > 0) {
+        if (rows > 16) {
           pair ? tile_amx<2, 2>(xm, Kp, panel, panel + panel_size, Kp, c0, c1, ldc, load_c, first)
                : tile_amx<2, 1>(xm, Kp, panel, panel, Kp, c0, c1, ldc, load_c, first);
         } else {

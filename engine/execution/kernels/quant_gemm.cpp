@@ -437,18 +437,10 @@ torch::Tensor quant_tiles_amx(const torch::Tensor& x, const torch::Tensor& w, in
   const auto xf = x.to(torch::kFloat32).contiguous();
   ActsBuffer acts;
   const QuantActs a = acts.with_tiles(acts.quantize(xf.data_ptr<float>(), M, K, K, kIsaAvx512, false), M);
-  auto out = torch::empty({M, q.num_panels * kPanel}, xf.options());
-  alignas(64) float acc[16 * kPanel];
-  QuantAmxPanel panel;
-  const QuantAmxTiles tiles;
-  for (int64_t p = 0; p < q.num_panels; ++p) {
-    panel.unpack(type, q.data + p * q.num_records * q.record_bytes, q.num_records);
-    for (int64_t m0 = 0; m0 < M; m0 += 16) {
-      tiles.tile(a, m0, panel, acc);
-      store_tile(acc, std::min<int64_t>(16, M - m0), m0, p * kPanel, kPanel, nullptr, out.data_ptr<float>(),
-                 q.num_panels * kPanel, false);
-    }
-  }
+  const int64_t N = q.num_panels * kPanel;
+  auto out = torch::empty({M, N}, xf.options());
+  // The product's own AMX branch on one thread, every row whatever M (quant_gemm needs 16)
+  run_task(a, &q, kIsaAmx, nullptr, N, out.data_ptr<float>(), N, false, 0, M, 0, q.num_panels, true);
   return out;
 }
 

@@ -159,57 +159,65 @@ MINIVLLM_AMX_INT8_INLINE void block_dots(const int8_t* xq, int64_t K, const int8
   }
 }
 
-// acc[r] += float(c[r]) * (d * x.scale) (+ minimum * x.scaled_sum): the VNNI tile's operations.
-// xs, xsum: the tile's [num_blocks, 16] activation scales and scaled sums.
-template <int64_t T>
-MINIVLLM_AMX_INT8_INLINE void scale_block(const int32_t* c, const float* scales, const float* mins,
-                                          const float* xs, const float* xsum, int64_t b, __m512* acc) {
-  const __m512 d = _mm512_loadu_ps(scales + 16 * b);
-  __m512 dm = _mm512_setzero_ps();
-  if constexpr (has_block_min(T)) dm = _mm512_loadu_ps(mins + 16 * b);
-  xs += 16 * b;
-  xsum += 16 * b;
-#pragma GCC unroll 16
-  for (int r = 0; r < 16; ++r) {
-    const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(xs[r]));
-    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * r)), scale, acc[r]);
-    if constexpr (has_block_min(T)) acc[r] = _mm512_fmadd_ps(dm, _mm512_set1_ps(xsum[r]), acc[r]);
+// Blocks [b0, b1) of a 16-row tile through the two tile sets alternately, block b + 1's tile steps
+// issued before block b is scaled: scale(c, b) gets each block's 16 x 16 int32 dots, in order.
+template <typename Scale>
+MINIVLLM_AMX_INT8_INLINE void dots_in_order(const int8_t* xq, int64_t K, const int8_t* codes, int64_t b0, int64_t b1,
+                                            Scale& scale) {
+  alignas(64) int32_t c[2][256];
+  block_dots<0>(xq, K, codes, b0, c[0]);
+  for (int64_t b = b0 + 1; b < b1; b += 2) {
+    block_dots<1>(xq, K, codes, b, c[1]);
+    scale(c[0], b - 1);
+    if (b + 1 < b1) block_dots<0>(xq, K, codes, b + 1, c[0]);
+    scale(c[1], b);
   }
+  if ((b1 - b0) % 2 == 1) scale(c[0], b1 - 1);
 }
 
+// The 32-k block types: acc[r] += float(c[r]) * (d * x.scale) (+ minimum * x.scaled_sum), the VNNI
+// tile's operations. xs, xsum: the tile's [num_blocks, 16] activation scales and scaled sums.
 template <int64_t T>
-MINIVLLM_AMX_INT8 void tile16(const QuantActs& a, int64_t m0, const int8_t* codes, const float* scales,
-                              const float* mins, float* out) {
-  const int8_t* xq = a.q + m0 * a.K;
-  const int64_t nb = a.num_blocks;
-  const float* xs = a.tile_scales + m0 * nb;  // m0: a multiple of 16
-  const float* xsum = a.tile_sums + m0 * nb;
-  alignas(64) int32_t c[2][256];
-  __m512 acc[16];
+struct BlockScaling {
+  const float *scales, *mins, *xs, *xsum;
+  __m512* acc;
+  MINIVLLM_AMX_INT8_INLINE void operator()(const int32_t* c, int64_t b) {
+    const __m512 d = _mm512_loadu_ps(scales + 16 * b);
+    __m512 dm = _mm512_setzero_ps();
+    if constexpr (has_block_min(T)) dm = _mm512_loadu_ps(mins + 16 * b);
 #pragma GCC unroll 16
-  for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
-  block_dots<0>(xq, a.K, codes, 0, c[0]);
-  for (int64_t b = 1; b < nb; b += 2) {
-    block_dots<1>(xq, a.K, codes, b, c[1]);
-    scale_block<T>(c[0], scales, mins, xs, xsum, b - 1, acc);
-    if (b + 1 < nb) block_dots<0>(xq, a.K, codes, b + 1, c[0]);
-    scale_block<T>(c[1], scales, mins, xs, xsum, b, acc);
+    for (int r = 0; r < 16; ++r) {
+      const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(xs[16 * b + r]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * r)), scale, acc[r]);
+      if constexpr (has_block_min(T)) acc[r] = _mm512_fmadd_ps(dm, _mm512_set1_ps(xsum[16 * b + r]), acc[r]);
+    }
   }
-  if (nb % 2 == 1) scale_block<T>(c[0], scales, mins, xs, xsum, nb - 1, acc);
-#pragma GCC unroll 16
-  for (int r = 0; r < 16; ++r) _mm512_storeu_ps(out + 16 * r, acc[r]);
-}
+};
 
 // Q4_K / Q5_K: block b's sums times its 6-bit scale into acc_scaled, as the VNNI tile's
 // cvt(sum * sc) (float(sum) * sc is that product exactly: below 2^24), times the row's scale.
-MINIVLLM_AMX_INT8_INLINE void scale_k_block(const int32_t* c, const float* sub_scales, const float* xs, int64_t b,
-                                            __m512* acc_scaled) {
-  const __m512 sc = _mm512_loadu_ps(sub_scales + 16 * b);
-  xs += 16 * b;
+struct SubBlockScaling {
+  const float *sub_scales, *xs;
+  __m512* acc_scaled;
+  MINIVLLM_AMX_INT8_INLINE void operator()(const int32_t* c, int64_t b) {
+    const __m512 sc = _mm512_loadu_ps(sub_scales + 16 * b);
 #pragma GCC unroll 16
-  for (int r = 0; r < 16; ++r)
-    acc_scaled[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * r)), sc),
-                                    _mm512_set1_ps(xs[r]), acc_scaled[r]);
+    for (int r = 0; r < 16; ++r)
+      acc_scaled[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * r)), sc),
+                                      _mm512_set1_ps(xs[16 * b + r]), acc_scaled[r]);
+  }
+};
+
+template <int64_t T>
+MINIVLLM_AMX_INT8 void tile16(const QuantActs& a, int64_t m0, const QuantAmxPanel& p, float* out) {
+  const int64_t nb = a.num_blocks;  // m0: a multiple of 16, so the tile's scales start at m0 * nb
+  __m512 acc[16];
+#pragma GCC unroll 16
+  for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+  BlockScaling<T> scale{p.scales.data(), p.mins.data(), a.tile_scales + m0 * nb, a.tile_sums + m0 * nb, acc};
+  dots_in_order(a.q + m0 * a.K, a.K, p.codes, 0, nb, scale);
+#pragma GCC unroll 16
+  for (int r = 0; r < 16; ++r) _mm512_storeu_ps(out + 16 * r, acc[r]);
 }
 
 // A K-quant panel's tile: per record its 8 blocks' scaled sums, then the record's minimums
@@ -218,13 +226,8 @@ MINIVLLM_AMX_INT8_INLINE void scale_k_block(const int32_t* c, const float* sub_s
 template <int64_t T>
 MINIVLLM_AMX_INT8 void tile16_k(const QuantActs& a, int64_t m0, const QuantAmxPanel& p, float* out) {
   constexpr int64_t kPerRecord = quant_format(T).blocks_per_record;
-  static_assert(kPerRecord % 2 == 0, "the two tile sets alternate over a record's blocks");
-  const int8_t* xq = a.q + m0 * a.K;
-  const int8_t* codes = p.codes;
   const int64_t nb = a.num_blocks;
-  const float* xs = a.tile_scales + m0 * nb;
   const float* xsum = a.tile_sums + m0 * nb;
-  alignas(64) int32_t c[2][256];
 #pragma GCC unroll 16
   for (int r = 0; r < 16; ++r) _mm512_storeu_ps(out + 16 * r, _mm512_setzero_ps());
   for (int64_t rec = 0; rec < nb / kPerRecord; ++rec) {
@@ -232,13 +235,8 @@ MINIVLLM_AMX_INT8 void tile16_k(const QuantActs& a, int64_t m0, const QuantAmxPa
 #pragma GCC unroll 16
     for (int r = 0; r < 16; ++r) acc_scaled[r] = _mm512_setzero_ps();
     const int64_t b0 = rec * kPerRecord;
-    block_dots<0>(xq, a.K, codes, b0, c[0]);
-    for (int64_t j = 1; j < kPerRecord; j += 2) {
-      block_dots<1>(xq, a.K, codes, b0 + j, c[1]);
-      scale_k_block(c[0], p.sub_scales.data(), xs, b0 + j - 1, acc_scaled);
-      if (j + 1 < kPerRecord) block_dots<0>(xq, a.K, codes, b0 + j + 1, c[0]);
-      scale_k_block(c[1], p.sub_scales.data(), xs, b0 + j, acc_scaled);
-    }
+    SubBlockScaling scale{p.sub_scales.data(), a.tile_scales + m0 * nb, acc_scaled};
+    dots_in_order(a.q + m0 * a.K, a.K, p.codes, b0, b0 + kPerRecord, scale);
     const __m512 d = _mm512_loadu_ps(p.scales.data() + 16 * rec), dmin = _mm512_loadu_ps(p.mins.data() + 16 * rec);
     for (int r = 0; r < 16; ++r) {
       __m512 acc_min = _mm512_setzero_ps();
@@ -292,7 +290,7 @@ void QuantAmxTiles::tile(const QuantActs& a, int64_t m0, const QuantAmxPanel& p,
     if constexpr (has_sub_block_min(T)) {
       tile16_k<T>(a, m0, p, acc);
     } else if constexpr (has_amx_tile(T)) {
-      tile16<T>(a, m0, p.codes, p.scales.data(), p.mins.data(), acc);
+      tile16<T>(a, m0, p, acc);
     }
   });
 }
