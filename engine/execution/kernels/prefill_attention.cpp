@@ -956,7 +956,7 @@ void attend_chunk(const float* q, int64_t num_tokens, int64_t num_heads, const R
 #if defined(MINIVLLM_HAS_AMX)
   if constexpr (std::is_same_v<E, Bf16Pair>) {
     if (is_amx) {
-      // Tasks of up to kAmxTilesPerTask tiles of 16 rows per KV head, the later (longer) first.
+      // Tasks of up to kAmxTilesPerTask tiles of 16 rows per KV head, head by head, each head's later (longer) first.
       const int64_t num_rows = num_tokens * group, rows_per_task = kAmxRows * kAmxTilesPerTask;
       const int64_t tasks_per_head = (num_rows + rows_per_task - 1) / rows_per_task;
       const int64_t num_tasks = num_kv_heads * tasks_per_head;
