@@ -108,13 +108,14 @@ _FAMILIES = {"qwen3-0.6b": (build_qwen3_embedder, 28, 1024, 4096), "bge-small": 
 
 
 def passages(tokenizer: object, num: int, min_tokens: int, max_tokens: int, seed: int) -> list[str]:
-    """Texts of min..max tokens each (by the model's tokenizer), words drawn at random."""
+    """Texts of min..max tokens each (by the model's tokenizer, its special tokens counted: a BERT
+    model's 512 positions hold [CLS] and [SEP] too), words drawn at random."""
     rng = random.Random(seed)
     texts = []
     for _ in range(num):
         target = rng.randint(min_tokens, max_tokens)
         words = rng.choices(_WORDS, k=target)
-        while len(tokenizer.encode(" ".join(words), add_special_tokens=False)) > target:
+        while len(tokenizer.encode(" ".join(words))) > target:
             words = words[: int(len(words) * 0.9)]
         texts.append(" ".join(words))
     return texts
