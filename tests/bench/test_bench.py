@@ -90,12 +90,15 @@ def test_short_benchmark_run_writes_json_and_plots(tiny_model_dir: Path, tmp_pat
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
         stats = result[key]
         assert set(stats) == {"mean", "median", "p90", "p99"}
-        assert stats["p99"] >= stats["median"] and stats["mean"] > 0, (key, stats)
+        assert stats["p99"] >= stats["median"] >= 0, (key, stats)
         # The tiny model's steps take well under a millisecond, so a stream's tokens often arrive
         # several to a message (its backlog, merged), and those share one arrival time: most
-        # inter-token gaps are then 0 and the ITL median may be too (its mean, above, may not).
-        if key != "itl_ms":
-            assert stats["median"] > 0, (key, stats)
+        # inter-token gaps are then 0, and in a fast run all of them (a make test run saw mean, median and p99
+        # all 0). A gap still lies inside its request.
+        if key == "itl_ms":
+            assert stats["p99"] <= result["e2el_ms"]["p99"], (stats, result["e2el_ms"])
+        else:
+            assert stats["mean"] > 0 and stats["median"] > 0, (key, stats)
     assert result["goodput"] == pytest.approx(result["request_throughput"])
     for name in ("latency_cdf.png", "throughput.png", "ttft_vs_prompt_len.png"):
         data = (tmp_path / name).read_bytes()
