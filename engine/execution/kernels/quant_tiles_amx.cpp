@@ -2,9 +2,10 @@
 // multiplies 16 rows x 32 k of int8 activations by 32 k x 16 outputs of int8 weights into a 16 x 16
 // int32 tile in one instruction, 8,192 multiply-adds where vpdpbusd does 64.
 //
-// The 32-k block types' records, and each 32-k block of a Q4_K or Q5_K super-block (quant_tiles.h),
-// already hold their codes as the tile unit reads a B operand: group t, byte r * 4 + i is row r's code of k = 4t + i, and a B tile's row t holds
-// output r's k = 4t + i at the same byte. So a panel is unpacked once a task, each block's codes to
+// The 32-k block types' records, and each 32-k block of a Q4_K or Q5_K super-block
+// (quant_tiles.h), already hold their codes as the tile unit reads a B operand: group t, byte
+// r * 4 + i is row r's code of k = 4t + i, and a B tile's row t holds output r's k = 4t + i at the
+// same byte. So a panel is unpacked once a task, each block's codes to
 // 512 signed bytes (the code minus the type's offset: the file's value, not a code the activations'
 // sums must correct), and its scales to floats; every 16-row tile of the task's rows then reads
 // them from L2.
