@@ -8,10 +8,11 @@ Sections (each one's result, or its error, lands in the JSON as it ends):
 - greedy: the engine on CUDA against transformers on CUDA for the test prompts: float32 token for
   token (prompts equal, of all), bfloat16 by the mean common prefix (the CPU's bf16 criterion).
 - offline: the 32-prompt workload (16-256 prompt tokens, 128 output tokens each) through the
-  engine and through transformers' generate() in one static batch, output tokens/s.
-- batch1: one stream, 128 tokens after a 100-token prompt, CUDA graphs on and off and
-  transformers; each engine decode step's bytes (weights + KV read) over its time against the
-  device's HBM bandwidth.
+  engine (synchronous and with async scheduling) and through transformers' generate() in one
+  static batch, output tokens/s.
+- batch1: one stream, 128 tokens after a 100-token prompt, CUDA graphs on and off, graphs with
+  async scheduling, and transformers; each engine decode step's bytes (weights + KV read) over
+  its wall time against the device's HBM bandwidth.
 - big (--big): batch 1 and graphs on/off on a random-weight model of Llama-3.2-1B's layers.
 
 --random-weights DIR takes a config.json and tokenizer there and writes random weights of that
@@ -36,6 +37,7 @@ from typing import Any
 
 import torch
 
+from bench.async_scheduling import step_period
 from bench.batch1 import decode_tok_s, weight_bytes_per_token
 from bench.runs import make_prompts, run_minivllm
 from bench.workloads import GREEDY_PROMPTS
@@ -163,27 +165,35 @@ def greedy(model: str, num_tokens: int, device: str) -> dict[str, Any]:
                 ids = hf.generate(torch.tensor([prompt], device=device), max_new_tokens=num_tokens,
                                   min_new_tokens=num_tokens, do_sample=False)
             refs.append(ids[0, len(prompt):].tolist())
-        ours = [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=num_tokens,
-                                                                          ignore_eos=True))]
+        greedy_params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
+        ours = [o.token_ids for o in llm.generate(prompts, greedy_params)]
+        del llm
+        release()
+        overlapped = engine(model, device, dtype=name, async_scheduling=True)
+        ours_async = [o.token_ids for o in overlapped.generate(prompts, greedy_params)]
         prefixes = [next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), len(x))
                     for x, y in zip(ours, refs, strict=True)]
         results[name] = {"prompts_equal": sum(x == y for x, y in zip(ours, refs, strict=True)),
                          "prompts": len(prompts), "common_prefixes": prefixes,
                          "mean_common_prefix": statistics.mean(prefixes), "tokens": num_tokens,
-                         "sample_text": llm.engine.tokenizer.decode(ours[1])}
-        del hf, llm
+                         "async_scheduling_equal": ours_async == ours,
+                         "sample_text": overlapped.engine.tokenizer.decode(ours[1])}
+        del hf, overlapped
         release()
     return results
 
 
 def offline(model: str, device: str, num_prompts: int = 32, output_len: int = 128) -> dict[str, Any]:
-    llm = engine(model, device)
-    prompts = make_prompts(num_prompts, 16, 256, llm.engine.vocab_size, seed=0)
-    run_minivllm(llm, prompts, 4)  # Triton compiles each prefill specialization once: not in the timed run
-    seconds, _ = run_minivllm(llm, prompts, output_len)
-    ours = num_prompts * output_len / seconds
-    del llm
-    release()
+    rates = {}
+    for is_async in (False, True):
+        llm = engine(model, device, async_scheduling=is_async)
+        prompts = make_prompts(num_prompts, 16, 256, llm.engine.vocab_size, seed=0)
+        run_minivllm(llm, prompts, 4)  # Triton compiles each prefill specialization once: not in the timed run
+        seconds, _ = run_minivllm(llm, prompts, output_len)
+        rates[is_async] = num_prompts * output_len / seconds
+        del llm
+        release()
+    ours = rates[False]
     hf = hf_model(model, torch.bfloat16 if device == "cuda" else torch.float32, device)
     pad = hf.generation_config.pad_token_id or 0
     width = max(len(p) for p in prompts)
@@ -201,7 +211,8 @@ def offline(model: str, device: str, num_prompts: int = 32, output_len: int = 12
         theirs = num_prompts * output_len / (time.perf_counter() - start)
     del hf
     release()
-    return {"engine_tok_s": ours, "transformers_tok_s": theirs, "ratio": ours / theirs,
+    return {"engine_tok_s": ours, "engine_async_tok_s": rates[True], "transformers_tok_s": theirs,
+            "ratio": ours / theirs, "async_ratio": rates[True] / theirs,
             "workload": f"{num_prompts} prompts of 16-256 tokens, {output_len} output tokens each, bf16"}
 
 
@@ -215,16 +226,18 @@ def _decode_bytes(llm: LLM, context: int) -> int:
 
 def batch1(model: str, device: str, output_len: int = 128, prompt_len: int = 100) -> dict[str, Any]:
     results: dict[str, Any] = {}
-    prompt = make_prompts(1, prompt_len, prompt_len, 1000, seed=1)
+    prompt: list[list[int]] = []
     name = torch.cuda.get_device_name() if device == "cuda" else ""
     hbm = next((v for k, v in HBM_TB_S.items() if k in name), None)
-    for label, eager in (("graphs", False), ("eager", True)):
-        llm = engine(model, device, enforce_eager=eager, max_num_seqs=4)
+    for label, eager, is_async in (("graphs", False, False), ("graphs_async", False, True), ("eager", True, False)):
+        llm = engine(model, device, enforce_eager=eager, max_num_seqs=4, async_scheduling=is_async)
+        prompt = prompt or make_prompts(1, prompt_len, prompt_len, min(1000, llm.engine.vocab_size), seed=1)
         seconds, steps = run_minivllm(llm, prompt, output_len)
-        # The whole step (host work and the one sync included): an eager step's forward returns
-        # before the GPU is done, so only the step's end says when its reads were.
-        decode = decode_tok_s(steps)  # over the median decode step
-        step = 1 / decode
+        # The whole step by the wall clock, from one decode step's start to the next: an eager
+        # step's forward returns before the GPU is done, and with async scheduling a step's parts
+        # overlap the next one's, so only the steps' starts say the pace.
+        step = step_period(steps) or 1 / decode_tok_s(steps)
+        decode = 1 / step
         step_bytes = _decode_bytes(llm, prompt_len + output_len // 2)
         results[label] = {"tok_s": output_len / seconds, "median_decode_step_ms": 1e3 * step, "decode_tok_s": decode,
                           "step_bytes": step_bytes, "achieved_tb_s": step_bytes / step / 1e12, "hbm_peak_tb_s": hbm}
@@ -240,6 +253,7 @@ def batch1(model: str, device: str, output_len: int = 128, prompt_len: int = 100
         synchronize(device)
     results["transformers_tok_s"] = output_len / (time.perf_counter() - start)
     results["graphs_over_eager"] = results["graphs"]["decode_tok_s"] / results["eager"]["decode_tok_s"]
+    results["async_over_sync"] = results["graphs_async"]["decode_tok_s"] / results["graphs"]["decode_tok_s"]
     del hf
     release()
     return results

@@ -141,6 +141,9 @@ class EngineConfig:
                                            "step_time_ratio x the running batch's decode-only step")
     step_time_ratio: float = _opt(2.0, "auto step-time target as a multiple of the decode-only step (> 1)")
     enable_prefix_caching: bool = _opt(True, "reuse the KV blocks of shared prompt prefixes")
+    async_scheduling: bool = _opt(False, "overlap the host's work with the forward: schedule and stage step n+1 "
+                                         "while step n runs (its outputs are processed a step later; outputs "
+                                         "unchanged); pays where the device, not the host, runs the forward")
     watermark: float = _opt(0.01, "fraction of KV blocks kept free when admitting new prompts")
 
     # Speculative decoding without a draft model: proposals from the request's own tokens (and,
@@ -213,6 +216,10 @@ class EngineConfig:
             raise ValueError(f"max_fused_tokens must be >= 0, got {self.max_fused_tokens}")
         if self.speculative_method not in ("none", "ngram", "suffix"):
             raise ValueError(f"speculative_method must be none, ngram or suffix, got {self.speculative_method!r}")
+        if self.async_scheduling and self.speculative_method != "none":
+            raise ValueError("async_scheduling cannot run with speculative_method "
+                             f"{self.speculative_method!r}: a proposal needs its request's last token on the host "
+                             "before the next step is scheduled")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:

@@ -87,6 +87,8 @@ class LLM:
                     if out.index == 0:
                         out.prompt_logprobs = prompt_logprobs.get(out.request_id, out.prompt_logprobs)
                     finals[out.request_id][out.index] = out
+        while self.engine.num_steps_in_flight:  # (async scheduling) a step that ran past the ends
+            self.engine.step()
         results = []
         for request_id in ids:
             first = finals[request_id][0]

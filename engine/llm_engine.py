@@ -8,14 +8,23 @@
 and the requests a stop string ended go back to the scheduler to finish. This class only
 orchestrates: the scheduler owns request progress, the output processor what a token means for
 the client, the runner the model and its own batch.
+
+With async_scheduling the runner's calls go to one worker thread, in order, and a step returns
+the outputs of the step before the one it scheduled: schedule and submit step n+1, then wait
+for step n and process it while n+1 runs (vLLM v1's async scheduling). The host's scheduling,
+output processing and detokenizing leave the forward's critical path; step n+1 samples only
+once step n is processed (sampling_gate.py), so outputs are those of the synchronous loop.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import gc
 import itertools
 import logging
 import time
+from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +33,7 @@ import torch
 
 from engine.config import EngineConfig, Quantization
 from engine.core.block_manager import BlockManager
+from engine.core.runner_output import RunnerOutput
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import SchedulerOutput
 from engine.core.sequence import Sequence
@@ -38,6 +48,7 @@ from engine.execution.model_runner import ModelRunner
 from engine.execution.models import model_class
 from engine.execution.models.model_config import is_sequence_classifier
 from engine.execution.resolved_config import resolve_config
+from engine.execution.sampling_gate import SamplingGate
 from engine.execution.startup_phases import TOKENIZER, PhaseListener, StartupPhases
 from engine.execution.weights.checkpoint import model_display_name, resolve_model
 from engine.execution.weights.pooling_config import load_pooler_config
@@ -55,6 +66,16 @@ logger = logging.getLogger(__name__)
 SCHEDULING_OPTIONS = frozenset({"max_num_batched_tokens", "max_num_seqs", "max_num_waiting",
                                 "enable_chunked_prefill", "min_prefill_share", "aging_s", "enable_time_budget",
                                 "max_step_ms", "step_time_ratio"})
+
+
+@dataclass(slots=True)
+class InflightStep:
+    """A step submitted to the worker (async scheduling) and not yet processed."""
+
+    sched: SchedulerOutput
+    stats: StepStats
+    result: concurrent.futures.Future[RunnerOutput]
+    gate: SamplingGate
 
 
 class LLMEngine:
@@ -151,7 +172,11 @@ class LLMEngine:
         moe = self.runner.model_config.moe  # a MoE model's step cost follows the experts it touches
         self.experts = None if moe is None else (moe.num_experts, moe.num_experts_per_tok)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, can_chunk_prefill=self.is_causal,
-                                   experts=self.experts)
+                                   experts=self.experts, is_async=config.async_scheduling)
+        # Async scheduling: the thread that runs the runner's calls, in order, and its steps not
+        # yet processed (at most two: the one being processed and the one running).
+        self._worker = concurrent.futures.ThreadPoolExecutor(1, "minivllm-step") if config.async_scheduling else None
+        self._inflight: deque[InflightStep] = deque()
         self.output_processor = OutputProcessor(self._decode_ids)
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
         self._ids = itertools.count()
@@ -175,8 +200,13 @@ class LLMEngine:
     def num_running(self) -> int:
         return self.scheduler.num_running
 
+    @property
+    def num_steps_in_flight(self) -> int:
+        """Async scheduling: steps submitted and not yet processed (0 in the synchronous loop)."""
+        return len(self._inflight)
+
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_requests > 0 or bool(self._pending)
+        return self.scheduler.num_requests > 0 or bool(self._pending) or bool(self._inflight)
 
     def model_info(self) -> ModelInfo:
         cfg = self.config
@@ -201,7 +231,8 @@ class LLMEngine:
         self.config = dataclasses.replace(self.config, **changes)  # validates
         cost_model = self.scheduler.cost_model  # what was learned about this machine still holds
         self.scheduler = Scheduler(self.config, self.block_manager, self.max_model_len,
-                                   can_chunk_prefill=self.is_causal, experts=self.experts)
+                                   can_chunk_prefill=self.is_causal, experts=self.experts,
+                                   is_async=self.config.async_scheduling)
         self.scheduler.cost_model = cost_model
 
     # ---- the facade the service uses (any thread unless said) ---------------------------
@@ -380,14 +411,24 @@ class LLMEngine:
         return bool(samples)
 
     def fail_all(self, error: str) -> list[RequestOutput]:
-        """End every request with an error (engine shutdown or fault)."""
+        """End every request with an error (engine shutdown or fault); steps in flight are
+        waited for and dropped."""
         now = time.monotonic()
         updates = self.scheduler.finish_requests(list(self.scheduler.requests), FinishReason.ERROR, now, error)
+        while self._inflight:
+            step = self._inflight.popleft()
+            step.gate.open()
+            try:
+                step.result.result()
+            except Exception:  # noqa: BLE001 - its requests have failed already
+                logger.debug("a dropped step failed", exc_info=True)
         return self.output_processor.process(updates, now)[0]
 
     # ---- the step -------------------------------------------------------------------
 
     def step(self) -> tuple[list[RequestOutput], StepStats]:
+        if self._worker is not None:
+            return self._step_async()
         t0 = time.monotonic()
         stats = StepStats(step_id=next(self._step_ids), start_time=t0)
         outputs, self._pending = self._pending, []
@@ -404,18 +445,71 @@ class LLMEngine:
         self._record(stats, sched, outputs)
         return outputs, stats
 
+    def _step_async(self) -> tuple[list[RequestOutput], StepStats]:
+        """Schedule and submit a step, then process the one submitted before it (or, with nothing
+        new to run, the last one): the outputs and stats of the step processed, or of an idle step."""
+        t0 = time.monotonic()
+        stats = StepStats(step_id=0, start_time=t0)
+        outputs, self._pending = self._pending, []
+        sched = self.scheduler.schedule(t0)
+        stats.schedule_time = time.monotonic() - t0
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("step scheduled: %s", sched.describe())
+        if not sched.is_empty:
+            gate = SamplingGate(is_open=not self._inflight)  # (with one in flight: once that one is processed)
+            fault, self._injected_fault = self._injected_fault, None
+            self._inflight.append(InflightStep(sched, stats, self._worker.submit(self._execute, sched, gate, fault),
+                                               gate))
+        elif sched.removed_req_ids:  # rows to drop, in order with the steps
+            self._worker.submit(self.runner.batch.update, sched)
+        if len(self._inflight) > 1 or (self._inflight and sched.is_empty):
+            step = self._inflight.popleft()
+            outputs += self._retire(step)
+            stats, sched = step.stats, step.sched
+        else:
+            stats, sched = StepStats(step_id=0, start_time=t0, schedule_time=stats.schedule_time), SchedulerOutput()
+        stats.step_id = next(self._step_ids)
+        if not self._inflight and self.scheduler.num_requests == 0:
+            self.runner.backend.release_idle_memory()
+        self._record(stats, sched, outputs)
+        return outputs, stats
+
+    def _retire(self, step: InflightStep) -> list[RequestOutput]:
+        """Wait for a submitted step and process it, then let the next one sample."""
+        try:
+            try:
+                result = step.result.result()
+            except Exception as exc:  # noqa: BLE001 - one bad step must not take the engine down
+                return self._fail_step(step.sched, exc)
+            return self._process(step.sched, result, step.stats)
+        finally:
+            if self._inflight:
+                self._inflight[0].gate.open()
+
+    def _execute(self, sched: SchedulerOutput, gate: SamplingGate | None = None,
+                 fault: str | None = None) -> RunnerOutput:
+        """The runner's step (on the worker thread with async scheduling); fault: the injected one."""
+        if fault is not None:
+            raise RuntimeError(fault)
+        return self.runner.execute(sched, gate)
+
+    def _fail_step(self, sched: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        logger.error("engine step failed; failing its requests", exc_info=exc)
+        now = time.monotonic()
+        updates = self.scheduler.finish_requests(sched.scheduled_req_ids, FinishReason.ERROR, now,
+                                                 f"engine error: {exc}")
+        return self.output_processor.process(updates, now)[0]
+
     def _run(self, sched: SchedulerOutput, stats: StepStats) -> list[RequestOutput]:
         try:
-            if self._injected_fault is not None:
-                message, self._injected_fault = self._injected_fault, None
-                raise RuntimeError(message)
-            result = self.runner.execute(sched)
+            fault, self._injected_fault = self._injected_fault, None
+            result = self._execute(sched, None, fault)
         except Exception as exc:  # noqa: BLE001 - one bad step must not take the engine down
-            logger.exception("engine step %d failed; failing its requests", stats.step_id)
-            now = time.monotonic()
-            updates = self.scheduler.finish_requests(sched.scheduled_req_ids, FinishReason.ERROR, now,
-                                                     f"engine error: {exc}")
-            return self.output_processor.process(updates, now)[0]
+            return self._fail_step(sched, exc)
+        return self._process(sched, result, stats)
+
+    def _process(self, sched: SchedulerOutput, result: RunnerOutput, stats: StepStats) -> list[RequestOutput]:
+        """A step's result applied: tokens to their requests, outputs made, the cost model taught."""
         t1 = time.monotonic()
         for req_id, first_position, entries in result.prompt_logprobs:
             self.output_processor.add_prompt_logprobs(req_id, first_position, entries)

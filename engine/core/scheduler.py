@@ -18,6 +18,13 @@ never sees a Sequence: `schedule()` returns a value that names requests by id an
 diffs the runner's own rows need (engine/core/scheduler_output.py), and `update_from_output`
 takes the runner's value back, appends the tokens, checks the token-level stops and frees what
 finished. Output formatting gets plain SequenceUpdate values and never calls back here.
+
+Async scheduling (is_async) schedules step n+1 before step n's tokens are back. schedule() then
+counts its own step as done at once (computed tokens advanced, a PLACEHOLDER output for each
+token it will sample), so the next schedule sees every request where the synchronous loop would;
+update_from_output puts the tokens in their places. A request a step ended (EOS, a stop string,
+an abort) may have been scheduled once more: that row's token is dropped. What is known ahead
+(max_tokens, the context) is never scheduled past.
 """
 from __future__ import annotations
 
@@ -41,14 +48,16 @@ class Scheduler:
     BURST_QUEUE_SLACK = TimeBudget.BURST_QUEUE_SLACK
 
     def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int = sys.maxsize,
-                 can_chunk_prefill: bool = True, experts: tuple[int, int] | None = None) -> None:
+                 can_chunk_prefill: bool = True, experts: tuple[int, int] | None = None, is_async: bool = False) -> None:
         """can_chunk_prefill: False for a model whose attention is bidirectional (an encoder): each
         prompt is then prefilled whole in one step, never split by the token or time budget.
-        experts: a mixture-of-experts model's (experts, experts a token), for the step cost model."""
+        experts: a mixture-of-experts model's (experts, experts a token), for the step cost model.
+        is_async: steps are scheduled one ahead of their outputs (the module's docstring)."""
         self.config = config
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.can_chunk_prefill = can_chunk_prefill
+        self.is_async = is_async
         self.requests: dict[str, Sequence] = {}  # every unfinished request, by id
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []  # in admission order: oldest first
@@ -98,21 +107,25 @@ class Scheduler:
                stop_reason: int | str | None = None) -> SequenceUpdate:
         """End a request (stopped, aborted or failed): out of the queues, blocks freed, its row
         dropped from the runner at the next step. Returns the update that says so."""
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
-        seq.times.finished = now
-        if seq in self.running:
+        self._end(seq, reason, now)
+        return self._update(seq, [], None, reason, stop_reason, error)
+
+    def _end(self, seq: Sequence, reason: FinishReason, now: float) -> None:
+        """seq is finished: out of its queue (running, waiting, or a fork pending), its blocks
+        freed, its runner row dropped at the next step."""
+        if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
-        elif seq in self.waiting:
+        elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         elif seq in self.pending_forks.get(seq.group_id, ()):
             self.pending_forks[seq.group_id].remove(seq)
             if not self.pending_forks[seq.group_id]:
                 del self.pending_forks[seq.group_id]
+        seq.status, seq.finish_reason, seq.times.finished = SequenceStatus.FINISHED, reason, now
+        seq.drop_placeholders()
         self.block_manager.free(seq)
         self._drop_row(seq)
         self.requests.pop(seq.request_id, None)
-        return self._update(seq, [], None, reason, stop_reason, error)
 
     def finish_requests(self, request_ids: list[str], reason: FinishReason, now: float,
                         error: str | None = None) -> list[SequenceUpdate]:
@@ -153,7 +166,8 @@ class Scheduler:
         cfg = self.config
         plan = StepPlan(SchedulerOutput())
         self._step += 1
-        prefilling = [s for s in self.running if not s.is_decode]
+        # (A pooling prompt whose last chunk is in flight has nothing left: async scheduling.)
+        prefilling = [s for s in self.running if not s.is_decode and s.num_uncomputed_tokens]
         has_prefill_work = bool(self.waiting or prefilling)
         reserve = int(cfg.max_num_batched_tokens * cfg.min_prefill_share) if has_prefill_work else 0
         decode_budget = cfg.max_num_batched_tokens - reserve
@@ -165,8 +179,8 @@ class Scheduler:
         for seq in decodes:
             if num_decode_tokens >= decode_budget or len(plan.scheduled) >= cfg.max_num_seqs:
                 break
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # preempted earlier in this loop
+            if seq.status is not SequenceStatus.RUNNING or seq.will_reach_a_limit(self.max_model_len):
+                continue  # preempted earlier in this loop, or its step in flight ends it
             if self._make_room(seq, 1, plan):
                 plan.decodes.append(seq)
                 plan.scheduled.add(id(seq))
@@ -194,6 +208,8 @@ class Scheduler:
         self.waiting.sort(key=lambda s: (self.effective_priority(s, now), s.arrival_time))
         while self.waiting and budget > 0 and len(plan.scheduled) < cfg.max_num_seqs:
             seq = self.waiting[0]
+            if seq.num_placeholders:
+                break  # preempted while its step ran: back once that step's token is in place
             seq.num_computed_tokens = self.block_manager.allocate_cached_prefix(seq)
             if seq.num_preemptions == 0:
                 seq.num_cached_prompt_tokens = seq.num_computed_tokens
@@ -216,7 +232,21 @@ class Scheduler:
             budget -= self._add_prefill(plan, seq, num_new)
         out = plan.to_output(self._removed_req_ids, self.block_manager, self.cost_model)
         self._removed_req_ids = []
+        if self.is_async:
+            self._count_as_done(out)
         return out
+
+    def _count_as_done(self, out: SchedulerOutput) -> None:
+        """Async scheduling: the step's tokens as computed and a placeholder for each token it
+        samples, before it runs, so the next step is scheduled as if it had (no verifications:
+        their accepted lengths are known only after the step)."""
+        requests = self.requests
+        for req_id, num_new in zip(out.prefill_req_ids, out.prefill_num_tokens, strict=True):
+            requests[req_id].num_computed_tokens += num_new
+        for req_id in out.decode_req_ids:
+            requests[req_id].num_computed_tokens += 1
+        for req_id in out.sampling_req_ids:
+            requests[req_id].add_placeholder()
 
     @staticmethod
     def _num_generating(seqs: list[Sequence]) -> int:
@@ -271,30 +301,42 @@ class Scheduler:
         are dropped. A verifying decode keeps the KV of its accepted drafts only: its computed
         count stops there, and blocks taken for rejected drafts alone go back to the pool.
         Returns one update per sampled request, for output processing."""
-        for req_id, num_new in zip(sched.prefill_req_ids, sched.prefill_num_tokens, strict=True):
-            self.requests[req_id].num_computed_tokens += num_new
-        for req_id in sched.decode_req_ids + sched.verify_req_ids:
-            self.requests[req_id].num_computed_tokens += 1
+        requests = self.requests
+        if not self.is_async:  # (async: counted when scheduled)
+            for req_id, num_new in zip(sched.prefill_req_ids, sched.prefill_num_tokens, strict=True):
+                requests[req_id].num_computed_tokens += num_new
+            for req_id in sched.decode_req_ids + sched.verify_req_ids:
+                requests[req_id].num_computed_tokens += 1
         num_drafts = dict(zip(sched.verify_req_ids, map(len, sched.verify_draft_ids), strict=True))
-        seqs = [self.requests[r] for r in out.req_ids]
+        # None: a request that ended while its step ran (async scheduling); its tokens are dropped.
+        seqs = [requests.get(r) for r in out.req_ids]
         for seq, tokens in zip(seqs, out.sampled_token_ids, strict=True):
-            if seq.request_id in num_drafts:  # the accepted drafts' KV is valid; the rejected ones' is not
+            if seq is not None and seq.request_id in num_drafts:  # the accepted drafts' KV is valid; the rejected ones' is not
                 self._count_acceptance(seq, num_drafts[seq.request_id], len(tokens) - 1)
                 seq.num_computed_tokens += len(tokens) - 1
         for req_id in sched.prefill_req_ids + sched.decode_req_ids:
-            self.block_manager.register_computed_blocks(self.requests[req_id])
+            seq = requests.get(req_id)
+            if seq is not None and not seq.num_placeholders:  # (else once its token is in place, below)
+                self.block_manager.register_computed_blocks(seq)
         single = [(seq.matcher, tokens[0]) for seq, tokens in zip(seqs, out.sampled_token_ids, strict=True)
-                  if seq.matcher is not None and len(tokens) == 1]
+                  if seq is not None and seq.matcher is not None and len(tokens) == 1]
         if single:
             self._grammar.consume(single)
-        updates = [self._finish_pooled(self.requests[req_id], pooled, now)
-                   for req_id, pooled in zip(out.pooled_req_ids, out.pooled, strict=True)]
+        updates = [self._finish_pooled(requests[req_id], pooled, now)
+                   for req_id, pooled in zip(out.pooled_req_ids, out.pooled, strict=True) if req_id in requests]
         for seq, tokens, logprobs in zip(seqs, out.sampled_token_ids, out.logprobs, strict=True):
+            if seq is None:
+                continue
             reason = stop_reason = None
             for i, token_id in enumerate(tokens):
                 if seq.matcher is not None and len(tokens) > 1:
                     seq.matcher.consume_token(token_id)
-                seq.output_token_ids.append(token_id)
+                if seq.num_placeholders:
+                    seq.fill_placeholder(token_id)
+                    # The step in flight computes this token's position: its block may be full now.
+                    self.block_manager.register_computed_blocks(seq)
+                else:
+                    seq.output_token_ids.append(token_id)
                 reason, stop_reason = seq.check_stop(token_id, self.max_model_len)
                 if reason is not None:
                     tokens, logprobs = tokens[: i + 1], None if logprobs is None else logprobs[: i + 1]
@@ -304,11 +346,7 @@ class Scheduler:
                 seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
                 self.block_manager.register_computed_blocks(seq)
             if reason is not None:
-                seq.status, seq.finish_reason, seq.times.finished = SequenceStatus.FINISHED, reason, now
-                self.running.remove(seq)
-                self.block_manager.free(seq)
-                self._drop_row(seq)
-                del self.requests[seq.request_id]
+                self._end(seq, reason, now)
             else:
                 if seq.request_id in num_drafts:
                     self.block_manager.trim(seq)

@@ -17,6 +17,8 @@ from engine.processing.pooling_params import PoolingParams, PoolingType
 from engine.processing.request_tokens import RequestTokens
 from engine.processing.sampling_params import SamplingParams
 
+PLACEHOLDER = -1  # an output token a scheduled step will sample (async scheduling)
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
@@ -84,6 +86,9 @@ class Sequence(RequestTokens):
     # Each prompt token's segment (a BERT cross-encoder's pair: 0 the query's, 1 the document's),
     # [num_prompt_tokens] int64; only for a model that reads token types.
     token_type_ids: np.ndarray | None = None
+    # Async scheduling: output_token_ids ends with this many PLACEHOLDERs, the tokens of steps
+    # scheduled and not yet processed (at most one when a step is scheduled, two just after).
+    num_placeholders: int = 0
     times: SequenceTimes = field(init=False)
     # Token ids min_tokens holds off (stop ids, and EOS unless ignored): built once, used per step.
     min_tokens_stop_ids: frozenset[int] = field(init=False)
@@ -126,19 +131,43 @@ class Sequence(RequestTokens):
     def is_decode(self) -> bool:
         return self.num_output_tokens > 0 and self.num_uncomputed_tokens == 1
 
+    def will_reach_a_limit(self, max_model_len: int) -> bool:
+        """Its tokens, the scheduled ones counted, reach max_tokens or the context: the step that
+        samples the last of them ends it, so no later step may run it (async scheduling: in a
+        synchronous loop such a request has ended already)."""
+        max_tokens = self.params.max_tokens
+        return (max_tokens is not None and self.num_output_tokens >= max_tokens) or self.num_tokens >= max_model_len
+
+    def add_placeholder(self) -> None:
+        self.output_token_ids.append(PLACEHOLDER)
+        self.num_placeholders += 1
+
+    def fill_placeholder(self, token_id: int) -> None:
+        """The oldest scheduled step's token, in its place."""
+        self.output_token_ids[len(self.output_token_ids) - self.num_placeholders] = token_id
+        self.num_placeholders -= 1
+
+    def drop_placeholders(self) -> None:
+        """An ended request's outputs: what was sampled, not what a step in flight would add."""
+        if self.num_placeholders:
+            del self.output_token_ids[-self.num_placeholders:]
+            self.num_placeholders = 0
+
     def check_stop(self, token_id: int, max_model_len: int) -> tuple[FinishReason | None, int | None]:
         """The stop conditions its newest token (token_id, already appended) decides alone:
         a complete grammar, EOS, a stop token id (after min_tokens), max_tokens, the context.
-        Stop strings need the text: the output processor checks those."""
+        Stop strings need the text: the output processor checks those. Placeholders after it
+        (steps in flight) do not count."""
         params = self.params
+        num_output = self.num_output_tokens - self.num_placeholders
         if self.matcher is not None and self.matcher.is_stopped():  # the grammar is complete: nothing may follow
             return FinishReason.STOP, None
-        if self.num_output_tokens >= params.min_tokens:
+        if num_output >= params.min_tokens:
             if not params.ignore_eos and token_id in self.eos_token_ids:
                 return FinishReason.STOP, None
             if token_id in params.stop_token_set:
                 return FinishReason.STOP, token_id
-        if (params.max_tokens is not None and self.num_output_tokens >= params.max_tokens) \
-                or self.num_tokens >= max_model_len:
+        if (params.max_tokens is not None and num_output >= params.max_tokens) \
+                or self.num_tokens - self.num_placeholders >= max_model_len:
             return FinishReason.LENGTH, None
         return None, None

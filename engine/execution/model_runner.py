@@ -31,6 +31,7 @@ from engine.execution.pooler import pool_prefill
 from engine.execution.prompt_logprobs import prompt_logprobs
 from engine.execution.resolved_config import ResolvedConfig
 from engine.execution.sampler import Sampler
+from engine.execution.sampling_gate import SamplingGate
 from engine.execution.speculative import make_proposer
 from engine.execution.speculative.speculator import Speculator
 from engine.execution.startup_phases import KV_CACHE_ALLOCATION, PACKING, WARM_UP, WEIGHT_LOADING, StartupPhases
@@ -147,13 +148,14 @@ class ModelRunner:
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
 
-    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+    def execute(self, sched: SchedulerOutput, gate: SamplingGate | None = None) -> RunnerOutput:
         """One step: update the persistent batch from the step's diffs, copy forked blocks, run one
         forward over every scheduled token (the prefill chunks and verifications, packed without
         padding, then one token per decoding sequence), sample every request in
         `sched.sampling_req_ids` (a verification: its accepted drafts and one more), and propose
         the next step's drafts. The projections and MLPs see all rows at once (the weights are
-        read once per step, which on a CPU is most of a small step); only attention splits by path."""
+        read once per step, which on a CPU is most of a small step); only attention splits by path.
+        gate: async scheduling's (sampling_gate.py): sampling waits until it opens."""
         t0 = time.perf_counter()
         self._num_steps += 1
         if self.speculator is not None:
@@ -183,6 +185,10 @@ class ModelRunner:
         if not req_ids:  # only pooling chunks ran: nothing samples
             out.sample_time = time.perf_counter() - t1
             return out
+        if gate is not None:
+            t_wait = time.perf_counter()
+            gate.wait()
+            t1 += time.perf_counter() - t_wait  # sample_time leaves the wait out
         if sched.verify_req_ids:
             out.sampled_token_ids, out.logprobs = self._sample_with_verification(sched, logits, rows, greedy_ids)
         else:
