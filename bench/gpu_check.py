@@ -12,7 +12,8 @@ Sections (each one's result, or its error, lands in the JSON as it ends):
   static batch, output tokens/s.
 - batch1: one stream, 128 tokens after a 100-token prompt, CUDA graphs on and off, graphs with
   async scheduling, and transformers; each engine decode step's bytes (weights + KV read) over
-  its wall time against the device's HBM bandwidth.
+  its wall time against the device's HBM bandwidth, the step's parts, and the decode graph's own
+  device time (replayed alone): how much of a step is the host's.
 - big (--big): batch 1 and graphs on/off on a random-weight model of Llama-3.2-1B's layers.
 
 --random-weights DIR takes a config.json and tokenizer there and writes random weights of that
@@ -224,6 +225,31 @@ def _decode_bytes(llm: LLM, context: int) -> int:
     return weight_bytes_per_token(llm) + kv
 
 
+def step_parts_ms(steps: list[Any]) -> dict[str, float]:
+    """The decode-only steps' median parts (ms): where a step's host time goes (the sync for the
+    sampled ids falls in sample)."""
+    decode = [s for s in steps if s.kind == "decode"]
+    return {part: 1e3 * statistics.median(getattr(s, f"{part}_time") for s in decode)
+            for part in ("schedule", "prepare", "forward", "sample", "process")} if decode else {}
+
+
+def graph_replay_ms(llm: LLM, num_replays: int = 50) -> float | None:
+    """The batch-1 decode graph's own device time (ms), replayed back to back between CUDA events:
+    the step's wall time less this is what the host costs. Its padded row writes the scratch slot."""
+    graphs = llm.engine.runner.backend.graphs
+    if graphs is None or 1 not in graphs.graphs:
+        return None
+    graphs.group_slot_mapping[:, :1] = graphs.scratch_slot  # touch nobody's cache
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graphs.graphs[1].replay()
+    start.record()
+    for _ in range(num_replays):
+        graphs.graphs[1].replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / num_replays
+
+
 def batch1(model: str, device: str, output_len: int = 128, prompt_len: int = 100) -> dict[str, Any]:
     results: dict[str, Any] = {}
     prompt: list[list[int]] = []
@@ -240,7 +266,10 @@ def batch1(model: str, device: str, output_len: int = 128, prompt_len: int = 100
         decode = 1 / step
         step_bytes = _decode_bytes(llm, prompt_len + output_len // 2)
         results[label] = {"tok_s": output_len / seconds, "median_decode_step_ms": 1e3 * step, "decode_tok_s": decode,
-                          "step_bytes": step_bytes, "achieved_tb_s": step_bytes / step / 1e12, "hbm_peak_tb_s": hbm}
+                          "step_bytes": step_bytes, "achieved_tb_s": step_bytes / step / 1e12, "hbm_peak_tb_s": hbm,
+                          "parts_ms": step_parts_ms(steps)}
+        if label == "graphs" and device == "cuda":
+            results[label]["graph_replay_ms"] = graph_replay_ms(llm)
         del llm
         release()
     hf = hf_model(model, torch.bfloat16 if device == "cuda" else torch.float32, device)

@@ -422,6 +422,7 @@ class LLMEngine:
                 step.result.result()
             except Exception:  # noqa: BLE001 - its requests have failed already
                 logger.debug("a dropped step failed", exc_info=True)
+            self.scheduler.take_step(step.sched)
         return self.output_processor.process(updates, now)[0]
 
     # ---- the step -------------------------------------------------------------------
@@ -461,13 +462,13 @@ class LLMEngine:
             self._inflight.append(InflightStep(sched, stats, self._worker.submit(self._execute, sched, gate, fault),
                                                gate))
         elif sched.removed_req_ids:  # rows to drop, in order with the steps
-            self._worker.submit(self.runner.batch.update, sched)
+            self._worker.submit(self.runner.batch.update, sched).add_done_callback(_log_failure)
         if len(self._inflight) > 1 or (self._inflight and sched.is_empty):
             step = self._inflight.popleft()
             outputs += self._retire(step)
             stats, sched = step.stats, step.sched
         else:
-            stats, sched = StepStats(step_id=0, start_time=t0, schedule_time=stats.schedule_time), SchedulerOutput()
+            stats, sched = StepStats(step_id=0, start_time=t0), SchedulerOutput()  # (its scheduling: the step's)
         stats.step_id = next(self._step_ids)
         if not self._inflight and self.scheduler.num_requests == 0:
             self.runner.backend.release_idle_memory()
@@ -490,14 +491,16 @@ class LLMEngine:
                  fault: str | None = None) -> RunnerOutput:
         """The runner's step (on the worker thread with async scheduling); fault: the injected one."""
         if fault is not None:
+            # As a fault in the forward would: the step's rows are the runner's (a step scheduled
+            # after it, in flight already, runs them).
+            self.runner.batch.update(sched)
             raise RuntimeError(fault)
         return self.runner.execute(sched, gate)
 
     def _fail_step(self, sched: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
         logger.error("engine step failed; failing its requests", exc_info=exc)
         now = time.monotonic()
-        updates = self.scheduler.finish_requests(sched.scheduled_req_ids, FinishReason.ERROR, now,
-                                                 f"engine error: {exc}")
+        updates = self.scheduler.finish_step(sched, FinishReason.ERROR, now, f"engine error: {exc}")
         return self.output_processor.process(updates, now)[0]
 
     def _run(self, sched: SchedulerOutput, stats: StepStats) -> list[RequestOutput]:
@@ -527,7 +530,9 @@ class LLMEngine:
                                                                      result.sample_time)
         stats.num_experts_touched, stats.num_moe_layers = result.num_experts_touched, self.runner.num_moe_layers
         stats.process_time = time.monotonic() - t1
-        self.scheduler.observe_step_time(sched, stats.forward_time, stats.overhead_time)
+        # With async scheduling the scheduling and this processing run beside the next forward.
+        overhead = stats.prepare_time + stats.sample_time if self._worker is not None else stats.overhead_time
+        self.scheduler.observe_step_time(sched, stats.forward_time, overhead)
         return outputs
 
     def _record(self, stats: StepStats, sched: SchedulerOutput, outputs: list[RequestOutput]) -> None:
@@ -545,6 +550,11 @@ class LLMEngine:
         stats.num_generated_tokens = sum(len(o.new_token_ids) for o in outputs)
         stats.finished = [o.metrics for o in outputs if o.metrics is not None]
         stats.kv_events = self.take_kv_events()
+
+
+def _log_failure(future: concurrent.futures.Future[Any]) -> None:
+    if (exc := future.exception()) is not None:
+        logger.error("the step worker failed to drop rows", exc_info=exc)
 
 
 def settle_score_label_tokens(config: EngineConfig, task: str, hf_config: Any) -> tuple[str, ...]:

@@ -365,10 +365,11 @@ class BlockManager:
 
     def register_computed_blocks(self, seq: Sequence) -> None:
         """Publish the sequence's newly full, computed blocks to the prefix cache (each group's
-        its own; a window group's blocks released before publishing stay unpublished)."""
+        its own; a window group's blocks released before publishing stay unpublished). Tokens of a
+        step still in flight (async scheduling) are not computed yet as far as the cache goes."""
         if not self.enable_prefix_caching:
             return
-        num_full = seq.num_computed_tokens // self.block_size
+        num_full = (seq.num_computed_tokens - seq.num_inflight_tokens) // self.block_size
         if num_full <= seq.num_registered_blocks:
             return
         self._update_hashes(seq, num_full * self.block_size)

@@ -67,6 +67,9 @@ class Scheduler:
         self._step = 0
         self._removed_req_ids: list[str] = []  # rows the runner must drop at the next step
         self._grammar = GrammarExecutor()
+        # Async scheduling: each step in flight's sequences (by id() of its SchedulerOutput), with the
+        # tokens it computes for each and that sequence's preemption count when it was scheduled.
+        self._in_flight: dict[int, dict[str, tuple[Sequence, int, int]]] = {}
 
     @property
     def min_chunk(self) -> int:
@@ -241,12 +244,37 @@ class Scheduler:
         samples, before it runs, so the next step is scheduled as if it had (no verifications:
         their accepted lengths are known only after the step)."""
         requests = self.requests
-        for req_id, num_new in zip(out.prefill_req_ids, out.prefill_num_tokens, strict=True):
-            requests[req_id].num_computed_tokens += num_new
-        for req_id in out.decode_req_ids:
-            requests[req_id].num_computed_tokens += 1
+        computed = dict(zip(out.prefill_req_ids, out.prefill_num_tokens, strict=True))
+        computed.update((req_id, 1) for req_id in out.decode_req_ids)
+        for req_id, num_new in computed.items():
+            seq = requests[req_id]
+            seq.num_computed_tokens += num_new
+            seq.num_inflight_tokens += num_new
         for req_id in out.sampling_req_ids:
             requests[req_id].add_placeholder()
+        self._in_flight[id(out)] = {req_id: (requests[req_id], computed.get(req_id, 0),
+                                             requests[req_id].num_preemptions) for req_id in out.scheduled_req_ids}
+
+    def take_step(self, sched: SchedulerOutput) -> dict[str, Sequence]:
+        """The sequences sched ran that are still unfinished, by id; async scheduling forgets the
+        step (its tokens are no longer in flight). A request that ended while its step ran is
+        missing, and so is one whose id a new request has taken since (an abort, then the id
+        again): the step's tokens are not the newcomer's."""
+        if not self.is_async:
+            return {r: self.requests[r] for r in sched.scheduled_req_ids if r in self.requests}
+        live = {}
+        for req_id, (seq, num_computed, num_preemptions) in self._in_flight.pop(id(sched), {}).items():
+            if self.requests.get(req_id) is not seq:
+                continue
+            if seq.num_preemptions == num_preemptions:  # (a preemption has counted them out already)
+                seq.num_inflight_tokens -= num_computed
+            live[req_id] = seq
+        return live
+
+    def finish_step(self, sched: SchedulerOutput, reason: FinishReason, now: float,
+                    error: str | None = None) -> list[SequenceUpdate]:
+        """End every unfinished request a step ran (the step failed)."""
+        return [self.finish(seq, reason, now, error) for seq in self.take_step(sched).values()]
 
     @staticmethod
     def _num_generating(seqs: list[Sequence]) -> int:
@@ -301,7 +329,7 @@ class Scheduler:
         are dropped. A verifying decode keeps the KV of its accepted drafts only: its computed
         count stops there, and blocks taken for rejected drafts alone go back to the pool.
         Returns one update per sampled request, for output processing."""
-        requests = self.requests
+        requests = self.take_step(sched)
         if not self.is_async:  # (async: counted when scheduled)
             for req_id, num_new in zip(sched.prefill_req_ids, sched.prefill_num_tokens, strict=True):
                 requests[req_id].num_computed_tokens += num_new
@@ -315,8 +343,7 @@ class Scheduler:
                 self._count_acceptance(seq, num_drafts[seq.request_id], len(tokens) - 1)
                 seq.num_computed_tokens += len(tokens) - 1
         for req_id in sched.prefill_req_ids + sched.decode_req_ids:
-            seq = requests.get(req_id)
-            if seq is not None and not seq.num_placeholders:  # (else once its token is in place, below)
+            if (seq := requests.get(req_id)) is not None:
                 self.block_manager.register_computed_blocks(seq)
         single = [(seq.matcher, tokens[0]) for seq, tokens in zip(seqs, out.sampled_token_ids, strict=True)
                   if seq is not None and seq.matcher is not None and len(tokens) == 1]
@@ -333,8 +360,6 @@ class Scheduler:
                     seq.matcher.consume_token(token_id)
                 if seq.num_placeholders:
                     seq.fill_placeholder(token_id)
-                    # The step in flight computes this token's position: its block may be full now.
-                    self.block_manager.register_computed_blocks(seq)
                 else:
                     seq.output_token_ids.append(token_id)
                 reason, stop_reason = seq.check_stop(token_id, self.max_model_len)
@@ -413,8 +438,10 @@ class Scheduler:
         return True
 
     def _pick_victim(self, seq: Sequence, scheduled: set[int]) -> Sequence:
-        # The newest running sequence loses the least work; it may be seq itself.
-        candidates = [s for s in self.running if id(s) not in scheduled]
+        # The newest running sequence loses the least work; it may be seq itself. Not one that its
+        # step in flight ends (async scheduling): its pooled prompt or its last token is under way.
+        candidates = [s for s in self.running if id(s) not in scheduled and s.num_uncomputed_tokens
+                      and not s.will_reach_a_limit(self.max_model_len)]
         return max(candidates, key=lambda s: s.arrival_time) if candidates else seq
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
@@ -423,7 +450,7 @@ class Scheduler:
         self.block_manager.free(seq)
         self._drop_row(seq)
         seq.status = SequenceStatus.WAITING
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.num_inflight_tokens = 0
         seq.num_preemptions += 1
         self.waiting.insert(0, seq)
         out.preempted_req_ids.append(seq.request_id)

@@ -89,6 +89,9 @@ class Sequence(RequestTokens):
     # Async scheduling: output_token_ids ends with this many PLACEHOLDERs, the tokens of steps
     # scheduled and not yet processed (at most one when a step is scheduled, two just after).
     num_placeholders: int = 0
+    # Async scheduling: of num_computed_tokens, those whose step has not been processed yet (its
+    # K/V may not be written: a failed step never writes it), kept out of the prefix cache.
+    num_inflight_tokens: int = 0
     times: SequenceTimes = field(init=False)
     # Token ids min_tokens holds off (stop ids, and EOS unless ignored): built once, used per step.
     min_tokens_stop_ids: frozenset[int] = field(init=False)

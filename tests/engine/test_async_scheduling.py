@@ -264,3 +264,72 @@ def test_generated_blocks_reach_the_prefix_cache_with_their_tokens(tiny_model_di
         again = llm.generate([prompt + first.token_ids], SamplingParams(temperature=0, max_tokens=2))[0]
         hits[is_async] = again.num_cached_tokens
     assert hits[True] == hits[False] >= 4 * ((len(prompt) + 12) // 4)
+
+
+def test_a_failed_step_costs_only_its_own_requests(tiny_model_dir: Path) -> None:
+    """The fault hits the step that admits `failed`; the step after it, scheduled and in flight
+    already, runs `failed`'s row as a dropped one and serves `after`, admitted there, in full."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=256, block_size=4,
+                                    async_scheduling=True))
+    _with_device_latency(engine)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    running = engine.add_request("one two three", greedy)
+    engine.step()  # running's prefill, in flight
+    engine.fail_next_step("injected")
+    failed = engine.add_request("hello there", greedy)
+    outputs: dict[str, list[Any]] = {}
+    for out in engine.step()[0]:  # the failing step (running's decode, failed's prefill) is submitted
+        outputs.setdefault(out.request_id, []).append(out)
+    after = engine.add_request("the quick brown fox", greedy)
+    rest, _ = run_engine(engine)
+    for request_id, outs in rest.items():
+        outputs.setdefault(request_id, []).extend(outs)
+    for request_id in (running, failed):
+        assert outputs[request_id][-1].finish_reason == FinishReason.ERROR.value
+    alone = LLM(str(tiny_model_dir), num_kv_blocks=256, block_size=4).generate(["the quick brown fox"], greedy)[0]
+    assert [t for o in outputs[after] for t in o.new_token_ids] == alone.token_ids
+    assert outputs[after][-1].finish_reason == FinishReason.LENGTH.value
+    assert engine.block_manager.count_referenced_blocks() == 0
+
+
+def test_a_failed_chunk_leaves_nothing_in_the_prefix_cache(tiny_model_dir: Path) -> None:
+    """A chunk's blocks reach the cache only once its step is processed: processing chunk 1
+    while chunk 2 runs publishes chunk 1's block alone, and chunk 2's step fails (its K/V never
+    written), so the same prompt again hits one block, and its tokens are a fresh engine's."""
+    config = dict(model=str(tiny_model_dir), num_kv_blocks=256, block_size=4, max_num_batched_tokens=4)
+    engine = LLMEngine(EngineConfig(async_scheduling=True, **config))
+    _with_device_latency(engine)
+    prompt = engine.tokenize("a b c d e f g h i j k l m n")[:12]
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    failed = engine.add_request(prompt, greedy)
+    engine.step()  # chunk 1 in flight
+    engine.fail_next_step("injected")
+    engine.step()  # chunk 2 submitted (it will fail); chunk 1 processed
+    outputs, _ = run_engine(engine)
+    assert outputs[failed][-1].finish_reason == FinishReason.ERROR.value
+    again = engine.add_request(prompt, greedy)
+    outputs, _ = run_engine(engine)
+    assert outputs[again][-1].num_cached_tokens == 4
+    fresh = LLM(**config, enable_prefix_caching=False).generate([prompt], greedy)[0]
+    assert [t for o in outputs[again] for t in o.new_token_ids] == fresh.token_ids
+
+
+def test_an_id_taken_again_inside_the_lag_is_a_new_request(tiny_model_dir: Path) -> None:
+    """Abort X while its step runs and admit a new X at once: the old step's token is not the new one's."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=256, block_size=4,
+                                    async_scheduling=True))
+    _with_device_latency(engine)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    engine.add_request("hello there my friend", greedy, request_id="x")
+    for _ in range(4):
+        engine.step()
+    assert engine.num_steps_in_flight == 1
+    engine.abort_request("x")
+    engine.add_request("the quick brown fox", greedy, request_id="x")
+    tokens = []
+    while engine.has_unfinished_requests():
+        for out in engine.step()[0]:
+            if out.finish_reason != FinishReason.ABORT.value:
+                tokens += out.new_token_ids
+    alone = LLM(str(tiny_model_dir), num_kv_blocks=256, block_size=4).generate(["the quick brown fox"], greedy)[0]
+    assert tokens == alone.token_ids
