@@ -12,8 +12,9 @@ Sections (each one's result, or its error, lands in the JSON as it ends):
   static batch, output tokens/s.
 - batch1: one stream, 128 tokens after a 100-token prompt, CUDA graphs on and off, graphs with
   async scheduling, and transformers; each engine decode step's bytes (weights + KV read) over
-  its wall time against the device's HBM bandwidth, the step's parts, and the decode graph's own
-  device time (replayed alone): how much of a step is the host's.
+  its wall time against the device's HBM bandwidth, the step's parts, the decode graph's own
+  device time (replayed alone) and its kernels (a profile: how many a step, their summed time):
+  whether a step is bound by the host, by the kernels' count, or by the reads.
 - big (--big): batch 1 and graphs on/off on a random-weight model of Llama-3.2-1B's layers.
 
 --random-weights DIR takes a config.json and tokenizer there and writes random weights of that
@@ -250,6 +251,31 @@ def graph_replay_ms(llm: LLM, num_replays: int = 50) -> float | None:
     return start.elapsed_time(end) / num_replays
 
 
+def decode_profile(llm: LLM, prompt: list[int], num_steps: int = 8) -> dict[str, float]:
+    """What the GPU runs in a decode step (torch.profiler, CUPTI): kernels a step and their summed
+    device time, against the steps' wall time. Many kernels of a few microseconds each mean a step
+    bound by the kernels' count (fusion pays), few and short ones a step bound by the host."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = llm.engine
+    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=num_steps + 4, ignore_eos=True))
+    for _ in range(3):  # the prefill and the first decode steps
+        engine.step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(num_steps):
+            engine.step()
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    while engine.has_unfinished_requests():
+        engine.step()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return {"kernels_per_step": len(kernels) / num_steps,
+            "kernel_ms_per_step": sum(getattr(e, "device_time_total", 0.0) for e in kernels) / num_steps / 1e3,
+            "wall_ms_per_step_profiled": 1e3 * wall / num_steps}
+
+
 def batch1(model: str, device: str, output_len: int = 128, prompt_len: int = 100) -> dict[str, Any]:
     results: dict[str, Any] = {}
     prompt: list[list[int]] = []
@@ -270,6 +296,7 @@ def batch1(model: str, device: str, output_len: int = 128, prompt_len: int = 100
                           "parts_ms": step_parts_ms(steps)}
         if label == "graphs" and device == "cuda":
             results[label]["graph_replay_ms"] = graph_replay_ms(llm)
+            results[label]["profile"] = decode_profile(llm, prompt[0])
         del llm
         release()
     hf = hf_model(model, torch.bfloat16 if device == "cuda" else torch.float32, device)

@@ -13,6 +13,7 @@ from torch import nn
 
 from engine.execution.backends.backend import Backend
 from engine.execution.backends.cuda_graphs import DecodeGraphs, decode_buckets
+from engine.execution.backends.cuda_pointwise import swap_pointwise_modules
 from engine.execution.backends.triton_attention import TritonAttention
 from engine.execution.models.model_config import ModelConfig
 from engine.execution.resolved_config import ResolvedConfig
@@ -33,6 +34,11 @@ class CudaBackend(Backend):
         super().__init__(resolved, model_config, device, dtype)
         self.attention = TritonAttention()
         self.graphs: DecodeGraphs | None = None
+
+    def prepare(self, model: nn.Module) -> None:
+        """The elementwise layers (norms, RoPE, SiLU * up) as one Triton kernel each
+        (cuda_pointwise.py): a decode step's kernels are what it costs."""
+        logger.info("%d norm, rotation and activation modules on Triton kernels", swap_pointwise_modules(model))
 
     def kv_cache_bytes(self) -> int:
         """gpu_memory_utilization of the device, less what this process holds already (the

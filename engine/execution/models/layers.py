@@ -1,8 +1,10 @@
-"""Building blocks shared by the model families: Linear, RMSNorm, RoPE's rotation.
+"""Building blocks shared by the model families: Linear, RMSNorm, RoPE's rotation, the gated
+MLP's activation.
 
-Models hold plain Linears; a backend that runs weights in another form (the CPU backend's
-panels and oneDNN packing, engine/execution/backends/cpu_linear.py) swaps them for its own
-modules after loading, so the model code never asks which backend runs it.
+Models hold plain modules; a backend that runs them in another form (the CPU backend's panels
+and oneDNN packing, engine/execution/backends/cpu_linear.py; the CUDA backend's Triton kernels
+for the elementwise parts, cuda_pointwise.py) swaps them for its own after loading, so the model
+code never asks which backend runs it.
 """
 from __future__ import annotations
 
@@ -47,3 +49,28 @@ class RMSNorm(nn.Module):
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Rotation(nn.Module):
+    """RoPE's rotation (rotate-half) of a step's q and k by each token's cos and sin."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        # q: [T, Hq, D], k: [T, Hk, D], cos, sin: [T, 1, D] -> rotated q, k (a subclass may rotate in place)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+class GatedActivation(nn.Module):
+    """A gated MLP's act(gate) * up, from the gate/up product [T, 2 I] -> [T, I]."""
+
+    def __init__(self, hidden_act: str, intermediate_size: int) -> None:
+        super().__init__()
+        self.hidden_act, self.intermediate_size = hidden_act, intermediate_size
+        self.act = ACTIVATIONS[hidden_act]
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return self.act(gate) * up

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.execution.attention import AttentionMetadata, attention, write_kv
-from engine.execution.models.layers import Linear, RMSNorm, rotate_half
+from engine.execution.models.layers import GatedActivation, Linear, RMSNorm, Rotation
 from engine.execution.models.model_config import ModelConfig
 from engine.execution.models.moe import SparseMoe
 from engine.processing.pooling_params import PoolingType
@@ -31,7 +31,6 @@ _STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qk
             "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 _HF_MODULE = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp", "down_proj": "mlp",
               "q_norm": "self_attn", "k_norm": "self_attn"}
-_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
 class DecoderLayer(nn.Module):
@@ -59,10 +58,11 @@ class DecoderLayer(nn.Module):
         self.moe = SparseMoe(cfg.moe, cfg.hidden_size) if cfg.is_moe_layer(layer_index) else None
         if self.moe is None:
             self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
+            self.gated_act = GatedActivation(cfg.hidden_act, cfg.intermediate_size)
             self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.rotation = Rotation()
         self.intermediate_size = cfg.intermediate_size
         self.hidden_act = cfg.hidden_act
-        self.act = _ACTIVATIONS[cfg.hidden_act]
         self.eps = cfg.rms_norm_eps
 
     @property
@@ -85,8 +85,7 @@ class DecoderLayer(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k = self.rotation(q, k, cos, sin)
         write_kv(k_cache, v_cache, k, v, attn.slot_mapping)
         o = attention(q, k, v, k_cache, v_cache, attn, self.scale, self.sliding_window, self.sinks)
         o = o.reshape(num_tokens, self.q_size)
@@ -99,8 +98,7 @@ class DecoderLayer(nn.Module):
         if self.moe is not None:
             m = self.moe(self.post_attention_layernorm(h))
         else:
-            gate, up = self.gate_up_proj(self.post_attention_layernorm(h)).split(self.intermediate_size, dim=-1)
-            m = self.down_proj(self.act(gate) * up)
+            m = self.down_proj(self.gated_act(self.gate_up_proj(self.post_attention_layernorm(h))))
         return h + (m if self.mlp_output_norm is None else self.mlp_output_norm(m))
 
 

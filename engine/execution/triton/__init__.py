@@ -1,5 +1,6 @@
 """Paged-attention kernels in Triton, for the CUDA backend: a split-K decode kernel and a
-prefill / chunked-prefill kernel, both reading K/V through the block table in place.
+prefill / chunked-prefill kernel, both reading K/V through the block table in place; and the
+decoder layer's elementwise parts, one kernel each (pointwise.py: RMS norm, RoPE, SiLU * up).
 
 Cache layout per layer (as engine/execution/attention.py): k_cache, v_cache:
 [num_slots, num_kv_heads, head_dim], float32 or bfloat16, slot = block_id * block_size + offset.

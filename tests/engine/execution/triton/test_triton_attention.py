@@ -54,14 +54,15 @@ def _import_interpreted() -> tuple[object, object, object]:
         import triton.runtime
 
         from engine.execution import triton as package
-        from engine.execution.triton import _tiles, decode, prefill
+        from engine.execution.triton import _tiles, decode, pointwise, prefill
 
         if isinstance(decode._decode_partition_kernel, triton.runtime.JITFunction) or \
-                isinstance(prefill._prefill_kernel, triton.runtime.JITFunction):
+                isinstance(prefill._prefill_kernel, triton.runtime.JITFunction) or \
+                isinstance(pointwise._rms_norm_kernel, triton.runtime.JITFunction):
             # imported earlier without the interpreter: decorate again, the shared helpers first
-            for module in (_tiles, decode, prefill):
+            for module in (_tiles, decode, prefill, pointwise):
                 importlib.reload(module)
-        return package, decode, prefill
+        return package, decode, prefill, pointwise
     finally:
         if _INTERPRET_BEFORE is None:
             del os.environ["TRITON_INTERPRET"]
@@ -96,11 +97,12 @@ if IS_NATIVE:
         pytest.skip("MINIVLLM_TEST_TRITON_NATIVE=1 needs a CUDA GPU", allow_module_level=True)
     from engine.execution import triton as _package
     from engine.execution.triton import decode as _decode_module
+    from engine.execution.triton import pointwise as _pointwise_module
     from engine.execution.triton import prefill as _prefill_module
 
     triton_attention = _OnTheGpu(_package)
 else:
-    triton_attention, _decode_module, _prefill_module = _import_interpreted()
+    triton_attention, _decode_module, _prefill_module, _pointwise_module = _import_interpreted()
 _INTERPRET_AFTER_IMPORT = os.environ.get("TRITON_INTERPRET")
 
 
@@ -468,7 +470,8 @@ def test_kernels_are_interpreted_and_the_variable_restored() -> None:
     import triton.runtime
 
     for kernel in (_decode_module._decode_partition_kernel, _decode_module._merge_partitions_kernel,
-                   _prefill_module._prefill_kernel):
+                   _prefill_module._prefill_kernel, _pointwise_module._rms_norm_kernel,
+                   _pointwise_module._rotary_kernel, _pointwise_module._silu_and_mul_kernel):
         assert not isinstance(kernel, triton.runtime.JITFunction), kernel
     assert _INTERPRET_AFTER_IMPORT == _INTERPRET_BEFORE
 
@@ -539,8 +542,103 @@ def test_the_cuda_backends_host_code_generates_what_the_reference_backend_does(
     assert engine.runner.kv_layout.num_groups == {"qwen2-sliding": 2, "gemma3": 3}.get(family, 1)
     backend = engine.runner.backend
     assert backend.name == "cuda" and backend.graphs.buckets == [1, 2, 4] and backend.max_decode_rows == 4
+    # The elementwise layers ran on the Triton kernels (interpreted): every norm and rotation, the
+    # SiLU gated MLPs (Gemma 3's GeGLU stays torch's).
+    from engine.execution.backends.cuda_pointwise import TritonRMSNorm, TritonRotation, TritonSiluAndMul
+    from engine.execution.models.layers import GatedActivation, RMSNorm, Rotation
+
+    modules = list(engine.runner.model.modules())
+    assert not any(type(m) in (RMSNorm, Rotation) for m in modules)
+    assert sum(isinstance(m, TritonRMSNorm) for m in modules) >= 5 and any(isinstance(m, TritonRotation) for m in modules)
+    assert any(isinstance(m, TritonSiluAndMul) for m in modules) == (family != "gemma3")
+    assert any(type(m) is GatedActivation for m in modules) == (family == "gemma3")
     assert ours == reference
     assert 3 in batches  # three streams decoded in the bucket of 4: one padded row
     scratch_slot = backend.graphs.scratch_slot
     assert scratch_slot == engine.runner.kv_cache.shape[2]  # the first slot past the pool's view
     assert backend.graphs.kv_caches[0][0][scratch_slot].abs().sum() > 0  # the padded row wrote there
+
+
+def _pointwise_call(fn: object, *tensors: torch.Tensor, **kwargs: object) -> object:
+    """A pointwise kernel on the tests' CPU tensors: interpreted, or (native) on GPU copies, its
+    result and its in-place arguments brought back."""
+    if not IS_NATIVE:
+        return fn(*tensors, **kwargs)
+    moved = [t.cuda() for t in tensors]
+    result = fn(*moved, **kwargs)
+    for t, m in zip(tensors, moved, strict=True):
+        t.copy_(m.cpu())
+    return result.cpu() if isinstance(result, torch.Tensor) else result
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> int:
+    """The largest distance between a and b in units of their dtype's last place."""
+    bits = {torch.float32: torch.int32, torch.bfloat16: torch.int16}[a.dtype]
+    return int((a.view(bits).long() - b.view(bits).long()).abs().max())
+
+
+@pytest.mark.parametrize("dtype", [FP32, BF16])
+def test_rms_norm_kernel_is_the_modules_norm(dtype: torch.dtype) -> None:
+    """Rows of a 2-D tensor and the heads of q/k views of a QKV row (Qwen3's per-head norms): the
+    sum of squares is the kernel's own order, which moves a float32 result by a few ulps (4 here)
+    and a bfloat16 one, rounded after, by one at most."""
+    max_ulps = 8 if dtype == FP32 else 1
+    from engine.execution.models.layers import RMSNorm
+
+    gen = torch.Generator().manual_seed(3)
+    for shape in ((5, 96), (1, 40)):
+        norm = RMSNorm(shape[1], 1e-5)
+        norm.weight.data = (torch.randn(shape[1], generator=gen) * 0.3 + 1).to(dtype)
+        x = (torch.randn(*shape, generator=gen) * 4).to(dtype)
+        got = _pointwise_call(_pointwise_module.rms_norm, x, norm.weight, eps=norm.eps)
+        assert got.dtype == dtype and got.shape == x.shape
+        assert _ulps(got, norm(x)) <= max_ulps
+    qkv = (torch.randn(3, (4 + 2 + 2) * 16, generator=gen)).to(dtype)
+    q = qkv[:, : 4 * 16].view(3, 4, 16)  # strides (128, 16, 1): rows of heads, not one stride
+    norm = RMSNorm(16, 1e-6)
+    norm.weight.data = torch.rand(16, generator=gen).to(dtype)
+    assert _ulps(_pointwise_call(_pointwise_module.rms_norm, q, norm.weight, eps=norm.eps), norm(q)) <= max_ulps
+
+
+@pytest.mark.parametrize("dtype", [FP32, BF16])
+def test_rotary_kernel_rotates_q_and_k_in_place_as_the_module_does(dtype: torch.dtype) -> None:
+    """Bit for bit: each product and the sum rounded where torch's ops round them."""
+    from engine.execution.models.layers import Rotation
+
+    gen = torch.Generator().manual_seed(4)
+    num_tokens, heads, kv_heads, dim = 5, 6, 2, 32
+    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
+    q = qkv[:, : heads * dim].view(num_tokens, heads, dim)
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(num_tokens, kv_heads, dim)
+    v_before = qkv[:, (heads + kv_heads) * dim :].clone()
+    angles = torch.randn(num_tokens, 1, dim // 2, generator=gen) * 3
+    cos = torch.cat((angles.cos(), angles.cos()), dim=-1).to(dtype)
+    sin = torch.cat((angles.sin(), angles.sin()), dim=-1).to(dtype)
+    want_q, want_k = Rotation()(q, k, cos, sin)
+    _pointwise_call(_pointwise_module.rotary, q, k, cos, sin)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+    assert torch.equal(qkv[:, (heads + kv_heads) * dim :], v_before)  # v untouched
+
+
+@pytest.mark.parametrize("dtype", [FP32, BF16])
+def test_silu_and_mul_kernel_is_the_gated_activation(dtype: torch.dtype) -> None:
+    """SiLU(gate) rounded to the dtype, then times up, as torch's two ops round."""
+    from engine.execution.models.layers import GatedActivation
+
+    gen = torch.Generator().manual_seed(5)
+    act = GatedActivation("silu", 40)
+    gate_up = (torch.randn(3, 80, generator=gen) * 3).to(dtype)
+    got = _pointwise_call(_pointwise_module.silu_and_mul, gate_up, block=16)  # 3 blocks a row, the last partial
+    assert got.shape == (3, 40) and got.dtype == dtype
+    # exp is the kernel's own (numpy's here, the GPU's exp2 there): float32 moves by an ulp or
+    # two, 2 here; bfloat16, rounded after, by one at most
+    assert _ulps(got, act(gate_up)) <= (4 if dtype == FP32 else 1)
+
+
+def test_pointwise_kernels_refuse_what_they_do_not_take() -> None:
+    with pytest.raises(ValueError, match="rms_norm"):
+        _pointwise_module.rms_norm(torch.zeros(2, 3, 4, 5), torch.ones(5), 1e-5)
+    with pytest.raises(ValueError, match="rotary"):
+        _pointwise_module.rotary(torch.zeros(2, 3, 5), torch.zeros(2, 1, 5), torch.zeros(2, 1, 5), torch.zeros(2, 1, 5))
+    with pytest.raises(ValueError, match="silu_and_mul"):
+        _pointwise_module.silu_and_mul(torch.zeros(2, 7))

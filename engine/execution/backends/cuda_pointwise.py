@@ -1,0 +1,60 @@
+"""The CUDA backend's elementwise layers: RMS norms, RoPE's rotation and SiLU(gate) * up as one
+Triton kernel each (engine/execution/triton/pointwise.py) in place of torch's several.
+
+Why: a batch-1 decode step of a small model on a GPU, replayed from a CUDA graph, is bound by how
+many kernels it runs (each takes a few microseconds however little it does), and torch's ops
+make some 40 a layer, 30 of them for these three parts. The modules here are drop-in subclasses
+of the model's own, swapped in after loading as the CPU backend swaps its Linears, so the model
+code never asks which backend runs it.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.execution.models.layers import GatedActivation, RMSNorm, Rotation
+
+
+class TritonRMSNorm(RMSNorm):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from engine.execution.triton import pointwise
+
+        if x.dim() not in (2, 3) or x.stride(-1) != 1:
+            return super().forward(x)
+        return pointwise.rms_norm(x, self.weight, self.eps)
+
+
+class TritonRotation(Rotation):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        from engine.execution.triton import pointwise
+
+        pointwise.rotary(q, k, cos, sin)  # in place: q and k are the step's own (views of its QKV rows)
+        return q, k
+
+
+class TritonSiluAndMul(GatedActivation):
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        from engine.execution.triton import pointwise
+
+        return pointwise.silu_and_mul(gate_up)
+
+
+def swap_pointwise_modules(model: nn.Module) -> int:
+    """Replace the model's RMSNorm, Rotation and SiLU GatedActivation modules (exactly those
+    classes: a family's own variants stay) with the Triton ones, in place; returns how many."""
+    swapped = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            replacement: nn.Module | None = None
+            if type(child) is RMSNorm:
+                replacement = TritonRMSNorm(child.weight.shape[0], child.eps)
+                replacement.weight = child.weight
+            elif type(child) is Rotation:
+                replacement = TritonRotation()
+            elif type(child) is GatedActivation and child.hidden_act == "silu":
+                replacement = TritonSiluAndMul(child.hidden_act, child.intermediate_size)
+            if replacement is not None:
+                setattr(parent, name, replacement)
+                swapped += 1
+    return swapped

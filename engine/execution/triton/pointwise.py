@@ -1,0 +1,140 @@
+"""A decoder layer's elementwise parts in Triton, one kernel each where torch runs several: the RMS
+norm (8 kernels in torch's ops: float, square, mean, add, rsqrt, two products, the cast), the
+rotary embedding of q and k (10: two products, a negation, a concatenation and a sum for each),
+and SiLU(gate) * up (2). A batch-1 decode step of a small model on a GPU is some 40 kernels a
+layer of a few microseconds each, so their count, not their work, sets the step; these take a
+layer to about 12.
+
+Each rounds where torch's ops round, so a bfloat16 model's values are those of the modules they
+stand in for (the norm's sum of squares is the one exception: its order is the kernel's, which
+moves the float32 result by an ulp at most), and a float32 model's are float32 throughout.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from engine.execution.triton._checks import next_pow2
+
+
+@triton.jit
+def _rounded(x: tl.tensor, ty: tl.constexpr) -> tl.tensor:
+    """float32 x in dtype ty, rounded to nearest even as torch rounds: written out for bfloat16,
+    whose cast Triton's interpreter truncates (the tests run there)."""
+    if ty == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
+    return x.to(ty)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr: tl.tensor, w_ptr: tl.tensor, out_ptr: tl.tensor, num_inner: int, stride_xo: int,
+                     stride_xi: int, stride_oo: int, stride_oi: int, num_cols: int, eps: float,
+                     BLOCK: tl.constexpr) -> None:
+    """One row of x [outer, inner, cols]: out = w * (x * rsqrt(mean(x^2) + eps)), the normalised
+    row rounded to x's dtype before the weight's product (RMSNorm.forward's order)."""
+    row = tl.program_id(0)
+    outer, inner = row // num_inner, row % num_inner
+    cols = tl.arange(0, BLOCK)
+    ok = cols < num_cols
+    x = tl.load(x_ptr + outer.to(tl.int64) * stride_xo + inner * stride_xi + cols, mask=ok, other=0.0)
+    xf = x.to(tl.float32)
+    mean = tl.sum(xf * xf, 0) / num_cols
+    y = _rounded(xf * tl.math.rsqrt(mean + eps), x.dtype)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0)
+    out = _rounded(w.to(tl.float32) * y.to(tl.float32), out_ptr.dtype.element_ty)
+    tl.store(out_ptr + outer.to(tl.int64) * stride_oo + inner * stride_oi + cols, out, mask=ok)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [..., N] (2 or 3 dims, the last contiguous), weight: [N] -> a new [..., N] tensor in
+    the dtype torch's `weight * x_normed.to(x.dtype)` gives."""
+    if x.dim() not in (2, 3) or x.stride(-1) != 1 or weight.shape != (x.shape[-1],):
+        raise ValueError(f"rms_norm: x {tuple(x.shape)} (strides {x.stride()}) and weight {tuple(weight.shape)}: "
+                         "x must be [rows, N] or [rows, heads, N] with its last dimension contiguous, weight [N]")
+    x3 = x if x.dim() == 3 else x.unsqueeze(1)
+    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    out3 = out if out.dim() == 3 else out.unsqueeze(1)
+    outer, inner, num_cols = x3.shape
+    if outer * inner == 0:
+        return out
+    _rms_norm_kernel[(outer * inner,)](x3, weight, out3, inner, x3.stride(0), x3.stride(1), out3.stride(0),
+                                       out3.stride(1), num_cols, float(eps), BLOCK=next_pow2(num_cols))
+    return out
+
+
+@triton.jit
+def _rotary_kernel(q_ptr: tl.tensor, k_ptr: tl.tensor, cos_ptr: tl.tensor, sin_ptr: tl.tensor, num_q_heads: int,
+                   stride_qt: int, stride_qh: int, stride_kt: int, stride_kh: int, stride_ct: int, half: int,
+                   BLOCK: tl.constexpr) -> None:
+    """One (token, head) row of q or k (heads past num_q_heads are k's), rotated in place:
+    x * cos + rotate_half(x) * sin, each product and the sum rounded to x's dtype as torch's ops
+    round them."""
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    if head < num_q_heads:
+        base = q_ptr + token.to(tl.int64) * stride_qt + head * stride_qh
+    else:
+        base = k_ptr + token.to(tl.int64) * stride_kt + (head - num_q_heads) * stride_kh
+    cols = tl.arange(0, BLOCK)
+    ok = cols < half
+    x1 = tl.load(base + cols, mask=ok, other=0.0)
+    x2 = tl.load(base + half + cols, mask=ok, other=0.0)
+    ty = x1.dtype
+    c1 = tl.load(cos_ptr + token.to(tl.int64) * stride_ct + cols, mask=ok, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + token.to(tl.int64) * stride_ct + half + cols, mask=ok, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + token.to(tl.int64) * stride_ct + cols, mask=ok, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + token.to(tl.int64) * stride_ct + half + cols, mask=ok, other=0.0).to(tl.float32)
+    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+    # rotate_half(x) = [-x2, x1]
+    y1 = _rounded(f1 * c1, ty).to(tl.float32) + _rounded(-f2 * s1, ty).to(tl.float32)
+    y2 = _rounded(f2 * c2, ty).to(tl.float32) + _rounded(f1 * s2, ty).to(tl.float32)
+    tl.store(base + cols, _rounded(y1, ty), mask=ok)
+    tl.store(base + half + cols, _rounded(y2, ty), mask=ok)
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """q: [T, Hq, D], k: [T, Hk, D] (their last dimension contiguous; views of one QKV row are
+    fine), cos, sin: [T, 1, D] (or [T, D]) in their dtype: rotated in place."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    if k.dim() != 3 or k.shape[0] != num_tokens or k.shape[2] != head_dim or q.stride(-1) != 1 or \
+            k.stride(-1) != 1 or head_dim % 2 or k.dtype != q.dtype:
+        raise ValueError(f"rotary: q {tuple(q.shape)} and k {tuple(k.shape)} must be [T, heads, D] of one dtype, D even, "
+                         "their last dimension contiguous")
+    cos2, sin2 = cos.reshape(num_tokens, head_dim), sin.reshape(num_tokens, head_dim)
+    if cos2.stride(-1) != 1 or cos2.stride() != sin2.stride():
+        raise ValueError("rotary: cos and sin must be [T, D] alike, their last dimension contiguous")
+    if num_tokens == 0:
+        return
+    half = head_dim // 2
+    _rotary_kernel[(num_tokens, num_q_heads + k.shape[1])](
+        q, k, cos2, sin2, num_q_heads, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos2.stride(0), half,
+        BLOCK=next_pow2(half))
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr: tl.tensor, out_ptr: tl.tensor, num_cols: int, stride_x: int, stride_o: int,
+                         BLOCK: tl.constexpr) -> None:
+    """One block of one row of x = [gate | up]: silu(gate) rounded to x's dtype, times up."""
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < num_cols
+    base = x_ptr + row.to(tl.int64) * stride_x
+    gate = tl.load(base + cols, mask=ok, other=0.0)
+    up = tl.load(base + num_cols + cols, mask=ok, other=0.0)
+    g = gate.to(tl.float32)
+    act = _rounded(g / (1.0 + tl.exp(-g)), gate.dtype)
+    out = _rounded(act.to(tl.float32) * up.to(tl.float32), out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row.to(tl.int64) * stride_o + cols, out, mask=ok)
+
+
+def silu_and_mul(gate_up: torch.Tensor, block: int = 1024) -> torch.Tensor:
+    """gate_up: [T, 2 I] (gate then up, the last dimension contiguous) -> silu(gate) * up, [T, I]."""
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.stride(-1) != 1:
+        raise ValueError(f"silu_and_mul: gate_up {tuple(gate_up.shape)} must be [T, 2 I], its last dimension contiguous")
+    num_tokens, width = gate_up.shape
+    out = torch.empty((num_tokens, width // 2), dtype=gate_up.dtype, device=gate_up.device)
+    if num_tokens:
+        _silu_and_mul_kernel[(num_tokens, triton.cdiv(width // 2, block))](
+            gate_up, out, width // 2, gate_up.stride(0), out.stride(0), BLOCK=block)
+    return out
