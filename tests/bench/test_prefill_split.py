@@ -30,7 +30,10 @@ def test_parts_account_for_the_forward(tiny_model_dir: Path, max_fused_tokens: i
     assert expected <= parts
     assert timer.flops["attention"] > 0
     accounted = sum(timer.seconds.values())
-    assert 0.5 * result["forward"] < accounted <= 1.02 * result["forward"]
+    # The parts lie inside the forward; how much of it they are is a timing (the untimed Python
+    # between them grows on a loaded machine: 46 % once in a make test, 52-61 % alone), so the
+    # lower bound only says the hooks cover the forward's main parts.
+    assert 0.3 * result["forward"] < accounted <= 1.02 * result["forward"]
     # put back: the module's attention and the kernels, and no hooks left on the projections
     assert llama_module.attention is original_attention and cpu_fused.attention.__name__ == "attention"
     if is_fused:

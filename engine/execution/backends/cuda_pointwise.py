@@ -14,6 +14,9 @@ from torch import nn
 
 from engine.execution.models.layers import GatedActivation, RMSNorm, Rotation
 
+# Each forward imports the kernels' module when called: importing it imports triton, which the
+# tests must first do under the interpreter (tests/engine/execution/triton).
+
 
 class TritonRMSNorm(RMSNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -29,6 +32,8 @@ class TritonRotation(Rotation):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         from engine.execution.triton import pointwise
 
+        if q.dim() != 3 or k.dim() != 3 or q.stride(-1) != 1 or k.stride(-1) != 1:
+            return super().forward(q, k, cos, sin)
         pointwise.rotary(q, k, cos, sin)  # in place: q and k are the step's own (views of its QKV rows)
         return q, k
 
@@ -55,6 +60,7 @@ def swap_pointwise_modules(model: nn.Module) -> int:
             elif type(child) is GatedActivation and child.hidden_act == "silu":
                 replacement = TritonSiluAndMul(child.hidden_act, child.intermediate_size)
             if replacement is not None:
+                replacement.train(child.training)
                 setattr(parent, name, replacement)
                 swapped += 1
     return swapped

@@ -16,11 +16,17 @@ import triton.language as tl
 from engine.execution.triton._checks import next_pow2
 
 
+def _emulate_bf16(kernel: object) -> bool:
+    """True under Triton's interpreter (TRITON_INTERPRET=1 when this module was imported)."""
+    return not isinstance(kernel, triton.runtime.JITFunction)
+
+
 @triton.jit
-def _rounded(x: tl.tensor, ty: tl.constexpr) -> tl.tensor:
-    """float32 x in dtype ty, rounded to nearest even as torch rounds: written out for bfloat16,
-    whose cast Triton's interpreter truncates (the tests run there)."""
-    if ty == tl.bfloat16:
+def _rounded(x: tl.tensor, ty: tl.constexpr, EMULATE_BF16: tl.constexpr) -> tl.tensor:
+    """float32 x in dtype ty, rounded to nearest even as torch rounds. The interpreter truncates
+    its bfloat16 cast, so there (EMULATE_BF16) the rounding is written out (finite values: the
+    tests'); a GPU's cast rounds to nearest even itself, NaN kept."""
+    if EMULATE_BF16 and ty == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
         return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
@@ -30,7 +36,7 @@ def _rounded(x: tl.tensor, ty: tl.constexpr) -> tl.tensor:
 @triton.jit
 def _rms_norm_kernel(x_ptr: tl.tensor, w_ptr: tl.tensor, out_ptr: tl.tensor, num_inner: int, stride_xo: int,
                      stride_xi: int, stride_oo: int, stride_oi: int, num_cols: int, eps: float,
-                     BLOCK: tl.constexpr) -> None:
+                     BLOCK: tl.constexpr, EMULATE_BF16: tl.constexpr) -> None:
     """One row of x [outer, inner, cols]: out = w * (x * rsqrt(mean(x^2) + eps)), the normalised
     row rounded to x's dtype before the weight's product (RMSNorm.forward's order)."""
     row = tl.program_id(0)
@@ -40,9 +46,9 @@ def _rms_norm_kernel(x_ptr: tl.tensor, w_ptr: tl.tensor, out_ptr: tl.tensor, num
     x = tl.load(x_ptr + outer.to(tl.int64) * stride_xo + inner * stride_xi + cols, mask=ok, other=0.0)
     xf = x.to(tl.float32)
     mean = tl.sum(xf * xf, 0) / num_cols
-    y = _rounded(xf * tl.math.rsqrt(mean + eps), x.dtype)
+    y = _rounded(xf * tl.math.rsqrt(mean + eps), x.dtype, EMULATE_BF16)
     w = tl.load(w_ptr + cols, mask=ok, other=0.0)
-    out = _rounded(w.to(tl.float32) * y.to(tl.float32), out_ptr.dtype.element_ty)
+    out = _rounded(w.to(tl.float32) * y.to(tl.float32), out_ptr.dtype.element_ty, EMULATE_BF16)
     tl.store(out_ptr + outer.to(tl.int64) * stride_oo + inner * stride_oi + cols, out, mask=ok)
 
 
@@ -58,15 +64,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     outer, inner, num_cols = x3.shape
     if outer * inner == 0:
         return out
+    block = next_pow2(num_cols)
+    # a row a program: its warps sized to the row (a wide hidden size in a few registers a thread)
     _rms_norm_kernel[(outer * inner,)](x3, weight, out3, inner, x3.stride(0), x3.stride(1), out3.stride(0),
-                                       out3.stride(1), num_cols, float(eps), BLOCK=next_pow2(num_cols))
+                                       out3.stride(1), num_cols, float(eps), BLOCK=block,
+                                       EMULATE_BF16=_emulate_bf16(_rms_norm_kernel),
+                                       num_warps=max(1, min(16, block // 256)))
     return out
 
 
 @triton.jit
 def _rotary_kernel(q_ptr: tl.tensor, k_ptr: tl.tensor, cos_ptr: tl.tensor, sin_ptr: tl.tensor, num_q_heads: int,
                    stride_qt: int, stride_qh: int, stride_kt: int, stride_kh: int, stride_ct: int, half: int,
-                   BLOCK: tl.constexpr) -> None:
+                   BLOCK: tl.constexpr, EMULATE_BF16: tl.constexpr) -> None:
     """One (token, head) row of q or k (heads past num_q_heads are k's), rotated in place:
     x * cos + rotate_half(x) * sin, each product and the sum rounded to x's dtype as torch's ops
     round them."""
@@ -87,10 +97,10 @@ def _rotary_kernel(q_ptr: tl.tensor, k_ptr: tl.tensor, cos_ptr: tl.tensor, sin_p
     s2 = tl.load(sin_ptr + token.to(tl.int64) * stride_ct + half + cols, mask=ok, other=0.0).to(tl.float32)
     f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
     # rotate_half(x) = [-x2, x1]
-    y1 = _rounded(f1 * c1, ty).to(tl.float32) + _rounded(-f2 * s1, ty).to(tl.float32)
-    y2 = _rounded(f2 * c2, ty).to(tl.float32) + _rounded(f1 * s2, ty).to(tl.float32)
-    tl.store(base + cols, _rounded(y1, ty), mask=ok)
-    tl.store(base + half + cols, _rounded(y2, ty), mask=ok)
+    y1 = _rounded(f1 * c1, ty, EMULATE_BF16).to(tl.float32) + _rounded(-f2 * s1, ty, EMULATE_BF16).to(tl.float32)
+    y2 = _rounded(f2 * c2, ty, EMULATE_BF16).to(tl.float32) + _rounded(f1 * s2, ty, EMULATE_BF16).to(tl.float32)
+    tl.store(base + cols, _rounded(y1, ty, EMULATE_BF16), mask=ok)
+    tl.store(base + half + cols, _rounded(y2, ty, EMULATE_BF16), mask=ok)
 
 
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -107,14 +117,15 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     if num_tokens == 0:
         return
     half = head_dim // 2
+    # No fused multiply-adds: torch rounds each product, then the sum (float32 too, bit for bit).
     _rotary_kernel[(num_tokens, num_q_heads + k.shape[1])](
         q, k, cos2, sin2, num_q_heads, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos2.stride(0), half,
-        BLOCK=next_pow2(half))
+        BLOCK=next_pow2(half), EMULATE_BF16=_emulate_bf16(_rotary_kernel), num_warps=1, enable_fp_fusion=False)
 
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr: tl.tensor, out_ptr: tl.tensor, num_cols: int, stride_x: int, stride_o: int,
-                         BLOCK: tl.constexpr) -> None:
+                         BLOCK: tl.constexpr, EMULATE_BF16: tl.constexpr) -> None:
     """One block of one row of x = [gate | up]: silu(gate) rounded to x's dtype, times up."""
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -123,8 +134,8 @@ def _silu_and_mul_kernel(x_ptr: tl.tensor, out_ptr: tl.tensor, num_cols: int, st
     gate = tl.load(base + cols, mask=ok, other=0.0)
     up = tl.load(base + num_cols + cols, mask=ok, other=0.0)
     g = gate.to(tl.float32)
-    act = _rounded(g / (1.0 + tl.exp(-g)), gate.dtype)
-    out = _rounded(act.to(tl.float32) * up.to(tl.float32), out_ptr.dtype.element_ty)
+    act = _rounded(g / (1.0 + tl.exp(-g)), gate.dtype, EMULATE_BF16)
+    out = _rounded(act.to(tl.float32) * up.to(tl.float32), out_ptr.dtype.element_ty, EMULATE_BF16)
     tl.store(out_ptr + row.to(tl.int64) * stride_o + cols, out, mask=ok)
 
 
@@ -136,5 +147,6 @@ def silu_and_mul(gate_up: torch.Tensor, block: int = 1024) -> torch.Tensor:
     out = torch.empty((num_tokens, width // 2), dtype=gate_up.dtype, device=gate_up.device)
     if num_tokens:
         _silu_and_mul_kernel[(num_tokens, triton.cdiv(width // 2, block))](
-            gate_up, out, width // 2, gate_up.stride(0), out.stride(0), BLOCK=block)
+            gate_up, out, width // 2, gate_up.stride(0), out.stride(0), BLOCK=block,
+            EMULATE_BF16=_emulate_bf16(_silu_and_mul_kernel))
     return out

@@ -582,7 +582,7 @@ def test_rms_norm_kernel_is_the_modules_norm(dtype: torch.dtype) -> None:
     """Rows of a 2-D tensor and the heads of q/k views of a QKV row (Qwen3's per-head norms): the
     sum of squares is the kernel's own order, which moves a float32 result by a few ulps (4 here)
     and a bfloat16 one, rounded after, by one at most."""
-    max_ulps = 8 if dtype == FP32 else 1
+    max_ulps = 8 if dtype == FP32 else 2 if IS_NATIVE else 1  # (a GPU's rsqrt is its own too)
     from engine.execution.models.layers import RMSNorm
 
     gen = torch.Generator().manual_seed(3)
@@ -630,9 +630,9 @@ def test_silu_and_mul_kernel_is_the_gated_activation(dtype: torch.dtype) -> None
     gate_up = (torch.randn(3, 80, generator=gen) * 3).to(dtype)
     got = _pointwise_call(_pointwise_module.silu_and_mul, gate_up, block=16)  # 3 blocks a row, the last partial
     assert got.shape == (3, 40) and got.dtype == dtype
-    # exp is the kernel's own (numpy's here, the GPU's exp2 there): float32 moves by an ulp or
-    # two, 2 here; bfloat16, rounded after, by one at most
-    assert _ulps(got, act(gate_up)) <= (4 if dtype == FP32 else 1)
+    # exp is the kernel's own (numpy's here, the GPU's exp2 of a rounded g log2(e) there): float32
+    # moves by an ulp or two here, up to about 10 on a GPU; bfloat16, rounded after, by one at most
+    assert _ulps(got, act(gate_up)) <= ((16 if IS_NATIVE else 4) if dtype == FP32 else 1)
 
 
 def test_pointwise_kernels_refuse_what_they_do_not_take() -> None:
