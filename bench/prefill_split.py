@@ -30,6 +30,7 @@ import torch
 from bench.runs import make_prompts
 from engine import LLM, SamplingParams
 from engine.execution.backends import cpu_fused
+from engine.execution.models import layers as layers_module
 from engine.execution.models import llama as llama_module
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -111,9 +112,9 @@ def installed(llm: LLM, timer: PartTimer) -> Iterator[None]:
             if norm is not None:
                 handles += timer.timed_module(norm, "norms")
     handles += timer.timed_module(model.norm, "norms")
-    saved = llama_module.attention, llama_module.write_kv, model.compute_logits, cpu_fused.attention
+    saved = llama_module.attention, layers_module.write_kv, model.compute_logits, cpu_fused.attention
     llama_module.attention = timer.timed_call(saved[0], "attention", attention_flops)
-    llama_module.write_kv = timer.timed_call(saved[1], "attention")
+    layers_module.write_kv = timer.timed_call(saved[1], "attention")
     model.compute_logits = timer.timed_call(saved[2], "lm_head")
     cpu_fused.attention = timer.timed_call(saved[3], "attention", attention_flops)
     fused = getattr(llm.engine.runner.backend, "fused", None)
@@ -123,7 +124,7 @@ def installed(llm: LLM, timer: PartTimer) -> Iterator[None]:
     try:
         yield
     finally:
-        llama_module.attention, llama_module.write_kv, cpu_fused.attention = saved[0], saved[1], saved[3]
+        llama_module.attention, layers_module.write_kv, cpu_fused.attention = saved[0], saved[1], saved[3]
         del model.compute_logits  # back to the class's method
         if fused is not None:
             fused.kernels = kernels

@@ -1,5 +1,5 @@
-"""The CUDA backend's elementwise layers: RMS norms, RoPE's rotation and SiLU(gate) * up as one
-Triton kernel each (engine/execution/triton/pointwise.py) in place of torch's several.
+"""The CUDA backend's elementwise layers: RMS norms, RoPE's rotation with the K/V cache writes,
+and SiLU(gate) * up, as one Triton kernel each (engine/execution/triton/pointwise.py) in place of torch's several.
 
 Why: a batch-1 decode step of a small model on a GPU, replayed from a CUDA graph, is bound by how
 many kernels it runs (each takes a few microseconds however little it does), and torch's ops
@@ -35,6 +35,17 @@ class TritonRotation(Rotation):
         if q.dim() != 3 or k.dim() != 3 or q.stride(-1) != 1 or k.stride(-1) != 1:
             return super().forward(q, k, cos, sin)
         pointwise.rotary(q, k, cos, sin)  # in place: q and k are the step's own (views of its QKV rows)
+        return q, k
+
+    def rotate_and_cache(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        from engine.execution.triton import pointwise
+
+        if q.dim() != 3 or k.dim() != 3 or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1 or \
+                k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
+            return super().rotate_and_cache(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+        pointwise.rotary(q, k, cos, sin, v, k_cache, v_cache, slot_mapping)  # one launch: rotation and both writes
         return q, k
 
 

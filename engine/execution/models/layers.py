@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.execution.attention import write_kv
+
 
 class Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
@@ -58,6 +60,15 @@ class Rotation(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         # q: [T, Hq, D], k: [T, Hk, D], cos, sin: [T, 1, D] -> rotated q, k (a subclass may rotate in place)
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+    def rotate_and_cache(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotation, then the step's rotated K and its V written at their slots
+        (attention.write_kv); returns the rotated q, k."""
+        q, k = self(q, k, cos, sin)
+        write_kv(k_cache, v_cache, k, v, slot_mapping)
+        return q, k
 
 
 ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.execution.attention import AttentionMetadata, attention, write_kv
+from engine.execution.attention import AttentionMetadata, attention
 from engine.execution.models.layers import GatedActivation, Linear, RMSNorm, Rotation
 from engine.execution.models.model_config import ModelConfig
 from engine.execution.models.moe import SparseMoe
@@ -85,8 +85,7 @@ class DecoderLayer(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotation(q, k, cos, sin)
-        write_kv(k_cache, v_cache, k, v, attn.slot_mapping)
+        q, k = self.rotation.rotate_and_cache(q, k, v, cos, sin, k_cache, v_cache, attn.slot_mapping)
         o = attention(q, k, v, k_cache, v_cache, attn, self.scale, self.sliding_window, self.sinks)
         o = o.reshape(num_tokens, self.q_size)
         if rows is not None:

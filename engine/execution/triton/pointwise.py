@@ -1,13 +1,13 @@
 """A decoder layer's elementwise parts in Triton, one kernel each where torch runs several: the RMS
 norm (8 kernels in torch's ops: float, square, mean, add, rsqrt, two products, the cast), the
-rotary embedding of q and k (10: two products, a negation, a concatenation and a sum for each),
-and SiLU(gate) * up (2). A batch-1 decode step of a small model on a GPU is some 40 kernels a
-layer of a few microseconds each, so their count, not their work, sets the step; these take a
-layer to about 12.
+rotary embedding of q and k with their K/V cache writes (12: two products, a negation, a
+concatenation and a sum for each, and the two copies), and SiLU(gate) * up (2). A batch-1
+decode step of a small model on a GPU is some 40 kernels a layer of a few microseconds each, so
+their count, not their work, sets the step; these take a layer to about 12.
 
 Each rounds where torch's ops round, so a bfloat16 model's values are those of the modules they
-stand in for (the norm's sum of squares is the one exception: its order is the kernel's, which
-moves the float32 result by an ulp at most), and a float32 model's are float32 throughout.
+stand in for and a float32 model's are float32 throughout; the exceptions are the norm's sum of
+squares, in the kernel's own order (a float32 result moves by a few ulps), and exp (SiLU's).
 """
 import torch
 import triton
@@ -74,53 +74,92 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 @triton.jit
-def _rotary_kernel(q_ptr: tl.tensor, k_ptr: tl.tensor, cos_ptr: tl.tensor, sin_ptr: tl.tensor, num_q_heads: int,
-                   stride_qt: int, stride_qh: int, stride_kt: int, stride_kh: int, stride_ct: int, half: int,
-                   BLOCK: tl.constexpr, EMULATE_BF16: tl.constexpr) -> None:
-    """One (token, head) row of q or k (heads past num_q_heads are k's), rotated in place:
-    x * cos + rotate_half(x) * sin, each product and the sum rounded to x's dtype as torch's ops
-    round them."""
+def _rotary_kernel(q_ptr: tl.tensor, k_ptr: tl.tensor, v_ptr: tl.tensor, cos_ptr: tl.tensor, sin_ptr: tl.tensor,
+                   k_cache_ptr: tl.tensor, v_cache_ptr: tl.tensor, slot_ptr: tl.tensor, num_q_heads: int,
+                   num_kv_heads: int, stride_qt: int, stride_qh: int, stride_kt: int, stride_kh: int, stride_vt: int,
+                   stride_vh: int, stride_ct: int, stride_cs: int, stride_ch: int, half: int, BLOCK: tl.constexpr,
+                   WRITE_CACHE: tl.constexpr, EMULATE_BF16: tl.constexpr) -> None:
+    """One (token, head) row: heads [0, Hq) are q's, [Hq, Hq + Hk) k's, rotated in place: x * cos +
+    rotate_half(x) * sin, each product and the sum rounded to x's dtype as torch's ops round them.
+    WRITE_CACHE: a k row goes into k_cache at the token's slot too, and heads [Hq + Hk, Hq + 2 Hk)
+    copy v's rows into v_cache (write_kv's job), in the caches' dtype."""
     token = tl.program_id(0)
     head = tl.program_id(1)
-    if head < num_q_heads:
-        base = q_ptr + token.to(tl.int64) * stride_qt + head * stride_qh
-    else:
-        base = k_ptr + token.to(tl.int64) * stride_kt + (head - num_q_heads) * stride_kh
     cols = tl.arange(0, BLOCK)
     ok = cols < half
-    x1 = tl.load(base + cols, mask=ok, other=0.0)
-    x2 = tl.load(base + half + cols, mask=ok, other=0.0)
-    ty = x1.dtype
-    c1 = tl.load(cos_ptr + token.to(tl.int64) * stride_ct + cols, mask=ok, other=0.0).to(tl.float32)
-    c2 = tl.load(cos_ptr + token.to(tl.int64) * stride_ct + half + cols, mask=ok, other=0.0).to(tl.float32)
-    s1 = tl.load(sin_ptr + token.to(tl.int64) * stride_ct + cols, mask=ok, other=0.0).to(tl.float32)
-    s2 = tl.load(sin_ptr + token.to(tl.int64) * stride_ct + half + cols, mask=ok, other=0.0).to(tl.float32)
-    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-    # rotate_half(x) = [-x2, x1]
-    y1 = _rounded(f1 * c1, ty, EMULATE_BF16).to(tl.float32) + _rounded(-f2 * s1, ty, EMULATE_BF16).to(tl.float32)
-    y2 = _rounded(f2 * c2, ty, EMULATE_BF16).to(tl.float32) + _rounded(f1 * s2, ty, EMULATE_BF16).to(tl.float32)
-    tl.store(base + cols, _rounded(y1, ty, EMULATE_BF16), mask=ok)
-    tl.store(base + half + cols, _rounded(y2, ty, EMULATE_BF16), mask=ok)
+    if WRITE_CACHE:
+        slot = tl.load(slot_ptr + token).to(tl.int64)
+    if head < num_q_heads + num_kv_heads:
+        if head < num_q_heads:
+            base = q_ptr + token.to(tl.int64) * stride_qt + head * stride_qh
+        else:
+            base = k_ptr + token.to(tl.int64) * stride_kt + (head - num_q_heads) * stride_kh
+        x1 = tl.load(base + cols, mask=ok, other=0.0)
+        x2 = tl.load(base + half + cols, mask=ok, other=0.0)
+        ty = x1.dtype
+        c1 = tl.load(cos_ptr + token.to(tl.int64) * stride_ct + cols, mask=ok, other=0.0).to(tl.float32)
+        c2 = tl.load(cos_ptr + token.to(tl.int64) * stride_ct + half + cols, mask=ok, other=0.0).to(tl.float32)
+        s1 = tl.load(sin_ptr + token.to(tl.int64) * stride_ct + cols, mask=ok, other=0.0).to(tl.float32)
+        s2 = tl.load(sin_ptr + token.to(tl.int64) * stride_ct + half + cols, mask=ok, other=0.0).to(tl.float32)
+        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+        # rotate_half(x) = [-x2, x1]
+        y1 = _rounded(f1 * c1, ty, EMULATE_BF16).to(tl.float32) + _rounded(-f2 * s1, ty, EMULATE_BF16).to(tl.float32)
+        y2 = _rounded(f2 * c2, ty, EMULATE_BF16).to(tl.float32) + _rounded(f1 * s2, ty, EMULATE_BF16).to(tl.float32)
+        r1, r2 = _rounded(y1, ty, EMULATE_BF16), _rounded(y2, ty, EMULATE_BF16)
+        tl.store(base + cols, r1, mask=ok)
+        tl.store(base + half + cols, r2, mask=ok)
+        if WRITE_CACHE:
+            if head >= num_q_heads:
+                dst = k_cache_ptr + slot * stride_cs + (head - num_q_heads) * stride_ch
+                cache_ty = k_cache_ptr.dtype.element_ty
+                tl.store(dst + cols, _rounded(r1.to(tl.float32), cache_ty, EMULATE_BF16), mask=ok)
+                tl.store(dst + half + cols, _rounded(r2.to(tl.float32), cache_ty, EMULATE_BF16), mask=ok)
+    elif WRITE_CACHE:
+        kv_head = head - num_q_heads - num_kv_heads
+        src = v_ptr + token.to(tl.int64) * stride_vt + kv_head * stride_vh
+        dst = v_cache_ptr + slot * stride_cs + kv_head * stride_ch
+        cache_ty = v_cache_ptr.dtype.element_ty
+        v1 = tl.load(src + cols, mask=ok, other=0.0).to(tl.float32)
+        v2 = tl.load(src + half + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(dst + cols, _rounded(v1, cache_ty, EMULATE_BF16), mask=ok)
+        tl.store(dst + half + cols, _rounded(v2, cache_ty, EMULATE_BF16), mask=ok)
 
 
-def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, v: torch.Tensor | None = None,
+           k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
+           slot_mapping: torch.Tensor | None = None) -> None:
     """q: [T, Hq, D], k: [T, Hk, D] (their last dimension contiguous; views of one QKV row are
-    fine), cos, sin: [T, 1, D] (or [T, D]) in their dtype: rotated in place."""
+    fine), cos, sin: [T, 1, D] (or [T, D]) in their dtype: rotated in place. With v ([T, Hk, D]),
+    the caches ([num_slots, Hk, D], one dtype, rows contiguous) and slot_mapping ([T] int64): the
+    rotated k and v written at each token's slot as well, in one launch (write_kv's copies)."""
     num_tokens, num_q_heads, head_dim = q.shape
     if k.dim() != 3 or k.shape[0] != num_tokens or k.shape[2] != head_dim or q.stride(-1) != 1 or \
             k.stride(-1) != 1 or head_dim % 2 or k.dtype != q.dtype:
         raise ValueError(f"rotary: q {tuple(q.shape)} and k {tuple(k.shape)} must be [T, heads, D] of one dtype, D even, "
                          "their last dimension contiguous")
+    num_kv_heads = k.shape[1]
     cos2, sin2 = cos.reshape(num_tokens, head_dim), sin.reshape(num_tokens, head_dim)
     if cos2.stride(-1) != 1 or cos2.stride() != sin2.stride():
         raise ValueError("rotary: cos and sin must be [T, D] alike, their last dimension contiguous")
+    write_cache = k_cache is not None
+    if write_cache:
+        if v is None or v_cache is None or slot_mapping is None or v.shape != k.shape or v.stride(-1) != 1 or \
+                k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride() or k_cache.dtype != v_cache.dtype \
+                or k_cache.dim() != 3 or k_cache.shape[1:] != k.shape[1:] or k_cache.stride(-1) != 1 or \
+                slot_mapping.shape != (num_tokens,):
+            raise ValueError("rotary: writing the cache takes v like k, k_cache and v_cache [num_slots, Hk, D] alike "
+                             "(rows contiguous) and slot_mapping [T]")
+    else:
+        v, k_cache, v_cache, slot_mapping = k, k, k, k  # unread
     if num_tokens == 0:
         return
     half = head_dim // 2
     # No fused multiply-adds: torch rounds each product, then the sum (float32 too, bit for bit).
-    _rotary_kernel[(num_tokens, num_q_heads + k.shape[1])](
-        q, k, cos2, sin2, num_q_heads, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos2.stride(0), half,
-        BLOCK=next_pow2(half), EMULATE_BF16=_emulate_bf16(_rotary_kernel), num_warps=1, enable_fp_fusion=False)
+    _rotary_kernel[(num_tokens, num_q_heads + (2 if write_cache else 1) * num_kv_heads)](
+        q, k, v, cos2, sin2, k_cache, v_cache, slot_mapping, num_q_heads, num_kv_heads, q.stride(0), q.stride(1),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos2.stride(0), k_cache.stride(0), k_cache.stride(1), half,
+        BLOCK=next_pow2(half), WRITE_CACHE=write_cache, EMULATE_BF16=_emulate_bf16(_rotary_kernel), num_warps=1,
+        enable_fp_fusion=False)
 
 
 @triton.jit

@@ -642,3 +642,33 @@ def test_pointwise_kernels_refuse_what_they_do_not_take() -> None:
         _pointwise_module.rotary(torch.zeros(2, 3, 5), torch.zeros(2, 1, 5), torch.zeros(2, 1, 5), torch.zeros(2, 1, 5))
     with pytest.raises(ValueError, match="silu_and_mul"):
         _pointwise_module.silu_and_mul(torch.zeros(2, 7))
+
+
+@pytest.mark.parametrize(("dtype", "cache_dtype"), [(FP32, FP32), (BF16, BF16), (FP32, BF16)])
+def test_rotary_kernel_writes_k_and_v_at_their_slots_as_write_kv_does(dtype: torch.dtype,
+                                                                       cache_dtype: torch.dtype) -> None:
+    """One launch: q and k rotated in place, the rotated k and v copied to each token's slot (a
+    float32 model's into a bfloat16 cache rounded there), bit for bit what the rotation and
+    attention.write_kv do; no other slot touched."""
+    from engine.execution.models.layers import Rotation
+
+    gen = torch.Generator().manual_seed(6)
+    num_tokens, heads, kv_heads, dim, num_slots = 4, 4, 2, 16, 24
+    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
+    angles = torch.randn(num_tokens, 1, dim // 2, generator=gen)
+    cos = torch.cat((angles.cos(), angles.cos()), dim=-1).to(dtype)
+    sin = torch.cat((angles.sin(), angles.sin()), dim=-1).to(dtype)
+    slots = torch.randperm(num_slots, generator=gen)[:num_tokens]
+    caches = [torch.randn(num_slots, kv_heads, dim, generator=gen).to(cache_dtype) for _ in range(2)]
+
+    def split(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q = rows[:, : heads * dim].view(num_tokens, heads, dim)
+        k = rows[:, heads * dim : (heads + kv_heads) * dim].view(num_tokens, kv_heads, dim)
+        return q, k, rows[:, (heads + kv_heads) * dim :].view(num_tokens, kv_heads, dim)
+
+    want_caches = [c.clone() for c in caches]
+    want_q, want_k = Rotation().rotate_and_cache(*split(qkv.clone()), cos, sin, *want_caches, slots)
+    q, k, v = split(qkv)
+    _pointwise_call(_pointwise_module.rotary, q, k, cos, sin, v, *caches, slots)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+    assert torch.equal(caches[0], want_caches[0]) and torch.equal(caches[1], want_caches[1])
