@@ -1,5 +1,5 @@
-"""The CUDA backend's elementwise layers: RMS norms, RoPE's rotation with the K/V cache writes,
-and SiLU(gate) * up, as one Triton kernel each (engine/execution/triton/pointwise.py) in place of torch's several.
+"""The CUDA backend's elementwise layers: RMS norms (with the residual add before one), RoPE's
+rotation with the K/V cache writes, and SiLU(gate) * up, as one Triton kernel each (engine/execution/triton/pointwise.py) in place of torch's several.
 
 Why: a batch-1 decode step of a small model on a GPU, replayed from a CUDA graph, is bound by how
 many kernels it runs (each takes a few microseconds however little it does), and torch's ops
@@ -25,6 +25,14 @@ class TritonRMSNorm(RMSNorm):
         if x.dim() not in (2, 3) or x.stride(-1) != 1:
             return super().forward(x)
         return pointwise.rms_norm(x, self.weight, self.eps)
+
+    def add_and_norm(self, residual: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        from engine.execution.triton import pointwise
+
+        if x.dim() != 2 or residual.shape != x.shape or residual.dtype != x.dtype or x.stride(-1) != 1 or \
+                residual.stride(-1) != 1:
+            return super().add_and_norm(residual, x)
+        return pointwise.add_rms_norm(residual, x, self.weight, self.eps)
 
 
 class TritonRotation(Rotation):

@@ -93,11 +93,9 @@ class DecoderLayer(nn.Module):
             if rows.numel() == 0:  # a chunk that samples nothing: its keys and values were all it had to give
                 return x
         o = self.o_proj(o)
-        h = x + (o if self.attn_output_norm is None else self.attn_output_norm(o))
-        if self.moe is not None:
-            m = self.moe(self.post_attention_layernorm(h))
-        else:
-            m = self.down_proj(self.gated_act(self.gate_up_proj(self.post_attention_layernorm(h))))
+        h, normed = self.post_attention_layernorm.add_and_norm(
+            x, o if self.attn_output_norm is None else self.attn_output_norm(o))
+        m = self.moe(normed) if self.moe is not None else self.down_proj(self.gated_act(self.gate_up_proj(normed)))
         return h + (m if self.mlp_output_norm is None else self.mlp_output_norm(m))
 
 

@@ -568,6 +568,8 @@ def _pointwise_call(fn: object, *tensors: torch.Tensor, **kwargs: object) -> obj
     result = fn(*moved, **kwargs)
     for t, m in zip(tensors, moved, strict=True):
         t.copy_(m.cpu())
+    if isinstance(result, tuple):
+        return tuple(r.cpu() for r in result)
     return result.cpu() if isinstance(result, torch.Tensor) else result
 
 
@@ -672,3 +674,18 @@ def test_rotary_kernel_writes_k_and_v_at_their_slots_as_write_kv_does(dtype: tor
     _pointwise_call(_pointwise_module.rotary, q, k, cos, sin, v, *caches, slots)
     assert torch.equal(q, want_q) and torch.equal(k, want_k)
     assert torch.equal(caches[0], want_caches[0]) and torch.equal(caches[1], want_caches[1])
+
+
+@pytest.mark.parametrize("dtype", [FP32, BF16])
+def test_add_rms_norm_kernel_is_the_add_then_the_norm(dtype: torch.dtype) -> None:
+    """The residual add exactly (rounded to the dtype as torch's add), its norm as rms_norm's."""
+    from engine.execution.models.layers import RMSNorm
+
+    gen = torch.Generator().manual_seed(7)
+    norm = RMSNorm(96, 1e-5)
+    norm.weight.data = (torch.randn(96, generator=gen) * 0.3 + 1).to(dtype)
+    residual, x = ((torch.randn(5, 96, generator=gen) * 3).to(dtype) for _ in range(2))
+    want_total, want = norm.add_and_norm(residual, x)
+    total, got = _pointwise_call(_pointwise_module.add_rms_norm, residual, x, norm.weight, eps=norm.eps)
+    assert torch.equal(total, want_total)
+    assert _ulps(got, want) <= (8 if dtype == FP32 else 2 if IS_NATIVE else 1)
