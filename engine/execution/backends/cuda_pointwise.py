@@ -50,8 +50,8 @@ class TritonRotation(Rotation):
                          slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         from engine.execution.triton import pointwise
 
-        if q.dim() != 3 or k.dim() != 3 or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1 or \
-                k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
+        if q.dim() != 3 or k.dim() != 3 or q.stride(-1) != 1 or k.stride(-1) != 1 or \
+                pointwise.cache_write_problem(k, v, k_cache, v_cache, slot_mapping) is not None:
             return super().rotate_and_cache(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
         pointwise.rotary(q, k, cos, sin, v, k_cache, v_cache, slot_mapping)  # one launch: rotation and both writes
         return q, k

@@ -165,6 +165,20 @@ def _rotary_kernel(q_ptr: tl.tensor, k_ptr: tl.tensor, v_ptr: tl.tensor, cos_ptr
         tl.store(dst + half + cols, _rounded(v2, cache_ty, EMULATE_BF16), mask=ok)
 
 
+def cache_write_problem(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        slot_mapping: torch.Tensor) -> str | None:
+    """Why rotary cannot write these into the caches itself (None: it can)."""
+    if v.shape != k.shape or v.stride(-1) != 1:
+        return f"v {tuple(v.shape)} must be shaped as k {tuple(k.shape)}, its last dimension contiguous"
+    if k_cache.dim() != 3 or k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride() or \
+            k_cache.dtype != v_cache.dtype or k_cache.shape[1:] != k.shape[1:] or k_cache.stride(-1) != 1:
+        return (f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must be [num_slots, Hk, D] alike "
+                "(strides and dtype too), rows contiguous")
+    if slot_mapping.shape != (k.shape[0],) or slot_mapping.stride(0) != 1 or slot_mapping.is_floating_point():
+        return f"slot_mapping {tuple(slot_mapping.shape)} must be [T] integers, contiguous"
+    return None
+
+
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, v: torch.Tensor | None = None,
            k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
            slot_mapping: torch.Tensor | None = None) -> None:
@@ -183,12 +197,10 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
         raise ValueError("rotary: cos and sin must be [T, D] alike, their last dimension contiguous")
     write_cache = k_cache is not None
     if write_cache:
-        if v is None or v_cache is None or slot_mapping is None or v.shape != k.shape or v.stride(-1) != 1 or \
-                k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride() or k_cache.dtype != v_cache.dtype \
-                or k_cache.dim() != 3 or k_cache.shape[1:] != k.shape[1:] or k_cache.stride(-1) != 1 or \
-                slot_mapping.shape != (num_tokens,):
-            raise ValueError("rotary: writing the cache takes v like k, k_cache and v_cache [num_slots, Hk, D] alike "
-                             "(rows contiguous) and slot_mapping [T]")
+        if v is None or v_cache is None or slot_mapping is None:
+            raise ValueError("rotary: writing the cache takes v, k_cache, v_cache and slot_mapping together")
+        if (problem := cache_write_problem(k, v, k_cache, v_cache, slot_mapping)) is not None:
+            raise ValueError(f"rotary: {problem}")
     else:
         v, k_cache, v_cache, slot_mapping = k, k, k, k  # unread
     if num_tokens == 0:

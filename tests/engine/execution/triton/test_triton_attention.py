@@ -644,6 +644,14 @@ def test_pointwise_kernels_refuse_what_they_do_not_take() -> None:
         _pointwise_module.rotary(torch.zeros(2, 3, 5), torch.zeros(2, 1, 5), torch.zeros(2, 1, 5), torch.zeros(2, 1, 5))
     with pytest.raises(ValueError, match="silu_and_mul"):
         _pointwise_module.silu_and_mul(torch.zeros(2, 7))
+    q, k = torch.zeros(2, 3, 4), torch.zeros(2, 1, 4)
+    cos = torch.zeros(2, 1, 4)
+    with pytest.raises(ValueError, match="slot_mapping"):  # float slots: the kernel would read them as ints
+        _pointwise_module.rotary(q, k, cos, cos, k.clone(), torch.zeros(8, 1, 4), torch.zeros(8, 1, 4),
+                                 torch.zeros(2))
+    with pytest.raises(ValueError, match="k_cache"):
+        _pointwise_module.rotary(q, k, cos, cos, k.clone(), torch.zeros(8, 2, 4), torch.zeros(8, 2, 4),
+                                 torch.zeros(2, dtype=torch.int64))
 
 
 @pytest.mark.parametrize(("dtype", "cache_dtype"), [(FP32, FP32), (BF16, BF16), (FP32, BF16)])
