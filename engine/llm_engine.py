@@ -13,7 +13,8 @@ With async_scheduling the runner's calls go to one worker thread, in order, and 
 the outputs of the step before the one it scheduled: schedule and submit step n+1, then wait
 for step n and process it while n+1 runs (vLLM v1's async scheduling). The host's scheduling,
 output processing and detokenizing leave the forward's critical path; step n+1 samples only
-once step n is processed (sampling_gate.py), so outputs are those of the synchronous loop.
+once step n is processed (ModelRunner.execute's gate), so outputs are those of the synchronous
+loop.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import dataclasses
 import gc
 import itertools
 import logging
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -48,7 +50,6 @@ from engine.execution.model_runner import ModelRunner
 from engine.execution.models import model_class
 from engine.execution.models.model_config import is_sequence_classifier
 from engine.execution.resolved_config import resolve_config
-from engine.execution.sampling_gate import SamplingGate
 from engine.execution.startup_phases import TOKENIZER, PhaseListener, StartupPhases
 from engine.execution.weights.checkpoint import model_display_name, resolve_model
 from engine.execution.weights.pooling_config import load_pooler_config
@@ -75,7 +76,7 @@ class InflightStep:
     sched: SchedulerOutput
     stats: StepStats
     result: concurrent.futures.Future[RunnerOutput]
-    gate: SamplingGate
+    gate: threading.Event  # set: the step may sample (ModelRunner.execute)
 
 
 class LLMEngine:
@@ -417,11 +418,9 @@ class LLMEngine:
         updates = self.scheduler.finish_requests(list(self.scheduler.requests), FinishReason.ERROR, now, error)
         while self._inflight:
             step = self._inflight.popleft()
-            step.gate.open()
-            try:
-                step.result.result()
-            except Exception:  # noqa: BLE001 - its requests have failed already
-                logger.debug("a dropped step failed", exc_info=True)
+            step.gate.set()
+            if (exc := step.result.exception()) is not None:  # (its requests have failed already)
+                logger.debug("a dropped step failed", exc_info=exc)
             self.scheduler.take_step(step.sched)
         return self.output_processor.process(updates, now)[0]
 
@@ -457,7 +456,9 @@ class LLMEngine:
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("step scheduled: %s", sched.describe())
         if not sched.is_empty:
-            gate = SamplingGate(is_open=not self._inflight)  # (with one in flight: once that one is processed)
+            gate = threading.Event()
+            if not self._inflight:  # (with one in flight: once that one is processed)
+                gate.set()
             fault, self._injected_fault = self._injected_fault, None
             self._inflight.append(InflightStep(sched, stats, self._worker.submit(self._execute, sched, gate, fault),
                                                gate))
@@ -478,16 +479,14 @@ class LLMEngine:
     def _retire(self, step: InflightStep) -> list[RequestOutput]:
         """Wait for a submitted step and process it, then let the next one sample."""
         try:
-            try:
-                result = step.result.result()
-            except Exception as exc:  # noqa: BLE001 - one bad step must not take the engine down
+            if (exc := step.result.exception()) is not None:  # one bad step must not take the engine down
                 return self._fail_step(step.sched, exc)
-            return self._process(step.sched, result, step.stats)
+            return self._process(step.sched, step.result.result(), step.stats)
         finally:
             if self._inflight:
-                self._inflight[0].gate.open()
+                self._inflight[0].gate.set()
 
-    def _execute(self, sched: SchedulerOutput, gate: SamplingGate | None = None,
+    def _execute(self, sched: SchedulerOutput, gate: threading.Event | None = None,
                  fault: str | None = None) -> RunnerOutput:
         """The runner's step (on the worker thread with async scheduling); fault: the injected one."""
         if fault is not None:

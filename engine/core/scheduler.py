@@ -182,7 +182,7 @@ class Scheduler:
         for seq in decodes:
             if num_decode_tokens >= decode_budget or len(plan.scheduled) >= cfg.max_num_seqs:
                 break
-            if seq.status is not SequenceStatus.RUNNING or seq.will_reach_a_limit(self.max_model_len):
+            if seq.status is not SequenceStatus.RUNNING or (self.is_async and seq.will_reach_a_limit(self.max_model_len)):
                 continue  # preempted earlier in this loop, or its step in flight ends it
             if self._make_room(seq, 1, plan):
                 plan.decodes.append(seq)
@@ -256,12 +256,13 @@ class Scheduler:
                                              requests[req_id].num_preemptions) for req_id in out.scheduled_req_ids}
 
     def take_step(self, sched: SchedulerOutput) -> dict[str, Sequence]:
-        """The sequences sched ran that are still unfinished, by id; async scheduling forgets the
-        step (its tokens are no longer in flight). A request that ended while its step ran is
-        missing, and so is one whose id a new request has taken since (an abort, then the id
-        again): the step's tokens are not the newcomer's."""
+        """The sequences sched ran that are still unfinished, looked up by id; async scheduling
+        forgets the step (its tokens are no longer in flight). A request that ended while its step
+        ran is missing, and so is one whose id a new request has taken since (an abort, then the
+        id again): the step's tokens are not the newcomer's. The synchronous loop processes a step
+        before anything else can end a request: every request is the step's or not in it."""
         if not self.is_async:
-            return {r: self.requests[r] for r in sched.scheduled_req_ids if r in self.requests}
+            return self.requests
         live = {}
         for req_id, (seq, num_computed, num_preemptions) in self._in_flight.pop(id(sched), {}).items():
             if self.requests.get(req_id) is not seq:
@@ -274,7 +275,8 @@ class Scheduler:
     def finish_step(self, sched: SchedulerOutput, reason: FinishReason, now: float,
                     error: str | None = None) -> list[SequenceUpdate]:
         """End every unfinished request a step ran (the step failed)."""
-        return [self.finish(seq, reason, now, error) for seq in self.take_step(sched).values()]
+        live = self.take_step(sched)
+        return [self.finish(live[r], reason, now, error) for r in sched.scheduled_req_ids if r in live]
 
     @staticmethod
     def _num_generating(seqs: list[Sequence]) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from pathlib import Path
 
@@ -31,7 +32,6 @@ from engine.execution.pooler import pool_prefill
 from engine.execution.prompt_logprobs import prompt_logprobs
 from engine.execution.resolved_config import ResolvedConfig
 from engine.execution.sampler import Sampler
-from engine.execution.sampling_gate import SamplingGate
 from engine.execution.speculative import make_proposer
 from engine.execution.speculative.speculator import Speculator
 from engine.execution.startup_phases import KV_CACHE_ALLOCATION, PACKING, WARM_UP, WEIGHT_LOADING, StartupPhases
@@ -148,14 +148,18 @@ class ModelRunner:
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
 
-    def execute(self, sched: SchedulerOutput, gate: SamplingGate | None = None) -> RunnerOutput:
+    def execute(self, sched: SchedulerOutput, gate: threading.Event | None = None) -> RunnerOutput:
         """One step: update the persistent batch from the step's diffs, copy forked blocks, run one
         forward over every scheduled token (the prefill chunks and verifications, packed without
         padding, then one token per decoding sequence), sample every request in
         `sched.sampling_req_ids` (a verification: its accepted drafts and one more), and propose
         the next step's drafts. The projections and MLPs see all rows at once (the weights are
         read once per step, which on a CPU is most of a small step); only attention splits by path.
-        gate: async scheduling's (sampling_gate.py): sampling waits until it opens."""
+        gate (async scheduling): sampling waits until it is set, which the engine does once it has
+        processed the step before this one. That processing advances a grammar's matcher over the
+        step's token, and this step's mask is that matcher's next; until then the matchers are the
+        engine thread's. A request that step ended is still sampled here (a complete grammar allows
+        only EOS) and its token dropped."""
         t0 = time.perf_counter()
         self._num_steps += 1
         if self.speculator is not None:

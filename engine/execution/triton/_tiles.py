@@ -1,9 +1,16 @@
 """Triton device functions both attention kernels share: the paged key walk, the matmul policy
-and one step of the online softmax.
+and one step of the online softmax; and whether a kernel runs in the interpreter (the pointwise
+kernels ask too).
 
 Scores are kept in log2 units (q.k * scale * log2(e)) so each exponential is one exp2."""
 import triton
 import triton.language as tl
+
+
+def emulates_bf16(kernel: object) -> bool:
+    """True under Triton's interpreter (TRITON_INTERPRET=1 when the kernel's module was imported),
+    whose bfloat16 dot multiplies raw bits (see mma) and whose bfloat16 cast truncates."""
+    return not isinstance(kernel, triton.runtime.JITFunction)
 
 
 @triton.jit

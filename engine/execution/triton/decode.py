@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from engine.execution.triton._checks import check_attention_common, check_int, check_pow2, check_tensor, next_pow2
-from engine.execution.triton._tiles import fold_sink, load_k_t, load_v, mma, softmax_step, tile_slots
+from engine.execution.triton._tiles import emulates_bf16, fold_sink, load_k_t, load_v, mma, softmax_step, tile_slots
 from engine.execution.triton.prefill import _checked_sinks
 
 LOG2E = 1.4426950408889634
@@ -123,12 +123,6 @@ def _merge_partitions_kernel(
              mask=dim_ok)
 
 
-def _emulate_bf16(kernel: object) -> bool:
-    """True under Triton's interpreter (TRITON_INTERPRET=1 when this module was imported), whose
-    bfloat16 dot is wrong: see _tiles.mma."""
-    return not isinstance(kernel, triton.runtime.JITFunction)
-
-
 @functools.cache
 def _num_sms(device: torch.device) -> int:
     # one property read, cached: no sync, so it may run inside a CUDA graph capture
@@ -187,7 +181,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_G=max(16, next_pow2(group)), BLOCK_D=max(16, next_pow2(head_dim)),
         BLOCK_N=block_n, BLOCK_SIZE=block_size, HAS_WINDOW=window > 0, DIRECT_OUT=direct,
-        IS_FP32=k_cache.dtype == torch.float32, EMULATE_BF16=_emulate_bf16(_decode_partition_kernel),
+        IS_FP32=k_cache.dtype == torch.float32, EMULATE_BF16=emulates_bf16(_decode_partition_kernel),
         HAS_SINKS=sinks is not None, num_warps=num_warps)
     if not direct:
         _merge_partitions_kernel[(batch, num_heads)](

@@ -15,11 +15,7 @@ import triton
 import triton.language as tl
 
 from engine.execution.triton._checks import next_pow2
-
-
-def _emulate_bf16(kernel: object) -> bool:
-    """True under Triton's interpreter (TRITON_INTERPRET=1 when this module was imported)."""
-    return not isinstance(kernel, triton.runtime.JITFunction)
+from engine.execution.triton._tiles import emulates_bf16
 
 
 @triton.jit
@@ -35,21 +31,28 @@ def _rounded(x: tl.tensor, ty: tl.constexpr, EMULATE_BF16: tl.constexpr) -> tl.t
 
 
 @triton.jit
+def _normed(x: tl.tensor, w_ptr: tl.tensor, cols: tl.tensor, ok: tl.tensor, num_cols: int, eps: float,
+            out_ty: tl.constexpr, EMULATE_BF16: tl.constexpr) -> tl.tensor:
+    """A row x in its dtype -> w * (x * rsqrt(mean(x^2) + eps)) in out_ty, the normalised row
+    rounded to x's dtype before the weight's product (RMSNorm.forward's order)."""
+    xf = x.to(tl.float32)
+    mean = tl.sum(xf * xf, 0) / num_cols
+    y = _rounded(xf * tl.math.rsqrt(mean + eps), x.dtype, EMULATE_BF16)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0)
+    return _rounded(w.to(tl.float32) * y.to(tl.float32), out_ty, EMULATE_BF16)
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr: tl.tensor, w_ptr: tl.tensor, out_ptr: tl.tensor, num_inner: int, stride_xo: int,
                      stride_xi: int, stride_oo: int, stride_oi: int, num_cols: int, eps: float,
                      BLOCK: tl.constexpr, EMULATE_BF16: tl.constexpr) -> None:
-    """One row of x [outer, inner, cols]: out = w * (x * rsqrt(mean(x^2) + eps)), the normalised
-    row rounded to x's dtype before the weight's product (RMSNorm.forward's order)."""
+    """One row of x [outer, inner, cols], normed."""
     row = tl.program_id(0)
     outer, inner = row // num_inner, row % num_inner
     cols = tl.arange(0, BLOCK)
     ok = cols < num_cols
     x = tl.load(x_ptr + outer.to(tl.int64) * stride_xo + inner * stride_xi + cols, mask=ok, other=0.0)
-    xf = x.to(tl.float32)
-    mean = tl.sum(xf * xf, 0) / num_cols
-    y = _rounded(xf * tl.math.rsqrt(mean + eps), x.dtype, EMULATE_BF16)
-    w = tl.load(w_ptr + cols, mask=ok, other=0.0)
-    out = _rounded(w.to(tl.float32) * y.to(tl.float32), out_ptr.dtype.element_ty, EMULATE_BF16)
+    out = _normed(x, w_ptr, cols, ok, num_cols, eps, out_ptr.dtype.element_ty, EMULATE_BF16)
     tl.store(out_ptr + outer.to(tl.int64) * stride_oo + inner * stride_oi + cols, out, mask=ok)
 
 
@@ -69,7 +72,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # a row a program: its warps sized to the row (a wide hidden size in a few registers a thread)
     _rms_norm_kernel[(outer * inner,)](x3, weight, out3, inner, x3.stride(0), x3.stride(1), out3.stride(0),
                                        out3.stride(1), num_cols, float(eps), BLOCK=block,
-                                       EMULATE_BF16=_emulate_bf16(_rms_norm_kernel),
+                                       EMULATE_BF16=emulates_bf16(_rms_norm_kernel),
                                        num_warps=max(1, min(16, block // 256)))
     return out
 
@@ -86,12 +89,8 @@ def _add_rms_norm_kernel(x_ptr: tl.tensor, r_ptr: tl.tensor, w_ptr: tl.tensor, o
     r = tl.load(r_ptr + row * stride_r + cols, mask=ok, other=0.0)
     s = _rounded(r.to(tl.float32) + x.to(tl.float32), x.dtype, EMULATE_BF16)
     tl.store(sum_ptr + row * stride_s + cols, s, mask=ok)
-    sf = s.to(tl.float32)
-    mean = tl.sum(sf * sf, 0) / num_cols
-    y = _rounded(sf * tl.math.rsqrt(mean + eps), x.dtype, EMULATE_BF16)
-    w = tl.load(w_ptr + cols, mask=ok, other=0.0)
     tl.store(out_ptr + row * stride_o + cols,
-             _rounded(w.to(tl.float32) * y.to(tl.float32), out_ptr.dtype.element_ty, EMULATE_BF16), mask=ok)
+             _normed(s, w_ptr, cols, ok, num_cols, eps, out_ptr.dtype.element_ty, EMULATE_BF16), mask=ok)
 
 
 def add_rms_norm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float
@@ -108,7 +107,7 @@ def add_rms_norm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, 
         block = next_pow2(x.shape[1])
         _add_rms_norm_kernel[(x.shape[0],)](x, residual, weight, out, total, x.stride(0), residual.stride(0),
                                             out.stride(0), total.stride(0), x.shape[1], float(eps), BLOCK=block,
-                                            EMULATE_BF16=_emulate_bf16(_add_rms_norm_kernel),
+                                            EMULATE_BF16=emulates_bf16(_add_rms_norm_kernel),
                                             num_warps=max(1, min(16, block // 256)))
     return total, out
 
@@ -210,7 +209,7 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     _rotary_kernel[(num_tokens, num_q_heads + (2 if write_cache else 1) * num_kv_heads)](
         q, k, v, cos2, sin2, k_cache, v_cache, slot_mapping, num_q_heads, num_kv_heads, q.stride(0), q.stride(1),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos2.stride(0), k_cache.stride(0), k_cache.stride(1), half,
-        BLOCK=next_pow2(half), WRITE_CACHE=write_cache, EMULATE_BF16=_emulate_bf16(_rotary_kernel), num_warps=1,
+        BLOCK=next_pow2(half), WRITE_CACHE=write_cache, EMULATE_BF16=emulates_bf16(_rotary_kernel), num_warps=1,
         enable_fp_fusion=False)
 
 
@@ -239,5 +238,5 @@ def silu_and_mul(gate_up: torch.Tensor, block: int = 1024) -> torch.Tensor:
     if num_tokens:
         _silu_and_mul_kernel[(num_tokens, triton.cdiv(width // 2, block))](
             gate_up, out, width // 2, gate_up.stride(0), out.stride(0), BLOCK=block,
-            EMULATE_BF16=_emulate_bf16(_silu_and_mul_kernel))
+            EMULATE_BF16=emulates_bf16(_silu_and_mul_kernel))
     return out

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from engine.execution.triton._checks import check_attention_common, check_int, check_pow2, check_tensor, next_pow2
-from engine.execution.triton._tiles import fold_sink, load_k_t, load_v, mma, softmax_step, tile_slots
+from engine.execution.triton._tiles import emulates_bf16, fold_sink, load_k_t, load_v, mma, softmax_step, tile_slots
 
 LOG2E = 1.4426950408889634
 
@@ -91,11 +91,6 @@ def _prefill_kernel(
              mask=row_ok[:, None] & dim_ok[None, :])
 
 
-def _emulate_bf16(kernel: object) -> bool:
-    """True under Triton's interpreter, whose bfloat16 dot is wrong: see _tiles.mma."""
-    return not isinstance(kernel, triton.runtime.JITFunction)
-
-
 def default_block_m(group: int, max_query_len: int) -> int:
     """Rows per program: at least 16 (the smallest tl.dot tile) and one token's whole group; up to
     64 for long chunks, where a taller tile reads each K/V tile for more queries."""
@@ -138,7 +133,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=max(16, next_pow2(head_dim)),
         BLOCK_N=block_n, BLOCK_SIZE=block_size, HAS_WINDOW=window > 0, IS_FP32=k_cache.dtype == torch.float32,
-        EMULATE_BF16=_emulate_bf16(_prefill_kernel), HAS_SINKS=sinks is not None, num_warps=num_warps)
+        EMULATE_BF16=emulates_bf16(_prefill_kernel), HAS_SINKS=sinks is not None, num_warps=num_warps)
     return out
 
 
