@@ -4,6 +4,7 @@ gate/up or up, down), per row count, in GFLOP/s (best of 3), side by side in one
     python -m bench.packed_gemm                     # bfloat16: AVX-512 panels, vdpbf16ps, AMX tiles, oneDNN
     python -m bench.packed_gemm --dtype float32
     python -m bench.packed_gemm --shapes bge-small --rows 2048   # an encoder step's products
+    python -m bench.packed_gemm --shapes bge-small --rows 2048 --per-shape   # each projection alone
 
 The process's heap runs as a serving engine's does (heap_policy: buffers under 32 MiB reused from
 the heap): under glibc's own raising threshold each product's output and rounded input were
@@ -46,6 +47,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--rows", default="1,8,32,64,128,512")
     parser.add_argument("--shapes", default="smollm2-135m", choices=sorted(_SHAPES))
+    parser.add_argument("--per-shape", action="store_true",
+                        help="each projection's rate alone, on this CPU's best path and oneDNN's")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     fix_mmap_threshold(STEP_MMAP_THRESHOLD_BYTES)
@@ -59,6 +62,8 @@ def main() -> None:
     panels = [PackedWeight.pack(w, None, dtype) for w in weights]
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w.to(dtype)) for w in weights]
     isas = [i for i in (ISAS["avx512"], ISAS["avx512_bf16"], ISAS["amx"]) if i <= kernels.best_isa()] or [kernels.best_isa()]
+    if args.per_shape:
+        return per_shape(kernels, shapes, panels, onednn, [int(r) for r in args.rows.split(",")], dtype, gen)
     flops_per_row = 2 * sum(w.numel() for w in weights)
     for m in (int(r) for r in args.rows.split(",")):
         xs = [torch.randn(m, k, generator=gen) for k, _ in shapes]
@@ -77,6 +82,24 @@ def main() -> None:
         t = best_time(run_onednn, reps)
         parts.append(f"oneDNN {m * flops_per_row / t / 1e9:7.1f}")
         logger.info("%s  GFLOP/s", " | ".join(parts))
+
+
+def per_shape(kernels, shapes: list[tuple[int, int]], panels: list[PackedWeight], onednn: list[torch.Tensor],
+              rows: list[int], dtype: torch.dtype, gen: torch.Generator) -> None:
+    """Each projection alone: the panels on the CPU's best path (float32 x in, rounded inside the
+    call; float32 out) beside oneDNN's linear (x already in the panels' dtype; its output too)."""
+    isa = kernels.best_isa()
+    for (k, n), p, o in zip(shapes, panels, onednn, strict=True):
+        for m in rows:
+            x = torch.randn(m, k, generator=gen)
+            x_native = x.to(dtype)
+            reps = max(3, 4000 // m)
+            t_panels = best_time(lambda x=x, p=p: kernels.packed_linear(x, *p.as_args(), isa), reps)
+            t_onednn = best_time(lambda x=x_native, o=o: torch.ops.mkldnn._linear_pointwise(x, o, None, "none", [], ""),
+                                 reps)
+            flops = 2 * m * k * n
+            logger.info("[%5d -> %5d] M=%5d | panels/%s %7.1f | oneDNN %7.1f  GFLOP/s", k, n, m, _ISA_NAMES[isa],
+                        flops / t_panels / 1e9, flops / t_onednn / 1e9)
 
 
 if __name__ == "__main__":

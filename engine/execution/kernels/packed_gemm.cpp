@@ -599,24 +599,12 @@ struct TaperedSplit {
   }
 };
 
-// Runs body(m_begin, m_end, panel_begin, panel_end) over tasks of a few panels each (for one
-// block of rows), taken from a shared counter rather than split evenly up front: a thread the OS
-// preempts (a serving process's event loop, a client on the same cores) then delays its own
-// tasks only, not the whole product. With a team (a parallel region already running, as
-// DecodeModel's step), this thread takes its share of the tasks without a fork or a join;
-// tapered (below kFewRows rows, where the split cannot change a float), in TaperedSplit's tasks.
+// Runs body(m_begin, m_end, panel_begin, panel_end) over row blocks of row_block rows x runs of
+// chunk panels (parallel_tasks says how).
 template <typename Body>
-void parallel_tasks(int64_t M, int64_t num_panels, int64_t row_block, const TeamShare* team, bool tapered,
-                    const Body& body) {
-  if (team != nullptr && tapered && M < kFewRows) {
-    const TaperedSplit split(num_panels, team->num_ranks);
-    return team->for_each_task(split.num_tasks(), [&](int64_t task) {
-      const auto [begin, end] = split.panels(task);
-      if (begin < end) body(0, M, begin, end);
-    });
-  }
+void parallel_blocks(int64_t M, int64_t num_panels, int64_t row_block, int64_t chunk, const TeamShare* team,
+                     const Body& body) {
   const int64_t num_threads = team != nullptr ? team->num_ranks : std::max<int64_t>(1, at::get_num_threads());
-  const int64_t chunk = panels_per_task(num_panels, num_threads);
   const int64_t num_chunks = (num_panels + chunk - 1) / chunk;
   const int64_t num_tasks = num_chunks * ((M + row_block - 1) / row_block);
   const auto run = [&](int64_t task) {
@@ -640,6 +628,67 @@ void parallel_tasks(int64_t M, int64_t num_panels, int64_t row_block, const Team
       share.for_each_task(num_tasks, [&](int64_t t) { run((t % num_row_blocks) * num_chunks + t / num_row_blocks); });
     }
   });
+}
+
+// Runs body(m_begin, m_end, panel_begin, panel_end) over tasks of a few panels each (for one
+// block of rows), taken from a shared counter rather than split evenly up front: a thread the OS
+// preempts (a serving process's event loop, a client on the same cores) then delays its own
+// tasks only, not the whole product. With a team (a parallel region already running, as
+// DecodeModel's step), this thread takes its share of the tasks without a fork or a join;
+// tapered (below kFewRows rows, where the split cannot change a float), in TaperedSplit's tasks.
+template <typename Body>
+void parallel_tasks(int64_t M, int64_t num_panels, int64_t row_block, const TeamShare* team, bool tapered,
+                    const Body& body) {
+  if (team != nullptr && tapered && M < kFewRows) {
+    const TaperedSplit split(num_panels, team->num_ranks);
+    return team->for_each_task(split.num_tasks(), [&](int64_t task) {
+      const auto [begin, end] = split.panels(task);
+      if (begin < end) body(0, M, begin, end);
+    });
+  }
+  const int64_t num_threads = team != nullptr ? team->num_ranks : std::max<int64_t>(1, at::get_num_threads());
+  parallel_blocks(M, num_panels, row_block, panels_per_task(num_panels, num_threads), team, body);
+}
+
+// A product's tasks on the AMX tiles: row blocks x runs of panels. Split the rows first and give
+// each task as many panels as keep its weights within kAmxTaskWeightBytes (in the core's L2
+// beside the task's rows; panel_bytes: one panel's, or one gate/up pair's), pairs only (a lone
+// panel runs as a pair's half). At 2,048 rows a product of 24 panels split into tasks of 3 panels
+// read its 256-row blocks of x from L3 once per 3 panels: 1.5 TFLOP/s against 2.5 with all 24
+// panels a task (a scratch copy of the tile loop, bge-small's [2048, 384] x [384, 384]).
+struct AmxSplit {
+  int64_t row_block, chunk;
+};
+constexpr int64_t kAmxTaskWeightBytes = int64_t{5} << 18;  // 1.25 MiB of a 2 MiB L2
+AmxSplit amx_split(int64_t M, int64_t num_panels, int64_t panel_bytes, int64_t num_threads) {
+  const auto even = [](int64_t n) { return std::max<int64_t>(2, (n + 1) / 2 * 2); };
+  const auto blocks_of = [](int64_t n, int64_t size) { return (n + size - 1) / size; };
+  const int64_t num_tasks = kTasksPerThread * num_threads;
+  const int64_t max_chunk = std::max<int64_t>(2, kAmxTaskWeightBytes / std::max<int64_t>(1, panel_bytes) / 2 * 2);
+  int64_t num_chunks = blocks_of(num_panels, max_chunk);
+  const int64_t max_row_blocks = blocks_of(M, 32);
+  // Too few rows for the tasks: the panels are split further (down to one pair a task).
+  if (num_chunks * max_row_blocks < num_tasks) num_chunks = std::max(num_chunks, blocks_of(num_tasks, max_row_blocks));
+  const int64_t chunk = std::min(even(blocks_of(num_panels, num_chunks)), even(num_panels));
+  num_chunks = blocks_of(num_panels, chunk);
+  // A whole number of tasks a thread where the rows allow (9 tasks on 2 threads left one thread
+  // a task behind).
+  int64_t num_row_blocks = blocks_of(num_tasks, num_chunks);
+  while (num_chunks * num_row_blocks % num_threads != 0 && num_row_blocks < max_row_blocks) ++num_row_blocks;
+  const int64_t rows = blocks_of(M, num_row_blocks);
+  return {std::min(kAmxRowBlock, std::max<int64_t>(32, blocks_of(rows, 32) * 32)), chunk};
+}
+
+// Kp: the panels' padded K. Past kAmxMaxSplitK a 256-row block of x is itself most of an L2 (1 MiB
+// at 2,048): those products keep parallel_tasks' split, which was not measured against this one.
+constexpr int64_t kAmxMaxSplitK = 1536;
+template <typename Body>
+void parallel_amx_tasks(int64_t M, int64_t num_panels, int64_t Kp, int64_t panel_bytes, const TeamShare* team,
+                        const Body& body) {
+  if (Kp > kAmxMaxSplitK) return parallel_tasks(M, num_panels, kAmxRowBlock, team, false, body);
+  const int64_t num_threads = team != nullptr ? team->num_ranks : std::max<int64_t>(1, at::get_num_threads());
+  const AmxSplit split = amx_split(M, num_panels, panel_bytes, num_threads);
+  parallel_blocks(M, num_panels, split.row_block, split.chunk, team, body);
 }
 
 #if defined(__x86_64__)
@@ -785,7 +834,7 @@ void gemm_amx_rounded(const uint16_t* xb, int64_t M, const at::BFloat16* w, int6
     }
     release_tiles();
   };
-  parallel_tasks(M, (N + kPanel - 1) / kPanel, kAmxRowBlock, team, false, run);
+  parallel_amx_tasks(M, (N + kPanel - 1) / kPanel, Kp, panel_size * 2, team, run);
 }
 
 void gemm_amx(const float* x, int64_t M, int64_t ldx, const at::BFloat16* w, int64_t Kp, int64_t K,
@@ -842,7 +891,7 @@ void gemm_amx_gated(const uint16_t* xb, int64_t M, const at::BFloat16* w, int64_
     }
     release_tiles();
   };
-  parallel_tasks(M, num_gate_panels, kAmxRowBlock, nullptr, false, run);
+  parallel_amx_tasks(M, num_gate_panels, Kp, 2 * panel_size * 2, nullptr, run);
   if (Ip > I) {
     for (int64_t m = 0; m < M; ++m) std::fill(ab + m * Ip + I, ab + (m + 1) * Ip, uint16_t{0});
   }

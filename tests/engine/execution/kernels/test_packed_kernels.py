@@ -36,9 +36,11 @@ def _isas(kernels) -> list[int]:
 # a partial panel; M = 6 and 21 give them tiles of 6, 8 and 5 rows. Odd K leaves bf16's last
 # pair half used; on AMX, M = 21 and 40 leave row blocks of 5 and 8 rows, K = 33 and 577 a
 # padded last tile of k. int8 panels take tiles of up to 10 rows, one panel at a time on AVX-512:
-# M = 9, 17 and 21 give tiles of 9; 10 and 7; 10, 10 and 1.
+# M = 9, 17 and 21 give tiles of 9; 10 and 7; 10, 10 and 1. On AMX (amx_split), M = 300 with 37
+# panels is one run of all the panels (a lone last one) over row blocks of 64, the last 44 rows;
+# K = 1536 with 30 panels, two runs of 16 and 14 over 100 rows.
 @pytest.mark.parametrize("shape", [(1, 37, 20), (3, 64, 48), (17, 100, 33), (9, 576, 960), (6, 50, 984),
-                                   (21, 33, 984), (40, 577, 50)],
+                                   (21, 33, 984), (40, 577, 50), (300, 64, 592), (100, 1536, 480)],
                          ids=lambda s: "M{}-K{}-N{}".format(*s))
 def test_packed_linear_matches_the_matrix_it_packs(kernels, dtype: torch.dtype, shape: tuple[int, int, int]) -> None:
     m, k, n = shape
@@ -467,6 +469,48 @@ def test_fused_layer_with_prefill_rows_matches_the_torch_layer(kernels, window: 
         others[rows] = False
         assert torch.equal(out_rows[others], x[others])
         assert torch.equal(k_rows[slots], k_cache[slots]) and torch.equal(v_rows[slots], v_cache[slots])
+
+
+def test_bf16_fused_layer_over_a_100_token_prompt_matches_the_torch_layer(kernels) -> None:
+    """A whole 100-token prompt through a bf16 fused layer: on AMX its gated MLP runs on the tiles
+    with each 32-row block's activation finished between the next block's tile steps (blocks of 32,
+    32, 32 and 4 rows, the pending block carried across panels), the products' tasks split by
+    amx_split. A dropped or misplaced row of the activation would be off by the outputs' size."""
+    from engine.execution.attention import PrefillSeqMeta
+
+    bs, num_blocks, num_tokens = 4, 32, 100
+    table = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(6))[:25]
+    positions = torch.arange(num_tokens)
+    slots = table[positions // bs] * bs + positions % bs
+    for isa in [i for i in _isas(kernels) if i >= BF16_PRODUCTS]:
+        cfg, layer, fused = _layer_case(torch.bfloat16, None, kernels, isa)
+        gen = torch.Generator().manual_seed(7)
+        k_cache = torch.zeros(num_blocks * bs, cfg.num_kv_heads, cfg.head_dim)
+        v_cache = torch.zeros(num_blocks * bs, cfg.num_kv_heads, cfg.head_dim)
+        x = torch.randn(num_tokens, cfg.hidden_size, generator=gen)
+        freqs = positions.float().unsqueeze(1) * torch.linspace(1, 0.01, cfg.head_dim // 2).unsqueeze(0)
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+        cos, sin = emb.cos(), emb.sin()
+        attn = AttentionMetadata(slot_mapping=slots, num_prefill_tokens=num_tokens,
+                                 prefill=[PrefillSeqMeta(0, num_tokens, num_tokens, None)], block_size=bs,
+                                 backend=CpuAttention(kernels, 0, prefill_in_cpp=False))
+        k_ref, v_ref = k_cache.clone(), v_cache.clone()
+        projections = layer.projections
+        panels = [proj.panels for proj in projections]
+        with torch.inference_mode():
+            for proj in projections:
+                proj.panels = None
+            expected = layer(x, cos.unsqueeze(1), sin.unsqueeze(1), attn, k_ref, v_ref)
+            for proj, saved in zip(projections, panels, strict=True):
+                proj.panels = saved
+            out = x.clone()
+            fused.forward(out, cos, sin, attn, k_cache, v_cache, kernels, isa)
+        # bf16 products round the activations to bf16: up to about 1 % of the largest output here,
+        # and a few % of a row's own update (attention + MLP); a dropped or misplaced row of the
+        # MLP's activation would be off by that row's update.
+        err, update = (out - expected).abs().amax(dim=1), (expected - x).abs().amax(dim=1)
+        assert (err <= 2e-2 * expected.abs().max()).all(), f"{ISA_NAMES[isa]}: {err.max()} of {expected.abs().max()}"
+        assert (err <= 0.1 * update).all(), f"{ISA_NAMES[isa]}: rows {(err > 0.1 * update).nonzero().flatten()}"
 
 
 def test_fused_tokens_defaults_to_the_measured_crossover(tiny_model_dir) -> None:
