@@ -678,12 +678,18 @@ AmxSplit amx_split(int64_t M, int64_t num_panels, int64_t panel_bytes, int64_t n
   if (num_chunks * max_row_blocks < num_tasks) num_chunks = std::max(num_chunks, blocks_of(num_tasks, max_row_blocks));
   const int64_t chunk = std::min(even(blocks_of(num_panels, num_chunks)), even(num_panels));
   num_chunks = blocks_of(num_panels, chunk);
-  // A whole number of tasks a thread where the rows allow (9 tasks on 2 threads left one thread
-  // a task behind).
-  int64_t num_row_blocks = blocks_of(num_tasks, num_chunks);
-  while (num_chunks * num_row_blocks % num_threads != 0 && num_row_blocks < max_row_blocks) ++num_row_blocks;
-  const int64_t rows = blocks_of(M, num_row_blocks);
-  return {std::min(kAmxRowBlock, std::max<int64_t>(32, blocks_of(rows, 32) * 32)), chunk};
+  // Row blocks of a multiple of 32 rows, at most kAmxRowBlock, for about num_tasks tasks in all,
+  // and a whole number of tasks a thread where the rows allow (9 tasks on 2 threads left one
+  // thread a task behind). The count is the rounded blocks', not the asked-for one.
+  const auto row_block_of = [&](int64_t n) {
+    return std::min(kAmxRowBlock, std::max<int64_t>(32, blocks_of(blocks_of(M, n), 32) * 32));
+  };
+  const int64_t first_try = blocks_of(num_tasks, num_chunks);
+  for (int64_t n = first_try; n <= max_row_blocks; ++n) {
+    const int64_t row_block = row_block_of(n);
+    if (num_chunks * blocks_of(M, row_block) % num_threads == 0) return {row_block, chunk};
+  }
+  return {row_block_of(first_try), chunk};
 }
 
 // Kp: the panels' padded K. Past kAmxMaxSplitK a 256-row block of x is itself most of an L2 (1 MiB
@@ -692,6 +698,7 @@ constexpr int64_t kAmxMaxSplitK = 1536;
 template <typename Body>
 void parallel_amx_tasks(int64_t M, int64_t num_panels, int64_t Kp, int64_t panel_bytes, const TeamShare* team,
                         const Body& body) {
+  if (M <= 0 || num_panels <= 0) return;  // nothing to multiply (amx_split would divide by zero)
   if (Kp > kAmxMaxSplitK) return parallel_tasks(M, num_panels, kAmxRowBlock, team, false, body);
   const int64_t num_threads = team != nullptr ? team->num_ranks : std::max<int64_t>(1, at::get_num_threads());
   const AmxSplit split = amx_split(M, num_panels, panel_bytes, num_threads);
@@ -909,7 +916,8 @@ struct PendingSiluRows {
 // (Gemma's GELU) still run after their block.
 void gemm_amx_gated(const uint16_t* xb, int64_t M, const at::BFloat16* w, int64_t Kp, int64_t I, int64_t act,
                     uint16_t* ab, int64_t Ip) {
-  const int64_t panel_size = Kp * kPanel, num_gate_panels = I / kPanel, num_steps = Kp / kPairChunk;
+  const int64_t panel_size = Kp * kPanel, num_gate_panels = I / kPanel;
+  const int64_t num_steps = std::max<int64_t>(1, Kp / kPairChunk);
   const auto run = [&](int64_t m_block, int64_t m_end, int64_t begin, int64_t end) {
     // Two blocks' sums, each gate [32 rows][16] then up [32 rows][16]: the one on the tiles and
     // the one whose rows are pending.

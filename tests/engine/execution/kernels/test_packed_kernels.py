@@ -36,11 +36,12 @@ def _isas(kernels) -> list[int]:
 # a partial panel; M = 6 and 21 give them tiles of 6, 8 and 5 rows. Odd K leaves bf16's last
 # pair half used; on AMX, M = 21 and 40 leave row blocks of 5 and 8 rows, K = 33 and 577 a
 # padded last tile of k. int8 panels take tiles of up to 10 rows, one panel at a time on AVX-512:
-# M = 9, 17 and 21 give tiles of 9; 10 and 7; 10, 10 and 1. On AMX (amx_split), M = 300 with 37
-# panels is one run of all the panels (a lone last one) over row blocks of 64, the last 44 rows;
-# K = 1536 with 30 panels, two runs of 16 and 14 over 100 rows.
+# M = 9, 17 and 21 give tiles of 9; 10 and 7; 10, 10 and 1. On AMX (amx_split, 2 threads as
+# set below), M = 600 with 37 panels is one run of all the panels (a lone last one) over row
+# blocks of 64, two tile blocks each, the last 24 rows; K = 1536 with 30 panels, runs of 16 and 14
+# over row blocks of 32, the last 4 rows.
 @pytest.mark.parametrize("shape", [(1, 37, 20), (3, 64, 48), (17, 100, 33), (9, 576, 960), (6, 50, 984),
-                                   (21, 33, 984), (40, 577, 50), (300, 64, 592), (100, 1536, 480)],
+                                   (21, 33, 984), (40, 577, 50), (600, 64, 592), (100, 1536, 480)],
                          ids=lambda s: "M{}-K{}-N{}".format(*s))
 def test_packed_linear_matches_the_matrix_it_packs(kernels, dtype: torch.dtype, shape: tuple[int, int, int]) -> None:
     m, k, n = shape
@@ -51,12 +52,25 @@ def test_packed_linear_matches_the_matrix_it_packs(kernels, dtype: torch.dtype, 
     # vdpbf16ps and AMX multiply bf16 weights by x rounded to bf16 (as torch's bf16 path does),
     # summed in fp32.
     rounded = x.bfloat16().double() @ packed.dequantize().double().T + bias.double()
+    num_threads = torch.get_num_threads()
     for isa in _isas(kernels):
-        out = kernels.packed_linear(x, *packed.as_args(), isa)
+        torch.set_num_threads(2)  # the task splits the comment above describes
+        try:
+            out = kernels.packed_linear(x, *packed.as_args(), isa)
+        finally:
+            torch.set_num_threads(num_threads)
         expected = rounded if isa >= BF16_PRODUCTS and dtype == torch.bfloat16 else reference
         assert out.shape == (m, n)
         err = (out.double() - expected).abs().max().item()
         assert err < 1e-3 * k**0.5, f"{ISA_NAMES[isa]}: max error {err}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8], ids=["fp32", "bf16", "int8"])
+def test_packed_linear_of_no_rows_is_empty_on_every_path(kernels, dtype: torch.dtype) -> None:
+    """An empty batch: [0, n] out, nothing computed (amx_split divided by its zero row blocks)."""
+    packed = PackedWeight.pack(torch.randn(40, 24), torch.randn(40), dtype)
+    for isa in _isas(kernels):
+        assert kernels.packed_linear(torch.randn(0, 24), *packed.as_args(), isa).shape == (0, 40), ISA_NAMES[isa]
 
 
 def test_packing_keeps_fp32_exact_and_int8_within_half_a_step() -> None:
@@ -471,18 +485,22 @@ def test_fused_layer_with_prefill_rows_matches_the_torch_layer(kernels, window: 
         assert torch.equal(k_rows[slots], k_cache[slots]) and torch.equal(v_rows[slots], v_cache[slots])
 
 
-def test_bf16_fused_layer_over_a_100_token_prompt_matches_the_torch_layer(kernels) -> None:
-    """A whole 100-token prompt through a bf16 fused layer: on AMX its gated MLP runs on the tiles
-    with each 32-row block's activation finished between the next block's tile steps (blocks of 32,
-    32, 32 and 4 rows, the pending block carried across panels), the products' tasks split by
-    amx_split. A dropped or misplaced row of the activation would be off by the outputs' size."""
+def test_bf16_fused_layer_over_a_600_token_prompt_matches_the_torch_layer(kernels) -> None:
+    """A whole 600-token prompt through a bf16 fused layer on 2 threads: on AMX its gated MLP runs
+    on the tiles in tasks of two 32-row blocks a panel (amx_split), each block's activation finished
+    between the next block's tile steps, within a panel and across panels. A dropped or misplaced
+    row of the activation would be off by that row's update."""
     from engine.execution.attention import PrefillSeqMeta
 
-    bs, num_blocks, num_tokens = 4, 32, 100
-    table = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(6))[:25]
+    isas = [i for i in _isas(kernels) if i >= BF16_PRODUCTS]
+    if not isas:
+        pytest.skip("this CPU has no bf16 products (AVX512-BF16 or AMX)")
+    bs, num_blocks, num_tokens = 16, 40, 600
+    table = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(6))[:38]
     positions = torch.arange(num_tokens)
     slots = table[positions // bs] * bs + positions % bs
-    for isa in [i for i in _isas(kernels) if i >= BF16_PRODUCTS]:
+    num_threads = torch.get_num_threads()
+    for isa in isas:
         cfg, layer, fused = _layer_case(torch.bfloat16, None, kernels, isa)
         gen = torch.Generator().manual_seed(7)
         k_cache = torch.zeros(num_blocks * bs, cfg.num_kv_heads, cfg.head_dim)
@@ -504,7 +522,11 @@ def test_bf16_fused_layer_over_a_100_token_prompt_matches_the_torch_layer(kernel
             for proj, saved in zip(projections, panels, strict=True):
                 proj.panels = saved
             out = x.clone()
-            fused.forward(out, cos, sin, attn, k_cache, v_cache, kernels, isa)
+            torch.set_num_threads(2)
+            try:
+                fused.forward(out, cos, sin, attn, k_cache, v_cache, kernels, isa)
+            finally:
+                torch.set_num_threads(num_threads)
         # bf16 products round the activations to bf16: up to about 1 % of the largest output here,
         # and a few % of a row's own update (attention + MLP); a dropped or misplaced row of the
         # MLP's activation would be off by that row's update.
