@@ -2,6 +2,7 @@
 // decode attention (each defined in its own .cpp, all linked into one extension module).
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <torch/extension.h>
 
 #include <array>
@@ -147,6 +148,11 @@ struct TeamShare {
     }
   }
 };
+
+// The threads a product's tasks are spread over: a team's members, or this process's threads.
+inline int64_t num_workers(const TeamShare* team) {
+  return team != nullptr ? team->num_ranks : std::max<int64_t>(1, at::get_num_threads());
+}
 
 // The tasks of a part, in the order one member of a team of num_ranks takes them when it runs
 // alone: its home range from the front, then each other rank's from the back (tests check the

@@ -29,12 +29,7 @@ namespace {
 #if defined(__x86_64__)
 __attribute__((target("avx512f,fma"))) int64_t silu_mul_avx512(const float* g, const float* u, float* a, int64_t n) {
   int64_t i = 0;
-  const __m512 one = _mm512_set1_ps(1.f);
-  for (; i + 16 <= n; i += 16) {
-    const __m512 gv = _mm512_loadu_ps(g + i);
-    const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-    _mm512_storeu_ps(a + i, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e)), _mm512_loadu_ps(u + i)));
-  }
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(a + i, silu_mul512(_mm512_loadu_ps(g + i), _mm512_loadu_ps(u + i)));
   return i;
 }
 

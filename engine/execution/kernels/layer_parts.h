@@ -39,6 +39,12 @@ __attribute__((target("avx512f,fma"))) inline __m512 gelu_tanh512(__m512 x) {
   const __m512 t = _mm512_sub_ps(one, _mm512_div_ps(two, _mm512_add_ps(one, exp512(_mm512_mul_ps(two, inner)))));
   return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), x), _mm512_add_ps(one, t));
 }
+
+// silu(g) * u = g / (1 + e^-g) * u over 16 lanes (silu_mul's and the AMX gated product's).
+__attribute__((target("avx512f,fma"))) inline __m512 silu_mul512(__m512 g, __m512 u) {
+  const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
+  return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)), u);
+}
 #endif
 
 // Rows per task of the row-wise parts (norms, RoPE, SiLU): a decode step's few rows stay on

@@ -370,17 +370,22 @@ MINIVLLM_AMX void release_tiles() { _tile_release(); }
 #define MINIVLLM_AVX512_ROUND __attribute__((target("avx512f,avx512bw")))
 #define MINIVLLM_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512bf16,fma")))
 
-// xb[m, :Kp] = x[m, :K] rounded to nearest-even bfloat16 (torch's rounding), zero past K.
+// 16 floats rounded to nearest-even bfloat16 (torch's rounding), as 16 bfloat16 bit patterns.
+MINIVLLM_AVX512_ROUND inline __m256i round_bf16_512(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+
+// xb[m, :Kp] = x[m, :K] rounded to nearest-even bfloat16 (round_bf16_512), zero past K.
 MINIVLLM_AVX512_ROUND void round_rows_bf16(const float* x, int64_t M, int64_t ldx, int64_t K, uint16_t* xb, int64_t Kp) {
-  const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7FFF);
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t k = 0; k < Kp; k += 16) {
       const int64_t left = std::max<int64_t>(0, std::min<int64_t>(16, K - k));
       const __mmask16 mask = static_cast<__mmask16>((1u << left) - 1u);
-      const __m512i bits = _mm512_castps_si512(_mm512_maskz_loadu_ps(mask, x + m * ldx + k));
-      const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), one);
-      const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(bias, lsb)), 16);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xb + m * Kp + k), _mm512_cvtepi32_epi16(rounded));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xb + m * Kp + k),
+                          round_bf16_512(_mm512_maskz_loadu_ps(mask, x + m * ldx + k)));
     }
   }
 }
@@ -611,7 +616,7 @@ struct TaperedSplit {
 template <typename Body>
 void parallel_blocks(int64_t M, int64_t num_panels, int64_t row_block, int64_t chunk, const TeamShare* team,
                      const Body& body) {
-  const int64_t num_threads = team != nullptr ? team->num_ranks : std::max<int64_t>(1, at::get_num_threads());
+  const int64_t num_threads = num_workers(team);
   const int64_t num_chunks = (num_panels + chunk - 1) / chunk;
   const int64_t num_tasks = num_chunks * ((M + row_block - 1) / row_block);
   const auto run = [&](int64_t task) {
@@ -653,8 +658,7 @@ void parallel_tasks(int64_t M, int64_t num_panels, int64_t row_block, const Team
       if (begin < end) body(0, M, begin, end);
     });
   }
-  const int64_t num_threads = team != nullptr ? team->num_ranks : std::max<int64_t>(1, at::get_num_threads());
-  parallel_blocks(M, num_panels, row_block, panels_per_task(num_panels, num_threads), team, body);
+  parallel_blocks(M, num_panels, row_block, panels_per_task(num_panels, num_workers(team)), team, body);
 }
 
 // A product's tasks on the AMX tiles: row blocks x runs of panels. Split the rows first and give
@@ -700,8 +704,7 @@ void parallel_amx_tasks(int64_t M, int64_t num_panels, int64_t Kp, int64_t panel
                         const Body& body) {
   if (M <= 0 || num_panels <= 0) return;  // nothing to multiply (amx_split would divide by zero)
   if (Kp > kAmxMaxSplitK) return parallel_tasks(M, num_panels, kAmxRowBlock, team, false, body);
-  const int64_t num_threads = team != nullptr ? team->num_ranks : std::max<int64_t>(1, at::get_num_threads());
-  const AmxSplit split = amx_split(M, num_panels, panel_bytes, num_threads);
+  const AmxSplit split = amx_split(M, num_panels, panel_bytes, num_workers(team));
   parallel_blocks(M, num_panels, split.row_block, split.chunk, team, body);
 }
 
@@ -873,30 +876,28 @@ Scratch<uint16_t> normed_rounded_rows(const float* x, int64_t M, int64_t ldx, in
   return xb;
 }
 
-// One row of 16 of a gated block: silu(g) * u rounded to bfloat16 at out, the same operations as
-// silu_mul_avx512 and round_rows_bf16 (so the same bits), inlined into tile_amx's loop: through
-// those calls (three a row) the overlap below saved nothing.
-MINIVLLM_AMX inline void silu_mul_row_bf16(const float* g, const float* u, uint16_t* out) {
-  const __m512 gv = _mm512_load_ps(g);
-  const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-  const __m512 a = _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e)), _mm512_load_ps(u));
-  const __m512i bits = _mm512_castps_si512(a);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb)), 16);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(rounded));
-}
-
-// A gated block whose SiLU rows are pending: tile_amx's `between` for the next block, finishing a
-// few of them after each of that block's tile steps.
+// A gated block whose SiLU rows are pending: tile_amx's `between` for the next block, which
+// finishes about num_rows / num_steps of them after each of its tile steps. A row is silu_mul512
+// and round_bf16_512 inlined into the tile loop, the operations of silu_mul and round_rows_bf16
+// (so the same bits): through those calls (three a row) the overlap saved nothing.
 struct PendingSiluRows {
   const float* sums = nullptr;  // gate [32 rows][16], then up [32 rows][16]
   uint16_t* out = nullptr;      // the block's first row of 16 in ab, rows ldo apart
   int64_t ldo = 0, num_rows = 0, num_done = 0, rows_per_step = 0;
 
+  void start(const float* block_sums, uint16_t* block_out, int64_t rows, int64_t num_steps) {
+    sums = block_sums;
+    out = block_out;
+    num_rows = rows;
+    num_done = 0;
+    rows_per_step = (rows + num_steps - 1) / num_steps;
+  }
   MINIVLLM_AMX void operator()(int64_t step) { finish_upto((step + 1) * rows_per_step); }
   MINIVLLM_AMX void finish_upto(int64_t upto) {
-    for (upto = std::min(upto, num_rows); num_done < upto; ++num_done)
-      silu_mul_row_bf16(sums + num_done * kPanel, sums + (32 + num_done) * kPanel, out + num_done * ldo);
+    for (upto = std::min(upto, num_rows); num_done < upto; ++num_done) {
+      const __m512 g = _mm512_load_ps(sums + num_done * kPanel), u = _mm512_load_ps(sums + (32 + num_done) * kPanel);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + num_done * ldo), round_bf16_512(silu_mul512(g, u)));
+    }
   }
   MINIVLLM_AMX void finish() { finish_upto(num_rows); }
 };
@@ -937,16 +938,12 @@ void gemm_amx_gated(const uint16_t* xb, int64_t M, const at::BFloat16* w, int64_
         float* sums = acc[cur];
         float* c1 = sums + 32 * kPanel;
         if (act == kActSilu) {
-          pending.rows_per_step = (pending.num_rows - pending.num_done + num_steps - 1) / num_steps;
           if (rows > 16)
             tile_amx<2, 2>(xb + m0 * Kp, Kp, gate, up, Kp, sums, c1, kPanel, false, first, pending);
           else
             tile_amx<1, 2>(xb + m0 * Kp, Kp, gate, up, Kp, sums, c1, kPanel, false, first, pending);
           pending.finish();
-          pending.sums = sums;
-          pending.out = ab + m0 * Ip + p * kPanel;
-          pending.num_rows = rows;
-          pending.num_done = 0;
+          pending.start(sums, ab + m0 * Ip + p * kPanel, rows, num_steps);
           cur ^= 1;
           continue;
         }

@@ -351,7 +351,7 @@ void quant_gemm(const float* x, int64_t M, int64_t K, int64_t ldx, const QuantPa
                 const TeamShare* team) {
   int64_t num_panels = 0;
   for (int64_t i = 0; i < num_parts; ++i) num_panels += parts[i].num_panels;
-  const int64_t num_threads = team != nullptr ? team->num_ranks : std::max<int64_t>(1, at::get_num_threads());
+  const int64_t num_threads = num_workers(team);
   const int64_t chunk = std::max<int64_t>(1, (num_panels + kTasksPerThread * num_threads - 1) /
                                                  (kTasksPerThread * num_threads));
   const int64_t num_chunks = (num_panels + chunk - 1) / chunk;

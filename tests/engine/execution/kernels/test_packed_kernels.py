@@ -106,6 +106,20 @@ LAYER_FAMILIES = {"llama": {}, "qwen3": {"qk_norm": True},
                   "gemma3": {"qk_norm": True, "sandwich_norms": True, "hidden_act": "gelu_tanh", "attn_scale": 0.3}}
 
 
+def _torch_layer(layer, *args) -> torch.Tensor:
+    """The layer's torch reference: F.linear on the same weights (its panels set aside meanwhile)."""
+    projections = layer.projections
+    panels = [proj.panels for proj in projections]
+    for proj in projections:
+        proj.panels = None
+    try:
+        with torch.inference_mode():
+            return layer(*args)
+    finally:
+        for proj, saved in zip(projections, panels, strict=True):
+            proj.panels = saved
+
+
 def _layer_case(weight_dtype: torch.dtype, window: int | None, kernels, isa: int, family: str = "llama",
                 rope_index: int = 0):
     cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=48, intermediate_size=80, num_layers=1,
@@ -153,14 +167,8 @@ def test_decode_layer_in_one_call_matches_the_torch_layer(kernels, weight_dtype:
         attn = AttentionMetadata(slot_mapping=slots, block_size=bs, block_tables=tables, context_lens=lens,
                                  backend=CpuAttention(kernels, 0, prefill_in_cpp=False))
         k_ref, v_ref = k_cache.clone(), v_cache.clone()
-        projections = layer.projections
-        panels = [proj.panels for proj in projections]
+        expected = _torch_layer(layer, x, cos.unsqueeze(1), sin.unsqueeze(1), attn, k_ref, v_ref)
         with torch.inference_mode():
-            for proj in projections:
-                proj.panels = None  # the torch layer: F.linear on the same weights
-            expected = layer(x, cos.unsqueeze(1), sin.unsqueeze(1), attn, k_ref, v_ref)
-            for proj, saved in zip(projections, panels, strict=True):
-                proj.panels = saved
             out = x.clone()
             fused.forward(out, cos, sin, attn, k_cache, v_cache, kernels, isa)
         torch.set_num_threads(num_threads)
@@ -454,14 +462,8 @@ def test_fused_layer_with_prefill_rows_matches_the_torch_layer(kernels, window: 
                                  block_tables=tables[2:], context_lens=decode_lens, backend=CpuAttention(kernels, 0, prefill_in_cpp=False))
         k_ref, v_ref = k_cache.clone(), v_cache.clone()
         k_rows, v_rows = k_cache.clone(), v_cache.clone()
-        projections = layer.projections
-        panels = [proj.panels for proj in projections]
+        expected = _torch_layer(layer, x, cos.unsqueeze(1), sin.unsqueeze(1), attn, k_ref, v_ref)
         with torch.inference_mode():
-            for proj in projections:
-                proj.panels = None
-            expected = layer(x, cos.unsqueeze(1), sin.unsqueeze(1), attn, k_ref, v_ref)
-            for proj, saved in zip(projections, panels, strict=True):
-                proj.panels = saved
             out = x.clone()
             fused.forward(out, cos, sin, attn, k_cache, v_cache, kernels, isa)
             # the rows read after a last layer (each chunk's last, the decode rows): the same
@@ -470,11 +472,7 @@ def test_fused_layer_with_prefill_rows_matches_the_torch_layer(kernels, window: 
             out_rows = x.clone()
             k_torch, v_torch = k_rows.clone(), v_rows.clone()
             fused.forward(out_rows, cos, sin, attn, k_rows, v_rows, kernels, isa, rows)
-            for proj in projections:
-                proj.panels = None
-            expected_rows = layer(x, cos.unsqueeze(1), sin.unsqueeze(1), attn, k_torch, v_torch, rows)
-            for proj, saved in zip(projections, panels, strict=True):
-                proj.panels = saved
+        expected_rows = _torch_layer(layer, x, cos.unsqueeze(1), sin.unsqueeze(1), attn, k_torch, v_torch, rows)
         assert torch.allclose(out, expected, atol=1e-4), f"{ISA_NAMES[isa]}: {(out - expected).abs().max()}"
         assert torch.allclose(k_cache, k_ref, atol=1e-5) and torch.allclose(v_cache, v_ref, atol=1e-5)
         torch.testing.assert_close(out_rows[rows], expected[rows], atol=1e-4, rtol=0)
@@ -513,14 +511,8 @@ def test_bf16_fused_layer_over_a_600_token_prompt_matches_the_torch_layer(kernel
                                  prefill=[PrefillSeqMeta(0, num_tokens, num_tokens, None)], block_size=bs,
                                  backend=CpuAttention(kernels, 0, prefill_in_cpp=False))
         k_ref, v_ref = k_cache.clone(), v_cache.clone()
-        projections = layer.projections
-        panels = [proj.panels for proj in projections]
+        expected = _torch_layer(layer, x, cos.unsqueeze(1), sin.unsqueeze(1), attn, k_ref, v_ref)
         with torch.inference_mode():
-            for proj in projections:
-                proj.panels = None
-            expected = layer(x, cos.unsqueeze(1), sin.unsqueeze(1), attn, k_ref, v_ref)
-            for proj, saved in zip(projections, panels, strict=True):
-                proj.panels = saved
             out = x.clone()
             torch.set_num_threads(2)
             try:
