@@ -828,6 +828,199 @@ MINIVLLM_AMX_ATTN void amx_step(AmxTileState& t, const Bf16Pair* panel, const Bf
   }
 }
 
+// A tile over all its keys with o held in the tile registers (head_dim D of 32 or 64: o is D / 16
+// C tiles), 32 keys a step: S in tiles 4 and 5, A in 6, B in 7. o's load and store around every
+// step (amx_step's) was a third of that step's tile time, and it goes. The tile unit and the
+// vector units then work on different steps at once: the tile instructions of step j - 1's P V
+// and of step j + 1's scores are spread between the rows of step j's softmax, since a tile
+// product holds one of the two vector ports for its 16 cycles and, issued in a block, kept the
+// softmax's operations waiting behind it (one step's rows are ~370 vector operations, more than
+// the core looks ahead). Scores and probabilities alternate between two buffers. A rescale (a
+// row's maximum passed by more than kRescaleSlack) stores o, scales its rows and loads it back,
+// after step j - 1's P V has been issued and before step j's.
+template <int D>
+struct ResidentTileOps {  // the tile instructions of one step, by index (tile numbers must be constants)
+  static constexpr int kNumPv = 1 + 2 * (D / 16);  // load P, then each 16 columns' V and product
+  static constexpr int kNumQk = 1 + (D / 32) * 5;  // zero S, then each 32 dimensions' q, K and products
+  static constexpr int kNum = kNumPv + kNumQk;
+  const uint16_t* p;      // [16][32] bfloat16 probabilities of step j - 1 (nullptr: no P V this step)
+  const Bf16Pair* v;      // its values: 16 pair rows [pairs of keys, D]
+  const Bf16Pair* panel;  // step j + 1's K panels, two blocks (nullptr: no scores this step)
+  const uint16_t* q;      // [16][256] bfloat16 queries
+
+  MINIVLLM_AMX_ATTN __attribute__((always_inline)) inline void issue(int k) const {
+    constexpr int64_t v_stride = D * static_cast<int64_t>(sizeof(Bf16Pair)), block = D * kKeys / 2;
+    if (k < kNumPv) {
+      if (p == nullptr) return;
+      if (k == 0) {
+        _tile_loadd(6, p, 64);
+        return;
+      }
+      const int c = (k - 1) / 2;  // o's 16-column tile
+      if ((k - 1) % 2 == 0) {
+        _tile_loadd(7, v + 16 * c, v_stride);
+      } else {
+        switch (c) {
+          case 0: _tile_dpbf16ps(0, 6, 7); break;
+          case 1: _tile_dpbf16ps(1, 6, 7); break;
+          case 2: _tile_dpbf16ps(2, 6, 7); break;
+          default: _tile_dpbf16ps(3, 6, 7); break;
+        }
+      }
+      return;
+    }
+    if (panel == nullptr) return;
+    k -= kNumPv;
+    if (k == 0) {
+      _tile_zero(4);
+      _tile_zero(5);
+      return;
+    }
+    const int kc = (k - 1) / 5, i = (k - 1) % 5;  // 32 dimensions: q, K of keys 0-15, S0, K of 16-31, S1
+    const Bf16Pair* b = panel + 16 * kKeys * kc;
+    switch (i) {
+      case 0: _tile_loadd(6, q + 32 * kc, 512); break;
+      case 1: _tile_loadd(7, b, 64); break;
+      case 2: _tile_dpbf16ps(4, 6, 7); break;
+      case 3: _tile_loadd(7, b + block, 64); break;
+      default: _tile_dpbf16ps(5, 6, 7); break;
+    }
+  }
+};
+
+template <int D>
+MINIVLLM_AMX_ATTN void store_o_tiles(float (*o)[256]) {
+  _tile_stored(0, o[0], 1024);
+  _tile_stored(1, o[0] + 16, 1024);
+  if constexpr (D == 64) {
+    _tile_stored(2, o[0] + 32, 1024);
+    _tile_stored(3, o[0] + 48, 1024);
+  }
+}
+
+template <int D>
+MINIVLLM_AMX_ATTN void load_o_tiles(float (*o)[256]) {
+  _tile_loadd(0, o[0], 1024);
+  _tile_loadd(1, o[0] + 16, 1024);
+  if constexpr (D == 64) {
+    _tile_loadd(2, o[0] + 32, 1024);
+    _tile_loadd(3, o[0] + 48, 1024);
+  }
+}
+
+// Each row's running maximum m, with what its steps read: m + kRescaleSlack (the rescale test)
+// and -m, kept beside it so that neither costs an operation a row.
+struct RowMaxima {
+  float m[kAmxRows], limit[kAmxRows], neg_m[kAmxRows];
+  void set(int r, float value) {
+    m[r] = value;
+    limit[r] = value + kRescaleSlack;
+    neg_m[r] = -value;
+  }
+};
+
+// Step j's softmax over 32 keys from key0 (scores s, probabilities to p), with ops' tile
+// instructions spread between its rows. Returns the rows whose maximum rose (alpha: their scale).
+template <int D, bool kIsMasked>
+MINIVLLM_AMX_ATTN __attribute__((always_inline)) inline uint32_t resident_softmax(
+    const AmxTileState& t, const float (*s)[32], uint16_t (*p)[32], __m512* l, RowMaxima& rows, float* alpha,
+    const ResidentTileOps<D>& ops, int64_t key0, int64_t window) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  const __m512 lane = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  uint32_t rescale = 0;
+#pragma GCC unroll 16
+  for (int r = 0; r < kAmxRows; ++r) {
+    __m512 s0 = _mm512_load_ps(s[r]), s1 = _mm512_load_ps(s[r] + 16);
+    __mmask16 vis0 = 0xFFFF, vis1 = 0xFFFF;
+    if constexpr (kIsMasked) {
+      // Visible: key0 + j <= pos and (no window or key0 + j > pos - window).
+      const __m512 vis_hi = _mm512_set1_ps(static_cast<float>(t.pos[r] + 1 - key0));
+      const __m512 vis_lo = _mm512_set1_ps(static_cast<float>(window > 0 ? t.pos[r] - window + 1 - key0 : -1));
+      const __m512 lane1 = _mm512_add_ps(lane, _mm512_set1_ps(16.f));
+      vis0 = _mm512_cmp_ps_mask(lane, vis_hi, _CMP_LT_OQ) & _mm512_cmp_ps_mask(lane, vis_lo, _CMP_GE_OQ);
+      vis1 = _mm512_cmp_ps_mask(lane1, vis_hi, _CMP_LT_OQ) & _mm512_cmp_ps_mask(lane1, vis_lo, _CMP_GE_OQ);
+      s0 = _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), vis0, s0);
+      s1 = _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), vis1, s1);
+    }
+    const __m512 top = _mm512_max_ps(s0, s1);
+    if (__builtin_expect(_mm512_cmp_ps_mask(top, _mm512_set1_ps(rows.limit[r]), _CMP_GT_OQ) != 0, 0)) {
+      const float m = rows.m[r], m_new = std::max(m, _mm512_reduce_max_ps(top));
+      alpha[r] = m == kNegInf ? 0.f : std::exp2(m - m_new);
+      l[r] = _mm512_mul_ps(_mm512_set1_ps(alpha[r]), l[r]);
+      rows.set(r, m_new);
+      rescale |= 1u << r;
+    }
+    // The broadcasts from memory (limit, neg_m) fold into their operations' operands.
+    const __m512 neg_m = _mm512_set1_ps(rows.neg_m[r]);
+    __m512 p0 = exp2_bf16_512(_mm512_add_ps(s0, neg_m)), p1 = exp2_bf16_512(_mm512_add_ps(s1, neg_m));
+    if constexpr (kIsMasked) {  // -inf's NaN (and a row with nothing visible yet) cleared
+      p0 = _mm512_maskz_mov_ps(rows.m[r] == kNegInf ? 0 : vis0, p0);
+      p1 = _mm512_maskz_mov_ps(rows.m[r] == kNegInf ? 0 : vis1, p1);
+    }
+    l[r] = _mm512_add_ps(l[r], _mm512_add_ps(p0, p1));
+    _mm512_store_si512(p[r], reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(p1, p0)));
+#pragma GCC unroll 8
+    for (int k = r * ResidentTileOps<D>::kNum / kAmxRows; k < (r + 1) * ResidentTileOps<D>::kNum / kAmxRows; ++k)
+      ops.issue(k);
+  }
+  return rescale;
+}
+
+template <int D>
+MINIVLLM_AMX_ATTN void attend_tile_resident(AmxTileState& t, int64_t first_key, const Bf16Pair* k_panels,
+                                            const Bf16Pair* v_pairs, int64_t window) {
+  constexpr int64_t block_elements = D * kKeys / 2;
+  alignas(64) float s[2][kAmxRows][32];
+  alignas(64) uint16_t p[2][kAmxRows][32];
+  __m512 l[kAmxRows];
+  RowMaxima rows;
+  float alpha[kAmxRows];
+  for (int r = 0; r < kAmxRows; ++r) {
+    l[r] = _mm512_setzero_ps();
+    rows.set(r, -std::numeric_limits<float>::infinity());
+  }
+  const int64_t block_lo = (t.lo - first_key) / kKeys, block_hi = (t.hi - first_key + kKeys - 1) / kKeys;
+  const int64_t num_steps = (block_hi - block_lo + 1) / 2;
+  const Bf16Pair* panels = k_panels + block_lo * block_elements;
+  const Bf16Pair* values = v_pairs + block_lo * block_elements;
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (D == 64) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  const ResidentTileOps<D> first{nullptr, nullptr, panels, t.q[0]};
+  for (int k = 0; k < ResidentTileOps<D>::kNum; ++k) first.issue(k);
+  for (int64_t j = 0; j < num_steps; ++j) {
+    const int cur = static_cast<int>(j & 1);
+    _tile_stored(4, s[cur][0], sizeof(s[cur][0]));
+    _tile_stored(5, s[cur][0] + 16, sizeof(s[cur][0]));
+    const ResidentTileOps<D> ops{j > 0 ? p[cur ^ 1][0] : nullptr, values + (j - 1) * 2 * block_elements,
+                                 j + 1 < num_steps ? panels + (j + 1) * 2 * block_elements : nullptr, t.q[0]};
+    const int64_t key0 = first_key + (block_lo + 2 * j) * kKeys;
+    const bool is_unmasked = key0 + 32 <= t.pos[0] + 1 && (window <= 0 || key0 >= t.pos[kAmxRows - 1] - window + 1);
+    const uint32_t rescale = is_unmasked ? resident_softmax<D, false>(t, s[cur], p[cur], l, rows, alpha, ops, key0, window)
+                                         : resident_softmax<D, true>(t, s[cur], p[cur], l, rows, alpha, ops, key0, window);
+    if (rescale) {  // after step j - 1's P V, before step j's
+      store_o_tiles<D>(t.o);
+      for (int r = 0; r < kAmxRows; ++r) {
+        if (!(rescale >> r & 1)) continue;
+        const __m512 a = _mm512_set1_ps(alpha[r]);
+        for (int64_t d = 0; d < D; d += 16) _mm512_store_ps(t.o[r] + d, _mm512_mul_ps(a, _mm512_load_ps(t.o[r] + d)));
+      }
+      load_o_tiles<D>(t.o);
+    }
+  }
+  const ResidentTileOps<D> last{p[(num_steps - 1) & 1][0], values + (num_steps - 1) * 2 * block_elements, nullptr,
+                                t.q[0]};
+  for (int k = 0; k < ResidentTileOps<D>::kNumPv; ++k) last.issue(k);
+  store_o_tiles<D>(t.o);
+  for (int r = 0; r < kAmxRows; ++r) {
+    t.m[r] = rows.m[r];
+    _mm512_store_ps(t.l_lanes[r], l[r]);
+  }
+}
+
 // Rows of the tile out: o / l, with gpt-oss's sink logit in the denominator (log2 units).
 void finish_amx_tile(const AmxTileState& t, int64_t row_begin, int64_t group, int64_t kv_head,
                      const RowStrides& strides, int64_t head_dim, float* out, const float* sinks) {
@@ -863,6 +1056,14 @@ MINIVLLM_AMX_ATTN void attend_tiles_amx(AmxTileState* tiles, const float* q, int
     hi = std::max(hi, tiles[i].hi);
   }
   const int64_t block_elements = head_dim * kKeys / 2;
+  if (head_dim == 32 || head_dim == 64) {
+    for (int64_t i = 0; i < num_tiles; ++i) {
+      if (head_dim == 32) attend_tile_resident<32>(tiles[i], first_key, k_panels, v_pairs, window);
+      else attend_tile_resident<64>(tiles[i], first_key, k_panels, v_pairs, window);
+      finish_amx_tile(tiles[i], row_begin + i * kAmxRows, group, kv_head, strides, head_dim, out, sinks);
+    }
+    return;
+  }
   const int64_t block_lo = (lo - first_key) / kKeys, block_hi = (hi - first_key + kKeys - 1) / kKeys;
   for (int64_t b = block_lo; b < block_hi; b += 4) {
     const int nsub = static_cast<int>(std::min<int64_t>(4, block_hi - b));
@@ -915,7 +1116,10 @@ void attend_chunk(const float* q, int64_t num_tokens, int64_t num_heads, const R
 #if defined(MINIVLLM_HAS_AMX)
   if constexpr (std::is_same_v<E, Bf16Pair>) is_amx = isa >= kIsaAmx && head_dim % 32 == 0;
 #endif
-  const std::unique_ptr<E[]> k_panels(new E[num_kv_heads * head_elements]);
+  // The AMX tiles' steps of 32 keys read K panels a block past a head's last too.
+  const int64_t k_elements = num_kv_heads * head_elements + (is_amx ? block_elements : 0);
+  const std::unique_ptr<E[]> k_panels(new E[k_elements]);
+  if (is_amx) std::fill(k_panels.get() + num_kv_heads * head_elements, k_panels.get() + k_elements, E{0});
   const int64_t v_elements = num_kv_heads * head_elements + (is_amx ? block_elements : 0);
   const std::unique_ptr<E[]> v_rows(is_values_in_place ? nullptr : new E[v_elements]);
   if (is_amx) std::fill(v_rows.get() + num_kv_heads * head_elements, v_rows.get() + v_elements, E{0});

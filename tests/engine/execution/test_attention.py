@@ -266,12 +266,13 @@ def test_cpp_prefill_kernel_rescales_rows_whose_scores_rise(window: int | None, 
 
 
 @pytest.mark.parametrize("window", [None, 100], ids=["full", "window100"])
-@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128), (4, 4, 96)], ids=["9x3-D64", "8x2-D128",
-                                                                                          "4x4-D96"])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (12, 12, 32), (8, 2, 128), (4, 4, 96)],
+                         ids=["9x3-D64", "12x12-D32", "8x2-D128", "4x4-D96"])
 def test_amx_prefill_attention_matches_dense_and_the_pair_path(window: int | None, heads: int, kv_heads: int,
                                                                 dim: int) -> None:
     """A bfloat16 cache's prefill on the AMX tiles (16 query rows a tile, rows across tokens; both
-    products tile products; one zero block of values after the last for P V's 32-key chunks):
+    products tile products; one zero block of values after the last for P V's 32-key chunks; o
+    held in the tile registers over 32-key steps at head_dim 32 and 64, stored each step above):
     a 300-token chunk after 211 cached tokens (a context ending mid-block), against dense float64
     over the same bfloat16 K and V, and against the vdpbf16ps pair path it replaces (the same
     roundings of q and p, another order of sums). Skipped, saying so, on a CPU without AMX."""
