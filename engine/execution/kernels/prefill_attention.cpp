@@ -692,13 +692,16 @@ MINIVLLM_AMX_ATTN void configure_attention_tiles() {
 
 MINIVLLM_AMX_ATTN void init_amx_tile(AmxTileState& t, int64_t rows, const float* q, int64_t row_begin, int64_t group,
                                      int64_t kv_head, const RowStrides& strides, int64_t head_dim, int64_t start_pos,
-                                     int64_t shared_pos, int64_t first_key, int64_t window, float scale) {
+                                     int64_t shared_pos, int64_t first_key, int64_t window, float scale,
+                                     bool is_resident) {
   t.rows = rows;
   const __m512 sv = _mm512_set1_ps(scale);
   for (int64_t r = 0; r < kAmxRows; ++r) {
-    std::fill(t.o[r], t.o[r] + head_dim, 0.f);
-    std::fill(t.l_lanes[r], t.l_lanes[r] + 16, 0.f);
-    t.m[r] = -std::numeric_limits<float>::infinity();
+    if (!is_resident) {  // attend_tile_resident starts o, l and m itself
+      std::fill(t.o[r], t.o[r] + head_dim, 0.f);
+      std::fill(t.l_lanes[r], t.l_lanes[r] + 16, 0.f);
+      t.m[r] = -std::numeric_limits<float>::infinity();
+    }
     if (r >= rows) {
       std::fill(t.q[r], t.q[r] + head_dim, uint16_t{0});
       t.pos[r] = t.pos[rows - 1];
@@ -1022,13 +1025,12 @@ MINIVLLM_AMX_ATTN void attend_tile_resident(AmxTileState& t, int64_t first_key, 
 }
 
 // Rows of the tile out: o / l, with gpt-oss's sink logit in the denominator (log2 units).
-void finish_amx_tile(const AmxTileState& t, int64_t row_begin, int64_t group, int64_t kv_head,
-                     const RowStrides& strides, int64_t head_dim, float* out, const float* sinks) {
+MINIVLLM_AMX_ATTN void finish_amx_tile(const AmxTileState& t, int64_t row_begin, int64_t group, int64_t kv_head,
+                                       const RowStrides& strides, int64_t head_dim, float* out, const float* sinks) {
   for (int64_t r = 0; r < t.rows; ++r) {
     const int64_t row = row_begin + r, token = row / group, h = kv_head * group + row % group;
     float* dst = out + token * strides.out_token + h * strides.out_head;
-    float l = 0.f;
-    for (int j = 0; j < 16; ++j) l += t.l_lanes[r][j];
+    const float l = _mm512_reduce_add_ps(_mm512_load_ps(t.l_lanes[r]));
     float inv = 1.f / l;
     if (sinks) {
       const float sink = sinks[h] * 1.44269504088896341f;
@@ -1036,7 +1038,8 @@ void finish_amx_tile(const AmxTileState& t, int64_t row_begin, int64_t group, in
       const float keys = std::exp2(t.m[r] - top), rest = std::exp2(sink - top);
       inv = keys / (l * keys + rest);
     }
-    for (int64_t d = 0; d < head_dim; ++d) dst[d] = t.o[r][d] * inv;
+    const __m512 iv = _mm512_set1_ps(inv);  // head_dim: a multiple of 32 here
+    for (int64_t d = 0; d < head_dim; d += 16) _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_load_ps(t.o[r] + d), iv));
   }
 }
 
@@ -1048,22 +1051,25 @@ MINIVLLM_AMX_ATTN void attend_tiles_amx(AmxTileState* tiles, const float* q, int
                                         float scale, const Bf16Pair* k_panels, const Bf16Pair* v_pairs, float* out,
                                         const float* sinks) {
   const int64_t num_tiles = (num_rows + kAmxRows - 1) / kAmxRows;
+  const float log2_scale = scale * 1.44269504088896341f;
+  if (head_dim == 32 || head_dim == 64) {  // a tile at a time, through all its keys
+    for (int64_t i = 0; i < num_tiles; ++i) {
+      init_amx_tile(tiles[0], std::min(kAmxRows, num_rows - i * kAmxRows), q, row_begin + i * kAmxRows, group, kv_head,
+                    strides, head_dim, start_pos, shared_pos, first_key, window, log2_scale, true);
+      if (head_dim == 32) attend_tile_resident<32>(tiles[0], first_key, k_panels, v_pairs, window);
+      else attend_tile_resident<64>(tiles[0], first_key, k_panels, v_pairs, window);
+      finish_amx_tile(tiles[0], row_begin + i * kAmxRows, group, kv_head, strides, head_dim, out, sinks);
+    }
+    return;
+  }
   int64_t lo = std::numeric_limits<int64_t>::max(), hi = 0;
   for (int64_t i = 0; i < num_tiles; ++i) {
     init_amx_tile(tiles[i], std::min(kAmxRows, num_rows - i * kAmxRows), q, row_begin + i * kAmxRows, group, kv_head,
-                  strides, head_dim, start_pos, shared_pos, first_key, window, scale * 1.44269504088896341f);
+                  strides, head_dim, start_pos, shared_pos, first_key, window, log2_scale, false);
     lo = std::min(lo, tiles[i].lo);
     hi = std::max(hi, tiles[i].hi);
   }
   const int64_t block_elements = head_dim * kKeys / 2;
-  if (head_dim == 32 || head_dim == 64) {
-    for (int64_t i = 0; i < num_tiles; ++i) {
-      if (head_dim == 32) attend_tile_resident<32>(tiles[i], first_key, k_panels, v_pairs, window);
-      else attend_tile_resident<64>(tiles[i], first_key, k_panels, v_pairs, window);
-      finish_amx_tile(tiles[i], row_begin + i * kAmxRows, group, kv_head, strides, head_dim, out, sinks);
-    }
-    return;
-  }
   const int64_t block_lo = (lo - first_key) / kKeys, block_hi = (hi - first_key + kKeys - 1) / kKeys;
   for (int64_t b = block_lo; b < block_hi; b += 4) {
     const int nsub = static_cast<int>(std::min<int64_t>(4, block_hi - b));
