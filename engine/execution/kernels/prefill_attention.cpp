@@ -262,6 +262,24 @@ void attend_tile(const float* q, int64_t row_begin, int64_t row_end, int64_t gro
 #define MINIVLLM_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,fma")))
 #endif
 
+// Which of a row's keys key0 + j it sees (j: each lane's offset, as floats): j < pos + 1 - key0
+// (causal) and, with a window, j >= pos - window + 1 - key0.
+struct VisibleKeys {
+  __m512 hi, lo;
+  MINIVLLM_AVX512 VisibleKeys(int64_t pos, int64_t key0, int64_t window)
+      : hi(_mm512_set1_ps(static_cast<float>(pos + 1 - key0))),
+        lo(_mm512_set1_ps(static_cast<float>(window > 0 ? pos - window + 1 - key0 : -1))) {}
+  MINIVLLM_AVX512 __mmask16 of(__m512 j) const {
+    return _mm512_cmp_ps_mask(j, hi, _CMP_LT_OQ) & _mm512_cmp_ps_mask(j, lo, _CMP_GE_OQ);
+  }
+};
+
+// A row of o scaled by alpha (a rescale: the row's maximum rose).
+MINIVLLM_AVX512 inline void scale_row(float* o, float alpha, int64_t head_dim) {
+  const __m512 a = _mm512_set1_ps(alpha);
+  for (int64_t d = 0; d < head_dim; d += 16) _mm512_store_ps(o + d, _mm512_mul_ps(a, _mm512_load_ps(o + d)));
+}
+
 // o[:, d : d + 16 NV] += p[:, :num_keys] . v[:num_keys, d : d + 16 NV], the accumulators in
 // registers (NV a constant, so the compiler keeps all R x NV of them there). v: float32 rows
 // (ValueRows: 16 a block), or (pairs) rows of pairs of keys (8 a block), whose p are bfloat16
@@ -430,14 +448,10 @@ MINIVLLM_AVX512 void rescaling_step_avx512(TileState<R>& t, __m512 (&s)[R][4], c
     if (is_unmasked) {
       row_max = _mm512_max_ps(_mm512_max_ps(s[r][0], s[r][1]), _mm512_max_ps(s[r][2], s[r][3]));
     } else {
-      // Visible: key0 + j <= pos and (no window or key0 + j > pos - window).
-      const __m512 vis_hi = _mm512_set1_ps(static_cast<float>(t.pos[r] + 1 - key0));
-      const __m512 vis_lo = _mm512_set1_ps(static_cast<float>(window > 0 ? t.pos[r] - window + 1 - key0 : -1));
+      const VisibleKeys vis(t.pos[r], key0, window);
       for (int c = 0; c < kSub; ++c) {
         const __m512 j = _mm512_add_ps(lane, _mm512_set1_ps(static_cast<float>(c * kKeys)));
-        visible[r][c] = c < nsub ? _mm512_cmp_ps_mask(j, vis_hi, _CMP_LT_OQ) &
-                                       _mm512_cmp_ps_mask(j, vis_lo, _CMP_GE_OQ)
-                                 : 0;
+        visible[r][c] = c < nsub ? vis.of(j) : 0;
         s[r][c] = _mm512_mask_mov_ps(neg_inf, visible[r][c], s[r][c]);
         row_max = _mm512_max_ps(row_max, s[r][c]);
       }
@@ -661,12 +675,13 @@ bool run_tiles_avx512(int64_t rows, const float* q, int64_t row_begin, int64_t n
 // Scores leave the tiles for the same lane-wise softmax (log2 units, the running maximum raised
 // only past kRescaleSlack) in AVX-512; o stays in memory and is loaded into the tiles as P V's
 // accumulator, so a rescale is a pass over o before the product, and only when a maximum moved.
-// A tile's rows need not be whole tokens (16 rows are 5 1/3 tokens of 3 heads): each row keeps its
+// (At head_dim 32 and 64, attend_tile_resident below runs instead: o held in the tiles, 32-key
+// steps.) A tile's rows need not be whole tokens (16 rows are 5 1/3 tokens of 3 heads): each row keeps its
 // position, and rows past the tile's last are zero queries whose results are dropped.
 #define MINIVLLM_AMX_ATTN __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,fma")))
 
 constexpr int64_t kAmxRows = 16;       // query rows a tile: one A tile's rows
-constexpr int64_t kAmxTilesPerTask = 4;  // tiles that share each step's K and V in L1
+constexpr int64_t kAmxTilesPerTask = 4;  // tiles a task: they share each step's K and V in L1 (not resident)
 
 struct AmxTileState {
   alignas(64) uint16_t q[kAmxRows][256];  // scaled queries, bfloat16, zero past the tile's rows
@@ -759,12 +774,10 @@ MINIVLLM_AMX_ATTN void amx_step(AmxTileState& t, const Bf16Pair* panel, const Bf
     __mmask16 visible[4] = {0xFFFF, 0xFFFF, 0xFFFF, 0xFFFF};
     for (int c = 0; c < 4; ++c) s[c] = _mm512_load_ps(t.s[r] + 16 * c);
     if (!is_unmasked) {
-      // Visible: key0 + j <= pos and (no window or key0 + j > pos - window), j < 16 nsub.
-      const __m512 vis_hi = _mm512_set1_ps(static_cast<float>(t.pos[r] + 1 - key0));
-      const __m512 vis_lo = _mm512_set1_ps(static_cast<float>(window > 0 ? t.pos[r] - window + 1 - key0 : -1));
+      const VisibleKeys vis(t.pos[r], key0, window);  // and j < 16 nsub
       for (int c = 0; c < 4; ++c) {
         const __m512 j = _mm512_add_ps(lane, _mm512_set1_ps(static_cast<float>(c * kKeys)));
-        visible[c] = c < nsub ? _mm512_cmp_ps_mask(j, vis_hi, _CMP_LT_OQ) & _mm512_cmp_ps_mask(j, vis_lo, _CMP_GE_OQ) : 0;
+        visible[c] = c < nsub ? vis.of(j) : 0;
         s[c] = _mm512_mask_mov_ps(neg_inf, visible[c], s[c]);
       }
     }
@@ -776,9 +789,8 @@ MINIVLLM_AMX_ATTN void amx_step(AmxTileState& t, const Bf16Pair* panel, const Bf
       // a new maximum (a row's first visible keys: m = -inf): rescale what the row holds
       const float m_new = std::max(m, _mm512_reduce_max_ps(top));
       const float alpha = m == -std::numeric_limits<float>::infinity() ? 0.f : std::exp2(m - m_new);
-      const __m512 a = _mm512_set1_ps(alpha);
-      _mm512_store_ps(t.l_lanes[r], _mm512_mul_ps(a, _mm512_load_ps(t.l_lanes[r])));
-      for (int64_t d = 0; d < head_dim; d += 16) _mm512_store_ps(t.o[r] + d, _mm512_mul_ps(a, _mm512_load_ps(t.o[r] + d)));
+      scale_row(t.l_lanes[r], alpha, 16);
+      scale_row(t.o[r], alpha, head_dim);
       t.m[r] = m = m_new;
     }
     if (m == -std::numeric_limits<float>::infinity()) {  // nothing visible to this row yet
@@ -841,6 +853,8 @@ MINIVLLM_AMX_ATTN void amx_step(AmxTileState& t, const Bf16Pair* panel, const Bf
 // the core looks ahead). Scores and probabilities alternate between two buffers. A rescale (a
 // row's maximum passed by more than kRescaleSlack) stores o, scales its rows and loads it back,
 // after step j - 1's P V has been issued and before step j's.
+constexpr int64_t kStepKeys = 2 * kKeys;  // keys a step of attend_tile_resident: two K panels, one P V chunk
+
 template <int D>
 struct ResidentTileOps {  // the tile instructions of one step, by index (tile numbers must be constants)
   static constexpr int kNumPv = 1 + 2 * (D / 16);  // load P, then each 16 columns' V and product
@@ -852,7 +866,7 @@ struct ResidentTileOps {  // the tile instructions of one step, by index (tile n
   const uint16_t* q;      // [16][256] bfloat16 queries
 
   MINIVLLM_AMX_ATTN __attribute__((always_inline)) inline void issue(int k) const {
-    constexpr int64_t v_stride = D * static_cast<int64_t>(sizeof(Bf16Pair)), block = D * kKeys / 2;
+    constexpr int64_t v_stride = D * static_cast<int64_t>(sizeof(Bf16Pair)), block_elements = D * kKeys / 2;
     if (k < kNumPv) {
       if (p == nullptr) return;
       if (k == 0) {
@@ -885,7 +899,7 @@ struct ResidentTileOps {  // the tile instructions of one step, by index (tile n
       case 0: _tile_loadd(6, q + 32 * kc, 512); break;
       case 1: _tile_loadd(7, b, 64); break;
       case 2: _tile_dpbf16ps(4, 6, 7); break;
-      case 3: _tile_loadd(7, b + block, 64); break;
+      case 3: _tile_loadd(7, b + block_elements, 64); break;
       default: _tile_dpbf16ps(5, 6, 7); break;
     }
   }
@@ -926,7 +940,7 @@ struct RowMaxima {
 // instructions spread between its rows. Returns the rows whose maximum rose (alpha: their scale).
 template <int D, bool kIsMasked>
 MINIVLLM_AMX_ATTN __attribute__((always_inline)) inline uint32_t resident_softmax(
-    const AmxTileState& t, const float (*s)[32], uint16_t (*p)[32], __m512* l, RowMaxima& rows, float* alpha,
+    const AmxTileState& t, const float (*s)[kStepKeys], uint16_t (*p)[kStepKeys], __m512* l, RowMaxima& maxima, float* alpha,
     const ResidentTileOps<D>& ops, int64_t key0, int64_t window) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   const __m512 lane = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -936,29 +950,28 @@ MINIVLLM_AMX_ATTN __attribute__((always_inline)) inline uint32_t resident_softma
     __m512 s0 = _mm512_load_ps(s[r]), s1 = _mm512_load_ps(s[r] + 16);
     __mmask16 vis0 = 0xFFFF, vis1 = 0xFFFF;
     if constexpr (kIsMasked) {
-      // Visible: key0 + j <= pos and (no window or key0 + j > pos - window).
-      const __m512 vis_hi = _mm512_set1_ps(static_cast<float>(t.pos[r] + 1 - key0));
-      const __m512 vis_lo = _mm512_set1_ps(static_cast<float>(window > 0 ? t.pos[r] - window + 1 - key0 : -1));
-      const __m512 lane1 = _mm512_add_ps(lane, _mm512_set1_ps(16.f));
-      vis0 = _mm512_cmp_ps_mask(lane, vis_hi, _CMP_LT_OQ) & _mm512_cmp_ps_mask(lane, vis_lo, _CMP_GE_OQ);
-      vis1 = _mm512_cmp_ps_mask(lane1, vis_hi, _CMP_LT_OQ) & _mm512_cmp_ps_mask(lane1, vis_lo, _CMP_GE_OQ);
+      const VisibleKeys vis(t.pos[r], key0, window);
+      vis0 = vis.of(lane);
+      vis1 = vis.of(_mm512_add_ps(lane, _mm512_set1_ps(16.f)));
       s0 = _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), vis0, s0);
       s1 = _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), vis1, s1);
     }
     const __m512 top = _mm512_max_ps(s0, s1);
-    if (__builtin_expect(_mm512_cmp_ps_mask(top, _mm512_set1_ps(rows.limit[r]), _CMP_GT_OQ) != 0, 0)) {
-      const float m = rows.m[r], m_new = std::max(m, _mm512_reduce_max_ps(top));
-      alpha[r] = m == kNegInf ? 0.f : std::exp2(m - m_new);
-      l[r] = _mm512_mul_ps(_mm512_set1_ps(alpha[r]), l[r]);
-      rows.set(r, m_new);
-      rescale |= 1u << r;
+    if (__builtin_expect(_mm512_cmp_ps_mask(top, _mm512_set1_ps(maxima.limit[r]), _CMP_GT_OQ) != 0, 0)) {
+      const float m = maxima.m[r], m_new = std::max(m, _mm512_reduce_max_ps(top));
+      maxima.set(r, m_new);
+      if (m != kNegInf) {  // a row's first visible keys: its o and l are still zero
+        alpha[r] = std::exp2(m - m_new);
+        l[r] = _mm512_mul_ps(_mm512_set1_ps(alpha[r]), l[r]);
+        rescale |= 1u << r;
+      }
     }
     // The broadcasts from memory (limit, neg_m) fold into their operations' operands.
-    const __m512 neg_m = _mm512_set1_ps(rows.neg_m[r]);
+    const __m512 neg_m = _mm512_set1_ps(maxima.neg_m[r]);
     __m512 p0 = exp2_bf16_512(_mm512_add_ps(s0, neg_m)), p1 = exp2_bf16_512(_mm512_add_ps(s1, neg_m));
     if constexpr (kIsMasked) {  // -inf's NaN (and a row with nothing visible yet) cleared
-      p0 = _mm512_maskz_mov_ps(rows.m[r] == kNegInf ? 0 : vis0, p0);
-      p1 = _mm512_maskz_mov_ps(rows.m[r] == kNegInf ? 0 : vis1, p1);
+      p0 = _mm512_maskz_mov_ps(maxima.m[r] == kNegInf ? 0 : vis0, p0);
+      p1 = _mm512_maskz_mov_ps(maxima.m[r] == kNegInf ? 0 : vis1, p1);
     }
     l[r] = _mm512_add_ps(l[r], _mm512_add_ps(p0, p1));
     _mm512_store_si512(p[r], reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(p1, p0)));
@@ -973,16 +986,21 @@ template <int D>
 MINIVLLM_AMX_ATTN void attend_tile_resident(AmxTileState& t, int64_t first_key, const Bf16Pair* k_panels,
                                             const Bf16Pair* v_pairs, int64_t window) {
   constexpr int64_t block_elements = D * kKeys / 2;
-  alignas(64) float s[2][kAmxRows][32];
-  alignas(64) uint16_t p[2][kAmxRows][32];
+  // Scores in one buffer (step j + 1's are stored after every read of step j's); probabilities in
+  // two (row 0 of step j is written before step j - 1's P V loads its own).
+  alignas(64) float s[kAmxRows][kStepKeys];
+  alignas(64) uint16_t p[2][kAmxRows][kStepKeys];
   __m512 l[kAmxRows];
-  RowMaxima rows;
+  RowMaxima maxima;
   float alpha[kAmxRows];
   for (int r = 0; r < kAmxRows; ++r) {
     l[r] = _mm512_setzero_ps();
-    rows.set(r, -std::numeric_limits<float>::infinity());
+    maxima.set(r, -std::numeric_limits<float>::infinity());
   }
   const int64_t block_lo = (t.lo - first_key) / kKeys, block_hi = (t.hi - first_key + kKeys - 1) / kKeys;
+  // At least one step: first_key <= start_pos <= pos[0] and window >= 1 give lo <= pos[0] < hi.
+  // The last step may read a block past block_hi: the next head's first (finite, masked) or the
+  // zero block after the last head.
   const int64_t num_steps = (block_hi - block_lo + 1) / 2;
   const Bf16Pair* panels = k_panels + block_lo * block_elements;
   const Bf16Pair* values = v_pairs + block_lo * block_elements;
@@ -996,21 +1014,18 @@ MINIVLLM_AMX_ATTN void attend_tile_resident(AmxTileState& t, int64_t first_key, 
   for (int k = 0; k < ResidentTileOps<D>::kNum; ++k) first.issue(k);
   for (int64_t j = 0; j < num_steps; ++j) {
     const int cur = static_cast<int>(j & 1);
-    _tile_stored(4, s[cur][0], sizeof(s[cur][0]));
-    _tile_stored(5, s[cur][0] + 16, sizeof(s[cur][0]));
-    const ResidentTileOps<D> ops{j > 0 ? p[cur ^ 1][0] : nullptr, values + (j - 1) * 2 * block_elements,
+    _tile_stored(4, s[0], sizeof(s[0]));
+    _tile_stored(5, s[0] + 16, sizeof(s[0]));
+    const ResidentTileOps<D> ops{j > 0 ? p[cur ^ 1][0] : nullptr, j > 0 ? values + (j - 1) * 2 * block_elements : nullptr,
                                  j + 1 < num_steps ? panels + (j + 1) * 2 * block_elements : nullptr, t.q[0]};
     const int64_t key0 = first_key + (block_lo + 2 * j) * kKeys;
-    const bool is_unmasked = key0 + 32 <= t.pos[0] + 1 && (window <= 0 || key0 >= t.pos[kAmxRows - 1] - window + 1);
-    const uint32_t rescale = is_unmasked ? resident_softmax<D, false>(t, s[cur], p[cur], l, rows, alpha, ops, key0, window)
-                                         : resident_softmax<D, true>(t, s[cur], p[cur], l, rows, alpha, ops, key0, window);
+    const bool is_unmasked = key0 + kStepKeys <= t.pos[0] + 1 && (window <= 0 || key0 >= t.pos[kAmxRows - 1] - window + 1);
+    const uint32_t rescale = is_unmasked ? resident_softmax<D, false>(t, s, p[cur], l, maxima, alpha, ops, key0, window)
+                                         : resident_softmax<D, true>(t, s, p[cur], l, maxima, alpha, ops, key0, window);
     if (rescale) {  // after step j - 1's P V, before step j's
       store_o_tiles<D>(t.o);
-      for (int r = 0; r < kAmxRows; ++r) {
-        if (!(rescale >> r & 1)) continue;
-        const __m512 a = _mm512_set1_ps(alpha[r]);
-        for (int64_t d = 0; d < D; d += 16) _mm512_store_ps(t.o[r] + d, _mm512_mul_ps(a, _mm512_load_ps(t.o[r] + d)));
-      }
+      for (int r = 0; r < kAmxRows; ++r)
+        if (rescale >> r & 1) scale_row(t.o[r], alpha[r], D);
       load_o_tiles<D>(t.o);
     }
   }
@@ -1019,7 +1034,7 @@ MINIVLLM_AMX_ATTN void attend_tile_resident(AmxTileState& t, int64_t first_key, 
   for (int k = 0; k < ResidentTileOps<D>::kNumPv; ++k) last.issue(k);
   store_o_tiles<D>(t.o);
   for (int r = 0; r < kAmxRows; ++r) {
-    t.m[r] = rows.m[r];
+    t.m[r] = maxima.m[r];
     _mm512_store_ps(t.l_lanes[r], l[r]);
   }
 }
@@ -1122,13 +1137,14 @@ void attend_chunk(const float* q, int64_t num_tokens, int64_t num_heads, const R
 #if defined(MINIVLLM_HAS_AMX)
   if constexpr (std::is_same_v<E, Bf16Pair>) is_amx = isa >= kIsaAmx && head_dim % 32 == 0;
 #endif
-  // The AMX tiles' steps of 32 keys read K panels a block past a head's last too.
-  const int64_t k_elements = num_kv_heads * head_elements + (is_amx ? block_elements : 0);
-  const std::unique_ptr<E[]> k_panels(new E[k_elements]);
-  if (is_amx) std::fill(k_panels.get() + num_kv_heads * head_elements, k_panels.get() + k_elements, E{0});
-  const int64_t v_elements = num_kv_heads * head_elements + (is_amx ? block_elements : 0);
-  const std::unique_ptr<E[]> v_rows(is_values_in_place ? nullptr : new E[v_elements]);
-  if (is_amx) std::fill(v_rows.get() + num_kv_heads * head_elements, v_rows.get() + v_elements, E{0});
+  // Both the K panels and the values: the AMX tiles' 32-key steps read a block past the last.
+  const int64_t num_elements = num_kv_heads * head_elements + (is_amx ? block_elements : 0);
+  const std::unique_ptr<E[]> k_panels(new E[num_elements]);
+  const std::unique_ptr<E[]> v_rows(is_values_in_place ? nullptr : new E[num_elements]);
+  if (is_amx) {
+    std::fill(k_panels.get() + num_kv_heads * head_elements, k_panels.get() + num_elements, E{0});
+    std::fill(v_rows.get() + num_kv_heads * head_elements, v_rows.get() + num_elements, E{0});
+  }
   // [KVH, num_blocks]: where each block's value rows start (ValueRows).
   const std::unique_ptr<const E*[]> v_blocks(new const E*[num_kv_heads * num_blocks]);
   at::parallel_for(0, num_kv_heads * num_blocks, 8, [&](int64_t begin, int64_t end) {

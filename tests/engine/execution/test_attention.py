@@ -224,7 +224,8 @@ def test_cpp_prefill_kernel_matches_dense(dim: int, window: int | None, dtype: t
 
 @pytest.mark.parametrize("window", [None, 150], ids=["full", "window150"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_cpp_prefill_kernel_rescales_rows_whose_scores_rise(window: int | None, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("dim", [64, 32], ids=["D64", "D32"])
+def test_cpp_prefill_kernel_rescales_rows_whose_scores_rise(window: int | None, dtype: torch.dtype, dim: int) -> None:
     """Long contexts, where the AVX-512 kernel keeps a row's maximum until a score passes it by
     more than 2^8: on KV head 0 one key scores 2^43 to 2^374 times the rest (past 2^128 its
     probability overflows float32 without a rescale); on head 1 the keys' scores rise through the
@@ -237,12 +238,12 @@ def test_cpp_prefill_kernel_rescales_rows_whose_scores_rise(window: int | None, 
     if kernels is None:
         pytest.fail("the C++ kernels must build here (make test installs a compiler)")
     gen = torch.Generator().manual_seed(11)
-    heads, kv_heads, dim, bs, num_ctx = 9, 3, 64, 16, 340
+    heads, kv_heads, bs, num_ctx = 9, 3, 16, 340
     q_all = torch.randn(num_ctx, heads, dim, generator=gen) + 0.5  # positive mean: a key of ones scores high
     k_cache = torch.randn(num_ctx, kv_heads, dim, generator=gen)
     v_cache = torch.randn(num_ctx, kv_heads, dim, generator=gen)
-    k_cache[200, 0] = 40.0
-    k_cache[:, 1] += torch.linspace(0.0, 1.5, num_ctx).unsqueeze(1)
+    k_cache[200, 0] = 40.0 * (64 / dim) ** 0.5  # the same scores at head_dim 32
+    k_cache[:, 1] += torch.linspace(0.0, 1.5 * (64 / dim) ** 0.5, num_ctx).unsqueeze(1)
     table = torch.randperm(num_ctx // bs + 1, generator=gen)
     slots = table[torch.arange(num_ctx) // bs] * bs + torch.arange(num_ctx) % bs
     k_paged = torch.zeros(table.numel() * bs, kv_heads, dim)
@@ -272,7 +273,8 @@ def test_amx_prefill_attention_matches_dense_and_the_pair_path(window: int | Non
                                                                 dim: int) -> None:
     """A bfloat16 cache's prefill on the AMX tiles (16 query rows a tile, rows across tokens; both
     products tile products; one zero block of values after the last for P V's 32-key chunks; o
-    held in the tile registers over 32-key steps at head_dim 32 and 64, stored each step above):
+    held in the tile registers over 32-key steps at head_dim 32 and 64, stored each step at larger
+    ones):
     a 300-token chunk after 211 cached tokens (a context ending mid-block), against dense float64
     over the same bfloat16 K and V, and against the vdpbf16ps pair path it replaces (the same
     roundings of q and p, another order of sums). Skipped, saying so, on a CPU without AMX."""
