@@ -1138,9 +1138,11 @@ void attend_chunk(const float* q, int64_t num_tokens, int64_t num_heads, const R
   if constexpr (std::is_same_v<E, Bf16Pair>) is_amx = isa >= kIsaAmx && head_dim % 32 == 0;
 #endif
   // Both the K panels and the values: the AMX tiles' 32-key steps read a block past the last.
+  // 64-byte aligned (scratch_array): a tile's 64-byte rows at new[]'s 16-byte alignment each
+  // straddle two cache lines (the last chunk of a 4,000-token prompt, one thread: 4.3 -> 3.6 ms).
   const int64_t num_elements = num_kv_heads * head_elements + (is_amx ? block_elements : 0);
-  const std::unique_ptr<E[]> k_panels(new E[num_elements]);
-  const std::unique_ptr<E[]> v_rows(is_values_in_place ? nullptr : new E[num_elements]);
+  const Scratch<E> k_panels = scratch_array<E>(num_elements);
+  const Scratch<E> v_rows = is_values_in_place ? Scratch<E>() : scratch_array<E>(num_elements);
   if (is_amx) {
     std::fill(k_panels.get() + num_kv_heads * head_elements, k_panels.get() + num_elements, E{0});
     std::fill(v_rows.get() + num_kv_heads * head_elements, v_rows.get() + num_elements, E{0});
