@@ -57,6 +57,7 @@ from bench.peers import compare
 from bench.runs import make_prompts, resident_memory, resolve_dir, run_minivllm
 from bench.workloads import random_tokens
 from engine import LLM, StepStats
+from engine.config import EngineConfig
 
 logger = logging.getLogger("bench.offline")
 
@@ -105,7 +106,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig().max_num_batched_tokens)
     parser.add_argument("--dtype", default="auto", help="engine dtype: auto (fp32 on CPU) | float32 | bfloat16")
     parser.add_argument("--quantization", default="none", help="engine weight quantization: none | int8 | gguf")
     parser.add_argument("--max-fused-tokens", type=int, default=None,

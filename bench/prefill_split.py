@@ -29,6 +29,7 @@ import torch
 
 from bench.runs import make_prompts
 from engine import LLM, SamplingParams
+from engine.config import EngineConfig
 from engine.execution.backends import cpu_fused
 from engine.execution.models import layers as layers_module
 from engine.execution.models import llama as llama_module
@@ -198,7 +199,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--quantization", default=None)
     parser.add_argument("--prompt-len", type=int, default=1000)
-    parser.add_argument("--chunk", type=int, default=512, help="max_num_batched_tokens: the prefill chunk")
+    parser.add_argument("--chunk", type=int, default=EngineConfig().max_num_batched_tokens,
+                        help="max_num_batched_tokens: the prefill chunk (default: the engine's)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)

@@ -32,7 +32,7 @@ def test_env_vars_arrive_typed(monkeypatch: pytest.MonkeyPatch) -> None:
     config = engine_config_from_args(_parse(["--block-size", "8"]))
     assert config.max_num_seqs == 7 and config.min_prefill_share == 0.5
     assert config.enable_prefix_caching is False and config.block_size == 8
-    assert config.model is None and config.max_num_batched_tokens == 512  # untouched defaults
+    assert config.model is None and config.max_num_batched_tokens == 2048  # untouched defaults
 
 
 def test_flags_override_env_and_bad_values_name_the_field(monkeypatch: pytest.MonkeyPatch) -> None:
