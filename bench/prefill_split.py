@@ -14,7 +14,7 @@ of the decoder layers are wrapped, while one prompt's prefill runs with the pref
 (rounds: --rounds, the median round printed). The CPU runs each op before the next starts, so
 the wall-clock intervals are the parts' own; the hooks' own cost (a few microseconds a call) lands
 in the parts. A step that runs the fused decode layers (a chunk of at most max_fused_tokens) is
-not split: use a chunk above it (the default 512-token chunks are).
+not split: use a chunk above it (the default 2,048-token chunks are).
 """
 from __future__ import annotations
 

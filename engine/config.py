@@ -129,7 +129,7 @@ class EngineConfig:
     # 2048, vLLM's API-server default: a lone long prompt prefills in chunks of 2048 (its products
     # on 2048 rows, its cached context's K and V laid out for attention a quarter as often: a
     # 4,000-token prefill 877 -> 725 ms against 512). While sequences decode, the time budget
-    # sizes the chunks, not this cap.
+    # (enable_time_budget: on in the server, off in LLM) sizes the chunks, not this cap.
     max_num_batched_tokens: int = _opt(2048, "token budget of one engine step (prefill + decode)")
     max_num_seqs: int = _opt(64, "sequences in the running batch at most")
     max_num_waiting: int = _opt(1024, "waiting requests at most; more are refused (RESOURCE_EXHAUSTED / HTTP 429)")
