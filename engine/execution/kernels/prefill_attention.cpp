@@ -850,8 +850,7 @@ MINIVLLM_AMX_ATTN void amx_step(AmxTileState& t, const Bf16Pair* panel, const Bf
 // and of step j + 1's scores are spread between the rows of step j's softmax, since a tile
 // product holds one of the two vector ports for its 16 cycles and, issued in a block, kept the
 // softmax's operations waiting behind it (one step's rows are ~370 vector operations, more than
-// the core looks ahead). Scores and probabilities alternate between two buffers. A rescale (a
-// row's maximum passed by more than kRescaleSlack) stores o, scales its rows and loads it back,
+// the core looks ahead). A rescale (a row's maximum passed by more than kRescaleSlack) stores o, scales its rows and loads it back,
 // after step j - 1's P V has been issued and before step j's.
 constexpr int64_t kStepKeys = 2 * kKeys;  // keys a step of attend_tile_resident: two K panels, one P V chunk
 
@@ -905,24 +904,30 @@ struct ResidentTileOps {  // the tile instructions of one step, by index (tile n
   }
 };
 
-template <int D>
-MINIVLLM_AMX_ATTN void store_o_tiles(float (*o)[256]) {
-  _tile_stored(0, o[0], 1024);
-  _tile_stored(1, o[0] + 16, 1024);
+// o's C tiles (0 to D / 16 - 1, tile c holding o's columns [16 c, 16 c + 16)) zeroed, loaded from
+// or stored to o's rows (AmxTileState::o, 1024 bytes apart). The intrinsics paste their tile
+// number into the instruction's text, so it must be a literal: a macro, not a template argument.
+enum class TileMove { kZero, kLoad, kStore };
+
+template <int D, TileMove kMove>
+MINIVLLM_AMX_ATTN void move_o_tiles(float (*o)[256]) {
+#define MINIVLLM_MOVE_O_TILE(tile)                                                             \
+  if constexpr (kMove == TileMove::kZero) _tile_zero(tile);                                    \
+  else if constexpr (kMove == TileMove::kLoad) _tile_loadd(tile, o[0] + 16 * (tile), sizeof(o[0])); \
+  else _tile_stored(tile, o[0] + 16 * (tile), sizeof(o[0]));
+  MINIVLLM_MOVE_O_TILE(0)
+  MINIVLLM_MOVE_O_TILE(1)
   if constexpr (D == 64) {
-    _tile_stored(2, o[0] + 32, 1024);
-    _tile_stored(3, o[0] + 48, 1024);
+    MINIVLLM_MOVE_O_TILE(2)
+    MINIVLLM_MOVE_O_TILE(3)
   }
+#undef MINIVLLM_MOVE_O_TILE
 }
 
-template <int D>
-MINIVLLM_AMX_ATTN void load_o_tiles(float (*o)[256]) {
-  _tile_loadd(0, o[0], 1024);
-  _tile_loadd(1, o[0] + 16, 1024);
-  if constexpr (D == 64) {
-    _tile_loadd(2, o[0] + 32, 1024);
-    _tile_loadd(3, o[0] + 48, 1024);
-  }
+// Whether every row of the tile sees keys [key0, key0 + num_keys): its rows' positions rise, so
+// the first row's bounds the causal side and the last row's the window's.
+inline bool sees_all_keys(const AmxTileState& t, int64_t key0, int64_t num_keys, int64_t window) {
+  return key0 + num_keys <= t.pos[0] + 1 && (window <= 0 || key0 >= t.pos[kAmxRows - 1] - window + 1);
 }
 
 // Each row's running maximum m, with what its steps read: m + kRescaleSlack (the rescale test)
@@ -1004,12 +1009,7 @@ MINIVLLM_AMX_ATTN void attend_tile_resident(AmxTileState& t, int64_t first_key, 
   const int64_t num_steps = (block_hi - block_lo + 1) / 2;
   const Bf16Pair* panels = k_panels + block_lo * block_elements;
   const Bf16Pair* values = v_pairs + block_lo * block_elements;
-  _tile_zero(0);
-  _tile_zero(1);
-  if constexpr (D == 64) {
-    _tile_zero(2);
-    _tile_zero(3);
-  }
+  move_o_tiles<D, TileMove::kZero>(t.o);
   const ResidentTileOps<D> first{nullptr, nullptr, panels, t.q[0]};
   for (int k = 0; k < ResidentTileOps<D>::kNum; ++k) first.issue(k);
   for (int64_t j = 0; j < num_steps; ++j) {
@@ -1019,20 +1019,20 @@ MINIVLLM_AMX_ATTN void attend_tile_resident(AmxTileState& t, int64_t first_key, 
     const ResidentTileOps<D> ops{j > 0 ? p[cur ^ 1][0] : nullptr, j > 0 ? values + (j - 1) * 2 * block_elements : nullptr,
                                  j + 1 < num_steps ? panels + (j + 1) * 2 * block_elements : nullptr, t.q[0]};
     const int64_t key0 = first_key + (block_lo + 2 * j) * kKeys;
-    const bool is_unmasked = key0 + kStepKeys <= t.pos[0] + 1 && (window <= 0 || key0 >= t.pos[kAmxRows - 1] - window + 1);
+    const bool is_unmasked = sees_all_keys(t, key0, kStepKeys, window);
     const uint32_t rescale = is_unmasked ? resident_softmax<D, false>(t, s, p[cur], l, maxima, alpha, ops, key0, window)
                                          : resident_softmax<D, true>(t, s, p[cur], l, maxima, alpha, ops, key0, window);
     if (rescale) {  // after step j - 1's P V, before step j's
-      store_o_tiles<D>(t.o);
+      move_o_tiles<D, TileMove::kStore>(t.o);
       for (int r = 0; r < kAmxRows; ++r)
         if (rescale >> r & 1) scale_row(t.o[r], alpha[r], D);
-      load_o_tiles<D>(t.o);
+      move_o_tiles<D, TileMove::kLoad>(t.o);
     }
   }
   const ResidentTileOps<D> last{p[(num_steps - 1) & 1][0], values + (num_steps - 1) * 2 * block_elements, nullptr,
                                 t.q[0]};
   for (int k = 0; k < ResidentTileOps<D>::kNumPv; ++k) last.issue(k);
-  store_o_tiles<D>(t.o);
+  move_o_tiles<D, TileMove::kStore>(t.o);
   for (int r = 0; r < kAmxRows; ++r) {
     t.m[r] = maxima.m[r];
     _mm512_store_ps(t.l_lanes[r], l[r]);
@@ -1093,8 +1093,7 @@ MINIVLLM_AMX_ATTN void attend_tiles_amx(AmxTileState* tiles, const float* q, int
       AmxTileState& t = tiles[i];
       if (key0 >= t.hi || key0 + nsub * kKeys <= t.lo) continue;
       const int tile_nsub = static_cast<int>(std::min<int64_t>(nsub, (t.hi - key0 + kKeys - 1) / kKeys));
-      const bool is_unmasked = tile_nsub == 4 && key0 + 4 * kKeys <= t.pos[0] + 1 &&
-                               (window <= 0 || key0 >= t.pos[kAmxRows - 1] - window + 1);
+      const bool is_unmasked = tile_nsub == 4 && sees_all_keys(t, key0, 4 * kKeys, window);
       amx_step(t, k_panels + b * block_elements, v_pairs + b * block_elements, key0, tile_nsub, head_dim, window,
                is_unmasked);
     }
