@@ -61,10 +61,13 @@ class PackedLinear(nn.Module):
 
     def forward_gelu(self, x: torch.Tensor, approximate: str) -> torch.Tensor:
         # GELU applied to each output tile while it is in cache, not in a pass over the whole output
-        # (its erf / tanh vectorized on AVX-512 only: elsewhere torch's vectorized GELU is faster)
+        # (its erf / tanh vectorized on AVX-512 only: elsewhere torch's vectorized GELU is faster).
+        # bfloat16 panels on AMX: the output in bfloat16 from the tiles' epilogue, the down product's
+        # left operand as that product would round it (forward_add_norm takes it as it is).
         if self._can_fuse(x) and self.isa >= ISAS["avx512"]:
+            bf16_out = self.isa >= ISAS["amx"] and self.panels.data.dtype == torch.bfloat16
             return self.kernels.packed_linear_gelu(x, self.panels.data, self.panels.bias, self.out_features, self.isa,
-                                                   approximate == "tanh")
+                                                   approximate == "tanh", bf16_out)
         return F.gelu(self(x), approximate=approximate)
 
     def forward_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module) -> torch.Tensor:
@@ -78,10 +81,11 @@ class PackedLinear(nn.Module):
         return norm(residual + self(x))
 
     def _can_fuse(self, x: torch.Tensor) -> bool:
-        """Whether float32 or bfloat16 panels run x's product, x float32 (the fused epilogues'
-        kernels take those: an encoder's float32 stream, its weights in either)."""
+        """Whether float32 or bfloat16 panels run x's product, x float32 or bfloat16 (the fused
+        epilogues' kernels take those: an encoder's float32 stream, its weights in either, and the
+        bfloat16 GELU output of forward_gelu)."""
         return (self.uses_panels(x.shape[0]) and self.panels.data.dtype in (torch.float32, torch.bfloat16)
-                and x.dtype == torch.float32)
+                and x.dtype in (torch.float32, torch.bfloat16))
 
     def _forward_native(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is not None:

@@ -45,11 +45,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("qkv"), py::arg("query_starts"), py::arg("num_heads"), py::arg("scale"), py::arg("isa"),
         py::arg("out"), py::arg("bf16_products") = false);
   m.def("packed_linear_gelu", without_gil(&minivllm::packed_linear_gelu),
-        "x [M, K] times float32 panels plus bias, through GELU (exact, or tanh) -> [M, n] float32 (an encoder's up "
-        "projection)",
-        py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("n"), py::arg("isa"), py::arg("is_tanh"));
+        "x [M, K] times float32 or bfloat16 panels plus bias, through GELU (exact, or tanh) -> [M, n] float32, or "
+        "with bf16_out bfloat16 (an encoder's up projection)",
+        py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("n"), py::arg("isa"), py::arg("is_tanh"),
+        py::arg("bf16_out") = false);
   m.def("packed_linear_add_norm_", without_gil(&minivllm::packed_linear_add_norm_),
-        "residual = LayerNorm(residual + x times float32 panels plus bias), in place (an encoder block's output)",
+        "residual = LayerNorm(residual + x times float32 or bfloat16 panels plus bias), in place (an encoder block's "
+        "output; x float32, or bfloat16 as packed_linear_gelu's bf16_out gives it)",
         py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("n"), py::arg("isa"), py::arg("residual"),
         py::arg("norm_weight"), py::arg("norm_bias"), py::arg("eps"));
   m.def("release_scratch", &minivllm::release_scratch,

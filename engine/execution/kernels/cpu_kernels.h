@@ -226,6 +226,20 @@ void activate(float* y, int64_t n, int64_t act, int64_t isa);
 void packed_gemm_activated(const float* x, int64_t M, int64_t K, int64_t ldx, const torch::Tensor& w,
                            const float* bias, int64_t N, float* out, int64_t ldo, int64_t isa, bool accumulate,
                            int64_t out_act);
+#if defined(MINIVLLM_HAS_AMX)
+// x [M, K] (rows ldx apart) rounded to nearest-even bfloat16 rows of K rounded up to 16 (zero
+// past K), the threads sharing the rows: what the bfloat16 product paths read.
+Scratch<uint16_t> round_rows_to_bf16(const float* x, int64_t M, int64_t ldx, int64_t K);
+#endif
+// out [M, N] bfloat16 = GELU(x W^T + bias) (act kOutGelu or kOutGeluTanh), rounded as the next
+// product rounds its input, for bfloat16 panels on AMX with N a multiple of 32 (an encoder's up
+// projection); false, and nothing done, elsewhere.
+bool packed_gemm_gelu_bf16(const float* x, int64_t M, int64_t K, const torch::Tensor& w, const float* bias, int64_t N,
+                           int64_t act, uint16_t* out, int64_t isa);
+// out (+)= xb W^T + bias for xb [M, K] already bfloat16 (K a multiple of 32: no padding to add), on
+// bfloat16 panels on AMX; false, and nothing done, elsewhere.
+bool packed_gemm_bf16_rows(const uint16_t* xb, int64_t M, int64_t K, const torch::Tensor& w, const float* bias,
+                           int64_t N, float* out, int64_t ldo, bool accumulate, int64_t isa);
 // The same on checked panels (a team's member: it must not throw).
 void packed_gemm(const float* x, int64_t M, int64_t K, int64_t ldx, const PackedPanels& w, const float* scale,
                  const float* bias, int64_t N, float* out, int64_t ldo, int64_t isa, bool accumulate,
@@ -262,7 +276,7 @@ void paged_prefill_attention(torch::Tensor q, const torch::Tensor& k_cache, cons
 void packed_bidirectional_attention(const torch::Tensor& qkv, const torch::Tensor& query_starts, int64_t num_heads,
                                     double scale, int64_t isa, torch::Tensor out, bool bf16_products);
 torch::Tensor packed_linear_gelu(const torch::Tensor& x, const torch::Tensor& w, const std::optional<torch::Tensor>& bias,
-                                 int64_t n, int64_t isa, bool is_tanh);
+                                 int64_t n, int64_t isa, bool is_tanh, bool bf16_out);
 void packed_linear_add_norm_(const torch::Tensor& x, const torch::Tensor& w, const std::optional<torch::Tensor>& bias,
                              int64_t n, int64_t isa, torch::Tensor residual, const torch::Tensor& norm_weight,
                              const torch::Tensor& norm_bias, double eps);

@@ -20,23 +20,6 @@ inline float gelu_scalar(float x, int64_t act) {
 }
 
 #if defined(__x86_64__)
-// The exact GELU, 0.5 x (1 + erf(x / sqrt 2)), with erf by Abramowitz and Stegun 7.1.26 (absolute
-// error 1.5e-7) on exp512: for z = |x| / sqrt 2, erf z = 1 - q(t) e^(-z^2), t = 1 / (1 + p z). For
-// x < 0, 1 + erf(x / sqrt 2) is q(t) e^(-z^2) itself, taken as it is rather than as 1 - (1 - q e^-z^2),
-// which would keep only float32's absolute precision near 1 in the negative tail.
-__attribute__((target("avx512f,fma"))) inline __m512 gelu_erf512(__m512 x) {
-  const __m512 z = _mm512_mul_ps(_mm512_abs_ps(x), _mm512_set1_ps(static_cast<float>(M_SQRT1_2)));
-  const __m512 one = _mm512_set1_ps(1.f);
-  const __m512 t = _mm512_div_ps(one, _mm512_fmadd_ps(_mm512_set1_ps(0.3275911f), z, one));
-  static constexpr float kCoefficients[] = {1.061405429f, -1.453152027f, 1.421413741f, -0.284496736f, 0.254829592f};
-  const __m512 q = _mm512_mul_ps(horner512(t, kCoefficients), t);
-  const __m512 tail = _mm512_mul_ps(q, exp512(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), z), z)));
-  const __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
-  // 1 + erf(x / sqrt 2): 2 - tail for x >= 0, tail for x < 0
-  const __m512 one_plus_erf = _mm512_mask_mov_ps(_mm512_sub_ps(_mm512_set1_ps(2.f), tail), negative, tail);
-  return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), x), one_plus_erf);
-}
-
 __attribute__((target("avx512f,fma"))) int64_t activate_avx512(float* y, int64_t n, int64_t act) {
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
@@ -79,15 +62,24 @@ void activate(float* y, int64_t n, int64_t act, int64_t isa) {
   for (; i < n; ++i) y[i] = gelu_scalar(y[i], act);
 }
 
-// x: [M, K] -> GELU(x W^T + bias) [M, n] float32 (is_tanh: the tanh approximation).
+// x: [M, K] -> GELU(x W^T + bias) [M, n] float32 (is_tanh: the tanh approximation); bf16_out:
+// [M, n] bfloat16, the float32 values rounded to nearest-even (the down product's left operand as
+// it rounds it), from the tiles' epilogue where the panels run on AMX and n is a multiple of 32.
 torch::Tensor packed_linear_gelu(const torch::Tensor& x, const torch::Tensor& w, const std::optional<torch::Tensor>& bias,
-                                 int64_t n, int64_t isa, bool is_tanh) {
+                                 int64_t n, int64_t isa, bool is_tanh, bool bf16_out) {
   TORCH_CHECK(x.dim() == 2, "packed_linear_gelu: x must be [M, K]");
   const auto xf = x.to(torch::kFloat32).contiguous();
+  const int64_t act = is_tanh ? kOutGeluTanh : kOutGelu;
+  if (bf16_out) {
+    auto out = scratch_tensor({x.size(0), n}, xf.options().dtype(torch::kBFloat16));
+    if (packed_gemm_gelu_bf16(xf.data_ptr<float>(), x.size(0), x.size(1), w, bias_of(bias, n), n, act,
+                              reinterpret_cast<uint16_t*>(out.data_ptr()), isa))
+      return out;
+  }
   auto out = scratch_tensor({x.size(0), n}, xf.options());
   packed_gemm_activated(xf.data_ptr<float>(), x.size(0), x.size(1), x.size(1), w, bias_of(bias, n), n,
-                        out.data_ptr<float>(), n, isa, false, is_tanh ? kOutGeluTanh : kOutGelu);
-  return out;
+                        out.data_ptr<float>(), n, isa, false, act);
+  return bf16_out ? out.to(torch::kBFloat16) : out;
 }
 
 // residual [M, n] float32 = LayerNorm(residual + x W^T + bias) in place: a post-LayerNorm block's
@@ -103,10 +95,16 @@ void packed_linear_add_norm_(const torch::Tensor& x, const torch::Tensor& w, con
   for (const auto* t : {&norm_weight, &norm_bias})
     TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->is_contiguous() && t->numel() == n,
                 "packed_linear_add_norm_: the norm's weight and bias must be float32 [n], contiguous");
-  const auto xf = x.to(torch::kFloat32).contiguous();
   float* out = residual.data_ptr<float>();
-  packed_gemm_activated(xf.data_ptr<float>(), M, x.size(1), x.size(1), w, bias_of(bias, n), n, out, n, isa, true,
-                        kOutNone);
+  // bfloat16 x (packed_linear_gelu's bf16_out) goes to the tiles as it is; elsewhere it is widened
+  const bool is_bf16_rows = x.scalar_type() == torch::kBFloat16 && x.is_contiguous() &&
+                            packed_gemm_bf16_rows(reinterpret_cast<const uint16_t*>(x.data_ptr()), M, x.size(1), w,
+                                                  bias_of(bias, n), n, out, n, true, isa);
+  if (!is_bf16_rows) {
+    const auto xf = x.to(torch::kFloat32).contiguous();
+    packed_gemm_activated(xf.data_ptr<float>(), M, x.size(1), x.size(1), w, bias_of(bias, n), n, out, n, isa, true,
+                          kOutNone);
+  }
   const float* weight = norm_weight.data_ptr<float>();
   const float* shift = norm_bias.data_ptr<float>();
   const auto e = static_cast<float>(eps);

@@ -791,6 +791,14 @@ Scratch<uint16_t> rounded_rows(const float* x, int64_t M, int64_t ldx, int64_t K
   return xb;
 }
 
+}  // namespace
+
+Scratch<uint16_t> round_rows_to_bf16(const float* x, int64_t M, int64_t ldx, int64_t K) {
+  return rounded_rows(x, M, ldx, K, (K + 15) / 16 * 16);
+}
+
+namespace {
+
 // The product by vdpbf16ps, for bfloat16 panels on AVX-512 CPUs with BF16 but no AMX (AMD Zen 4
 // and later, Intel Cooper Lake): x rounded to bfloat16 once (as the AMX path rounds it, so a
 // row's result does not depend on the batch), products summed in float32.
@@ -963,6 +971,86 @@ void gemm_amx_gated(const uint16_t* xb, int64_t M, const at::BFloat16* w, int64_
   if (Ip > I) {
     for (int64_t m = 0; m < M; ++m) std::fill(ab + m * Ip + I, ab + (m + 1) * Ip, uint16_t{0});
   }
+}
+
+// A block's bias + GELU rows, pending: tile_amx's `between` for the next block, as
+// PendingSiluRows is for the gated product. A row is the operations store_tile, activate and
+// round_rows_bf16 ran on it one pass after another (the bias added, gelu_erf512 or gelu_tanh512,
+// round_bf16_512), so the bits are theirs.
+struct PendingGeluRows {
+  const float* sums = nullptr;  // panel 0 [32 rows][16], then panel 1 [32 rows][16]
+  const float* bias = nullptr;  // the block's first output's, or null
+  uint16_t* out = nullptr;      // the block's first row of outputs, rows ldo apart
+  int64_t ldo = 0, act = kOutGelu, num_panels = 0, num_rows = 0, num_done = 0, rows_per_step = 0;
+
+  void start(const float* block_sums, const float* block_bias, uint16_t* block_out, int64_t panels, int64_t rows,
+             int64_t num_steps) {
+    sums = block_sums;
+    bias = block_bias;
+    out = block_out;
+    num_panels = panels;
+    num_rows = rows;
+    num_done = 0;
+    rows_per_step = (rows + num_steps - 1) / num_steps;
+  }
+  MINIVLLM_AMX void operator()(int64_t step) { finish_upto((step + 1) * rows_per_step); }
+  MINIVLLM_AMX void finish_upto(int64_t upto) {
+    for (upto = std::min(upto, num_rows); num_done < upto; ++num_done) {
+      for (int64_t j = 0; j < num_panels; ++j) {
+        __m512 v = _mm512_load_ps(sums + (32 * j + num_done) * kPanel);
+        if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + j * kPanel));
+        v = act == kOutGeluTanh ? gelu_tanh512(v) : gelu_erf512(v);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + num_done * ldo + j * kPanel), round_bf16_512(v));
+      }
+    }
+  }
+  MINIVLLM_AMX void finish() { finish_upto(num_rows); }
+};
+
+// An encoder's up projection on the tiles with bias + GELU (act: kOutGelu or kOutGeluTanh) in its
+// epilogue: out [M, N] bfloat16 (N a multiple of 32), the down projection's left operand as it
+// is. Through gemm_amx, the float32 [M, N] product went out to memory and was read back twice (a
+// GELU pass, then the down product's rounding pass): 3 MB a 512-row step of bge-small. Each
+// block's GELU runs between the tile steps of the next block (PendingGeluRows), as the gated
+// product's SiLU does.
+void gemm_amx_gelu_bf16(const uint16_t* xb, int64_t M, const at::BFloat16* w, int64_t Kp, const float* bias, int64_t N,
+                        int64_t act, uint16_t* out) {
+  const int64_t panel_size = Kp * kPanel;
+  const int64_t num_steps = std::max<int64_t>(1, Kp / kPairChunk);
+  const auto run = [&](int64_t m_block, int64_t m_end, int64_t begin, int64_t end) {
+    alignas(64) float acc[2][2 * 32 * kPanel];  // two blocks' sums: the one on the tiles, the one pending
+    PendingGeluRows pending;
+    pending.ldo = N;
+    pending.act = act;
+    TileShape shape;
+    int cur = 0;
+    for (int64_t p = begin; p < end; p += 2) {
+      const at::BFloat16* panel = w + p * panel_size;
+      const bool pair = p + 1 < end;
+      for (int64_t m0 = m_block; m0 < m_end; m0 += 32) {
+        const int64_t rows = std::min<int64_t>(32, m_end - m0);
+        shape.fit(rows);
+        const uint16_t* xm = xb + m0 * Kp;
+        float* c0 = acc[cur];
+        float* c1 = c0 + 32 * kPanel;
+        const bool first = m0 == m_block;
+        if (rows > 16) {
+          pair ? tile_amx<2, 2>(xm, Kp, panel, panel + panel_size, Kp, c0, c1, kPanel, false, first, pending)
+               : tile_amx<2, 1>(xm, Kp, panel, panel, Kp, c0, c1, kPanel, false, first, pending);
+        } else {
+          pair ? tile_amx<1, 2>(xm, Kp, panel, panel + panel_size, Kp, c0, c1, kPanel, false, first, pending)
+               : tile_amx<1, 1>(xm, Kp, panel, panel, Kp, c0, c1, kPanel, false, first, pending);
+        }
+        pending.finish();
+        pending.start(c0, bias != nullptr ? bias + p * kPanel : nullptr, out + m0 * N + p * kPanel, pair ? 2 : 1,
+                      rows, num_steps);
+        cur ^= 1;
+      }
+    }
+    pending.finish();
+    release_tiles();
+  };
+  parallel_amx_tasks(M, N / kPanel, Kp, panel_size * 2, nullptr, run);
 }
 #endif
 
@@ -1193,6 +1281,33 @@ void packed_gated_mlp(const float* x, int64_t M, int64_t K, const float* norm, f
   gemm_amx_rounded(ab.get(), M, down.data_ptr<at::BFloat16>(), Ip, nullptr, ldo, out, ldo, accumulate, nullptr);
 #else
   TORCH_CHECK(false, "packed_gated_mlp: a build without AMX");
+#endif
+}
+
+bool packed_gemm_gelu_bf16(const float* x, int64_t M, int64_t K, const torch::Tensor& w, const float* bias, int64_t N,
+                           int64_t act, uint16_t* out, int64_t isa) {
+#if defined(MINIVLLM_HAS_AMX)
+  TORCH_CHECK(act == kOutGelu || act == kOutGeluTanh, "packed_gemm_gelu_bf16: GELU only, not ", act);
+  if (isa != kIsaAmx || w.scalar_type() != torch::kBFloat16 || N % kPairChunk != 0) return false;
+  check_packed_weight(w, K, N, nullptr, isa);
+  const int64_t Kp = 2 * w.size(1);
+  const auto xb = rounded_rows(x, M, K, K, Kp);
+  gemm_amx_gelu_bf16(xb.get(), M, w.data_ptr<at::BFloat16>(), Kp, bias, N, act, out);
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool packed_gemm_bf16_rows(const uint16_t* xb, int64_t M, int64_t K, const torch::Tensor& w, const float* bias,
+                           int64_t N, float* out, int64_t ldo, bool accumulate, int64_t isa) {
+#if defined(MINIVLLM_HAS_AMX)
+  if (isa != kIsaAmx || w.scalar_type() != torch::kBFloat16 || K % kPairChunk != 0) return false;
+  check_packed_weight(w, K, N, nullptr, isa);
+  gemm_amx_rounded(xb, M, w.data_ptr<at::BFloat16>(), K, bias, N, out, ldo, accumulate, nullptr);
+  return true;
+#else
+  return false;
 #endif
 }
 

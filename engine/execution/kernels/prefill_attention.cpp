@@ -1360,8 +1360,9 @@ void packed_bidirectional_attention(const torch::Tensor& qkv,           // [T, 3
 #if defined(MINIVLLM_HAS_AVX512_BF16)
     TORCH_CHECK(isa >= kIsaAvx512Bf16 && head_dim % 16 == 0,
                 "packed_bidirectional_attention: bf16_products needs an AVX512-BF16 isa and head_dim a multiple of 16");
-    const auto kv = qkv.narrow(1, hd, 2 * hd).to(torch::kBFloat16).contiguous();  // [T, k | v]
-    return each_prompt(Bf16Pair{}, kv.data_ptr<at::BFloat16>(), 2 * hd);
+    // [T, k | v] rows of 2 H D (a multiple of 16), rounded by the products' own AVX-512 pass
+    const auto kv = round_rows_to_bf16(base + hd, num_tokens, row, 2 * hd);
+    return each_prompt(Bf16Pair{}, reinterpret_cast<const at::BFloat16*>(kv.get()), 2 * hd);
 #else
     TORCH_CHECK(false, "packed_bidirectional_attention: bf16_products needs a build with AVX512-BF16");
 #endif

@@ -87,3 +87,43 @@ def test_both_epilogues_take_bfloat16_panels(kernels, shape: tuple[int, int, int
     # the float32 weights' product is not what it computed: the panels' bfloat16 values are
     exact = F.gelu(x.double() @ weight.double().T + bias.double())
     assert (kernels.packed_linear_gelu(x, packed.data, packed.bias, n, 0, False).double() - exact).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("shape", [(1, 37, 32), (33, 64, 64), (70, 96, 384), (17, 64, 50)],
+                         ids=lambda s: "M{}-K{}-N{}".format(*s))
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_bfloat16_gelu_output_is_the_float_output_rounded(kernels, approximate: str,
+                                                          shape: tuple[int, int, int]) -> None:
+    """bf16_out (on AMX, from the tiles' epilogue where N is a multiple of 32; elsewhere rounded
+    after) holds the float32 output's bits rounded to nearest-even: what the down product rounds
+    its input to, so taking it is no change to the encoder's numbers."""
+    m, k, n = shape
+    gen = torch.Generator().manual_seed(7 * m + n)
+    weight, bias, x = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen), torch.randn(m, k, generator=gen)
+    packed = PackedWeight.pack(weight, bias, torch.bfloat16)
+    for isa in range(kernels.best_isa() + 1):
+        for b in (packed.bias, None):
+            wide = kernels.packed_linear_gelu(x, packed.data, b, n, isa, approximate == "tanh")
+            narrow = kernels.packed_linear_gelu(x, packed.data, b, n, isa, approximate == "tanh", True)
+            assert narrow.dtype == torch.bfloat16 and narrow.shape == (m, n)
+            assert torch.equal(narrow, wide.bfloat16()), f"{ISA_NAMES[isa]} bias={b is not None}"
+
+
+@pytest.mark.parametrize("shape", [(70, 96, 384), (5, 64, 40), (9, 40, 24)], ids=lambda s: "M{}-K{}-N{}".format(*s))
+def test_add_norm_takes_bfloat16_rows_as_their_float_values(kernels, shape: tuple[int, int, int]) -> None:
+    """x in bfloat16 (the GELU's bf16_out; straight to the tiles on AMX where K is a multiple of
+    32) gives the bits its float32 widening gives."""
+    m, k, n = shape
+    gen = torch.Generator().manual_seed(11 * m + k)
+    weight, bias = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    residual = torch.randn(m, n, generator=gen)
+    norm_weight, norm_bias = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    for dtype in (torch.float32, torch.bfloat16):
+        packed = PackedWeight.pack(weight, bias, dtype)
+        for isa in range(kernels.best_isa() + 1):
+            from_bf16, from_float = residual.clone(), residual.clone()
+            kernels.packed_linear_add_norm_(x, packed.data, packed.bias, n, isa, from_bf16, norm_weight, norm_bias, 1e-12)
+            kernels.packed_linear_add_norm_(x.float(), packed.data, packed.bias, n, isa, from_float, norm_weight,
+                                            norm_bias, 1e-12)
+            assert torch.equal(from_bf16, from_float), f"{ISA_NAMES[isa]} {dtype}"
