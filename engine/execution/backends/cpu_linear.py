@@ -59,15 +59,22 @@ class PackedLinear(nn.Module):
             return self.panels.linear(x, self.kernels, self.isa)
         return self._forward_native(x).float()
 
+    def forward_rounded(self, x: torch.Tensor) -> torch.Tensor:
+        # bfloat16 panels on AMX: bias and rounding in the tiles' epilogue, half the bytes of a float32
+        # output and no rounding pass after it; elsewhere the float32 output (which the consumer
+        # rounds as it reads it), as forward gives it
+        if self._is_amx_bf16(x):
+            return self.kernels.packed_linear(x, *self.panels.as_args(), self.isa, True)
+        return self(x)
+
     def forward_gelu(self, x: torch.Tensor, approximate: str) -> torch.Tensor:
         # GELU applied to each output tile while it is in cache, not in a pass over the whole output
         # (its erf / tanh vectorized on AVX-512 only: elsewhere torch's vectorized GELU is faster).
         # bfloat16 panels on AMX: the output in bfloat16 from the tiles' epilogue, the down product's
         # left operand as that product would round it (forward_add_norm takes it as it is).
         if self._can_fuse(x) and self.isa >= ISAS["avx512"]:
-            bf16_out = self.isa >= ISAS["amx"] and self.panels.data.dtype == torch.bfloat16
             return self.kernels.packed_linear_gelu(x, self.panels.data, self.panels.bias, self.out_features, self.isa,
-                                                   approximate == "tanh", bf16_out)
+                                                   approximate == "tanh", self._is_amx_bf16(x))
         return F.gelu(self(x), approximate=approximate)
 
     def forward_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module) -> torch.Tensor:
@@ -86,6 +93,10 @@ class PackedLinear(nn.Module):
         bfloat16 GELU output of forward_gelu)."""
         return (self.uses_panels(x.shape[0]) and self.panels.data.dtype in (torch.float32, torch.bfloat16)
                 and x.dtype in (torch.float32, torch.bfloat16))
+
+    def _is_amx_bf16(self, x: torch.Tensor) -> bool:
+        """Whether bfloat16 panels run x's product on AMX (where the tiles' epilogue writes bfloat16)."""
+        return self._can_fuse(x) and self.isa >= ISAS["amx"] and self.panels.data.dtype == torch.bfloat16
 
     def _forward_native(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is not None:

@@ -59,7 +59,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("num_kept_scratch_bytes", &minivllm::num_kept_scratch_bytes, "Bytes of the scratch blocks kept now");
   m.def("best_isa", &minivllm::best_isa,
         "The best SIMD path this CPU runs: 0 scalar, 1 AVX2, 2 AVX-512, 3 AVX-512 + BF16, 4 AVX-512 + AMX");
-  m.def("packed_linear", without_gil(&minivllm::packed_linear), "x [M, K] times panel-packed weights -> [M, n] float32");
+  m.def("packed_linear", without_gil(&minivllm::packed_linear),
+        "x [M, K] times panel-packed weights -> [M, n] float32, or with bf16_out bfloat16 (those values rounded)",
+        py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("bias"), py::arg("n"), py::arg("isa"),
+        py::arg("bf16_out") = false);
   m.def("quant_linear", without_gil(&minivllm::quant_linear),
         "x [M, K] times GGUF blocks repacked in panels (ggml type) -> [M, n] float32");
   m.def("quant_tile_unpack", without_gil(&minivllm::quant_tile_unpack),

@@ -231,11 +231,11 @@ void packed_gemm_activated(const float* x, int64_t M, int64_t K, int64_t ldx, co
 // past K), the threads sharing the rows: what the bfloat16 product paths read.
 Scratch<uint16_t> round_rows_to_bf16(const float* x, int64_t M, int64_t ldx, int64_t K);
 #endif
-// out [M, N] bfloat16 = GELU(x W^T + bias) (act kOutGelu or kOutGeluTanh), rounded as the next
-// product rounds its input, for bfloat16 panels on AMX with N a multiple of 32 (an encoder's up
-// projection); false, and nothing done, elsewhere.
-bool packed_gemm_gelu_bf16(const float* x, int64_t M, int64_t K, const torch::Tensor& w, const float* bias, int64_t N,
-                           int64_t act, uint16_t* out, int64_t isa);
+// out [M, N] bfloat16 = act(x W^T + bias) (act kOutNone, kOutGelu or kOutGeluTanh), rounded as a
+// bfloat16 product rounds its input, for bfloat16 panels on AMX with N a multiple of 32 (an
+// encoder's up projection and fused QKV); false, and nothing done, elsewhere.
+bool packed_gemm_bf16_out(const float* x, int64_t M, int64_t K, const torch::Tensor& w, const float* bias, int64_t N,
+                          int64_t act, uint16_t* out, int64_t isa);
 // out (+)= xb W^T + bias for xb [M, K] already bfloat16 (K a multiple of 32: no padding to add), on
 // bfloat16 panels on AMX; false, and nothing done, elsewhere.
 bool packed_gemm_bf16_rows(const uint16_t* xb, int64_t M, int64_t K, const torch::Tensor& w, const float* bias,
@@ -282,7 +282,7 @@ void packed_linear_add_norm_(const torch::Tensor& x, const torch::Tensor& w, con
                              const torch::Tensor& norm_bias, double eps);
 void apply_token_bitmask_(torch::Tensor logits, const torch::Tensor& bitmask, const torch::Tensor& rows);
 torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& w, const std::optional<torch::Tensor>& scale,
-                            const std::optional<torch::Tensor>& bias, int64_t n, int64_t isa);
+                            const std::optional<torch::Tensor>& bias, int64_t n, int64_t isa, bool bf16_out);
 using PackedLinear = std::tuple<torch::Tensor, std::optional<torch::Tensor>, std::optional<torch::Tensor>, int64_t>;
 // A weight of GGUF's quantized blocks, repacked in panels of 16 output channels (quant_tiles.h
 // has the layout), as plain values: data [num_panels, num_records, record_bytes] uint8 and its

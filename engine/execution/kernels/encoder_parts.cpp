@@ -72,7 +72,7 @@ torch::Tensor packed_linear_gelu(const torch::Tensor& x, const torch::Tensor& w,
   const int64_t act = is_tanh ? kOutGeluTanh : kOutGelu;
   if (bf16_out) {
     auto out = scratch_tensor({x.size(0), n}, xf.options().dtype(torch::kBFloat16));
-    if (packed_gemm_gelu_bf16(xf.data_ptr<float>(), x.size(0), x.size(1), w, bias_of(bias, n), n, act,
+    if (packed_gemm_bf16_out(xf.data_ptr<float>(), x.size(0), x.size(1), w, bias_of(bias, n), n, act,
                               reinterpret_cast<uint16_t*>(out.data_ptr()), isa))
       return out;
   }

@@ -973,11 +973,11 @@ void gemm_amx_gated(const uint16_t* xb, int64_t M, const at::BFloat16* w, int64_
   }
 }
 
-// A block's bias + GELU rows, pending: tile_amx's `between` for the next block, as
+// A block's bias (+ GELU) rows, pending: tile_amx's `between` for the next block, as
 // PendingSiluRows is for the gated product. A row is the operations store_tile, activate and
-// round_rows_bf16 ran on it one pass after another (the bias added, gelu_erf512 or gelu_tanh512,
-// round_bf16_512), so the bits are theirs.
-struct PendingGeluRows {
+// round_rows_bf16 ran on it one pass after another (the bias added, gelu_erf512 or gelu_tanh512
+// unless act is kOutNone, round_bf16_512), so the bits are theirs.
+struct PendingBf16Rows {
   const float* sums = nullptr;  // panel 0 [32 rows][16], then panel 1 [32 rows][16]
   const float* bias = nullptr;  // the block's first output's, or null
   uint16_t* out = nullptr;      // the block's first row of outputs, rows ldo apart
@@ -999,7 +999,8 @@ struct PendingGeluRows {
       for (int64_t j = 0; j < num_panels; ++j) {
         __m512 v = _mm512_load_ps(sums + (32 * j + num_done) * kPanel);
         if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + j * kPanel));
-        v = act == kOutGeluTanh ? gelu_tanh512(v) : gelu_erf512(v);
+        if (act == kOutGelu) v = gelu_erf512(v);
+        if (act == kOutGeluTanh) v = gelu_tanh512(v);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + num_done * ldo + j * kPanel), round_bf16_512(v));
       }
     }
@@ -1007,19 +1008,20 @@ struct PendingGeluRows {
   MINIVLLM_AMX void finish() { finish_upto(num_rows); }
 };
 
-// An encoder's up projection on the tiles with bias + GELU (act: kOutGelu or kOutGeluTanh) in its
-// epilogue: out [M, N] bfloat16 (N a multiple of 32), the down projection's left operand as it
-// is. Through gemm_amx, the float32 [M, N] product went out to memory and was read back twice (a
-// GELU pass, then the down product's rounding pass): 3 MB a 512-row step of bge-small. Each
-// block's GELU runs between the tile steps of the next block (PendingGeluRows), as the gated
-// product's SiLU does.
-void gemm_amx_gelu_bf16(const uint16_t* xb, int64_t M, const at::BFloat16* w, int64_t Kp, const float* bias, int64_t N,
-                        int64_t act, uint16_t* out) {
+// A product on the tiles with bias (+ GELU: act kOutGelu or kOutGeluTanh; kOutNone: none) in its
+// epilogue, out [M, N] bfloat16 (N a multiple of 32): an encoder's up projection, the down
+// product's left operand as it is, or its fused QKV, which its attention reads in bfloat16.
+// Through gemm_amx the float32 [M, N] product went out to memory and was read back twice (a GELU
+// or attention's rounding pass, then the down product's rounding pass): 3 MB a 512-row step of
+// bge-small's up projection. Each block's rows run between the tile steps of the next block
+// (PendingBf16Rows), as the gated product's SiLU does.
+void gemm_amx_bf16_out(const uint16_t* xb, int64_t M, const at::BFloat16* w, int64_t Kp, const float* bias, int64_t N,
+                       int64_t act, uint16_t* out) {
   const int64_t panel_size = Kp * kPanel;
   const int64_t num_steps = std::max<int64_t>(1, Kp / kPairChunk);
   const auto run = [&](int64_t m_block, int64_t m_end, int64_t begin, int64_t end) {
     alignas(64) float acc[2][2 * 32 * kPanel];  // two blocks' sums: the one on the tiles, the one pending
-    PendingGeluRows pending;
+    PendingBf16Rows pending;
     pending.ldo = N;
     pending.act = act;
     TileShape shape;
@@ -1284,15 +1286,16 @@ void packed_gated_mlp(const float* x, int64_t M, int64_t K, const float* norm, f
 #endif
 }
 
-bool packed_gemm_gelu_bf16(const float* x, int64_t M, int64_t K, const torch::Tensor& w, const float* bias, int64_t N,
-                           int64_t act, uint16_t* out, int64_t isa) {
+bool packed_gemm_bf16_out(const float* x, int64_t M, int64_t K, const torch::Tensor& w, const float* bias, int64_t N,
+                          int64_t act, uint16_t* out, int64_t isa) {
 #if defined(MINIVLLM_HAS_AMX)
-  TORCH_CHECK(act == kOutGelu || act == kOutGeluTanh, "packed_gemm_gelu_bf16: GELU only, not ", act);
+  TORCH_CHECK(act == kOutNone || act == kOutGelu || act == kOutGeluTanh, "packed_gemm_bf16_out: unknown activation ",
+              act);
   if (isa != kIsaAmx || w.scalar_type() != torch::kBFloat16 || N % kPairChunk != 0) return false;
   check_packed_weight(w, K, N, nullptr, isa);
   const int64_t Kp = 2 * w.size(1);
   const auto xb = rounded_rows(x, M, K, K, Kp);
-  gemm_amx_gelu_bf16(xb.get(), M, w.data_ptr<at::BFloat16>(), Kp, bias, N, act, out);
+  gemm_amx_bf16_out(xb.get(), M, w.data_ptr<at::BFloat16>(), Kp, bias, N, act, out);
   return true;
 #else
   return false;
@@ -1325,17 +1328,25 @@ bool packed_gemm_normed(const float* x, int64_t M, int64_t K, const float* norm,
 #endif
 }
 
-// x: [M, K] (any float dtype) -> [M, n] float32.
+// x: [M, K] (any float dtype) -> [M, n] float32; bf16_out: [M, n] bfloat16, those values rounded
+// to nearest-even (from the tiles' epilogue where bfloat16 panels run on AMX and n is a multiple
+// of 32).
 torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& w, const std::optional<torch::Tensor>& scale,
-                            const std::optional<torch::Tensor>& bias, int64_t n, int64_t isa) {
+                            const std::optional<torch::Tensor>& bias, int64_t n, int64_t isa, bool bf16_out) {
   TORCH_CHECK(x.dim() == 2, "packed_linear: x must be [M, K]");
   const auto xf = x.to(torch::kFloat32).contiguous();
-  const auto out = scratch_tensor({x.size(0), n}, xf.options());
   const float* scale_data = scale ? scale->data_ptr<float>() : nullptr;
   const float* bias_data = bias ? bias->data_ptr<float>() : nullptr;
+  if (bf16_out && scale_data == nullptr) {
+    auto out = scratch_tensor({x.size(0), n}, xf.options().dtype(torch::kBFloat16));
+    if (packed_gemm_bf16_out(xf.data_ptr<float>(), x.size(0), x.size(1), w, bias_data, n, kOutNone,
+                             reinterpret_cast<uint16_t*>(out.data_ptr()), isa))
+      return out;
+  }
+  const auto out = scratch_tensor({x.size(0), n}, xf.options());
   packed_gemm(xf.data_ptr<float>(), x.size(0), x.size(1), x.size(1), w, scale_data, bias_data, n,
               out.data_ptr<float>(), n, isa, false);
-  return out;
+  return bf16_out ? out.to(torch::kBFloat16) : out;
 }
 
 }  // namespace minivllm

@@ -1316,14 +1316,16 @@ void paged_prefill_attention(torch::Tensor q,                            // [n, 
 // With bf16_products (a bfloat16 model on an AVX512-BF16 CPU), K and V are rounded to bfloat16
 // once for the step and both products run on the pair path's vdpbf16ps tiles, as a bfloat16
 // cache's chunk does: q and the probabilities rounded too, sums in float32.
-void packed_bidirectional_attention(const torch::Tensor& qkv,           // [T, 3 H D] float32, contiguous
+void packed_bidirectional_attention(const torch::Tensor& qkv,           // [T, 3 H D] float32 (or bfloat16), contiguous
                                     const torch::Tensor& query_starts,  // [B + 1] int64: prompt b's rows
                                     int64_t num_heads, double scale, int64_t isa,
                                     torch::Tensor out,                  // [T, H, D] float32, contiguous: written
                                     bool bf16_products) {
   TORCH_CHECK(isa <= best_isa(), "packed_bidirectional_attention: this CPU lacks the requested instruction set");
-  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == torch::kFloat32 && qkv.is_contiguous() &&
-              qkv.size(1) % (3 * num_heads) == 0, "packed_bidirectional_attention: qkv must be float32 [T, 3 H D], contiguous");
+  const bool is_bf16_qkv = qkv.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(qkv.dim() == 2 && (qkv.scalar_type() == torch::kFloat32 || (is_bf16_qkv && bf16_products)) &&
+                  qkv.is_contiguous() && qkv.size(1) % (3 * num_heads) == 0,
+              "packed_bidirectional_attention: qkv must be float32 (bfloat16 with bf16_products) [T, 3 H D], contiguous");
   const int64_t num_tokens = qkv.size(0), row = qkv.size(1), head_dim = row / (3 * num_heads);
   TORCH_CHECK(head_dim <= 256, "packed_bidirectional_attention: head_dim <= 256");
   TORCH_CHECK(out.dim() == 3 && out.size(0) == num_tokens && out.size(1) == num_heads && out.size(2) == head_dim &&
@@ -1336,23 +1338,22 @@ void packed_bidirectional_attention(const torch::Tensor& qkv,           // [T, 3
   TORCH_CHECK(starts[0] == 0 && starts[num_prompts] == num_tokens,
               "packed_bidirectional_attention: query_starts must run from 0 to T");
   const int64_t hd = num_heads * head_dim;
-  const RowStrides strides{row, head_dim, hd, head_dim};
   const int64_t identity_table[1] = {0};  // one block of the prompt's length: slot t is row t
-  const float* base = qkv.data_ptr<float>();
   float* dst = out.data_ptr<float>();
   for (int64_t b = 0; b < num_prompts; ++b)
     TORCH_CHECK(starts[b + 1] >= starts[b], "packed_bidirectional_attention: query_starts must not decrease");
-  // Each prompt as a chunk whose keys are its own rows: k at kv + t * kv_row (v hd after it),
-  // E the kernel's element (float, or a bfloat16 pair).
-  const auto each_prompt = [&](auto element, const auto* kv, int64_t kv_row) {
+  // Each prompt as a chunk whose keys are its own rows: q at q_base + t * q_row, k at kv + t *
+  // kv_row (v hd after it), E the kernel's element (float, or a bfloat16 pair).
+  const auto each_prompt = [&](auto element, const float* q_base, int64_t q_row, const auto* kv, int64_t kv_row) {
     using E = decltype(element);
     const KeySource keys{kv_row, true};
+    const RowStrides strides{q_row, head_dim, hd, head_dim};
     for (int64_t b = 0; b < num_prompts; ++b) {
       const int64_t begin = starts[b], len = starts[b + 1] - begin;
       if (len == 0) continue;
       const auto* k = kv + begin * kv_row;
       const int64_t block_size = (len + kKeys - 1) / kKeys * kKeys;
-      attend_chunk<E>(base + begin * row, len, num_heads, strides, k, k + hd, num_heads, head_dim, identity_table,
+      attend_chunk<E>(q_base + begin * q_row, len, num_heads, strides, k, k + hd, num_heads, head_dim, identity_table,
                       block_size, 0, static_cast<float>(scale), 0, isa, dst + begin * hd, nullptr, keys);
     }
   };
@@ -1360,14 +1361,31 @@ void packed_bidirectional_attention(const torch::Tensor& qkv,           // [T, 3
 #if defined(MINIVLLM_HAS_AVX512_BF16)
     TORCH_CHECK(isa >= kIsaAvx512Bf16 && head_dim % 16 == 0,
                 "packed_bidirectional_attention: bf16_products needs an AVX512-BF16 isa and head_dim a multiple of 16");
+    if (is_bf16_qkv) {
+      // K and V read in place; q widened to float32 (exactly), which the kernel scales and rounds
+      // as it does a float32 q
+      const auto* bits = reinterpret_cast<const uint16_t*>(qkv.data_ptr());
+      auto q = scratch_array<float>(num_tokens * hd);
+      float* qf = q.get();
+      at::parallel_for(0, num_tokens, 64, [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t) {
+          const uint16_t* src = bits + t * row;
+          uint32_t* to = reinterpret_cast<uint32_t*>(qf + t * hd);
+          for (int64_t i = 0; i < hd; ++i) to[i] = static_cast<uint32_t>(src[i]) << 16;
+        }
+      });
+      return each_prompt(Bf16Pair{}, qf, hd, reinterpret_cast<const at::BFloat16*>(bits) + hd, row);
+    }
     // [T, k | v] rows of 2 H D (a multiple of 16), rounded by the products' own AVX-512 pass
+    const float* base = qkv.data_ptr<float>();
     const auto kv = round_rows_to_bf16(base + hd, num_tokens, row, 2 * hd);
-    return each_prompt(Bf16Pair{}, reinterpret_cast<const at::BFloat16*>(kv.get()), 2 * hd);
+    return each_prompt(Bf16Pair{}, base, row, reinterpret_cast<const at::BFloat16*>(kv.get()), 2 * hd);
 #else
     TORCH_CHECK(false, "packed_bidirectional_attention: bf16_products needs a build with AVX512-BF16");
 #endif
   }
-  each_prompt(float{}, base + hd, row);  // k and v read in place from the fused rows
+  const float* base = qkv.data_ptr<float>();
+  each_prompt(float{}, base, row, base + hd, row);  // k and v read in place from the fused rows
 }
 
 }  // namespace minivllm

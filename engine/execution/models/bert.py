@@ -133,7 +133,8 @@ class EncoderLayer(nn.Module):
         # post-LayerNorm: each block's output is added to its input, then normed
         num_tokens, hidden = x.shape
         # (x and h are this layer's own: forward_add_norm may write its result over them)
-        o = seqs.attention(self.qkv_proj(x), self.num_heads, self.scale).reshape(num_tokens, hidden)
+        # (the fused QKV in the weights' dtype: a bfloat16 encoder's attention reads it in bfloat16)
+        o = seqs.attention(self.qkv_proj.forward_rounded(x), self.num_heads, self.scale).reshape(num_tokens, hidden)
         if rows is not None:
             o, x = o[rows], x[rows]  # [R, hidden] each: the rows past attention that anyone reads
         h = self.o_proj.forward_add_norm(o, x, self.attn_norm)

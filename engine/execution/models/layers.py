@@ -23,6 +23,12 @@ class Linear(nn.Linear):
         """The product in float32 (logits)."""
         return F.linear(x, self.weight, self.bias).float()
 
+    def forward_rounded(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T + b in the weight's dtype, for a consumer that reads its input in that dtype anyway
+        (a bfloat16 encoder's fused QKV, which its attention multiplies in bfloat16); the CPU
+        backend's panels round each output tile as it is computed."""
+        return self(x.to(self.weight.dtype))
+
     def forward_gelu(self, x: torch.Tensor, approximate: str) -> torch.Tensor:
         """GELU(x W^T + b), approximate "none" or "tanh" (an encoder's up projection); the CPU
         backend's panels apply the GELU to each output tile as it is computed."""

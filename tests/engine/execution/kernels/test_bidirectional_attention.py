@@ -72,8 +72,8 @@ def test_a_causal_or_whole_step_attention_is_not_what_it_computes(kernels) -> No
 
 
 def test_backend_runs_it_where_the_prefill_tiles_run(kernels) -> None:
-    """CpuAttention offers the kernel with its AVX-512 prefill tiles, returns qkv's dtype, and
-    rejects a malformed step by name."""
+    """CpuAttention offers the kernel with its AVX-512 prefill tiles, returns float32 (the
+    encoder's stream), and rejects a malformed step by name."""
     isa = kernels.best_isa()
     attention = CpuAttention(kernels, isa, prefill_in_cpp=isa >= ISAS["avx512"])
     assert attention.has_bidirectional_kernel == (isa >= ISAS["avx512"])
@@ -123,3 +123,22 @@ def test_a_bfloat16_backend_runs_bfloat16_products_where_they_run(kernels) -> No
     rounded = bf16.bidirectional(qkv, starts, 2, 32**-0.5)
     torch.testing.assert_close(rounded.double(), expected, atol=2e-2, rtol=2e-2)
     assert ((rounded - exact).abs().max() > 1e-4) == bf16.is_bf16_bidirectional
+
+
+def test_bfloat16_qkv_gives_what_its_float_values_give(kernels) -> None:
+    """A bfloat16 qkv (the fused QKV's rounded output, on AMX) with bf16_products: K and V read in
+    place, q widened, the same bits as the same values in float32; without bf16_products it is
+    refused by name."""
+    if kernels.best_isa() < ISAS["avx512_bf16"]:
+        pytest.skip("this CPU has no AVX512-BF16 (vdpbf16ps): the bfloat16 pair path does not run here")
+    qkv, start_list, _ = _packed_prompts((1, 17, 40, 70), 3, 32, 5)
+    qkv = qkv.bfloat16()
+    starts = torch.tensor(start_list, dtype=torch.int64)
+    num_tokens = qkv.shape[0]
+    for isa in range(ISAS["avx512_bf16"], kernels.best_isa() + 1):
+        from_bf16, from_float = torch.empty(num_tokens, 3, 32), torch.empty(num_tokens, 3, 32)
+        kernels.packed_bidirectional_attention(qkv, starts, 3, 32**-0.5, isa, from_bf16, True)
+        kernels.packed_bidirectional_attention(qkv.float(), starts, 3, 32**-0.5, isa, from_float, True)
+        assert torch.equal(from_bf16, from_float), ISA_NAMES[isa]
+    with pytest.raises(RuntimeError, match="qkv must be float32"):
+        kernels.packed_bidirectional_attention(qkv, starts, 3, 32**-0.5, kernels.best_isa(), from_bf16)

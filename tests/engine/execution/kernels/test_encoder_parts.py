@@ -127,3 +127,20 @@ def test_add_norm_takes_bfloat16_rows_as_their_float_values(kernels, shape: tupl
             kernels.packed_linear_add_norm_(x.float(), packed.data, packed.bias, n, isa, from_float, norm_weight,
                                             norm_bias, 1e-12)
             assert torch.equal(from_bf16, from_float), f"{ISA_NAMES[isa]} {dtype}"
+
+
+@pytest.mark.parametrize("shape", [(1, 37, 32), (70, 96, 1152), (17, 64, 50)], ids=lambda s: "M{}-K{}-N{}".format(*s))
+def test_bfloat16_product_output_is_the_float_output_rounded(kernels, shape: tuple[int, int, int]) -> None:
+    """packed_linear's bf16_out (an encoder's fused QKV; on AMX from the tiles' epilogue where N is a
+    multiple of 32) holds the float32 output's bits rounded to nearest-even."""
+    m, k, n = shape
+    gen = torch.Generator().manual_seed(13 * m + n)
+    weight, bias, x = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen), torch.randn(m, k, generator=gen)
+    for dtype in (torch.float32, torch.bfloat16):
+        packed = PackedWeight.pack(weight, bias, dtype)
+        for isa in range(kernels.best_isa() + 1):
+            for b in (packed.bias, None):
+                wide = kernels.packed_linear(x, packed.data, None, b, n, isa)
+                narrow = kernels.packed_linear(x, packed.data, None, b, n, isa, True)
+                assert narrow.dtype == torch.bfloat16 and narrow.shape == (m, n)
+                assert torch.equal(narrow, wide.bfloat16()), f"{ISA_NAMES[isa]} {dtype} bias={b is not None}"
