@@ -816,47 +816,95 @@ void gemm_dpbf16(const float* x, int64_t M, int64_t ldx, const at::BFloat16* w, 
 #endif
 
 #if defined(MINIVLLM_HAS_AMX)
+// A block's biased rows, pending: tile_amx's `between` for the next block (as PendingSiluRows is
+// for the gated product). A row is store_tile's operations on it (the bias added, then added to
+// what out holds when accumulating: a residual), so the bits are store_tile's; run between the
+// next block's tile steps, the pass over out's rows (the residual's read and write) overlaps them.
+struct PendingBiasRows {
+  const float* sums = nullptr;  // panel 0 [32 rows][16], then panel 1 [32 rows][16]
+  const float* bias = nullptr;  // the block's first output's
+  float* out = nullptr;         // the block's first row of outputs, rows ldo apart
+  int64_t ldo = 0, num_panels = 0, num_rows = 0, num_done = 0, rows_per_step = 0;
+  bool accumulate = false;
+
+  void start(const float* block_sums, const float* block_bias, float* block_out, int64_t panels, int64_t rows,
+             int64_t num_steps) {
+    sums = block_sums;
+    bias = block_bias;
+    out = block_out;
+    num_panels = panels;
+    num_rows = rows;
+    num_done = 0;
+    rows_per_step = (rows + num_steps - 1) / num_steps;
+  }
+  MINIVLLM_AMX void operator()(int64_t step) { finish_upto((step + 1) * rows_per_step); }
+  MINIVLLM_AMX void finish_upto(int64_t upto) {
+    for (upto = std::min(upto, num_rows); num_done < upto; ++num_done) {
+      for (int64_t j = 0; j < num_panels; ++j) {
+        float* o = out + num_done * ldo + j * kPanel;
+        __m512 v = _mm512_add_ps(_mm512_load_ps(sums + (32 * j + num_done) * kPanel), _mm512_loadu_ps(bias + j * kPanel));
+        if (accumulate) v = _mm512_add_ps(_mm512_loadu_ps(o), v);
+        _mm512_storeu_ps(o, v);
+      }
+    }
+  }
+  MINIVLLM_AMX void finish() { finish_upto(num_rows); }
+};
+
 // The product on the AMX tiles, for bfloat16 panels (Kp = their padded K). Full panels without
-// a bias go straight between the tiles and `out`; a partial panel or a bias goes through acc.
-// xb: x already rounded to bfloat16, [M, Kp] (zero past K).
+// a bias go straight between the tiles and `out`; with a bias, through acc and PendingBiasRows;
+// a partial panel through acc and store_tile. xb: x already rounded to bfloat16, [M, Kp] (zero
+// past K).
 void gemm_amx_rounded(const uint16_t* xb, int64_t M, const at::BFloat16* w, int64_t Kp, const float* bias, int64_t N,
                       float* out, int64_t ldo, bool accumulate, const TeamShare* team) {
   const int64_t panel_size = Kp * kPanel;
+  const int64_t num_steps = std::max<int64_t>(1, Kp / kPairChunk);
   // Per task a pair of panels at a time (the pair's weights, 2 x Kp x 32 bytes, stay in L1/L2)
   // against every 32-row block of up to kAmxRowBlock rows of x.
   // Not tapered (TaperedSplit): that a tapered split's pairing leaves the tiles' floats as they
   // are has not been checked on AMX.
   const auto run = [&](int64_t m_block, int64_t m_end, int64_t begin, int64_t end) {
-    alignas(64) float acc[4 * 16 * kPanel];  // [panel][32 rows][16]
+    alignas(64) float acc[2][4 * 16 * kPanel];  // [panel][32 rows][16], two blocks' (one pending)
+    PendingBiasRows pending;
+    pending.ldo = ldo;
+    pending.accumulate = accumulate;
     TileShape shape;
+    int cur = 0;
     for (int64_t p = begin; p < end; p += 2) {
       const at::BFloat16* panel = w + p * panel_size;
       const bool pair = p + 1 < end;
       const int64_t n0 = p * kPanel, width = (pair ? 2 : 1) * kPanel;
-      const bool direct = bias == nullptr && n0 + width <= N;
+      const bool is_full = n0 + width <= N, direct = bias == nullptr && is_full;
       for (int64_t m0 = m_block; m0 < m_end; m0 += 32) {
         const int64_t rows = std::min<int64_t>(32, m_end - m0);
         shape.fit(rows);
         const uint16_t* xm = xb + m0 * Kp;
-        float* c0 = direct ? out + m0 * ldo + n0 : acc;
-        float* c1 = direct ? c0 + kPanel : acc + 32 * kPanel;
+        float* c0 = direct ? out + m0 * ldo + n0 : acc[cur];
+        float* c1 = direct ? c0 + kPanel : acc[cur] + 32 * kPanel;
         const int64_t ldc = direct ? ldo : kPanel;
         const bool load_c = direct && accumulate;
         const bool first = m0 == m_block;
         if (rows > 16) {
-          pair ? tile_amx<2, 2>(xm, Kp, panel, panel + panel_size, Kp, c0, c1, ldc, load_c, first)
-               : tile_amx<2, 1>(xm, Kp, panel, panel, Kp, c0, c1, ldc, load_c, first);
+          pair ? tile_amx<2, 2>(xm, Kp, panel, panel + panel_size, Kp, c0, c1, ldc, load_c, first, pending)
+               : tile_amx<2, 1>(xm, Kp, panel, panel, Kp, c0, c1, ldc, load_c, first, pending);
         } else {
-          pair ? tile_amx<1, 2>(xm, Kp, panel, panel + panel_size, Kp, c0, c1, ldc, load_c, first)
-               : tile_amx<1, 1>(xm, Kp, panel, panel, Kp, c0, c1, ldc, load_c, first);
+          pair ? tile_amx<1, 2>(xm, Kp, panel, panel + panel_size, Kp, c0, c1, ldc, load_c, first, pending)
+               : tile_amx<1, 1>(xm, Kp, panel, panel, Kp, c0, c1, ldc, load_c, first, pending);
         }
         if (direct) continue;
-        store_tile(acc, rows, m0, n0, std::min(kPanel, N - n0), nullptr, bias, out, ldo, accumulate);
+        pending.finish();
+        if (is_full) {  // with a bias: its rows run between the next block's tile steps
+          pending.start(c0, bias + n0, out + m0 * ldo + n0, pair ? 2 : 1, rows, num_steps);
+          cur ^= 1;
+          continue;
+        }
+        store_tile(c0, rows, m0, n0, std::min(kPanel, N - n0), nullptr, bias, out, ldo, accumulate);
         if (pair)
-          store_tile(acc + 32 * kPanel, rows, m0, n0 + kPanel, std::min(kPanel, N - n0 - kPanel), nullptr, bias, out,
-                     ldo, accumulate);
+          store_tile(c1, rows, m0, n0 + kPanel, std::min(kPanel, N - n0 - kPanel), nullptr, bias, out, ldo,
+                     accumulate);
       }
     }
+    pending.finish();
     release_tiles();
   };
   parallel_amx_tasks(M, (N + kPanel - 1) / kPanel, Kp, panel_size * 2, team, run);
