@@ -36,6 +36,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <numeric>
 #include <type_traits>
 #include <vector>
 
@@ -1316,6 +1317,9 @@ void paged_prefill_attention(torch::Tensor q,                            // [n, 
 // With bf16_products (a bfloat16 model on an AVX512-BF16 CPU), K and V are rounded to bfloat16
 // once for the step and both products run on the pair path's vdpbf16ps tiles, as a bfloat16
 // cache's chunk does: q and the probabilities rounded too, sums in float32.
+// packed_bidirectional_attention hands a step's prompts out whole from this many a thread up.
+constexpr int64_t kPromptsPerThread = 2;
+
 void packed_bidirectional_attention(const torch::Tensor& qkv,           // [T, 3 H D] float32 (or bfloat16), contiguous
                                     const torch::Tensor& query_starts,  // [B + 1] int64: prompt b's rows
                                     int64_t num_heads, double scale, int64_t isa,
@@ -1344,18 +1348,38 @@ void packed_bidirectional_attention(const torch::Tensor& qkv,           // [T, 3
     TORCH_CHECK(starts[b + 1] >= starts[b], "packed_bidirectional_attention: query_starts must not decrease");
   // Each prompt as a chunk whose keys are its own rows: q at q_base + t * q_row, k at kv + t *
   // kv_row (v hd after it), E the kernel's element (float, or a bfloat16 pair).
+  //
+  // A step of many prompts (at least kPromptsPerThread a thread) shares them out whole, longest
+  // first, from a counter: each prompt's attention then runs on one thread (its parallel parts
+  // inline), where one prompt after another, each split over the threads, met at two barriers a
+  // prompt (its K/V gather, its tiles) and split short prompts into few tasks.
+  const int64_t num_threads = std::max(1, at::get_num_threads());
+  const bool is_by_prompt = num_threads > 1 && num_prompts >= kPromptsPerThread * num_threads;
+  std::vector<int64_t> order(num_prompts);
+  std::iota(order.begin(), order.end(), int64_t{0});
+  if (is_by_prompt)
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int64_t a, int64_t b) { return starts[a + 1] - starts[a] > starts[b + 1] - starts[b]; });
   const auto each_prompt = [&](auto element, const float* q_base, int64_t q_row, const auto* kv, int64_t kv_row) {
     using E = decltype(element);
     const KeySource keys{kv_row, true};
     const RowStrides strides{q_row, head_dim, hd, head_dim};
-    for (int64_t b = 0; b < num_prompts; ++b) {
+    const auto attend = [&](int64_t b) {
       const int64_t begin = starts[b], len = starts[b + 1] - begin;
-      if (len == 0) continue;
+      if (len == 0) return;
       const auto* k = kv + begin * kv_row;
       const int64_t block_size = (len + kKeys - 1) / kKeys * kKeys;
       attend_chunk<E>(q_base + begin * q_row, len, num_heads, strides, k, k + hd, num_heads, head_dim, identity_table,
                       block_size, 0, static_cast<float>(scale), 0, isa, dst + begin * hd, nullptr, keys);
+    };
+    if (!is_by_prompt) {
+      for (int64_t b = 0; b < num_prompts; ++b) attend(b);
+      return;
     }
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, num_threads, 1, [&](int64_t, int64_t) {
+      for (int64_t i = next++; i < num_prompts; i = next++) attend(order[i]);
+    });
   };
   if (bf16_products) {
 #if defined(MINIVLLM_HAS_AVX512_BF16)
