@@ -144,3 +144,25 @@ def test_bfloat16_product_output_is_the_float_output_rounded(kernels, shape: tup
                 narrow = kernels.packed_linear(x, packed.data, None, b, n, isa, True)
                 assert narrow.dtype == torch.bfloat16 and narrow.shape == (m, n)
                 assert torch.equal(narrow, wide.bfloat16()), f"{ISA_NAMES[isa]} {dtype} bias={b is not None}"
+
+
+@pytest.mark.parametrize("shape", [(600, 64, 96), (70, 96, 384), (2048, 384, 384)], ids=lambda s: "M{}-K{}-N{}".format(*s))
+def test_add_norm_on_bfloat16_panels_norms_every_row_once(kernels, shape: tuple[int, int, int]) -> None:
+    """bfloat16 panels at an encoder step's sizes (2,048 rows: the AMX products' row-block tasks),
+    x float32 or bfloat16: every row is the LayerNorm of its sum, once."""
+    m, k, n = shape
+    gen = torch.Generator().manual_seed(17 * m + n)
+    weight, bias, x = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen), torch.randn(m, k, generator=gen)
+    residual = torch.randn(m, n, generator=gen) * 2
+    norm_weight, norm_bias = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    packed = PackedWeight.pack(weight, bias, torch.bfloat16)
+    for isa in range(kernels.best_isa() + 1):
+        for given in (x, x.bfloat16()):
+            # what the product reads: x rounded on the bfloat16 paths, and bfloat16 x everywhere
+            xr = (x.bfloat16() if isa >= ISAS["avx512_bf16"] or given.dtype == torch.bfloat16 else x).double()
+            expected = F.layer_norm(residual.double() + xr @ weight.bfloat16().double().T + bias.double(), (n,),
+                                    norm_weight.double(), norm_bias.double(), 1e-12)
+            out = residual.clone()
+            kernels.packed_linear_add_norm_(given, packed.data, packed.bias, n, isa, out, norm_weight, norm_bias, 1e-12)
+            err = (out.double() - expected).abs().max().item()
+            assert err < 1e-3, f"{ISA_NAMES[isa]} {given.dtype}: max error {err}"
