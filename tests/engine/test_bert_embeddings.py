@@ -185,6 +185,22 @@ def test_bfloat16_encoder_keeps_a_float32_stream(bert_dirs: dict[str, Path]) -> 
         assert backend.attention.is_bf16_bidirectional
 
 
+@pytest.mark.parametrize("options", [{"kernel_isa": "avx512"}, {"max_fused_tokens": 8}], ids=["avx512", "onednn"])
+def test_bfloat16_encoder_on_a_bfloat16_stream(bert_dirs: dict[str, Path], options: dict[str, object]) -> None:
+    """dtype bfloat16 where the stream stays bfloat16 (AVX-512 without BF16: no bfloat16 panel
+    products; or rows past max_fused_tokens on oneDNN): attention hands back bfloat16 rows and the
+    projections take them, the vectors within bfloat16's rounding of encode()'s."""
+    from engine.execution.kernels import load_cpu_kernels
+
+    kernels = load_cpu_kernels()
+    if "kernel_isa" in options and (kernels is None or kernels.best_isa() < ISAS["avx512"]):
+        pytest.skip("this CPU has no AVX-512: the avx512 kernel path does not run here")
+    model_dir = bert_dirs["cls"]
+    llm = LLM(str(model_dir), max_num_batched_tokens=128, dtype="bfloat16", **options)
+    got = np.array([o.embedding for o in llm.embed(TEXTS)])
+    assert cosines(got, _encode(model_dir, TEXTS)).min() >= 0.999
+
+
 def test_pooled_rows_alone_through_the_last_layer(bert_dirs: dict[str, Path]) -> None:
     """A step whose prompts all pool one row ([CLS] or last) runs its last layer past attention
     for those rows alone; one with a mean-pooled prompt runs it for every row. Each vector equals

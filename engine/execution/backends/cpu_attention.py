@@ -44,14 +44,15 @@ class CpuAttention(TorchAttention):
     def bidirectional(self, qkv: torch.Tensor, query_starts: torch.Tensor, num_heads: int,
                       scale: float) -> torch.Tensor:
         # Each prompt's q, k and v read in place from the fused projection's rows: no padded batch.
-        # The output is float32 (the encoder's stream) whatever qkv's dtype.
+        # The output in qkv's dtype: a bfloat16 qkv (a bfloat16 stream's, or forward_rounded's on
+        # AMX beside a float32 stream) gets bfloat16 rows, which the o projection would round to anyway.
         num_tokens = qkv.shape[0]
         out = torch.empty(num_tokens, num_heads, qkv.shape[1] // (3 * num_heads), dtype=torch.float32)
         bf16_products = self.is_bf16_bidirectional and out.shape[2] % 16 == 0
         # bfloat16 qkv (forward_rounded's) goes in as it is where the products are bfloat16 anyway
         qkv_in = qkv.contiguous() if bf16_products and qkv.dtype == torch.bfloat16 else qkv.float().contiguous()
         self.kernels.packed_bidirectional_attention(qkv_in, query_starts, num_heads, scale, self.isa, out, bf16_products)
-        return out
+        return out.to(qkv.dtype)
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: AttentionMetadata,
                scale: float, window: int | None, sinks: torch.Tensor | None = None) -> torch.Tensor:

@@ -80,19 +80,21 @@ class PackedLinear(nn.Module):
     def forward_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module) -> torch.Tensor:
         # The product accumulated into the residual rows, then the norm over them, in place: no
         # separate add pass and no copy of the stream.
-        if self._can_fuse(x) and residual.dtype == torch.float32 and residual.is_contiguous() \
+        if self._can_fuse(x, allow_bfloat16=True) and residual.dtype == torch.float32 and residual.is_contiguous() \
                 and norm.weight.dtype == torch.float32 and getattr(norm, "bias", None) is not None:
             self.kernels.packed_linear_add_norm_(x, self.panels.data, self.panels.bias, self.out_features, self.isa,
                                                  residual, norm.weight, norm.bias, norm.eps)
             return residual
         return norm(residual + self(x))
 
-    def _can_fuse(self, x: torch.Tensor) -> bool:
-        """Whether float32 or bfloat16 panels run x's product, x float32 or bfloat16 (the fused
-        epilogues' kernels take those: an encoder's float32 stream, its weights in either, and the
-        bfloat16 GELU output of forward_gelu)."""
+    def _can_fuse(self, x: torch.Tensor, allow_bfloat16: bool = False) -> bool:
+        """Whether float32 or bfloat16 panels run x's product, x float32 (the fused epilogues'
+        kernels take those: an encoder's float32 stream, its weights in either); allow_bfloat16:
+        x may be bfloat16 too (forward_add_norm beside a float32 residual: the bfloat16 rows of
+        forward_gelu or attention on AMX, which the product takes as they are)."""
+        dtypes = (torch.float32, torch.bfloat16) if allow_bfloat16 else (torch.float32,)
         return (self.uses_panels(x.shape[0]) and self.panels.data.dtype in (torch.float32, torch.bfloat16)
-                and x.dtype in (torch.float32, torch.bfloat16))
+                and x.dtype in dtypes)
 
     def _is_amx_bf16(self, x: torch.Tensor) -> bool:
         """Whether bfloat16 panels run x's product on AMX (where the tiles' epilogue writes bfloat16)."""

@@ -1308,6 +1308,8 @@ void paged_prefill_attention(torch::Tensor q,                            // [n, 
   }
 }
 
+// packed_bidirectional_attention hands a step's prompts out whole from this many a thread up.
+constexpr int64_t kPromptsPerThread = 2;
 
 // An encoder step's attention (BERT): each prompt's tokens attend to all of that prompt's tokens
 // and no other's. q, k and v are read in place from the fused QKV projection's output, rows of
@@ -1315,10 +1317,9 @@ void paged_prefill_attention(torch::Tensor q,                            // [n, 
 // into one and no scatter back; each prompt runs as a chunk (the causal kernel's tiles) whose
 // keys are its own rows and whose every query sees every key.
 // With bf16_products (a bfloat16 model on an AVX512-BF16 CPU), K and V are rounded to bfloat16
-// once for the step and both products run on the pair path's vdpbf16ps tiles, as a bfloat16
-// cache's chunk does: q and the probabilities rounded too, sums in float32.
-// packed_bidirectional_attention hands a step's prompts out whole from this many a thread up.
-constexpr int64_t kPromptsPerThread = 2;
+// once for the step (or read in place from a bfloat16 qkv) and both products run on the pair
+// path's vdpbf16ps tiles (or AMX's), as a bfloat16 cache's chunk does: q and the probabilities
+// rounded too, sums in float32.
 
 void packed_bidirectional_attention(const torch::Tensor& qkv,           // [T, 3 H D] float32 (or bfloat16), contiguous
                                     const torch::Tensor& query_starts,  // [B + 1] int64: prompt b's rows

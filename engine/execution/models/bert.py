@@ -133,7 +133,8 @@ class EncoderLayer(nn.Module):
         # post-LayerNorm: each block's output is added to its input, then normed
         num_tokens, hidden = x.shape
         # (x and h are this layer's own: forward_add_norm may write its result over them)
-        # (the fused QKV in the weights' dtype: a bfloat16 encoder's attention reads it in bfloat16)
+        # (forward_rounded: a bfloat16 encoder's attention reads the fused QKV in bfloat16, so a
+        # backend may hand it over rounded)
         o = seqs.attention(self.qkv_proj.forward_rounded(x), self.num_heads, self.scale).reshape(num_tokens, hidden)
         if rows is not None:
             o, x = o[rows], x[rows]  # [R, hidden] each: the rows past attention that anyone reads

@@ -24,9 +24,10 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias).float()
 
     def forward_rounded(self, x: torch.Tensor) -> torch.Tensor:
-        """x W^T + b in the weight's dtype, for a consumer that reads its input in that dtype anyway
-        (a bfloat16 encoder's fused QKV, which its attention multiplies in bfloat16); the CPU
-        backend's panels round each output tile as it is computed."""
+        """x W^T + b for a consumer that reads it in the weight's dtype anyway (a bfloat16 encoder's
+        fused QKV, which its attention multiplies in bfloat16): here in that dtype; the CPU
+        backend's panels on AMX round each output tile as it is computed, elsewhere they give
+        what forward gives."""
         return self(x.to(self.weight.dtype))
 
     def forward_gelu(self, x: torch.Tensor, approximate: str) -> torch.Tensor:

@@ -72,8 +72,8 @@ def test_a_causal_or_whole_step_attention_is_not_what_it_computes(kernels) -> No
 
 
 def test_backend_runs_it_where_the_prefill_tiles_run(kernels) -> None:
-    """CpuAttention offers the kernel with its AVX-512 prefill tiles, returns float32 (the
-    encoder's stream), and rejects a malformed step by name."""
+    """CpuAttention offers the kernel with its AVX-512 prefill tiles, returns qkv's dtype, and
+    rejects a malformed step by name."""
     isa = kernels.best_isa()
     attention = CpuAttention(kernels, isa, prefill_in_cpp=isa >= ISAS["avx512"])
     assert attention.has_bidirectional_kernel == (isa >= ISAS["avx512"])
@@ -142,3 +142,25 @@ def test_bfloat16_qkv_gives_what_its_float_values_give(kernels) -> None:
         assert torch.equal(from_bf16, from_float), ISA_NAMES[isa]
     with pytest.raises(RuntimeError, match="qkv must be float32"):
         kernels.packed_bidirectional_attention(qkv, starts, 3, 32**-0.5, kernels.best_isa(), from_bf16)
+
+
+def test_prompts_handed_out_whole_give_the_bits_of_prompts_split(kernels) -> None:
+    """A step of at least 2 prompts a thread runs each prompt whole on one thread; with one thread
+    each prompt is split over the (one) thread as before: the same bits either way, float32 and
+    bfloat16 products."""
+    qkv, start_list, _ = _packed_prompts((0, 300, 1, 17, 40, 5, 70, 33, 64), 3, 32, 9)
+    starts = torch.tensor(start_list, dtype=torch.int64)
+    num_tokens, isa = qkv.shape[0], kernels.best_isa()
+    modes = [(qkv, False)] + ([(qkv, True), (qkv.bfloat16(), True)] if isa >= ISAS["avx512_bf16"] else [])
+    threads = torch.get_num_threads()
+    try:
+        for given, bf16_products in modes:
+            outs = []
+            for num_threads in (1, 2, 3):
+                torch.set_num_threads(num_threads)
+                out = torch.empty(num_tokens, 3, 32)
+                kernels.packed_bidirectional_attention(given, starts, 3, 32**-0.5, isa, out, bf16_products)
+                outs.append(out)
+            assert all(torch.equal(outs[0], o) for o in outs[1:]), f"{given.dtype} bf16_products={bf16_products}"
+    finally:
+        torch.set_num_threads(threads)
