@@ -816,43 +816,63 @@ void gemm_dpbf16(const float* x, int64_t M, int64_t ldx, const at::BFloat16* w, 
 #endif
 
 #if defined(MINIVLLM_HAS_AMX)
-// A block's biased rows, pending: tile_amx's `between` for the next block (as PendingSiluRows is
-// for the gated product). A row is store_tile's operations on it (the bias added, then added to
-// what out holds when accumulating: a residual), so the bits are store_tile's; run between the
-// next block's tile steps, the pass over out's rows (the residual's read and write) overlaps them.
-struct PendingBiasRows {
-  const float* sums = nullptr;  // panel 0 [32 rows][16], then panel 1 [32 rows][16]
-  const float* bias = nullptr;  // the block's first output's
-  float* out = nullptr;         // the block's first row of outputs, rows ldo apart
-  int64_t ldo = 0, num_panels = 0, num_rows = 0, num_done = 0, rows_per_step = 0;
-  bool accumulate = false;
+// A finished block's rows, pending: tile_amx's `between` for the next block, which finishes about
+// num_rows / num_steps of them after each of its tile steps, so the vector work on them runs
+// while the tile unit multiplies (a block's epilogue run after the block left the tile unit
+// waiting). Row is the epilogue: row(r) finishes the block's row r.
+template <typename Row>
+struct PendingRows {
+  Row row;
+  int64_t num_rows = 0, num_done = 0, rows_per_step = 0;
 
-  void start(const float* block_sums, const float* block_bias, float* block_out, int64_t panels, int64_t rows,
-             int64_t num_steps) {
-    sums = block_sums;
-    bias = block_bias;
-    out = block_out;
-    num_panels = panels;
+  void start(const Row& block_row, int64_t rows, int64_t num_steps) {
+    row = block_row;
     num_rows = rows;
     num_done = 0;
     rows_per_step = (rows + num_steps - 1) / num_steps;
   }
   MINIVLLM_AMX void operator()(int64_t step) { finish_upto((step + 1) * rows_per_step); }
   MINIVLLM_AMX void finish_upto(int64_t upto) {
-    for (upto = std::min(upto, num_rows); num_done < upto; ++num_done) {
-      for (int64_t j = 0; j < num_panels; ++j) {
-        float* o = out + num_done * ldo + j * kPanel;
-        __m512 v = _mm512_add_ps(_mm512_load_ps(sums + (32 * j + num_done) * kPanel), _mm512_loadu_ps(bias + j * kPanel));
-        if (accumulate) v = _mm512_add_ps(_mm512_loadu_ps(o), v);
-        _mm512_storeu_ps(o, v);
-      }
-    }
+    for (upto = std::min(upto, num_rows); num_done < upto; ++num_done) row(num_done);
   }
   MINIVLLM_AMX void finish() { finish_upto(num_rows); }
 };
 
+// A biased block's row: store_tile's operations on it (the bias added, then added to what out
+// holds when accumulating: a residual), so the bits are store_tile's; pending, the pass over
+// out's rows (the residual's read and write) overlaps the next block's tile steps.
+struct BiasRow {
+  const float* sums = nullptr;  // panel 0 [32 rows][16], then panel 1 [32 rows][16]
+  const float* bias = nullptr;  // the block's first output's
+  float* out = nullptr;         // the block's first row of outputs, rows ldo apart
+  int64_t ldo = 0, num_panels = 0;
+  bool accumulate = false;
+  MINIVLLM_AMX void operator()(int64_t r) const {
+    for (int64_t j = 0; j < num_panels; ++j) {
+      float* o = out + r * ldo + j * kPanel;
+      __m512 v = _mm512_add_ps(_mm512_load_ps(sums + (32 * j + r) * kPanel), _mm512_loadu_ps(bias + j * kPanel));
+      if (accumulate) v = _mm512_add_ps(_mm512_loadu_ps(o), v);
+      _mm512_storeu_ps(o, v);
+    }
+  }
+};
+
+// tile_amx for a block of `rows` (<= 32, as configured) rows and one panel, w0, or a pair.
+template <typename Between = NoWork>
+MINIVLLM_AMX void tile_amx_block(int64_t rows, bool pair, const uint16_t* xm, int64_t Kp, const at::BFloat16* w0,
+                                 const at::BFloat16* w1, float* c0, float* c1, int64_t ldc, bool accumulate,
+                                 bool prefetch, Between&& between = Between{}) {
+  if (rows > 16) {
+    pair ? tile_amx<2, 2>(xm, Kp, w0, w1, Kp, c0, c1, ldc, accumulate, prefetch, between)
+         : tile_amx<2, 1>(xm, Kp, w0, w0, Kp, c0, c1, ldc, accumulate, prefetch, between);
+  } else {
+    pair ? tile_amx<1, 2>(xm, Kp, w0, w1, Kp, c0, c1, ldc, accumulate, prefetch, between)
+         : tile_amx<1, 1>(xm, Kp, w0, w0, Kp, c0, c1, ldc, accumulate, prefetch, between);
+  }
+}
+
 // The product on the AMX tiles, for bfloat16 panels (Kp = their padded K). Full panels without
-// a bias go straight between the tiles and `out`; with a bias, through acc and PendingBiasRows;
+// a bias go straight between the tiles and `out`; with a bias, through acc and BiasRow rows pending;
 // a partial panel through acc and store_tile. xb: x already rounded to bfloat16, [M, Kp] (zero
 // past K).
 void gemm_amx_rounded(const uint16_t* xb, int64_t M, const at::BFloat16* w, int64_t Kp, const float* bias, int64_t N,
@@ -865,9 +885,7 @@ void gemm_amx_rounded(const uint16_t* xb, int64_t M, const at::BFloat16* w, int6
   // are has not been checked on AMX.
   const auto run = [&](int64_t m_block, int64_t m_end, int64_t begin, int64_t end) {
     alignas(64) float acc[2][4 * 16 * kPanel];  // [panel][32 rows][16], two blocks' (one pending)
-    PendingBiasRows pending;
-    pending.ldo = ldo;
-    pending.accumulate = accumulate;
+    PendingRows<BiasRow> pending;
     TileShape shape;
     int cur = 0;
     for (int64_t p = begin; p < end; p += 2) {
@@ -884,17 +902,11 @@ void gemm_amx_rounded(const uint16_t* xb, int64_t M, const at::BFloat16* w, int6
         const int64_t ldc = direct ? ldo : kPanel;
         const bool load_c = direct && accumulate;
         const bool first = m0 == m_block;
-        if (rows > 16) {
-          pair ? tile_amx<2, 2>(xm, Kp, panel, panel + panel_size, Kp, c0, c1, ldc, load_c, first, pending)
-               : tile_amx<2, 1>(xm, Kp, panel, panel, Kp, c0, c1, ldc, load_c, first, pending);
-        } else {
-          pair ? tile_amx<1, 2>(xm, Kp, panel, panel + panel_size, Kp, c0, c1, ldc, load_c, first, pending)
-               : tile_amx<1, 1>(xm, Kp, panel, panel, Kp, c0, c1, ldc, load_c, first, pending);
-        }
+        tile_amx_block(rows, pair, xm, Kp, panel, panel + panel_size, c0, c1, ldc, load_c, first, pending);
         if (direct) continue;
         pending.finish();
         if (is_full) {  // with a bias: its rows run between the next block's tile steps
-          pending.start(c0, bias + n0, out + m0 * ldo + n0, pair ? 2 : 1, rows, num_steps);
+          pending.start(BiasRow{c0, bias + n0, out + m0 * ldo + n0, ldo, pair ? 2 : 1, accumulate}, rows, num_steps);
           cur ^= 1;
           continue;
         }
@@ -932,30 +944,17 @@ Scratch<uint16_t> normed_rounded_rows(const float* x, int64_t M, int64_t ldx, in
   return xb;
 }
 
-// A gated block whose SiLU rows are pending: tile_amx's `between` for the next block, which
-// finishes about num_rows / num_steps of them after each of its tile steps. A row is silu_mul512
-// and round_bf16_512 inlined into the tile loop, the operations of silu_mul and round_rows_bf16
-// (so the same bits): through those calls (three a row) the overlap saved nothing.
-struct PendingSiluRows {
+// A gated block's row (pending: PendingRows): silu_mul512 and round_bf16_512 inlined into the
+// tile loop, the operations of silu_mul and round_rows_bf16 (so the same bits): through those
+// calls (three a row) the overlap saved nothing.
+struct SiluRow {
   const float* sums = nullptr;  // gate [32 rows][16], then up [32 rows][16]
   uint16_t* out = nullptr;      // the block's first row of 16 in ab, rows ldo apart
-  int64_t ldo = 0, num_rows = 0, num_done = 0, rows_per_step = 0;
-
-  void start(const float* block_sums, uint16_t* block_out, int64_t rows, int64_t num_steps) {
-    sums = block_sums;
-    out = block_out;
-    num_rows = rows;
-    num_done = 0;
-    rows_per_step = (rows + num_steps - 1) / num_steps;
+  int64_t ldo = 0;
+  MINIVLLM_AMX void operator()(int64_t r) const {
+    const __m512 g = _mm512_load_ps(sums + r * kPanel), u = _mm512_load_ps(sums + (32 + r) * kPanel);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * ldo), round_bf16_512(silu_mul512(g, u)));
   }
-  MINIVLLM_AMX void operator()(int64_t step) { finish_upto((step + 1) * rows_per_step); }
-  MINIVLLM_AMX void finish_upto(int64_t upto) {
-    for (upto = std::min(upto, num_rows); num_done < upto; ++num_done) {
-      const __m512 g = _mm512_load_ps(sums + num_done * kPanel), u = _mm512_load_ps(sums + (32 + num_done) * kPanel);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + num_done * ldo), round_bf16_512(silu_mul512(g, u)));
-    }
-  }
-  MINIVLLM_AMX void finish() { finish_upto(num_rows); }
 };
 
 // A gated MLP's gate/up product on the tiles with the activation in its epilogue: gate panel p
@@ -966,7 +965,7 @@ struct PendingSiluRows {
 // default model), and rounded in a pass of their own; the floats are the same (the same
 // activation code on the same sums, the same rounding).
 //
-// SiLU's rows run a few at a time between the tile steps of the next block (PendingSiluRows), not
+// SiLU's rows run a few at a time between the tile steps of the next block (PendingRows<SiluRow>), not
 // after their own block, where the tile unit waited for them: a scratch copy of the loop
 // ([512, 576] x [576, 2 x 1536], one thread) took 1,125 us for the tiles alone, 1,431 with the
 // activation after each block, 1,265 with it between the next block's steps. Other activations
@@ -980,8 +979,7 @@ void gemm_amx_gated(const uint16_t* xb, int64_t M, const at::BFloat16* w, int64_
     // the one whose rows are pending.
     alignas(64) float acc[2][4 * 16 * kPanel];
     alignas(64) float a[2 * 16 * kPanel];
-    PendingSiluRows pending;
-    pending.ldo = Ip;
+    PendingRows<SiluRow> pending;
     TileShape shape;
     int cur = 0;
     for (int64_t p = begin; p < end; ++p) {
@@ -994,19 +992,13 @@ void gemm_amx_gated(const uint16_t* xb, int64_t M, const at::BFloat16* w, int64_
         float* sums = acc[cur];
         float* c1 = sums + 32 * kPanel;
         if (act == kActSilu) {
-          if (rows > 16)
-            tile_amx<2, 2>(xb + m0 * Kp, Kp, gate, up, Kp, sums, c1, kPanel, false, first, pending);
-          else
-            tile_amx<1, 2>(xb + m0 * Kp, Kp, gate, up, Kp, sums, c1, kPanel, false, first, pending);
+          tile_amx_block(rows, true, xb + m0 * Kp, Kp, gate, up, sums, c1, kPanel, false, first, pending);
           pending.finish();
-          pending.start(sums, ab + m0 * Ip + p * kPanel, rows, num_steps);
+          pending.start(SiluRow{sums, ab + m0 * Ip + p * kPanel, Ip}, rows, num_steps);
           cur ^= 1;
           continue;
         }
-        if (rows > 16)
-          tile_amx<2, 2>(xb + m0 * Kp, Kp, gate, up, Kp, sums, c1, kPanel, false, first);
-        else
-          tile_amx<1, 2>(xb + m0 * Kp, Kp, gate, up, Kp, sums, c1, kPanel, false, first);
+        tile_amx_block(rows, true, xb + m0 * Kp, Kp, gate, up, sums, c1, kPanel, false, first);
         gated_act(sums, c1, a, rows * kPanel, act, kIsaAvx512);
         for (int64_t r = 0; r < rows; ++r)  // one row of 16: its own Kp, so nothing is padded
           round_rows_bf16(a + r * kPanel, 1, kPanel, kPanel, ab + (m0 + r) * Ip + p * kPanel, kPanel);
@@ -1021,39 +1013,23 @@ void gemm_amx_gated(const uint16_t* xb, int64_t M, const at::BFloat16* w, int64_
   }
 }
 
-// A block's bias (+ GELU) rows, pending: tile_amx's `between` for the next block, as
-// PendingSiluRows is for the gated product. A row is the operations store_tile, activate and
-// round_rows_bf16 ran on it one pass after another (the bias added, gelu_erf512 or gelu_tanh512
-// unless act is kOutNone, round_bf16_512), so the bits are theirs.
-struct PendingBf16Rows {
+// A block's row of bfloat16 outputs (pending: PendingRows): the operations store_tile, activate
+// and round_rows_bf16 ran on it one pass after another (the bias added, gelu_erf512 or
+// gelu_tanh512 unless act is kOutNone, round_bf16_512), so the bits are theirs.
+struct Bf16Row {
   const float* sums = nullptr;  // panel 0 [32 rows][16], then panel 1 [32 rows][16]
   const float* bias = nullptr;  // the block's first output's, or null
   uint16_t* out = nullptr;      // the block's first row of outputs, rows ldo apart
-  int64_t ldo = 0, act = kOutGelu, num_panels = 0, num_rows = 0, num_done = 0, rows_per_step = 0;
-
-  void start(const float* block_sums, const float* block_bias, uint16_t* block_out, int64_t panels, int64_t rows,
-             int64_t num_steps) {
-    sums = block_sums;
-    bias = block_bias;
-    out = block_out;
-    num_panels = panels;
-    num_rows = rows;
-    num_done = 0;
-    rows_per_step = (rows + num_steps - 1) / num_steps;
-  }
-  MINIVLLM_AMX void operator()(int64_t step) { finish_upto((step + 1) * rows_per_step); }
-  MINIVLLM_AMX void finish_upto(int64_t upto) {
-    for (upto = std::min(upto, num_rows); num_done < upto; ++num_done) {
-      for (int64_t j = 0; j < num_panels; ++j) {
-        __m512 v = _mm512_load_ps(sums + (32 * j + num_done) * kPanel);
-        if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + j * kPanel));
-        if (act == kOutGelu) v = gelu_erf512(v);
-        if (act == kOutGeluTanh) v = gelu_tanh512(v);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + num_done * ldo + j * kPanel), round_bf16_512(v));
-      }
+  int64_t ldo = 0, num_panels = 0, act = kOutNone;
+  MINIVLLM_AMX void operator()(int64_t r) const {
+    for (int64_t j = 0; j < num_panels; ++j) {
+      __m512 v = _mm512_load_ps(sums + (32 * j + r) * kPanel);
+      if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + j * kPanel));
+      if (act == kOutGelu) v = gelu_erf512(v);
+      if (act == kOutGeluTanh) v = gelu_tanh512(v);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * ldo + j * kPanel), round_bf16_512(v));
     }
   }
-  MINIVLLM_AMX void finish() { finish_upto(num_rows); }
 };
 
 // A product on the tiles with bias (+ GELU: act kOutGelu or kOutGeluTanh; kOutNone: none) in its
@@ -1062,16 +1038,14 @@ struct PendingBf16Rows {
 // Through gemm_amx the float32 [M, N] product went out to memory and was read back twice (a GELU
 // or attention's rounding pass, then the down product's rounding pass): 3 MB a 512-row step of
 // bge-small's up projection. Each block's rows run between the tile steps of the next block
-// (PendingBf16Rows), as the gated product's SiLU does.
+// (PendingRows of Bf16Row), as the gated product's SiLU does.
 void gemm_amx_bf16_out(const uint16_t* xb, int64_t M, const at::BFloat16* w, int64_t Kp, const float* bias, int64_t N,
                        int64_t act, uint16_t* out) {
   const int64_t panel_size = Kp * kPanel;
   const int64_t num_steps = std::max<int64_t>(1, Kp / kPairChunk);
   const auto run = [&](int64_t m_block, int64_t m_end, int64_t begin, int64_t end) {
     alignas(64) float acc[2][2 * 32 * kPanel];  // two blocks' sums: the one on the tiles, the one pending
-    PendingBf16Rows pending;
-    pending.ldo = N;
-    pending.act = act;
+    PendingRows<Bf16Row> pending;
     TileShape shape;
     int cur = 0;
     for (int64_t p = begin; p < end; p += 2) {
@@ -1084,15 +1058,10 @@ void gemm_amx_bf16_out(const uint16_t* xb, int64_t M, const at::BFloat16* w, int
         float* c0 = acc[cur];
         float* c1 = c0 + 32 * kPanel;
         const bool first = m0 == m_block;
-        if (rows > 16) {
-          pair ? tile_amx<2, 2>(xm, Kp, panel, panel + panel_size, Kp, c0, c1, kPanel, false, first, pending)
-               : tile_amx<2, 1>(xm, Kp, panel, panel, Kp, c0, c1, kPanel, false, first, pending);
-        } else {
-          pair ? tile_amx<1, 2>(xm, Kp, panel, panel + panel_size, Kp, c0, c1, kPanel, false, first, pending)
-               : tile_amx<1, 1>(xm, Kp, panel, panel, Kp, c0, c1, kPanel, false, first, pending);
-        }
+        tile_amx_block(rows, pair, xm, Kp, panel, panel + panel_size, c0, c1, kPanel, false, first, pending);
         pending.finish();
-        pending.start(c0, bias != nullptr ? bias + p * kPanel : nullptr, out + m0 * N + p * kPanel, pair ? 2 : 1,
+        pending.start(Bf16Row{c0, bias != nullptr ? bias + p * kPanel : nullptr, out + m0 * N + p * kPanel, N,
+                              pair ? 2 : 1, act},
                       rows, num_steps);
         cur ^= 1;
       }
