@@ -46,11 +46,13 @@ class CpuAttention(TorchAttention):
         # Each prompt's q, k and v read in place from the fused projection's rows: no padded batch.
         # The output in qkv's dtype: a bfloat16 qkv (a bfloat16 stream's, or forward_rounded's on
         # AMX beside a float32 stream) gets bfloat16 rows, which the o projection would round to anyway.
-        num_tokens = qkv.shape[0]
-        out = torch.empty(num_tokens, num_heads, qkv.shape[1] // (3 * num_heads), dtype=torch.float32)
-        bf16_products = self.is_bf16_bidirectional and out.shape[2] % 16 == 0
-        # bfloat16 qkv (forward_rounded's) goes in as it is where the products are bfloat16 anyway
-        qkv_in = qkv.contiguous() if bf16_products and qkv.dtype == torch.bfloat16 else qkv.float().contiguous()
+        num_tokens, head_dim = qkv.shape[0], qkv.shape[1] // (3 * num_heads)
+        bf16_products = self.is_bf16_bidirectional and head_dim % 16 == 0
+        # bfloat16 qkv (forward_rounded's) goes in as it is where the products are bfloat16 anyway,
+        # and its rows come out rounded by the kernel, prompt by prompt
+        is_bf16_in = bf16_products and qkv.dtype == torch.bfloat16
+        qkv_in = qkv.contiguous() if is_bf16_in else qkv.float().contiguous()
+        out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.bfloat16 if is_bf16_in else torch.float32)
         self.kernels.packed_bidirectional_attention(qkv_in, query_starts, num_heads, scale, self.isa, out, bf16_products)
         return out.to(qkv.dtype)
 

@@ -230,6 +230,9 @@ void packed_gemm_activated(const float* x, int64_t M, int64_t K, int64_t ldx, co
 // x [M, K] (rows ldx apart) rounded to nearest-even bfloat16 rows of K rounded up to 16 (zero
 // past K), the threads sharing the rows: what the bfloat16 product paths read.
 Scratch<uint16_t> round_rows_to_bf16(const float* x, int64_t M, int64_t ldx, int64_t K);
+// out[m, :K] = x[m, :K] rounded the same way, on the calling thread (K a multiple of 16; out's rows
+// K apart): a row range's rounding done where its floats are still in the core's caches.
+void round_rows_into_bf16(const float* x, int64_t M, int64_t ldx, int64_t K, uint16_t* out);
 #endif
 // out [M, N] bfloat16 = act(x W^T + bias) (act kOutNone, kOutGelu or kOutGeluTanh), rounded as a
 // bfloat16 product rounds its input, for bfloat16 panels on AMX with N a multiple of 32 (an

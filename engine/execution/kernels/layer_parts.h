@@ -40,21 +40,25 @@ __attribute__((target("avx512f,fma"))) inline __m512 gelu_tanh512(__m512 x) {
   return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), x), _mm512_add_ps(one, t));
 }
 
-// The exact GELU, 0.5 x (1 + erf(x / sqrt 2)), with erf by Abramowitz and Stegun 7.1.26 (absolute
-// error 1.5e-7) on exp512: for z = |x| / sqrt 2, erf z = 1 - q(t) e^(-z^2), t = 1 / (1 + p z). For
-// x < 0, 1 + erf(x / sqrt 2) is q(t) e^(-z^2) itself, taken as it is rather than as 1 - (1 - q e^-z^2),
-// which would keep only float32's absolute precision near 1 in the negative tail.
+// The exact GELU, 0.5 x (1 + erf(x / sqrt 2)), as relu(x) - f(|x|), f(a) = a Q(a) with Q(a) =
+// 0.5 erfc(a / sqrt 2) the normal tail (x Phi(x) is x - x Q(x) for x >= 0 and x Q(-x) below): erfc
+// by Abramowitz and Stegun 7.1.26 (erf's absolute error 1.5e-7), erfc(z) = q(t) e^(-z^2), t = 1 /
+// (1 + p z), with e^(-a^2 / 2) as exp2 of -(a k)^2, k^2 = log2(e) / 2. 25 operations a vector
+// against 31 written as 0.5 x (1 + erf) with exp512: the up projection's epilogue is bound by the
+// vector ports' issue rate, which it shares with the tile products. Absolute error 3.3e-7 over
+// [-9, 9] against erfc in double (4.1e-7 before), the float rounding of large x's included.
 __attribute__((target("avx512f,fma"))) inline __m512 gelu_erf512(__m512 x) {
-  const __m512 z = _mm512_mul_ps(_mm512_abs_ps(x), _mm512_set1_ps(static_cast<float>(M_SQRT1_2)));
+  const __m512 a = _mm512_abs_ps(x);
   const __m512 one = _mm512_set1_ps(1.f);
-  const __m512 t = _mm512_div_ps(one, _mm512_fmadd_ps(_mm512_set1_ps(0.3275911f), z, one));
-  static constexpr float kCoefficients[] = {1.061405429f, -1.453152027f, 1.421413741f, -0.284496736f, 0.254829592f};
-  const __m512 q = _mm512_mul_ps(horner512(t, kCoefficients), t);
-  const __m512 tail = _mm512_mul_ps(q, exp512(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), z), z)));
-  const __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
-  // 1 + erf(x / sqrt 2): 2 - tail for x >= 0, tail for x < 0
-  const __m512 one_plus_erf = _mm512_mask_mov_ps(_mm512_sub_ps(_mm512_set1_ps(2.f), tail), negative, tail);
-  return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), x), one_plus_erf);
+  const __m512 t = _mm512_div_ps(one, _mm512_fmadd_ps(_mm512_set1_ps(0.3275911f * static_cast<float>(M_SQRT1_2)), a, one));
+  static constexpr float kHalfCoefficients[] = {0.5f * 1.061405429f, 0.5f * -1.453152027f, 0.5f * 1.421413741f,
+                                                0.5f * -0.284496736f, 0.5f * 0.254829592f};
+  const __m512 q = _mm512_mul_ps(horner512(t, kHalfCoefficients), t);  // 0.5 q(t)
+  const __m512 ak = _mm512_mul_ps(a, _mm512_set1_ps(0.8493218002880191f));  // k = sqrt(log2(e) / 2)
+  // -(a k)^2, bounded so that 2^u stays finite arithmetic (x = +-inf: 0, not inf - inf)
+  const __m512 u = _mm512_max_ps(_mm512_fnmadd_ps(ak, ak, _mm512_setzero_ps()), _mm512_set1_ps(-150.f));
+  const __m512 f = _mm512_mul_ps(_mm512_mul_ps(q, exp2_finite_512(u)), a);
+  return _mm512_sub_ps(_mm512_max_ps(x, _mm512_setzero_ps()), f);
 }
 
 // silu(g) * u = g / (1 + e^-g) * u over 16 lanes (silu_mul's and the AMX gated product's).

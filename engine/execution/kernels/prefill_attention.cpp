@@ -1333,9 +1333,13 @@ void packed_bidirectional_attention(const torch::Tensor& qkv,           // [T, 3
               "packed_bidirectional_attention: qkv must be float32 (bfloat16 with bf16_products) [T, 3 H D], contiguous");
   const int64_t num_tokens = qkv.size(0), row = qkv.size(1), head_dim = row / (3 * num_heads);
   TORCH_CHECK(head_dim <= 256, "packed_bidirectional_attention: head_dim <= 256");
+  const bool is_bf16_out = out.scalar_type() == torch::kBFloat16;
+#if !defined(MINIVLLM_HAS_AMX)
+  TORCH_CHECK(!is_bf16_out, "packed_bidirectional_attention: a bfloat16 out needs a build with AMX support");
+#endif
   TORCH_CHECK(out.dim() == 3 && out.size(0) == num_tokens && out.size(1) == num_heads && out.size(2) == head_dim &&
-              out.scalar_type() == torch::kFloat32 && out.is_contiguous(),
-              "packed_bidirectional_attention: out must be float32 [T, H, D], contiguous");
+                  (out.scalar_type() == torch::kFloat32 || (is_bf16_out && bf16_products)) && out.is_contiguous(),
+              "packed_bidirectional_attention: out must be float32 (bfloat16 with bf16_products) [T, H, D], contiguous");
   TORCH_CHECK(query_starts.dim() == 1 && query_starts.scalar_type() == torch::kInt64 && query_starts.is_contiguous() &&
               query_starts.size(0) >= 2, "packed_bidirectional_attention: query_starts must be int64 [B + 1]");
   const int64_t* starts = query_starts.data_ptr<int64_t>();
@@ -1344,7 +1348,11 @@ void packed_bidirectional_attention(const torch::Tensor& qkv,           // [T, 3
               "packed_bidirectional_attention: query_starts must run from 0 to T");
   const int64_t hd = num_heads * head_dim;
   const int64_t identity_table[1] = {0};  // one block of the prompt's length: slot t is row t
-  float* dst = out.data_ptr<float>();
+  // A bfloat16 out: each prompt's float32 rows rounded into it by the thread that attended them,
+  // while they are in its caches (torch's copy of the whole step after it read them back from memory).
+  Scratch<float> out_floats = is_bf16_out ? scratch_array<float>(num_tokens * hd) : Scratch<float>();
+  float* dst = is_bf16_out ? out_floats.get() : out.data_ptr<float>();
+  auto* out_bits = is_bf16_out ? reinterpret_cast<uint16_t*>(out.data_ptr()) : nullptr;
   for (int64_t b = 0; b < num_prompts; ++b)
     TORCH_CHECK(starts[b + 1] >= starts[b], "packed_bidirectional_attention: query_starts must not decrease");
   // Each prompt as a chunk whose keys are its own rows: q at q_base + t * q_row, k at kv + t *
@@ -1372,9 +1380,18 @@ void packed_bidirectional_attention(const torch::Tensor& qkv,           // [T, 3
       const int64_t block_size = (len + kKeys - 1) / kKeys * kKeys;
       attend_chunk<E>(q_base + begin * q_row, len, num_heads, strides, k, k + hd, num_heads, head_dim, identity_table,
                       block_size, 0, static_cast<float>(scale), 0, isa, dst + begin * hd, nullptr, keys);
+#if defined(MINIVLLM_HAS_AMX)
+      if (is_bf16_out && is_by_prompt) round_rows_into_bf16(dst + begin * hd, len, hd, hd, out_bits + begin * hd);
+#endif
     };
     if (!is_by_prompt) {
       for (int64_t b = 0; b < num_prompts; ++b) attend(b);
+#if defined(MINIVLLM_HAS_AMX)
+      if (is_bf16_out)
+        at::parallel_for(0, num_tokens, 64, [&](int64_t begin, int64_t end) {
+          round_rows_into_bf16(dst + begin * hd, end - begin, hd, hd, out_bits + begin * hd);
+        });
+#endif
       return;
     }
     std::atomic<int64_t> next{0};

@@ -164,3 +164,27 @@ def test_prompts_handed_out_whole_give_the_bits_of_prompts_split(kernels) -> Non
             assert all(torch.equal(outs[0], o) for o in outs[1:]), f"{given.dtype} bf16_products={bf16_products}"
     finally:
         torch.set_num_threads(threads)
+
+
+def test_bfloat16_out_is_the_float_out_rounded(kernels) -> None:
+    """With bf16_products a bfloat16 out gets the float32 out's rows rounded to nearest-even (the
+    kernel rounds each prompt's rows itself), whether the prompts run whole on a thread or split;
+    a bfloat16 out without bf16_products is refused by name."""
+    if kernels.best_isa() < ISAS["avx512_bf16"]:
+        pytest.skip("this CPU has no AVX512-BF16 (vdpbf16ps): the bfloat16 pair path does not run here")
+    qkv, start_list, _ = _packed_prompts((0, 300, 1, 17, 40, 5, 70, 33, 64), 3, 32, 11)
+    starts = torch.tensor(start_list, dtype=torch.int64)
+    num_tokens, isa = qkv.shape[0], kernels.best_isa()
+    threads = torch.get_num_threads()
+    try:
+        for given in (qkv, qkv.bfloat16()):
+            for num_threads in (1, 2):  # split over the threads; whole prompts a thread
+                torch.set_num_threads(num_threads)
+                wide, narrow = torch.empty(num_tokens, 3, 32), torch.empty(num_tokens, 3, 32, dtype=torch.bfloat16)
+                kernels.packed_bidirectional_attention(given, starts, 3, 32**-0.5, isa, wide, True)
+                kernels.packed_bidirectional_attention(given, starts, 3, 32**-0.5, isa, narrow, True)
+                assert torch.equal(narrow, wide.bfloat16()), f"{given.dtype}, {num_threads} thread(s)"
+    finally:
+        torch.set_num_threads(threads)
+    with pytest.raises(RuntimeError, match="out must be float32"):
+        kernels.packed_bidirectional_attention(qkv, starts, 3, 32**-0.5, isa, narrow, False)
