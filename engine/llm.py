@@ -67,8 +67,9 @@ class LLM:
                 raise ValueError(f"params: {len(params_list)} given for {len(prompts)} prompts")
         ids: list[str] = []
         try:
-            for prompt, p in zip(prompts, params_list, strict=True):
-                ids.append(self.engine.add_request(prompt, p))
+            encoded = self.engine.encode_prompts(prompts) if len(prompts) > 1 else [None] * len(prompts)
+            for prompt, p, prompt_ids in zip(prompts, params_list, encoded, strict=True):
+                ids.append(self.engine.add_request(prompt, p, encoded=prompt_ids))
         except ValueError:
             for request_id in ids:  # all or nothing: do not leave the accepted ones running
                 self.engine.abort_request(request_id)
@@ -78,7 +79,8 @@ class LLM:
                        for request_id, p in zip(ids, params_list, strict=True)}
         finals: dict[str, dict[int, RequestOutput]] = {request_id: {} for request_id in ids}
         prompt_logprobs: dict[str, list] = {}  # they come with a request's first output only
-        while any(len(finals[i]) < num_samples[i] for i in ids):
+        num_left = sum(num_samples.values())  # samples not yet finished (a count: not a walk of all ids a step)
+        while num_left:
             outputs, _ = self.engine.step()
             for out in outputs:
                 if out.prompt_logprobs is not None:
@@ -86,6 +88,7 @@ class LLM:
                 if out.is_finished:
                     if out.index == 0:
                         out.prompt_logprobs = prompt_logprobs.get(out.request_id, out.prompt_logprobs)
+                    num_left -= out.index not in finals[out.request_id]
                     finals[out.request_id][out.index] = out
         while self.engine.num_steps_in_flight:  # (async scheduling) a step that ran past the ends
             self.engine.step()

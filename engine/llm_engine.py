@@ -263,6 +263,15 @@ class LLMEngine:
     def tokenize_texts(self, texts: list[str]) -> list[list[int]]:
         return self.input_processor.tokenize_texts(texts)
 
+    def encode_prompts(self, prompts: list[str | list[int]]) -> list[list[int] | None]:
+        """The string prompts' ids in one batch call (InputProcessor.encode_prompts), None for the
+        rest (token ids, or a text left to its own checks)."""
+        at = [i for i, prompt in enumerate(prompts) if isinstance(prompt, str)]
+        encoded: list[list[int] | None] = [None] * len(prompts)
+        for i, ids in zip(at, self.input_processor.encode_prompts([prompts[i] for i in at]), strict=True):
+            encoded[i] = ids
+        return encoded
+
     def encode_pairs(self, pairs: list[tuple[str, str]]) -> list[tuple[list[int], list[int] | None]]:
         """Each pair's ids by the tokenizer's pair encoding, with its token types when the model
         reads them (else None)."""
@@ -325,20 +334,22 @@ class LLMEngine:
                        messages: list[dict[str, Any]] | None = None, request_id: str | None = None,
                        priority: int = 0, arrival_time: float | None = None,
                        chat_template_kwargs: dict[str, Any] | None = None,
-                       token_type_ids: list[int] | None = None) -> EngineRequest:
+                       token_type_ids: list[int] | None = None, encoded: list[int] | None = None) -> EngineRequest:
         """Tokenize (or apply the chat template, with chat_template_kwargs such as tools=), check the
         prompt against the context and compile a grammar: the costly part of admission, on the
         caller's thread (check_request first). PoolingParams: an embedding or score request, its
         unset fields filled from the model's pooling config (FieldError for dimensions it lacks, or
         a score asked of a model without a score head). token_type_ids: each prompt token's
-        segment (checked against the prompt's length), kept for a model that reads token types."""
+        segment (checked against the prompt's length), kept for a model that reads token types.
+        encoded: a string prompt's ids from encode_prompts."""
         if isinstance(params, PoolingParams):
             params = params.resolved(self.pooler_config, self.runner.model_config.hidden_size,
                                      self.score_pooling_type)
             token_ids = self.input_processor.prompt_token_ids(_prefill_only(), prompt, messages, chat_template_kwargs,
-                                                              is_pooling=True)
+                                                              is_pooling=True, encoded=encoded)
         else:
-            token_ids = self.input_processor.prompt_token_ids(params, prompt, messages, chat_template_kwargs)
+            token_ids = self.input_processor.prompt_token_ids(params, prompt, messages, chat_template_kwargs,
+                                                              encoded=encoded)
         if token_type_ids is not None:
             check_token_type_ids(token_type_ids, len(token_ids))
         return EngineRequest(token_ids, params, request_id, priority, arrival_time,
@@ -376,12 +387,14 @@ class LLMEngine:
         return request_id
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | PoolingParams | None = None,
-                    request_id: str | None = None, priority: int = 0, arrival_time: float | None = None) -> str:
-        """check_request, process_inputs and admit in one call (offline use); returns the id."""
+                    request_id: str | None = None, priority: int = 0, arrival_time: float | None = None,
+                    encoded: list[int] | None = None) -> str:
+        """check_request, process_inputs and admit in one call (offline use); returns the id.
+        encoded: a string prompt's ids from encode_prompts."""
         params = params or SamplingParams()
         self.check_request(params, request_id, priority)
         return self.admit(self.process_inputs(params, prompt, request_id=request_id, priority=priority,
-                                              arrival_time=arrival_time))
+                                              arrival_time=arrival_time, encoded=encoded))
 
     def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
         """Sample i of a seeded request draws from seed + i: n reproducible, different samples."""

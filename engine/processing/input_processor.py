@@ -45,6 +45,21 @@ class InputProcessor:
         _check_encodable(prompt, "prompt")
         return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
 
+    def encode_prompts(self, texts: list[str]) -> list[list[int] | None]:
+        """Each text's ids as tokenize gives them, in one batch call (the tokenizer's threads share
+        it, where one call a prompt ran on the caller's alone); None for a text that tokenize would
+        refuse or that might not fit (prompt_token_ids checks and tokenizes it on its own)."""
+        max_chars = self.config.max_prompt_chars
+        if self.max_token_chars is not None:  # _check_fits_before_tokenizing's bound, for any params
+            max_chars = min(max_chars, (self.max_model_len - 1) * self.max_token_chars)
+        batch = [i for i, text in enumerate(texts) if 0 < len(text) <= max_chars and encoding_error(text) is None]
+        encoded: list[list[int] | None] = [None] * len(texts)
+        if batch:
+            ids = self.tokenizer([texts[i] for i in batch], add_special_tokens=True)["input_ids"]
+            for i, row in zip(batch, ids, strict=True):
+                encoded[i] = row
+        return encoded
+
     def tokenize_texts(self, texts: list[str]) -> list[list[int]]:
         """Each text's ids without special tokens, in one batch call."""
         for text in texts:
@@ -153,10 +168,12 @@ class InputProcessor:
 
     def prompt_token_ids(self, params: SamplingParams, prompt: str | list[int] | None = None,
                          messages: list[dict[str, Any]] | None = None,
-                         chat_template_kwargs: dict[str, Any] | None = None, is_pooling: bool = False) -> list[int]:
+                         chat_template_kwargs: dict[str, Any] | None = None, is_pooling: bool = False,
+                         encoded: list[int] | None = None) -> list[int]:
         """The prompt's (or the chat's) token ids, checked against the limits, the vocabulary and
         the context length; a structured-output spec is compiled (and cached) here too, off the
-        engine thread. The parameters' own checks (check_request) come first, once."""
+        engine thread. The parameters' own checks (check_request) come first, once. encoded: a
+        string prompt's ids from encode_prompts (checked here as its own tokenizing would be)."""
         if messages is not None:
             token_ids = self.apply_chat_template(messages, params, chat_template_kwargs)
         elif isinstance(prompt, str):
@@ -165,7 +182,7 @@ class InputProcessor:
             if len(prompt) > self.config.max_prompt_chars:
                 raise LimitExceededError("prompt", f"{len(prompt)} characters, at most {self.config.max_prompt_chars}")
             self._check_fits_before_tokenizing(len(prompt), params)
-            token_ids = self.tokenize(prompt)
+            token_ids = list(encoded) if encoded is not None else self.tokenize(prompt)
         elif prompt is not None:
             token_ids = [int(t) for t in prompt]
             if not token_ids:

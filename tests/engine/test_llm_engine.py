@@ -434,3 +434,25 @@ def test_the_runners_rows_follow_the_scheduler_through_forks_preemption_and_abor
     assert num_preempted > 0, "the pool is small enough to preempt"
     engine.step()  # the last removals reach the runner with the next step
     assert engine.runner.batch.rows == {} and engine.block_manager.num_used_blocks == 0
+
+
+def test_a_list_of_texts_is_tokenized_in_one_call_as_each_alone(tiny_llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """LLM.generate with several texts tokenizes them in one batch call, to the ids each gets
+    alone; a text the batch cannot take (empty, a lone surrogate) falls back to its own checks,
+    which name the field, and the prompts accepted before it are not left running."""
+    engine = tiny_llm.engine
+    inputs = engine.input_processor
+    texts = ["Hello there, friend.", "naïve café\n\tx", "a" * 300, "The quick brown fox", "Hello there, friend."]
+    alone = [inputs.tokenize(t) for t in texts]
+    singles: list[str] = []
+    tokenize = inputs.tokenize
+    monkeypatch.setattr(inputs, "tokenize", lambda prompt, *a: singles.append(prompt) or tokenize(prompt, *a))
+    outs = tiny_llm.generate(texts, SamplingParams(temperature=0, max_tokens=1))
+    assert [o.prompt_token_ids for o in outs] == alone
+    assert singles == []  # none tokenized one by one
+    assert engine.encode_prompts(["", "x\ud800", [5, 6], "ok"]) == [None, None, None, inputs.tokenize("ok")]
+    from engine.errors import FieldError
+
+    with pytest.raises(FieldError, match="prompt"):
+        tiny_llm.generate(["fine", "x\ud800"], SamplingParams(max_tokens=1))
+    assert not engine.has_unfinished_requests()
