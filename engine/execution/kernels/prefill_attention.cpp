@@ -34,6 +34,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <numeric>
@@ -944,7 +945,7 @@ struct RowMaxima {
 
 // Step j's softmax over 32 keys from key0 (scores s, probabilities to p), with ops' tile
 // instructions spread between its rows. Returns the rows whose maximum rose (alpha: their scale).
-template <int D, bool kIsMasked>
+template <int D, bool kIsMasked, bool kTracksMax>
 MINIVLLM_AMX_ATTN __attribute__((always_inline)) inline uint32_t resident_softmax(
     const AmxTileState& t, const float (*s)[kStepKeys], uint16_t (*p)[kStepKeys], __m512* l, RowMaxima& maxima, float* alpha,
     const ResidentTileOps<D>& ops, int64_t key0, int64_t window) {
@@ -961,6 +962,19 @@ MINIVLLM_AMX_ATTN __attribute__((always_inline)) inline uint32_t resident_softma
       vis1 = vis.of(_mm512_add_ps(lane, _mm512_set1_ps(16.f)));
       s0 = _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), vis0, s0);
       s1 = _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), vis1, s1);
+    }
+    if constexpr (!kTracksMax) {  // p = 2^s: no maximum (attend_tile_resident checks the sums after)
+      __m512 p0 = exp2_floor_bf16_512(s0), p1 = exp2_floor_bf16_512(s1);
+      if constexpr (kIsMasked) {
+        p0 = _mm512_maskz_mov_ps(vis0, p0);
+        p1 = _mm512_maskz_mov_ps(vis1, p1);
+      }
+      l[r] = _mm512_add_ps(l[r], _mm512_add_ps(p0, p1));
+      _mm512_store_si512(p[r], reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(p1, p0)));
+#pragma GCC unroll 8
+      for (int k = r * ResidentTileOps<D>::kNum / kAmxRows; k < (r + 1) * ResidentTileOps<D>::kNum / kAmxRows; ++k)
+        ops.issue(k);
+      continue;
     }
     const __m512 top = _mm512_max_ps(s0, s1);
     if (__builtin_expect(_mm512_cmp_ps_mask(top, _mm512_set1_ps(maxima.limit[r]), _CMP_GT_OQ) != 0, 0)) {
@@ -988,8 +1002,19 @@ MINIVLLM_AMX_ATTN __attribute__((always_inline)) inline uint32_t resident_softma
   return rescale;
 }
 
-template <int D>
-MINIVLLM_AMX_ATTN void attend_tile_resident(AmxTileState& t, int64_t first_key, const Bf16Pair* k_panels,
+// A row's sum of 2^s within [kMinPlainSum, kMaxPlainSum]: its scores, unshifted, neither overflowed
+// (2^s past float's range) nor lost precision to underflow (every score under -126 is then below
+// 2^-57 of the sum), and o, at most the sum times the largest |v|, stays as finite as the shifted
+// softmax's. Outside, the tile runs again with a running maximum.
+constexpr float kMinPlainSum = 0x1p-60f, kMaxPlainSum = 0x1p20f;
+
+// The softmax as p = 2^(s - m), m each row's running maximum (kTracksMax), or as p = 2^s: in log2
+// units both give the same p / l up to float rounding (bfloat16 rounds p relative to its size
+// either way), and 2^s spares each row the maximum, its test and the shift (about a third of the
+// softmax's vector operations: the AMX attention's softmax is bound by their issue rate). Returns
+// false when a row's sum left [kMinPlainSum, kMaxPlainSum] (plain: then nothing is kept).
+template <int D, bool kTracksMax>
+MINIVLLM_AMX_ATTN bool attend_tile_resident(AmxTileState& t, int64_t first_key, const Bf16Pair* k_panels,
                                             const Bf16Pair* v_pairs, int64_t window) {
   constexpr int64_t block_elements = D * kKeys / 2;
   // Scores in one buffer (step j + 1's are stored after every read of step j's); probabilities in
@@ -1021,8 +1046,9 @@ MINIVLLM_AMX_ATTN void attend_tile_resident(AmxTileState& t, int64_t first_key, 
                                  j + 1 < num_steps ? panels + (j + 1) * 2 * block_elements : nullptr, t.q[0]};
     const int64_t key0 = first_key + (block_lo + 2 * j) * kKeys;
     const bool is_unmasked = sees_all_keys(t, key0, kStepKeys, window);
-    const uint32_t rescale = is_unmasked ? resident_softmax<D, false>(t, s, p[cur], l, maxima, alpha, ops, key0, window)
-                                         : resident_softmax<D, true>(t, s, p[cur], l, maxima, alpha, ops, key0, window);
+    const uint32_t rescale =
+        is_unmasked ? resident_softmax<D, false, kTracksMax>(t, s, p[cur], l, maxima, alpha, ops, key0, window)
+                    : resident_softmax<D, true, kTracksMax>(t, s, p[cur], l, maxima, alpha, ops, key0, window);
     if (rescale) {  // after step j - 1's P V, before step j's
       move_o_tiles<D, TileMove::kStore>(t.o);
       for (int r = 0; r < kAmxRows; ++r)
@@ -1034,10 +1060,17 @@ MINIVLLM_AMX_ATTN void attend_tile_resident(AmxTileState& t, int64_t first_key, 
                                 t.q[0]};
   for (int k = 0; k < ResidentTileOps<D>::kNumPv; ++k) last.issue(k);
   move_o_tiles<D, TileMove::kStore>(t.o);
+  bool is_in_range = true;
   for (int r = 0; r < kAmxRows; ++r) {
-    t.m[r] = maxima.m[r];
+    t.m[r] = kTracksMax ? maxima.m[r] : 0.f;
     _mm512_store_ps(t.l_lanes[r], l[r]);
+    if (!kTracksMax && r < t.rows) {  // lanes >= 0: every lane <= max / 16 bounds the sum, one >= min bounds it below
+      const __mmask16 high = _mm512_cmp_ps_mask(l[r], _mm512_set1_ps(kMaxPlainSum / 16), _CMP_NLE_UQ);  // or NaN
+      const __mmask16 low = _mm512_cmp_ps_mask(l[r], _mm512_set1_ps(kMinPlainSum), _CMP_GE_OQ);
+      is_in_range &= high == 0 && low != 0;
+    }
   }
+  return is_in_range;
 }
 
 // Rows of the tile out: o / l, with gpt-oss's sink logit in the denominator (log2 units).
@@ -1072,8 +1105,13 @@ MINIVLLM_AMX_ATTN void attend_tiles_amx(AmxTileState* tiles, const float* q, int
     for (int64_t i = 0; i < num_tiles; ++i) {
       init_amx_tile(tiles[0], std::min(kAmxRows, num_rows - i * kAmxRows), q, row_begin + i * kAmxRows, group, kv_head,
                     strides, head_dim, start_pos, shared_pos, first_key, window, log2_scale, true);
-      if (head_dim == 32) attend_tile_resident<32>(tiles[0], first_key, k_panels, v_pairs, window);
-      else attend_tile_resident<64>(tiles[0], first_key, k_panels, v_pairs, window);
+      AmxTileState& t = tiles[0];
+      const bool is_plain = head_dim == 32 ? attend_tile_resident<32, false>(t, first_key, k_panels, v_pairs, window)
+                                           : attend_tile_resident<64, false>(t, first_key, k_panels, v_pairs, window);
+      if (!is_plain) {  // a row's scores out of 2^s's range: again, shifted by each row's maximum
+        if (head_dim == 32) attend_tile_resident<32, true>(t, first_key, k_panels, v_pairs, window);
+        else attend_tile_resident<64, true>(t, first_key, k_panels, v_pairs, window);
+      }
       finish_amx_tile(tiles[0], row_begin + i * kAmxRows, group, kv_head, strides, head_dim, out, sinks);
     }
     return;
@@ -1369,6 +1407,7 @@ void packed_bidirectional_attention(const torch::Tensor& qkv,           // [T, 3
   if (is_by_prompt)
     std::stable_sort(order.begin(), order.end(),
                      [&](int64_t a, int64_t b) { return starts[a + 1] - starts[a] > starts[b + 1] - starts[b]; });
+  std::function<void(int64_t)> widen_q;  // a bfloat16 qkv's q, widened prompt by prompt (below)
   const auto each_prompt = [&](auto element, const float* q_base, int64_t q_row, const auto* kv, int64_t kv_row) {
     using E = decltype(element);
     const KeySource keys{kv_row, true};
@@ -1376,6 +1415,7 @@ void packed_bidirectional_attention(const torch::Tensor& qkv,           // [T, 3
     const auto attend = [&](int64_t b) {
       const int64_t begin = starts[b], len = starts[b + 1] - begin;
       if (len == 0) return;
+      if (widen_q) widen_q(b);
       const auto* k = kv + begin * kv_row;
       const int64_t block_size = (len + kKeys - 1) / kKeys * kKeys;
       attend_chunk<E>(q_base + begin * q_row, len, num_heads, strides, k, k + hd, num_heads, head_dim, identity_table,
@@ -1405,17 +1445,23 @@ void packed_bidirectional_attention(const torch::Tensor& qkv,           // [T, 3
                 "packed_bidirectional_attention: bf16_products needs an AVX512-BF16 isa and head_dim a multiple of 16");
     if (is_bf16_qkv) {
       // K and V read in place; q widened to float32 (exactly), which the kernel scales and rounds
-      // as it does a float32 q
+      // as it does a float32 q: prompt by prompt on the thread that attends it where prompts go
+      // out whole (its rows then still in that core's caches), else in a pass of its own
       const auto* bits = reinterpret_cast<const uint16_t*>(qkv.data_ptr());
       auto q = scratch_array<float>(num_tokens * hd);
       float* qf = q.get();
-      at::parallel_for(0, num_tokens, 64, [&](int64_t begin, int64_t end) {
+      const auto widen = [&](int64_t begin, int64_t end) {
         for (int64_t t = begin; t < end; ++t) {
           const uint16_t* src = bits + t * row;
           uint32_t* to = reinterpret_cast<uint32_t*>(qf + t * hd);
           for (int64_t i = 0; i < hd; ++i) to[i] = static_cast<uint32_t>(src[i]) << 16;
         }
-      });
+      };
+      if (is_by_prompt) {
+        widen_q = [&](int64_t b) { widen(starts[b], starts[b + 1]); };
+      } else {
+        at::parallel_for(0, num_tokens, 64, widen);
+      }
       return each_prompt(Bf16Pair{}, qf, hd, reinterpret_cast<const at::BFloat16*>(bits) + hd, row);
     }
     // [T, k | v] rows of 2 H D (a multiple of 16), rounded by the products' own AVX-512 pass

@@ -68,4 +68,16 @@ __attribute__((target("avx512f,fma"))) inline __m512 exp2_bf16_512(__m512 x) {
   return _mm512_scalef_ps(horner512(r, kCoefficients), n);
 }
 
+// 2^x over 16 floats for probabilities rounded to bfloat16 next, in five operations: the
+// fraction r = x - floor(x) in [0, 1) by vreduceps, a degree-3 polynomial fitted for relative error
+// there (7.5e-5 evaluated in float32, as exp2_bf16_512's on [-0.5, 0.5]), and scalef, which scales
+// by 2^floor(x) itself, so no rounded copy of x is needed. x = -inf gives 0 or NaN by the CPU's
+// reading of vreduceps: callers clear masked lanes.
+__attribute__((target("avx512f,avx512dq,fma"))) inline __m512 exp2_floor_bf16_512(__m512 x) {
+  const __m512 r = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  static constexpr float kCoefficients[] = {7.802402973175049e-2f, 2.2606706619262695e-1f, 6.958339810371399e-1f,
+                                            9.999251365661621e-1f};
+  return _mm512_scalef_ps(horner512(r, kCoefficients), x);
+}
+
 }  // namespace minivllm
