@@ -1002,17 +1002,19 @@ MINIVLLM_AMX_ATTN __attribute__((always_inline)) inline uint32_t resident_softma
   return rescale;
 }
 
-// A row's sum of 2^s within [kMinPlainSum, kMaxPlainSum]: its scores, unshifted, neither overflowed
-// (2^s past float's range) nor lost precision to underflow (every score under -126 is then below
-// 2^-57 of the sum), and o, at most the sum times the largest |v|, stays as finite as the shifted
-// softmax's. Outside, the tile runs again with a running maximum.
-constexpr float kMinPlainSum = 0x1p-60f, kMaxPlainSum = 0x1p20f;
+// A row's sum of 2^s within [kMinPlainSum, kMaxPlainSum] and its o finite: its scores, unshifted,
+// neither overflowed (2^s past float's range, or o past it) nor lost precision to underflow (every
+// score under -126 is then below 2^-57 of the sum). Outside, the tile runs again with a running
+// maximum. The upper bound is float's range (a decoder's attention-sink keys score tens of log2
+// units above the rest: a bound of 2^20 sent real models' tiles through twice).
+constexpr float kMinPlainSum = 0x1p-60f, kMaxPlainSum = 0x1p120f;
 
 // The softmax as p = 2^(s - m), m each row's running maximum (kTracksMax), or as p = 2^s: in log2
 // units both give the same p / l up to float rounding (bfloat16 rounds p relative to its size
 // either way), and 2^s spares each row the maximum, its test and the shift (about a third of the
 // softmax's vector operations: the AMX attention's softmax is bound by their issue rate). Returns
-// false when a row's sum left [kMinPlainSum, kMaxPlainSum] (plain: then nothing is kept).
+// false when a row's sum left [kMinPlainSum, kMaxPlainSum] or its o is not finite (plain: then
+// nothing is kept).
 template <int D, bool kTracksMax>
 MINIVLLM_AMX_ATTN bool attend_tile_resident(AmxTileState& t, int64_t first_key, const Bf16Pair* k_panels,
                                             const Bf16Pair* v_pairs, int64_t window) {
@@ -1067,7 +1069,9 @@ MINIVLLM_AMX_ATTN bool attend_tile_resident(AmxTileState& t, int64_t first_key, 
     if (!kTracksMax && r < t.rows) {  // lanes >= 0: every lane <= max / 16 bounds the sum, one >= min bounds it below
       const __mmask16 high = _mm512_cmp_ps_mask(l[r], _mm512_set1_ps(kMaxPlainSum / 16), _CMP_NLE_UQ);  // or NaN
       const __mmask16 low = _mm512_cmp_ps_mask(l[r], _mm512_set1_ps(kMinPlainSum), _CMP_GE_OQ);
-      is_in_range &= high == 0 && low != 0;
+      __mmask16 unbounded = 0;  // o's infinities and NaNs
+      for (int d = 0; d < D; d += 16) unbounded |= _mm512_fpclass_ps_mask(_mm512_load_ps(t.o[r] + d), 0x99);
+      is_in_range &= high == 0 && low != 0 && unbounded == 0;
     }
   }
   return is_in_range;
@@ -1346,6 +1350,14 @@ void paged_prefill_attention(torch::Tensor q,                            // [n, 
   }
 }
 
+#if defined(MINIVLLM_HAS_AVX512_BF16)
+// bfloat16 bits to float32, exactly (n a multiple of 16).
+static MINIVLLM_AVX512 void widen_bf16_row(const uint16_t* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16)
+    _mm512_storeu_si512(dst + i, _mm512_slli_epi32(widen_16(src + i), 16));
+}
+#endif
+
 // packed_bidirectional_attention hands a step's prompts out whole from this many a thread up.
 constexpr int64_t kPromptsPerThread = 2;
 
@@ -1450,12 +1462,8 @@ void packed_bidirectional_attention(const torch::Tensor& qkv,           // [T, 3
       const auto* bits = reinterpret_cast<const uint16_t*>(qkv.data_ptr());
       auto q = scratch_array<float>(num_tokens * hd);
       float* qf = q.get();
-      const auto widen = [&](int64_t begin, int64_t end) {
-        for (int64_t t = begin; t < end; ++t) {
-          const uint16_t* src = bits + t * row;
-          uint32_t* to = reinterpret_cast<uint32_t*>(qf + t * hd);
-          for (int64_t i = 0; i < hd; ++i) to[i] = static_cast<uint32_t>(src[i]) << 16;
-        }
+      const auto widen = [&](int64_t begin, int64_t end) {  // hd: a multiple of 16 here
+        for (int64_t t = begin; t < end; ++t) widen_bf16_row(bits + t * row, qf + t * hd, hd);
       };
       if (is_by_prompt) {
         widen_q = [&](int64_t b) { widen(starts[b], starts[b + 1]); };

@@ -192,11 +192,12 @@ def test_bfloat16_out_is_the_float_out_rounded(kernels) -> None:
 
 @pytest.mark.parametrize("head_dim", [32, 64])
 def test_scores_out_of_the_plain_softmaxs_range_take_the_shifted_one(kernels, head_dim: int) -> None:
-    """The AMX tiles take p = 2^s unshifted while every row's sum stays within [2^-60, 2^20], and
-    run a tile again with each row's running maximum where it does not: a prompt whose queries
-    each score their own key a few hundred above the rest (2^s overflows; the softmax is one-hot,
-    each out its own v), and one whose every score is the same, about -200 (2^s underflows to 0;
-    the softmax is uniform, each out the mean of v), against float64. Skipped without AMX."""
+    """The AMX tiles take p = 2^s unshifted while every row's sum stays within [2^-60, 2^120] and
+    its o finite, and run a tile again with each row's running maximum where it does not: a prompt
+    whose queries each score their own key a few hundred above the rest (2^s overflows; the
+    softmax is one-hot, each out its own v), one whose every score is the same, about -200 (2^s
+    underflows to 0; the softmax is uniform, each out the mean of v), and one whose own scores are
+    about 100 (2^s finite) over values of 1e30 (o = p v is not), against float64. Skipped without AMX."""
     if kernels.best_isa() < ISAS["amx"]:
         pytest.skip("this CPU has no AMX (or the kernel gave no leave to use it): the tiles' softmax does not run here")
     num_heads, scale = 2, head_dim**-0.5
@@ -207,11 +208,17 @@ def test_scores_out_of_the_plain_softmaxs_range_take_the_shifted_one(kernels, he
     uniform = torch.randn(50, 3, num_heads, head_dim, generator=gen)
     uniform[:, 0] = -200 / (scale * direction.square().sum(-1, keepdim=True)) * direction
     uniform[:, 1] = direction
-    qkv = torch.cat([peaked, uniform]).view(120, -1).bfloat16().float()
-    starts = [0, 70, 120]
+    wide = torch.randn(30, 3, num_heads, head_dim, generator=gen)
+    wide[:, 1] /= wide[:, 1].norm(dim=-1, keepdim=True)
+    wide[:, 0] = 70 / scale * wide[:, 1]  # its own key's score 70 (about 100 log2 units), another's about 70 / sqrt(D)
+    wide[:, 2] *= 1e30
+    qkv = torch.cat([peaked, uniform, wide]).view(150, -1).bfloat16().float()
+    starts = [0, 70, 120, 150]
     expected = _dense(qkv, starts, num_heads, scale)
-    v = qkv.view(120, 3, num_heads, head_dim)[:, 2].double()
-    assert torch.allclose(expected[:70], v[:70], atol=1e-6) and torch.allclose(expected[70:], v[70:].mean(0), atol=1e-6)
-    out = torch.empty(120, num_heads, head_dim)
+    v = qkv.view(150, 3, num_heads, head_dim)[:, 2].double()
+    assert torch.allclose(expected[:70], v[:70], atol=1e-6) and torch.allclose(expected[70:120], v[70:120].mean(0), atol=1e-6)
+    assert torch.allclose(expected[120:], v[120:], rtol=1e-6)
+    out = torch.empty(150, num_heads, head_dim)
     kernels.packed_bidirectional_attention(qkv, torch.tensor(starts), num_heads, scale, ISAS["amx"], out, True)
-    torch.testing.assert_close(out.double(), expected, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(out[:120].double(), expected[:120], atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(out[120:].double(), expected[120:], atol=0, rtol=1e-2)
