@@ -49,7 +49,8 @@ class CpuAttention(TorchAttention):
         num_tokens, head_dim = qkv.shape[0], qkv.shape[1] // (3 * num_heads)
         bf16_products = self.is_bf16_bidirectional and head_dim % 16 == 0
         # bfloat16 qkv (forward_rounded's) goes in as it is where the products are bfloat16 anyway,
-        # and its rows come out rounded by the kernel, prompt by prompt
+        # and its rows come out rounded by the kernel (prompt by prompt where prompts run whole on a
+        # thread, else in a pass after them)
         is_bf16_in = bf16_products and qkv.dtype == torch.bfloat16
         qkv_in = qkv.contiguous() if is_bf16_in else qkv.float().contiguous()
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.bfloat16 if is_bf16_in else torch.float32)

@@ -55,7 +55,8 @@ __attribute__((target("avx512f,fma"))) inline __m512 gelu_erf512(__m512 x) {
                                                 0.5f * -0.284496736f, 0.5f * 0.254829592f};
   const __m512 q = _mm512_mul_ps(horner512(t, kHalfCoefficients), t);  // 0.5 q(t)
   const __m512 ak = _mm512_mul_ps(a, _mm512_set1_ps(0.8493218002880191f));  // k = sqrt(log2(e) / 2)
-  // -(a k)^2, bounded so that 2^u stays finite arithmetic (x = +-inf: 0, not inf - inf)
+  // -(a k)^2, bounded below so that 2^u's reduction takes finite arguments (x = +-inf still gives
+  // NaN, as torch's GELU does: q is 0 there and f = 0 x inf)
   const __m512 u = _mm512_max_ps(_mm512_fnmadd_ps(ak, ak, _mm512_setzero_ps()), _mm512_set1_ps(-150.f));
   const __m512 f = _mm512_mul_ps(_mm512_mul_ps(q, exp2_finite_512(u)), a);
   return _mm512_sub_ps(_mm512_max_ps(x, _mm512_setzero_ps()), f);

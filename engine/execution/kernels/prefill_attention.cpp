@@ -1003,9 +1003,10 @@ MINIVLLM_AMX_ATTN __attribute__((always_inline)) inline uint32_t resident_softma
 }
 
 // A row's sum of 2^s within [kMinPlainSum, kMaxPlainSum] and its o finite: its scores, unshifted,
-// neither overflowed (2^s past float's range, or o past it) nor lost precision to underflow (every
-// score under -126 is then below 2^-57 of the sum). Outside, the tile runs again with a running
-// maximum. The upper bound is float's range (a decoder's attention-sink keys score tens of log2
+// neither overflowed (2^s past float's range, or o past it) nor lost precision to underflow (each
+// score under -126 is then below 2^-66 of the sum). Checked lane-wise, which is stricter: the
+// largest of a row's 16 lane sums at least kMinPlainSum, every one at most kMaxPlainSum / 16.
+// Outside, the tile runs again with a running maximum. The upper bound is float's range (a decoder's attention-sink keys score tens of log2
 // units above the rest: a bound of 2^20 sent real models' tiles through twice).
 constexpr float kMinPlainSum = 0x1p-60f, kMaxPlainSum = 0x1p120f;
 
@@ -1374,7 +1375,7 @@ constexpr int64_t kPromptsPerThread = 2;
 void packed_bidirectional_attention(const torch::Tensor& qkv,           // [T, 3 H D] float32 (or bfloat16), contiguous
                                     const torch::Tensor& query_starts,  // [B + 1] int64: prompt b's rows
                                     int64_t num_heads, double scale, int64_t isa,
-                                    torch::Tensor out,                  // [T, H, D] float32, contiguous: written
+                                    torch::Tensor out,                  // [T, H, D] float32 (bfloat16 with bf16_products), contiguous: written
                                     bool bf16_products) {
   TORCH_CHECK(isa <= best_isa(), "packed_bidirectional_attention: this CPU lacks the requested instruction set");
   const bool is_bf16_qkv = qkv.scalar_type() == torch::kBFloat16;

@@ -301,3 +301,38 @@ def test_amx_prefill_attention_matches_dense_and_the_pair_path(window: int | Non
     torch.testing.assert_close(outs[4].double(), expected, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(outs[4], outs[3], atol=1e-2, rtol=1e-2)
     assert not torch.equal(outs[4], outs[3]), "the AMX path did not run (its sums' order differs from the pair path's)"
+
+
+@pytest.mark.parametrize("window", [None, 21], ids=["full", "window21"])
+@pytest.mark.parametrize("dim", [32, 64])
+def test_amx_prefill_over_scores_past_the_plain_softmax_takes_the_shifted_one(window: int | None, dim: int) -> None:
+    """A bfloat16 cache's causal (and windowed) prefill on the AMX tiles where each query scores
+    its own key a few hundred log2 units above every other (2^s overflows: the tiles run again
+    with each row's maximum; the softmax is one-hot, each out its own position's v), against
+    float64. Skipped, saying so, on a CPU without AMX."""
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        pytest.fail("the C++ kernels must build here (make test installs a compiler)")
+    if kernels.best_isa() < 4:
+        pytest.skip("this CPU has no AMX (or the kernel gave no leave to use it): the AMX path cannot run here")
+    gen = torch.Generator().manual_seed(dim)
+    kv_heads = 2
+    bs, cached, n = 16, 37, 90
+    num_ctx = cached + n
+    table = torch.randperm(num_ctx // bs + 2, generator=gen)
+    k_ctx = torch.randn(num_ctx, kv_heads, dim, generator=gen)
+    k_ctx /= k_ctx.norm(dim=-1, keepdim=True)
+    v_ctx = torch.randn(num_ctx, kv_heads, dim, generator=gen).bfloat16()
+    k_ctx = k_ctx.bfloat16()
+    positions = torch.arange(num_ctx)
+    slots = table[positions // bs] * bs + positions % bs
+    k_cache = torch.zeros(table.numel() * bs, kv_heads, dim, dtype=torch.bfloat16)
+    v_cache = torch.zeros_like(k_cache)
+    k_cache[slots], v_cache[slots] = k_ctx, v_ctx
+    q = 300 * dim**0.5 * k_ctx[cached:].float()  # its own key's score 300 (about 430 log2 units)
+    attn = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.int64), num_prefill_tokens=n,
+                             prefill=[PrefillSeqMeta(0, n, num_ctx, None, block_table=table)], block_size=bs)
+    out = CpuAttention(kernels, 4, prefill_in_cpp=True).prefill(q, q, q, k_cache, v_cache, attn, dim**-0.5, window)
+    expected = _dense_prefill(q.double(), k_ctx.double(), v_ctx.double(), cached, window)
+    torch.testing.assert_close(expected, v_ctx[cached:].double(), atol=1e-6, rtol=0)
+    torch.testing.assert_close(out.double(), expected, atol=1e-2, rtol=1e-2)
