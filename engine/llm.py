@@ -67,8 +67,7 @@ class LLM:
                 raise ValueError(f"params: {len(params_list)} given for {len(prompts)} prompts")
         ids: list[str] = []
         try:
-            encoded = self.engine.encode_prompts(prompts) if len(prompts) > 1 else [None] * len(prompts)
-            for prompt, p, prompt_ids in zip(prompts, params_list, encoded, strict=True):
+            for prompt, p, prompt_ids in zip(prompts, params_list, self.engine.encode_prompts(prompts), strict=True):
                 ids.append(self.engine.add_request(prompt, p, encoded=prompt_ids))
         except ValueError:
             for request_id in ids:  # all or nothing: do not leave the accepted ones running

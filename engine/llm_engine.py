@@ -264,13 +264,7 @@ class LLMEngine:
         return self.input_processor.tokenize_texts(texts)
 
     def encode_prompts(self, prompts: list[str | list[int]]) -> list[list[int] | None]:
-        """The string prompts' ids in one batch call (InputProcessor.encode_prompts), None for the
-        rest (token ids, or a text left to its own checks)."""
-        at = [i for i, prompt in enumerate(prompts) if isinstance(prompt, str)]
-        encoded: list[list[int] | None] = [None] * len(prompts)
-        for i, ids in zip(at, self.input_processor.encode_prompts([prompts[i] for i in at]), strict=True):
-            encoded[i] = ids
-        return encoded
+        return self.input_processor.encode_prompts(prompts)
 
     def encode_pairs(self, pairs: list[tuple[str, str]]) -> list[tuple[list[int], list[int] | None]]:
         """Each pair's ids by the tokenizer's pair encoding, with its token types when the model

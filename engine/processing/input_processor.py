@@ -45,17 +45,15 @@ class InputProcessor:
         _check_encodable(prompt, "prompt")
         return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
 
-    def encode_prompts(self, texts: list[str]) -> list[list[int] | None]:
-        """Each text's ids as tokenize gives them, in one batch call (the tokenizer's threads share
-        it, where one call a prompt ran on the caller's alone); None for a text that tokenize would
-        refuse or that might not fit (prompt_token_ids checks and tokenizes it on its own)."""
-        max_chars = self.config.max_prompt_chars
-        if self.max_token_chars is not None:  # _check_fits_before_tokenizing's bound, for any params
-            max_chars = min(max_chars, (self.max_model_len - 1) * self.max_token_chars)
-        batch = [i for i, text in enumerate(texts) if 0 < len(text) <= max_chars and encoding_error(text) is None]
-        encoded: list[list[int] | None] = [None] * len(texts)
+    def encode_prompts(self, prompts: list[str | list[int]]) -> list[list[int] | None]:
+        """Each text prompt's ids as tokenize gives them, in one batch call (the tokenizer's threads
+        share it, where one call a prompt ran on the caller's alone); None for token ids, and for a
+        text that tokenize would refuse or that cannot fit (prompt_token_ids checks it on its own)."""
+        batch = [i for i, text in enumerate(prompts) if isinstance(text, str) and 0 < len(text) <= self.config.max_prompt_chars
+                 and not self._cannot_fit(len(text)) and encoding_error(text) is None]
+        encoded: list[list[int] | None] = [None] * len(prompts)
         if batch:
-            ids = self.tokenizer([texts[i] for i in batch], add_special_tokens=True)["input_ids"]
+            ids = self.tokenizer([prompts[i] for i in batch], add_special_tokens=True)["input_ids"]
             for i, row in zip(batch, ids, strict=True):
                 encoded[i] = row
         return encoded
@@ -153,18 +151,22 @@ class InputProcessor:
             self._check_fits_before_tokenizing(len(text), params, "messages")
         return self.tokenizer.encode(text, add_special_tokens=False)
 
+    def _cannot_fit(self, num_chars: int) -> bool:
+        """Whether a text of num_chars characters makes at least max_model_len tokens whatever they
+        are (each token covers at most max_token_chars characters)."""
+        return self.max_token_chars is not None and -(-num_chars // self.max_token_chars) >= self.max_model_len
+
     def _check_fits_before_tokenizing(self, num_chars: int, params: SamplingParams, field: str = "prompt") -> None:
         """Refuse a text that cannot fit the context whatever its tokens: each token covers at most
         max_token_chars characters, so it makes at least num_chars / max_token_chars tokens.
         Tokenizing a huge text takes a core that the engine's step threads need (running streams'
         gaps grow several-fold on a small machine) only to refuse it."""
-        if self.max_token_chars is None or params.truncate_prompt_tokens is not None:
+        if params.truncate_prompt_tokens is not None or not self._cannot_fit(num_chars):
             return
         min_tokens = -(-num_chars // self.max_token_chars)
-        if min_tokens >= self.max_model_len:
-            raise PromptTooLongError(field, f"{num_chars} characters make at least {min_tokens} tokens (none is "
-                                     f"longer than {self.max_token_chars} characters), which do not fit the context "
-                                     f"of {self.max_model_len} tokens (at least one must be generated)")
+        raise PromptTooLongError(field, f"{num_chars} characters make at least {min_tokens} tokens (none is "
+                                 f"longer than {self.max_token_chars} characters), which do not fit the context "
+                                 f"of {self.max_model_len} tokens (at least one must be generated)")
 
     def prompt_token_ids(self, params: SamplingParams, prompt: str | list[int] | None = None,
                          messages: list[dict[str, Any]] | None = None,

@@ -450,7 +450,8 @@ def test_a_list_of_texts_is_tokenized_in_one_call_as_each_alone(tiny_llm: LLM, m
     outs = tiny_llm.generate(texts, SamplingParams(temperature=0, max_tokens=1))
     assert [o.prompt_token_ids for o in outs] == alone
     assert singles == []  # none tokenized one by one
-    assert engine.encode_prompts(["", "x\ud800", [5, 6], "ok"]) == [None, None, None, inputs.tokenize("ok")]
+    too_long = "a" * (inputs.max_token_chars * (engine.max_model_len - 1) + 1)  # refused untokenized, alone
+    assert engine.encode_prompts(["", "x\ud800", [5, 6], too_long, "ok"]) == [None] * 4 + [inputs.tokenize("ok")]
     from engine.errors import FieldError
 
     with pytest.raises(FieldError, match="prompt"):
