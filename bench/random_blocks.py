@@ -28,3 +28,14 @@ def random_blocks(quant_type: GGMLQuantizationType, n: int, k: int, rng: np.rand
         values = rng.uniform(low, high, size=(n, k // size)).astype(np.float16)
         blocks[..., offset:offset + 2] = values.view(np.uint8).reshape(n, k // size, 2)
     return blocks.reshape(n, -1)
+
+
+def scale_bytes(quant_type: GGMLQuantizationType) -> np.ndarray:
+    """[block bytes] bool: the bytes of quant_type's block that hold its float16 or E8M0 scales (the
+    rest hold codes and small integer scales, any byte each)."""
+    is_scale = np.zeros(GGML_QUANT_SIZES[quant_type][1], dtype=bool)
+    for offset in _HALVES.get(quant_type, {}):
+        is_scale[offset:offset + 2] = True
+    for offset in _EXPONENTS.get(quant_type, {}):
+        is_scale[offset] = True
+    return is_scale

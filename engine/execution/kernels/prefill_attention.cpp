@@ -1006,8 +1006,9 @@ MINIVLLM_AMX_ATTN __attribute__((always_inline)) inline uint32_t resident_softma
 // neither overflowed (2^s past float's range, or o past it) nor lost precision to underflow (each
 // score under -126 is then below 2^-66 of the sum). Checked lane-wise, which is stricter: the
 // largest of a row's 16 lane sums at least kMinPlainSum, every one at most kMaxPlainSum / 16.
-// Outside, the tile runs again with a running maximum. The upper bound is float's range (a decoder's attention-sink keys score tens of log2
-// units above the rest: a bound of 2^20 sent real models' tiles through twice).
+// Outside, the tile runs again with a running maximum. The upper bound is float's range: a
+// decoder's attention-sink keys score tens of log2 units above the rest, so a bound of 2^20 would
+// send such rows through twice (reasoned from the scores' size, not measured).
 constexpr float kMinPlainSum = 0x1p-60f, kMaxPlainSum = 0x1p120f;
 
 // The softmax as p = 2^(s - m), m each row's running maximum (kTracksMax), or as p = 2^s: in log2

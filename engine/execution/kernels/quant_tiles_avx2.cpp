@@ -1,15 +1,17 @@
 // The quantized panels' tiles on AVX2 (quant_tiles.h has the layout), for CPUs without AVX-512
-// VNNI: each 64-byte group of 16 rows is two 8-row halves, and a row's 4 products per lane come
-// from vpmaddubsw (unsigned codes x int8 activations, pairs summed to int16) and vpmaddwd (pairs
-// to int32). No code is above 63 when it meets vpmaddubsw (Q8_0's int8 codes go as |q| against
-// the activations with q's sign, llama.cpp's trick, |q| <= 128), so no int16 sum saturates.
+// VNNI: each 64-byte group of 16 rows is two 8-row halves, and a row's products per lane come
+// from vpmaddubsw (unsigned codes x int8 activations, pairs summed to int16), added in int16 as
+// far as their bound allows (sums_per_widen), then widened to int32 by vpmaddwd. No code is above
+// 63 when it meets vpmaddubsw (Q8_0's int8 codes go as |q| against the activations with q's sign,
+// llama.cpp's trick, |q| <= 128), so no single result saturates.
 // MXFP4's nibbles become their value + 12 (0..24) by a vpshufb table lookup.
-// Tiles of one or two rows (16 registers); more rows run as several tiles.
+// Tiles of up to four rows (two for Q6_K; see tile); more rows run as several tiles.
 #include "quant_tiles.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstring>
 
 namespace minivllm {
@@ -76,15 +78,32 @@ MINIVLLM_AVX2Q inline void unpack_sub_scales(const uint8_t* rec, uint8_t* out) {
     store(192, join(_mm256_srli_epi16(low_b, 4), _mm256_srli_epi16(top, 2)));
   }
 }
-// Per 32-bit lane: the sum of its 4 (code x activation) products.
-MINIVLLM_AVX2Q inline __m256i dot4(__m256i codes, __m256i x) {
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x), _mm256_set1_epi16(1));
+// The largest operand vpmaddubsw meets for each type (Q8_0's |q| against the signed activations).
+constexpr int max_code(int64_t type) {
+  if (type == kQ8_0) return 128;
+  if (type == kQ6_K) return 63;
+  if (type == kMXFP4) return 2 * kMxfp4Offset;
+  return is_5bit(type) ? 31 : 15;
 }
+// vpmaddubsw results an int16 lane may add up before vpmaddwd widens them: each is two products of a
+// code and an activation (|x| <= 127), so 8 (4-bit codes), 4 (5-bit, MXFP4), 2 (Q6_K) or 1 (Q8_0)
+// stay under 2^15. Widening once per 8 instead of once per product pair halves the multiplies a row
+// costs: both instructions issue on the same two pipes.
+constexpr int sums_per_widen(int64_t type) {
+  const int bound = 32767 / (2 * max_code(type) * 127);
+  return bound >= 8 ? 8 : bound >= 4 ? 4 : bound >= 2 ? 2 : 1;
+}
+static_assert(sums_per_widen(kQ4_0) == 8 && sums_per_widen(kQ5_0) == 4 && sums_per_widen(kMXFP4) == 4 &&
+              sums_per_widen(kQ6_K) == 2 && sums_per_widen(kQ8_0) == 1);
+
+MINIVLLM_AVX2Q inline __m256i widen(__m256i pairs) { return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)); }
 
 // Row m's integer sums of one 32-k block for rows 8h .. 8h + 7 of the panel: lo over the low
-// codes, hi over the high ones (Q8_0: lo is the whole signed dot product, hi zero).
+// codes, hi over the high ones, kept apart only for Q6_K (their scales differ); otherwise lo holds
+// both and hi is zero (Q8_0: lo is the whole signed dot product).
 template <int MT, int64_t T>
 MINIVLLM_AVX2Q inline __attribute__((always_inline)) void block_dots(const uint8_t* c, int h, const int8_t* const* xq, __m256i* lo, __m256i* hi) {
+  constexpr int kPerWiden = sums_per_widen(T);
   for (int m = 0; m < MT; ++m) lo[m] = hi[m] = _mm256_setzero_si256();
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   if constexpr (T == kQ8_0) {
@@ -92,13 +111,19 @@ MINIVLLM_AVX2Q inline __attribute__((always_inline)) void block_dots(const uint8
     for (int t = 0; t < 8; ++t) {
       const __m256i q = _mm256_xor_si256(half_group(c + 64 * t + 32 * h), flip);  // the file's int8
       const __m256i mag = _mm256_sign_epi8(q, q);
-      for (int m = 0; m < MT; ++m) lo[m] = _mm256_add_epi32(lo[m], dot4(mag, _mm256_sign_epi8(bcast4(xq[m] + 4 * t), q)));
+      for (int m = 0; m < MT; ++m) {
+        lo[m] = _mm256_add_epi32(lo[m], widen(_mm256_maddubs_epi16(mag, _mm256_sign_epi8(bcast4(xq[m] + 4 * t), q))));
+      }
     }
     return;
   }
+  constexpr bool kSplit = T == kQ6_K;
+  constexpr int kPerStep = kSplit ? 1 : 2;  // results each t adds to one int16 sum
+  static_assert(T == kQ8_0 || (kPerWiden % kPerStep == 0 && 4 * kPerStep % kPerWiden == 0));
   const __m256i top5 = _mm256_set1_epi8(0x10);
   const __m256i hb5 = is_5bit(T) ? half_group(c + 256 + 32 * h) : _mm256_setzero_si256();
   const __m256i table = T == kMXFP4 ? mxfp4_table() : _mm256_setzero_si256();
+  __m256i s_lo[MT], s_hi[MT];  // int16 pairs not yet widened
   for (int t = 0; t < 4; ++t) {
     const __m256i v = half_group(c + 64 * t + 32 * h);
     __m256i ul = _mm256_and_si256(v, low4), uh = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
@@ -117,21 +142,37 @@ MINIVLLM_AVX2Q inline __attribute__((always_inline)) void block_dots(const uint8
       ul = _mm256_or_si256(ul, _mm256_and_si256(hl, top2));
       uh = _mm256_or_si256(uh, _mm256_and_si256(hh, top2));
     }
+    const bool is_first = kPerStep * t % kPerWiden == 0, is_last = kPerStep * (t + 1) % kPerWiden == 0;
     for (int m = 0; m < MT; ++m) {
-      lo[m] = _mm256_add_epi32(lo[m], dot4(ul, bcast4(xq[m] + 4 * t)));
-      hi[m] = _mm256_add_epi32(hi[m], dot4(uh, bcast4(xq[m] + 16 + 4 * t)));
+      const __m256i pl = _mm256_maddubs_epi16(ul, bcast4(xq[m] + 4 * t));
+      const __m256i ph = _mm256_maddubs_epi16(uh, bcast4(xq[m] + 16 + 4 * t));
+      if constexpr (kSplit) {
+        s_lo[m] = is_first ? pl : _mm256_add_epi16(s_lo[m], pl);
+        s_hi[m] = is_first ? ph : _mm256_add_epi16(s_hi[m], ph);
+      } else {
+        const __m256i both = _mm256_add_epi16(pl, ph);
+        s_lo[m] = is_first ? both : _mm256_add_epi16(s_lo[m], both);
+      }
+      if (is_last) {
+        lo[m] = _mm256_add_epi32(lo[m], widen(s_lo[m]));
+        if constexpr (kSplit) hi[m] = _mm256_add_epi32(hi[m], widen(s_hi[m]));
+      }
     }
   }
 }
 
-template <int MT, int64_t T>
-MINIVLLM_AVX2Q void tile(const QuantActs& a, int64_t m0, const uint8_t* w, int64_t num_records, float* out) {
+// Rows m0 .. m0 + MT - 1 against NH halves of the panel from half h0 (half h: its rows 8h .. 8h + 7):
+// out[16m + 8h + i]. Prefill's tiles take one half at a time, so that 4 rows' sums and accumulators
+// fit the 16 registers and each decoded code group serves 4 rows (the panel, read twice, stays in
+// L1 or L2); decode's one or two rows take both halves in one pass over the panel, read from memory once.
+template <int MT, int NH, int64_t T>
+MINIVLLM_AVX2Q void tile(const QuantActs& a, int64_t m0, const uint8_t* w, int64_t num_records, int h0, float* out) {
   constexpr QuantFormat f = quant_format(T);
-  __m256 acc[MT][2];
+  __m256 acc[MT][NH];
   const int8_t* xq[MT];
   const BlockActs* xb[MT];
   for (int m = 0; m < MT; ++m) {
-    acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    for (int i = 0; i < NH; ++i) acc[m][i] = _mm256_setzero_ps();
     xq[m] = a.q + (m0 + m) * a.K;
     xb[m] = a.blocks + (m0 + m) * a.num_blocks;
   }
@@ -140,11 +181,14 @@ MINIVLLM_AVX2Q void tile(const QuantActs& a, int64_t m0, const uint8_t* w, int64
     if constexpr (has_sub_block_min(T)) unpack_sub_scales(w, scales);
     for (int64_t j = 0; j < f.blocks_per_record; ++j) {
       const uint8_t* c = w + f.header_bytes + j * f.block_bytes;
-      for (int64_t line = 0; line < f.block_bytes; line += 64) _mm_prefetch(c + kPrefetchBytes + line, _MM_HINT_T1);
+      if (h0 == 0) {
+        for (int64_t line = 0; line < f.block_bytes; line += 64) _mm_prefetch(c + kPrefetchBytes + line, _MM_HINT_T1);
+      }
       const int64_t b = rec * f.blocks_per_record + j;
       const int8_t* xk[MT];
       for (int m = 0; m < MT; ++m) xk[m] = xq[m] + 32 * b;
-      for (int h = 0; h < 2; ++h) {
+      for (int i = 0; i < NH; ++i) {
+        const int h = h0 + i;
         __m256i lo[MT], hi[MT];
         block_dots<MT, T>(c, h, xk, lo, hi);
         __m256 ds = T == kMXFP4 ? e8m0_halves8(w + 8 * h) : halves8(w + 16 * h), dm = _mm256_setzero_ps();
@@ -161,7 +205,7 @@ MINIVLLM_AVX2Q void tile(const QuantActs& a, int64_t m0, const uint8_t* w, int64
         for (int m = 0; m < MT; ++m) {
           const BlockActs& x = xb[m][b];
           const __m256 scale = _mm256_mul_ps(ds, _mm256_set1_ps(x.scale));
-          __m256i sum = _mm256_add_epi32(lo[m], hi[m]);
+          __m256i sum = lo[m];
           if constexpr (T == kQ4_0) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(8 * (x.sum_lo + x.sum_hi)));
           if constexpr (T == kQ5_0) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(16 * (x.sum_lo + x.sum_hi)));
           if constexpr (T == kMXFP4) {
@@ -172,27 +216,47 @@ MINIVLLM_AVX2Q void tile(const QuantActs& a, int64_t m0, const uint8_t* w, int64
             const __m256i a_hi = _mm256_sub_epi32(hi[m], _mm256_set1_epi32(32 * x.sum_hi));
             sum = _mm256_add_epi32(_mm256_mullo_epi32(a_lo, sc_lo), _mm256_mullo_epi32(a_hi, sc_hi));
           }
-          acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, acc[m][h]);
-          if constexpr (has_block_min(T)) acc[m][h] = _mm256_fmadd_ps(dm, _mm256_set1_ps(x.scaled_sum), acc[m][h]);
-          if constexpr (has_sub_block_min(T)) acc[m][h] = _mm256_fnmadd_ps(dm, _mm256_set1_ps(x.scaled_sum), acc[m][h]);
+          __m256& o = acc[m][i];
+          o = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, o);
+          if constexpr (has_block_min(T)) o = _mm256_fmadd_ps(dm, _mm256_set1_ps(x.scaled_sum), o);
+          if constexpr (has_sub_block_min(T)) o = _mm256_fnmadd_ps(dm, _mm256_set1_ps(x.scaled_sum), o);
         }
       }
     }
   }
   for (int m = 0; m < MT; ++m) {
-    _mm256_storeu_ps(out + 16 * m, acc[m][0]);
-    _mm256_storeu_ps(out + 16 * m + 8, acc[m][1]);
+    for (int i = 0; i < NH; ++i) _mm256_storeu_ps(out + 16 * m + 8 * (h0 + i), acc[m][i]);
   }
 }
 
+// A tile of MT rows: both halves in one pass for one or two rows, else a pass a half.
+template <int MT, int64_t T>
+void tile_rows_of(const QuantActs& a, int64_t m0, const uint8_t* panel, int64_t num_records, float* out) {
+  if constexpr (MT <= 2) {
+    tile<MT, 2, T>(a, m0, panel, num_records, 0, out);
+  } else {
+    for (int h = 0; h < 2; ++h) tile<MT, 1, T>(a, m0, panel, num_records, h, out);
+  }
+}
+
+// Q6_K keeps each row's low and high sums apart (two int16 and two int32 registers a row): 2 rows.
+constexpr int rows_per_tile(int64_t type) { return type == kQ6_K ? 2 : 4; }
+
 template <int64_t T>
 void tile_rows(int64_t rows, const QuantActs& a, int64_t m0, const uint8_t* panel, int64_t num_records, float* acc) {
-  for (int64_t r = 0; r < rows; r += 2) {
-    if (rows - r >= 2) {
-      tile<2, T>(a, m0 + r, panel, num_records, acc + 16 * r);
+  constexpr int kRows = rows_per_tile(T);
+  for (int64_t r = 0; r < rows;) {
+    const int64_t n = std::min<int64_t>(kRows, rows - r);
+    if (n >= 4) {
+      tile_rows_of<kRows >= 4 ? 4 : 1, T>(a, m0 + r, panel, num_records, acc + 16 * r);
+    } else if (n == 3) {
+      tile_rows_of<kRows >= 3 ? 3 : 1, T>(a, m0 + r, panel, num_records, acc + 16 * r);
+    } else if (n == 2) {
+      tile_rows_of<2, T>(a, m0 + r, panel, num_records, acc + 16 * r);
     } else {
-      tile<1, T>(a, m0 + r, panel, num_records, acc + 16 * r);
+      tile_rows_of<1, T>(a, m0 + r, panel, num_records, acc + 16 * r);
     }
+    r += n;
   }
 }
 

@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from bench.kquants import quantize_q5_k
-from bench.random_blocks import random_blocks
+from bench.random_blocks import random_blocks, scale_bytes
 from engine.execution.kernels import ISAS
 from engine.execution.weights.ggml_blocks import KERNEL_TYPES, block_size, e8m0_half
 from engine.execution.weights.quantized_weight import QuantizedWeight
@@ -92,6 +92,36 @@ def test_quant_linear_matches_the_dequantized_matrix(kernels, quant_type: T, sha
         assert (err <= 1e-5 * magnitude + 1e-6).all(), f"{ISA_NAMES[isa]}: max error {err.max()}"
         # per-block int8 activations: a small share of each output's size
         assert np.abs(out.double().numpy() - floats).max() < 0.02 * np.abs(floats).max(), ISA_NAMES[isa]
+
+
+# The code byte that gives each type's largest operand where the kernels multiply: Q8_0's -128
+# (|q| = 128), MXFP4's nibble 7 (+6, 12 doubled, 24 once offset); every other type's 0xFF (all
+# bits set: Q4's 15, Q5's 31, Q6_K's 63; the K-quants' 6-bit scales and minimums 63, Q6_K's int8
+# scales -1).
+_LARGEST_CODE_BYTE = {T.Q8_0: 0x80, T.MXFP4: 0x77}
+
+
+@pytest.mark.parametrize("quant_type", KERNEL_TYPES, ids=lambda t: t.name)
+def test_quant_linear_holds_the_largest_codes_against_the_largest_activations(kernels, quant_type: T) -> None:
+    """Every code at its largest against activations all at +-127 (a constant row): each integer
+    partial sum at its bound. The AVX2 tiles add vpmaddubsw's int16 results before widening them
+    (8 for 4-bit codes): one more than the bound allows wraps an int16 lane, far past this bound."""
+    n, k = 40, 512
+    blocks = random_blocks(quant_type, n, k, np.random.default_rng(int(quant_type)))
+    blocks = blocks.reshape(n, k // block_size(quant_type), -1)
+    blocks[..., ~scale_bytes(quant_type)] = _LARGEST_CODE_BYTE.get(quant_type, 0xFF)
+    blocks = blocks.reshape(n, -1)
+    weight = QuantizedWeight.pack(blocks, quant_type, k)
+    w = weight.dequantize().double().numpy()
+    x = np.ones((3, k), dtype=np.float32)
+    x[1] = -1.0
+    x[2] = np.where(np.arange(k) % 64 < 32, 0.5, -2.0)  # blocks of each sign
+    exact = quantized_rows(x) @ w.T
+    magnitude = np.abs(quantized_rows(x)) @ np.abs(w.T)
+    for isa in range(kernels.best_isa() + 1):
+        out = weight.linear(torch.from_numpy(x), kernels, isa).double().numpy()
+        err = np.abs(out - exact)
+        assert (err <= 1e-5 * magnitude + 1e-6).all(), f"{ISA_NAMES[isa]}: max error {err.max()}"
 
 
 def test_quant_linear_paths_agree_with_each_other(kernels) -> None:
