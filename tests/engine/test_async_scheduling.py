@@ -112,10 +112,12 @@ def test_outputs_equal_the_synchronous_loop(tiny_model_dir: Path, backend: str) 
     # A step may carry a row of a request that ended meanwhile (its token dropped): the CPU
     # kernels' sums depend on a step's row count in the float's last bits, as any change of the
     # batch moves them in the synchronous loop; so do torch's on some CPUs (its GEMM's blocking
-    # follows the row count: 8e-6 relative on an AVX2-only AMD EPYC, none on AVX-512 Xeons).
+    # follows the row count: up to 8e-6 relative on an AVX2-only AMD EPYC, none on AVX-512 Xeons;
+    # its bound has room above that, still far below any other token's logprob).
     got, want = _logprobs(overlapped), _logprobs(sync)
     assert [key for key, _ in got] == [key for key, _ in want] and len(want) > 20
-    assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-5, abs=1e-5)
+    tolerance = 5e-5 if backend == "torch" else 1e-5
+    assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=tolerance, abs=tolerance)
     assert re.fullmatch(REGEX, overlapped[4].text) and overlapped[5].text in ("alpha", "beta gamma")
     assert overlapped[2].finish_reason == "stop" and "e" not in overlapped[2].text
     _assert_all_freed(llm)

@@ -31,8 +31,10 @@
 // top 2 bits, bits 0-1 and 2-3 for j < 4, 4-5 and 6-7 for j >= 4. The tiles unpack a record's 256
 // values at once with a few byte-wise shifts and masks (sub_block_scale has them one at a time).
 //
-// Activations are quantized per 32 k to int8 (x ~ scale * q, |q| <= 127, round to nearest even)
-// and the products are integer dot products of each 32-k block, scaled once per block.
+// Activations are quantized per 32 k to int8 (x ~ scale * q, |q| <= 127, round to nearest even;
+// quantize_rows_avx512 gives -128 where the scalar one gives 0: a block whose maximum is below
+// 127 / FLT_MAX or not finite) and the products are integer dot products of each 32-k block,
+// scaled once per block.
 #pragma once
 
 #include <cstdint>
@@ -134,7 +136,7 @@ struct QuantActs {
 
 // x [M, K] rows ldx apart -> q [M, K], blocks [M, K / 32]: scale = max |x| / 127 a block and q = x *
 // (127 / max |x|) rounded to nearest even (float32 operations the tests replay). The AVX-512 one
-// gives the same bytes and floats.
+// gives the same bytes and floats, but at the edge above.
 void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, int8_t* q, BlockActs* blocks);
 void quantize_rows_avx512(const float* x, int64_t M, int64_t K, int64_t ldx, int8_t* q, BlockActs* blocks);
 

@@ -5,7 +5,7 @@
 // 63 when it meets vpmaddubsw (Q8_0's int8 codes go as |q| against the activations with q's sign,
 // llama.cpp's trick, |q| <= 128), so no single result saturates.
 // MXFP4's nibbles become their value + 12 (0..24) by a vpshufb table lookup.
-// Tiles of up to four rows (two for Q6_K; see tile); more rows run as several tiles.
+// Tiles of up to four rows (two for Q6_K: rows_per_tile); more rows run as several tiles.
 #include "quant_tiles.h"
 
 #if defined(__x86_64__)
@@ -86,11 +86,12 @@ constexpr int max_code(int64_t type) {
   return is_5bit(type) ? 31 : 15;
 }
 // vpmaddubsw results an int16 lane may add up before vpmaddwd widens them: each is two products of a
-// code and an activation (|x| <= 127), so 8 (4-bit codes), 4 (5-bit, MXFP4), 2 (Q6_K) or 1 (Q8_0)
-// stay under 2^15. Widening once per 8 instead of once per product pair halves the multiplies a row
-// costs: both instructions issue on the same two pipes.
+// code and an activation, so 8 (4-bit codes), 4 (5-bit, MXFP4), 2 (Q6_K) or 1 (Q8_0) stay under 2^15.
+// The bound takes |x| <= 128, not 127: quantize_rows_avx512 (Skylake-X runs these tiles) gives -128
+// for a block with a non-finite or vanishing maximum. A 4-bit row's multiplies a block fall from 16
+// (one vpmaddwd a result) to 9.
 constexpr int sums_per_widen(int64_t type) {
-  const int bound = 32767 / (2 * max_code(type) * 127);
+  const int bound = 32767 / (2 * max_code(type) * 128);
   return bound >= 8 ? 8 : bound >= 4 ? 4 : bound >= 2 ? 2 : 1;
 }
 static_assert(sums_per_widen(kQ4_0) == 8 && sums_per_widen(kQ5_0) == 4 && sums_per_widen(kMXFP4) == 4 &&
@@ -163,8 +164,9 @@ MINIVLLM_AVX2Q inline __attribute__((always_inline)) void block_dots(const uint8
 
 // Rows m0 .. m0 + MT - 1 against NH halves of the panel from half h0 (half h: its rows 8h .. 8h + 7):
 // out[16m + 8h + i]. Prefill's tiles take one half at a time, so that 4 rows' sums and accumulators
-// fit the 16 registers and each decoded code group serves 4 rows (the panel, read twice, stays in
-// L1 or L2); decode's one or two rows take both halves in one pass over the panel, read from memory once.
+// fit the 16 registers and each decoded code group serves 4 rows (the panel is read twice, the second
+// time from the caches); decode's one or two rows take both halves in one pass over the panel, read
+// from memory once.
 template <int MT, int NH, int64_t T>
 MINIVLLM_AVX2Q void tile(const QuantActs& a, int64_t m0, const uint8_t* w, int64_t num_records, int h0, float* out) {
   constexpr QuantFormat f = quant_format(T);

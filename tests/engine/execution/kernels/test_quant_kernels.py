@@ -105,7 +105,9 @@ _LARGEST_CODE_BYTE = {T.Q8_0: 0x80, T.MXFP4: 0x77}
 def test_quant_linear_holds_the_largest_codes_against_the_largest_activations(kernels, quant_type: T) -> None:
     """Every code at its largest against activations all at +-127 (a constant row): each integer
     partial sum at its bound. The AVX2 tiles add vpmaddubsw's int16 results before widening them
-    (8 for 4-bit codes): one more than the bound allows wraps an int16 lane, far past this bound."""
+    (8 for 4-bit codes, 4 for 5-bit and MXFP4, 2 for Q6_K): a group one step larger for the 5-bit
+    types, MXFP4 or Q6_K wraps an int16 lane, far past this bound (4-bit and Q8_0 groups cannot
+    grow: a block has 8 results). 7 rows: the AVX2 tiles of 4 and 3 rows (Q6_K: 2 and 1)."""
     n, k = 40, 512
     blocks = random_blocks(quant_type, n, k, np.random.default_rng(int(quant_type)))
     blocks = blocks.reshape(n, k // block_size(quant_type), -1)
@@ -113,8 +115,8 @@ def test_quant_linear_holds_the_largest_codes_against_the_largest_activations(ke
     blocks = blocks.reshape(n, -1)
     weight = QuantizedWeight.pack(blocks, quant_type, k)
     w = weight.dequantize().double().numpy()
-    x = np.ones((3, k), dtype=np.float32)
-    x[1] = -1.0
+    x = np.ones((7, k), dtype=np.float32)
+    x[1::2] = -1.0
     x[2] = np.where(np.arange(k) % 64 < 32, 0.5, -2.0)  # blocks of each sign
     exact = quantized_rows(x) @ w.T
     magnitude = np.abs(quantized_rows(x)) @ np.abs(w.T)
